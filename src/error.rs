@@ -1,0 +1,184 @@
+//! The one error type of the `ferry` library, with a stable machine-readable
+//! [`Error::code`] for logs, metrics and HTTP bodies.
+//!
+//! Error text never carries a full idempotency key, a fingerprint source or a
+//! payload: keys appear only as a short hash prefix ([`crate::redact`]).
+
+use uuid::Uuid;
+
+/// Convenience alias used across the crate.
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// Everything a `ferry` call can fail with.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// The input was refused before anything was written.
+    #[error("invalid input: {field}: {reason}")]
+    InvalidInput {
+        /// Which field was refused.
+        field: &'static str,
+        /// Why, in words safe to show a caller.
+        reason: String,
+    },
+    /// The idempotency key was used before with a request that is not equivalent.
+    #[error("idempotency key {key_hash} was already used with a different request (operation {operation})")]
+    IdempotencyConflict {
+        /// The operation the key is scoped to.
+        operation: String,
+        /// A short hash prefix of the key, never the key itself.
+        key_hash: String,
+        /// The run the key is bound to.
+        existing_run: Uuid,
+    },
+    /// A run with the proposed id already exists; nothing was written.
+    #[error("run {run_id} already exists")]
+    DuplicateRun {
+        /// The proposed id that collided.
+        run_id: Uuid,
+    },
+    /// The thing asked for does not exist for this tenant.
+    #[error("{what} not found")]
+    NotFound {
+        /// What was looked up.
+        what: &'static str,
+    },
+    /// The caller's lease is gone (expired, taken over, or finished): a stale
+    /// worker may publish nothing further.
+    #[error("lease lost on run {run_id} (generation {generation})")]
+    LostLease {
+        /// The run whose lease was lost.
+        run_id: Uuid,
+        /// The generation the caller held.
+        generation: i64,
+    },
+    /// The run already reached a terminal state, so the transition lost the race.
+    #[error("run {run_id} is already {state}")]
+    RunTerminal {
+        /// The run.
+        run_id: Uuid,
+        /// The terminal state that won.
+        state: String,
+    },
+    /// The run was cancelled; the holder of the lease must stop.
+    #[error("run {run_id} was cancelled")]
+    Cancelled {
+        /// The run.
+        run_id: Uuid,
+    },
+    /// The lease cannot be extended beyond the run's deadline.
+    #[error("run {run_id} reached its deadline")]
+    DeadlineExceeded {
+        /// The run.
+        run_id: Uuid,
+    },
+    /// An effect from an earlier generation is unresolved and must be
+    /// reconciled before the step repeats.
+    #[error("effect {step}/{operation} is {state} from generation {generation}; reconcile it first")]
+    EffectNeedsReconcile {
+        /// The step name.
+        step: String,
+        /// The operation name.
+        operation: String,
+        /// `reserved` or `unknown`.
+        state: String,
+        /// The generation that left it unresolved.
+        generation: i64,
+    },
+    /// A dead run was already replayed and the caller did not ask to replay again.
+    #[error("run {run_id} was already replayed as {replayed_as}")]
+    AlreadyReplayed {
+        /// The dead run.
+        run_id: Uuid,
+        /// The run created by the earlier replay.
+        replayed_as: Uuid,
+    },
+    /// The run is not in a state that allows the request.
+    #[error("run {run_id} is {state}: {reason}")]
+    InvalidState {
+        /// The run.
+        run_id: Uuid,
+        /// Its current state.
+        state: String,
+        /// Why that refuses the request.
+        reason: &'static str,
+    },
+    /// The configuration is unusable.
+    #[error("configuration: {0}")]
+    Config(String),
+    /// The database failed or could not be reached.
+    #[error("database: {0}")]
+    Database(#[from] sqlx::Error),
+    /// Migrations failed.
+    #[error("migration: {0}")]
+    Migrate(#[from] sqlx::migrate::MigrateError),
+}
+
+impl Error {
+    /// The stable machine-readable code of this error.
+    pub fn code(&self) -> &'static str {
+        match self {
+            Error::InvalidInput { .. } => "invalid_input",
+            Error::IdempotencyConflict { .. } => "idempotency_conflict",
+            Error::DuplicateRun { .. } => "duplicate_run",
+            Error::NotFound { .. } => "not_found",
+            Error::LostLease { .. } => "lost_lease",
+            Error::RunTerminal { .. } => "run_terminal",
+            Error::Cancelled { .. } => "cancelled",
+            Error::DeadlineExceeded { .. } => "deadline_exceeded",
+            Error::EffectNeedsReconcile { .. } => "effect_needs_reconcile",
+            Error::AlreadyReplayed { .. } => "already_replayed",
+            Error::InvalidState { .. } => "invalid_state",
+            Error::Config(_) => "config",
+            Error::Database(_) => "database",
+            Error::Migrate(_) => "migrate",
+        }
+    }
+
+    /// True when retrying the same call later may succeed (database
+    /// unreachable, connection reset, serialization failure).
+    pub fn is_transient(&self) -> bool {
+        match self {
+            Error::Database(e) => match e {
+                sqlx::Error::Io(_)
+                | sqlx::Error::PoolTimedOut
+                | sqlx::Error::PoolClosed
+                | sqlx::Error::WorkerCrashed => true,
+                sqlx::Error::Database(db) => matches!(
+                    db.code().as_deref(),
+                    // serialization_failure, deadlock_detected, admin_shutdown,
+                    // SQLITE_BUSY, SQLITE_LOCKED
+                    Some("40001" | "40P01" | "57P01" | "5" | "6" | "517")
+                ),
+                _ => false,
+            },
+            _ => false,
+        }
+    }
+
+    pub(crate) fn invalid(field: &'static str, reason: impl Into<String>) -> Self {
+        Error::InvalidInput {
+            field,
+            reason: reason.into(),
+        }
+    }
+}
+
+/// The name of the violated constraint, when `err` is a constraint violation.
+pub(crate) fn violated_constraint(err: &sqlx::Error) -> Option<String> {
+    let db = err.as_database_error()?;
+    if let Some(name) = db.constraint() {
+        return Some(name.to_owned());
+    }
+    // SQLite does not report constraint names; map its messages to our names.
+    let msg = db.message();
+    if msg.starts_with("UNIQUE constraint failed: runs.") {
+        Some("runs_pkey".into())
+    } else if msg.starts_with("UNIQUE constraint failed: run_events.") {
+        Some(if msg.contains("seq") { "run_events_pkey" } else { "run_events_one_terminal_idx" }.into())
+    } else if msg.starts_with("UNIQUE constraint failed: idempotency_keys.") {
+        Some("idempotency_keys_pkey".into())
+    } else {
+        None
+    }
+}

@@ -1,0 +1,138 @@
+//! Request fingerprints: SHA-256 over a versioned canonical form of the
+//! validated command (invariant 3).
+//!
+//! The canonical form is JSON with object keys sorted, no insignificant
+//! whitespace, and numbers normalized (`1`, `1.0` and `1e0` are the same
+//! number). It covers the operation, the schema version, the tenant and the
+//! command after defaults, never a server-generated id. The version of this
+//! scheme, [`FINGERPRINT_VERSION`], is stored beside every fingerprint.
+
+use serde_json::Value;
+use sha2::{Digest, Sha256};
+
+/// Version of the canonical form; bump it when the form changes.
+pub const FINGERPRINT_VERSION: i32 = 1;
+
+/// A computed request fingerprint (lowercase hex SHA-256).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Fingerprint {
+    /// The hex digest.
+    pub hex: String,
+    /// The canonical-form version that produced it.
+    pub version: i32,
+}
+
+/// Fingerprints `command` for `(operation, schema_version, tenant)`.
+pub fn fingerprint(operation: &str, schema_version: u32, tenant: &str, command: &Value) -> Fingerprint {
+    let envelope = serde_json::json!({
+        "command": command,
+        "fingerprint_version": FINGERPRINT_VERSION,
+        "operation": operation,
+        "schema_version": schema_version,
+        "tenant": tenant,
+    });
+    let mut canonical = String::new();
+    write_canonical(&envelope, &mut canonical);
+    Fingerprint {
+        hex: hex::encode(Sha256::digest(canonical.as_bytes())),
+        version: FINGERPRINT_VERSION,
+    }
+}
+
+/// The canonical text of `value`: sorted keys, no whitespace, normalized numbers.
+pub fn canonical_json(value: &Value) -> String {
+    let mut out = String::new();
+    write_canonical(value, &mut out);
+    out
+}
+
+fn write_canonical(value: &Value, out: &mut String) {
+    match value {
+        Value::Null => out.push_str("null"),
+        Value::Bool(b) => out.push_str(if *b { "true" } else { "false" }),
+        Value::Number(n) => write_number(n, out),
+        Value::String(s) => out.push_str(&Value::String(s.clone()).to_string()),
+        Value::Array(items) => {
+            out.push('[');
+            for (i, item) in items.iter().enumerate() {
+                if i > 0 {
+                    out.push(',');
+                }
+                write_canonical(item, out);
+            }
+            out.push(']');
+        }
+        Value::Object(map) => {
+            let mut keys: Vec<&String> = map.keys().collect();
+            keys.sort();
+            out.push('{');
+            for (i, k) in keys.into_iter().enumerate() {
+                if i > 0 {
+                    out.push(',');
+                }
+                out.push_str(&Value::String(k.clone()).to_string());
+                out.push(':');
+                write_canonical(&map[k], out);
+            }
+            out.push('}');
+        }
+    }
+}
+
+/// Integers print as integers; a float with an integral value that is exact in
+/// an `f64` prints as that integer; other floats print in Rust's shortest
+/// round-trip form. `-0` is `0`.
+fn write_number(n: &serde_json::Number, out: &mut String) {
+    use std::fmt::Write;
+    if let Some(i) = n.as_i64() {
+        let _ = write!(out, "{i}");
+    } else if let Some(u) = n.as_u64() {
+        let _ = write!(out, "{u}");
+    } else if let Some(f) = n.as_f64() {
+        const EXACT: f64 = 9_007_199_254_740_992.0; // 2^53
+        if f.fract() == 0.0 && f.abs() <= EXACT {
+            let _ = write!(out, "{}", f as i64);
+        } else {
+            let _ = write!(out, "{f:e}");
+        }
+    }
+}
+
+/// A short, non-reversible label for a secret-ish string (an idempotency key),
+/// safe for logs and error text: the first 12 hex digits of its SHA-256.
+pub fn redact(secret: &str) -> String {
+    let digest = Sha256::digest(secret.as_bytes());
+    hex::encode(&digest[..6])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn numbers_are_normalized() {
+        let a: Value = serde_json::from_str(r#"{"n": 1.0, "m": 1e2, "z": -0.0}"#).unwrap();
+        let b: Value = serde_json::from_str(r#"{"z":0,"m":100,"n":1}"#).unwrap();
+        assert_eq!(canonical_json(&a), canonical_json(&b));
+        assert_eq!(canonical_json(&b), r#"{"m":100,"n":1,"z":0}"#);
+        assert_ne!(canonical_json(&json!(0.5)), canonical_json(&json!(0.25)));
+    }
+
+    #[test]
+    fn envelope_fields_all_count() {
+        let c = json!({"amount": 5});
+        let base = fingerprint("charge", 1, "t1", &c);
+        assert_ne!(base, fingerprint("refund", 1, "t1", &c));
+        assert_ne!(base, fingerprint("charge", 2, "t1", &c));
+        assert_ne!(base, fingerprint("charge", 1, "t2", &c));
+        assert_eq!(base.hex.len(), 64);
+    }
+
+    #[test]
+    fn redact_hides_the_key() {
+        let r = redact("customer-secret-key-123");
+        assert_eq!(r.len(), 12);
+        assert!(!r.contains("secret"));
+    }
+}

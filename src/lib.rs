@@ -1,0 +1,205 @@
+//! Ferry: "a durable job was committed with the request" as an executable
+//! contract, for Rust services on PostgreSQL (production) or SQLite (embedded).
+//!
+//! One transaction commits the run, its first event, a claimable job, the
+//! idempotency record and an outbox row ([`Ferry::create_run_idempotent`]).
+//! Workers claim jobs under expiring, generation-fenced leases
+//! ([`Ferry::claim`], [`worker::Worker`]); every later transition is a
+//! compare-and-set on the lease. `ferry-relay` carries the outbox to Kafka.
+//!
+//! ```no_run
+//! # async fn demo() -> ferry::Result<()> {
+//! use ferry::{Ferry, NewRun};
+//! let ferry = Ferry::builder("sqlite://ferry.db").migrate(true).connect().await?;
+//! let accepted = ferry
+//!     .create_run_idempotent(NewRun::new("acme", "charge", "key-1", serde_json::json!({"amount": 5})))
+//!     .await?;
+//! assert!(!accepted.replay);
+//! # Ok(()) }
+//! ```
+#![forbid(unsafe_code)]
+#![deny(clippy::print_stdout)]
+
+pub mod effects;
+pub mod error;
+pub mod fingerprint;
+pub mod jobs;
+pub mod limits;
+mod notify;
+pub mod outbox;
+pub mod retry;
+pub mod runs;
+pub mod store;
+pub mod time;
+pub mod worker;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+pub use effects::{EffectRecord, EffectState, Reservation, Resolution};
+pub use error::{Error, Result};
+pub use fingerprint::{fingerprint, redact, Fingerprint, FINGERPRINT_VERSION};
+pub use jobs::{Claimed, DeadJob, JobAttempt, JobError, ErrorClass, Lease};
+pub use limits::Limits;
+pub use outbox::OutboxMessage;
+pub use retry::RetryPolicy;
+pub use runs::{Accepted, NewRun, Run, RunEvent, RunState};
+pub use store::{connect, connect_with, migrate, ConnectOptions, Conn, Db, Engine, Tx};
+pub use time::{Clock, Millis};
+
+/// Default topic for run events (`run_queued`, `run_succeeded`, ...).
+pub const DEFAULT_EVENTS_TOPIC: &str = "ferry.run-events";
+
+/// The handle a service keeps: a pool, the clock, the limits and the outbox
+/// settings. Cheap to clone.
+#[derive(Debug, Clone)]
+pub struct Ferry {
+    inner: Arc<Inner>,
+}
+
+#[derive(Debug)]
+struct Inner {
+    db: Db,
+    clock: Clock,
+    limits: Limits,
+    lanes: i32,
+    events_topic: String,
+    notifier: notify::Notifier,
+}
+
+/// Builds a [`Ferry`]: `Ferry::builder(url).migrate(true).connect()`.
+#[derive(Debug, Clone)]
+pub struct FerryBuilder {
+    url: String,
+    connect: ConnectOptions,
+    clock: Clock,
+    limits: Limits,
+    events_topic: String,
+    migrate: bool,
+    notify_interval: Duration,
+}
+
+impl FerryBuilder {
+    /// Pool size (default 16; SQLite caps it at 4).
+    pub fn max_connections(mut self, n: u32) -> Self {
+        self.connect.max_connections = n;
+        self
+    }
+
+    /// The clock every operation uses (default: the database clock).
+    pub fn clock(mut self, clock: Clock) -> Self {
+        self.clock = clock;
+        self
+    }
+
+    /// Input limits (default [`Limits::default`]).
+    pub fn limits(mut self, limits: Limits) -> Self {
+        self.limits = limits;
+        self
+    }
+
+    /// Topic for run events (default [`DEFAULT_EVENTS_TOPIC`]).
+    pub fn events_topic(mut self, topic: impl Into<String>) -> Self {
+        self.events_topic = topic.into();
+        self
+    }
+
+    /// Apply the embedded migrations on connect (default false: production
+    /// runs `ferry-relay migrate` or [`migrate`] from a deploy job).
+    pub fn migrate(mut self, yes: bool) -> Self {
+        self.migrate = yes;
+        self
+    }
+
+    /// Shortest gap between two wake-up NOTIFYs for one queue from this
+    /// process (default 50 ms). NOTIFY serializes commits, so it is coalesced.
+    pub fn notify_interval(mut self, d: Duration) -> Self {
+        self.notify_interval = d;
+        self
+    }
+
+    /// Connects (and migrates, if asked).
+    pub async fn connect(self) -> Result<Ferry> {
+        let db = connect_with(&self.url, &self.connect).await?;
+        if self.migrate {
+            migrate(&db).await?;
+        }
+        self.build(db).await
+    }
+
+    /// Uses an existing pool instead of connecting.
+    pub async fn build(self, db: Db) -> Result<Ferry> {
+        self.limits.topic(&self.events_topic)?;
+        let lanes = outbox::load_lanes(&db).await?;
+        Ok(Ferry {
+            inner: Arc::new(Inner {
+                db,
+                clock: self.clock,
+                limits: self.limits,
+                lanes,
+                events_topic: self.events_topic,
+                notifier: notify::Notifier::new(self.notify_interval),
+            }),
+        })
+    }
+}
+
+impl Ferry {
+    /// Starts building a handle for `postgres://…` or `sqlite://…`.
+    pub fn builder(url: impl Into<String>) -> FerryBuilder {
+        FerryBuilder {
+            url: url.into(),
+            connect: ConnectOptions::default(),
+            clock: Clock::Database,
+            limits: Limits::default(),
+            events_topic: DEFAULT_EVENTS_TOPIC.into(),
+            migrate: false,
+            notify_interval: Duration::from_millis(50),
+        }
+    }
+
+    /// The pool.
+    pub fn db(&self) -> &Db {
+        &self.inner.db
+    }
+
+    /// The clock.
+    pub fn clock(&self) -> &Clock {
+        &self.inner.clock
+    }
+
+    /// The input limits.
+    pub fn limits(&self) -> &Limits {
+        &self.inner.limits
+    }
+
+    /// The number of outbox lanes fixed for this database.
+    pub fn lanes(&self) -> i32 {
+        self.inner.lanes
+    }
+
+    /// Starts a write transaction for use with the `*_in` calls.
+    pub async fn begin(&self) -> Result<Tx> {
+        self.inner.db.begin().await
+    }
+
+    pub(crate) fn now(&self) -> Option<i64> {
+        self.inner.clock.param()
+    }
+}
+
+/// Ends a transaction by the result of the work done in it: commits on `Ok`,
+/// rolls back on `Err` (a failed rollback only means the connection is gone,
+/// and the database rolls back for us).
+pub(crate) async fn finish<T>(tx: Tx, result: Result<T>) -> Result<T> {
+    match result {
+        Ok(v) => {
+            tx.commit().await?;
+            Ok(v)
+        }
+        Err(e) => {
+            let _ = tx.rollback().await;
+            Err(e)
+        }
+    }
+}

@@ -1,0 +1,131 @@
+//! Input limits and validation. Everything a caller passes is checked here
+//! before a single statement runs, so invalid input writes nothing.
+
+use std::time::Duration;
+
+use crate::error::{Error, Result};
+
+/// Configurable bounds on caller input.
+#[derive(Debug, Clone)]
+pub struct Limits {
+    /// Longest idempotency key, in bytes (keys are visible ASCII). Default 255.
+    pub max_key_bytes: usize,
+    /// Longest tenant name. Default 128.
+    pub max_tenant_bytes: usize,
+    /// Longest operation, queue, step or kind name. Default 128.
+    pub max_name_bytes: usize,
+    /// Largest request or outbox payload, in bytes. Default 1 MiB.
+    pub max_payload_bytes: usize,
+    /// Most headers on one outbox message. Default 64.
+    pub max_headers: usize,
+    /// How long an idempotency record lives. Default 24 hours.
+    pub idempotency_ttl: Duration,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Limits {
+            max_key_bytes: 255,
+            max_tenant_bytes: 128,
+            max_name_bytes: 128,
+            max_payload_bytes: 1024 * 1024,
+            max_headers: 64,
+            idempotency_ttl: Duration::from_secs(24 * 3600),
+        }
+    }
+}
+
+impl Limits {
+    /// A tenant: 1..=max bytes of `[A-Za-z0-9._:-]`.
+    pub fn tenant(&self, v: &str) -> Result<()> {
+        name("tenant", v, self.max_tenant_bytes)
+    }
+
+    /// An operation, queue, step or event kind: 1..=max bytes of `[A-Za-z0-9._:-]`.
+    pub fn name(&self, field: &'static str, v: &str) -> Result<()> {
+        name(field, v, self.max_name_bytes)
+    }
+
+    /// An idempotency key: 1..=max bytes of visible ASCII (0x21..=0x7e).
+    /// The message never echoes the key.
+    pub fn idempotency_key(&self, v: &str) -> Result<()> {
+        if v.is_empty() || v.len() > self.max_key_bytes {
+            return Err(Error::invalid(
+                "idempotency_key",
+                format!("must be 1 to {} bytes", self.max_key_bytes),
+            ));
+        }
+        if !v.bytes().all(|b| (0x21..=0x7e).contains(&b)) {
+            return Err(Error::invalid("idempotency_key", "must be visible ASCII"));
+        }
+        Ok(())
+    }
+
+    /// A payload size.
+    pub fn payload(&self, field: &'static str, len: usize) -> Result<()> {
+        if len > self.max_payload_bytes {
+            return Err(Error::invalid(
+                field,
+                format!("is {len} bytes; the limit is {}", self.max_payload_bytes),
+            ));
+        }
+        Ok(())
+    }
+
+    /// A Kafka topic name: 1..=249 bytes of `[A-Za-z0-9._-]`, not `.` or `..`.
+    pub fn topic(&self, v: &str) -> Result<()> {
+        let ok = !v.is_empty()
+            && v.len() <= 249
+            && v != "."
+            && v != ".."
+            && v.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'.' || b == b'_' || b == b'-');
+        if ok {
+            Ok(())
+        } else {
+            Err(Error::invalid("topic", "must be 1 to 249 bytes of [A-Za-z0-9._-]"))
+        }
+    }
+}
+
+fn name(field: &'static str, v: &str, max: usize) -> Result<()> {
+    if v.is_empty() || v.len() > max {
+        return Err(Error::invalid(field, format!("must be 1 to {max} bytes")));
+    }
+    if !v
+        .bytes()
+        .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b':' | b'-'))
+    {
+        return Err(Error::invalid(field, "may only contain [A-Za-z0-9._:-]"));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn keys_are_visible_ascii_and_bounded() {
+        let l = Limits::default();
+        assert!(l.idempotency_key("abc-123_~").is_ok());
+        for bad in ["", "has space", "tab\t", "é", &"k".repeat(256)] {
+            let e = l.idempotency_key(bad).unwrap_err();
+            assert_eq!(e.code(), "invalid_input");
+            if !bad.is_empty() {
+                assert!(!e.to_string().contains(bad), "error text must not echo the key");
+            }
+        }
+        assert!(l.idempotency_key(&"k".repeat(255)).is_ok());
+    }
+
+    #[test]
+    fn names_and_topics() {
+        let l = Limits::default();
+        assert!(l.tenant("acme-eu.1").is_ok());
+        assert!(l.tenant("acme eu").is_err());
+        assert!(l.name("queue", "").is_err());
+        assert!(l.topic("ferry.run-events").is_ok());
+        assert!(l.topic("bad/topic").is_err());
+        assert!(l.payload("payload", 1024 * 1024 + 1).is_err());
+    }
+}

@@ -1,0 +1,168 @@
+-- Jobs, leases and attempt history (PostgreSQL).
+-- Fenced statements take $1 tenant, $2 run_id, $3 owner, $4 generation, $5 now
+-- and match only `state = 'leased' AND owner AND generation AND lease_expires_at > now`.
+
+-- name: insert_job
+INSERT INTO jobs (tenant, run_id, queue, state, available_at, max_attempts, deadline_at, created_at, updated_at)
+VALUES ($1, $2, $3, 'queued', $4, $5, $6, $7, $7)
+
+-- name: claim_jobs
+-- Eligible: due, under the attempt budget, and queued or leased past expiry.
+-- A leased job keeps available_at = lease_expires_at, so one index serves both.
+WITH clock AS (
+    SELECT COALESCE($2::bigint, (extract(epoch FROM now()) * 1000)::bigint) AS at
+), picked AS (
+    SELECT j.tenant, j.run_id
+    FROM jobs j, clock
+    WHERE j.queue = $1
+      AND j.state IN ('queued', 'leased')
+      AND j.available_at <= clock.at
+      AND j.attempts < j.max_attempts
+      AND (j.deadline_at IS NULL OR j.deadline_at > clock.at)
+    ORDER BY j.available_at
+    LIMIT $3
+    FOR UPDATE OF j SKIP LOCKED
+), claimed AS (
+    UPDATE jobs j
+    SET state = 'leased',
+        lease_owner = $4,
+        lease_expires_at = clock.at + $5,
+        available_at = clock.at + $5,
+        lease_generation = j.lease_generation + 1,
+        attempts = j.attempts + 1,
+        updated_at = clock.at
+    FROM picked, clock
+    WHERE j.tenant = picked.tenant AND j.run_id = picked.run_id
+    RETURNING j.tenant, j.run_id, j.queue, j.lease_owner, j.lease_generation, j.attempts, j.max_attempts,
+              j.lease_expires_at, j.deadline_at, j.created_at, j.updated_at
+), attempts AS (
+    INSERT INTO job_attempts (tenant, run_id, attempt, generation, worker, claimed_at)
+    SELECT tenant, run_id, attempts, lease_generation, lease_owner, updated_at FROM claimed
+)
+SELECT c.tenant, c.run_id, c.queue, c.lease_owner, c.lease_generation, c.attempts, c.max_attempts,
+       c.lease_expires_at, c.deadline_at, c.created_at, c.updated_at AS claimed_at,
+       r.operation, r.request, r.replay_of
+FROM claimed c JOIN runs r ON r.tenant = c.tenant AND r.run_id = c.run_id
+
+-- name: insert_attempt
+INSERT INTO job_attempts (tenant, run_id, attempt, generation, worker, claimed_at)
+VALUES ($1, $2, $3, $4, $5, $6)
+
+-- name: renew_lease
+-- Extends the lease by $6 ms, never past the run's deadline.
+UPDATE jobs
+SET lease_expires_at = LEAST(COALESCE($5::bigint, (extract(epoch FROM now()) * 1000)::bigint) + $6,
+                             COALESCE(deadline_at, 9223372036854775807)),
+    available_at = LEAST(COALESCE($5::bigint, (extract(epoch FROM now()) * 1000)::bigint) + $6,
+                         COALESCE(deadline_at, 9223372036854775807)),
+    updated_at = COALESCE($5::bigint, (extract(epoch FROM now()) * 1000)::bigint)
+WHERE tenant = $1 AND run_id = $2 AND state = 'leased' AND lease_owner = $3 AND lease_generation = $4
+  AND lease_expires_at > COALESCE($5::bigint, (extract(epoch FROM now()) * 1000)::bigint)
+  AND (deadline_at IS NULL OR deadline_at > COALESCE($5::bigint, (extract(epoch FROM now()) * 1000)::bigint))
+RETURNING lease_expires_at
+
+-- name: lock_fence
+-- Holds the job row for the rest of the transaction, so no claim can move the
+-- generation between this check and the writes it guards.
+SELECT COALESCE($5::bigint, (extract(epoch FROM now()) * 1000)::bigint) AS now, attempts
+FROM jobs
+WHERE tenant = $1 AND run_id = $2 AND state = 'leased' AND lease_owner = $3 AND lease_generation = $4
+  AND lease_expires_at > COALESCE($5::bigint, (extract(epoch FROM now()) * 1000)::bigint)
+FOR NO KEY UPDATE
+
+-- name: finish_job
+-- Fenced: ends the lease with state $6 (queued for a retry, or terminal),
+-- available at $7 (retries) and error code $8.
+UPDATE jobs
+SET state = $6,
+    available_at = COALESCE($7, available_at),
+    lease_owner = NULL,
+    lease_expires_at = NULL,
+    last_error_code = $8,
+    updated_at = COALESCE($5::bigint, (extract(epoch FROM now()) * 1000)::bigint)
+WHERE tenant = $1 AND run_id = $2 AND state = 'leased' AND lease_owner = $3 AND lease_generation = $4
+  AND lease_expires_at > COALESCE($5::bigint, (extract(epoch FROM now()) * 1000)::bigint)
+RETURNING attempts, max_attempts, created_at, updated_at AS now
+
+-- name: close_attempt
+UPDATE job_attempts
+SET finished_at = $4, outcome = $5, error_class = $6, error_code = $7
+WHERE tenant = $1 AND run_id = $2 AND attempt = $3 AND finished_at IS NULL
+
+-- name: job_status
+SELECT j.state, j.lease_owner, j.lease_generation, j.lease_expires_at, j.deadline_at, j.attempts,
+       r.state AS run_state,
+       COALESCE($3::bigint, (extract(epoch FROM now()) * 1000)::bigint) AS now
+FROM jobs j JOIN runs r ON r.tenant = j.tenant AND r.run_id = j.run_id
+WHERE j.tenant = $1 AND j.run_id = $2
+
+-- name: cancel_job
+-- Makes a live job unclaimable. The caller closes the open attempt, if any.
+UPDATE jobs
+SET state = 'cancelled', lease_owner = NULL, lease_expires_at = NULL, last_error_code = 'cancelled',
+    updated_at = COALESCE($3::bigint, (extract(epoch FROM now()) * 1000)::bigint)
+WHERE tenant = $1 AND run_id = $2 AND state IN ('queued', 'leased')
+RETURNING attempts, updated_at AS now
+
+-- name: release_job
+-- Fenced: gives a job back on graceful shutdown without spending its attempt.
+UPDATE jobs
+SET state = 'queued',
+    available_at = COALESCE($5::bigint, (extract(epoch FROM now()) * 1000)::bigint),
+    attempts = attempts - 1,
+    lease_owner = NULL,
+    lease_expires_at = NULL,
+    updated_at = COALESCE($5::bigint, (extract(epoch FROM now()) * 1000)::bigint)
+WHERE tenant = $1 AND run_id = $2 AND state = 'leased' AND lease_owner = $3 AND lease_generation = $4
+  AND lease_expires_at > COALESCE($5::bigint, (extract(epoch FROM now()) * 1000)::bigint)
+RETURNING attempts + 1 AS attempt, updated_at AS now
+
+-- name: exhausted_jobs
+-- Due jobs nobody may work any more: the last attempt's lease expired (the
+-- worker vanished), or the run's deadline passed.
+SELECT tenant, run_id, lease_generation, attempts
+FROM jobs
+WHERE queue = $1 AND state IN ('queued', 'leased')
+  AND available_at <= COALESCE($2::bigint, (extract(epoch FROM now()) * 1000)::bigint)
+  AND (attempts >= max_attempts OR deadline_at <= COALESCE($2::bigint, (extract(epoch FROM now()) * 1000)::bigint))
+ORDER BY available_at
+LIMIT $3
+FOR UPDATE SKIP LOCKED
+
+-- name: expire_job
+-- Terminalizes a job found by exhausted_jobs, if it is still unchanged.
+UPDATE jobs
+SET state = 'dead', lease_owner = NULL, lease_expires_at = NULL,
+    last_error_code = CASE WHEN deadline_at <= COALESCE($4::bigint, (extract(epoch FROM now()) * 1000)::bigint) THEN 'deadline_exceeded' ELSE 'lease_expired' END,
+    updated_at = COALESCE($4::bigint, (extract(epoch FROM now()) * 1000)::bigint)
+WHERE tenant = $1 AND run_id = $2 AND state IN ('queued', 'leased') AND lease_generation = $3
+  AND available_at <= COALESCE($4::bigint, (extract(epoch FROM now()) * 1000)::bigint)
+RETURNING attempts, updated_at AS now, last_error_code
+
+-- name: list_dead
+SELECT j.tenant, j.run_id, j.queue, j.last_error_code, j.attempts, j.updated_at, r.operation
+FROM jobs j JOIN runs r ON r.tenant = j.tenant AND r.run_id = j.run_id
+WHERE j.tenant = $1 AND j.state = 'dead' AND ($2::text IS NULL OR j.last_error_code = $2)
+ORDER BY j.updated_at, j.run_id
+LIMIT $3
+
+-- name: list_attempts
+SELECT attempt, generation, worker, claimed_at, finished_at, outcome, error_class, error_code
+FROM job_attempts
+WHERE tenant = $1 AND run_id = $2
+ORDER BY attempt
+
+-- name: get_job
+SELECT queue, state, max_attempts, attempts, lease_generation, last_error_code
+FROM jobs WHERE tenant = $1 AND run_id = $2
+
+-- name: sweep_attempts
+DELETE FROM job_attempts
+WHERE (tenant, run_id, attempt) IN (
+    SELECT tenant, run_id, attempt FROM job_attempts
+    WHERE finished_at IS NOT NULL AND finished_at <= $1
+    LIMIT $2
+)
+
+-- name: queued_depth
+SELECT count(*) FROM jobs WHERE tenant = $1 AND state = 'queued'

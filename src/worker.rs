@@ -1,0 +1,423 @@
+//! The worker runtime: serves named queues with `concurrency` slots, renews
+//! leases every ~lease/3, cancels a handler whose lease is lost (it publishes
+//! nothing more), and shuts down gracefully from a shutdown future.
+//!
+//! No transaction is ever held open while a handler runs: a claim, each
+//! renewal and the final transition are separate short transactions.
+
+use std::future::Future;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use backon::{BackoffBuilder, ExponentialBuilder, Retryable};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use serde_json::Value;
+use tokio::sync::Semaphore;
+use tokio::task::JoinSet;
+use tokio_util::sync::CancellationToken;
+
+use crate::effects::{EffectRecord, Reservation, Resolution};
+use crate::error::{Error, Result};
+use crate::jobs::{Claimed, ErrorClass, FailOutcome, JobError, Lease};
+use crate::retry::RetryPolicy;
+use crate::Ferry;
+
+/// A job handler: an async function of the claimed job and its context.
+/// Closures `Fn(Claimed, JobContext) -> impl Future<Output = Result<Value, JobError>>` are handlers.
+pub trait Handler: Send + Sync + 'static {
+    /// Works one attempt. `Ok(result)` completes the run with `result`.
+    fn handle(&self, job: Claimed, ctx: JobContext) -> impl Future<Output = std::result::Result<Value, JobError>> + Send;
+}
+
+impl<F, Fut> Handler for F
+where
+    F: Fn(Claimed, JobContext) -> Fut + Send + Sync + 'static,
+    Fut: Future<Output = std::result::Result<Value, JobError>> + Send,
+{
+    fn handle(&self, job: Claimed, ctx: JobContext) -> impl Future<Output = std::result::Result<Value, JobError>> + Send {
+        self(job, ctx)
+    }
+}
+
+/// What a handler gets beside the job: its lease, the effect ledger under
+/// that lease, and a token cancelled on shutdown, cancellation or lease loss.
+#[derive(Debug, Clone)]
+pub struct JobContext {
+    ferry: Ferry,
+    lease: Lease,
+    cancel: CancellationToken,
+}
+
+impl JobContext {
+    /// The lease this attempt holds.
+    pub fn lease(&self) -> &Lease {
+        &self.lease
+    }
+
+    /// Cancelled when the handler should stop: shutdown, run cancelled, or lease lost.
+    pub fn cancellation(&self) -> &CancellationToken {
+        &self.cancel
+    }
+
+    /// [`Ferry::reserve_effect`] under this lease.
+    pub async fn reserve_effect(&self, step: &str, operation: &str) -> Result<Reservation> {
+        self.ferry.reserve_effect(&self.lease, step, operation).await
+    }
+
+    /// [`Ferry::record_effect_success`] under this lease.
+    pub async fn record_effect_success(&self, step: &str, operation: &str, provider_ref: &str) -> Result<EffectRecord> {
+        self.ferry.record_effect_success(&self.lease, step, operation, provider_ref).await
+    }
+
+    /// [`Ferry::record_effect_failure`] under this lease.
+    pub async fn record_effect_failure(&self, step: &str, operation: &str, code: &str, ambiguous: bool) -> Result<EffectRecord> {
+        self.ferry.record_effect_failure(&self.lease, step, operation, code, ambiguous).await
+    }
+
+    /// [`Ferry::reconcile_effect`] under this lease.
+    pub async fn reconcile_effect(&self, step: &str, operation: &str, resolution: Resolution) -> Result<Reservation> {
+        self.ferry.reconcile_effect(&self.lease, step, operation, resolution).await
+    }
+}
+
+/// Worker settings.
+#[derive(Debug, Clone)]
+pub struct WorkerConfig {
+    /// Queues served, claimed round-robin.
+    pub queues: Vec<String>,
+    /// Handlers running at once.
+    pub concurrency: usize,
+    /// Most jobs taken per claim statement.
+    pub batch: u32,
+    /// Lease duration.
+    pub lease: Duration,
+    /// Renewal period (default lease/3).
+    pub renew_every: Option<Duration>,
+    /// Longest idle wait before polling again (a lost NOTIFY costs at most this).
+    pub poll_interval: Duration,
+    /// How long shutdown waits for running handlers before releasing their jobs.
+    pub grace: Duration,
+    /// Retry schedule.
+    pub retry: RetryPolicy,
+    /// This worker's identity in leases and attempt history.
+    pub owner: String,
+    /// Seed of the jitter RNG (random when `None`).
+    pub rng_seed: Option<u64>,
+}
+
+impl Default for WorkerConfig {
+    fn default() -> Self {
+        WorkerConfig {
+            queues: vec!["default".into()],
+            concurrency: 8,
+            batch: 8,
+            lease: Duration::from_secs(30),
+            renew_every: None,
+            poll_interval: Duration::from_millis(500),
+            grace: Duration::from_secs(10),
+            retry: RetryPolicy::default(),
+            owner: format!("worker-{}", uuid::Uuid::now_v7().simple()),
+            rng_seed: None,
+        }
+    }
+}
+
+/// Counts of what a worker did, read after [`Worker::run`] returns.
+#[derive(Debug, Default)]
+pub struct WorkerStats {
+    /// Completed runs.
+    pub completed: AtomicU64,
+    /// Attempts requeued for retry.
+    pub retried: AtomicU64,
+    /// Jobs made dead.
+    pub dead: AtomicU64,
+    /// Attempts abandoned because the lease was lost or the run cancelled.
+    pub lost: AtomicU64,
+    /// Jobs given back at shutdown.
+    pub released: AtomicU64,
+}
+
+/// Serves queues with a [`Handler`].
+pub struct Worker<H> {
+    ferry: Ferry,
+    config: WorkerConfig,
+    handler: Arc<H>,
+    stats: Arc<WorkerStats>,
+}
+
+impl<H: Handler> Worker<H> {
+    /// A worker with `config` running `handler`.
+    pub fn new(ferry: Ferry, config: WorkerConfig, handler: H) -> Self {
+        Worker {
+            ferry,
+            config,
+            handler: Arc::new(handler),
+            stats: Arc::new(WorkerStats::default()),
+        }
+    }
+
+    /// Live counters (shared with the running worker).
+    pub fn stats(&self) -> Arc<WorkerStats> {
+        self.stats.clone()
+    }
+
+    /// Runs until `shutdown` resolves, then stops claiming, signals running
+    /// attempts, waits up to the grace period, and releases (compare-and-set)
+    /// only the jobs it still owns. Anything else is recovered by lease expiry.
+    pub async fn run(self, shutdown: impl Future<Output = ()> + Send) -> Result<()> {
+        let cfg = Arc::new(self.config);
+        if cfg.queues.is_empty() || cfg.concurrency == 0 {
+            return Err(Error::Config("a worker needs at least one queue and one slot".into()));
+        }
+        for q in &cfg.queues {
+            self.ferry.limits().name("queue", q)?;
+        }
+        let soft = CancellationToken::new();
+        let hard = CancellationToken::new();
+        let slots = Arc::new(Semaphore::new(cfg.concurrency));
+        let rng = Arc::new(Mutex::new(match cfg.rng_seed {
+            Some(seed) => StdRng::seed_from_u64(seed),
+            None => StdRng::from_os_rng(),
+        }));
+        let mut wake = Wakeup::connect(&self.ferry).await;
+        let mut tasks = JoinSet::new();
+        let mut backoff = reconnect_backoff();
+        let mut next_queue = 0usize;
+        let mut idle_queues = 0usize;
+        let mut claims_since_reap = 0u32;
+        tokio::pin!(shutdown);
+        loop {
+            while tasks.try_join_next().is_some() {}
+            let permit = tokio::select! {
+                _ = &mut shutdown => break,
+                p = slots.clone().acquire_owned() => p.map_err(|_| Error::Config("worker slots closed".into()))?,
+            };
+            let queue = cfg.queues[next_queue % cfg.queues.len()].clone();
+            next_queue = next_queue.wrapping_add(1);
+            if claims_since_reap == 0 {
+                if let Err(e) = self.ferry.reap_exhausted(&queue, 100).await {
+                    tracing::warn!(error = %e, code = e.code(), "reaping exhausted jobs failed");
+                }
+            }
+            claims_since_reap = (claims_since_reap + 1) % 64;
+            let want = (slots.available_permits() as u32 + 1).min(cfg.batch.max(1));
+            let claimed = match self.ferry.claim(&queue, &cfg.owner, cfg.lease, want).await {
+                Ok(c) => {
+                    backoff = reconnect_backoff();
+                    c
+                }
+                Err(e) => {
+                    drop(permit);
+                    let delay = backoff.next().unwrap_or(Duration::from_secs(5));
+                    tracing::warn!(error = %e, code = e.code(), ?delay, "claim failed; backing off");
+                    tokio::select! {
+                        _ = &mut shutdown => break,
+                        _ = tokio::time::sleep(delay) => continue,
+                    }
+                }
+            };
+            if claimed.is_empty() {
+                drop(permit);
+                idle_queues += 1;
+                if idle_queues >= cfg.queues.len() {
+                    idle_queues = 0;
+                    let jitter = rng.lock().unwrap_or_else(|p| p.into_inner()).random_range(0.8..1.2);
+                    let wait = cfg.poll_interval.mul_f64(jitter);
+                    tokio::select! {
+                        _ = &mut shutdown => break,
+                        _ = wake.wait(wait) => {}
+                    }
+                }
+                continue;
+            }
+            idle_queues = 0;
+            let mut permit = Some(permit);
+            for job in claimed {
+                let slot = match permit.take() {
+                    Some(p) => p,
+                    None => slots.clone().acquire_owned().await.map_err(|_| Error::Config("worker slots closed".into()))?,
+                };
+                let attempt = Attempt {
+                    ferry: self.ferry.clone(),
+                    cfg: cfg.clone(),
+                    stats: self.stats.clone(),
+                    rng: rng.clone(),
+                    soft: soft.clone(),
+                    hard: hard.clone(),
+                };
+                let handler = self.handler.clone();
+                tasks.spawn(async move {
+                    attempt.run(handler, job).await;
+                    drop(slot);
+                });
+            }
+        }
+        soft.cancel();
+        let drained = tokio::time::timeout(cfg.grace, async { while tasks.join_next().await.is_some() {} }).await;
+        if drained.is_err() {
+            hard.cancel();
+            while tasks.join_next().await.is_some() {}
+        }
+        Ok(())
+    }
+}
+
+fn reconnect_backoff() -> impl Iterator<Item = Duration> {
+    ExponentialBuilder::default()
+        .with_min_delay(Duration::from_millis(50))
+        .with_max_delay(Duration::from_secs(5))
+        .with_jitter()
+        .without_max_times()
+        .build()
+}
+
+/// Everything one attempt's task needs.
+struct Attempt {
+    ferry: Ferry,
+    cfg: Arc<WorkerConfig>,
+    stats: Arc<WorkerStats>,
+    rng: Arc<Mutex<StdRng>>,
+    soft: CancellationToken,
+    hard: CancellationToken,
+}
+
+impl Attempt {
+    async fn run<H: Handler>(self, handler: Arc<H>, job: Claimed) {
+        let lease = job.lease.clone();
+        let ctx = JobContext {
+            ferry: self.ferry.clone(),
+            lease: lease.clone(),
+            cancel: CancellationToken::new(),
+        };
+        let cancel = ctx.cancel.clone();
+        let work = handler.handle(job, ctx);
+        tokio::pin!(work);
+        let every = self.cfg.renew_every.unwrap_or(self.cfg.lease / 3).max(Duration::from_millis(1));
+        let mut renew = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
+        let mut signalled = false;
+        let outcome = loop {
+            tokio::select! {
+                out = &mut work => break out,
+                _ = renew.tick() => match self.ferry.renew(&lease, self.cfg.lease).await {
+                    Ok(_) => {}
+                    Err(e) if e.is_transient() => tracing::warn!(error = %e, "lease renewal failed; retrying at the next tick"),
+                    Err(e) => {
+                        // Lost, cancelled or past the deadline: stop the
+                        // handler and publish nothing more for this attempt.
+                        cancel.cancel();
+                        self.stats.lost.fetch_add(1, Ordering::Relaxed);
+                        tracing::info!(run_id = %lease.run_id, code = e.code(), "attempt abandoned");
+                        return;
+                    }
+                },
+                _ = self.soft.cancelled(), if !signalled => {
+                    signalled = true;
+                    cancel.cancel();
+                }
+                _ = self.hard.cancelled() => {
+                    cancel.cancel();
+                    self.release(&lease).await;
+                    return;
+                }
+            }
+        };
+        match outcome {
+            Ok(result) => {
+                let done = (|| async { self.ferry.complete(&lease, &result).await })
+                    .retry(ExponentialBuilder::default().with_max_times(5))
+                    .when(Error::is_transient)
+                    .await;
+                match done {
+                    Ok(()) => {
+                        self.stats.completed.fetch_add(1, Ordering::Relaxed);
+                    }
+                    // A retried complete whose first commit landed.
+                    Err(Error::RunTerminal { state, .. }) if state == "succeeded" => {
+                        self.stats.completed.fetch_add(1, Ordering::Relaxed);
+                    }
+                    Err(e) => {
+                        self.stats.lost.fetch_add(1, Ordering::Relaxed);
+                        tracing::info!(run_id = %lease.run_id, code = e.code(), "completion refused");
+                    }
+                }
+            }
+            Err(err) if signalled && err.class == ErrorClass::Retryable => self.release(&lease).await,
+            Err(err) => {
+                let failed = (|| async {
+                    let mut rng = self.rng.lock().unwrap_or_else(|p| p.into_inner()).clone();
+                    let out = self.ferry.fail(&lease, &err, &self.cfg.retry, &mut rng).await;
+                    *self.rng.lock().unwrap_or_else(|p| p.into_inner()) = rng;
+                    out
+                })
+                .retry(ExponentialBuilder::default().with_max_times(5))
+                .when(Error::is_transient)
+                .await;
+                match failed {
+                    Ok(FailOutcome::Retried { .. }) => {
+                        self.stats.retried.fetch_add(1, Ordering::Relaxed);
+                    }
+                    Ok(FailOutcome::Dead { .. }) => {
+                        self.stats.dead.fetch_add(1, Ordering::Relaxed);
+                    }
+                    Err(e) => {
+                        self.stats.lost.fetch_add(1, Ordering::Relaxed);
+                        tracing::info!(run_id = %lease.run_id, code = e.code(), "failure not recorded");
+                    }
+                }
+            }
+        }
+    }
+
+    async fn release(&self, lease: &Lease) {
+        match self.ferry.release(lease).await {
+            Ok(()) => {
+                self.stats.released.fetch_add(1, Ordering::Relaxed);
+            }
+            // Never "release" a lease that is already gone: expiry recovers it.
+            Err(e) => tracing::info!(run_id = %lease.run_id, code = e.code(), "job not released"),
+        }
+    }
+}
+
+/// Idle wake-ups: `LISTEN ferry_wakeup` on PostgreSQL, plain polling otherwise
+/// or when the listener connection is down.
+struct Wakeup {
+    listener: Option<sqlx::postgres::PgListener>,
+}
+
+impl Wakeup {
+    async fn connect(ferry: &Ferry) -> Wakeup {
+        let Some(pool) = ferry.db().as_postgres() else {
+            return Wakeup { listener: None };
+        };
+        let listener = async {
+            let mut l = sqlx::postgres::PgListener::connect_with(pool).await?;
+            l.listen(crate::notify::CHANNEL).await?;
+            Ok::<_, sqlx::Error>(l)
+        }
+        .await;
+        match listener {
+            Ok(l) => Wakeup { listener: Some(l) },
+            Err(e) => {
+                tracing::warn!(error = %e, "LISTEN unavailable; polling only");
+                Wakeup { listener: None }
+            }
+        }
+    }
+
+    /// Waits for a notification or `timeout`, whichever comes first.
+    async fn wait(&mut self, timeout: Duration) {
+        match self.listener.as_mut() {
+            Some(l) => {
+                if let Ok(Err(e)) = tokio::time::timeout(timeout, l.recv()).await {
+                    // PgListener reconnects by itself; if it cannot, poll.
+                    tracing::warn!(error = %e, "LISTEN connection failed; polling only");
+                    self.listener = None;
+                }
+            }
+            None => tokio::time::sleep(timeout).await,
+        }
+    }
+}

@@ -1,0 +1,6 @@
+//! Ferry's integration tests, in one binary: the conformance scenarios run on
+//! PostgreSQL and SQLite, plus PostgreSQL-only concurrency and chaos tests.
+
+mod accept;
+mod fingerprint;
+mod support;
