@@ -141,6 +141,7 @@ impl Error {
         match self {
             Error::Database(e) => match e {
                 sqlx::Error::Io(_)
+                | sqlx::Error::Protocol(_)
                 | sqlx::Error::PoolTimedOut
                 | sqlx::Error::PoolClosed
                 | sqlx::Error::WorkerCrashed => true,

@@ -280,6 +280,13 @@ impl Ferry {
                     .await?;
                 let mut out = Vec::with_capacity(rows.len());
                 for row in rows {
+                    sqlx::query(q.get("close_lost_attempts"))
+                        .bind(&row.tenant)
+                        .bind(row.run_id)
+                        .bind(row.attempts)
+                        .bind(row.claimed_at)
+                        .execute(&mut *c)
+                        .await?;
                     sqlx::query(q.get("insert_attempt"))
                         .bind(&row.tenant)
                         .bind(row.run_id)
@@ -452,7 +459,8 @@ impl Ferry {
     /// worker holding the lease learns of it at its next renew.
     pub async fn cancel(&self, tenant: &str, run_id: Uuid, expected_version: Option<i64>, actor: &str, reason: &str) -> Result<()> {
         self.limits().tenant(tenant)?;
-        self.limits().payload("reason", reason.len() + actor.len())?;
+        self.limits().text("actor", actor, 255)?;
+        self.limits().text("reason", reason, 4096)?;
         let mut tx = self.begin().await?;
         let r = self.cancel_in(tx.conn(), tenant, run_id, expected_version, actor, reason).await;
         crate::finish(tx, r).await
@@ -592,7 +600,8 @@ impl Ferry {
     /// [`Error::AlreadyReplayed`] unless `force`.
     pub async fn replay_dead(&self, tenant: &str, run_id: Uuid, actor: &str, reason: &str, force: bool) -> Result<Accepted> {
         self.limits().tenant(tenant)?;
-        self.limits().name("actor", actor)?;
+        self.limits().text("actor", actor, 255)?;
+        self.limits().text("reason", reason, 4096)?;
         let mut tx = self.begin().await?;
         let r = async {
             let locked: Option<(String, i64)> = on_conn!(tx.conn(), |c, q| {

@@ -61,6 +61,15 @@ impl Limits {
         Ok(())
     }
 
+    /// Free text such as an operator's identity or a reason: 1..=`max`
+    /// bytes, no control characters.
+    pub fn text(&self, field: &'static str, v: &str, max: usize) -> Result<()> {
+        if v.is_empty() || v.len() > max || v.chars().any(char::is_control) {
+            return Err(Error::invalid(field, format!("must be 1 to {max} bytes without control characters")));
+        }
+        Ok(())
+    }
+
     /// A payload size.
     pub fn payload(&self, field: &'static str, len: usize) -> Result<()> {
         if len > self.max_payload_bytes {

@@ -3,4 +3,5 @@
 
 mod accept;
 mod fingerprint;
+mod jobs;
 mod support;

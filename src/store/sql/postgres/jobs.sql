@@ -38,6 +38,12 @@ WITH clock AS (
 ), attempts AS (
     INSERT INTO job_attempts (tenant, run_id, attempt, generation, worker, claimed_at)
     SELECT tenant, run_id, attempts, lease_generation, lease_owner, updated_at FROM claimed
+), lost AS (
+    -- A reclaimed expired lease: its attempt ended without a word from its worker.
+    UPDATE job_attempts a
+    SET finished_at = c.updated_at, outcome = 'lost'
+    FROM claimed c
+    WHERE a.tenant = c.tenant AND a.run_id = c.run_id AND a.attempt < c.attempts AND a.finished_at IS NULL
 )
 SELECT c.tenant, c.run_id, c.queue, c.lease_owner, c.lease_generation, c.attempts, c.max_attempts,
        c.lease_expires_at, c.deadline_at, c.created_at, c.updated_at AS claimed_at,
@@ -83,6 +89,12 @@ SET state = $6,
 WHERE tenant = $1 AND run_id = $2 AND state = 'leased' AND lease_owner = $3 AND lease_generation = $4
   AND lease_expires_at > COALESCE($5::bigint, (extract(epoch FROM now()) * 1000)::bigint)
 RETURNING attempts, max_attempts, created_at, updated_at AS now
+
+-- name: close_lost_attempts
+-- The `lost` step of claim_jobs as its own statement (SQLite runs it per claim).
+UPDATE job_attempts
+SET finished_at = $4, outcome = 'lost'
+WHERE tenant = $1 AND run_id = $2 AND attempt < $3 AND finished_at IS NULL
 
 -- name: close_attempt
 UPDATE job_attempts

@@ -70,6 +70,12 @@ WHERE tenant = $1 AND run_id = $2 AND state = 'leased' AND lease_owner = $3 AND 
   AND lease_expires_at > COALESCE($5, CAST(unixepoch('subsec') * 1000 AS INTEGER))
 RETURNING attempts, max_attempts, created_at, updated_at AS now
 
+-- name: close_lost_attempts
+-- SQLite's half of claim_jobs: closes attempts whose lease expired unreported.
+UPDATE job_attempts
+SET finished_at = $4, outcome = 'lost'
+WHERE tenant = $1 AND run_id = $2 AND attempt < $3 AND finished_at IS NULL
+
 -- name: close_attempt
 UPDATE job_attempts
 SET finished_at = $4, outcome = $5, error_class = $6, error_code = $7
