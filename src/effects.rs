@@ -40,7 +40,11 @@ impl EffectState {
             "succeeded" => EffectState::Succeeded,
             "failed" => EffectState::Failed,
             "unknown" => EffectState::Unknown,
-            other => return Err(Error::Config(format!("unknown effect state {other:?} in the database"))),
+            other => {
+                return Err(Error::Config(format!(
+                    "unknown effect state {other:?} in the database"
+                )))
+            }
         })
     }
 }
@@ -106,7 +110,12 @@ pub enum Resolution {
 impl Ferry {
     /// Reserves `(step, operation)` under `lease` before an external call.
     /// Returns the existing record when there is one.
-    pub async fn reserve_effect(&self, lease: &Lease, step: &str, operation: &str) -> Result<Reservation> {
+    pub async fn reserve_effect(
+        &self,
+        lease: &Lease,
+        step: &str,
+        operation: &str,
+    ) -> Result<Reservation> {
         self.limits().name("step", step)?;
         self.limits().name("operation", operation)?;
         let mut tx = self.begin().await?;
@@ -129,10 +138,22 @@ impl Ferry {
             }
             Ok(match record.state {
                 EffectState::Succeeded => Reservation::AlreadyDone(record),
-                EffectState::Reserved if record.generation == lease.generation => Reservation::Proceed(record),
+                EffectState::Reserved if record.generation == lease.generation => {
+                    Reservation::Proceed(record)
+                }
                 EffectState::Reserved | EffectState::Unknown => Reservation::NeedsReconcile(record),
                 EffectState::Failed => {
-                    update_effect(tx.conn(), lease, step, operation, EffectState::Reserved, None, None, now).await?;
+                    update_effect(
+                        tx.conn(),
+                        lease,
+                        step,
+                        operation,
+                        EffectState::Reserved,
+                        None,
+                        None,
+                        now,
+                    )
+                    .await?;
                     Reservation::Proceed(get_effect(tx.conn(), lease, step, operation).await?)
                 }
             })
@@ -142,36 +163,88 @@ impl Ferry {
     }
 
     /// Records that the external call succeeded with `provider_ref`.
-    pub async fn record_effect_success(&self, lease: &Lease, step: &str, operation: &str, provider_ref: &str) -> Result<EffectRecord> {
-        self.close_effect(lease, step, operation, EffectState::Succeeded, Some(provider_ref), None).await
+    pub async fn record_effect_success(
+        &self,
+        lease: &Lease,
+        step: &str,
+        operation: &str,
+        provider_ref: &str,
+    ) -> Result<EffectRecord> {
+        self.close_effect(
+            lease,
+            step,
+            operation,
+            EffectState::Succeeded,
+            Some(provider_ref),
+            None,
+        )
+        .await
     }
 
     /// Records that the external call failed: `ambiguous` when its outcome is
     /// not known (the record becomes `unknown` and must be reconciled).
-    pub async fn record_effect_failure(&self, lease: &Lease, step: &str, operation: &str, code: &str, ambiguous: bool) -> Result<EffectRecord> {
+    pub async fn record_effect_failure(
+        &self,
+        lease: &Lease,
+        step: &str,
+        operation: &str,
+        code: &str,
+        ambiguous: bool,
+    ) -> Result<EffectRecord> {
         self.limits().name("error code", code)?;
-        let state = if ambiguous { EffectState::Unknown } else { EffectState::Failed };
-        self.close_effect(lease, step, operation, state, None, Some(code)).await
+        let state = if ambiguous {
+            EffectState::Unknown
+        } else {
+            EffectState::Failed
+        };
+        self.close_effect(lease, step, operation, state, None, Some(code))
+            .await
     }
 
     /// Resolves a record an earlier generation left unresolved, with what
     /// `resolution` (from the caller's reconcile function, run outside any
     /// transaction) found at the provider. Returns the reservation to act on.
-    pub async fn reconcile_effect(&self, lease: &Lease, step: &str, operation: &str, resolution: Resolution) -> Result<Reservation> {
+    pub async fn reconcile_effect(
+        &self,
+        lease: &Lease,
+        step: &str,
+        operation: &str,
+        resolution: Resolution,
+    ) -> Result<Reservation> {
         let record = match resolution {
             Resolution::Succeeded { provider_ref } => {
                 return Ok(Reservation::AlreadyDone(
-                    self.close_effect(lease, step, operation, EffectState::Succeeded, Some(&provider_ref), None).await?,
+                    self.close_effect(
+                        lease,
+                        step,
+                        operation,
+                        EffectState::Succeeded,
+                        Some(&provider_ref),
+                        None,
+                    )
+                    .await?,
                 ))
             }
-            Resolution::Failed { code } => self.record_effect_failure(lease, step, operation, &code, false).await?,
-            Resolution::NotApplied => self.close_effect(lease, step, operation, EffectState::Reserved, None, None).await?,
+            Resolution::Failed { code } => {
+                self.record_effect_failure(lease, step, operation, &code, false)
+                    .await?
+            }
+            Resolution::NotApplied => {
+                self.close_effect(lease, step, operation, EffectState::Reserved, None, None)
+                    .await?
+            }
         };
         Ok(Reservation::Proceed(record))
     }
 
     /// Reads a record (no fence: reads are harmless).
-    pub async fn get_effect(&self, tenant: &str, run_id: Uuid, step: &str, operation: &str) -> Result<EffectRecord> {
+    pub async fn get_effect(
+        &self,
+        tenant: &str,
+        run_id: Uuid,
+        step: &str,
+        operation: &str,
+    ) -> Result<EffectRecord> {
         let lease = Lease {
             tenant: tenant.into(),
             run_id,
@@ -200,7 +273,17 @@ impl Ferry {
         let mut tx = self.begin().await?;
         let r = async {
             let (now, _) = self.lock_fence(tx.conn(), lease).await?;
-            let changed = update_effect(tx.conn(), lease, step, operation, state, provider_ref, code, now).await?;
+            let changed = update_effect(
+                tx.conn(),
+                lease,
+                step,
+                operation,
+                state,
+                provider_ref,
+                code,
+                now,
+            )
+            .await?;
             if changed == 0 {
                 return Err(Error::NotFound { what: "effect" });
             }
@@ -211,7 +294,12 @@ impl Ferry {
     }
 }
 
-async fn get_effect(conn: Conn<'_>, lease: &Lease, step: &str, operation: &str) -> Result<EffectRecord> {
+async fn get_effect(
+    conn: Conn<'_>,
+    lease: &Lease,
+    step: &str,
+    operation: &str,
+) -> Result<EffectRecord> {
     let row: Option<EffectRow> = on_conn!(conn, |c, q| {
         sqlx::query_as(q.get("get_effect"))
             .bind(&lease.tenant)

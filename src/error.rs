@@ -74,7 +74,9 @@ pub enum Error {
     },
     /// An effect from an earlier generation is unresolved and must be
     /// reconciled before the step repeats.
-    #[error("effect {step}/{operation} is {state} from generation {generation}; reconcile it first")]
+    #[error(
+        "effect {step}/{operation} is {state} from generation {generation}; reconcile it first"
+    )]
     EffectNeedsReconcile {
         /// The step name.
         step: String,
@@ -176,7 +178,14 @@ pub(crate) fn violated_constraint(err: &sqlx::Error) -> Option<String> {
     if msg.starts_with("UNIQUE constraint failed: runs.") {
         Some("runs_pkey".into())
     } else if msg.starts_with("UNIQUE constraint failed: run_events.") {
-        Some(if msg.contains("seq") { "run_events_pkey" } else { "run_events_one_terminal_idx" }.into())
+        Some(
+            if msg.contains("seq") {
+                "run_events_pkey"
+            } else {
+                "run_events_one_terminal_idx"
+            }
+            .into(),
+        )
     } else if msg.starts_with("UNIQUE constraint failed: idempotency_keys.") {
         Some("idempotency_keys_pkey".into())
     } else {

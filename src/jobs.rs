@@ -211,6 +211,17 @@ pub struct DeadJob {
     pub history: Vec<JobAttempt>,
 }
 
+#[derive(sqlx::FromRow)]
+struct DeadRow {
+    tenant: String,
+    run_id: Uuid,
+    queue: String,
+    last_error_code: Option<String>,
+    attempts: i32,
+    updated_at: i64,
+    operation: String,
+}
+
 /// Facts read to explain why a fenced statement matched nothing.
 #[derive(sqlx::FromRow)]
 struct JobStatus {
@@ -235,7 +246,13 @@ impl Ferry {
     /// lease of `lease`. Eligible: due, under the attempt budget, not
     /// cancelled, and queued or leased past expiry. On PostgreSQL this is one
     /// `FOR UPDATE SKIP LOCKED` statement that also writes the attempt rows.
-    pub async fn claim(&self, queue: &str, owner: &str, lease: Duration, limit: u32) -> Result<Vec<Claimed>> {
+    pub async fn claim(
+        &self,
+        queue: &str,
+        owner: &str,
+        lease: Duration,
+        limit: u32,
+    ) -> Result<Vec<Claimed>> {
         self.limits().name("queue", queue)?;
         self.limits().name("owner", owner)?;
         let lease_ms = positive_ms("lease", lease)?;
@@ -243,11 +260,20 @@ impl Ferry {
             return Ok(Vec::new());
         }
         let mut tx = self.begin().await?;
-        let result = self.claim_in(tx.conn(), queue, owner, lease_ms, limit).await;
+        let result = self
+            .claim_in(tx.conn(), queue, owner, lease_ms, limit)
+            .await;
         crate::finish(tx, result).await
     }
 
-    async fn claim_in(&self, conn: Conn<'_>, queue: &str, owner: &str, lease_ms: i64, limit: u32) -> Result<Vec<Claimed>> {
+    async fn claim_in(
+        &self,
+        conn: Conn<'_>,
+        queue: &str,
+        owner: &str,
+        lease_ms: i64,
+        limit: u32,
+    ) -> Result<Vec<Claimed>> {
         match conn {
             Conn::Postgres(c) => {
                 let q = &*crate::store::POSTGRES;
@@ -264,7 +290,11 @@ impl Ferry {
                         use sqlx::{FromRow, Row};
                         let base = ClaimRow::from_row(row)?;
                         let request: Json<Value> = row.try_get("request")?;
-                        Ok(base.into_claimed(row.try_get("operation")?, request.0, row.try_get("replay_of")?))
+                        Ok(base.into_claimed(
+                            row.try_get("operation")?,
+                            request.0,
+                            row.try_get("replay_of")?,
+                        ))
                     })
                     .collect()
             }
@@ -335,7 +365,9 @@ impl Ferry {
     /// `run_succeeded` event carrying `result` and its outbox row, and the
     /// attempt closed, in one transaction.
     pub async fn complete(&self, lease: &Lease, result: &Value) -> Result<()> {
-        let size = serde_json::to_vec(result).map(|v| v.len()).unwrap_or(usize::MAX);
+        let size = serde_json::to_vec(result)
+            .map(|v| v.len())
+            .unwrap_or(usize::MAX);
         self.limits().payload("result", size)?;
         let mut tx = self.begin().await?;
         let r = self.complete_in(tx.conn(), lease, result).await;
@@ -343,9 +375,20 @@ impl Ferry {
     }
 
     async fn complete_in(&self, mut conn: Conn<'_>, lease: &Lease, result: &Value) -> Result<()> {
-        let (attempt, _max, _created, now) = self.finish_job(conn.reborrow(), lease, "succeeded", None, None).await?;
-        self.terminate(conn.reborrow(), &lease.tenant, lease.run_id, "succeeded", None, "run_succeeded", &json!({ "result": result }), now)
+        let (attempt, _max, _created, now) = self
+            .finish_job(conn.reborrow(), lease, "succeeded", None, None)
             .await?;
+        self.terminate(
+            conn.reborrow(),
+            &lease.tenant,
+            lease.run_id,
+            "succeeded",
+            None,
+            "run_succeeded",
+            &json!({ "result": result }),
+            now,
+        )
+        .await?;
         close_attempt(conn, lease, attempt, now, "succeeded", None, None).await
     }
 
@@ -355,7 +398,13 @@ impl Ferry {
     /// errors and spent budgets make the job dead and the run failed, with the
     /// `run_failed` event and its outbox row, atomically. Ambiguous errors
     /// also mark the attempt's reserved effects `unknown`.
-    pub async fn fail(&self, lease: &Lease, error: &JobError, policy: &RetryPolicy, rng: &mut (dyn RngCore + Send)) -> Result<FailOutcome> {
+    pub async fn fail(
+        &self,
+        lease: &Lease,
+        error: &JobError,
+        policy: &RetryPolicy,
+        rng: &mut (dyn RngCore + Send),
+    ) -> Result<FailOutcome> {
         self.limits().name("error code", &error.code)?;
         let mut tx = self.begin().await?;
         let r = self.fail_in(tx.conn(), lease, error, policy, rng).await;
@@ -372,9 +421,14 @@ impl Ferry {
     ) -> Result<FailOutcome> {
         // Lock the lease first: the decision below depends on its attempt count.
         let (now, attempt) = self.lock_fence(conn.reborrow(), lease).await?;
-        let job: (String, String, i32, i32, i64, Option<String>) = on_conn!(conn.reborrow(), |c, q| {
-            sqlx::query_as(q.get("get_job")).bind(&lease.tenant).bind(lease.run_id).fetch_one(&mut *c).await?
-        });
+        let job: (String, String, i32, i32, i64, Option<String>) =
+            on_conn!(conn.reborrow(), |c, q| {
+                sqlx::query_as(q.get("get_job"))
+                    .bind(&lease.tenant)
+                    .bind(lease.run_id)
+                    .fetch_one(&mut *c)
+                    .await?
+            });
         let max_attempts = job.2;
         let run = get_run_in(conn.reborrow(), &lease.tenant, lease.run_id).await?;
         let class = error.class;
@@ -412,16 +466,43 @@ impl Ferry {
         }
         match dead_code {
             None => {
-                self.finish_job(conn.reborrow(), lease, "queued", available_at, Some(&error.code)).await?;
-                close_attempt(conn, lease, attempt, now, "retried", Some(class), Some(&error.code)).await?;
+                self.finish_job(
+                    conn.reborrow(),
+                    lease,
+                    "queued",
+                    available_at,
+                    Some(&error.code),
+                )
+                .await?;
+                close_attempt(
+                    conn,
+                    lease,
+                    attempt,
+                    now,
+                    "retried",
+                    Some(class),
+                    Some(&error.code),
+                )
+                .await?;
                 Ok(FailOutcome::Retried {
                     available_at: available_at.unwrap_or(now),
                 })
             }
             Some(code) => {
-                self.finish_job(conn.reborrow(), lease, "dead", None, Some(&code)).await?;
+                self.finish_job(conn.reborrow(), lease, "dead", None, Some(&code))
+                    .await?;
                 let body = json!({ "error_code": code, "error_class": class, "attempts": attempt });
-                self.terminate(conn.reborrow(), &lease.tenant, lease.run_id, "failed", None, "run_failed", &body, now).await?;
+                self.terminate(
+                    conn.reborrow(),
+                    &lease.tenant,
+                    lease.run_id,
+                    "failed",
+                    None,
+                    "run_failed",
+                    &body,
+                    now,
+                )
+                .await?;
                 close_attempt(conn, lease, attempt, now, "dead", Some(class), Some(&code)).await?;
                 Ok(FailOutcome::Dead { code })
             }
@@ -444,7 +525,9 @@ impl Ferry {
                     .await?
             });
             match row {
-                Some((attempt, now)) => close_attempt(tx.conn(), lease, attempt, now, "released", None, None).await,
+                Some((attempt, now)) => {
+                    close_attempt(tx.conn(), lease, attempt, now, "released", None, None).await
+                }
                 None => Err(self.refusal(tx.conn(), lease, Transition::Finish).await),
             }
         }
@@ -457,12 +540,21 @@ impl Ferry {
     /// row, atomically. With `expected_version` it is a compare-and-set on the
     /// run version. Losing to a completion gives [`Error::RunTerminal`]. A
     /// worker holding the lease learns of it at its next renew.
-    pub async fn cancel(&self, tenant: &str, run_id: Uuid, expected_version: Option<i64>, actor: &str, reason: &str) -> Result<()> {
+    pub async fn cancel(
+        &self,
+        tenant: &str,
+        run_id: Uuid,
+        expected_version: Option<i64>,
+        actor: &str,
+        reason: &str,
+    ) -> Result<()> {
         self.limits().tenant(tenant)?;
         self.limits().text("actor", actor, 255)?;
         self.limits().text("reason", reason, 4096)?;
         let mut tx = self.begin().await?;
-        let r = self.cancel_in(tx.conn(), tenant, run_id, expected_version, actor, reason).await;
+        let r = self
+            .cancel_in(tx.conn(), tenant, run_id, expected_version, actor, reason)
+            .await;
         crate::finish(tx, r).await
     }
 
@@ -477,7 +569,12 @@ impl Ferry {
         reason: &str,
     ) -> Result<()> {
         let job: Option<(i32, i64)> = on_conn!(conn.reborrow(), |c, q| {
-            sqlx::query_as(q.get("cancel_job")).bind(tenant).bind(run_id).bind(self.now()).fetch_optional(&mut *c).await?
+            sqlx::query_as(q.get("cancel_job"))
+                .bind(tenant)
+                .bind(run_id)
+                .bind(self.now())
+                .fetch_optional(&mut *c)
+                .await?
         });
         let Some((attempt, now)) = job else {
             let run = get_run_in(conn, tenant, run_id).await?;
@@ -487,7 +584,17 @@ impl Ferry {
             });
         };
         let body = json!({ "actor": actor, "reason": reason });
-        self.terminate(conn.reborrow(), tenant, run_id, "cancelled", expected_version, "run_cancelled", &body, now).await?;
+        self.terminate(
+            conn.reborrow(),
+            tenant,
+            run_id,
+            "cancelled",
+            expected_version,
+            "run_cancelled",
+            &body,
+            now,
+        )
+        .await?;
         on_conn!(conn, |c, q| {
             sqlx::query(q.get("close_attempt"))
                 .bind(tenant)
@@ -529,16 +636,38 @@ impl Ferry {
                         .fetch_optional(&mut *c)
                         .await?
                 });
-                let Some((attempt, now, code)) = expired else { continue };
-                let body = json!({ "error_code": code, "error_class": "retryable", "attempts": attempt });
-                self.terminate(tx.conn(), &tenant, run_id, "failed", None, "run_failed", &body, now).await?;
+                let Some((attempt, now, code)) = expired else {
+                    continue;
+                };
+                let body =
+                    json!({ "error_code": code, "error_class": "retryable", "attempts": attempt });
+                self.terminate(
+                    tx.conn(),
+                    &tenant,
+                    run_id,
+                    "failed",
+                    None,
+                    "run_failed",
+                    &body,
+                    now,
+                )
+                .await?;
                 let lease = Lease {
                     tenant,
                     run_id,
                     owner: String::new(),
                     generation,
                 };
-                close_attempt(tx.conn(), &lease, attempt, now, "dead", Some(ErrorClass::Retryable), Some(&code)).await?;
+                close_attempt(
+                    tx.conn(),
+                    &lease,
+                    attempt,
+                    now,
+                    "dead",
+                    Some(ErrorClass::Retryable),
+                    Some(&code),
+                )
+                .await?;
                 n += 1;
             }
             Ok(n)
@@ -549,21 +678,31 @@ impl Ferry {
 
     /// Dead jobs of `tenant`, optionally only those with `error_code`, with
     /// their attempt history.
-    pub async fn list_dead(&self, tenant: &str, error_code: Option<&str>, limit: u32) -> Result<Vec<DeadJob>> {
-        let rows: Vec<(String, Uuid, String, Option<String>, i32, i64, String)> = on_pool!(self.db(), |p, q| {
-            sqlx::query_as(q.get("list_dead")).bind(tenant).bind(error_code).bind(i64::from(limit)).fetch_all(p).await?
+    pub async fn list_dead(
+        &self,
+        tenant: &str,
+        error_code: Option<&str>,
+        limit: u32,
+    ) -> Result<Vec<DeadJob>> {
+        let rows: Vec<DeadRow> = on_pool!(self.db(), |p, q| {
+            sqlx::query_as(q.get("list_dead"))
+                .bind(tenant)
+                .bind(error_code)
+                .bind(i64::from(limit))
+                .fetch_all(p)
+                .await?
         });
         let mut out = Vec::with_capacity(rows.len());
-        for (tenant, run_id, queue, error_code, attempts, died_at, operation) in rows {
-            let history = self.list_attempts(&tenant, run_id).await?;
+        for row in rows {
+            let history = self.list_attempts(&row.tenant, row.run_id).await?;
             out.push(DeadJob {
-                tenant,
-                run_id,
-                queue,
-                operation,
-                error_code,
-                attempts,
-                died_at,
+                tenant: row.tenant,
+                run_id: row.run_id,
+                queue: row.queue,
+                operation: row.operation,
+                error_code: row.last_error_code,
+                attempts: row.attempts,
+                died_at: row.updated_at,
                 history,
             });
         }
@@ -573,7 +712,11 @@ impl Ferry {
     /// The attempt history of a run's job.
     pub async fn list_attempts(&self, tenant: &str, run_id: Uuid) -> Result<Vec<JobAttempt>> {
         Ok(on_pool!(self.db(), |p, q| {
-            sqlx::query_as(q.get("list_attempts")).bind(tenant).bind(run_id).fetch_all(p).await?
+            sqlx::query_as(q.get("list_attempts"))
+                .bind(tenant)
+                .bind(run_id)
+                .fetch_all(p)
+                .await?
         }))
     }
 
@@ -581,7 +724,12 @@ impl Ferry {
     /// (retention of attempt history). Returns how many.
     pub async fn sweep_attempts(&self, before: crate::Millis, batch: u32) -> Result<u64> {
         let done = on_pool!(self.db(), |p, q| {
-            sqlx::query(q.get("sweep_attempts")).bind(before.get()).bind(i64::from(batch)).execute(p).await?.rows_affected()
+            sqlx::query(q.get("sweep_attempts"))
+                .bind(before.get())
+                .bind(i64::from(batch))
+                .execute(p)
+                .await?
+                .rows_affected()
         });
         Ok(done)
     }
@@ -589,7 +737,10 @@ impl Ferry {
     /// Jobs of `tenant` waiting to be claimed (for backpressure).
     pub async fn queued_depth(&self, tenant: &str) -> Result<i64> {
         Ok(on_pool!(self.db(), |p, q| {
-            sqlx::query_scalar(q.get("queued_depth")).bind(tenant).fetch_one(p).await?
+            sqlx::query_scalar(q.get("queued_depth"))
+                .bind(tenant)
+                .fetch_one(p)
+                .await?
         }))
     }
 
@@ -598,14 +749,25 @@ impl Ferry {
     /// `replay_of`. The dead run gets a `replay_requested` audit event naming
     /// `actor` and `reason`. A second replay of the same run is refused with
     /// [`Error::AlreadyReplayed`] unless `force`.
-    pub async fn replay_dead(&self, tenant: &str, run_id: Uuid, actor: &str, reason: &str, force: bool) -> Result<Accepted> {
+    pub async fn replay_dead(
+        &self,
+        tenant: &str,
+        run_id: Uuid,
+        actor: &str,
+        reason: &str,
+        force: bool,
+    ) -> Result<Accepted> {
         self.limits().tenant(tenant)?;
         self.limits().text("actor", actor, 255)?;
         self.limits().text("reason", reason, 4096)?;
         let mut tx = self.begin().await?;
         let r = async {
             let locked: Option<(String, i64)> = on_conn!(tx.conn(), |c, q| {
-                sqlx::query_as(q.get("lock_run")).bind(tenant).bind(run_id).fetch_optional(&mut *c).await?
+                sqlx::query_as(q.get("lock_run"))
+                    .bind(tenant)
+                    .bind(run_id)
+                    .fetch_optional(&mut *c)
+                    .await?
             });
             let (state, _) = locked.ok_or(Error::NotFound { what: "run" })?;
             if state != "failed" {
@@ -616,23 +778,42 @@ impl Ferry {
                 });
             }
             let earlier: Option<Uuid> = on_conn!(tx.conn(), |c, q| {
-                sqlx::query_scalar(q.get("find_replay")).bind(tenant).bind(run_id).fetch_optional(&mut *c).await?
+                sqlx::query_scalar(q.get("find_replay"))
+                    .bind(tenant)
+                    .bind(run_id)
+                    .fetch_optional(&mut *c)
+                    .await?
             });
             if let (Some(replayed_as), false) = (earlier, force) {
-                return Err(Error::AlreadyReplayed { run_id, replayed_as });
+                return Err(Error::AlreadyReplayed {
+                    run_id,
+                    replayed_as,
+                });
             }
             let dead = get_run_in(tx.conn(), tenant, run_id).await?;
-            let job: (String, String, i32, i32, i64, Option<String>) = on_conn!(tx.conn(), |c, q| {
-                sqlx::query_as(q.get("get_job")).bind(tenant).bind(run_id).fetch_one(&mut *c).await?
-            });
+            let job: (String, String, i32, i32, i64, Option<String>) =
+                on_conn!(tx.conn(), |c, q| {
+                    sqlx::query_as(q.get("get_job"))
+                        .bind(tenant)
+                        .bind(run_id)
+                        .fetch_one(&mut *c)
+                        .await?
+                });
             let nth = dead.last_event_seq; // distinct per replay: every replay appends an event
-            let mut new = NewRun::new(tenant, format!("{}.replay", dead.operation), format!("{run_id}.{nth}"), dead.request.clone())
-                .queue(job.0)
-                .max_attempts(job.2 as u32);
+            let mut new = NewRun::new(
+                tenant,
+                format!("{}.replay", dead.operation),
+                format!("{run_id}.{nth}"),
+                dead.request.clone(),
+            )
+            .queue(job.0)
+            .max_attempts(job.2 as u32);
             new.replay_of = Some(run_id);
             let accepted = self.create_run_idempotent_in(tx.conn(), new).await?;
-            let body = json!({ "actor": actor, "reason": reason, "new_run_id": accepted.run.run_id });
-            self.append_event_in(tx.conn(), tenant, run_id, "replay_requested", &body).await?;
+            let body =
+                json!({ "actor": actor, "reason": reason, "new_run_id": accepted.run.run_id });
+            self.append_event_in(tx.conn(), tenant, run_id, "replay_requested", &body)
+                .await?;
             Ok(accepted)
         }
         .await;
@@ -729,7 +910,12 @@ impl Ferry {
     /// Names the reason a fenced statement matched nothing.
     async fn refusal(&self, conn: Conn<'_>, lease: &Lease, transition: Transition) -> Error {
         let status: std::result::Result<Option<JobStatus>, sqlx::Error> = on_conn!(conn, |c, q| {
-            sqlx::query_as(q.get("job_status")).bind(&lease.tenant).bind(lease.run_id).bind(self.now()).fetch_optional(&mut *c).await
+            sqlx::query_as(q.get("job_status"))
+                .bind(&lease.tenant)
+                .bind(lease.run_id)
+                .bind(self.now())
+                .fetch_optional(&mut *c)
+                .await
         });
         let lost = Error::LostLease {
             run_id: lease.run_id,
@@ -740,15 +926,26 @@ impl Ferry {
             Ok(None) => return Error::NotFound { what: "job" },
             Err(e) => return e.into(),
         };
-        let ours = status.lease_owner.as_deref() == Some(lease.owner.as_str()) && status.lease_generation == lease.generation;
+        let ours = status.lease_owner.as_deref() == Some(lease.owner.as_str())
+            && status.lease_generation == lease.generation;
         match status.state.as_str() {
-            "cancelled" if transition == Transition::Renew => Error::Cancelled { run_id: lease.run_id },
-            "cancelled" | "succeeded" | "dead" if status.lease_generation == lease.generation => Error::RunTerminal {
+            "cancelled" if transition == Transition::Renew => Error::Cancelled {
                 run_id: lease.run_id,
-                state: status.run_state,
             },
-            "leased" if ours && status.deadline_at.is_some_and(|d| d <= status.now) && transition == Transition::Renew => {
-                Error::DeadlineExceeded { run_id: lease.run_id }
+            "cancelled" | "succeeded" | "dead" if status.lease_generation == lease.generation => {
+                Error::RunTerminal {
+                    run_id: lease.run_id,
+                    state: status.run_state,
+                }
+            }
+            "leased"
+                if ours
+                    && status.deadline_at.is_some_and(|d| d <= status.now)
+                    && transition == Transition::Renew =>
+            {
+                Error::DeadlineExceeded {
+                    run_id: lease.run_id,
+                }
             }
             _ => {
                 tracing::warn!(run_id = %lease.run_id, generation = lease.generation, current = status.lease_generation,

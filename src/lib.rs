@@ -39,12 +39,12 @@ use std::time::Duration;
 pub use effects::{EffectRecord, EffectState, Reservation, Resolution};
 pub use error::{Error, Result};
 pub use fingerprint::{fingerprint, redact, Fingerprint, FINGERPRINT_VERSION};
-pub use jobs::{Claimed, DeadJob, JobAttempt, JobError, ErrorClass, Lease};
+pub use jobs::{Claimed, DeadJob, ErrorClass, JobAttempt, JobError, Lease};
 pub use limits::Limits;
 pub use outbox::OutboxMessage;
 pub use retry::RetryPolicy;
 pub use runs::{Accepted, NewRun, Run, RunEvent, RunState};
-pub use store::{connect, connect_with, migrate, ConnectOptions, Conn, Db, Engine, Tx};
+pub use store::{connect, connect_with, migrate, Conn, ConnectOptions, Db, Engine, Tx};
 pub use time::{Clock, Millis};
 
 /// Default topic for run events (`run_queued`, `run_succeeded`, ...).

@@ -65,7 +65,10 @@ impl Limits {
     /// bytes, no control characters.
     pub fn text(&self, field: &'static str, v: &str, max: usize) -> Result<()> {
         if v.is_empty() || v.len() > max || v.chars().any(char::is_control) {
-            return Err(Error::invalid(field, format!("must be 1 to {max} bytes without control characters")));
+            return Err(Error::invalid(
+                field,
+                format!("must be 1 to {max} bytes without control characters"),
+            ));
         }
         Ok(())
     }
@@ -87,11 +90,15 @@ impl Limits {
             && v.len() <= 249
             && v != "."
             && v != ".."
-            && v.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'.' || b == b'_' || b == b'-');
+            && v.bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b == b'.' || b == b'_' || b == b'-');
         if ok {
             Ok(())
         } else {
-            Err(Error::invalid("topic", "must be 1 to 249 bytes of [A-Za-z0-9._-]"))
+            Err(Error::invalid(
+                "topic",
+                "must be 1 to 249 bytes of [A-Za-z0-9._-]",
+            ))
         }
     }
 }
@@ -121,7 +128,10 @@ mod tests {
             let e = l.idempotency_key(bad).unwrap_err();
             assert_eq!(e.code(), "invalid_input");
             if !bad.is_empty() {
-                assert!(!e.to_string().contains(bad), "error text must not echo the key");
+                assert!(
+                    !e.to_string().contains(bad),
+                    "error text must not echo the key"
+                );
             }
         }
         assert!(l.idempotency_key(&"k".repeat(255)).is_ok());

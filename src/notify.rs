@@ -52,7 +52,11 @@ impl Notifier {
             return Ok(());
         }
         on_conn!(conn, |c, q| {
-            sqlx::query(q.get("notify_work")).bind(CHANNEL).bind(payload).execute(&mut *c).await?;
+            sqlx::query(q.get("notify_work"))
+                .bind(CHANNEL)
+                .bind(payload)
+                .execute(&mut *c)
+                .await?;
         });
         Ok(())
     }

@@ -36,7 +36,12 @@ pub struct OutboxMessage {
 
 impl OutboxMessage {
     /// A message with raw bytes as its value.
-    pub fn bytes(tenant: impl Into<String>, topic: impl Into<String>, key: impl Into<String>, payload: Vec<u8>) -> Self {
+    pub fn bytes(
+        tenant: impl Into<String>,
+        topic: impl Into<String>,
+        key: impl Into<String>,
+        payload: Vec<u8>,
+    ) -> Self {
         OutboxMessage {
             tenant: tenant.into(),
             topic: topic.into(),
@@ -55,9 +60,11 @@ impl OutboxMessage {
         key: impl Into<String>,
         value: &T,
     ) -> Result<Self> {
-        let payload = serde_json::to_vec(value).map_err(|e| Error::invalid("payload", e.to_string()))?;
+        let payload =
+            serde_json::to_vec(value).map_err(|e| Error::invalid("payload", e.to_string()))?;
         let mut msg = Self::bytes(tenant, topic, key, payload);
-        msg.headers.insert("content-type".into(), "application/json".into());
+        msg.headers
+            .insert("content-type".into(), "application/json".into());
         Ok(msg)
     }
 
@@ -83,18 +90,34 @@ impl OutboxMessage {
         limits.tenant(&self.tenant)?;
         limits.topic(&self.topic)?;
         if self.key.is_empty() || self.key.len() > limits.max_key_bytes {
-            return Err(Error::invalid("key", format!("must be 1 to {} bytes", limits.max_key_bytes)));
+            return Err(Error::invalid(
+                "key",
+                format!("must be 1 to {} bytes", limits.max_key_bytes),
+            ));
         }
         limits.payload("payload", self.payload.len())?;
         if self.headers.len() > limits.max_headers {
-            return Err(Error::invalid("headers", format!("at most {} headers", limits.max_headers)));
+            return Err(Error::invalid(
+                "headers",
+                format!("at most {} headers", limits.max_headers),
+            ));
         }
-        if self.headers.keys().any(|k| k.is_empty() || k.starts_with("ferry-")) {
-            return Err(Error::invalid("headers", "names must be non-empty and not start with ferry-"));
+        if self
+            .headers
+            .keys()
+            .any(|k| k.is_empty() || k.starts_with("ferry-"))
+        {
+            return Err(Error::invalid(
+                "headers",
+                "names must be non-empty and not start with ferry-",
+            ));
         }
         if let Some(k) = &self.effect_key {
             if k.is_empty() || k.len() > limits.max_key_bytes {
-                return Err(Error::invalid("effect_key", format!("must be 1 to {} bytes", limits.max_key_bytes)));
+                return Err(Error::invalid(
+                    "effect_key",
+                    format!("must be 1 to {} bytes", limits.max_key_bytes),
+                ));
             }
         }
         if let Some(tp) = &self.traceparent {
@@ -108,7 +131,12 @@ impl OutboxMessage {
 pub fn validate_traceparent(tp: &str) -> Result<()> {
     let parts: Vec<&str> = tp.split('-').collect();
     let hex = |s: &str, n: usize| s.len() == n && s.bytes().all(|b| b.is_ascii_hexdigit());
-    if parts.len() == 4 && hex(parts[0], 2) && hex(parts[1], 32) && hex(parts[2], 16) && hex(parts[3], 2) {
+    if parts.len() == 4
+        && hex(parts[0], 2)
+        && hex(parts[1], 32)
+        && hex(parts[2], 16)
+        && hex(parts[3], 2)
+    {
         Ok(())
     } else {
         Err(Error::invalid("traceparent", "must be a W3C traceparent"))
@@ -156,17 +184,30 @@ pub fn lane_for(key: &str, lanes: i32) -> i32 {
 
 pub(crate) async fn load_lanes(db: &Db) -> Result<i32> {
     let value: Option<String> = on_pool!(db, |p, q| {
-        sqlx::query_scalar(q.get("outbox_lanes")).fetch_optional(p).await
+        sqlx::query_scalar(q.get("outbox_lanes"))
+            .fetch_optional(p)
+            .await
     })
-    .map_err(|e| Error::Config(format!("cannot read ferry_settings; is the schema migrated? ({e})")))?;
+    .map_err(|e| {
+        Error::Config(format!(
+            "cannot read ferry_settings; is the schema migrated? ({e})"
+        ))
+    })?;
     value
         .and_then(|v| v.parse::<i32>().ok())
         .filter(|n| *n > 0)
-        .ok_or_else(|| Error::Config("ferry_settings.outbox_lanes is missing or not a positive integer".into()))
+        .ok_or_else(|| {
+            Error::Config("ferry_settings.outbox_lanes is missing or not a positive integer".into())
+        })
 }
 
 /// Writes one validated outbox row; returns its id.
-pub(crate) async fn insert(ferry: &Ferry, conn: Conn<'_>, msg: &OutboxMessage, now: Option<i64>) -> Result<i64> {
+pub(crate) async fn insert(
+    ferry: &Ferry,
+    conn: Conn<'_>,
+    msg: &OutboxMessage,
+    now: Option<i64>,
+) -> Result<i64> {
     let lane = lane_for(&msg.key, ferry.lanes());
     let id = on_conn!(conn, |c, q| {
         sqlx::query_scalar(q.get("insert_outbox"))
@@ -215,7 +256,10 @@ mod tests {
         assert_eq!(murmur2(b"foobar"), -790_332_482);
         assert_eq!(murmur2(b"a-little-bit-long-string"), -985_981_536);
         assert_eq!(murmur2(b"a-little-bit-longer-string"), -1_486_304_829);
-        assert_eq!(murmur2(b"lkjh234lh9fiuh90y23oiuhsafujhadof229phr9h19h89h8"), -58_897_971);
+        assert_eq!(
+            murmur2(b"lkjh234lh9fiuh90y23oiuhsafujhadof229phr9h19h89h8"),
+            -58_897_971
+        );
         assert_eq!(murmur2(b"abc"), 479_470_107);
     }
 
@@ -230,7 +274,9 @@ mod tests {
 
     #[test]
     fn traceparent_shape() {
-        assert!(validate_traceparent("00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01").is_ok());
+        assert!(
+            validate_traceparent("00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01").is_ok()
+        );
         assert!(validate_traceparent("00-xyz-00f067aa0ba902b7-01").is_err());
     }
 }

@@ -36,14 +36,26 @@ impl Default for RetryPolicy {
 
 impl RetryPolicy {
     /// The delay after failed attempt number `attempt` (1-based).
-    pub fn delay(&self, attempt: u32, retry_after: Option<Duration>, rng: &mut (dyn RngCore + Send)) -> Duration {
+    pub fn delay(
+        &self,
+        attempt: u32,
+        retry_after: Option<Duration>,
+        rng: &mut (dyn RngCore + Send),
+    ) -> Duration {
         let exp = self
             .base
-            .checked_mul(1u32.checked_shl(attempt.saturating_sub(1)).unwrap_or(u32::MAX))
+            .checked_mul(
+                1u32.checked_shl(attempt.saturating_sub(1))
+                    .unwrap_or(u32::MAX),
+            )
             .unwrap_or(self.cap)
             .min(self.cap);
         let jitter_bound = self.max_jitter.min(exp / 2).as_millis() as u64;
-        let jitter = Duration::from_millis(if jitter_bound == 0 { 0 } else { rng.random_range(0..=jitter_bound) });
+        let jitter = Duration::from_millis(if jitter_bound == 0 {
+            0
+        } else {
+            rng.random_range(0..=jitter_bound)
+        });
         let delay = exp + jitter;
         match retry_after {
             Some(hint) => delay.max(hint.min(self.max_retry_after)),
@@ -67,9 +79,19 @@ mod tests {
             ..RetryPolicy::default()
         };
         let mut rng = StdRng::seed_from_u64(7);
-        for (attempt, exp) in [(1, 100), (2, 200), (3, 400), (4, 800), (5, 1000), (40, 1000)] {
+        for (attempt, exp) in [
+            (1, 100),
+            (2, 200),
+            (3, 400),
+            (4, 800),
+            (5, 1000),
+            (40, 1000),
+        ] {
             let d = p.delay(attempt, None, &mut rng).as_millis() as u64;
-            assert!(d >= exp && d <= exp + 40.min(exp / 2), "attempt {attempt}: {d}");
+            assert!(
+                d >= exp && d <= exp + 40.min(exp / 2),
+                "attempt {attempt}: {d}"
+            );
         }
     }
 
@@ -82,15 +104,25 @@ mod tests {
             ..RetryPolicy::default()
         };
         let mut rng = StdRng::seed_from_u64(1);
-        assert_eq!(p.delay(1, Some(Duration::from_secs(5)), &mut rng), Duration::from_secs(5));
-        assert_eq!(p.delay(1, Some(Duration::from_secs(600)), &mut rng), Duration::from_secs(60));
+        assert_eq!(
+            p.delay(1, Some(Duration::from_secs(5)), &mut rng),
+            Duration::from_secs(5)
+        );
+        assert_eq!(
+            p.delay(1, Some(Duration::from_secs(600)), &mut rng),
+            Duration::from_secs(60)
+        );
     }
 
     #[test]
     fn seeded_schedule_is_reproducible() {
         let p = RetryPolicy::default();
-        let a: Vec<_> = (1..6).map(|n| p.delay(n, None, &mut StdRng::seed_from_u64(n as u64))).collect();
-        let b: Vec<_> = (1..6).map(|n| p.delay(n, None, &mut StdRng::seed_from_u64(n as u64))).collect();
+        let a: Vec<_> = (1..6)
+            .map(|n| p.delay(n, None, &mut StdRng::seed_from_u64(n as u64)))
+            .collect();
+        let b: Vec<_> = (1..6)
+            .map(|n| p.delay(n, None, &mut StdRng::seed_from_u64(n as u64)))
+            .collect();
         assert_eq!(a, b);
     }
 }

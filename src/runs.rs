@@ -119,7 +119,9 @@ impl NewRun {
         if !self.command.is_object() {
             return Err(Error::invalid("command", "must be a JSON object"));
         }
-        let size = serde_json::to_vec(&self.command).map(|v| v.len()).unwrap_or(usize::MAX);
+        let size = serde_json::to_vec(&self.command)
+            .map(|v| v.len())
+            .unwrap_or(usize::MAX);
         l.payload("command", size)?;
         if let Some(d) = self.deadline {
             if duration_ms(d)? <= 0 {
@@ -165,7 +167,11 @@ impl RunState {
             "succeeded" => RunState::Succeeded,
             "failed" => RunState::Failed,
             "cancelled" => RunState::Cancelled,
-            other => return Err(Error::Config(format!("unknown run state {other:?} in the database"))),
+            other => {
+                return Err(Error::Config(format!(
+                    "unknown run state {other:?} in the database"
+                )))
+            }
         })
     }
 
@@ -272,9 +278,18 @@ impl Ferry {
     /// Accepts a run inside the caller's transaction, beside its own domain
     /// writes: nothing is visible until the caller commits, and a rollback
     /// undoes all of it. After an error the caller must roll back.
-    pub async fn create_run_idempotent_in(&self, mut conn: Conn<'_>, run: NewRun) -> Result<Accepted> {
+    pub async fn create_run_idempotent_in(
+        &self,
+        mut conn: Conn<'_>,
+        run: NewRun,
+    ) -> Result<Accepted> {
         run.validate(self)?;
-        let fp = fingerprint(&run.operation, run.schema_version, &run.tenant, &run.command);
+        let fp = fingerprint(
+            &run.operation,
+            run.schema_version,
+            &run.tenant,
+            &run.command,
+        );
         let run_id = run.run_id.unwrap_or_else(Uuid::now_v7);
         let ttl = duration_ms(self.limits().idempotency_ttl)?;
         let claimed: Option<i64> = on_conn!(conn.reborrow(), |c, q| {
@@ -291,7 +306,9 @@ impl Ferry {
                 .await?
         });
         let Some(now) = claimed else {
-            return self.replay_or_conflict(conn, &run, &fp.hex, fp.version).await;
+            return self
+                .replay_or_conflict(conn, &run, &fp.hex, fp.version)
+                .await;
         };
         let deadline_at = match run.deadline {
             Some(d) => Some(crate::Millis::new(now)?.checked_add(d)?.get()),
@@ -323,7 +340,18 @@ impl Ferry {
             "request": run.command,
             "replay_of": run.replay_of,
         });
-        write_event(self, conn.reborrow(), &run.tenant, run_id, 1, "run_queued", &body, now, run.traceparent.clone()).await?;
+        write_event(
+            self,
+            conn.reborrow(),
+            &run.tenant,
+            run_id,
+            1,
+            "run_queued",
+            &body,
+            now,
+            run.traceparent.clone(),
+        )
+        .await?;
         on_conn!(conn.reborrow(), |c, q| {
             sqlx::query(q.get("insert_job"))
                 .bind(&run.tenant)
@@ -356,7 +384,13 @@ impl Ferry {
         })
     }
 
-    async fn replay_or_conflict(&self, mut conn: Conn<'_>, run: &NewRun, fp: &str, version: i32) -> Result<Accepted> {
+    async fn replay_or_conflict(
+        &self,
+        mut conn: Conn<'_>,
+        run: &NewRun,
+        fp: &str,
+        version: i32,
+    ) -> Result<Accepted> {
         let existing: Option<(String, i32, Uuid)> = on_conn!(conn.reborrow(), |c, q| {
             sqlx::query_as(q.get("find_idempotency_key"))
                 .bind(&run.tenant)
@@ -367,8 +401,11 @@ impl Ferry {
         });
         // The record was swept between our insert and this read: a retry of
         // the whole acceptance will claim the key afresh.
-        let (stored_fp, stored_version, run_id) =
-            existing.ok_or_else(|| Error::Database(sqlx::Error::Protocol("idempotency record vanished; retry".into())))?;
+        let (stored_fp, stored_version, run_id) = existing.ok_or_else(|| {
+            Error::Database(sqlx::Error::Protocol(
+                "idempotency record vanished; retry".into(),
+            ))
+        })?;
         let key_hash = redact(&run.idempotency_key);
         if stored_fp != fp || stored_version != version {
             tracing::info!(tenant = %run.tenant, operation = %run.operation, key = %key_hash, "idempotency conflict");
@@ -389,7 +426,11 @@ impl Ferry {
     /// The run, if it belongs to `tenant`.
     pub async fn get_run(&self, tenant: &str, run_id: Uuid) -> Result<Run> {
         let row: Option<RunRow> = on_pool!(self.db(), |p, q| {
-            sqlx::query_as(q.get("get_run")).bind(tenant).bind(run_id).fetch_optional(p).await?
+            sqlx::query_as(q.get("get_run"))
+                .bind(tenant)
+                .bind(run_id)
+                .fetch_optional(p)
+                .await?
         });
         row.ok_or(Error::NotFound { what: "run" })?.try_into()
     }
@@ -397,7 +438,11 @@ impl Ferry {
     /// The run's events in seq order (empty for another tenant's run).
     pub async fn list_events(&self, tenant: &str, run_id: Uuid) -> Result<Vec<RunEvent>> {
         Ok(on_pool!(self.db(), |p, q| {
-            sqlx::query_as(q.get("list_events")).bind(tenant).bind(run_id).fetch_all(p).await?
+            sqlx::query_as(q.get("list_events"))
+                .bind(tenant)
+                .bind(run_id)
+                .fetch_all(p)
+                .await?
         }))
     }
 
@@ -405,16 +450,30 @@ impl Ferry {
     /// caller's transaction. Seqs stay unique and gap-free under concurrent
     /// appends (the run row is locked while the seq is allocated). Terminal
     /// kinds are reserved for Ferry's transitions.
-    pub async fn append_event_in(&self, mut conn: Conn<'_>, tenant: &str, run_id: Uuid, kind: &str, body: &Value) -> Result<i64> {
+    pub async fn append_event_in(
+        &self,
+        mut conn: Conn<'_>,
+        tenant: &str,
+        run_id: Uuid,
+        kind: &str,
+        body: &Value,
+    ) -> Result<i64> {
         self.limits().tenant(tenant)?;
         self.limits().name("kind", kind)?;
         if TERMINAL_KINDS.contains(&kind) || kind == "run_queued" {
             return Err(Error::invalid("kind", "run_* kinds are reserved for Ferry"));
         }
-        let size = serde_json::to_vec(body).map(|v| v.len()).unwrap_or(usize::MAX);
+        let size = serde_json::to_vec(body)
+            .map(|v| v.len())
+            .unwrap_or(usize::MAX);
         self.limits().payload("body", size)?;
         let next: Option<(i64, i64)> = on_conn!(conn.reborrow(), |c, q| {
-            sqlx::query_as(q.get("next_event_seq")).bind(tenant).bind(run_id).bind(self.now()).fetch_optional(&mut *c).await?
+            sqlx::query_as(q.get("next_event_seq"))
+                .bind(tenant)
+                .bind(run_id)
+                .bind(self.now())
+                .fetch_optional(&mut *c)
+                .await?
         });
         let (seq, now) = next.ok_or(Error::NotFound { what: "run" })?;
         write_event(self, conn, tenant, run_id, seq, kind, body, now, None).await?;
@@ -422,9 +481,17 @@ impl Ferry {
     }
 
     /// Appends an event in its own transaction.
-    pub async fn append_event(&self, tenant: &str, run_id: Uuid, kind: &str, body: &Value) -> Result<i64> {
+    pub async fn append_event(
+        &self,
+        tenant: &str,
+        run_id: Uuid,
+        kind: &str,
+        body: &Value,
+    ) -> Result<i64> {
         let mut tx = self.begin().await?;
-        let result = self.append_event_in(tx.conn(), tenant, run_id, kind, body).await;
+        let result = self
+            .append_event_in(tx.conn(), tenant, run_id, kind, body)
+            .await;
         crate::finish(tx, result).await
     }
 
@@ -432,7 +499,12 @@ impl Ferry {
     /// Call it until it returns less than `batch`.
     pub async fn sweep_idempotency_keys(&self, batch: u32) -> Result<u64> {
         let done = on_pool!(self.db(), |p, q| {
-            sqlx::query(q.get("sweep_idempotency_keys")).bind(self.now()).bind(i64::from(batch)).execute(p).await?.rows_affected()
+            sqlx::query(q.get("sweep_idempotency_keys"))
+                .bind(self.now())
+                .bind(i64::from(batch))
+                .execute(p)
+                .await?
+                .rows_affected()
         });
         Ok(done)
     }
@@ -440,7 +512,11 @@ impl Ferry {
 
 pub(crate) async fn get_run_in(conn: Conn<'_>, tenant: &str, run_id: Uuid) -> Result<Run> {
     let row: Option<RunRow> = on_conn!(conn, |c, q| {
-        sqlx::query_as(q.get("get_run")).bind(tenant).bind(run_id).fetch_optional(&mut *c).await?
+        sqlx::query_as(q.get("get_run"))
+            .bind(tenant)
+            .bind(run_id)
+            .fetch_optional(&mut *c)
+            .await?
     });
     row.ok_or(Error::NotFound { what: "run" })?.try_into()
 }

@@ -73,7 +73,9 @@ impl Clock {
     /// Moves an injected clock forward; refuses on [`Clock::Database`].
     pub fn advance(&self, d: Duration) -> Result<Millis> {
         match self {
-            Clock::Database => Err(Error::Config("the database clock cannot be advanced".into())),
+            Clock::Database => Err(Error::Config(
+                "the database clock cannot be advanced".into(),
+            )),
             Clock::Manual(at) => {
                 let next = Millis(at.load(Ordering::SeqCst)).checked_add(d)?;
                 at.store(next.get(), Ordering::SeqCst);
@@ -100,8 +102,18 @@ mod tests {
         assert_eq!(Millis::new(-1).unwrap_err().code(), "invalid_input");
         let big = Millis::new(i64::MAX - 5).unwrap();
         assert!(big.checked_add(Duration::from_millis(10)).is_err());
-        assert!(Millis::new(0).unwrap().checked_add(MAX_DURATION + Duration::from_secs(1)).is_err());
-        assert_eq!(Millis::new(5).unwrap().checked_add(Duration::from_millis(7)).unwrap().get(), 12);
+        assert!(Millis::new(0)
+            .unwrap()
+            .checked_add(MAX_DURATION + Duration::from_secs(1))
+            .is_err());
+        assert_eq!(
+            Millis::new(5)
+                .unwrap()
+                .checked_add(Duration::from_millis(7))
+                .unwrap()
+                .get(),
+            12
+        );
     }
 
     #[test]

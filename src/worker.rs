@@ -28,7 +28,11 @@ use crate::Ferry;
 /// Closures `Fn(Claimed, JobContext) -> impl Future<Output = Result<Value, JobError>>` are handlers.
 pub trait Handler: Send + Sync + 'static {
     /// Works one attempt. `Ok(result)` completes the run with `result`.
-    fn handle(&self, job: Claimed, ctx: JobContext) -> impl Future<Output = std::result::Result<Value, JobError>> + Send;
+    fn handle(
+        &self,
+        job: Claimed,
+        ctx: JobContext,
+    ) -> impl Future<Output = std::result::Result<Value, JobError>> + Send;
 }
 
 impl<F, Fut> Handler for F
@@ -36,7 +40,11 @@ where
     F: Fn(Claimed, JobContext) -> Fut + Send + Sync + 'static,
     Fut: Future<Output = std::result::Result<Value, JobError>> + Send,
 {
-    fn handle(&self, job: Claimed, ctx: JobContext) -> impl Future<Output = std::result::Result<Value, JobError>> + Send {
+    fn handle(
+        &self,
+        job: Claimed,
+        ctx: JobContext,
+    ) -> impl Future<Output = std::result::Result<Value, JobError>> + Send {
         self(job, ctx)
     }
 }
@@ -63,22 +71,46 @@ impl JobContext {
 
     /// [`Ferry::reserve_effect`] under this lease.
     pub async fn reserve_effect(&self, step: &str, operation: &str) -> Result<Reservation> {
-        self.ferry.reserve_effect(&self.lease, step, operation).await
+        self.ferry
+            .reserve_effect(&self.lease, step, operation)
+            .await
     }
 
     /// [`Ferry::record_effect_success`] under this lease.
-    pub async fn record_effect_success(&self, step: &str, operation: &str, provider_ref: &str) -> Result<EffectRecord> {
-        self.ferry.record_effect_success(&self.lease, step, operation, provider_ref).await
+    pub async fn record_effect_success(
+        &self,
+        step: &str,
+        operation: &str,
+        provider_ref: &str,
+    ) -> Result<EffectRecord> {
+        self.ferry
+            .record_effect_success(&self.lease, step, operation, provider_ref)
+            .await
     }
 
     /// [`Ferry::record_effect_failure`] under this lease.
-    pub async fn record_effect_failure(&self, step: &str, operation: &str, code: &str, ambiguous: bool) -> Result<EffectRecord> {
-        self.ferry.record_effect_failure(&self.lease, step, operation, code, ambiguous).await
+    pub async fn record_effect_failure(
+        &self,
+        step: &str,
+        operation: &str,
+        code: &str,
+        ambiguous: bool,
+    ) -> Result<EffectRecord> {
+        self.ferry
+            .record_effect_failure(&self.lease, step, operation, code, ambiguous)
+            .await
     }
 
     /// [`Ferry::reconcile_effect`] under this lease.
-    pub async fn reconcile_effect(&self, step: &str, operation: &str, resolution: Resolution) -> Result<Reservation> {
-        self.ferry.reconcile_effect(&self.lease, step, operation, resolution).await
+    pub async fn reconcile_effect(
+        &self,
+        step: &str,
+        operation: &str,
+        resolution: Resolution,
+    ) -> Result<Reservation> {
+        self.ferry
+            .reconcile_effect(&self.lease, step, operation, resolution)
+            .await
     }
 }
 
@@ -169,7 +201,9 @@ impl<H: Handler> Worker<H> {
     pub async fn run(self, shutdown: impl Future<Output = ()> + Send) -> Result<()> {
         let cfg = Arc::new(self.config);
         if cfg.queues.is_empty() || cfg.concurrency == 0 {
-            return Err(Error::Config("a worker needs at least one queue and one slot".into()));
+            return Err(Error::Config(
+                "a worker needs at least one queue and one slot".into(),
+            ));
         }
         for q in &cfg.queues {
             self.ferry.limits().name("queue", q)?;
@@ -223,7 +257,10 @@ impl<H: Handler> Worker<H> {
                 idle_queues += 1;
                 if idle_queues >= cfg.queues.len() {
                     idle_queues = 0;
-                    let jitter = rng.lock().unwrap_or_else(|p| p.into_inner()).random_range(0.8..1.2);
+                    let jitter = rng
+                        .lock()
+                        .unwrap_or_else(|p| p.into_inner())
+                        .random_range(0.8..1.2);
                     let wait = cfg.poll_interval.mul_f64(jitter);
                     tokio::select! {
                         _ = &mut shutdown => break,
@@ -237,7 +274,11 @@ impl<H: Handler> Worker<H> {
             for job in claimed {
                 let slot = match permit.take() {
                     Some(p) => p,
-                    None => slots.clone().acquire_owned().await.map_err(|_| Error::Config("worker slots closed".into()))?,
+                    None => slots
+                        .clone()
+                        .acquire_owned()
+                        .await
+                        .map_err(|_| Error::Config("worker slots closed".into()))?,
                 };
                 let attempt = Attempt {
                     ferry: self.ferry.clone(),
@@ -255,7 +296,10 @@ impl<H: Handler> Worker<H> {
             }
         }
         soft.cancel();
-        let drained = tokio::time::timeout(cfg.grace, async { while tasks.join_next().await.is_some() {} }).await;
+        let drained = tokio::time::timeout(cfg.grace, async {
+            while tasks.join_next().await.is_some() {}
+        })
+        .await;
         if drained.is_err() {
             hard.cancel();
             while tasks.join_next().await.is_some() {}
@@ -294,7 +338,11 @@ impl Attempt {
         let cancel = ctx.cancel.clone();
         let work = handler.handle(job, ctx);
         tokio::pin!(work);
-        let every = self.cfg.renew_every.unwrap_or(self.cfg.lease / 3).max(Duration::from_millis(1));
+        let every = self
+            .cfg
+            .renew_every
+            .unwrap_or(self.cfg.lease / 3)
+            .max(Duration::from_millis(1));
         let mut renew = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
         let mut signalled = false;
         let outcome = loop {
@@ -343,11 +391,16 @@ impl Attempt {
                     }
                 }
             }
-            Err(err) if signalled && err.class == ErrorClass::Retryable => self.release(&lease).await,
+            Err(err) if signalled && err.class == ErrorClass::Retryable => {
+                self.release(&lease).await
+            }
             Err(err) => {
                 let failed = (|| async {
                     let mut rng = self.rng.lock().unwrap_or_else(|p| p.into_inner()).clone();
-                    let out = self.ferry.fail(&lease, &err, &self.cfg.retry, &mut rng).await;
+                    let out = self
+                        .ferry
+                        .fail(&lease, &err, &self.cfg.retry, &mut rng)
+                        .await;
                     *self.rng.lock().unwrap_or_else(|p| p.into_inner()) = rng;
                     out
                 })

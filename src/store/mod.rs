@@ -195,8 +195,8 @@ impl Tx {
     /// This transaction as a [`Conn`] for Ferry's `*_in` calls.
     pub fn conn(&mut self) -> Conn<'_> {
         match self {
-            Tx::Postgres(t) => Conn::Postgres(&mut **t),
-            Tx::Sqlite(t) => Conn::Sqlite(&mut **t),
+            Tx::Postgres(t) => Conn::Postgres(t),
+            Tx::Sqlite(t) => Conn::Sqlite(t),
         }
     }
 }
@@ -292,9 +292,14 @@ impl Queries {
                 let name_end = after.find('\n').unwrap_or(after.len());
                 let name = after[..name_end].trim();
                 let body_and_more = &after[name_end..];
-                let body_end = body_and_more.find("-- name: ").unwrap_or(body_and_more.len());
+                let body_end = body_and_more
+                    .find("-- name: ")
+                    .unwrap_or(body_and_more.len());
                 let body = body_and_more[..body_end].trim();
-                assert!(by_name.insert(name, body).is_none(), "duplicate query name {name}");
+                assert!(
+                    by_name.insert(name, body).is_none(),
+                    "duplicate query name {name}"
+                );
                 rest = &body_and_more[body_end..];
             }
         }

@@ -11,7 +11,12 @@ use uuid::Uuid;
 use crate::support::{manual_clock, on_both_engines, Kind, TestDb};
 
 fn charge(key: &str, amount: i64) -> NewRun {
-    NewRun::new("acme", "charge", key, json!({"amount": amount, "currency": "EUR"}))
+    NewRun::new(
+        "acme",
+        "charge",
+        key,
+        json!({"amount": amount, "currency": "EUR"}),
+    )
 }
 
 async fn counts(t: &TestDb) -> [i64; 5] {
@@ -26,17 +31,30 @@ async fn counts(t: &TestDb) -> [i64; 5] {
 
 async fn migration_and_atomic_first_event(kind: Kind) {
     let t = TestDb::new(kind).await;
-    ferry::migrate(t.ferry.db()).await.expect("migrations are idempotent");
+    ferry::migrate(t.ferry.db())
+        .await
+        .expect("migrations are idempotent");
     assert_eq!(counts(&t).await, [0; 5]);
-    let a = t.ferry.create_run_idempotent(charge("k-1", 5)).await.unwrap();
+    let a = t
+        .ferry
+        .create_run_idempotent(charge("k-1", 5))
+        .await
+        .unwrap();
     assert!(!a.replay);
     assert_eq!(a.run.state, RunState::Queued);
     assert_eq!(a.run.last_event_seq, 1);
-    assert_eq!(counts(&t).await, [1, 1, 1, 1, 1], "run, run_queued, job, key and outbox row commit together");
+    assert_eq!(
+        counts(&t).await,
+        [1, 1, 1, 1, 1],
+        "run, run_queued, job, key and outbox row commit together"
+    );
     let events = t.ferry.list_events("acme", a.run.run_id).await.unwrap();
     assert_eq!(events.len(), 1);
     assert_eq!((events[0].seq, events[0].kind.as_str()), (1, "run_queued"));
-    assert_eq!(events[0].body["request"], json!({"amount": 5, "currency": "EUR"}));
+    assert_eq!(
+        events[0].body["request"],
+        json!({"amount": 5, "currency": "EUR"})
+    );
     let key = format!("acme/{}/1", a.run.run_id);
     assert_eq!(
         t.scalar(&format!("SELECT count(*) FROM outbox WHERE effect_key = '{key}' AND topic = 'ferry.run-events' AND state = 'pending'")).await,
@@ -49,20 +67,39 @@ async fn migration_and_atomic_first_event(kind: Kind) {
 async fn duplicate_run_id_rolls_back_the_whole_acceptance(kind: Kind) {
     let t = TestDb::new(kind).await;
     let id = Uuid::now_v7();
-    t.ferry.create_run_idempotent(charge("k-1", 5).run_id(id)).await.unwrap();
+    t.ferry
+        .create_run_idempotent(charge("k-1", 5).run_id(id))
+        .await
+        .unwrap();
     let before = counts(&t).await;
-    let err = t.ferry.create_run_idempotent(charge("k-2", 7).run_id(id)).await.unwrap_err();
+    let err = t
+        .ferry
+        .create_run_idempotent(charge("k-2", 7).run_id(id))
+        .await
+        .unwrap_err();
     assert_eq!(err.code(), "duplicate_run");
-    assert_eq!(counts(&t).await, before, "nothing of the second acceptance stays, not even its key");
+    assert_eq!(
+        counts(&t).await,
+        before,
+        "nothing of the second acceptance stays, not even its key"
+    );
     // The key was not burnt: it accepts normally afterwards.
-    let again = t.ferry.create_run_idempotent(charge("k-2", 7)).await.unwrap();
+    let again = t
+        .ferry
+        .create_run_idempotent(charge("k-2", 7))
+        .await
+        .unwrap();
     assert!(!again.replay);
     assert_ne!(again.run.run_id, id);
 }
 
 async fn projection_and_event_commit_together(kind: Kind) {
     let t = TestDb::new(kind).await;
-    let a = t.ferry.create_run_idempotent(charge("k-1", 5)).await.unwrap();
+    let a = t
+        .ferry
+        .create_run_idempotent(charge("k-1", 5))
+        .await
+        .unwrap();
     let id = a.run.run_id;
     // Inject a failure between the projection update and the event insert:
     // a stray event already occupies the next seq, so the insert fails after
@@ -79,16 +116,33 @@ async fn projection_and_event_commit_together(kind: Kind) {
         .await
         .unwrap();
     let outbox_before = t.scalar("SELECT count(*) FROM outbox").await;
-    let err = t.ferry.append_event("acme", id, "note", &json!({"n": 1})).await.unwrap_err();
+    let err = t
+        .ferry
+        .append_event("acme", id, "note", &json!({"n": 1}))
+        .await
+        .unwrap_err();
     assert_eq!(err.code(), "database");
     let run = t.ferry.get_run("acme", id).await.unwrap();
-    assert_eq!(run.last_event_seq, 1, "the projection update rolled back with the failed event");
-    assert_eq!(t.scalar("SELECT count(*) FROM outbox").await, outbox_before, "no outbox row either");
+    assert_eq!(
+        run.last_event_seq, 1,
+        "the projection update rolled back with the failed event"
+    );
+    assert_eq!(
+        t.scalar("SELECT count(*) FROM outbox").await,
+        outbox_before,
+        "no outbox row either"
+    );
 }
 
 async fn event_seqs_stay_unique_under_concurrent_appends(kind: Kind) {
     let t = TestDb::new(kind).await;
-    let id = t.ferry.create_run_idempotent(charge("k-1", 5)).await.unwrap().run.run_id;
+    let id = t
+        .ferry
+        .create_run_idempotent(charge("k-1", 5))
+        .await
+        .unwrap()
+        .run
+        .run_id;
     let barrier = Arc::new(tokio::sync::Barrier::new(16));
     let mut tasks = Vec::new();
     for i in 0..16 {
@@ -96,20 +150,36 @@ async fn event_seqs_stay_unique_under_concurrent_appends(kind: Kind) {
         let b = barrier.clone();
         tasks.push(tokio::spawn(async move {
             b.wait().await;
-            f.append_event("acme", id, "progress", &json!({"i": i})).await.unwrap()
+            f.append_event("acme", id, "progress", &json!({"i": i}))
+                .await
+                .unwrap()
         }));
     }
-    let mut seqs: Vec<i64> = futures::future::join_all(tasks).await.into_iter().map(|r| r.unwrap()).collect();
+    let mut seqs: Vec<i64> = futures::future::join_all(tasks)
+        .await
+        .into_iter()
+        .map(|r| r.unwrap())
+        .collect();
     seqs.sort_unstable();
     assert_eq!(seqs, (2..18).collect::<Vec<_>>());
     let events = t.ferry.list_events("acme", id).await.unwrap();
-    assert_eq!(events.iter().map(|e| e.seq).collect::<Vec<_>>(), (1..18).collect::<Vec<_>>());
-    assert_eq!(t.ferry.get_run("acme", id).await.unwrap().last_event_seq, 17);
+    assert_eq!(
+        events.iter().map(|e| e.seq).collect::<Vec<_>>(),
+        (1..18).collect::<Vec<_>>()
+    );
+    assert_eq!(
+        t.ferry.get_run("acme", id).await.unwrap().last_event_seq,
+        17
+    );
 }
 
 async fn no_orphan_events(kind: Kind) {
     let t = TestDb::new(kind).await;
-    let err = t.ferry.append_event("acme", Uuid::now_v7(), "note", &json!({})).await.unwrap_err();
+    let err = t
+        .ferry
+        .append_event("acme", Uuid::now_v7(), "note", &json!({}))
+        .await
+        .unwrap_err();
     assert_eq!(err.code(), "not_found");
     let blob = match kind {
         Kind::Postgres => format!("'{}'", Uuid::now_v7()),
@@ -118,7 +188,10 @@ async fn no_orphan_events(kind: Kind) {
     let direct = t
         .exec(&format!("INSERT INTO run_events (tenant, run_id, seq, kind, body, created_at) VALUES ('acme', {blob}, 1, 'x', '{{}}', 0)"))
         .await;
-    assert!(direct.is_err(), "the schema refuses an event without its run");
+    assert!(
+        direct.is_err(),
+        "the schema refuses an event without its run"
+    );
     assert_eq!(
         t.scalar("SELECT count(*) FROM run_events e WHERE NOT EXISTS (SELECT 1 FROM runs r WHERE r.tenant = e.tenant AND r.run_id = e.run_id)").await,
         0
@@ -148,25 +221,53 @@ async fn invalid_input_writes_nothing(kind: Kind) {
         assert_eq!(err.code(), "invalid_input", "case {i}: {err}");
     }
     let msg = OutboxMessage::bytes("acme", "bad/topic", "k", vec![1]);
-    assert_eq!(t.ferry.enqueue(&msg).await.unwrap_err().code(), "invalid_input");
-    let msg = OutboxMessage::bytes("acme", "orders", "k", vec![1]).header("ferry-outbox-id", "spoof");
-    assert_eq!(t.ferry.enqueue(&msg).await.unwrap_err().code(), "invalid_input");
+    assert_eq!(
+        t.ferry.enqueue(&msg).await.unwrap_err().code(),
+        "invalid_input"
+    );
+    let msg =
+        OutboxMessage::bytes("acme", "orders", "k", vec![1]).header("ferry-outbox-id", "spoof");
+    assert_eq!(
+        t.ferry.enqueue(&msg).await.unwrap_err().code(),
+        "invalid_input"
+    );
     assert_eq!(counts(&t).await, [0; 5]);
     // The schema refuses impossible states too.
-    assert!(t.exec("UPDATE jobs SET state = 'bogus'").await.is_ok(), "no rows to violate yet");
-    let id = t.ferry.create_run_idempotent(charge("k-ok", 1)).await.unwrap().run.run_id;
+    assert!(
+        t.exec("UPDATE jobs SET state = 'bogus'").await.is_ok(),
+        "no rows to violate yet"
+    );
+    let id = t
+        .ferry
+        .create_run_idempotent(charge("k-ok", 1))
+        .await
+        .unwrap()
+        .run
+        .run_id;
     assert!(t.exec("UPDATE runs SET state = 'bogus'").await.is_err());
     assert!(t.exec("UPDATE jobs SET attempts = -1").await.is_err());
-    assert_eq!(t.ferry.get_run("acme", id).await.unwrap().state, RunState::Queued);
+    assert_eq!(
+        t.ferry.get_run("acme", id).await.unwrap().state,
+        RunState::Queued
+    );
 }
 
 async fn replay_returns_the_first_run_and_writes_nothing(kind: Kind) {
     let t = TestDb::new(kind).await;
-    let first = t.ferry.create_run_idempotent(charge("k-1", 5).run_id(Uuid::now_v7())).await.unwrap();
+    let first = t
+        .ferry
+        .create_run_idempotent(charge("k-1", 5).run_id(Uuid::now_v7()))
+        .await
+        .unwrap();
     let before = counts(&t).await;
     // Same command, keys in another order, a different proposed run id.
-    let retry = NewRun::new("acme", "charge", "k-1", serde_json::from_str(r#"{ "currency":"EUR", "amount": 5.0 }"#).unwrap())
-        .run_id(Uuid::now_v7());
+    let retry = NewRun::new(
+        "acme",
+        "charge",
+        "k-1",
+        serde_json::from_str(r#"{ "currency":"EUR", "amount": 5.0 }"#).unwrap(),
+    )
+    .run_id(Uuid::now_v7());
     let second = t.ferry.create_run_idempotent(retry).await.unwrap();
     assert!(second.replay);
     assert_eq!(second.run.run_id, first.run.run_id);
@@ -180,52 +281,124 @@ async fn different_fingerprint_is_a_conflict(kind: Kind) {
     let key = "secret-key-that-must-not-leak";
     let first = t.ferry.create_run_idempotent(charge(key, 5)).await.unwrap();
     let before = counts(&t).await;
-    let err = t.ferry.create_run_idempotent(charge(key, 6)).await.unwrap_err();
+    let err = t
+        .ferry
+        .create_run_idempotent(charge(key, 6))
+        .await
+        .unwrap_err();
     assert_eq!(err.code(), "idempotency_conflict");
-    assert!(!format!("{err} {err:?}").contains(key), "the key never appears in error text");
+    assert!(
+        !format!("{err} {err:?}").contains(key),
+        "the key never appears in error text"
+    );
     match err {
-        Error::IdempotencyConflict { existing_run, .. } => assert_eq!(existing_run, first.run.run_id),
+        Error::IdempotencyConflict { existing_run, .. } => {
+            assert_eq!(existing_run, first.run.run_id)
+        }
         other => panic!("unexpected {other:?}"),
     }
     // Another schema version of the same command is another request too.
-    let err = t.ferry.create_run_idempotent(charge(key, 5).schema_version(2)).await.unwrap_err();
+    let err = t
+        .ferry
+        .create_run_idempotent(charge(key, 5).schema_version(2))
+        .await
+        .unwrap_err();
     assert_eq!(err.code(), "idempotency_conflict");
     // The same key under another operation is another scope.
-    let other_op = NewRun::new("acme", "refund", key, json!({"amount": 5, "currency": "EUR"}));
-    assert!(!t.ferry.create_run_idempotent(other_op).await.unwrap().replay);
+    let other_op = NewRun::new(
+        "acme",
+        "refund",
+        key,
+        json!({"amount": 5, "currency": "EUR"}),
+    );
+    assert!(
+        !t.ferry
+            .create_run_idempotent(other_op)
+            .await
+            .unwrap()
+            .replay
+    );
     assert_eq!(counts(&t).await[0], before[0] + 1);
 }
 
 async fn tenants_are_isolated(kind: Kind) {
     let t = TestDb::new(kind).await;
-    let a = t.ferry.create_run_idempotent(charge("shared-key", 5)).await.unwrap();
-    let other = NewRun::new("globex", "charge", "shared-key", json!({"amount": 5, "currency": "EUR"}));
+    let a = t
+        .ferry
+        .create_run_idempotent(charge("shared-key", 5))
+        .await
+        .unwrap();
+    let other = NewRun::new(
+        "globex",
+        "charge",
+        "shared-key",
+        json!({"amount": 5, "currency": "EUR"}),
+    );
     let b = t.ferry.create_run_idempotent(other).await.unwrap();
     assert!(!b.replay, "another tenant's key is another record");
     assert_ne!(a.run.run_id, b.run.run_id);
-    assert_eq!(t.ferry.get_run("globex", a.run.run_id).await.unwrap_err().code(), "not_found");
-    assert!(t.ferry.list_events("globex", a.run.run_id).await.unwrap().is_empty());
-    assert_eq!(t.ferry.append_event("globex", a.run.run_id, "note", &json!({})).await.unwrap_err().code(), "not_found");
-    let err = t.ferry.cancel("globex", a.run.run_id, None, "ops", "wrong tenant").await.unwrap_err();
+    assert_eq!(
+        t.ferry
+            .get_run("globex", a.run.run_id)
+            .await
+            .unwrap_err()
+            .code(),
+        "not_found"
+    );
+    assert!(t
+        .ferry
+        .list_events("globex", a.run.run_id)
+        .await
+        .unwrap()
+        .is_empty());
+    assert_eq!(
+        t.ferry
+            .append_event("globex", a.run.run_id, "note", &json!({}))
+            .await
+            .unwrap_err()
+            .code(),
+        "not_found"
+    );
+    let err = t
+        .ferry
+        .cancel("globex", a.run.run_id, None, "ops", "wrong tenant")
+        .await
+        .unwrap_err();
     assert_eq!(err.code(), "not_found");
-    assert_eq!(t.ferry.get_run("acme", a.run.run_id).await.unwrap().state, RunState::Queued);
+    assert_eq!(
+        t.ferry.get_run("acme", a.run.run_id).await.unwrap().state,
+        RunState::Queued
+    );
 }
 
 async fn acceptance_inside_the_callers_transaction(kind: Kind) {
     let t = TestDb::new(kind).await;
-    t.exec("CREATE TABLE orders (id TEXT PRIMARY KEY, total BIGINT NOT NULL)").await.unwrap();
+    t.exec("CREATE TABLE orders (id TEXT PRIMARY KEY, total BIGINT NOT NULL)")
+        .await
+        .unwrap();
     async fn own_write(tx: &mut ferry::Tx, id: &str) {
         let sql = "INSERT INTO orders (id, total) VALUES ($1, 42)";
         match tx {
-            ferry::Tx::Postgres(_) => sqlx::query(sql).bind(id).execute(tx.postgres().unwrap()).await.map(|_| ()),
-            ferry::Tx::Sqlite(_) => sqlx::query(sql).bind(id).execute(tx.sqlite().unwrap()).await.map(|_| ()),
+            ferry::Tx::Postgres(_) => sqlx::query(sql)
+                .bind(id)
+                .execute(tx.postgres().unwrap())
+                .await
+                .map(|_| ()),
+            ferry::Tx::Sqlite(_) => sqlx::query(sql)
+                .bind(id)
+                .execute(tx.sqlite().unwrap())
+                .await
+                .map(|_| ()),
         }
         .unwrap();
     }
     // Rolled back: nothing, neither ours nor Ferry's.
     let mut tx = t.ferry.begin().await.unwrap();
     own_write(&mut tx, "o-1").await;
-    t.ferry.create_run_idempotent_in(tx.conn(), charge("k-1", 5)).await.unwrap();
+    t.ferry
+        .create_run_idempotent_in(tx.conn(), charge("k-1", 5))
+        .await
+        .unwrap();
     let msg = OutboxMessage::json("acme", "orders", "o-1", &json!({"placed": true})).unwrap();
     t.ferry.enqueue_in(tx.conn(), &msg).await.unwrap();
     tx.rollback().await.unwrap();
@@ -234,27 +407,57 @@ async fn acceptance_inside_the_callers_transaction(kind: Kind) {
     // Committed: all of it, and the key now replays.
     let mut tx = t.ferry.begin().await.unwrap();
     own_write(&mut tx, "o-1").await;
-    let a = t.ferry.create_run_idempotent_in(tx.conn(), charge("k-1", 5)).await.unwrap();
+    let a = t
+        .ferry
+        .create_run_idempotent_in(tx.conn(), charge("k-1", 5))
+        .await
+        .unwrap();
     let id = t.ferry.enqueue_in(tx.conn(), &msg).await.unwrap();
     tx.commit().await.unwrap();
     assert_eq!(counts(&t).await, [1, 1, 1, 1, 2]);
     assert_eq!(t.scalar("SELECT count(*) FROM orders").await, 1);
     let lane = ferry::outbox::lane_for("o-1", t.ferry.lanes());
-    assert_eq!(t.scalar(&format!("SELECT CAST(lane AS BIGINT) FROM outbox WHERE id = {id}")).await, i64::from(lane));
-    assert!(t.ferry.create_run_idempotent(charge("k-1", 5)).await.unwrap().replay);
-    assert_eq!(t.ferry.get_run("acme", a.run.run_id).await.unwrap().run_id, a.run.run_id);
+    assert_eq!(
+        t.scalar(&format!(
+            "SELECT CAST(lane AS BIGINT) FROM outbox WHERE id = {id}"
+        ))
+        .await,
+        i64::from(lane)
+    );
+    assert!(
+        t.ferry
+            .create_run_idempotent(charge("k-1", 5))
+            .await
+            .unwrap()
+            .replay
+    );
+    assert_eq!(
+        t.ferry.get_run("acme", a.run.run_id).await.unwrap().run_id,
+        a.run.run_id
+    );
 }
 
 async fn expired_keys_are_swept_in_batches(kind: Kind) {
     let clock = manual_clock();
     let t = TestDb::with_clock(kind, clock.clone()).await;
     for i in 0..5 {
-        t.ferry.create_run_idempotent(charge(&format!("k-{i}"), i)).await.unwrap();
+        t.ferry
+            .create_run_idempotent(charge(&format!("k-{i}"), i))
+            .await
+            .unwrap();
     }
-    assert_eq!(t.ferry.sweep_idempotency_keys(2).await.unwrap(), 0, "nothing has expired yet");
+    assert_eq!(
+        t.ferry.sweep_idempotency_keys(2).await.unwrap(),
+        0,
+        "nothing has expired yet"
+    );
     clock.advance(Duration::from_secs(24 * 3600)).unwrap();
     // An expired record is taken over by a new request rather than replayed.
-    let fresh = t.ferry.create_run_idempotent(charge("k-0", 99)).await.unwrap();
+    let fresh = t
+        .ferry
+        .create_run_idempotent(charge("k-0", 99))
+        .await
+        .unwrap();
     assert!(!fresh.replay);
     let swept: Vec<u64> = {
         let mut v = Vec::new();
@@ -264,8 +467,16 @@ async fn expired_keys_are_swept_in_batches(kind: Kind) {
         v
     };
     assert_eq!(swept, vec![2, 2, 0, 0]);
-    assert_eq!(t.scalar("SELECT count(*) FROM idempotency_keys").await, 1, "the live record stays");
-    assert_eq!(t.scalar("SELECT count(*) FROM runs").await, 6, "runs outlive their keys");
+    assert_eq!(
+        t.scalar("SELECT count(*) FROM idempotency_keys").await,
+        1,
+        "the live record stays"
+    );
+    assert_eq!(
+        t.scalar("SELECT count(*) FROM runs").await,
+        6,
+        "runs outlive their keys"
+    );
 }
 
 async fn every_named_query_prepares(kind: Kind) {
@@ -288,7 +499,11 @@ async fn every_named_query_prepares(kind: Kind) {
             }
         }
     }
-    assert_eq!(ferry::store::POSTGRES.names(), ferry::store::SQLITE.names(), "both engines name the same queries");
+    assert_eq!(
+        ferry::store::POSTGRES.names(),
+        ferry::store::SQLITE.names(),
+        "both engines name the same queries"
+    );
 }
 
 on_both_engines!(
@@ -324,9 +539,19 @@ async fn postgres_racing_connections_share_one_run() {
                 f.create_run_idempotent(charge(&key, 5)).await.unwrap()
             }));
         }
-        let results: Vec<_> = futures::future::join_all(tasks).await.into_iter().map(|r| r.unwrap()).collect();
-        assert_eq!(results.iter().filter(|a| !a.replay).count(), 1, "exactly one winner");
-        assert!(results.iter().all(|a| a.run.run_id == results[0].run.run_id));
+        let results: Vec<_> = futures::future::join_all(tasks)
+            .await
+            .into_iter()
+            .map(|r| r.unwrap())
+            .collect();
+        assert_eq!(
+            results.iter().filter(|a| !a.replay).count(),
+            1,
+            "exactly one winner"
+        );
+        assert!(results
+            .iter()
+            .all(|a| a.run.run_id == results[0].run.run_id));
     }
     assert_eq!(counts(&t).await, [5, 5, 5, 5, 5]);
 }

@@ -14,7 +14,9 @@ use crate::support::{manual_clock, on_both_engines, Kind, TestDb, T0};
 const LEASE: Duration = Duration::from_secs(30);
 
 fn job(key: &str) -> NewRun {
-    NewRun::new("acme", "charge", key, json!({"amount": 5})).queue("payments").max_attempts(3)
+    NewRun::new("acme", "charge", key, json!({"amount": 5}))
+        .queue("payments")
+        .max_attempts(3)
 }
 
 async fn terminal_events(t: &TestDb) -> Vec<String> {
@@ -29,65 +31,151 @@ async fn expired_lease_recovery_and_stale_fencing(kind: Kind) {
     let clock = manual_clock();
     let t = TestDb::with_clock(kind, clock.clone()).await;
     let run = t.ferry.create_run_idempotent(job("k")).await.unwrap().run;
-    let a = t.ferry.claim("payments", "worker-a", LEASE, 10).await.unwrap().pop().unwrap();
+    let a = t
+        .ferry
+        .claim("payments", "worker-a", LEASE, 10)
+        .await
+        .unwrap()
+        .pop()
+        .unwrap();
     assert_eq!((a.lease.generation, a.attempt), (1, 1));
     assert_eq!(a.request, json!({"amount": 5}));
-    assert!(t.ferry.claim("payments", "worker-b", LEASE, 10).await.unwrap().is_empty(), "a live lease is not claimable");
+    assert!(
+        t.ferry
+            .claim("payments", "worker-b", LEASE, 10)
+            .await
+            .unwrap()
+            .is_empty(),
+        "a live lease is not claimable"
+    );
     // Worker A pauses; the clock passes its expiry; B takes generation 2.
     clock.advance(LEASE + Duration::from_millis(1)).unwrap();
-    let b = t.ferry.claim("payments", "worker-b", LEASE, 10).await.unwrap().pop().unwrap();
+    let b = t
+        .ferry
+        .claim("payments", "worker-b", LEASE, 10)
+        .await
+        .unwrap()
+        .pop()
+        .unwrap();
     assert_eq!((b.lease.generation, b.attempt), (2, 2));
     // Every write of A's is refused.
     let policy = RetryPolicy::default();
     let mut rng = StdRng::seed_from_u64(1);
     let errs = [
         t.ferry.renew(&a.lease, LEASE).await.unwrap_err(),
-        t.ferry.complete(&a.lease, &json!({"by": "a"})).await.unwrap_err(),
-        t.ferry.fail(&a.lease, &JobError::retryable("timeout"), &policy, &mut rng).await.unwrap_err(),
-        t.ferry.reserve_effect(&a.lease, "pay", "psp.charge").await.unwrap_err(),
+        t.ferry
+            .complete(&a.lease, &json!({"by": "a"}))
+            .await
+            .unwrap_err(),
+        t.ferry
+            .fail(&a.lease, &JobError::retryable("timeout"), &policy, &mut rng)
+            .await
+            .unwrap_err(),
+        t.ferry
+            .reserve_effect(&a.lease, "pay", "psp.charge")
+            .await
+            .unwrap_err(),
         t.ferry.release(&a.lease).await.unwrap_err(),
     ];
     for e in &errs {
         assert_eq!(e.code(), "lost_lease", "{e}");
     }
-    t.ferry.complete(&b.lease, &json!({"by": "b"})).await.unwrap();
-    assert_eq!(t.ferry.complete(&a.lease, &json!({"by": "a"})).await.unwrap_err().code(), "lost_lease");
+    t.ferry
+        .complete(&b.lease, &json!({"by": "b"}))
+        .await
+        .unwrap();
+    assert_eq!(
+        t.ferry
+            .complete(&a.lease, &json!({"by": "a"}))
+            .await
+            .unwrap_err()
+            .code(),
+        "lost_lease"
+    );
     assert_eq!(terminal_events(&t).await, vec!["run_succeeded"]);
     let events = t.ferry.list_events("acme", run.run_id).await.unwrap();
     assert_eq!(events.last().unwrap().body, json!({"result": {"by": "b"}}));
     let history = t.ferry.list_attempts("acme", run.run_id).await.unwrap();
     assert_eq!(history.len(), 2);
-    assert_eq!((history[0].outcome.as_deref(), history[0].worker.as_str()), (Some("lost"), "worker-a"));
-    assert_eq!((history[1].outcome.as_deref(), history[1].generation), (Some("succeeded"), 2));
-    assert_eq!(t.ferry.get_run("acme", run.run_id).await.unwrap().state, RunState::Succeeded);
+    assert_eq!(
+        (history[0].outcome.as_deref(), history[0].worker.as_str()),
+        (Some("lost"), "worker-a")
+    );
+    assert_eq!(
+        (history[1].outcome.as_deref(), history[1].generation),
+        (Some("succeeded"), 2)
+    );
+    assert_eq!(
+        t.ferry.get_run("acme", run.run_id).await.unwrap().state,
+        RunState::Succeeded
+    );
 }
 
 async fn renewal_extends_only_a_live_lease(kind: Kind) {
     let clock = manual_clock();
     let t = TestDb::with_clock(kind, clock.clone()).await;
     t.ferry.create_run_idempotent(job("k")).await.unwrap();
-    let c = t.ferry.claim("payments", "w", LEASE, 1).await.unwrap().pop().unwrap();
+    let c = t
+        .ferry
+        .claim("payments", "w", LEASE, 1)
+        .await
+        .unwrap()
+        .pop()
+        .unwrap();
     assert_eq!(c.lease_expires_at, T0 + 30_000);
     clock.advance(Duration::from_secs(20)).unwrap();
     assert_eq!(t.ferry.renew(&c.lease, LEASE).await.unwrap(), T0 + 50_000);
     clock.advance(Duration::from_secs(29)).unwrap();
-    assert!(t.ferry.claim("payments", "other", LEASE, 1).await.unwrap().is_empty(), "the renewed lease still holds");
+    assert!(
+        t.ferry
+            .claim("payments", "other", LEASE, 1)
+            .await
+            .unwrap()
+            .is_empty(),
+        "the renewed lease still holds"
+    );
     clock.advance(Duration::from_secs(2)).unwrap();
-    assert_eq!(t.ferry.renew(&c.lease, LEASE).await.unwrap_err().code(), "lost_lease");
+    assert_eq!(
+        t.ferry.renew(&c.lease, LEASE).await.unwrap_err().code(),
+        "lost_lease"
+    );
 
     // A deadline caps renewals, and past it the job is terminalized.
-    t.ferry.create_run_idempotent(job("d").deadline(Duration::from_secs(45))).await.unwrap();
+    t.ferry
+        .create_run_idempotent(job("d").deadline(Duration::from_secs(45)))
+        .await
+        .unwrap();
     let d = t.ferry.claim("payments", "w", LEASE, 10).await.unwrap();
     let d = d.into_iter().find(|x| x.deadline_at.is_some()).unwrap();
     clock.advance(Duration::from_secs(20)).unwrap();
-    assert_eq!(t.ferry.renew(&d.lease, LEASE).await.unwrap(), d.deadline_at.unwrap(), "never past the deadline");
+    assert_eq!(
+        t.ferry.renew(&d.lease, LEASE).await.unwrap(),
+        d.deadline_at.unwrap(),
+        "never past the deadline"
+    );
     clock.advance(Duration::from_secs(30)).unwrap();
-    assert_eq!(t.ferry.renew(&d.lease, LEASE).await.unwrap_err().code(), "deadline_exceeded");
-    assert!(t.ferry.claim("payments", "x", LEASE, 10).await.unwrap().iter().all(|x| x.lease.run_id != d.lease.run_id));
+    assert_eq!(
+        t.ferry.renew(&d.lease, LEASE).await.unwrap_err().code(),
+        "deadline_exceeded"
+    );
+    assert!(t
+        .ferry
+        .claim("payments", "x", LEASE, 10)
+        .await
+        .unwrap()
+        .iter()
+        .all(|x| x.lease.run_id != d.lease.run_id));
     assert!(t.ferry.reap_exhausted("payments", 10).await.unwrap() >= 1);
-    let dead = t.ferry.list_dead("acme", Some("deadline_exceeded"), 10).await.unwrap();
+    let dead = t
+        .ferry
+        .list_dead("acme", Some("deadline_exceeded"), 10)
+        .await
+        .unwrap();
     assert_eq!(dead.len(), 1);
-    assert_eq!(t.ferry.get_run("acme", d.lease.run_id).await.unwrap().state, RunState::Failed);
+    assert_eq!(
+        t.ferry.get_run("acme", d.lease.run_id).await.unwrap().state,
+        RunState::Failed
+    );
 }
 
 async fn retry_schedule_is_exact_and_the_budget_terminalizes(kind: Kind) {
@@ -99,44 +187,130 @@ async fn retry_schedule_is_exact_and_the_budget_terminalizes(kind: Kind) {
     let mut expected_rng = StdRng::seed_from_u64(42);
     let mut now = T0;
     for attempt in 1..=3u32 {
-        let c = t.ferry.claim("payments", "w", LEASE, 1).await.unwrap().pop().expect("claimable when due");
+        let c = t
+            .ferry
+            .claim("payments", "w", LEASE, 1)
+            .await
+            .unwrap()
+            .pop()
+            .expect("claimable when due");
         assert_eq!(c.attempt as u32, attempt);
-        let out = t.ferry.fail(&c.lease, &JobError::retryable("psp_timeout"), &policy, &mut rng).await.unwrap();
+        let out = t
+            .ferry
+            .fail(
+                &c.lease,
+                &JobError::retryable("psp_timeout"),
+                &policy,
+                &mut rng,
+            )
+            .await
+            .unwrap();
         if attempt < 3 {
             let delay = policy.delay(attempt, None, &mut expected_rng);
             let at = now + delay.as_millis() as i64;
             assert_eq!(out, FailOutcome::Retried { available_at: at });
-            assert_eq!(t.scalar("SELECT available_at FROM jobs").await, at, "the schedule is persisted");
+            assert_eq!(
+                t.scalar("SELECT available_at FROM jobs").await,
+                at,
+                "the schedule is persisted"
+            );
             clock.advance(delay - Duration::from_millis(1)).unwrap();
-            assert!(t.ferry.claim("payments", "w", LEASE, 1).await.unwrap().is_empty(), "not before its time");
+            assert!(
+                t.ferry
+                    .claim("payments", "w", LEASE, 1)
+                    .await
+                    .unwrap()
+                    .is_empty(),
+                "not before its time"
+            );
             clock.advance(Duration::from_millis(1)).unwrap();
             now = at;
         } else {
-            assert_eq!(out, FailOutcome::Dead { code: "psp_timeout".into() }, "dead exactly at max_attempts");
+            assert_eq!(
+                out,
+                FailOutcome::Dead {
+                    code: "psp_timeout".into()
+                },
+                "dead exactly at max_attempts"
+            );
         }
     }
-    assert_eq!(t.ferry.get_run("acme", run.run_id).await.unwrap().state, RunState::Failed);
-    let last = t.ferry.list_events("acme", run.run_id).await.unwrap().pop().unwrap();
+    assert_eq!(
+        t.ferry.get_run("acme", run.run_id).await.unwrap().state,
+        RunState::Failed
+    );
+    let last = t
+        .ferry
+        .list_events("acme", run.run_id)
+        .await
+        .unwrap()
+        .pop()
+        .unwrap();
     assert_eq!(last.kind, "run_failed");
     assert_eq!(last.body["error_code"], "psp_timeout");
-    let outcomes: Vec<_> = t.ferry.list_attempts("acme", run.run_id).await.unwrap().into_iter().map(|a| a.outcome.unwrap()).collect();
+    let outcomes: Vec<_> = t
+        .ferry
+        .list_attempts("acme", run.run_id)
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|a| a.outcome.unwrap())
+        .collect();
     assert_eq!(outcomes, ["retried", "retried", "dead"]);
     assert_eq!(
-        t.scalar(&format!("SELECT count(*) FROM outbox WHERE effect_key = 'acme/{}/2'", run.run_id)).await,
+        t.scalar(&format!(
+            "SELECT count(*) FROM outbox WHERE effect_key = 'acme/{}/2'",
+            run.run_id
+        ))
+        .await,
         1,
         "the run_failed event has its outbox row"
     );
 
     // Terminal errors go dead at once; Retry-After is honoured.
     let run2 = t.ferry.create_run_idempotent(job("k2")).await.unwrap().run;
-    let c = t.ferry.claim("payments", "w", LEASE, 1).await.unwrap().pop().unwrap();
-    let out = t.ferry.fail(&c.lease, &JobError::terminal("card_declined"), &policy, &mut rng).await.unwrap();
-    assert_eq!(out, FailOutcome::Dead { code: "card_declined".into() });
-    assert_eq!(t.ferry.get_run("acme", run2.run_id).await.unwrap().state, RunState::Failed);
+    let c = t
+        .ferry
+        .claim("payments", "w", LEASE, 1)
+        .await
+        .unwrap()
+        .pop()
+        .unwrap();
+    let out = t
+        .ferry
+        .fail(
+            &c.lease,
+            &JobError::terminal("card_declined"),
+            &policy,
+            &mut rng,
+        )
+        .await
+        .unwrap();
+    assert_eq!(
+        out,
+        FailOutcome::Dead {
+            code: "card_declined".into()
+        }
+    );
+    assert_eq!(
+        t.ferry.get_run("acme", run2.run_id).await.unwrap().state,
+        RunState::Failed
+    );
     t.ferry.create_run_idempotent(job("k3")).await.unwrap();
-    let c = t.ferry.claim("payments", "w", LEASE, 1).await.unwrap().pop().unwrap();
+    let c = t
+        .ferry
+        .claim("payments", "w", LEASE, 1)
+        .await
+        .unwrap()
+        .pop()
+        .unwrap();
     let hint = JobError::retryable("rate_limited").retry_after(Duration::from_secs(600));
-    match t.ferry.fail(&c.lease, &hint, &policy, &mut rng).await.unwrap() {
+    match t
+        .ferry
+        .fail(&c.lease, &hint, &policy, &mut rng)
+        .await
+        .unwrap()
+    {
         FailOutcome::Retried { available_at } => assert!(available_at >= c.claimed_at + 600_000),
         other => panic!("unexpected {other:?}"),
     }
@@ -147,33 +321,98 @@ async fn cancel_versus_complete_in_both_orders(kind: Kind) {
     let t = TestDb::with_clock(kind, manual_clock()).await;
     // Cancel first: the completion loses and is told the run is cancelled.
     let r1 = t.ferry.create_run_idempotent(job("c1")).await.unwrap().run;
-    let c = t.ferry.claim("payments", "w", LEASE, 1).await.unwrap().pop().unwrap();
-    t.ferry.cancel("acme", r1.run_id, Some(1), "ops@example", "customer asked").await.unwrap();
+    let c = t
+        .ferry
+        .claim("payments", "w", LEASE, 1)
+        .await
+        .unwrap()
+        .pop()
+        .unwrap();
+    t.ferry
+        .cancel("acme", r1.run_id, Some(1), "ops@example", "customer asked")
+        .await
+        .unwrap();
     match t.ferry.complete(&c.lease, &json!({})).await.unwrap_err() {
         Error::RunTerminal { state, .. } => assert_eq!(state, "cancelled"),
         other => panic!("unexpected {other:?}"),
     }
-    assert_eq!(t.ferry.renew(&c.lease, LEASE).await.unwrap_err().code(), "cancelled", "renew reports cancellation");
-    let last = t.ferry.list_events("acme", r1.run_id).await.unwrap().pop().unwrap();
-    assert_eq!((last.kind.as_str(), last.body["actor"].as_str()), ("run_cancelled", Some("ops@example")));
+    assert_eq!(
+        t.ferry.renew(&c.lease, LEASE).await.unwrap_err().code(),
+        "cancelled",
+        "renew reports cancellation"
+    );
+    let last = t
+        .ferry
+        .list_events("acme", r1.run_id)
+        .await
+        .unwrap()
+        .pop()
+        .unwrap();
+    assert_eq!(
+        (last.kind.as_str(), last.body["actor"].as_str()),
+        ("run_cancelled", Some("ops@example"))
+    );
     // Complete first: the cancel loses and is told the run succeeded.
     let r2 = t.ferry.create_run_idempotent(job("c2")).await.unwrap().run;
-    let c = t.ferry.claim("payments", "w", LEASE, 1).await.unwrap().pop().unwrap();
-    t.ferry.complete(&c.lease, &json!({"ok": true})).await.unwrap();
-    match t.ferry.cancel("acme", r2.run_id, None, "ops", "late").await.unwrap_err() {
+    let c = t
+        .ferry
+        .claim("payments", "w", LEASE, 1)
+        .await
+        .unwrap()
+        .pop()
+        .unwrap();
+    t.ferry
+        .complete(&c.lease, &json!({"ok": true}))
+        .await
+        .unwrap();
+    match t
+        .ferry
+        .cancel("acme", r2.run_id, None, "ops", "late")
+        .await
+        .unwrap_err()
+    {
         Error::RunTerminal { state, .. } => assert_eq!(state, "succeeded"),
         other => panic!("unexpected {other:?}"),
     }
-    assert_eq!(terminal_events(&t).await, vec!["run_cancelled", "run_succeeded"]);
+    assert_eq!(
+        terminal_events(&t).await,
+        vec!["run_cancelled", "run_succeeded"]
+    );
     // A queued job cancelled is never claimable; a stale version is refused.
     let r3 = t.ferry.create_run_idempotent(job("c3")).await.unwrap().run;
-    assert_eq!(t.ferry.cancel("acme", r3.run_id, Some(7), "ops", "stale").await.unwrap_err().code(), "invalid_state");
-    t.ferry.cancel("acme", r3.run_id, Some(1), "ops", "fine").await.unwrap();
-    assert!(t.ferry.claim("payments", "w", LEASE, 10).await.unwrap().is_empty());
+    assert_eq!(
+        t.ferry
+            .cancel("acme", r3.run_id, Some(7), "ops", "stale")
+            .await
+            .unwrap_err()
+            .code(),
+        "invalid_state"
+    );
+    t.ferry
+        .cancel("acme", r3.run_id, Some(1), "ops", "fine")
+        .await
+        .unwrap();
+    assert!(t
+        .ferry
+        .claim("payments", "w", LEASE, 10)
+        .await
+        .unwrap()
+        .is_empty());
     // Racing: exactly one winner.
     for i in 0..5 {
-        let run = t.ferry.create_run_idempotent(job(&format!("race-{i}"))).await.unwrap().run;
-        let c = t.ferry.claim("payments", "w", LEASE, 1).await.unwrap().pop().unwrap();
+        let run = t
+            .ferry
+            .create_run_idempotent(job(&format!("race-{i}")))
+            .await
+            .unwrap()
+            .run;
+        let c = t
+            .ferry
+            .claim("payments", "w", LEASE, 1)
+            .await
+            .unwrap()
+            .pop()
+            .unwrap();
         let (f1, f2) = (t.ferry.clone(), t.ferry.clone());
         let barrier = std::sync::Arc::new(tokio::sync::Barrier::new(2));
         let (b1, b2) = (barrier.clone(), barrier);
@@ -186,11 +425,25 @@ async fn cancel_versus_complete_in_both_orders(kind: Kind) {
             f2.cancel("acme", run.run_id, None, "ops", "race").await
         });
         let (done, cancelled) = (done.await.unwrap(), cancelled.await.unwrap());
-        assert!(done.is_ok() ^ cancelled.is_ok(), "exactly one wins: {done:?} {cancelled:?}");
+        assert!(
+            done.is_ok() ^ cancelled.is_ok(),
+            "exactly one wins: {done:?} {cancelled:?}"
+        );
         let loser = done.err().or(cancelled.err()).unwrap();
         assert_eq!(loser.code(), "run_terminal");
-        let kinds: Vec<_> = t.ferry.list_events("acme", run.run_id).await.unwrap().into_iter().map(|e| e.kind).collect();
-        assert_eq!(kinds.len(), 2, "run_queued and one terminal event: {kinds:?}");
+        let kinds: Vec<_> = t
+            .ferry
+            .list_events("acme", run.run_id)
+            .await
+            .unwrap()
+            .into_iter()
+            .map(|e| e.kind)
+            .collect();
+        assert_eq!(
+            kinds.len(),
+            2,
+            "run_queued and one terminal event: {kinds:?}"
+        );
     }
 }
 
@@ -205,12 +458,39 @@ async fn effect_ledger(kind: Kind) {
     let mut rng = StdRng::seed_from_u64(3);
     // Reserve, then success; later reservations see it done.
     t.ferry.create_run_idempotent(job("e1")).await.unwrap();
-    let c = t.ferry.claim("payments", "w", LEASE, 1).await.unwrap().pop().unwrap();
-    assert!(matches!(t.ferry.reserve_effect(&c.lease, "pay", "psp.charge").await.unwrap(), Reservation::Proceed(_)));
-    assert!(matches!(t.ferry.reserve_effect(&c.lease, "pay", "psp.charge").await.unwrap(), Reservation::Proceed(_)));
-    let rec = t.ferry.record_effect_success(&c.lease, "pay", "psp.charge", "ch_123").await.unwrap();
+    let c = t
+        .ferry
+        .claim("payments", "w", LEASE, 1)
+        .await
+        .unwrap()
+        .pop()
+        .unwrap();
+    assert!(matches!(
+        t.ferry
+            .reserve_effect(&c.lease, "pay", "psp.charge")
+            .await
+            .unwrap(),
+        Reservation::Proceed(_)
+    ));
+    assert!(matches!(
+        t.ferry
+            .reserve_effect(&c.lease, "pay", "psp.charge")
+            .await
+            .unwrap(),
+        Reservation::Proceed(_)
+    ));
+    let rec = t
+        .ferry
+        .record_effect_success(&c.lease, "pay", "psp.charge", "ch_123")
+        .await
+        .unwrap();
     assert_eq!(rec.provider_ref.as_deref(), Some("ch_123"));
-    match t.ferry.reserve_effect(&c.lease, "pay", "psp.charge").await.unwrap() {
+    match t
+        .ferry
+        .reserve_effect(&c.lease, "pay", "psp.charge")
+        .await
+        .unwrap()
+    {
         Reservation::AlreadyDone(r) => assert_eq!(r.provider_ref.as_deref(), Some("ch_123")),
         other => panic!("unexpected {other:?}"),
     }
@@ -218,28 +498,96 @@ async fn effect_ledger(kind: Kind) {
 
     // Ambiguous outcome: the effect becomes unknown and must be reconciled.
     let r2 = t.ferry.create_run_idempotent(job("e2")).await.unwrap().run;
-    let c = t.ferry.claim("payments", "w", LEASE, 1).await.unwrap().pop().unwrap();
-    assert!(matches!(t.ferry.reserve_effect(&c.lease, "pay", "psp.charge").await.unwrap(), Reservation::Proceed(_)));
-    let out = t.ferry.fail(&c.lease, &JobError::ambiguous("psp_timeout"), &policy, &mut rng).await.unwrap();
+    let c = t
+        .ferry
+        .claim("payments", "w", LEASE, 1)
+        .await
+        .unwrap()
+        .pop()
+        .unwrap();
+    assert!(matches!(
+        t.ferry
+            .reserve_effect(&c.lease, "pay", "psp.charge")
+            .await
+            .unwrap(),
+        Reservation::Proceed(_)
+    ));
+    let out = t
+        .ferry
+        .fail(
+            &c.lease,
+            &JobError::ambiguous("psp_timeout"),
+            &policy,
+            &mut rng,
+        )
+        .await
+        .unwrap();
     assert!(matches!(out, FailOutcome::Retried { .. }));
-    assert_eq!(format!("{:?}", t.ferry.get_effect("acme", r2.run_id, "pay", "psp.charge").await.unwrap().state), "Unknown");
+    assert_eq!(
+        format!(
+            "{:?}",
+            t.ferry
+                .get_effect("acme", r2.run_id, "pay", "psp.charge")
+                .await
+                .unwrap()
+                .state
+        ),
+        "Unknown"
+    );
     clock.advance(Duration::from_secs(2)).unwrap();
-    let c2 = t.ferry.claim("payments", "w", LEASE, 1).await.unwrap().pop().unwrap();
-    match t.ferry.reserve_effect(&c2.lease, "pay", "psp.charge").await.unwrap() {
+    let c2 = t
+        .ferry
+        .claim("payments", "w", LEASE, 1)
+        .await
+        .unwrap()
+        .pop()
+        .unwrap();
+    match t
+        .ferry
+        .reserve_effect(&c2.lease, "pay", "psp.charge")
+        .await
+        .unwrap()
+    {
         Reservation::NeedsReconcile(r) => assert_eq!(r.generation, 1),
         other => panic!("must reconcile first, got {other:?}"),
     }
     let resolved = t
         .ferry
-        .reconcile_effect(&c2.lease, "pay", "psp.charge", Resolution::Succeeded { provider_ref: "ch_9".into() })
+        .reconcile_effect(
+            &c2.lease,
+            "pay",
+            "psp.charge",
+            Resolution::Succeeded {
+                provider_ref: "ch_9".into(),
+            },
+        )
         .await
         .unwrap();
-    assert!(matches!(resolved, Reservation::AlreadyDone(ref r) if r.generation == 2 && r.provider_ref.as_deref() == Some("ch_9")));
+    assert!(
+        matches!(resolved, Reservation::AlreadyDone(ref r) if r.generation == 2 && r.provider_ref.as_deref() == Some("ch_9"))
+    );
     // A reconcile that finds nothing happened lets the step run under the new generation.
-    assert!(matches!(t.ferry.reserve_effect(&c2.lease, "ship", "wms.ship").await.unwrap(), Reservation::Proceed(_)));
-    t.ferry.record_effect_failure(&c2.lease, "ship", "wms.ship", "wms_timeout", true).await.unwrap();
-    match t.ferry.reconcile_effect(&c2.lease, "ship", "wms.ship", Resolution::NotApplied).await.unwrap() {
-        Reservation::Proceed(r) => assert_eq!((format!("{:?}", r.state), r.generation), ("Reserved".into(), 2)),
+    assert!(matches!(
+        t.ferry
+            .reserve_effect(&c2.lease, "ship", "wms.ship")
+            .await
+            .unwrap(),
+        Reservation::Proceed(_)
+    ));
+    t.ferry
+        .record_effect_failure(&c2.lease, "ship", "wms.ship", "wms_timeout", true)
+        .await
+        .unwrap();
+    match t
+        .ferry
+        .reconcile_effect(&c2.lease, "ship", "wms.ship", Resolution::NotApplied)
+        .await
+        .unwrap()
+    {
+        Reservation::Proceed(r) => assert_eq!(
+            (format!("{:?}", r.state), r.generation),
+            ("Reserved".into(), 2)
+        ),
         other => panic!("unexpected {other:?}"),
     }
 
@@ -247,57 +595,157 @@ async fn effect_ledger(kind: Kind) {
 
     // A stale generation can write nothing.
     let r3 = t.ferry.create_run_idempotent(job("e3")).await.unwrap().run;
-    let a = t.ferry.claim("payments", "a", LEASE, 1).await.unwrap().pop().unwrap();
+    let a = t
+        .ferry
+        .claim("payments", "a", LEASE, 1)
+        .await
+        .unwrap()
+        .pop()
+        .unwrap();
     assert_eq!(a.lease.run_id, r3.run_id);
-    t.ferry.reserve_effect(&a.lease, "pay", "psp.charge").await.unwrap();
+    t.ferry
+        .reserve_effect(&a.lease, "pay", "psp.charge")
+        .await
+        .unwrap();
     clock.advance(LEASE * 2).unwrap();
-    let b = t.ferry.claim("payments", "b", LEASE, 1).await.unwrap().pop().unwrap();
+    let b = t
+        .ferry
+        .claim("payments", "b", LEASE, 1)
+        .await
+        .unwrap()
+        .pop()
+        .unwrap();
     assert_eq!(b.lease.run_id, r3.run_id);
     for e in [
-        t.ferry.record_effect_success(&a.lease, "pay", "psp.charge", "ch_stale").await.unwrap_err(),
-        t.ferry.record_effect_failure(&a.lease, "pay", "psp.charge", "x", false).await.unwrap_err(),
-        t.ferry.reconcile_effect(&a.lease, "pay", "psp.charge", Resolution::NotApplied).await.unwrap_err(),
+        t.ferry
+            .record_effect_success(&a.lease, "pay", "psp.charge", "ch_stale")
+            .await
+            .unwrap_err(),
+        t.ferry
+            .record_effect_failure(&a.lease, "pay", "psp.charge", "x", false)
+            .await
+            .unwrap_err(),
+        t.ferry
+            .reconcile_effect(&a.lease, "pay", "psp.charge", Resolution::NotApplied)
+            .await
+            .unwrap_err(),
     ] {
         assert_eq!(e.code(), "lost_lease");
     }
-    let rec = t.ferry.get_effect("acme", r3.run_id, "pay", "psp.charge").await.unwrap();
-    assert_eq!((rec.generation, rec.provider_ref), (1, None), "the stale worker changed nothing");
-    assert!(matches!(t.ferry.reserve_effect(&b.lease, "pay", "psp.charge").await.unwrap(), Reservation::NeedsReconcile(_)));
+    let rec = t
+        .ferry
+        .get_effect("acme", r3.run_id, "pay", "psp.charge")
+        .await
+        .unwrap();
+    assert_eq!(
+        (rec.generation, rec.provider_ref),
+        (1, None),
+        "the stale worker changed nothing"
+    );
+    assert!(matches!(
+        t.ferry
+            .reserve_effect(&b.lease, "pay", "psp.charge")
+            .await
+            .unwrap(),
+        Reservation::NeedsReconcile(_)
+    ));
 }
 
 async fn dead_jobs_are_listed_and_replayed_once(kind: Kind) {
     let t = TestDb::with_clock(kind, manual_clock()).await;
     let run = t.ferry.create_run_idempotent(job("d1")).await.unwrap().run;
-    let c = t.ferry.claim("payments", "w", LEASE, 1).await.unwrap().pop().unwrap();
+    let c = t
+        .ferry
+        .claim("payments", "w", LEASE, 1)
+        .await
+        .unwrap()
+        .pop()
+        .unwrap();
     let mut rng = StdRng::seed_from_u64(0);
-    t.ferry.fail(&c.lease, &JobError::terminal("card_declined"), &RetryPolicy::default(), &mut rng).await.unwrap();
-    assert!(t.ferry.list_dead("acme", Some("other_code"), 10).await.unwrap().is_empty());
-    let dead = t.ferry.list_dead("acme", Some("card_declined"), 10).await.unwrap();
+    t.ferry
+        .fail(
+            &c.lease,
+            &JobError::terminal("card_declined"),
+            &RetryPolicy::default(),
+            &mut rng,
+        )
+        .await
+        .unwrap();
+    assert!(t
+        .ferry
+        .list_dead("acme", Some("other_code"), 10)
+        .await
+        .unwrap()
+        .is_empty());
+    let dead = t
+        .ferry
+        .list_dead("acme", Some("card_declined"), 10)
+        .await
+        .unwrap();
     assert_eq!(dead.len(), 1);
     assert_eq!(dead[0].history.len(), 1);
     assert_eq!(dead[0].history[0].error_class.as_deref(), Some("terminal"));
-    let replay = t.ferry.replay_dead("acme", run.run_id, "ops@example", "card updated", false).await.unwrap();
+    let replay = t
+        .ferry
+        .replay_dead("acme", run.run_id, "ops@example", "card updated", false)
+        .await
+        .unwrap();
     assert!(!replay.replay);
     assert_ne!(replay.run.run_id, run.run_id, "a new run");
     assert_eq!(replay.run.replay_of, Some(run.run_id));
     assert_eq!(replay.run.operation, "charge.replay");
-    let audit = t.ferry.list_events("acme", run.run_id).await.unwrap().pop().unwrap();
-    assert_eq!((audit.kind.as_str(), audit.body["actor"].as_str(), audit.body["reason"].as_str()), ("replay_requested", Some("ops@example"), Some("card updated")));
-    let again = t.ferry.replay_dead("acme", run.run_id, "ops", "again", false).await.unwrap_err();
+    let audit = t
+        .ferry
+        .list_events("acme", run.run_id)
+        .await
+        .unwrap()
+        .pop()
+        .unwrap();
+    assert_eq!(
+        (
+            audit.kind.as_str(),
+            audit.body["actor"].as_str(),
+            audit.body["reason"].as_str()
+        ),
+        (
+            "replay_requested",
+            Some("ops@example"),
+            Some("card updated")
+        )
+    );
+    let again = t
+        .ferry
+        .replay_dead("acme", run.run_id, "ops", "again", false)
+        .await
+        .unwrap_err();
     assert_eq!(again.code(), "already_replayed");
-    let forced = t.ferry.replay_dead("acme", run.run_id, "ops", "again, on purpose", true).await.unwrap();
+    let forced = t
+        .ferry
+        .replay_dead("acme", run.run_id, "ops", "again, on purpose", true)
+        .await
+        .unwrap();
     assert_ne!(forced.run.run_id, replay.run.run_id);
     let c = t.ferry.claim("payments", "w", LEASE, 10).await.unwrap();
     assert_eq!(c.len(), 2, "both replays are claimable");
     assert!(c.iter().all(|x| x.replay_of == Some(run.run_id)));
-    assert_eq!(t.ferry.replay_dead("acme", replay.run.run_id, "ops", "x", false).await.unwrap_err().code(), "invalid_state");
+    assert_eq!(
+        t.ferry
+            .replay_dead("acme", replay.run.run_id, "ops", "x", false)
+            .await
+            .unwrap_err()
+            .code(),
+        "invalid_state"
+    );
 }
 
 async fn attempt_history_is_bounded_by_retention(kind: Kind) {
     let clock = manual_clock();
     let t = TestDb::with_clock(kind, clock.clone()).await;
     for i in 0..3 {
-        t.ferry.create_run_idempotent(job(&format!("h{i}"))).await.unwrap();
+        t.ferry
+            .create_run_idempotent(job(&format!("h{i}")))
+            .await
+            .unwrap();
     }
     for c in t.ferry.claim("payments", "w", LEASE, 10).await.unwrap() {
         t.ferry.complete(&c.lease, &json!({})).await.unwrap();

@@ -4,4 +4,6 @@
 mod accept;
 mod fingerprint;
 mod jobs;
+mod pg;
 mod support;
+mod worker;

@@ -18,14 +18,14 @@ pub enum Kind {
 
 /// The base URL of the test PostgreSQL.
 pub fn pg_url() -> String {
-    std::env::var("DATABASE_URL").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".into())
+    std::env::var("DATABASE_URL")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".into())
 }
 
 static SEQ: AtomicU64 = AtomicU64::new(0);
 
 /// A migrated database of one engine, and how to reach it again.
 pub struct TestDb {
-    pub kind: Kind,
     pub url: String,
     pub ferry: Ferry,
 }
@@ -50,12 +50,16 @@ impl TestDb {
             .connect()
             .await
             .unwrap_or_else(|e| panic!("cannot open test database {kind:?}: {e}"));
-        TestDb { kind, url, ferry }
+        TestDb { url, ferry }
     }
 
     /// Another handle on the same database (another pool), sharing the clock.
     pub async fn reopen(&self) -> Ferry {
-        Ferry::builder(&self.url).clock(self.ferry.clock().clone()).connect().await.expect("reopen")
+        Ferry::builder(&self.url)
+            .clock(self.ferry.clock().clone())
+            .connect()
+            .await
+            .expect("reopen")
     }
 
     /// One scalar from a raw SQL query (the same text on both engines).
@@ -90,7 +94,9 @@ pub async fn fresh_url(kind: Kind) -> String {
         Kind::Postgres => {
             let base = pg_url();
             let schema = format!("ferry_t_{pid}_{n}");
-            let opts: PgConnectOptions = base.parse().expect("DATABASE_URL must be a postgres:// URL");
+            let opts: PgConnectOptions = base
+                .parse()
+                .expect("DATABASE_URL must be a postgres:// URL");
             let admin = PgPoolOptions::new()
                 .max_connections(1)
                 .acquire_timeout(Duration::from_secs(5))
@@ -102,7 +108,10 @@ pub async fn fresh_url(kind: Kind) -> String {
             if n == 0 {
                 drop_stale_schemas(&admin, pid).await;
             }
-            sqlx::query(&format!("CREATE SCHEMA {schema}")).execute(&admin).await.expect("create schema");
+            sqlx::query(&format!("CREATE SCHEMA {schema}"))
+                .execute(&admin)
+                .await
+                .expect("create schema");
             admin.close().await;
             let sep = if base.contains('?') { '&' } else { '?' };
             format!("{base}{sep}options=-csearch_path%3D{schema}")
@@ -120,7 +129,9 @@ async fn drop_stale_schemas(admin: &sqlx::PgPool, pid: u32) {
     .await
     .unwrap_or_default();
     for s in stale {
-        let _ = sqlx::query(&format!("DROP SCHEMA IF EXISTS {s} CASCADE")).execute(admin).await;
+        let _ = sqlx::query(&format!("DROP SCHEMA IF EXISTS {s} CASCADE"))
+            .execute(admin)
+            .await;
     }
 }
 

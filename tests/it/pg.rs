@@ -1,0 +1,296 @@
+//! PostgreSQL-only: concurrent claimers, a many-worker soak, a SIGKILLed
+//! worker process, and `pg_terminate_backend` on a running worker.
+
+use std::collections::HashSet;
+use std::io::{BufRead, BufReader};
+use std::process::{Command, Stdio};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use ferry::worker::{JobContext, Worker, WorkerConfig};
+use ferry::{Claimed, Clock, Ferry, Millis, NewRun};
+use serde_json::json;
+use tokio::sync::mpsc;
+
+use crate::support::{Kind, TestDb};
+
+async fn accept_many(ferry: &Ferry, n: usize, queue: &str) {
+    let chunks: Vec<_> = (0..n)
+        .collect::<Vec<_>>()
+        .chunks(n.div_ceil(16))
+        .map(|c| c.to_vec())
+        .collect();
+    let tasks = chunks.into_iter().map(|chunk| {
+        let f = ferry.clone();
+        let queue = queue.to_owned();
+        tokio::spawn(async move {
+            for i in chunk {
+                let run =
+                    NewRun::new("acme", "work", format!("k-{i}"), json!({"i": i})).queue(&queue);
+                f.create_run_idempotent(run).await.unwrap();
+            }
+        })
+    });
+    for t in futures::future::join_all(tasks).await {
+        t.unwrap();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_claimers_never_share_a_job() {
+    let t = TestDb::new(Kind::Postgres).await;
+    accept_many(&t.ferry, 600, "q").await;
+    let other = t.reopen().await;
+    let claimer = |f: Ferry, name: &'static str| async move {
+        let mut got = Vec::new();
+        loop {
+            let batch = f
+                .claim("q", name, Duration::from_secs(60), 7)
+                .await
+                .unwrap();
+            if batch.is_empty() {
+                return got;
+            }
+            got.extend(batch.into_iter().map(|c| c.lease.run_id));
+        }
+    };
+    let (a, b) = tokio::join!(claimer(t.ferry.clone(), "a"), claimer(other, "b"));
+    assert!(!a.is_empty() && !b.is_empty(), "both claimers got work");
+    let all: HashSet<_> = a.iter().chain(b.iter()).collect();
+    assert_eq!(all.len(), a.len() + b.len(), "no job was claimed twice");
+    assert_eq!(all.len(), 600);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn eight_workers_complete_five_thousand_jobs_exactly_once() {
+    const N: usize = 5000;
+    let t = TestDb::new(Kind::Postgres).await;
+    accept_many(&t.ferry, N, "soak").await;
+    let calls = Arc::new(AtomicUsize::new(0));
+    let (done_tx, mut done_rx) = mpsc::channel::<()>(1);
+    let mut stops = Vec::new();
+    let mut running = Vec::new();
+    for w in 0..8 {
+        let calls = calls.clone();
+        let done_tx = done_tx.clone();
+        let config = WorkerConfig {
+            queues: vec!["soak".into()],
+            concurrency: 4,
+            batch: 16,
+            poll_interval: Duration::from_millis(50),
+            owner: format!("soak-{w}"),
+            ..WorkerConfig::default()
+        };
+        let worker = Worker::new(
+            t.ferry.clone(),
+            config,
+            move |job: Claimed, _ctx: JobContext| {
+                let calls = calls.clone();
+                let done_tx = done_tx.clone();
+                async move {
+                    if calls.fetch_add(1, Ordering::SeqCst) + 1 == N {
+                        let _ = done_tx.try_send(());
+                    }
+                    Ok(json!({"i": job.request["i"]}))
+                }
+            },
+        );
+        let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+        stops.push(stop_tx);
+        running.push(tokio::spawn(worker.run(async move {
+            let _ = stop_rx.await;
+        })));
+    }
+    done_rx.recv().await.unwrap();
+    for s in stops {
+        let _ = s.send(());
+    }
+    for r in running {
+        r.await.unwrap().unwrap();
+    }
+    assert_eq!(calls.load(Ordering::SeqCst), N, "every handler ran once");
+    assert_eq!(
+        t.scalar("SELECT count(*) FROM jobs WHERE state = 'succeeded'")
+            .await,
+        N as i64
+    );
+    assert_eq!(
+        t.scalar("SELECT count(*) FROM jobs WHERE state = 'leased'")
+            .await,
+        0,
+        "nothing left leased"
+    );
+    assert_eq!(
+        t.scalar("SELECT count(*) FROM run_events WHERE kind = 'run_succeeded'")
+            .await,
+        N as i64
+    );
+    assert_eq!(
+        t.scalar("SELECT count(*) FROM (SELECT run_id FROM run_events WHERE kind LIKE 'run\\_%' AND kind <> 'run_queued' GROUP BY tenant, run_id HAVING count(*) > 1) d").await,
+        0,
+        "no duplicate terminal events"
+    );
+    assert_eq!(
+        t.scalar("SELECT count(*) FROM job_attempts WHERE outcome = 'succeeded'")
+            .await,
+        N as i64
+    );
+    assert!(
+        t.scalar("SELECT count(DISTINCT worker) FROM job_attempts")
+            .await
+            >= 2,
+        "the work was shared"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sigkilled_worker_loses_nothing() {
+    let t = TestDb::new(Kind::Postgres).await;
+    let run = NewRun::new("acme", "work", "k-chaos", json!({"i": 1})).queue("chaos");
+    let id = t.ferry.create_run_idempotent(run).await.unwrap().run.run_id;
+    let mut child = Command::new(env!("CARGO_BIN_EXE_ferry-test-worker"))
+        .env("FERRY_URL", &t.url)
+        .env("FERRY_QUEUE", "chaos")
+        .env("FERRY_LEASE_MS", "60000")
+        .env("FERRY_MODE", "hang")
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("spawn the worker process");
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    assert_eq!(
+        line.trim(),
+        format!("claimed {id} 1"),
+        "the child holds the job mid-work"
+    );
+    child.kill().unwrap(); // SIGKILL
+    child.wait().unwrap();
+    // Nobody can take it while the dead worker's lease lasts...
+    assert!(t
+        .ferry
+        .claim("chaos", "rescuer", Duration::from_secs(30), 1)
+        .await
+        .unwrap()
+        .is_empty());
+    // ...and after expiry (an injected clock an hour ahead) another worker recovers it.
+    let now: i64 = sqlx::query_scalar("SELECT (extract(epoch FROM now()) * 1000)::bigint")
+        .fetch_one(t.ferry.db().as_postgres().unwrap())
+        .await
+        .unwrap();
+    let later = Ferry::builder(&t.url)
+        .clock(Clock::manual(Millis::new(now + 3_600_000).unwrap()))
+        .connect()
+        .await
+        .unwrap();
+    let c = later
+        .claim("chaos", "rescuer", Duration::from_secs(30), 1)
+        .await
+        .unwrap()
+        .pop()
+        .expect("recovered after expiry");
+    assert_eq!((c.lease.run_id, c.lease.generation, c.attempt), (id, 2, 2));
+    later
+        .complete(&c.lease, &json!({"by": "rescuer"}))
+        .await
+        .unwrap();
+    let attempts = t.ferry.list_attempts("acme", id).await.unwrap();
+    assert_eq!(attempts[0].outcome.as_deref(), Some("lost"));
+    assert_eq!(attempts[1].outcome.as_deref(), Some("succeeded"));
+    let kinds: Vec<_> = t
+        .ferry
+        .list_events("acme", id)
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|e| e.kind)
+        .collect();
+    assert_eq!(kinds, ["run_queued", "run_succeeded"]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_survives_pg_terminate_backend() {
+    const N: usize = 200;
+    let t = TestDb::new(Kind::Postgres).await;
+    accept_many(&t.ferry, N, "term").await;
+    let app = format!("ferry-term-{}", std::process::id());
+    let url = format!("{}&application_name={app}", t.url);
+    let worker_ferry = Ferry::builder(&url)
+        .max_connections(4)
+        .connect()
+        .await
+        .unwrap();
+    let calls = Arc::new(AtomicUsize::new(0));
+    let (half_tx, mut half_rx) = mpsc::channel::<()>(1);
+    let (go_tx, go_rx) = tokio::sync::watch::channel(false);
+    let (done_tx, mut done_rx) = mpsc::channel::<()>(1);
+    let config = WorkerConfig {
+        queues: vec!["term".into()],
+        concurrency: 4,
+        batch: 4,
+        poll_interval: Duration::from_millis(50),
+        owner: "survivor".into(),
+        ..WorkerConfig::default()
+    };
+    let c2 = calls.clone();
+    let worker = Worker::new(
+        worker_ferry,
+        config,
+        move |_job: Claimed, _ctx: JobContext| {
+            let calls = c2.clone();
+            let (half_tx, done_tx) = (half_tx.clone(), done_tx.clone());
+            let mut go = go_rx.clone();
+            async move {
+                let n = calls.fetch_add(1, Ordering::SeqCst) + 1;
+                if n == N / 2 {
+                    let _ = half_tx.try_send(());
+                }
+                if n >= N / 2 {
+                    // Hold the second half until the backends have been killed.
+                    let _ = go.wait_for(|v| *v).await;
+                }
+                if n >= N {
+                    let _ = done_tx.try_send(());
+                }
+                Ok(json!({}))
+            }
+        },
+    );
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let running = tokio::spawn(worker.run(async move {
+        let _ = stop_rx.await;
+    }));
+    half_rx.recv().await.unwrap();
+    let killed: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM (SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = $1) k",
+    )
+    .bind(&app)
+    .fetch_one(t.ferry.db().as_postgres().unwrap())
+    .await
+    .unwrap();
+    assert!(killed >= 1, "the worker's connections were terminated");
+    go_tx.send(true).unwrap();
+    // Every handler has run; graceful shutdown waits for their completions,
+    // which retry on fresh connections where the old ones were killed.
+    done_rx.recv().await.unwrap();
+    stop_tx.send(()).unwrap();
+    running.await.unwrap().unwrap();
+    assert_eq!(
+        t.scalar("SELECT count(*) FROM run_events WHERE kind = 'run_succeeded'")
+            .await,
+        N as i64
+    );
+    assert_eq!(
+        t.scalar("SELECT count(*) FROM jobs WHERE state <> 'succeeded'")
+            .await,
+        0,
+        "nothing lost"
+    );
+    assert_eq!(
+        calls.load(Ordering::SeqCst),
+        N,
+        "no job needed a second attempt"
+    );
+}
