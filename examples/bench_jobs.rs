@@ -1,0 +1,367 @@
+//! Job benchmarks on PostgreSQL, each beside a raw-SQL baseline of the same
+//! statements run in the same process and the same run:
+//! enqueue (single and batched), claim+complete with 1/4/16 workers (single
+//! and batch claims), and claim latency over a 10k and a 1M backlog.
+//!
+//!     cargo run --release --example bench_jobs -- [--quick]
+#![allow(clippy::print_stdout)]
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use ferry::store::POSTGRES as Q;
+use ferry::{Ferry, NewRun};
+use serde_json::json;
+use sqlx::PgPool;
+use uuid::Uuid;
+
+type Res<T> = Result<T, Box<dyn std::error::Error + Send + Sync>>;
+
+#[tokio::main]
+async fn main() -> Res<()> {
+    let quick = std::env::args().any(|a| a == "--quick");
+    let base = std::env::var("DATABASE_URL")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".into());
+    let n = if quick { 2_000 } else { 20_000 };
+    println!("ferry job benchmarks (PostgreSQL, 16 connections, n = {n})\n");
+    println!("{:<44} {:>12} {:>12}", "measure", "ferry", "raw SQL");
+
+    // Enqueue, single acceptance per transaction, 16 concurrent clients.
+    let (f, pool) = fresh(&base, "enq").await?;
+    let ferry_rate = rate(n, 16, move |i| {
+        let f = f.clone();
+        async move {
+            f.create_run_idempotent(NewRun::new("bench", "op", format!("k{i}"), json!({"i": i})))
+                .await?;
+            Ok(1)
+        }
+    })
+    .await?;
+    let raw = rate(n, 16, move |i| raw_accept(pool.clone(), i, 1)).await?;
+    row("enqueue, 1 per tx (jobs/s)", ferry_rate, raw);
+
+    // Enqueue, 100 acceptances per transaction.
+    let (f, pool) = fresh(&base, "enqb").await?;
+    let ferry_rate = rate(n / 100, 16, move |i| {
+        let f = f.clone();
+        async move {
+            let mut tx = f.begin().await?;
+            for j in 0..100 {
+                let run = NewRun::new("bench", "op", format!("k{i}-{j}"), json!({"i": i, "j": j}));
+                f.create_run_idempotent_in(tx.conn(), run).await?;
+            }
+            tx.commit().await?;
+            Ok(100)
+        }
+    })
+    .await?;
+    let raw = rate(n / 100, 16, move |i| raw_accept(pool.clone(), i, 100)).await?;
+    row("enqueue, 100 per tx (jobs/s)", ferry_rate, raw);
+
+    // Claim + complete.
+    for (workers, batch) in [(1, 1), (4, 1), (16, 1), (1, 100), (4, 100), (16, 100)] {
+        let jobs = if batch == 1 { n / 2 } else { n * 2 };
+        let (f, pool) = fresh(&base, "cc").await?;
+        seed(&pool, jobs).await?;
+        let ferry_rate = drain(workers, move |_| {
+            let f = f.clone();
+            async move {
+                let claimed = f
+                    .claim("default", "bench", Duration::from_secs(60), batch)
+                    .await?;
+                for c in &claimed {
+                    f.complete(&c.lease, &json!({})).await?;
+                }
+                Ok(claimed.len() as u64)
+            }
+        })
+        .await?;
+        let (_f, pool) = fresh(&base, "ccraw").await?;
+        seed(&pool, jobs).await?;
+        let raw = drain(workers, move |_| raw_claim_complete(pool.clone(), batch)).await?;
+        row(
+            &format!("claim+complete, {workers} workers, claim {batch} (jobs/s)"),
+            ferry_rate,
+            raw,
+        );
+    }
+
+    // Claim latency over a backlog.
+    for backlog in [10_000usize, if quick { 100_000 } else { 1_000_000 }] {
+        let (f, pool) = fresh(&base, "lat").await?;
+        seed(&pool, backlog).await?;
+        sqlx::query("VACUUM ANALYZE jobs").execute(&pool).await?;
+        let mut ferry_lat = Vec::new();
+        let mut raw_lat = Vec::new();
+        for _ in 0..1000 {
+            let t = Instant::now();
+            f.claim("default", "bench", Duration::from_secs(60), 1)
+                .await?;
+            ferry_lat.push(t.elapsed());
+            let t = Instant::now();
+            raw_claim(&pool, 1).await?;
+            raw_lat.push(t.elapsed());
+        }
+        for (name, p) in [("p50", 0.50), ("p99", 0.99)] {
+            println!(
+                "{:<44} {:>10.2}ms {:>10.2}ms",
+                format!("claim latency, backlog {backlog}, {name}"),
+                pct(&mut ferry_lat, p),
+                pct(&mut raw_lat, p)
+            );
+        }
+    }
+    Ok(())
+}
+
+fn row(name: &str, ferry: f64, raw: f64) {
+    println!("{name:<44} {ferry:>12.0} {raw:>12.0}");
+}
+
+fn pct(v: &mut [Duration], p: f64) -> f64 {
+    v.sort_unstable();
+    v[((v.len() - 1) as f64 * p) as usize].as_secs_f64() * 1000.0
+}
+
+/// A fresh schema with the Ferry tables, as a `Ferry` and a raw pool.
+async fn fresh(base: &str, name: &str) -> Res<(Ferry, PgPool)> {
+    let schema = format!("ferry_bench_{name}");
+    let admin = PgPool::connect(base).await?;
+    sqlx::query(&format!("DROP SCHEMA IF EXISTS {schema} CASCADE"))
+        .execute(&admin)
+        .await?;
+    sqlx::query(&format!("CREATE SCHEMA {schema}"))
+        .execute(&admin)
+        .await?;
+    admin.close().await;
+    let sep = if base.contains('?') { '&' } else { '?' };
+    let url = format!("{base}{sep}options=-csearch_path%3D{schema}");
+    let f = Ferry::builder(&url)
+        .max_connections(16)
+        .migrate(true)
+        .connect()
+        .await?;
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(16)
+        .connect(&url)
+        .await?;
+    Ok((f, pool))
+}
+
+/// Runs `count` operations on `conc` tasks; returns units per second.
+async fn rate<F, Fut>(count: usize, conc: usize, op: F) -> Res<f64>
+where
+    F: Fn(usize) -> Fut + Send + Sync + 'static,
+    Fut: std::future::Future<Output = Res<u64>> + Send,
+{
+    let op = Arc::new(op);
+    let next = Arc::new(AtomicU64::new(0));
+    let done = Arc::new(AtomicU64::new(0));
+    let start = Instant::now();
+    let tasks: Vec<_> = (0..conc)
+        .map(|_| {
+            let (op, next, done) = (op.clone(), next.clone(), done.clone());
+            tokio::spawn(async move {
+                loop {
+                    let i = next.fetch_add(1, Ordering::Relaxed) as usize;
+                    if i >= count {
+                        return Ok::<_, Box<dyn std::error::Error + Send + Sync>>(());
+                    }
+                    done.fetch_add(op(i).await?, Ordering::Relaxed);
+                }
+            })
+        })
+        .collect();
+    for t in tasks {
+        t.await??;
+    }
+    Ok(done.load(Ordering::Relaxed) as f64 / start.elapsed().as_secs_f64())
+}
+
+/// Runs `workers` loops of `op` until each sees an empty claim; jobs per second.
+async fn drain<F, Fut>(workers: usize, op: F) -> Res<f64>
+where
+    F: Fn(usize) -> Fut + Send + Sync + 'static,
+    Fut: std::future::Future<Output = Res<u64>> + Send,
+{
+    let op = Arc::new(op);
+    let done = Arc::new(AtomicU64::new(0));
+    let start = Instant::now();
+    let tasks: Vec<_> = (0..workers)
+        .map(|w| {
+            let (op, done) = (op.clone(), done.clone());
+            tokio::spawn(async move {
+                loop {
+                    let n = op(w).await?;
+                    if n == 0 {
+                        return Ok::<_, Box<dyn std::error::Error + Send + Sync>>(());
+                    }
+                    done.fetch_add(n, Ordering::Relaxed);
+                }
+            })
+        })
+        .collect();
+    for t in tasks {
+        t.await??;
+    }
+    Ok(done.load(Ordering::Relaxed) as f64 / start.elapsed().as_secs_f64())
+}
+
+/// Seeds `n` queued jobs with their runs in bulk.
+async fn seed(pool: &PgPool, n: usize) -> Res<()> {
+    sqlx::query(
+        "INSERT INTO runs (tenant, run_id, operation, state, version, request, created_at, updated_at, last_event_seq)
+         SELECT 'bench', gen_random_uuid(), 'op', 'queued', 1, jsonb_build_object('i', g), g, g, 1 FROM generate_series(1, $1) g",
+    )
+    .bind(n as i64)
+    .execute(pool)
+    .await?;
+    sqlx::query(
+        "INSERT INTO jobs (tenant, run_id, queue, state, available_at, max_attempts, created_at, updated_at)
+         SELECT tenant, run_id, 'default', 'queued', created_at, 5, created_at, created_at FROM runs",
+    )
+    .execute(pool)
+    .await?;
+    Ok(())
+}
+
+/// The acceptance statements, `per_tx` acceptances per transaction.
+async fn raw_accept(pool: PgPool, i: usize, per_tx: usize) -> Res<u64> {
+    let mut tx = pool.begin().await?;
+    for j in 0..per_tx {
+        let id = Uuid::now_v7();
+        let now: i64 = sqlx::query_scalar(Q.get("claim_idempotency_key"))
+            .bind("bench")
+            .bind("op")
+            .bind(format!("r{i}-{j}"))
+            .bind("fp")
+            .bind(1)
+            .bind(id)
+            .bind(None::<i64>)
+            .bind(86_400_000i64)
+            .fetch_one(&mut *tx)
+            .await?;
+        let req = json!({"i": i});
+        sqlx::query(Q.get("insert_run"))
+            .bind("bench")
+            .bind(id)
+            .bind("op")
+            .bind(sqlx::types::Json(&req))
+            .bind(None::<i64>)
+            .bind(None::<Uuid>)
+            .bind(now)
+            .execute(&mut *tx)
+            .await?;
+        sqlx::query(Q.get("insert_event"))
+            .bind("bench")
+            .bind(id)
+            .bind(1i64)
+            .bind("run_queued")
+            .bind(sqlx::types::Json(&req))
+            .bind(now)
+            .execute(&mut *tx)
+            .await?;
+        sqlx::query(Q.get("insert_job"))
+            .bind("bench")
+            .bind(id)
+            .bind("default")
+            .bind(now)
+            .bind(5)
+            .bind(None::<i64>)
+            .bind(now)
+            .execute(&mut *tx)
+            .await?;
+        raw_outbox(&mut tx, id, now).await?;
+    }
+    tx.commit().await?;
+    Ok(per_tx as u64)
+}
+
+async fn raw_outbox(tx: &mut sqlx::PgConnection, id: Uuid, now: i64) -> Res<()> {
+    sqlx::query(Q.get("insert_outbox"))
+        .bind("bench")
+        .bind("ferry.run-events")
+        .bind(id.to_string())
+        .bind(0)
+        .bind(b"{}".to_vec())
+        .bind(sqlx::types::Json(json!({})))
+        .bind(None::<String>)
+        .bind(None::<String>)
+        .bind(now)
+        .execute(&mut *tx)
+        .await?;
+    Ok(())
+}
+
+async fn raw_claim(pool: &PgPool, batch: u32) -> Res<Vec<(String, Uuid, i64, i32)>> {
+    use sqlx::Row;
+    let rows = sqlx::query(Q.get("claim_jobs"))
+        .bind("default")
+        .bind(None::<i64>)
+        .bind(i64::from(batch))
+        .bind("raw")
+        .bind(60_000i64)
+        .fetch_all(pool)
+        .await?;
+    Ok(rows
+        .iter()
+        .map(|r| {
+            (
+                r.get("tenant"),
+                r.get("run_id"),
+                r.get("lease_generation"),
+                r.get("attempts"),
+            )
+        })
+        .collect())
+}
+
+/// The same claim and the same fenced completion statements, without the library.
+async fn raw_claim_complete(pool: PgPool, batch: u32) -> Res<u64> {
+    let claimed = raw_claim(&pool, batch).await?;
+    for (tenant, id, generation, attempt) in &claimed {
+        let mut tx = pool.begin().await?;
+        let (_, _, _, now): (i32, i32, i64, i64) = sqlx::query_as(Q.get("finish_job"))
+            .bind(tenant)
+            .bind(id)
+            .bind("raw")
+            .bind(generation)
+            .bind(None::<i64>)
+            .bind("succeeded")
+            .bind(None::<i64>)
+            .bind(None::<String>)
+            .fetch_one(&mut *tx)
+            .await?;
+        let (seq, _, _): (i64, i64, i64) = sqlx::query_as(Q.get("terminate_run"))
+            .bind(tenant)
+            .bind(id)
+            .bind("succeeded")
+            .bind(now)
+            .bind(None::<i64>)
+            .fetch_one(&mut *tx)
+            .await?;
+        sqlx::query(Q.get("insert_event"))
+            .bind(tenant)
+            .bind(id)
+            .bind(seq)
+            .bind("run_succeeded")
+            .bind(sqlx::types::Json(json!({})))
+            .bind(now)
+            .execute(&mut *tx)
+            .await?;
+        raw_outbox(&mut tx, *id, now).await?;
+        sqlx::query(Q.get("close_attempt"))
+            .bind(tenant)
+            .bind(id)
+            .bind(attempt)
+            .bind(now)
+            .bind("succeeded")
+            .bind(None::<String>)
+            .bind(None::<String>)
+            .execute(&mut *tx)
+            .await?;
+        tx.commit().await?;
+    }
+    Ok(claimed.len() as u64)
+}
