@@ -87,6 +87,44 @@ async fn main() -> Res<()> {
         );
     }
 
+    // The worker runtime end to end: batch claims, handler, batched completions.
+    for (concurrency, batch) in [(16usize, 16u32), (200, 100)] {
+        let jobs = if quick { 5_000 } else { 50_000 };
+        let (f, pool) = fresh(&base, "worker").await?;
+        seed(&pool, jobs).await?;
+        let start = Instant::now();
+        let count = Arc::new(AtomicU64::new(0));
+        let (tx, mut rx) = tokio::sync::mpsc::channel::<()>(1);
+        let c = count.clone();
+        let worker = ferry::worker::Worker::new(
+            f.clone(),
+            ferry::worker::WorkerConfig { concurrency, batch, poll_interval: Duration::from_millis(10), ..Default::default() },
+            move |_job: ferry::Claimed, _ctx| {
+                let (c, tx) = (c.clone(), tx.clone());
+                async move {
+                    if c.fetch_add(1, Ordering::Relaxed) + 1 == jobs as u64 {
+                        let _ = tx.try_send(());
+                    }
+                    Ok(json!({}))
+                }
+            },
+        );
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let running = tokio::spawn(worker.run(async move {
+            let _ = stopped.await;
+        }));
+        rx.recv().await;
+        let _ = stop.send(());
+        running.await??;
+        let succeeded: i64 = sqlx::query_scalar("SELECT count(*) FROM jobs WHERE state = 'succeeded'").fetch_one(&pool).await?;
+        assert_eq!(succeeded, jobs as i64);
+        let ferry_rate = jobs as f64 / start.elapsed().as_secs_f64();
+        let (_f, pool) = fresh(&base, "workerraw").await?;
+        seed(&pool, jobs).await?;
+        let raw = drain(16, move |_| raw_claim_complete(pool.clone(), batch)).await?;
+        row(&format!("Worker, {concurrency} slots, claim {batch} (jobs/s)"), ferry_rate, raw);
+    }
+
     // Claim latency over a backlog.
     for backlog in [10_000usize, if quick { 100_000 } else { 1_000_000 }] {
         let (f, pool) = fresh(&base, "lat").await?;

@@ -374,6 +374,64 @@ impl Ferry {
         crate::finish(tx, r).await
     }
 
+    /// Completes many leases in one transaction (one commit): each is fenced
+    /// and terminalized exactly like [`Ferry::complete`]. Returns one result
+    /// per lease, in order; a refused lease does not affect the others.
+    pub async fn complete_batch(&self, items: &[(Lease, Value)]) -> Result<Vec<Result<()>>> {
+        for (_, result) in items {
+            let size = serde_json::to_vec(result).map(|v| v.len()).unwrap_or(usize::MAX);
+            self.limits().payload("result", size)?;
+        }
+        let mut tx = self.begin().await?;
+        let r = match tx.conn() {
+            Conn::Postgres(c) => self.complete_batch_pg(c, items).await,
+            Conn::Sqlite(c) => {
+                let mut out = Vec::with_capacity(items.len());
+                for (lease, result) in items {
+                    // A savepoint per lease keeps a refused one from leaving half its writes.
+                    let mut sp = sqlx::Connection::begin(&mut *c).await?;
+                    let one = self.complete_in(Conn::Sqlite(&mut sp), lease, result).await;
+                    if one.is_ok() {
+                        sp.commit().await?;
+                    } else {
+                        sp.rollback().await?;
+                    }
+                    out.push(one);
+                }
+                Ok(out)
+            }
+        };
+        crate::finish(tx, r).await
+    }
+
+    async fn complete_batch_pg(&self, c: &mut sqlx::PgConnection, items: &[(Lease, Value)]) -> Result<Vec<Result<()>>> {
+        let q = &*crate::store::POSTGRES;
+        let rows: Vec<(Uuid, bool)> = sqlx::query_as(q.get("complete_batch"))
+            .bind(items.iter().map(|(l, _)| l.tenant.as_str()).collect::<Vec<_>>())
+            .bind(items.iter().map(|(l, _)| l.run_id).collect::<Vec<_>>())
+            .bind(items.iter().map(|(l, _)| l.owner.as_str()).collect::<Vec<_>>())
+            .bind(items.iter().map(|(l, _)| l.generation).collect::<Vec<_>>())
+            .bind(items.iter().map(|(_, v)| Json(v)).collect::<Vec<_>>())
+            .bind(items.iter().map(|(l, _)| crate::outbox::lane_for(&l.run_id.to_string(), self.lanes())).collect::<Vec<_>>())
+            .bind(self.now())
+            .bind(&self.inner.events_topic)
+            .fetch_all(&mut *c)
+            .await?;
+        if rows.iter().any(|(_, moved)| !moved) {
+            return Err(Error::Config("a leased job's run was already terminal; the batch was rolled back".into()));
+        }
+        let done: std::collections::HashSet<Uuid> = rows.into_iter().map(|(id, _)| id).collect();
+        let mut out = Vec::with_capacity(items.len());
+        for (lease, _) in items {
+            out.push(if done.contains(&lease.run_id) {
+                Ok(())
+            } else {
+                Err(self.refusal(Conn::Postgres(&mut *c), lease, Transition::Finish).await)
+            });
+        }
+        Ok(out)
+    }
+
     async fn complete_in(&self, mut conn: Conn<'_>, lease: &Lease, result: &Value) -> Result<()> {
         let (attempt, _max, _created, now) = self
             .finish_job(conn.reborrow(), lease, "succeeded", None, None)

@@ -14,7 +14,7 @@ use backon::{BackoffBuilder, ExponentialBuilder, Retryable};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use serde_json::Value;
-use tokio::sync::Semaphore;
+use tokio::sync::{mpsc, oneshot, Semaphore};
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
@@ -216,6 +216,8 @@ impl<H: Handler> Worker<H> {
             None => StdRng::from_os_rng(),
         }));
         let mut wake = Wakeup::connect(&self.ferry).await;
+        let (completions, completed) = mpsc::channel(cfg.concurrency.max(1));
+        let completer = tokio::spawn(completer(self.ferry.clone(), completed, cfg.concurrency.clamp(1, 500)));
         let mut tasks = JoinSet::new();
         let mut backoff = reconnect_backoff();
         let mut next_queue = 0usize;
@@ -281,6 +283,7 @@ impl<H: Handler> Worker<H> {
                         .map_err(|_| Error::Config("worker slots closed".into()))?,
                 };
                 let attempt = Attempt {
+                    completions: completions.clone(),
                     ferry: self.ferry.clone(),
                     cfg: cfg.clone(),
                     stats: self.stats.clone(),
@@ -304,6 +307,8 @@ impl<H: Handler> Worker<H> {
             hard.cancel();
             while tasks.join_next().await.is_some() {}
         }
+        drop(completions);
+        let _ = completer.await;
         Ok(())
     }
 }
@@ -317,8 +322,50 @@ fn reconnect_backoff() -> impl Iterator<Item = Duration> {
         .build()
 }
 
+/// A finished handler's result on its way to the completer, and where to
+/// send the outcome.
+type Completion = (Lease, Value, oneshot::Sender<Result<()>>);
+
+/// Completes finished jobs in batches: whatever queued up while the previous
+/// commit ran goes into the next one, so completions share commits under load
+/// without delaying a lone job.
+async fn completer(ferry: Ferry, mut rx: mpsc::Receiver<Completion>, max_batch: usize) {
+    while let Some(first) = rx.recv().await {
+        let mut batch = vec![first];
+        while batch.len() < max_batch {
+            match rx.try_recv() {
+                Ok(item) => batch.push(item),
+                Err(_) => break,
+            }
+        }
+        let items: Vec<(Lease, Value)> = batch.iter().map(|(l, v, _)| (l.clone(), v.clone())).collect();
+        let outcome = (|| async { ferry.complete_batch(&items).await })
+            .retry(ExponentialBuilder::default().with_max_times(5))
+            .when(Error::is_transient)
+            .await;
+        match outcome {
+            Ok(results) => {
+                for ((_, _, reply), r) in batch.into_iter().zip(results) {
+                    let _ = reply.send(r);
+                }
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, code = e.code(), size = items.len(), "batch completion failed; completing one by one");
+                for (lease, value, reply) in batch {
+                    let one = (|| async { ferry.complete(&lease, &value).await })
+                        .retry(ExponentialBuilder::default().with_max_times(5))
+                        .when(Error::is_transient)
+                        .await;
+                    let _ = reply.send(one);
+                }
+            }
+        }
+    }
+}
+
 /// Everything one attempt's task needs.
 struct Attempt {
+    completions: mpsc::Sender<Completion>,
     ferry: Ferry,
     cfg: Arc<WorkerConfig>,
     stats: Arc<WorkerStats>,
@@ -373,10 +420,11 @@ impl Attempt {
         };
         match outcome {
             Ok(result) => {
-                let done = (|| async { self.ferry.complete(&lease, &result).await })
-                    .retry(ExponentialBuilder::default().with_max_times(5))
-                    .when(Error::is_transient)
-                    .await;
+                let (reply, answer) = oneshot::channel();
+                let done = match self.completions.send((lease.clone(), result, reply)).await {
+                    Ok(()) => answer.await.unwrap_or_else(|_| Err(Error::Config("completer stopped".into()))),
+                    Err(_) => Err(Error::Config("completer stopped".into())),
+                };
                 match done {
                     Ok(()) => {
                         self.stats.completed.fetch_add(1, Ordering::Relaxed);

@@ -334,6 +334,10 @@ macro_rules! engine_sql {
     };
 }
 
+/// Queries only PostgreSQL has: set-based statements built on data-modifying
+/// CTEs, which SQLite lacks. SQLite runs the equivalent statement by statement.
+pub const POSTGRES_ONLY: &[&str] = &["complete_batch"];
+
 /// PostgreSQL's named queries.
 pub static POSTGRES: LazyLock<Queries> =
     LazyLock::new(|| Queries::parse(Engine::Postgres, &engine_sql!("postgres")));

@@ -178,3 +178,50 @@ WHERE (tenant, run_id, attempt) IN (
 
 -- name: queued_depth
 SELECT count(*) FROM jobs WHERE tenant = $1 AND state = 'queued'
+
+-- name: complete_batch
+-- PostgreSQL only: completes many leases in one statement. Each input row is
+-- fenced like finish_job; for each completed job the run is compare-and-set
+-- to succeeded, the run_succeeded event and its outbox row are written, and
+-- the attempt is closed. Returns the completed run ids and whether their run
+-- moved (always, unless the schema was tampered with).
+WITH input AS (
+    SELECT * FROM UNNEST($1::text[], $2::uuid[], $3::text[], $4::bigint[], $5::jsonb[], $6::int[])
+        AS i(tenant, run_id, owner, generation, result, lane)
+), clock AS (
+    SELECT COALESCE($7::bigint, (extract(epoch FROM now()) * 1000)::bigint) AS at
+), done AS (
+    UPDATE jobs j
+    SET state = 'succeeded', lease_owner = NULL, lease_expires_at = NULL, last_error_code = NULL, updated_at = clock.at
+    FROM input i, clock
+    WHERE j.tenant = i.tenant AND j.run_id = i.run_id AND j.state = 'leased' AND j.lease_owner = i.owner
+      AND j.lease_generation = i.generation AND j.lease_expires_at > clock.at
+    RETURNING j.tenant, j.run_id, j.attempts, i.result, i.lane
+), finished AS (
+    UPDATE runs r
+    SET state = 'succeeded', version = r.version + 1, last_event_seq = r.last_event_seq + 1,
+        updated_at = GREATEST(r.updated_at, clock.at)
+    FROM done d, clock
+    WHERE r.tenant = d.tenant AND r.run_id = d.run_id AND r.state = 'queued'
+    RETURNING r.tenant, r.run_id, r.last_event_seq AS seq, d.attempts, d.result, d.lane
+), events AS (
+    INSERT INTO run_events (tenant, run_id, seq, kind, body, created_at)
+    SELECT f.tenant, f.run_id, f.seq, 'run_succeeded', jsonb_build_object('result', f.result), clock.at
+    FROM finished f, clock
+), outbox_rows AS (
+    INSERT INTO outbox (tenant, topic, key, lane, payload, headers, effect_key, created_at)
+    SELECT f.tenant, $8, f.run_id::text, f.lane,
+           convert_to(jsonb_build_object('tenant', f.tenant, 'run_id', f.run_id, 'seq', f.seq, 'kind', 'run_succeeded',
+                                         'at', clock.at, 'body', jsonb_build_object('result', f.result))::text, 'UTF8'),
+           jsonb_build_object('content-type', 'application/json', 'ferry-event-kind', 'run_succeeded'),
+           f.tenant || '/' || f.run_id::text || '/' || f.seq::text,
+           clock.at
+    FROM finished f, clock
+), attempts AS (
+    UPDATE job_attempts a
+    SET finished_at = clock.at, outcome = 'succeeded'
+    FROM finished f, clock
+    WHERE a.tenant = f.tenant AND a.run_id = f.run_id AND a.attempt = f.attempts AND a.finished_at IS NULL
+)
+SELECT d.run_id, EXISTS (SELECT 1 FROM finished f WHERE f.tenant = d.tenant AND f.run_id = d.run_id) AS moved
+FROM done d
