@@ -52,6 +52,15 @@ pub enum Error {
         /// The generation the caller held.
         generation: i64,
     },
+    /// A relay's lane lease is gone (expired or taken over): it may not mark
+    /// the lane's rows.
+    #[error("lane {lane} lease lost (generation {generation})")]
+    LostLane {
+        /// The lane.
+        lane: i32,
+        /// The generation the relay held.
+        generation: i64,
+    },
     /// The run already reached a terminal state, so the transition lost the race.
     #[error("run {run_id} is already {state}")]
     RunTerminal {
@@ -124,7 +133,7 @@ impl Error {
             Error::IdempotencyConflict { .. } => "idempotency_conflict",
             Error::DuplicateRun { .. } => "duplicate_run",
             Error::NotFound { .. } => "not_found",
-            Error::LostLease { .. } => "lost_lease",
+            Error::LostLease { .. } | Error::LostLane { .. } => "lost_lease",
             Error::RunTerminal { .. } => "run_terminal",
             Error::Cancelled { .. } => "cancelled",
             Error::DeadlineExceeded { .. } => "deadline_exceeded",

@@ -1,6 +1,24 @@
-//! `ferry-relay`: publishes the outbox to Kafka. This crate is a skeleton
-//! until the relay lands; it links the `ferry` library to keep the workspace
-//! honest.
+//! `ferry-relay`: the sidecar that publishes Ferry's transactional outbox to
+//! Kafka, and the operator CLI (`run`, `migrate`, `status`, `dead`, `demo`).
+//!
+//! Outbox rows carry `lane = murmur2(key) mod lanes`. Relay instances lease
+//! lanes with generations that only go up and split them fairly; each held
+//! lane is published in `id` order through an idempotent producer
+//! (`acks=all`), and rows are marked delivered only after acknowledgement,
+//! under the lane generation.
 #![forbid(unsafe_code)]
+#![deny(clippy::print_stdout)]
 
-pub use ferry;
+pub mod cli;
+pub mod config;
+pub mod demo;
+pub mod error;
+pub mod http;
+pub mod lanes;
+pub mod metrics;
+pub mod publish;
+pub mod service;
+
+pub use config::{OnPoison, RelayConfig};
+pub use error::RelayError;
+pub use service::{run, Relay};

@@ -330,6 +330,7 @@ macro_rules! engine_sql {
             include_str!(concat!("sql/", $engine, "/outbox.sql")),
             include_str!(concat!("sql/", $engine, "/jobs.sql")),
             include_str!(concat!("sql/", $engine, "/effects.sql")),
+            include_str!(concat!("sql/", $engine, "/relay.sql")),
         ]
     };
 }

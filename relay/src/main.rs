@@ -1,0 +1,17 @@
+//! `ferry-relay` binary: parses the command line and hands over to the library.
+
+use clap::Parser;
+
+#[tokio::main]
+async fn main() -> std::process::ExitCode {
+    let cli = ferry_relay::cli::Cli::parse();
+    ferry_relay::cli::init_tracing();
+    match ferry_relay::cli::run(cli, ferry_relay::cli::shutdown_signal()).await {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            tracing::error!(code = e.code(), "{e}");
+            eprintln!("ferry-relay: {e}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}

@@ -1,0 +1,338 @@
+//! The relay service: lane management, one publishing task per held lane,
+//! wake-ups, retention, the HTTP endpoints, and graceful shutdown.
+
+use std::collections::BTreeMap;
+use std::future::Future;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use backon::{BackoffBuilder, ExponentialBuilder};
+use ferry::relay::LaneLease;
+use ferry::Ferry;
+use rdkafka::producer::{FutureProducer, Producer};
+use tokio::sync::Notify;
+use tokio::task::JoinSet;
+use tokio_util::sync::CancellationToken;
+
+use crate::config::{OnPoison, RelayConfig};
+use crate::error::RelayError;
+use crate::lanes;
+use crate::metrics::{CodeLabel, Metrics};
+use crate::publish::{self, Outcome};
+
+/// A running relay's shared parts, for the HTTP endpoints and tests.
+#[derive(Debug)]
+pub struct RelayState {
+    /// The store.
+    pub ferry: Ferry,
+    /// Metrics.
+    pub metrics: Metrics,
+    /// This relay's lease identity.
+    pub owner: String,
+    /// Set once the first lane tick succeeded.
+    pub ready: AtomicBool,
+}
+
+struct LaneTask {
+    lease: LaneLease,
+    /// Stop after the in-flight batch (surplus, shutdown).
+    finish: CancellationToken,
+    /// Stop at once (the lease is lost): publish nothing more.
+    abort: CancellationToken,
+}
+
+/// A configured relay, not yet running: [`Relay::state`] gives tests and the
+/// demo its metrics before [`Relay::run`] starts it.
+pub struct Relay {
+    cfg: RelayConfig,
+    state: Arc<RelayState>,
+    producer: FutureProducer,
+}
+
+/// Binds `cfg.listen`, then runs a relay until `shutdown` resolves.
+pub async fn run(cfg: RelayConfig, ferry: Ferry, shutdown: impl Future<Output = ()>) -> Result<(), RelayError> {
+    let listener = tokio::net::TcpListener::bind(cfg.listen).await?;
+    Relay::new(cfg, ferry)?.run(listener, shutdown).await
+}
+
+impl Relay {
+    /// Validates `cfg` and creates the producer.
+    pub fn new(cfg: RelayConfig, ferry: Ferry) -> Result<Relay, RelayError> {
+        cfg.validate()?;
+        let producer = publish::producer(&cfg)?;
+        let owner = cfg.relay_id.clone().unwrap_or_else(|| format!("relay-{}", uuid::Uuid::now_v7().simple()));
+        let state = Arc::new(RelayState {
+            ferry,
+            metrics: Metrics::new(),
+            owner,
+            ready: AtomicBool::new(false),
+        });
+        Ok(Relay { cfg, state, producer })
+    }
+
+    /// The shared state (metrics, owner).
+    pub fn state(&self) -> Arc<RelayState> {
+        self.state.clone()
+    }
+
+    /// Runs until `shutdown` resolves, then stops taking batches, finishes and
+    /// marks the in-flight ones, releases the lanes it still holds and returns
+    /// within the grace period.
+    pub async fn run(self, listener: tokio::net::TcpListener, shutdown: impl Future<Output = ()>) -> Result<(), RelayError> {
+        let Relay { cfg, state, producer } = self;
+        let ferry = state.ferry.clone();
+        let owner = state.owner.clone();
+        let cfg = Arc::new(cfg);
+        let http_stop = CancellationToken::new();
+        let http = tokio::spawn(crate::http::serve(listener, state.clone(), http_stop.clone()));
+        let wake = Arc::new(Notify::new());
+        let listen_stop = CancellationToken::new();
+        tokio::spawn(listen_for_wakeups(ferry.clone(), wake.clone(), listen_stop.clone()));
+
+        let mut held: BTreeMap<i32, LaneTask> = BTreeMap::new();
+        let mut tasks = JoinSet::new();
+        let mut tick = tokio::time::interval(cfg.lease / 3);
+        let mut sweep = tokio::time::interval(Duration::from_secs(30));
+        tokio::pin!(shutdown);
+        loop {
+            tokio::select! {
+                _ = &mut shutdown => break,
+                _ = tick.tick() => {
+                    let leases: BTreeMap<i32, LaneLease> = held.iter().map(|(l, t)| (*l, t.lease)).collect();
+                    let plan = match lanes::tick(&ferry, &cfg, &owner, &leases).await {
+                        Ok(p) => p,
+                        Err(e) => {
+                            tracing::warn!(error = %e, code = e.code(), "lane tick failed");
+                            continue;
+                        }
+                    };
+                    state.ready.store(true, Ordering::Relaxed);
+                    for lost in plan.lost {
+                        if let Some(t) = held.remove(&lost.lane) {
+                            t.abort.cancel();
+                            state.metrics.lease_losses.inc();
+                            tracing::warn!(lane = lost.lane, generation = lost.generation, "lane lease lost; stopped publishing it");
+                        }
+                    }
+                    for extra in plan.surplus {
+                        if let Some(t) = held.remove(&extra.lane) {
+                            t.finish.cancel();
+                            let (ferry, owner) = (ferry.clone(), owner.clone());
+                            // Release after the lane's in-flight batch is marked.
+                            let done = t.abort.clone();
+                            tasks.spawn(async move {
+                                done.cancelled().await;
+                                let _ = ferry.release_lane(&owner, extra).await;
+                            });
+                        }
+                    }
+                    for lease in plan.acquired {
+                        let task = LaneTask { lease, finish: CancellationToken::new(), abort: CancellationToken::new() };
+                        tasks.spawn(lane_loop(state.clone(), cfg.clone(), producer.clone(), wake.clone(), lease, task.finish.clone(), task.abort.clone()));
+                        held.insert(lease.lane, task);
+                    }
+                    state.metrics.lanes_owned.set(held.len() as i64);
+                }
+                _ = sweep.tick(), if !cfg.delete_on_delivery => {
+                    loop {
+                        match ferry.sweep_delivered(cfg.retention, 1000).await {
+                            Ok(n) if n == 1000 => continue,
+                            Ok(_) => break,
+                            Err(e) => {
+                                tracing::warn!(error = %e, "retention sweep failed");
+                                break;
+                            }
+                        }
+                    }
+                }
+                Some(_) = tasks.join_next(), if !tasks.is_empty() => {}
+            }
+        }
+        tracing::info!(owner = %owner, "shutting down: finishing in-flight batches");
+        for t in held.values() {
+            t.finish.cancel();
+        }
+        wake.notify_waiters();
+        let drained = tokio::time::timeout(cfg.grace, async { while tasks.join_next().await.is_some() {} }).await;
+        if drained.is_err() {
+            tracing::warn!("grace period over; abandoning unfinished batches (their rows stay pending)");
+            tasks.abort_all();
+        }
+        for t in held.values() {
+            let _ = ferry.release_lane(&owner, t.lease).await;
+        }
+        let _ = ferry.relay_leave(&owner).await;
+        let _ = producer.flush(Duration::from_secs(1));
+        listen_stop.cancel();
+        http_stop.cancel();
+        let _ = http.await;
+        Ok(())
+    }
+}
+
+/// Publishes one lane until told to finish (after its in-flight batch) or
+/// abort (lease lost: publish and mark nothing more).
+async fn lane_loop(
+    state: Arc<RelayState>,
+    cfg: Arc<RelayConfig>,
+    producer: FutureProducer,
+    wake: Arc<Notify>,
+    lease: LaneLease,
+    finish: CancellationToken,
+    abort: CancellationToken,
+) {
+    let ferry = &state.ferry;
+    let m = &state.metrics;
+    let mut backoff = retry_backoff();
+    loop {
+        if finish.is_cancelled() || abort.is_cancelled() {
+            break;
+        }
+        let rows = match ferry.pending_batch(lease.lane, cfg.batch_size).await {
+            Ok(r) => r,
+            Err(e) => {
+                tracing::warn!(lane = lease.lane, error = %e, "reading the lane failed");
+                if pause(&mut backoff, &finish, &abort).await {
+                    break;
+                }
+                continue;
+            }
+        };
+        if rows.is_empty() {
+            let notified = wake.notified();
+            tokio::select! {
+                _ = notified => {}
+                _ = tokio::time::sleep(cfg.poll_interval) => {}
+                _ = finish.cancelled() => break,
+                _ = abort.cancelled() => break,
+            }
+            continue;
+        }
+        let outcomes = tokio::select! {
+            o = publish::publish_batch(&producer, &cfg, &rows) => o,
+            // Lost mid-batch: whatever was acknowledged is republished by the
+            // new owner (a duplicate, never a loss).
+            _ = abort.cancelled() => break,
+        };
+        let acked_at = now_ms();
+        let mut delivered = Vec::with_capacity(rows.len());
+        let mut stalled: Option<(&'static str, i64)> = None;
+        let mut blocked = false;
+        for (row, outcome) in rows.iter().zip(&outcomes) {
+            match outcome {
+                Outcome::Acked { .. } => {
+                    delivered.push(row.id);
+                    m.observe_latency(acked_at - row.created_at);
+                }
+                Outcome::Poison(code) => {
+                    m.publish_errors.get_or_create(&CodeLabel { code: (*code).into() }).inc();
+                    if cfg.on_poison == OnPoison::Block {
+                        tracing::error!(lane = lease.lane, id = row.id, code, "poison record blocks the lane (--on-poison=block)");
+                        blocked = true;
+                        break;
+                    }
+                    // Logged without its payload.
+                    tracing::error!(lane = lease.lane, id = row.id, tenant = %row.tenant, topic = %row.topic, code, "record refused by Kafka; marked dead");
+                    match ferry.mark_dead(&state.owner, lease, row.id, code).await {
+                        Ok(()) => {
+                            m.dead.inc();
+                        }
+                        Err(e) => {
+                            stalled = Some(("mark_dead", row.id));
+                            tracing::warn!(error = %e, "marking a poison row dead failed");
+                            break;
+                        }
+                    }
+                }
+                Outcome::Transient(code) => {
+                    // Resume from the first unacknowledged row; never skip ahead.
+                    m.publish_errors.get_or_create(&CodeLabel { code: (*code).into() }).inc();
+                    stalled = Some((code, row.id));
+                    break;
+                }
+            }
+        }
+        match ferry.mark_delivered(&state.owner, lease, &delivered, cfg.delete_on_delivery).await {
+            Ok(n) => {
+                m.published.inc_by(n);
+            }
+            Err(ferry::Error::LostLane { .. }) => {
+                tracing::warn!(lane = lease.lane, "lane taken over; its marks were refused");
+                break;
+            }
+            Err(e) => tracing::warn!(lane = lease.lane, error = %e, "marking delivered failed; rows will be republished"),
+        }
+        if let Some((code, id)) = stalled {
+            let _ = ferry.note_publish_error(lease.lane, id, code).await;
+            tracing::warn!(lane = lease.lane, id, code, "publish failed; backing off");
+        }
+        if stalled.is_some() || blocked {
+            if pause(&mut backoff, &finish, &abort).await {
+                break;
+            }
+        } else {
+            backoff = retry_backoff();
+        }
+    }
+    // Tell whoever waits to release this lane that nothing is in flight.
+    abort.cancel();
+}
+
+fn retry_backoff() -> impl Iterator<Item = Duration> {
+    ExponentialBuilder::default()
+        .with_min_delay(Duration::from_millis(100))
+        .with_max_delay(Duration::from_secs(10))
+        .with_jitter()
+        .without_max_times()
+        .build()
+}
+
+/// Sleeps the next backoff step; true when the lane should stop instead.
+async fn pause(backoff: &mut impl Iterator<Item = Duration>, finish: &CancellationToken, abort: &CancellationToken) -> bool {
+    let d = backoff.next().unwrap_or(Duration::from_secs(10));
+    tokio::select! {
+        _ = tokio::time::sleep(d) => false,
+        _ = finish.cancelled() => true,
+        _ = abort.cancelled() => true,
+    }
+}
+
+/// `LISTEN ferry_wakeup` on PostgreSQL; SQLite relies on the poll interval.
+async fn listen_for_wakeups(ferry: Ferry, wake: Arc<Notify>, stop: CancellationToken) {
+    let Some(pool) = ferry.db().as_postgres() else { return };
+    let mut backoff = retry_backoff();
+    loop {
+        let listener = async {
+            let mut l = sqlx::postgres::PgListener::connect_with(pool).await?;
+            l.listen(ferry::NOTIFY_CHANNEL).await?;
+            Ok::<_, sqlx::Error>(l)
+        };
+        let mut l = tokio::select! {
+            l = listener => match l {
+                Ok(l) => l,
+                Err(e) => {
+                    tracing::warn!(error = %e, "LISTEN failed; polling");
+                    tokio::select! { _ = tokio::time::sleep(backoff.next().unwrap_or(Duration::from_secs(10))) => continue, _ = stop.cancelled() => return }
+                }
+            },
+            _ = stop.cancelled() => return,
+        };
+        loop {
+            tokio::select! {
+                n = l.recv() => match n {
+                    Ok(_) => wake.notify_waiters(),
+                    Err(e) => {
+                        tracing::warn!(error = %e, "LISTEN connection lost");
+                        break;
+                    }
+                },
+                _ = stop.cancelled() => return,
+            }
+        }
+    }
+}
+
+fn now_ms() -> i64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_millis() as i64).unwrap_or(0)
+}

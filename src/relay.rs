@@ -1,0 +1,336 @@
+//! The relay's side of the outbox, without Kafka: lane leases with
+//! generations that only go up, batches in `id` order, marks fenced by the
+//! lane generation, poison rows, retention and status. `ferry-relay` drives
+//! these; the `ferry` library itself never links rdkafka.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use sqlx::types::Json;
+
+use crate::error::{Error, Result};
+use crate::store::{on_conn, on_pool, Conn};
+use crate::time::duration_ms;
+use crate::Ferry;
+
+/// A lane this relay holds, at a generation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, sqlx::FromRow)]
+pub struct LaneLease {
+    /// Lane number.
+    pub lane: i32,
+    /// Generation of this relay's lease on it.
+    pub generation: i64,
+}
+
+/// An outbox row waiting to be published.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PendingRow {
+    /// Outbox id: publication order within the lane, and the default effect key.
+    pub id: i64,
+    /// Tenant.
+    pub tenant: String,
+    /// Topic before routing.
+    pub topic: String,
+    /// Kafka key.
+    pub key: String,
+    /// Record value.
+    pub payload: Vec<u8>,
+    /// Row headers.
+    pub headers: BTreeMap<String, String>,
+    /// Effect key, when the writer set one.
+    pub effect_key: Option<String>,
+    /// W3C trace context captured at enqueue.
+    pub traceparent: Option<String>,
+    /// Commit-side timestamp (ms), for commit-to-ack latency.
+    pub created_at: i64,
+}
+
+#[derive(sqlx::FromRow)]
+struct PendingSqlRow {
+    id: i64,
+    tenant: String,
+    topic: String,
+    key: String,
+    payload: Vec<u8>,
+    headers: Json<BTreeMap<String, String>>,
+    effect_key: Option<String>,
+    traceparent: Option<String>,
+    created_at: i64,
+}
+
+/// A dead (poison) outbox row, without its payload.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, sqlx::FromRow)]
+pub struct DeadRow {
+    /// Outbox id.
+    pub id: i64,
+    /// Tenant.
+    pub tenant: String,
+    /// Topic.
+    pub topic: String,
+    /// Key.
+    pub key: String,
+    /// The error code that killed it.
+    pub last_error: Option<String>,
+    /// Publish attempts.
+    pub publish_attempts: i32,
+    /// Enqueued at.
+    pub created_at: i64,
+}
+
+/// Who holds a lane.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, sqlx::FromRow)]
+pub struct LaneOwner {
+    /// Lane.
+    pub lane: i32,
+    /// Relay holding it, if any.
+    pub owner: Option<String>,
+    /// Current generation.
+    pub generation: i64,
+    /// Lease expiry.
+    pub lease_expires_at: Option<i64>,
+}
+
+/// Pending backlog.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, sqlx::FromRow)]
+pub struct Backlog {
+    /// Pending rows.
+    pub pending: i64,
+    /// `created_at` of the oldest pending row (0 when none).
+    pub oldest: i64,
+    /// The clock's now.
+    pub now: i64,
+}
+
+impl Backlog {
+    /// Age of the oldest pending row in ms (0 when none).
+    pub fn oldest_age_ms(&self) -> i64 {
+        if self.pending == 0 {
+            0
+        } else {
+            (self.now - self.oldest).max(0)
+        }
+    }
+}
+
+impl Ferry {
+    /// Announces relay `owner` alive for `ttl`; returns how many relays are live.
+    pub async fn relay_heartbeat(&self, owner: &str, ttl: Duration) -> Result<i64> {
+        let ttl = duration_ms(ttl)?;
+        Ok(on_pool!(self.db(), |p, q| {
+            sqlx::query(q.get("relay_heartbeat")).bind(owner).bind(self.now()).bind(ttl).execute(p).await?;
+            sqlx::query_scalar(q.get("live_relays")).bind(self.now()).fetch_one(p).await?
+        }))
+    }
+
+    /// Removes relay `owner` from the membership (clean shutdown).
+    pub async fn relay_leave(&self, owner: &str) -> Result<()> {
+        on_pool!(self.db(), |p, q| {
+            sqlx::query(q.get("relay_leave")).bind(owner).execute(p).await?;
+        });
+        Ok(())
+    }
+
+    /// Extends every lane `owner` still holds; returns them. Lanes missing from
+    /// the answer were lost.
+    pub async fn renew_lanes(&self, owner: &str, lease: Duration) -> Result<Vec<LaneLease>> {
+        let ms = duration_ms(lease)?;
+        Ok(on_pool!(self.db(), |p, q| {
+            sqlx::query_as(q.get("renew_lanes")).bind(owner).bind(self.now()).bind(ms).fetch_all(p).await?
+        }))
+    }
+
+    /// Takes up to `max` free or expired lanes, each at a new generation.
+    pub async fn acquire_lanes(&self, owner: &str, lease: Duration, max: u32) -> Result<Vec<LaneLease>> {
+        let ms = duration_ms(lease)?;
+        if max == 0 {
+            return Ok(Vec::new());
+        }
+        let mut tx = self.begin().await?;
+        let r = async {
+            Ok(on_conn!(tx.conn(), |c, q| {
+                sqlx::query_as(q.get("acquire_lanes"))
+                    .bind(owner)
+                    .bind(self.now())
+                    .bind(ms)
+                    .bind(i64::from(max))
+                    .bind(self.lanes())
+                    .fetch_all(&mut *c)
+                    .await?
+            }))
+        }
+        .await;
+        crate::finish(tx, r).await
+    }
+
+    /// Gives a lane back, only if `owner` still holds it at that generation.
+    pub async fn release_lane(&self, owner: &str, lane: LaneLease) -> Result<bool> {
+        let n = on_pool!(self.db(), |p, q| {
+            sqlx::query(q.get("release_lane")).bind(lane.lane).bind(owner).bind(lane.generation).execute(p).await?.rows_affected()
+        });
+        Ok(n == 1)
+    }
+
+    /// The next `limit` pending rows of `lane`, in `id` order.
+    pub async fn pending_batch(&self, lane: i32, limit: u32) -> Result<Vec<PendingRow>> {
+        let rows: Vec<PendingSqlRow> = on_pool!(self.db(), |p, q| {
+            sqlx::query_as(q.get("pending_batch")).bind(lane).bind(i64::from(limit)).fetch_all(p).await?
+        });
+        Ok(rows
+            .into_iter()
+            .map(|r| PendingRow {
+                id: r.id,
+                tenant: r.tenant,
+                topic: r.topic,
+                key: r.key,
+                payload: r.payload,
+                headers: r.headers.0,
+                effect_key: r.effect_key,
+                traceparent: r.traceparent,
+                created_at: r.created_at,
+            })
+            .collect())
+    }
+
+    /// Marks acknowledged rows delivered (or deletes them, with `delete`), in
+    /// one statement, fenced by the lane generation: a relay that lost the
+    /// lane gets [`Error::LostLane`] and changes nothing.
+    pub async fn mark_delivered(&self, owner: &str, lane: LaneLease, ids: &[i64], delete: bool) -> Result<u64> {
+        if ids.is_empty() {
+            return Ok(0);
+        }
+        let mut tx = self.begin().await?;
+        let r = async {
+            self.lock_lane(tx.conn(), owner, lane).await?;
+            let name = if delete { "delete_delivered" } else { "mark_delivered" };
+            Ok(match tx.conn() {
+                Conn::Postgres(c) => sqlx::query(crate::store::POSTGRES.get(name))
+                    .bind(lane.lane)
+                    .bind(ids)
+                    .bind(self.now())
+                    .execute(&mut *c)
+                    .await?
+                    .rows_affected(),
+                Conn::Sqlite(c) => sqlx::query(crate::store::SQLITE.get(name))
+                    .bind(lane.lane)
+                    .bind(serde_json::to_string(ids).map_err(|e| Error::Config(e.to_string()))?)
+                    .bind(self.now())
+                    .execute(&mut *c)
+                    .await?
+                    .rows_affected(),
+            })
+        }
+        .await;
+        crate::finish(tx, r).await
+    }
+
+    /// Marks a row Kafka will never accept `dead` with its error code, fenced
+    /// by the lane generation.
+    pub async fn mark_dead(&self, owner: &str, lane: LaneLease, id: i64, code: &str) -> Result<()> {
+        let mut tx = self.begin().await?;
+        let r = async {
+            self.lock_lane(tx.conn(), owner, lane).await?;
+            on_conn!(tx.conn(), |c, q| {
+                sqlx::query(q.get("mark_dead")).bind(lane.lane).bind(id).bind(code).execute(&mut *c).await?;
+            });
+            Ok(())
+        }
+        .await;
+        crate::finish(tx, r).await
+    }
+
+    /// Records a transient publish failure on a row (attempt count and code).
+    pub async fn note_publish_error(&self, lane: i32, id: i64, code: &str) -> Result<()> {
+        on_pool!(self.db(), |p, q| {
+            sqlx::query(q.get("note_publish_error")).bind(lane).bind(id).bind(code).execute(p).await?;
+        });
+        Ok(())
+    }
+
+    /// Deletes up to `batch` rows delivered more than `retention` ago.
+    pub async fn sweep_delivered(&self, retention: Duration, batch: u32) -> Result<u64> {
+        let ms = duration_ms(retention)?;
+        Ok(on_pool!(self.db(), |p, q| {
+            sqlx::query(q.get("sweep_delivered")).bind(self.now()).bind(ms).bind(i64::from(batch)).execute(p).await?.rows_affected()
+        }))
+    }
+
+    /// The pending backlog and the age of its oldest row.
+    pub async fn outbox_backlog(&self) -> Result<Backlog> {
+        Ok(on_pool!(self.db(), |p, q| {
+            sqlx::query_as(q.get("outbox_backlog")).bind(self.now()).fetch_one(p).await?
+        }))
+    }
+
+    /// How many rows are dead.
+    pub async fn outbox_dead_count(&self) -> Result<i64> {
+        Ok(on_pool!(self.db(), |p, q| {
+            sqlx::query_scalar(q.get("outbox_dead_count")).fetch_one(p).await?
+        }))
+    }
+
+    /// Dead rows, oldest first, without payloads.
+    pub async fn list_dead_outbox(&self, limit: u32) -> Result<Vec<DeadRow>> {
+        Ok(on_pool!(self.db(), |p, q| {
+            sqlx::query_as(q.get("list_dead_outbox")).bind(i64::from(limit)).fetch_all(p).await?
+        }))
+    }
+
+    /// Puts dead rows (all, or only `id`) back to pending and writes an audit
+    /// entry naming `actor` and `reason`, in one transaction. Returns the ids.
+    pub async fn replay_dead_outbox(&self, id: Option<i64>, actor: &str, reason: &str) -> Result<Vec<i64>> {
+        self.limits().text("actor", actor, 255)?;
+        self.limits().text("reason", reason, 4096)?;
+        let mut tx = self.begin().await?;
+        let r = async {
+            let ids: Vec<i64> = on_conn!(tx.conn(), |c, q| {
+                sqlx::query_scalar(q.get("replay_dead_outbox")).bind(id).fetch_all(&mut *c).await?
+            });
+            let subject = format!("outbox:{}", serde_json::to_string(&ids).unwrap_or_default());
+            self.audit_in(tx.conn(), actor, "outbox.replay_dead", &subject, reason).await?;
+            Ok(ids)
+        }
+        .await;
+        crate::finish(tx, r).await
+    }
+
+    /// Who holds each lane.
+    pub async fn lane_owners(&self) -> Result<Vec<LaneOwner>> {
+        Ok(on_pool!(self.db(), |p, q| {
+            sqlx::query_as(q.get("lane_owners")).fetch_all(p).await?
+        }))
+    }
+
+    /// Appends an operator action to `ferry_audit`.
+    pub async fn audit_in(&self, conn: Conn<'_>, actor: &str, action: &str, subject: &str, reason: &str) -> Result<()> {
+        on_conn!(conn, |c, q| {
+            sqlx::query(q.get("insert_audit"))
+                .bind(self.now())
+                .bind(actor)
+                .bind(action)
+                .bind(subject)
+                .bind(reason)
+                .execute(&mut *c)
+                .await?;
+        });
+        Ok(())
+    }
+
+    async fn lock_lane(&self, conn: Conn<'_>, owner: &str, lane: LaneLease) -> Result<()> {
+        let held: Option<i32> = on_conn!(conn, |c, q| {
+            sqlx::query_scalar(q.get("lock_lane"))
+                .bind(lane.lane)
+                .bind(owner)
+                .bind(lane.generation)
+                .bind(self.now())
+                .fetch_optional(&mut *c)
+                .await?
+        });
+        match held {
+            Some(_) => Ok(()),
+            None => Err(Error::LostLane {
+                lane: lane.lane,
+                generation: lane.generation,
+            }),
+        }
+    }
+}

@@ -1,0 +1,106 @@
+-- The relay's side of the outbox: lane leases, batches, fenced marks, retention (PostgreSQL).
+
+-- name: relay_heartbeat
+INSERT INTO relay_instances (owner, expires_at)
+VALUES ($1, COALESCE($2::bigint, (extract(epoch FROM now()) * 1000)::bigint) + $3)
+ON CONFLICT ON CONSTRAINT relay_instances_pkey DO UPDATE SET expires_at = EXCLUDED.expires_at
+
+-- name: live_relays
+SELECT count(*) FROM relay_instances
+WHERE expires_at > COALESCE($1::bigint, (extract(epoch FROM now()) * 1000)::bigint)
+
+-- name: relay_leave
+DELETE FROM relay_instances WHERE owner = $1
+
+-- name: renew_lanes
+-- Extends every lane this relay still holds; lanes missing from the answer are lost.
+UPDATE relay_lanes
+SET lease_expires_at = COALESCE($2::bigint, (extract(epoch FROM now()) * 1000)::bigint) + $3
+WHERE owner = $1 AND lease_expires_at > COALESCE($2::bigint, (extract(epoch FROM now()) * 1000)::bigint)
+RETURNING lane, generation
+
+-- name: acquire_lanes
+-- Takes up to $4 free or expired lanes below $5, raising their generation.
+UPDATE relay_lanes
+SET owner = $1,
+    generation = generation + 1,
+    lease_expires_at = COALESCE($2::bigint, (extract(epoch FROM now()) * 1000)::bigint) + $3
+WHERE lane IN (
+    SELECT lane FROM relay_lanes
+    WHERE lane < $5
+      AND (owner IS NULL OR lease_expires_at <= COALESCE($2::bigint, (extract(epoch FROM now()) * 1000)::bigint))
+    ORDER BY lane
+    LIMIT $4
+    FOR UPDATE SKIP LOCKED
+)
+RETURNING lane, generation
+
+-- name: release_lane
+UPDATE relay_lanes SET owner = NULL, lease_expires_at = NULL
+WHERE lane = $1 AND owner = $2 AND generation = $3
+
+-- name: lock_lane
+-- Holds the lane row until commit, so no takeover can interleave with a mark.
+SELECT lane FROM relay_lanes
+WHERE lane = $1 AND owner = $2 AND generation = $3
+  AND lease_expires_at > COALESCE($4::bigint, (extract(epoch FROM now()) * 1000)::bigint)
+FOR SHARE
+
+-- name: pending_batch
+SELECT id, tenant, topic, key, payload, headers, effect_key, traceparent, created_at
+FROM outbox
+WHERE lane = $1 AND state = 'pending'
+ORDER BY id
+LIMIT $2
+
+-- name: mark_delivered
+UPDATE outbox
+SET state = 'delivered', delivered_at = COALESCE($3::bigint, (extract(epoch FROM now()) * 1000)::bigint),
+    publish_attempts = publish_attempts + 1
+WHERE lane = $1 AND state = 'pending' AND id = ANY($2::bigint[])
+
+-- name: delete_delivered
+DELETE FROM outbox WHERE lane = $1 AND state = 'pending' AND id = ANY($2::bigint[])
+
+-- name: mark_dead
+UPDATE outbox
+SET state = 'dead', last_error = $3, publish_attempts = publish_attempts + 1
+WHERE lane = $1 AND id = $2 AND state = 'pending'
+
+-- name: note_publish_error
+UPDATE outbox SET publish_attempts = publish_attempts + 1, last_error = $3
+WHERE lane = $1 AND id = $2 AND state = 'pending'
+
+-- name: sweep_delivered
+DELETE FROM outbox
+WHERE id IN (
+    SELECT id FROM outbox
+    WHERE state = 'delivered' AND delivered_at <= COALESCE($1::bigint, (extract(epoch FROM now()) * 1000)::bigint) - $2
+    LIMIT $3
+)
+
+-- name: outbox_backlog
+SELECT count(*) AS pending,
+       COALESCE(min(created_at), 0) AS oldest,
+       COALESCE($1::bigint, (extract(epoch FROM now()) * 1000)::bigint) AS now
+FROM outbox WHERE state = 'pending'
+
+-- name: outbox_dead_count
+SELECT count(*) FROM outbox WHERE state = 'dead'
+
+-- name: list_dead_outbox
+SELECT id, tenant, topic, key, last_error, publish_attempts, created_at
+FROM outbox WHERE state = 'dead' ORDER BY id LIMIT $1
+
+-- name: replay_dead_outbox
+-- Back to pending: every dead row, or only id $1.
+UPDATE outbox SET state = 'pending', last_error = NULL
+WHERE state = 'dead' AND ($1::bigint IS NULL OR id = $1)
+RETURNING id
+
+-- name: insert_audit
+INSERT INTO ferry_audit (at, actor, action, subject, reason)
+VALUES (COALESCE($1::bigint, (extract(epoch FROM now()) * 1000)::bigint), $2, $3, $4, $5)
+
+-- name: lane_owners
+SELECT lane, owner, generation, lease_expires_at FROM relay_lanes ORDER BY lane

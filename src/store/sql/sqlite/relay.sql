@@ -1,0 +1,104 @@
+-- The relay's side of the outbox: lane leases, batches, fenced marks, retention (SQLite).
+
+-- name: relay_heartbeat
+INSERT INTO relay_instances (owner, expires_at)
+VALUES ($1, COALESCE($2, CAST(unixepoch('subsec') * 1000 AS INTEGER)) + $3)
+ON CONFLICT (owner) DO UPDATE SET expires_at = EXCLUDED.expires_at
+
+-- name: live_relays
+SELECT count(*) FROM relay_instances
+WHERE expires_at > COALESCE($1, CAST(unixepoch('subsec') * 1000 AS INTEGER))
+
+-- name: relay_leave
+DELETE FROM relay_instances WHERE owner = $1
+
+-- name: renew_lanes
+-- Extends every lane this relay still holds; lanes missing from the answer are lost.
+UPDATE relay_lanes
+SET lease_expires_at = COALESCE($2, CAST(unixepoch('subsec') * 1000 AS INTEGER)) + $3
+WHERE owner = $1 AND lease_expires_at > COALESCE($2, CAST(unixepoch('subsec') * 1000 AS INTEGER))
+RETURNING lane, generation
+
+-- name: acquire_lanes
+-- Takes up to $4 free or expired lanes below $5, raising their generation.
+UPDATE relay_lanes
+SET owner = $1,
+    generation = generation + 1,
+    lease_expires_at = COALESCE($2, CAST(unixepoch('subsec') * 1000 AS INTEGER)) + $3
+WHERE lane IN (
+    SELECT lane FROM relay_lanes
+    WHERE lane < $5
+      AND (owner IS NULL OR lease_expires_at <= COALESCE($2, CAST(unixepoch('subsec') * 1000 AS INTEGER)))
+    ORDER BY lane
+    LIMIT $4
+)
+RETURNING lane, generation
+
+-- name: release_lane
+UPDATE relay_lanes SET owner = NULL, lease_expires_at = NULL
+WHERE lane = $1 AND owner = $2 AND generation = $3
+
+-- name: lock_lane
+-- BEGIN IMMEDIATE holds the write lock until commit, so no takeover can interleave with a mark.
+SELECT lane FROM relay_lanes
+WHERE lane = $1 AND owner = $2 AND generation = $3
+  AND lease_expires_at > COALESCE($4, CAST(unixepoch('subsec') * 1000 AS INTEGER))
+
+-- name: pending_batch
+SELECT id, tenant, topic, key, payload, headers, effect_key, traceparent, created_at
+FROM outbox
+WHERE lane = $1 AND state = 'pending'
+ORDER BY id
+LIMIT $2
+
+-- name: mark_delivered
+UPDATE outbox
+SET state = 'delivered', delivered_at = COALESCE($3, CAST(unixepoch('subsec') * 1000 AS INTEGER)),
+    publish_attempts = publish_attempts + 1
+WHERE lane = $1 AND state = 'pending' AND id IN (SELECT value FROM json_each($2))
+
+-- name: delete_delivered
+DELETE FROM outbox WHERE lane = $1 AND state = 'pending' AND id IN (SELECT value FROM json_each($2))
+
+-- name: mark_dead
+UPDATE outbox
+SET state = 'dead', last_error = $3, publish_attempts = publish_attempts + 1
+WHERE lane = $1 AND id = $2 AND state = 'pending'
+
+-- name: note_publish_error
+UPDATE outbox SET publish_attempts = publish_attempts + 1, last_error = $3
+WHERE lane = $1 AND id = $2 AND state = 'pending'
+
+-- name: sweep_delivered
+DELETE FROM outbox
+WHERE id IN (
+    SELECT id FROM outbox
+    WHERE state = 'delivered' AND delivered_at <= COALESCE($1, CAST(unixepoch('subsec') * 1000 AS INTEGER)) - $2
+    LIMIT $3
+)
+
+-- name: outbox_backlog
+SELECT count(*) AS pending,
+       COALESCE(min(created_at), 0) AS oldest,
+       COALESCE($1, CAST(unixepoch('subsec') * 1000 AS INTEGER)) AS now
+FROM outbox WHERE state = 'pending'
+
+-- name: outbox_dead_count
+SELECT count(*) FROM outbox WHERE state = 'dead'
+
+-- name: list_dead_outbox
+SELECT id, tenant, topic, key, last_error, publish_attempts, created_at
+FROM outbox WHERE state = 'dead' ORDER BY id LIMIT $1
+
+-- name: replay_dead_outbox
+-- Back to pending: every dead row, or only id $1.
+UPDATE outbox SET state = 'pending', last_error = NULL
+WHERE state = 'dead' AND ($1 IS NULL OR id = $1)
+RETURNING id
+
+-- name: insert_audit
+INSERT INTO ferry_audit (at, actor, action, subject, reason)
+VALUES (COALESCE($1, CAST(unixepoch('subsec') * 1000 AS INTEGER)), $2, $3, $4, $5)
+
+-- name: lane_owners
+SELECT lane, owner, generation, lease_expires_at FROM relay_lanes ORDER BY lane
