@@ -98,7 +98,12 @@ async fn main() -> Res<()> {
         let c = count.clone();
         let worker = ferry::worker::Worker::new(
             f.clone(),
-            ferry::worker::WorkerConfig { concurrency, batch, poll_interval: Duration::from_millis(10), ..Default::default() },
+            ferry::worker::WorkerConfig {
+                concurrency,
+                batch,
+                poll_interval: Duration::from_millis(10),
+                ..Default::default()
+            },
             move |_job: ferry::Claimed, _ctx| {
                 let (c, tx) = (c.clone(), tx.clone());
                 async move {
@@ -116,13 +121,20 @@ async fn main() -> Res<()> {
         rx.recv().await;
         let _ = stop.send(());
         running.await??;
-        let succeeded: i64 = sqlx::query_scalar("SELECT count(*) FROM jobs WHERE state = 'succeeded'").fetch_one(&pool).await?;
+        let succeeded: i64 =
+            sqlx::query_scalar("SELECT count(*) FROM jobs WHERE state = 'succeeded'")
+                .fetch_one(&pool)
+                .await?;
         assert_eq!(succeeded, jobs as i64);
         let ferry_rate = jobs as f64 / start.elapsed().as_secs_f64();
         let (_f, pool) = fresh(&base, "workerraw").await?;
         seed(&pool, jobs).await?;
         let raw = drain(16, move |_| raw_claim_complete(pool.clone(), batch)).await?;
-        row(&format!("Worker, {concurrency} slots, claim {batch} (jobs/s)"), ferry_rate, raw);
+        row(
+            &format!("Worker, {concurrency} slots, claim {batch} (jobs/s)"),
+            ferry_rate,
+            raw,
+        );
     }
 
     // Claim latency over a backlog.

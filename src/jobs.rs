@@ -379,7 +379,9 @@ impl Ferry {
     /// per lease, in order; a refused lease does not affect the others.
     pub async fn complete_batch(&self, items: &[(Lease, Value)]) -> Result<Vec<Result<()>>> {
         for (_, result) in items {
-            let size = serde_json::to_vec(result).map(|v| v.len()).unwrap_or(usize::MAX);
+            let size = serde_json::to_vec(result)
+                .map(|v| v.len())
+                .unwrap_or(usize::MAX);
             self.limits().payload("result", size)?;
         }
         let mut tx = self.begin().await?;
@@ -404,21 +406,42 @@ impl Ferry {
         crate::finish(tx, r).await
     }
 
-    async fn complete_batch_pg(&self, c: &mut sqlx::PgConnection, items: &[(Lease, Value)]) -> Result<Vec<Result<()>>> {
+    async fn complete_batch_pg(
+        &self,
+        c: &mut sqlx::PgConnection,
+        items: &[(Lease, Value)],
+    ) -> Result<Vec<Result<()>>> {
         let q = &*crate::store::POSTGRES;
         let rows: Vec<(Uuid, bool)> = sqlx::query_as(q.get("complete_batch"))
-            .bind(items.iter().map(|(l, _)| l.tenant.as_str()).collect::<Vec<_>>())
+            .bind(
+                items
+                    .iter()
+                    .map(|(l, _)| l.tenant.as_str())
+                    .collect::<Vec<_>>(),
+            )
             .bind(items.iter().map(|(l, _)| l.run_id).collect::<Vec<_>>())
-            .bind(items.iter().map(|(l, _)| l.owner.as_str()).collect::<Vec<_>>())
+            .bind(
+                items
+                    .iter()
+                    .map(|(l, _)| l.owner.as_str())
+                    .collect::<Vec<_>>(),
+            )
             .bind(items.iter().map(|(l, _)| l.generation).collect::<Vec<_>>())
             .bind(items.iter().map(|(_, v)| Json(v)).collect::<Vec<_>>())
-            .bind(items.iter().map(|(l, _)| crate::outbox::lane_for(&l.run_id.to_string(), self.lanes())).collect::<Vec<_>>())
+            .bind(
+                items
+                    .iter()
+                    .map(|(l, _)| crate::outbox::lane_for(&l.run_id.to_string(), self.lanes()))
+                    .collect::<Vec<_>>(),
+            )
             .bind(self.now())
             .bind(&self.inner.events_topic)
             .fetch_all(&mut *c)
             .await?;
         if rows.iter().any(|(_, moved)| !moved) {
-            return Err(Error::Config("a leased job's run was already terminal; the batch was rolled back".into()));
+            return Err(Error::Config(
+                "a leased job's run was already terminal; the batch was rolled back".into(),
+            ));
         }
         let done: std::collections::HashSet<Uuid> = rows.into_iter().map(|(id, _)| id).collect();
         let mut out = Vec::with_capacity(items.len());
@@ -426,7 +449,9 @@ impl Ferry {
             out.push(if done.contains(&lease.run_id) {
                 Ok(())
             } else {
-                Err(self.refusal(Conn::Postgres(&mut *c), lease, Transition::Finish).await)
+                Err(self
+                    .refusal(Conn::Postgres(&mut *c), lease, Transition::Finish)
+                    .await)
             });
         }
         Ok(out)

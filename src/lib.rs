@@ -31,6 +31,7 @@ pub mod relay;
 pub mod retry;
 pub mod runs;
 pub mod store;
+pub mod testing;
 pub mod time;
 pub mod worker;
 

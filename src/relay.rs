@@ -117,15 +117,26 @@ impl Ferry {
     pub async fn relay_heartbeat(&self, owner: &str, ttl: Duration) -> Result<i64> {
         let ttl = duration_ms(ttl)?;
         Ok(on_pool!(self.db(), |p, q| {
-            sqlx::query(q.get("relay_heartbeat")).bind(owner).bind(self.now()).bind(ttl).execute(p).await?;
-            sqlx::query_scalar(q.get("live_relays")).bind(self.now()).fetch_one(p).await?
+            sqlx::query(q.get("relay_heartbeat"))
+                .bind(owner)
+                .bind(self.now())
+                .bind(ttl)
+                .execute(p)
+                .await?;
+            sqlx::query_scalar(q.get("live_relays"))
+                .bind(self.now())
+                .fetch_one(p)
+                .await?
         }))
     }
 
     /// Removes relay `owner` from the membership (clean shutdown).
     pub async fn relay_leave(&self, owner: &str) -> Result<()> {
         on_pool!(self.db(), |p, q| {
-            sqlx::query(q.get("relay_leave")).bind(owner).execute(p).await?;
+            sqlx::query(q.get("relay_leave"))
+                .bind(owner)
+                .execute(p)
+                .await?;
         });
         Ok(())
     }
@@ -135,12 +146,22 @@ impl Ferry {
     pub async fn renew_lanes(&self, owner: &str, lease: Duration) -> Result<Vec<LaneLease>> {
         let ms = duration_ms(lease)?;
         Ok(on_pool!(self.db(), |p, q| {
-            sqlx::query_as(q.get("renew_lanes")).bind(owner).bind(self.now()).bind(ms).fetch_all(p).await?
+            sqlx::query_as(q.get("renew_lanes"))
+                .bind(owner)
+                .bind(self.now())
+                .bind(ms)
+                .fetch_all(p)
+                .await?
         }))
     }
 
     /// Takes up to `max` free or expired lanes, each at a new generation.
-    pub async fn acquire_lanes(&self, owner: &str, lease: Duration, max: u32) -> Result<Vec<LaneLease>> {
+    pub async fn acquire_lanes(
+        &self,
+        owner: &str,
+        lease: Duration,
+        max: u32,
+    ) -> Result<Vec<LaneLease>> {
         let ms = duration_ms(lease)?;
         if max == 0 {
             return Ok(Vec::new());
@@ -165,7 +186,13 @@ impl Ferry {
     /// Gives a lane back, only if `owner` still holds it at that generation.
     pub async fn release_lane(&self, owner: &str, lane: LaneLease) -> Result<bool> {
         let n = on_pool!(self.db(), |p, q| {
-            sqlx::query(q.get("release_lane")).bind(lane.lane).bind(owner).bind(lane.generation).execute(p).await?.rows_affected()
+            sqlx::query(q.get("release_lane"))
+                .bind(lane.lane)
+                .bind(owner)
+                .bind(lane.generation)
+                .execute(p)
+                .await?
+                .rows_affected()
         });
         Ok(n == 1)
     }
@@ -173,7 +200,11 @@ impl Ferry {
     /// The next `limit` pending rows of `lane`, in `id` order.
     pub async fn pending_batch(&self, lane: i32, limit: u32) -> Result<Vec<PendingRow>> {
         let rows: Vec<PendingSqlRow> = on_pool!(self.db(), |p, q| {
-            sqlx::query_as(q.get("pending_batch")).bind(lane).bind(i64::from(limit)).fetch_all(p).await?
+            sqlx::query_as(q.get("pending_batch"))
+                .bind(lane)
+                .bind(i64::from(limit))
+                .fetch_all(p)
+                .await?
         });
         Ok(rows
             .into_iter()
@@ -194,14 +225,24 @@ impl Ferry {
     /// Marks acknowledged rows delivered (or deletes them, with `delete`), in
     /// one statement, fenced by the lane generation: a relay that lost the
     /// lane gets [`Error::LostLane`] and changes nothing.
-    pub async fn mark_delivered(&self, owner: &str, lane: LaneLease, ids: &[i64], delete: bool) -> Result<u64> {
+    pub async fn mark_delivered(
+        &self,
+        owner: &str,
+        lane: LaneLease,
+        ids: &[i64],
+        delete: bool,
+    ) -> Result<u64> {
         if ids.is_empty() {
             return Ok(0);
         }
         let mut tx = self.begin().await?;
         let r = async {
             self.lock_lane(tx.conn(), owner, lane).await?;
-            let name = if delete { "delete_delivered" } else { "mark_delivered" };
+            let name = if delete {
+                "delete_delivered"
+            } else {
+                "mark_delivered"
+            };
             Ok(match tx.conn() {
                 Conn::Postgres(c) => sqlx::query(crate::store::POSTGRES.get(name))
                     .bind(lane.lane)
@@ -230,7 +271,12 @@ impl Ferry {
         let r = async {
             self.lock_lane(tx.conn(), owner, lane).await?;
             on_conn!(tx.conn(), |c, q| {
-                sqlx::query(q.get("mark_dead")).bind(lane.lane).bind(id).bind(code).execute(&mut *c).await?;
+                sqlx::query(q.get("mark_dead"))
+                    .bind(lane.lane)
+                    .bind(id)
+                    .bind(code)
+                    .execute(&mut *c)
+                    .await?;
             });
             Ok(())
         }
@@ -241,7 +287,12 @@ impl Ferry {
     /// Records a transient publish failure on a row (attempt count and code).
     pub async fn note_publish_error(&self, lane: i32, id: i64, code: &str) -> Result<()> {
         on_pool!(self.db(), |p, q| {
-            sqlx::query(q.get("note_publish_error")).bind(lane).bind(id).bind(code).execute(p).await?;
+            sqlx::query(q.get("note_publish_error"))
+                .bind(lane)
+                .bind(id)
+                .bind(code)
+                .execute(p)
+                .await?;
         });
         Ok(())
     }
@@ -250,43 +301,66 @@ impl Ferry {
     pub async fn sweep_delivered(&self, retention: Duration, batch: u32) -> Result<u64> {
         let ms = duration_ms(retention)?;
         Ok(on_pool!(self.db(), |p, q| {
-            sqlx::query(q.get("sweep_delivered")).bind(self.now()).bind(ms).bind(i64::from(batch)).execute(p).await?.rows_affected()
+            sqlx::query(q.get("sweep_delivered"))
+                .bind(self.now())
+                .bind(ms)
+                .bind(i64::from(batch))
+                .execute(p)
+                .await?
+                .rows_affected()
         }))
     }
 
     /// The pending backlog and the age of its oldest row.
     pub async fn outbox_backlog(&self) -> Result<Backlog> {
         Ok(on_pool!(self.db(), |p, q| {
-            sqlx::query_as(q.get("outbox_backlog")).bind(self.now()).fetch_one(p).await?
+            sqlx::query_as(q.get("outbox_backlog"))
+                .bind(self.now())
+                .fetch_one(p)
+                .await?
         }))
     }
 
     /// How many rows are dead.
     pub async fn outbox_dead_count(&self) -> Result<i64> {
         Ok(on_pool!(self.db(), |p, q| {
-            sqlx::query_scalar(q.get("outbox_dead_count")).fetch_one(p).await?
+            sqlx::query_scalar(q.get("outbox_dead_count"))
+                .fetch_one(p)
+                .await?
         }))
     }
 
     /// Dead rows, oldest first, without payloads.
     pub async fn list_dead_outbox(&self, limit: u32) -> Result<Vec<DeadRow>> {
         Ok(on_pool!(self.db(), |p, q| {
-            sqlx::query_as(q.get("list_dead_outbox")).bind(i64::from(limit)).fetch_all(p).await?
+            sqlx::query_as(q.get("list_dead_outbox"))
+                .bind(i64::from(limit))
+                .fetch_all(p)
+                .await?
         }))
     }
 
     /// Puts dead rows (all, or only `id`) back to pending and writes an audit
     /// entry naming `actor` and `reason`, in one transaction. Returns the ids.
-    pub async fn replay_dead_outbox(&self, id: Option<i64>, actor: &str, reason: &str) -> Result<Vec<i64>> {
+    pub async fn replay_dead_outbox(
+        &self,
+        id: Option<i64>,
+        actor: &str,
+        reason: &str,
+    ) -> Result<Vec<i64>> {
         self.limits().text("actor", actor, 255)?;
         self.limits().text("reason", reason, 4096)?;
         let mut tx = self.begin().await?;
         let r = async {
             let ids: Vec<i64> = on_conn!(tx.conn(), |c, q| {
-                sqlx::query_scalar(q.get("replay_dead_outbox")).bind(id).fetch_all(&mut *c).await?
+                sqlx::query_scalar(q.get("replay_dead_outbox"))
+                    .bind(id)
+                    .fetch_all(&mut *c)
+                    .await?
             });
             let subject = format!("outbox:{}", serde_json::to_string(&ids).unwrap_or_default());
-            self.audit_in(tx.conn(), actor, "outbox.replay_dead", &subject, reason).await?;
+            self.audit_in(tx.conn(), actor, "outbox.replay_dead", &subject, reason)
+                .await?;
             Ok(ids)
         }
         .await;
@@ -301,7 +375,14 @@ impl Ferry {
     }
 
     /// Appends an operator action to `ferry_audit`.
-    pub async fn audit_in(&self, conn: Conn<'_>, actor: &str, action: &str, subject: &str, reason: &str) -> Result<()> {
+    pub async fn audit_in(
+        &self,
+        conn: Conn<'_>,
+        actor: &str,
+        action: &str,
+        subject: &str,
+        reason: &str,
+    ) -> Result<()> {
         on_conn!(conn, |c, q| {
             sqlx::query(q.get("insert_audit"))
                 .bind(self.now())

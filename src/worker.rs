@@ -217,7 +217,11 @@ impl<H: Handler> Worker<H> {
         }));
         let mut wake = Wakeup::connect(&self.ferry).await;
         let (completions, completed) = mpsc::channel(cfg.concurrency.max(1));
-        let completer = tokio::spawn(completer(self.ferry.clone(), completed, cfg.concurrency.clamp(1, 500)));
+        let completer = tokio::spawn(completer(
+            self.ferry.clone(),
+            completed,
+            cfg.concurrency.clamp(1, 500),
+        ));
         let mut tasks = JoinSet::new();
         let mut backoff = reconnect_backoff();
         let mut next_queue = 0usize;
@@ -338,7 +342,10 @@ async fn completer(ferry: Ferry, mut rx: mpsc::Receiver<Completion>, max_batch: 
                 Err(_) => break,
             }
         }
-        let items: Vec<(Lease, Value)> = batch.iter().map(|(l, v, _)| (l.clone(), v.clone())).collect();
+        let items: Vec<(Lease, Value)> = batch
+            .iter()
+            .map(|(l, v, _)| (l.clone(), v.clone()))
+            .collect();
         let outcome = (|| async { ferry.complete_batch(&items).await })
             .retry(ExponentialBuilder::default().with_max_times(5))
             .when(Error::is_transient)
@@ -422,7 +429,9 @@ impl Attempt {
             Ok(result) => {
                 let (reply, answer) = oneshot::channel();
                 let done = match self.completions.send((lease.clone(), result, reply)).await {
-                    Ok(()) => answer.await.unwrap_or_else(|_| Err(Error::Config("completer stopped".into()))),
+                    Ok(()) => answer
+                        .await
+                        .unwrap_or_else(|_| Err(Error::Config("completer stopped".into()))),
                     Err(_) => Err(Error::Config("completer stopped".into())),
                 };
                 match done {

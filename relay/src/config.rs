@@ -97,20 +97,29 @@ impl RelayConfig {
         if self.lease < Duration::from_millis(300) {
             return Err(RelayError::Config("lease must be at least 300ms".into()));
         }
-        if !self.topic_template.contains("{topic}") && !self.topic_template.contains("{tenant}") && self.topic_template.contains('{') {
-            return Err(RelayError::Config("topic template may only use {topic} and {tenant}".into()));
+        if !self.topic_template.contains("{topic}")
+            && !self.topic_template.contains("{tenant}")
+            && self.topic_template.contains('{')
+        {
+            return Err(RelayError::Config(
+                "topic template may only use {topic} and {tenant}".into(),
+            ));
         }
         Ok(())
     }
 
     /// The Kafka topic for a row.
     pub fn route(&self, topic: &str, tenant: &str) -> String {
-        self.topic_template.replace("{topic}", topic).replace("{tenant}", tenant)
+        self.topic_template
+            .replace("{topic}", topic)
+            .replace("{tenant}", tenant)
     }
 }
 
 fn parse_kv(s: &str) -> Result<(String, String), String> {
-    let (k, v) = s.split_once('=').ok_or_else(|| format!("expected key=value, got {s:?}"))?;
+    let (k, v) = s
+        .split_once('=')
+        .ok_or_else(|| format!("expected key=value, got {s:?}"))?;
     Ok((k.trim().to_owned(), v.trim().to_owned()))
 }
 

@@ -60,9 +60,19 @@ pub async fn run(args: DemoArgs) -> Result<(), RelayError> {
     }
     let dir = std::env::temp_dir().join(format!("ferry-demo-{}", std::process::id()));
     std::fs::create_dir_all(&dir)?;
-    let url = args.database_url.clone().unwrap_or_else(|| format!("sqlite://{}", dir.join("ferry.db").display()));
+    let url = args
+        .database_url
+        .clone()
+        .unwrap_or_else(|| format!("sqlite://{}", dir.join("ferry.db").display()));
     let ferry = Ferry::builder(&url).migrate(true).connect().await?;
-    println!("ferry demo: database {url}, brokers {}", if args.brokers.is_some() { brokers.as_str() } else { "in-process mock cluster" });
+    println!(
+        "ferry demo: database {url}, brokers {}",
+        if args.brokers.is_some() {
+            brokers.as_str()
+        } else {
+            "in-process mock cluster"
+        }
+    );
 
     // The relay runs while the service accepts, as a sidecar would.
     let mut cfg = RelayConfig::new(&url, &brokers);
@@ -77,47 +87,78 @@ pub async fn run(args: DemoArgs) -> Result<(), RelayError> {
 
     // Accept runs and domain events, like a service behind an HTTP endpoint would.
     let bar = indicatif::ProgressBar::new(args.runs as u64);
-    bar.set_style(indicatif::ProgressStyle::with_template("{msg:>10} {bar:40} {pos}/{len}").unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()));
+    bar.set_style(
+        indicatif::ProgressStyle::with_template("{msg:>10} {bar:40} {pos}/{len}")
+            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+    );
     bar.set_message("accepting");
     let (mut accepted, mut replays, mut conflicts) = (0u64, 0u64, 0u64);
     for i in 0..args.runs {
         let tenant = TENANTS[i % TENANTS.len()];
-        let run = NewRun::new(tenant, "charge", format!("order-{i}"), json!({"amount": 100 + i, "currency": "EUR"}));
+        let run = NewRun::new(
+            tenant,
+            "charge",
+            format!("order-{i}"),
+            json!({"amount": 100 + i, "currency": "EUR"}),
+        );
         let tries = if i % 5 == 0 { 2 } else { 1 };
         for _ in 0..tries {
             let mut tx = ferry.begin().await?;
-            let a = ferry.create_run_idempotent_in(tx.conn(), run.clone()).await?;
+            let a = ferry
+                .create_run_idempotent_in(tx.conn(), run.clone())
+                .await?;
             if a.replay {
                 replays += 1;
                 tx.rollback().await?;
             } else {
                 accepted += 1;
-                let event = OutboxMessage::json(tenant, ORDERS, format!("order-{i}"), &json!({"order": i, "status": "placed"}))
-                    .map_err(RelayError::Ferry)?;
+                let event = OutboxMessage::json(
+                    tenant,
+                    ORDERS,
+                    format!("order-{i}"),
+                    &json!({"order": i, "status": "placed"}),
+                )
+                .map_err(RelayError::Ferry)?;
                 ferry.enqueue_in(tx.conn(), &event).await?;
                 tx.commit().await?;
             }
         }
         bar.inc(1);
     }
-    let reused = NewRun::new("acme", "charge", "order-0", json!({"amount": 1, "currency": "EUR"}));
+    let reused = NewRun::new(
+        "acme",
+        "charge",
+        "order-0",
+        json!({"amount": 1, "currency": "EUR"}),
+    );
     match ferry.create_run_idempotent(reused).await {
         Err(e) if e.code() == "idempotency_conflict" => conflicts += 1,
-        other => return Err(RelayError::Lost(format!("expected an idempotency conflict, got {other:?}"))),
+        other => {
+            return Err(RelayError::Lost(format!(
+                "expected an idempotency conflict, got {other:?}"
+            )))
+        }
     }
-    let expected = ferry.outbox_backlog().await?.pending as u64;
+    // Every accepted run wrote its run_queued event and one order event.
+    let expected = accepted * 2;
     bar.finish_and_clear();
 
     // Read everything back.
     let consumer: BaseConsumer = ClientConfig::new()
         .set("bootstrap.servers", &brokers)
-        .set("group.id", format!("ferry-demo-{}", uuid::Uuid::now_v7().simple()))
+        .set(
+            "group.id",
+            format!("ferry-demo-{}", uuid::Uuid::now_v7().simple()),
+        )
         .set("auto.offset.reset", "earliest")
         .set("enable.auto.commit", "false")
         .create()?;
     consumer.subscribe(&[EVENTS, ORDERS])?;
     let bar = indicatif::ProgressBar::new(expected);
-    bar.set_style(indicatif::ProgressStyle::with_template("{msg:>10} {bar:40} {pos}/{len}").unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()));
+    bar.set_style(
+        indicatif::ProgressStyle::with_template("{msg:>10} {bar:40} {pos}/{len}")
+            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+    );
     bar.set_message("relaying");
     let mut seen: HashSet<String> = HashSet::new();
     let mut read = 0u64;
@@ -129,9 +170,11 @@ pub async fn run(args: DemoArgs) -> Result<(), RelayError> {
             Some(Ok(m)) => {
                 read += 1;
                 *per_topic.entry(m.topic().to_owned()).or_default() += 1;
-                let id = m
-                    .headers()
-                    .and_then(|h| h.iter().find(|h| h.key == "ferry-outbox-id").and_then(|h| h.value.map(|v| String::from_utf8_lossy(v).into_owned())));
+                let id = m.headers().and_then(|h| {
+                    h.iter()
+                        .find(|h| h.key == "ferry-outbox-id")
+                        .and_then(|h| h.value.map(|v| String::from_utf8_lossy(v).into_owned()))
+                });
                 if let Some(id) = id {
                     seen.insert(id);
                 }
@@ -143,7 +186,9 @@ pub async fn run(args: DemoArgs) -> Result<(), RelayError> {
     }
     bar.finish_and_clear();
     stop.cancel();
-    running.await.map_err(|e| RelayError::Config(e.to_string()))??;
+    running
+        .await
+        .map_err(|e| RelayError::Config(e.to_string()))??;
     let m = &state.metrics;
     let published = m.published.get();
     println!("runs accepted        {accepted}");
@@ -151,24 +196,42 @@ pub async fn run(args: DemoArgs) -> Result<(), RelayError> {
     println!("conflicts rejected   {conflicts}");
     println!("outbox rows          {expected}");
     println!("rows published       {published}");
-    println!("records read back    {read} ({})", per_topic.iter().map(|(t, n)| format!("{t}: {n}")).collect::<Vec<_>>().join(", "));
+    println!(
+        "records read back    {read} ({})",
+        per_topic
+            .iter()
+            .map(|(t, n)| format!("{t}: {n}"))
+            .collect::<Vec<_>>()
+            .join(", ")
+    );
     println!("distinct rows read   {}", seen.len());
-    println!("duplicates           {}", read.saturating_sub(seen.len() as u64));
+    println!(
+        "duplicates           {}",
+        read.saturating_sub(seen.len() as u64)
+    );
     println!(
         "commit → ack         p50 {} ms, p99 {} ms",
         m.latency_quantile(0.5).unwrap_or(0),
         m.latency_quantile(0.99).unwrap_or(0)
     );
     if (seen.len() as u64) < expected {
-        return Err(RelayError::Lost(format!("lost {} of {expected} rows", expected - seen.len() as u64)));
+        return Err(RelayError::Lost(format!(
+            "lost {} of {expected} rows",
+            expected - seen.len() as u64
+        )));
     }
     println!("nothing lost");
     Ok(())
 }
 
 async fn create_topics(brokers: &str) -> Result<(), RelayError> {
-    let admin: AdminClient<DefaultClientContext> = ClientConfig::new().set("bootstrap.servers", brokers).create()?;
-    let topics = [NewTopic::new(EVENTS, 6, TopicReplication::Fixed(1)), NewTopic::new(ORDERS, 6, TopicReplication::Fixed(1))];
+    let admin: AdminClient<DefaultClientContext> = ClientConfig::new()
+        .set("bootstrap.servers", brokers)
+        .create()?;
+    let topics = [
+        NewTopic::new(EVENTS, 6, TopicReplication::Fixed(1)),
+        NewTopic::new(ORDERS, 6, TopicReplication::Fixed(1)),
+    ];
     // Existing topics are fine.
     let _ = admin.create_topics(&topics, &AdminOptions::new()).await?;
     Ok(())

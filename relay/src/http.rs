@@ -14,13 +14,19 @@ use tokio_util::sync::CancellationToken;
 use crate::service::RelayState;
 
 /// Serves until `stop` is cancelled.
-pub async fn serve(listener: tokio::net::TcpListener, state: Arc<RelayState>, stop: CancellationToken) {
+pub async fn serve(
+    listener: tokio::net::TcpListener,
+    state: Arc<RelayState>,
+    stop: CancellationToken,
+) {
     let app = Router::new()
         .route("/healthz", get(|| async { "ok" }))
         .route("/readyz", get(ready))
         .route("/metrics", get(metrics))
         .with_state(state);
-    let _ = axum::serve(listener, app).with_graceful_shutdown(async move { stop.cancelled().await }).await;
+    let _ = axum::serve(listener, app)
+        .with_graceful_shutdown(async move { stop.cancelled().await })
+        .await;
 }
 
 async fn ready(State(state): State<Arc<RelayState>>) -> impl IntoResponse {
@@ -40,5 +46,11 @@ async fn metrics(State(state): State<Arc<RelayState>>) -> impl IntoResponse {
     if let Ok(n) = state.ferry.outbox_dead_count().await {
         m.dead_rows.set(n);
     }
-    ([(header::CONTENT_TYPE, "application/openmetrics-text; version=1.0.0; charset=utf-8")], m.render())
+    (
+        [(
+            header::CONTENT_TYPE,
+            "application/openmetrics-text; version=1.0.0; charset=utf-8",
+        )],
+        m.render(),
+    )
 }

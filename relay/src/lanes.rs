@@ -30,7 +30,12 @@ pub fn fair_share(lanes: i32, live: i64, max: u32) -> usize {
 }
 
 /// One tick: heartbeat, renew, then acquire up to or release down to the fair share.
-pub async fn tick(ferry: &Ferry, cfg: &RelayConfig, owner: &str, held: &BTreeMap<i32, LaneLease>) -> Result<LanePlan, RelayError> {
+pub async fn tick(
+    ferry: &Ferry,
+    cfg: &RelayConfig,
+    owner: &str,
+    held: &BTreeMap<i32, LaneLease>,
+) -> Result<LanePlan, RelayError> {
     let live = ferry.relay_heartbeat(owner, cfg.lease).await?;
     let renewed = ferry.renew_lanes(owner, cfg.lease).await?;
     let mut plan = LanePlan::default();
@@ -39,10 +44,15 @@ pub async fn tick(ferry: &Ferry, cfg: &RelayConfig, owner: &str, held: &BTreeMap
             plan.lost.push(*lease);
         }
     }
-    plan.kept = renewed.into_iter().filter(|r| held.get(&r.lane) == Some(r)).collect();
+    plan.kept = renewed
+        .into_iter()
+        .filter(|r| held.get(&r.lane) == Some(r))
+        .collect();
     let share = fair_share(ferry.lanes(), live, cfg.max_lanes);
     if plan.kept.len() < share {
-        plan.acquired = ferry.acquire_lanes(owner, cfg.lease, (share - plan.kept.len()) as u32).await?;
+        plan.acquired = ferry
+            .acquire_lanes(owner, cfg.lease, (share - plan.kept.len()) as u32)
+            .await?;
     } else if plan.kept.len() > share {
         plan.surplus = plan.kept.split_off(share);
     }

@@ -62,26 +62,51 @@ impl Metrics {
             oldest_pending_age: Gauge::default(),
             lanes_owned: Gauge::default(),
             lease_losses: Counter::default(),
-            publish_latency: Histogram::new([0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0].into_iter()),
+            publish_latency: Histogram::new([
+                0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+            ]),
             registry: Registry::default(),
             latency_samples: std::sync::Mutex::new(Vec::new()),
         };
-        registry.register("published", "Rows published and acknowledged by the broker", m.published.clone());
-        registry.register("publish_errors", "Publish errors by classified code", m.publish_errors.clone());
+        registry.register(
+            "published",
+            "Rows published and acknowledged by the broker",
+            m.published.clone(),
+        );
+        registry.register(
+            "publish_errors",
+            "Publish errors by classified code",
+            m.publish_errors.clone(),
+        );
         registry.register("dead", "Rows this relay marked dead", m.dead.clone());
         registry.register("dead_rows", "Dead rows in the outbox", m.dead_rows.clone());
         registry.register("backlog_rows", "Pending outbox rows", m.backlog.clone());
-        registry.register("oldest_pending_age_seconds", "Age of the oldest pending row", m.oldest_pending_age.clone());
-        registry.register("lanes_owned", "Lanes this relay holds", m.lanes_owned.clone());
+        registry.register(
+            "oldest_pending_age_seconds",
+            "Age of the oldest pending row",
+            m.oldest_pending_age.clone(),
+        );
+        registry.register(
+            "lanes_owned",
+            "Lanes this relay holds",
+            m.lanes_owned.clone(),
+        );
         registry.register("lease_losses", "Lane leases lost", m.lease_losses.clone());
-        registry.register("publish_latency_seconds", "Seconds from commit to broker acknowledgement", m.publish_latency.clone());
+        registry.register(
+            "publish_latency_seconds",
+            "Seconds from commit to broker acknowledgement",
+            m.publish_latency.clone(),
+        );
         Metrics { registry, ..m }
     }
 
     /// Records one commit-to-ack latency.
     pub fn observe_latency(&self, ms: i64) {
         self.publish_latency.observe(ms.max(0) as f64 / 1000.0);
-        let mut s = self.latency_samples.lock().unwrap_or_else(|p| p.into_inner());
+        let mut s = self
+            .latency_samples
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
         if s.len() < 1_000_000 {
             s.push(ms.max(0));
         }
@@ -89,7 +114,11 @@ impl Metrics {
 
     /// The `q` quantile (0..=1) of the recorded latencies, in ms.
     pub fn latency_quantile(&self, q: f64) -> Option<i64> {
-        let mut s = self.latency_samples.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        let mut s = self
+            .latency_samples
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone();
         if s.is_empty() {
             return None;
         }

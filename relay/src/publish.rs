@@ -53,13 +53,28 @@ pub fn headers(row: &PendingRow) -> OwnedHeaders {
     let effect_key = row.effect_key.clone().unwrap_or_else(|| id.clone());
     let mut h = OwnedHeaders::new_with_capacity(row.headers.len() + 4);
     for (k, v) in &row.headers {
-        h = h.insert(Header { key: k, value: Some(v.as_bytes()) });
+        h = h.insert(Header {
+            key: k,
+            value: Some(v.as_bytes()),
+        });
     }
-    h = h.insert(Header { key: "ferry-outbox-id", value: Some(id.as_bytes()) });
-    h = h.insert(Header { key: "ferry-tenant", value: Some(row.tenant.as_bytes()) });
-    h = h.insert(Header { key: "ferry-effect-key", value: Some(effect_key.as_bytes()) });
+    h = h.insert(Header {
+        key: "ferry-outbox-id",
+        value: Some(id.as_bytes()),
+    });
+    h = h.insert(Header {
+        key: "ferry-tenant",
+        value: Some(row.tenant.as_bytes()),
+    });
+    h = h.insert(Header {
+        key: "ferry-effect-key",
+        value: Some(effect_key.as_bytes()),
+    });
     if let Some(tp) = &row.traceparent {
-        h = h.insert(Header { key: "traceparent", value: Some(tp.as_bytes()) });
+        h = h.insert(Header {
+            key: "traceparent",
+            value: Some(tp.as_bytes()),
+        });
     }
     h
 }
@@ -67,26 +82,35 @@ pub fn headers(row: &PendingRow) -> OwnedHeaders {
 /// Produces every row in order and awaits every acknowledgement. Returns one
 /// outcome per row, in row order. librdkafka's idempotent producer keeps the
 /// order within each partition across its own retries.
-pub async fn publish_batch(producer: &FutureProducer, cfg: &RelayConfig, rows: &[PendingRow]) -> Vec<Outcome> {
+pub async fn publish_batch(
+    producer: &FutureProducer,
+    cfg: &RelayConfig,
+    rows: &[PendingRow],
+) -> Vec<Outcome> {
     let mut outcomes: Vec<Option<Outcome>> = vec![None; rows.len()];
     let mut inflight: VecDeque<(usize, DeliveryFuture)> = VecDeque::new();
     for (i, row) in rows.iter().enumerate() {
         let topic = cfg.route(&row.topic, &row.tenant);
         loop {
-            let record = FutureRecord::to(&topic).key(row.key.as_bytes()).payload(&row.payload).headers(headers(row));
+            let record = FutureRecord::to(&topic)
+                .key(row.key.as_bytes())
+                .payload(&row.payload)
+                .headers(headers(row));
             match producer.send_result(record) {
                 Ok(fut) => {
                     inflight.push_back((i, fut));
                     break;
                 }
-                Err((KafkaError::MessageProduction(RDKafkaErrorCode::QueueFull), _)) => match inflight.pop_front() {
-                    // Make room by waiting for the oldest delivery.
-                    Some((j, fut)) => outcomes[j] = Some(delivered(fut.await)),
-                    None => {
-                        outcomes[i] = Some(Outcome::Transient("queue_full"));
-                        break;
+                Err((KafkaError::MessageProduction(RDKafkaErrorCode::QueueFull), _)) => {
+                    match inflight.pop_front() {
+                        // Make room by waiting for the oldest delivery.
+                        Some((j, fut)) => outcomes[j] = Some(delivered(fut.await)),
+                        None => {
+                            outcomes[i] = Some(Outcome::Transient("queue_full"));
+                            break;
+                        }
                     }
-                },
+                }
                 Err((e, _)) => {
                     outcomes[i] = Some(classify(&e));
                     break;
@@ -97,10 +121,18 @@ pub async fn publish_batch(producer: &FutureProducer, cfg: &RelayConfig, rows: &
     for (j, fut) in inflight {
         outcomes[j] = Some(delivered(fut.await));
     }
-    outcomes.into_iter().map(|o| o.unwrap_or(Outcome::Transient("not_sent"))).collect()
+    outcomes
+        .into_iter()
+        .map(|o| o.unwrap_or(Outcome::Transient("not_sent")))
+        .collect()
 }
 
-fn delivered(r: Result<rdkafka::producer::future_producer::OwnedDeliveryResult, futures::channel::oneshot::Canceled>) -> Outcome {
+fn delivered(
+    r: Result<
+        rdkafka::producer::future_producer::OwnedDeliveryResult,
+        futures::channel::oneshot::Canceled,
+    >,
+) -> Outcome {
     match r {
         Ok(Ok(d)) => Outcome::Acked {
             partition: d.partition,
@@ -129,11 +161,20 @@ pub fn classify(e: &KafkaError) -> Outcome {
         C::UnsupportedForMessageFormat => Outcome::Poison("unsupported_message_format"),
         C::QueueFull => Outcome::Transient("queue_full"),
         C::MessageTimedOut | C::RequestTimedOut => Outcome::Transient("timeout"),
-        C::UnknownTopicOrPartition | C::UnknownTopic | C::UnknownPartition => Outcome::Transient("unknown_topic"),
-        C::NotEnoughReplicas | C::NotEnoughReplicasAfterAppend => Outcome::Transient("not_enough_replicas"),
+        C::UnknownTopicOrPartition | C::UnknownTopic | C::UnknownPartition => {
+            Outcome::Transient("unknown_topic")
+        }
+        C::NotEnoughReplicas | C::NotEnoughReplicasAfterAppend => {
+            Outcome::Transient("not_enough_replicas")
+        }
         C::NotLeaderForPartition | C::LeaderNotAvailable => Outcome::Transient("leader_moved"),
-        C::AllBrokersDown | C::BrokerTransportFailure | C::NetworkException | C::BrokerNotAvailable => Outcome::Transient("broker_unreachable"),
-        C::ClusterAuthorizationFailed | C::SaslAuthenticationFailed => Outcome::Transient("authentication"),
+        C::AllBrokersDown
+        | C::BrokerTransportFailure
+        | C::NetworkException
+        | C::BrokerNotAvailable => Outcome::Transient("broker_unreachable"),
+        C::ClusterAuthorizationFailed | C::SaslAuthenticationFailed => {
+            Outcome::Transient("authentication")
+        }
         _ => Outcome::Transient("other"),
     }
 }
@@ -145,10 +186,25 @@ mod tests {
     #[test]
     fn classification_is_explicit() {
         let p = |c| classify(&KafkaError::MessageProduction(c));
-        assert_eq!(p(RDKafkaErrorCode::MessageSizeTooLarge), Outcome::Poison("message_too_large"));
-        assert_eq!(p(RDKafkaErrorCode::TopicAuthorizationFailed), Outcome::Poison("topic_authorization_failed"));
-        assert_eq!(p(RDKafkaErrorCode::QueueFull), Outcome::Transient("queue_full"));
-        assert_eq!(p(RDKafkaErrorCode::AllBrokersDown), Outcome::Transient("broker_unreachable"));
-        assert_eq!(classify(&KafkaError::Canceled), Outcome::Transient("client"));
+        assert_eq!(
+            p(RDKafkaErrorCode::MessageSizeTooLarge),
+            Outcome::Poison("message_too_large")
+        );
+        assert_eq!(
+            p(RDKafkaErrorCode::TopicAuthorizationFailed),
+            Outcome::Poison("topic_authorization_failed")
+        );
+        assert_eq!(
+            p(RDKafkaErrorCode::QueueFull),
+            Outcome::Transient("queue_full")
+        );
+        assert_eq!(
+            p(RDKafkaErrorCode::AllBrokersDown),
+            Outcome::Transient("broker_unreachable")
+        );
+        assert_eq!(
+            classify(&KafkaError::Canceled),
+            Outcome::Transient("client")
+        );
     }
 }

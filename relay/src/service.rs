@@ -51,7 +51,11 @@ pub struct Relay {
 }
 
 /// Binds `cfg.listen`, then runs a relay until `shutdown` resolves.
-pub async fn run(cfg: RelayConfig, ferry: Ferry, shutdown: impl Future<Output = ()>) -> Result<(), RelayError> {
+pub async fn run(
+    cfg: RelayConfig,
+    ferry: Ferry,
+    shutdown: impl Future<Output = ()>,
+) -> Result<(), RelayError> {
     let listener = tokio::net::TcpListener::bind(cfg.listen).await?;
     Relay::new(cfg, ferry)?.run(listener, shutdown).await
 }
@@ -61,14 +65,21 @@ impl Relay {
     pub fn new(cfg: RelayConfig, ferry: Ferry) -> Result<Relay, RelayError> {
         cfg.validate()?;
         let producer = publish::producer(&cfg)?;
-        let owner = cfg.relay_id.clone().unwrap_or_else(|| format!("relay-{}", uuid::Uuid::now_v7().simple()));
+        let owner = cfg
+            .relay_id
+            .clone()
+            .unwrap_or_else(|| format!("relay-{}", uuid::Uuid::now_v7().simple()));
         let state = Arc::new(RelayState {
             ferry,
             metrics: Metrics::new(),
             owner,
             ready: AtomicBool::new(false),
         });
-        Ok(Relay { cfg, state, producer })
+        Ok(Relay {
+            cfg,
+            state,
+            producer,
+        })
     }
 
     /// The shared state (metrics, owner).
@@ -79,16 +90,32 @@ impl Relay {
     /// Runs until `shutdown` resolves, then stops taking batches, finishes and
     /// marks the in-flight ones, releases the lanes it still holds and returns
     /// within the grace period.
-    pub async fn run(self, listener: tokio::net::TcpListener, shutdown: impl Future<Output = ()>) -> Result<(), RelayError> {
-        let Relay { cfg, state, producer } = self;
+    pub async fn run(
+        self,
+        listener: tokio::net::TcpListener,
+        shutdown: impl Future<Output = ()>,
+    ) -> Result<(), RelayError> {
+        let Relay {
+            cfg,
+            state,
+            producer,
+        } = self;
         let ferry = state.ferry.clone();
         let owner = state.owner.clone();
         let cfg = Arc::new(cfg);
         let http_stop = CancellationToken::new();
-        let http = tokio::spawn(crate::http::serve(listener, state.clone(), http_stop.clone()));
+        let http = tokio::spawn(crate::http::serve(
+            listener,
+            state.clone(),
+            http_stop.clone(),
+        ));
         let wake = Arc::new(Notify::new());
         let listen_stop = CancellationToken::new();
-        tokio::spawn(listen_for_wakeups(ferry.clone(), wake.clone(), listen_stop.clone()));
+        tokio::spawn(listen_for_wakeups(
+            ferry.clone(),
+            wake.clone(),
+            listen_stop.clone(),
+        ));
 
         let mut held: BTreeMap<i32, LaneTask> = BTreeMap::new();
         let mut tasks = JoinSet::new();
@@ -137,7 +164,7 @@ impl Relay {
                 _ = sweep.tick(), if !cfg.delete_on_delivery => {
                     loop {
                         match ferry.sweep_delivered(cfg.retention, 1000).await {
-                            Ok(n) if n == 1000 => continue,
+                            Ok(1000) => continue,
                             Ok(_) => break,
                             Err(e) => {
                                 tracing::warn!(error = %e, "retention sweep failed");
@@ -154,10 +181,24 @@ impl Relay {
             t.finish.cancel();
         }
         wake.notify_waiters();
-        let drained = tokio::time::timeout(cfg.grace, async { while tasks.join_next().await.is_some() {} }).await;
-        if drained.is_err() {
-            tracing::warn!("grace period over; abandoning unfinished batches (their rows stay pending)");
-            tasks.abort_all();
+        // Keep the leases alive while the last batches are published and
+        // marked, or their marks would be refused once the leases expire.
+        let deadline = tokio::time::sleep(cfg.grace);
+        tokio::pin!(deadline);
+        loop {
+            tokio::select! {
+                joined = tasks.join_next() => if joined.is_none() { break },
+                _ = tick.tick() => {
+                    if let Err(e) = ferry.renew_lanes(&owner, cfg.lease).await {
+                        tracing::warn!(error = %e, "renewing lanes during shutdown failed");
+                    }
+                }
+                _ = &mut deadline => {
+                    tracing::warn!("grace period over; abandoning unfinished batches (their rows stay pending)");
+                    tasks.abort_all();
+                    break;
+                }
+            }
         }
         for t in held.values() {
             let _ = ferry.release_lane(&owner, t.lease).await;
@@ -226,9 +267,19 @@ async fn lane_loop(
                     m.observe_latency(acked_at - row.created_at);
                 }
                 Outcome::Poison(code) => {
-                    m.publish_errors.get_or_create(&CodeLabel { code: (*code).into() }).inc();
+                    m.publish_errors
+                        .get_or_create(&CodeLabel {
+                            code: (*code).into(),
+                        })
+                        .inc();
                     if cfg.on_poison == OnPoison::Block {
-                        tracing::error!(lane = lease.lane, id = row.id, code, "poison record blocks the lane (--on-poison=block)");
+                        tracing::error!(
+                            lane = lease.lane,
+                            id = row.id,
+                            code,
+                            "poison record blocks the lane (--on-poison=block)"
+                        );
+                        stalled = Some((code, row.id));
                         blocked = true;
                         break;
                     }
@@ -247,13 +298,20 @@ async fn lane_loop(
                 }
                 Outcome::Transient(code) => {
                     // Resume from the first unacknowledged row; never skip ahead.
-                    m.publish_errors.get_or_create(&CodeLabel { code: (*code).into() }).inc();
+                    m.publish_errors
+                        .get_or_create(&CodeLabel {
+                            code: (*code).into(),
+                        })
+                        .inc();
                     stalled = Some((code, row.id));
                     break;
                 }
             }
         }
-        match ferry.mark_delivered(&state.owner, lease, &delivered, cfg.delete_on_delivery).await {
+        match ferry
+            .mark_delivered(&state.owner, lease, &delivered, cfg.delete_on_delivery)
+            .await
+        {
             Ok(n) => {
                 m.published.inc_by(n);
             }
@@ -261,7 +319,9 @@ async fn lane_loop(
                 tracing::warn!(lane = lease.lane, "lane taken over; its marks were refused");
                 break;
             }
-            Err(e) => tracing::warn!(lane = lease.lane, error = %e, "marking delivered failed; rows will be republished"),
+            Err(e) => {
+                tracing::warn!(lane = lease.lane, error = %e, "marking delivered failed; rows will be republished")
+            }
         }
         if let Some((code, id)) = stalled {
             let _ = ferry.note_publish_error(lease.lane, id, code).await;
@@ -289,7 +349,11 @@ fn retry_backoff() -> impl Iterator<Item = Duration> {
 }
 
 /// Sleeps the next backoff step; true when the lane should stop instead.
-async fn pause(backoff: &mut impl Iterator<Item = Duration>, finish: &CancellationToken, abort: &CancellationToken) -> bool {
+async fn pause(
+    backoff: &mut impl Iterator<Item = Duration>,
+    finish: &CancellationToken,
+    abort: &CancellationToken,
+) -> bool {
     let d = backoff.next().unwrap_or(Duration::from_secs(10));
     tokio::select! {
         _ = tokio::time::sleep(d) => false,
@@ -300,7 +364,9 @@ async fn pause(backoff: &mut impl Iterator<Item = Duration>, finish: &Cancellati
 
 /// `LISTEN ferry_wakeup` on PostgreSQL; SQLite relies on the poll interval.
 async fn listen_for_wakeups(ferry: Ferry, wake: Arc<Notify>, stop: CancellationToken) {
-    let Some(pool) = ferry.db().as_postgres() else { return };
+    let Some(pool) = ferry.db().as_postgres() else {
+        return;
+    };
     let mut backoff = retry_backoff();
     loop {
         let listener = async {
@@ -334,5 +400,8 @@ async fn listen_for_wakeups(ferry: Ferry, wake: Arc<Notify>, stop: CancellationT
 }
 
 fn now_ms() -> i64 {
-    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_millis() as i64).unwrap_or(0)
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_millis() as i64)
+        .unwrap_or(0)
 }

@@ -761,29 +761,72 @@ async fn batch_completion_fences_each_lease(kind: Kind) {
     let clock = manual_clock();
     let t = TestDb::with_clock(kind, clock.clone()).await;
     for i in 0..4 {
-        t.ferry.create_run_idempotent(job(&format!("b{i}"))).await.unwrap();
+        t.ferry
+            .create_run_idempotent(job(&format!("b{i}")))
+            .await
+            .unwrap();
     }
     let mut claimed = t.ferry.claim("payments", "w", LEASE, 10).await.unwrap();
     assert_eq!(claimed.len(), 4);
     // One lease goes stale (cancelled), one is forged with a wrong generation.
-    t.ferry.cancel("acme", claimed[1].lease.run_id, None, "ops", "no").await.unwrap();
+    t.ferry
+        .cancel("acme", claimed[1].lease.run_id, None, "ops", "no")
+        .await
+        .unwrap();
     claimed[2].lease.generation += 1;
-    let items: Vec<_> = claimed.iter().map(|c| (c.lease.clone(), json!({"run": c.lease.run_id}))).collect();
+    let items: Vec<_> = claimed
+        .iter()
+        .map(|c| (c.lease.clone(), json!({"run": c.lease.run_id})))
+        .collect();
     let results = t.ferry.complete_batch(&items).await.unwrap();
-    let codes: Vec<_> = results.iter().map(|r| r.as_ref().err().map(|e| e.code())).collect();
-    assert_eq!(codes, [None, Some("run_terminal"), Some("lost_lease"), None]);
-    assert_eq!(terminal_events(&t).await, vec!["run_cancelled", "run_succeeded", "run_succeeded"]);
+    let codes: Vec<_> = results
+        .iter()
+        .map(|r| r.as_ref().err().map(|e| e.code()))
+        .collect();
+    assert_eq!(
+        codes,
+        [None, Some("run_terminal"), Some("lost_lease"), None]
+    );
+    assert_eq!(
+        terminal_events(&t).await,
+        vec!["run_cancelled", "run_succeeded", "run_succeeded"]
+    );
     for c in [&claimed[0], &claimed[3]] {
         let id = c.lease.run_id;
-        assert_eq!(t.ferry.get_run("acme", id).await.unwrap().state, RunState::Succeeded);
-        let last = t.ferry.list_events("acme", id).await.unwrap().pop().unwrap();
+        assert_eq!(
+            t.ferry.get_run("acme", id).await.unwrap().state,
+            RunState::Succeeded
+        );
+        let last = t
+            .ferry
+            .list_events("acme", id)
+            .await
+            .unwrap()
+            .pop()
+            .unwrap();
         assert_eq!(last.body, json!({"result": {"run": id}}));
-        assert_eq!(t.ferry.list_attempts("acme", id).await.unwrap()[0].outcome.as_deref(), Some("succeeded"));
+        assert_eq!(
+            t.ferry.list_attempts("acme", id).await.unwrap()[0]
+                .outcome
+                .as_deref(),
+            Some("succeeded")
+        );
         let lane = ferry::outbox::lane_for(&id.to_string(), t.ferry.lanes());
         let sql = format!("SELECT count(*) FROM outbox WHERE effect_key = 'acme/{id}/2' AND key = '{id}' AND lane = {lane}");
-        assert_eq!(t.scalar(&sql).await, 1, "the event's outbox row, on the run's lane");
+        assert_eq!(
+            t.scalar(&sql).await,
+            1,
+            "the event's outbox row, on the run's lane"
+        );
     }
-    assert_eq!(t.ferry.get_run("acme", claimed[2].lease.run_id).await.unwrap().state, RunState::Queued);
+    assert_eq!(
+        t.ferry
+            .get_run("acme", claimed[2].lease.run_id)
+            .await
+            .unwrap()
+            .state,
+        RunState::Queued
+    );
 }
 
 on_both_engines!(

@@ -2,12 +2,7 @@
 //! migrated, so tests run in parallel. PostgreSQL must be reachable: a test
 //! that needs it fails with a message naming what is missing.
 
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::Duration;
-
 use ferry::{Clock, Ferry, Millis};
-use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
-use sqlx::ConnectOptions as _;
 
 /// Which engine a scenario runs on.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -15,14 +10,6 @@ pub enum Kind {
     Postgres,
     Sqlite,
 }
-
-/// The base URL of the test PostgreSQL.
-pub fn pg_url() -> String {
-    std::env::var("DATABASE_URL")
-        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".into())
-}
-
-static SEQ: AtomicU64 = AtomicU64::new(0);
 
 /// A migrated database of one engine, and how to reach it again.
 pub struct TestDb {
@@ -82,57 +69,13 @@ impl TestDb {
 
 /// A URL to a brand-new, empty database of `kind`.
 pub async fn fresh_url(kind: Kind) -> String {
-    let n = SEQ.fetch_add(1, Ordering::Relaxed);
-    let pid = std::process::id();
-    match kind {
-        Kind::Sqlite => {
-            let dir = std::env::temp_dir().join("ferry-tests");
-            std::fs::create_dir_all(&dir).expect("temp dir");
-            let path = dir.join(format!("t{pid}_{n}_{}.db", uuid::Uuid::now_v7().simple()));
-            format!("sqlite://{}", path.display())
-        }
-        Kind::Postgres => {
-            let base = pg_url();
-            let schema = format!("ferry_t_{pid}_{n}");
-            let opts: PgConnectOptions = base
-                .parse()
-                .expect("DATABASE_URL must be a postgres:// URL");
-            let admin = PgPoolOptions::new()
-                .max_connections(1)
-                .acquire_timeout(Duration::from_secs(5))
-                .connect_with(opts.clone().disable_statement_logging())
-                .await
-                .unwrap_or_else(|e| {
-                    panic!("PostgreSQL is required for this test and is unreachable at {base} ({e}); start it or set DATABASE_URL")
-                });
-            if n == 0 {
-                drop_stale_schemas(&admin, pid).await;
-            }
-            sqlx::query(&format!("CREATE SCHEMA {schema}"))
-                .execute(&admin)
-                .await
-                .expect("create schema");
-            admin.close().await;
-            let sep = if base.contains('?') { '&' } else { '?' };
-            format!("{base}{sep}options=-csearch_path%3D{schema}")
-        }
-    }
-}
-
-/// Drops schemas left by earlier runs of the test binary (other pids).
-async fn drop_stale_schemas(admin: &sqlx::PgPool, pid: u32) {
-    let stale: Vec<String> = sqlx::query_scalar(
-        "SELECT nspname::text FROM pg_namespace WHERE nspname LIKE 'ferry\\_t\\_%' AND nspname NOT LIKE $1",
-    )
-    .bind(format!("ferry\\_t\\_{pid}\\_%"))
-    .fetch_all(admin)
-    .await
-    .unwrap_or_default();
-    for s in stale {
-        let _ = sqlx::query(&format!("DROP SCHEMA IF EXISTS {s} CASCADE"))
-            .execute(admin)
-            .await;
-    }
+    let engine = match kind {
+        Kind::Postgres => ferry::Engine::Postgres,
+        Kind::Sqlite => ferry::Engine::Sqlite,
+    };
+    ferry::testing::fresh_database_url(engine)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"))
 }
 
 /// Defines one `#[tokio::test]` per engine for each scenario `fn name(Kind)`.

@@ -1,0 +1,5 @@
+//! ferry-relay against PostgreSQL and a real Kafka-protocol broker.
+
+mod broker;
+mod relay;
+mod support;

@@ -1,0 +1,570 @@
+//! Invariant 9 against PostgreSQL and Tansu: every committed row published at
+//! least once, same-key rows in id order, marks only after acks and only under
+//! the lane generation, and nothing lost to crashes, outages or shutdown.
+
+use std::collections::{HashMap, HashSet};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use ferry::{Clock, Ferry, Millis, NewRun, OutboxMessage};
+use ferry_relay::OnPoison;
+use serde_json::json;
+
+use crate::broker::Broker;
+use crate::support::*;
+
+const TP: &str = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+
+/// Kafka's Java `Utils.murmur2`, transcribed with Java's signed 32-bit ints.
+fn java_murmur2(data: &[u8]) -> i32 {
+    let length = data.len() as i32;
+    let seed: i32 = 0x9747b28c_u32 as i32;
+    let m: i32 = 0x5bd1e995;
+    let r = 24;
+    let mut h: i32 = seed ^ length;
+    let length4 = length / 4;
+    for i in 0..length4 {
+        let i4 = (i * 4) as usize;
+        let mut k: i32 = (data[i4] as i32 & 0xff)
+            + ((data[i4 + 1] as i32 & 0xff) << 8)
+            + ((data[i4 + 2] as i32 & 0xff) << 16)
+            + ((data[i4 + 3] as i32 & 0xff) << 24);
+        k = k.wrapping_mul(m);
+        k ^= ((k as u32) >> r) as i32;
+        k = k.wrapping_mul(m);
+        h = h.wrapping_mul(m);
+        h ^= k;
+    }
+    let tail = (length & !3) as usize;
+    let rest = length % 4;
+    if rest >= 3 {
+        h ^= (data[tail + 2] as i32 & 0xff) << 16;
+    }
+    if rest >= 2 {
+        h ^= (data[tail + 1] as i32 & 0xff) << 8;
+    }
+    if rest >= 1 {
+        h ^= data[tail] as i32 & 0xff;
+        h = h.wrapping_mul(m);
+    }
+    h ^= ((h as u32) >> 13) as i32;
+    h = h.wrapping_mul(m);
+    h ^= ((h as u32) >> 15) as i32;
+    h
+}
+
+fn distinct(r: &[Record]) -> usize {
+    r.iter()
+        .map(Record::outbox_id)
+        .collect::<HashSet<_>>()
+        .len()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn end_to_end_every_row_once_with_the_right_partition() {
+    let broker = Broker::start();
+    broker.create_topic("ferry.run-events", 6);
+    broker.create_topic("orders", 6);
+    let (ferry, url) = pg_ferry().await;
+    let tenants = ["acme", "globex", "initech"];
+    for i in 0..150 {
+        let tenant = tenants[i % 3];
+        let mut tx = ferry.begin().await.unwrap();
+        let run = NewRun::new(tenant, "charge", format!("k{i}"), json!({"i": i})).traceparent(TP);
+        ferry
+            .create_run_idempotent_in(tx.conn(), run)
+            .await
+            .unwrap();
+        let msg = OutboxMessage::json(tenant, "orders", format!("order-{i}"), &json!({"i": i}))
+            .unwrap()
+            .header("source", "test")
+            .traceparent(TP);
+        ferry.enqueue_in(tx.conn(), &msg).await.unwrap();
+        tx.commit().await.unwrap();
+    }
+    let total = scalar(&ferry, "SELECT count(*) FROM outbox").await as usize;
+    assert_eq!(total, 300);
+    let relay = start_relay(relay_config(&url, &broker.brokers()), ferry.clone()).await;
+    let c = consumer(&broker.brokers(), &["ferry.run-events", "orders"]);
+    let recs = read_until(&c, Duration::from_secs(60), |r| distinct(r) >= total).await;
+    assert_eq!(recs.len(), total, "exactly once in the normal case");
+    for r in &recs {
+        let expected = (java_murmur2(r.key.as_bytes()) & 0x7fffffff) % 6;
+        assert_eq!(
+            r.partition, expected,
+            "key {} on the Java client's partition",
+            r.key
+        );
+        let body: serde_json::Value = serde_json::from_slice(&r.payload).unwrap();
+        assert!(tenants.contains(&r.headers["ferry-tenant"].as_str()));
+        assert_eq!(r.headers["traceparent"], TP);
+        match r.topic.as_str() {
+            "orders" => {
+                assert_eq!(r.headers["source"], "test");
+                assert_eq!(r.headers["ferry-effect-key"], r.headers["ferry-outbox-id"]);
+                assert!(r.key.starts_with("order-"));
+            }
+            "ferry.run-events" => {
+                assert_eq!(body["kind"], "run_queued");
+                assert_eq!(body["run_id"].as_str().unwrap(), r.key);
+                assert_eq!(
+                    r.headers["ferry-effect-key"],
+                    format!("{}/{}/1", r.headers["ferry-tenant"], r.key)
+                );
+            }
+            other => panic!("unexpected topic {other}"),
+        }
+    }
+    let (status, _) = http_get(relay.addr, "/healthz").await;
+    assert!(status.contains("200"));
+    let (status, _) = http_get(relay.addr, "/readyz").await;
+    assert!(status.contains("200"));
+    let (_, metrics) = http_get(relay.addr, "/metrics").await;
+    assert!(
+        metrics.contains("ferry_relay_published_total 300"),
+        "{metrics}"
+    );
+    assert!(metrics.contains("ferry_relay_backlog_rows 0"));
+    assert!(metrics.contains("ferry_relay_publish_latency_seconds_count 300"));
+    relay.shutdown().await;
+    assert_eq!(
+        scalar(
+            &ferry,
+            "SELECT count(*) FROM outbox WHERE state = 'delivered'"
+        )
+        .await,
+        300
+    );
+    assert_eq!(
+        scalar(
+            &ferry,
+            "SELECT count(*) FROM relay_lanes WHERE owner IS NOT NULL"
+        )
+        .await,
+        0,
+        "lanes released"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn same_key_rows_arrive_in_id_order_with_concurrent_writers_and_two_relays() {
+    let broker = Broker::start();
+    broker.create_topic("ferry.run-events", 6);
+    let (ferry, url) = pg_ferry().await;
+    let a = start_relay(relay_config(&url, &broker.brokers()), ferry.clone()).await;
+    let b = start_relay(
+        relay_config(&url, &broker.brokers()),
+        Ferry::builder(&url).connect().await.unwrap(),
+    )
+    .await;
+    let mut runs = Vec::new();
+    for i in 0..12 {
+        runs.push(
+            ferry
+                .create_run_idempotent(NewRun::new("acme", "op", format!("k{i}"), json!({})))
+                .await
+                .unwrap()
+                .run
+                .run_id,
+        );
+    }
+    // Four writers append to every run at once; the run row serializes them.
+    let writers: Vec<_> = (0..4)
+        .map(|w| {
+            let (f, runs) = (ferry.clone(), runs.clone());
+            tokio::spawn(async move {
+                for n in 0..15 {
+                    for id in &runs {
+                        f.append_event("acme", *id, "progress", &json!({"w": w, "n": n}))
+                            .await
+                            .unwrap();
+                    }
+                }
+            })
+        })
+        .collect();
+    for w in writers {
+        w.await.unwrap();
+    }
+    let total = scalar(&ferry, "SELECT count(*) FROM outbox").await as usize;
+    assert_eq!(total, 12 * 61);
+    let c = consumer(&broker.brokers(), &["ferry.run-events"]);
+    let recs = read_until(&c, Duration::from_secs(90), |r| distinct(r) >= total).await;
+    let mut per_key: HashMap<String, Vec<i64>> = HashMap::new();
+    let mut seen = HashSet::new();
+    for r in &recs {
+        let body: serde_json::Value = serde_json::from_slice(&r.payload).unwrap();
+        if seen.insert(r.outbox_id()) {
+            per_key
+                .entry(r.key.clone())
+                .or_default()
+                .push(body["seq"].as_i64().unwrap());
+        }
+    }
+    for (key, seqs) in &per_key {
+        assert_eq!(
+            seqs,
+            &(1..=61).collect::<Vec<_>>(),
+            "key {key} out of order"
+        );
+    }
+    let (pa, pb) = (
+        a.state.metrics.published.get(),
+        b.state.metrics.published.get(),
+    );
+    a.shutdown().await;
+    b.shutdown().await;
+    assert!(pa > 0 && pb > 0, "both relays published (a: {pa}, b: {pb})");
+}
+
+fn spawn_relay_process(url: &str, brokers: &str) -> Child {
+    Command::new(env!("CARGO_BIN_EXE_ferry-relay"))
+        .args([
+            "run",
+            "--database-url",
+            url,
+            "--brokers",
+            brokers,
+            "--lease",
+            "1s",
+            "--poll-interval",
+            "50ms",
+        ])
+        .args([
+            "--batch-size",
+            "50",
+            "--listen",
+            "127.0.0.1:0",
+            "--grace",
+            "5s",
+        ])
+        .env("RUST_LOG", "warn")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("spawn ferry-relay")
+}
+
+async fn write_orders(ferry: &Ferry, n: usize, keys: usize) {
+    for i in 0..n {
+        let msg = OutboxMessage::json(
+            "acme",
+            "orders",
+            format!("key-{}", i % keys),
+            &json!({"i": i}),
+        )
+        .unwrap();
+        ferry.enqueue(&msg).await.unwrap();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sigkilled_relay_loses_nothing() {
+    let broker = Broker::start();
+    broker.create_topic("orders", 6);
+    let (ferry, url) = pg_ferry().await;
+    write_orders(&ferry, 1500, 40).await;
+    let c = consumer(&broker.brokers(), &["orders"]);
+    let mut recs = Vec::new();
+    for round in 1..=3 {
+        let mut child = spawn_relay_process(&url, &broker.brokers());
+        let want = round * 300;
+        let more = read_until(&c, Duration::from_secs(60), |r| {
+            distinct(&[&recs[..], r].concat()) >= want
+        })
+        .await;
+        recs.extend(more);
+        child.kill().unwrap(); // SIGKILL mid-stream
+        child.wait().unwrap();
+    }
+    let mut child = spawn_relay_process(&url, &broker.brokers());
+    let more = read_until(&c, Duration::from_secs(90), |r| {
+        distinct(&[&recs[..], r].concat()) >= 1500
+    })
+    .await;
+    recs.extend(more);
+    let _ = Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status();
+    child.wait().unwrap();
+    let ids: HashSet<i64> = recs.iter().map(Record::outbox_id).collect();
+    let all: Vec<i64> = sqlx::query_scalar("SELECT id FROM outbox")
+        .fetch_all(ferry.db().as_postgres().unwrap())
+        .await
+        .unwrap();
+    assert!(
+        all.iter().all(|id| ids.contains(id)),
+        "every committed row reached Kafka"
+    );
+    let mut by_id: HashMap<i64, &Record> = HashMap::new();
+    for r in &recs {
+        if let Some(first) = by_id.insert(r.outbox_id(), r) {
+            assert_eq!(
+                (&first.key, &first.payload),
+                (&r.key, &r.payload),
+                "a duplicate is the same row"
+            );
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_broker_outage_drains_after_restart() {
+    let mut broker = Broker::start();
+    broker.create_topic("orders", 6);
+    let (ferry, url) = pg_ferry().await;
+    let relay = start_relay(relay_config(&url, &broker.brokers()), ferry.clone()).await;
+    write_orders(&ferry, 100, 10).await;
+    let c = consumer(&broker.brokers(), &["orders"]);
+    let mut recs = read_until(&c, Duration::from_secs(60), |r| distinct(r) >= 100).await;
+    broker.stop();
+    write_orders(&ferry, 200, 10).await;
+    broker.restart();
+    let more = read_until(&c, Duration::from_secs(120), |r| {
+        distinct(&[&recs[..], r].concat()) >= 300
+    })
+    .await;
+    recs.extend(more);
+    relay.shutdown().await;
+    assert_eq!(distinct(&recs), 300);
+    assert_eq!(
+        scalar(
+            &ferry,
+            "SELECT count(*) FROM outbox WHERE state = 'pending'"
+        )
+        .await,
+        0,
+        "the backlog drained"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_relay_that_lost_its_lane_cannot_mark() {
+    let (_, url) = pg_ferry().await;
+    let clock = Clock::manual(Millis::new(1_800_000_000_000).unwrap());
+    let ferry = Ferry::builder(&url)
+        .clock(clock.clone())
+        .connect()
+        .await
+        .unwrap();
+    let lease = Duration::from_secs(10);
+    let held_a = ferry.acquire_lanes("relay-a", lease, 64).await.unwrap();
+    assert_eq!(held_a.len(), 64);
+    for i in 0..5 {
+        ferry
+            .enqueue(&OutboxMessage::bytes("acme", "orders", "one-key", vec![i]))
+            .await
+            .unwrap();
+    }
+    let lane = ferry::outbox::lane_for("one-key", ferry.lanes());
+    let a = *held_a.iter().find(|l| l.lane == lane).unwrap();
+    let batch = ferry.pending_batch(lane, 100).await.unwrap();
+    assert_eq!(batch.len(), 5);
+    // A pauses past its lease; B takes the lane at a higher generation.
+    assert!(
+        ferry
+            .acquire_lanes("relay-b", lease, 64)
+            .await
+            .unwrap()
+            .is_empty(),
+        "live leases are not taken"
+    );
+    clock.advance(lease + Duration::from_millis(1)).unwrap();
+    let held_b = ferry.acquire_lanes("relay-b", lease, 64).await.unwrap();
+    let b = *held_b.iter().find(|l| l.lane == lane).unwrap();
+    assert!(b.generation > a.generation);
+    let ids: Vec<i64> = batch.iter().map(|r| r.id).collect();
+    let err = ferry
+        .mark_delivered("relay-a", a, &ids, false)
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), "lost_lease");
+    assert_eq!(
+        ferry
+            .mark_dead("relay-a", a, ids[0], "x")
+            .await
+            .unwrap_err()
+            .code(),
+        "lost_lease"
+    );
+    assert!(
+        !ferry.release_lane("relay-a", a).await.unwrap(),
+        "never releases a lane it lost"
+    );
+    assert!(ferry
+        .renew_lanes("relay-a", lease)
+        .await
+        .unwrap()
+        .is_empty());
+    assert_eq!(
+        ferry.outbox_backlog().await.unwrap().pending,
+        5,
+        "A changed nothing"
+    );
+    assert_eq!(
+        ferry
+            .mark_delivered("relay-b", b, &ids, false)
+            .await
+            .unwrap(),
+        5
+    );
+}
+
+async fn poison_rows(ferry: &Ferry) -> i64 {
+    let mut poison = 0;
+    for i in 0..7 {
+        let big = i == 3;
+        let payload = if big {
+            vec![b'x'; 50_000]
+        } else {
+            vec![b'y'; 10]
+        };
+        let id = ferry
+            .enqueue(&OutboxMessage::bytes("acme", "orders", "same-key", payload))
+            .await
+            .unwrap();
+        if big {
+            poison = id;
+        }
+    }
+    poison
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_poison_record_goes_dead_and_the_lane_flows_or_blocks() {
+    let broker = Broker::start();
+    broker.create_topic("orders", 3);
+    // Skip mode: the oversized record is dead, the rest of the lane flows.
+    let (ferry, url) = pg_ferry().await;
+    let poison = poison_rows(&ferry).await;
+    let mut cfg = relay_config(&url, &broker.brokers());
+    cfg.kafka.push(("message.max.bytes".into(), "20000".into()));
+    let relay = start_relay(cfg.clone(), ferry.clone()).await;
+    let c = consumer(&broker.brokers(), &["orders"]);
+    let recs = read_until(&c, Duration::from_secs(60), |r| distinct(r) >= 6).await;
+    assert!(recs.iter().all(|r| r.outbox_id() != poison));
+    let dead = ferry.list_dead_outbox(10).await.unwrap();
+    assert_eq!(dead.len(), 1);
+    assert_eq!(
+        (dead[0].id, dead[0].last_error.as_deref()),
+        (poison, Some("message_too_large"))
+    );
+    relay.shutdown().await;
+    assert_eq!(
+        scalar(
+            &ferry,
+            "SELECT count(*) FROM outbox WHERE state = 'delivered'"
+        )
+        .await,
+        6
+    );
+    // An operator puts it back (audited).
+    assert_eq!(
+        ferry
+            .replay_dead_outbox(Some(poison), "ops", "raised the broker limit")
+            .await
+            .unwrap(),
+        vec![poison]
+    );
+    assert_eq!(scalar(&ferry, "SELECT count(*) FROM ferry_audit WHERE action = 'outbox.replay_dead' AND actor = 'ops'").await, 1);
+
+    // Block mode: the lane stops at the poison record.
+    let (ferry, url) = pg_ferry().await;
+    let poison = poison_rows(&ferry).await;
+    let mut cfg = relay_config(&url, &broker.brokers());
+    cfg.kafka.push(("message.max.bytes".into(), "20000".into()));
+    cfg.on_poison = OnPoison::Block;
+    let relay = start_relay(cfg, ferry.clone()).await;
+    let start = Instant::now();
+    while scalar(
+        &ferry,
+        &format!("SELECT CAST(publish_attempts AS BIGINT) FROM outbox WHERE id = {poison}"),
+    )
+    .await
+        < 2
+    {
+        assert!(
+            start.elapsed() < Duration::from_secs(30),
+            "the relay never retried the poison row"
+        );
+        tokio::task::yield_now().await;
+    }
+    relay.shutdown().await;
+    assert_eq!(
+        scalar(
+            &ferry,
+            "SELECT count(*) FROM outbox WHERE state = 'delivered'"
+        )
+        .await,
+        3,
+        "only rows before it"
+    );
+    assert_eq!(
+        scalar(
+            &ferry,
+            &format!("SELECT count(*) FROM outbox WHERE state = 'pending' AND id >= {poison}")
+        )
+        .await,
+        4
+    );
+    assert_eq!(
+        scalar(&ferry, "SELECT count(*) FROM outbox WHERE state = 'dead'").await,
+        0
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_marks_everything_acknowledged_within_the_grace() {
+    let broker = Broker::start();
+    broker.create_topic("orders", 6);
+    let (ferry, url) = pg_ferry().await;
+    write_orders(&ferry, 3000, 50).await;
+    let c = consumer(&broker.brokers(), &["orders"]);
+    let mut child = spawn_relay_process(&url, &broker.brokers());
+    let mut recs = read_until(&c, Duration::from_secs(60), |r| distinct(r) >= 300).await;
+    let asked = Instant::now();
+    let _ = Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status();
+    let status = child.wait().unwrap();
+    assert!(status.success(), "clean exit: {status:?}");
+    assert!(
+        asked.elapsed() < Duration::from_secs(7),
+        "exited within the grace ({:?})",
+        asked.elapsed()
+    );
+    let delivered = scalar(
+        &ferry,
+        "SELECT count(*) FROM outbox WHERE state = 'delivered'",
+    )
+    .await as usize;
+    let more = read_until(&c, Duration::from_secs(60), |r| {
+        distinct(&[&recs[..], r].concat()) >= delivered
+    })
+    .await;
+    recs.extend(more);
+    let pending: HashSet<i64> = sqlx::query_scalar("SELECT id FROM outbox WHERE state = 'pending'")
+        .fetch_all(ferry.db().as_postgres().unwrap())
+        .await
+        .unwrap()
+        .into_iter()
+        .collect();
+    let acked_but_pending: Vec<_> = recs
+        .iter()
+        .map(Record::outbox_id)
+        .filter(|id| pending.contains(id))
+        .collect();
+    assert!(
+        acked_but_pending.is_empty(),
+        "acknowledged rows left unmarked: {acked_but_pending:?}"
+    );
+    assert_eq!(
+        scalar(
+            &ferry,
+            "SELECT count(*) FROM relay_lanes WHERE owner IS NOT NULL"
+        )
+        .await,
+        0,
+        "lanes released"
+    );
+}

@@ -1,0 +1,153 @@
+//! Shared pieces: a migrated PostgreSQL schema, a relay running in-process,
+//! and a plain consumer that reads records back.
+
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+
+use ferry::{Engine, Ferry};
+use ferry_relay::{Relay, RelayConfig};
+use rdkafka::consumer::{BaseConsumer, Consumer};
+use rdkafka::message::{Headers, Message};
+use rdkafka::ClientConfig;
+use tokio_util::sync::CancellationToken;
+
+pub async fn pg_ferry() -> (Ferry, String) {
+    let url = ferry::testing::fresh_database_url(Engine::Postgres)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    let ferry = Ferry::builder(&url).migrate(true).connect().await.unwrap();
+    (ferry, url)
+}
+
+pub fn relay_config(url: &str, brokers: &str) -> RelayConfig {
+    let mut cfg = RelayConfig::new(url, brokers);
+    cfg.poll_interval = Duration::from_millis(50);
+    cfg.lease = Duration::from_secs(3);
+    cfg.grace = Duration::from_secs(5);
+    cfg.kafka = vec![("message.timeout.ms".into(), "10000".into())];
+    cfg
+}
+
+pub struct RunningRelay {
+    pub stop: CancellationToken,
+    pub handle: tokio::task::JoinHandle<Result<(), ferry_relay::RelayError>>,
+    pub state: std::sync::Arc<ferry_relay::service::RelayState>,
+    pub addr: std::net::SocketAddr,
+}
+
+pub async fn start_relay(cfg: RelayConfig, ferry: Ferry) -> RunningRelay {
+    let relay = Relay::new(cfg, ferry).unwrap();
+    let state = relay.state();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let stop = CancellationToken::new();
+    let s = stop.clone();
+    let handle = tokio::spawn(relay.run(listener, async move { s.cancelled().await }));
+    RunningRelay {
+        stop,
+        handle,
+        state,
+        addr,
+    }
+}
+
+impl RunningRelay {
+    pub async fn shutdown(self) {
+        self.stop.cancel();
+        self.handle.await.unwrap().unwrap();
+    }
+}
+
+/// One record as read back.
+#[derive(Debug, Clone)]
+pub struct Record {
+    pub topic: String,
+    pub partition: i32,
+    pub key: String,
+    pub payload: Vec<u8>,
+    pub headers: HashMap<String, String>,
+}
+
+impl Record {
+    pub fn outbox_id(&self) -> i64 {
+        self.headers["ferry-outbox-id"].parse().unwrap()
+    }
+}
+
+pub fn consumer(brokers: &str, topics: &[&str]) -> BaseConsumer {
+    let c: BaseConsumer = ClientConfig::new()
+        .set("bootstrap.servers", brokers)
+        .set(
+            "group.id",
+            format!("test-{}", uuid::Uuid::now_v7().simple()),
+        )
+        .set("auto.offset.reset", "earliest")
+        .set("enable.auto.commit", "false")
+        .set("session.timeout.ms", "6000")
+        .create()
+        .unwrap();
+    c.subscribe(topics).unwrap();
+    c
+}
+
+/// Reads until `done(records)` holds; fails after `limit` (a bound, not a sync).
+pub async fn read_until(
+    c: &BaseConsumer,
+    limit: Duration,
+    mut done: impl FnMut(&[Record]) -> bool,
+) -> Vec<Record> {
+    let mut out = Vec::new();
+    let start = Instant::now();
+    while !done(&out) {
+        assert!(
+            start.elapsed() < limit,
+            "gave up after {limit:?} with {} records",
+            out.len()
+        );
+        let m = tokio::task::block_in_place(|| c.poll(Duration::from_millis(100)));
+        if let Some(Ok(m)) = m {
+            let headers = m
+                .headers()
+                .map(|h| {
+                    h.iter()
+                        .map(|h| {
+                            (
+                                h.key.to_owned(),
+                                String::from_utf8_lossy(h.value.unwrap_or_default()).into_owned(),
+                            )
+                        })
+                        .collect()
+                })
+                .unwrap_or_default();
+            out.push(Record {
+                topic: m.topic().to_owned(),
+                partition: m.partition(),
+                key: String::from_utf8_lossy(m.key().unwrap_or_default()).into_owned(),
+                payload: m.payload().unwrap_or_default().to_vec(),
+                headers,
+            });
+        }
+    }
+    out
+}
+
+pub async fn scalar(ferry: &Ferry, sql: &str) -> i64 {
+    sqlx::query_scalar(sql)
+        .fetch_one(ferry.db().as_postgres().unwrap())
+        .await
+        .unwrap()
+}
+
+/// GET `path` on a local HTTP server; returns the status line and body.
+pub async fn http_get(addr: std::net::SocketAddr, path: &str) -> (String, String) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+    s.write_all(format!("GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").as_bytes())
+        .await
+        .unwrap();
+    let mut buf = String::new();
+    s.read_to_string(&mut buf).await.unwrap();
+    let status = buf.lines().next().unwrap_or_default().to_owned();
+    let body = buf.split("\r\n\r\n").nth(1).unwrap_or_default().to_owned();
+    (status, body)
+}

@@ -1,0 +1,82 @@
+//! Helpers for tests of Ferry and of services built on it: a brand-new
+//! PostgreSQL schema or SQLite file per test, so tests run in parallel against
+//! real databases. PostgreSQL must be reachable; when it is not, the helper
+//! fails with a message naming what is missing (tests never skip).
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+use sqlx::ConnectOptions as _;
+
+use crate::error::{Error, Result};
+use crate::store::Engine;
+
+/// The test PostgreSQL: `DATABASE_URL`, or the local server.
+pub fn postgres_url() -> String {
+    std::env::var("DATABASE_URL")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".into())
+}
+
+static SEQ: AtomicU64 = AtomicU64::new(0);
+
+/// A URL to a new, empty database of `engine`: a fresh schema (selected by
+/// `search_path`) in the test PostgreSQL, or a fresh SQLite file under the
+/// temp dir. Schemas left by earlier runs of other processes are dropped.
+pub async fn fresh_database_url(engine: Engine) -> Result<String> {
+    let n = SEQ.fetch_add(1, Ordering::Relaxed);
+    let pid = std::process::id();
+    match engine {
+        Engine::Sqlite => {
+            let dir = std::env::temp_dir().join("ferry-tests");
+            std::fs::create_dir_all(&dir).map_err(|e| Error::Config(format!("temp dir: {e}")))?;
+            let path = dir.join(format!("t{pid}_{n}_{}.db", uuid::Uuid::now_v7().simple()));
+            Ok(format!("sqlite://{}", path.display()))
+        }
+        Engine::Postgres => {
+            let base = postgres_url();
+            let schema = format!(
+                "ferry_t_{pid}_{n}_{}",
+                &uuid::Uuid::now_v7().simple().to_string()[20..]
+            );
+            let opts: PgConnectOptions = base
+                .parse()
+                .map_err(|e| Error::Config(format!("DATABASE_URL: {e}")))?;
+            let admin = PgPoolOptions::new()
+                .max_connections(1)
+                .acquire_timeout(Duration::from_secs(5))
+                .connect_with(opts.disable_statement_logging())
+                .await
+                .map_err(|e| {
+                    Error::Config(format!(
+                        "PostgreSQL is required and unreachable at {base} ({e}); start it or set DATABASE_URL"
+                    ))
+                })?;
+            if n == 0 {
+                drop_stale_schemas(&admin, pid).await;
+            }
+            sqlx::query(&format!("CREATE SCHEMA {schema}"))
+                .execute(&admin)
+                .await?;
+            admin.close().await;
+            let sep = if base.contains('?') { '&' } else { '?' };
+            Ok(format!("{base}{sep}options=-csearch_path%3D{schema}"))
+        }
+    }
+}
+
+/// Drops `ferry_t_*` schemas of other processes (earlier test runs).
+async fn drop_stale_schemas(admin: &sqlx::PgPool, pid: u32) {
+    let stale: Vec<String> = sqlx::query_scalar(
+        "SELECT nspname::text FROM pg_namespace WHERE nspname LIKE 'ferry\\_t\\_%' AND nspname NOT LIKE $1",
+    )
+    .bind(format!("ferry\\_t\\_{pid}\\_%"))
+    .fetch_all(admin)
+    .await
+    .unwrap_or_default();
+    for s in stale {
+        let _ = sqlx::query(&format!("DROP SCHEMA IF EXISTS {s} CASCADE"))
+            .execute(admin)
+            .await;
+    }
+}
