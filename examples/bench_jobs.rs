@@ -41,6 +41,26 @@ async fn main() -> Res<()> {
     let raw = rate(n, 16, move |i| raw_accept(pool.clone(), i, 1)).await?;
     row("enqueue, 1 per tx (jobs/s)", ferry_rate, raw);
 
+    // The cost of wake-up notifications: none, coalesced (the default), one per transaction.
+    let mut rates = Vec::new();
+    for interval in [Duration::from_secs(3600), Duration::from_millis(50), Duration::ZERO] {
+        let (_, pool) = fresh(&base, "notify").await?;
+        let f = Ferry::builder(url_of(&base, "notify")).notify_interval(interval).build(ferry::Db::Postgres(pool)).await?;
+        rates.push(
+            rate(n, 16, move |i| {
+                let f = f.clone();
+                async move {
+                    f.create_run_idempotent(NewRun::new("bench", "op", format!("k{i}"), json!({"i": i}))).await?;
+                    Ok(1)
+                }
+            })
+            .await?,
+        );
+    }
+    row("enqueue, NOTIFY coalesced (jobs/s) vs none", rates[1], rates[0]);
+    row("enqueue, NOTIFY every tx (jobs/s) vs none", rates[2], rates[0]);
+    println!("{:<44} {:>11.1}%", "coalesced NOTIFY cost", (1.0 - rates[1] / rates[0]) * 100.0);
+
     // Enqueue, 100 acceptances per transaction.
     let (f, pool) = fresh(&base, "enqb").await?;
     let ferry_rate = rate(n / 100, 16, move |i| {
@@ -185,8 +205,7 @@ async fn fresh(base: &str, name: &str) -> Res<(Ferry, PgPool)> {
         .execute(&admin)
         .await?;
     admin.close().await;
-    let sep = if base.contains('?') { '&' } else { '?' };
-    let url = format!("{base}{sep}options=-csearch_path%3D{schema}");
+    let url = url_of(base, name);
     let f = Ferry::builder(&url)
         .max_connections(16)
         .migrate(true)
@@ -197,6 +216,11 @@ async fn fresh(base: &str, name: &str) -> Res<(Ferry, PgPool)> {
         .connect(&url)
         .await?;
     Ok((f, pool))
+}
+
+fn url_of(base: &str, name: &str) -> String {
+    let sep = if base.contains('?') { '&' } else { '?' };
+    format!("{base}{sep}options=-csearch_path%3Dferry_bench_{name}")
 }
 
 /// Runs `count` operations on `conc` tasks; returns units per second.
