@@ -43,23 +43,48 @@ async fn main() -> Res<()> {
 
     // The cost of wake-up notifications: none, coalesced (the default), one per transaction.
     let mut rates = Vec::new();
-    for interval in [Duration::from_secs(3600), Duration::from_millis(50), Duration::ZERO] {
+    for interval in [
+        Duration::from_secs(3600),
+        Duration::from_millis(50),
+        Duration::ZERO,
+    ] {
         let (_, pool) = fresh(&base, "notify").await?;
-        let f = Ferry::builder(url_of(&base, "notify")).notify_interval(interval).build(ferry::Db::Postgres(pool)).await?;
+        let f = Ferry::builder(url_of(&base, "notify"))
+            .notify_interval(interval)
+            .build(ferry::Db::Postgres(pool))
+            .await?;
         rates.push(
             rate(n, 16, move |i| {
                 let f = f.clone();
                 async move {
-                    f.create_run_idempotent(NewRun::new("bench", "op", format!("k{i}"), json!({"i": i}))).await?;
+                    f.create_run_idempotent(NewRun::new(
+                        "bench",
+                        "op",
+                        format!("k{i}"),
+                        json!({"i": i}),
+                    ))
+                    .await?;
                     Ok(1)
                 }
             })
             .await?,
         );
     }
-    row("enqueue, NOTIFY coalesced (jobs/s) vs none", rates[1], rates[0]);
-    row("enqueue, NOTIFY every tx (jobs/s) vs none", rates[2], rates[0]);
-    println!("{:<44} {:>11.1}%", "coalesced NOTIFY cost", (1.0 - rates[1] / rates[0]) * 100.0);
+    row(
+        "enqueue, NOTIFY coalesced (jobs/s) vs none",
+        rates[1],
+        rates[0],
+    );
+    row(
+        "enqueue, NOTIFY every tx (jobs/s) vs none",
+        rates[2],
+        rates[0],
+    );
+    println!(
+        "{:<44} {:>11.1}%",
+        "coalesced NOTIFY cost",
+        (1.0 - rates[1] / rates[0]) * 100.0
+    );
 
     // Enqueue, 100 acceptances per transaction.
     let (f, pool) = fresh(&base, "enqb").await?;

@@ -61,6 +61,17 @@ pub enum Error {
         /// The generation the relay held.
         generation: i64,
     },
+    /// A consumer's partition lease is gone (the partition moved to another
+    /// consumer at a higher generation): it may not commit effects.
+    #[error("partition {topic}/{partition} lease lost (generation {generation})")]
+    LostPartition {
+        /// Topic.
+        topic: String,
+        /// Partition.
+        partition: i32,
+        /// The generation the consumer held.
+        generation: i64,
+    },
     /// The run already reached a terminal state, so the transition lost the race.
     #[error("run {run_id} is already {state}")]
     RunTerminal {
@@ -133,7 +144,9 @@ impl Error {
             Error::IdempotencyConflict { .. } => "idempotency_conflict",
             Error::DuplicateRun { .. } => "duplicate_run",
             Error::NotFound { .. } => "not_found",
-            Error::LostLease { .. } | Error::LostLane { .. } => "lost_lease",
+            Error::LostLease { .. } | Error::LostLane { .. } | Error::LostPartition { .. } => {
+                "lost_lease"
+            }
             Error::RunTerminal { .. } => "run_terminal",
             Error::Cancelled { .. } => "cancelled",
             Error::DeadlineExceeded { .. } => "deadline_exceeded",

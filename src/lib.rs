@@ -20,6 +20,7 @@
 #![forbid(unsafe_code)]
 #![deny(clippy::print_stdout)]
 
+pub mod consumer;
 pub mod effects;
 pub mod error;
 pub mod fingerprint;

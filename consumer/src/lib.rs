@@ -1,5 +1,49 @@
-//! `ferry-consumer`: consumer-group library with effect-ledger dedupe. This
-//! crate is a skeleton until the consumer lands.
+//! `ferry-consumer`: Kafka consumer-group consumers whose handler effects
+//! commit at most once per group (invariant 10).
+//!
+//! Each record is one database transaction: the partition lease is checked
+//! at this member's generation, the ledger row `(group, effect key)` is
+//! inserted (a duplicate skips the handler), the handler writes its effects,
+//! and `next_offset` is stored, all committed together. Kafka offsets are
+//! committed afterwards too, for lag tools, but the offset of record is the
+//! one stored with the effects.
+//!
+//! ```no_run
+//! # async fn demo(ferry: ferry::Ferry) -> Result<(), ferry_consumer::ConsumerError> {
+//! use ferry_consumer::{Consumer, Handler, HandlerError, Record};
+//! use futures::future::BoxFuture;
+//!
+//! struct CountOrders;
+//! impl Handler for CountOrders {
+//!     fn handle<'a>(&'a self, r: &'a Record, tx: &'a mut ferry::Tx) -> BoxFuture<'a, Result<(), HandlerError>> {
+//!         Box::pin(async move {
+//!             let key = String::from_utf8_lossy(r.key.as_deref().unwrap_or_default()).into_owned();
+//!             sqlx::query("INSERT INTO order_counts (key, n) VALUES ($1, 1) ON CONFLICT (key) DO UPDATE SET n = order_counts.n + 1")
+//!                 .bind(key)
+//!                 .execute(tx.postgres().expect("PostgreSQL"))
+//!                 .await?;
+//!             Ok(())
+//!         })
+//!     }
+//! }
+//!
+//! Consumer::builder(ferry, "127.0.0.1:9092", "order-counter", &["orders"])
+//!     .handler(CountOrders)
+//!     .dead_letter_topic("orders.dlq")
+//!     .run(async { tokio::signal::ctrl_c().await.ok(); })
+//!     .await
+//! # }
+//! ```
 #![forbid(unsafe_code)]
+#![deny(clippy::print_stdout)]
 
-pub use ferry;
+pub mod error;
+pub mod metrics;
+pub mod process;
+pub mod record;
+pub mod runner;
+
+pub use error::{ConsumerError, HandlerClass, HandlerError};
+pub use process::{process_record, ProcessError, Processed};
+pub use record::{Handler, Record};
+pub use runner::{Assignment, Consumer, ConsumerBuilder};

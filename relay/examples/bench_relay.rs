@@ -28,10 +28,20 @@ impl Drop for Tansu {
 }
 
 fn start_tansu() -> Res<(Tansu, String)> {
-    let port = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
+    let port = std::net::TcpListener::bind("127.0.0.1:0")?
+        .local_addr()?
+        .port();
     let url = format!("tcp://127.0.0.1:{port}");
     let child = Command::new("tansu")
-        .args(["broker", "--listener-url", &url, "--advertised-listener-url", &url, "--storage-engine", "memory://tansu/"])
+        .args([
+            "broker",
+            "--listener-url",
+            &url,
+            "--advertised-listener-url",
+            &url,
+            "--storage-engine",
+            "memory://tansu/",
+        ])
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .spawn()?;
@@ -43,7 +53,15 @@ fn start_tansu() -> Res<(Tansu, String)> {
 
 fn create_topic(brokers: &str, name: &str) -> Res<()> {
     let status = Command::new("tansu")
-        .args(["topic", "create", name, "--partitions", "6", "--broker", &format!("tcp://{brokers}")])
+        .args([
+            "topic",
+            "create",
+            name,
+            "--partitions",
+            "6",
+            "--broker",
+            &format!("tcp://{brokers}"),
+        ])
         .stdout(Stdio::null())
         .status()?;
     if !status.success() {
@@ -58,15 +76,25 @@ async fn main() -> Res<()> {
     let n: usize = if quick { 20_000 } else { 100_000 };
     let (_tansu, brokers) = start_tansu()?;
     println!("ferry-relay benchmarks (PostgreSQL → Tansu memory://, n = {n})\n");
-    println!("{:<52} {:>12} {:>14}", "measure", "ferry-relay", "raw produce");
+    println!(
+        "{:<52} {:>12} {:>14}",
+        "measure", "ferry-relay", "raw produce"
+    );
     for size in [100usize, 1024] {
         let topic = format!("bench-{size}");
         create_topic(&brokers, &topic)?;
         let raw = raw_produce(&brokers, &topic, n, size).await?;
         for (relays, delete) in [(1, false), (2, false), (1, true)] {
             let rate = drain(&brokers, &topic, n, size, relays, delete).await?;
-            let mode = if delete { "delete on delivery" } else { "mark delivered" };
-            println!("{:<52} {rate:>12.0} {raw:>14.0}", format!("drain msgs/s, {size} B, {relays} relay(s), {mode}"));
+            let mode = if delete {
+                "delete on delivery"
+            } else {
+                "mark delivered"
+            };
+            println!(
+                "{:<52} {rate:>12.0} {raw:>14.0}",
+                format!("drain msgs/s, {size} B, {relays} relay(s), {mode}")
+            );
         }
     }
     // Latency from commit to acknowledgement at a steady 1k rows/s.
@@ -77,20 +105,39 @@ async fn main() -> Res<()> {
     let mut tick = tokio::time::interval(Duration::from_millis(1));
     for i in 0..secs * 1000 {
         tick.tick().await;
-        ferry.enqueue(&OutboxMessage::bytes("bench", "bench-latency", format!("k{}", i % 500), vec![0u8; 100])).await?;
+        ferry
+            .enqueue(&OutboxMessage::bytes(
+                "bench",
+                "bench-latency",
+                format!("k{}", i % 500),
+                vec![0u8; 100],
+            ))
+            .await?;
     }
     wait_delivered(&ferry).await?;
     stop.cancel();
     handle.await??;
-    let (p50, p99) = (state.metrics.latency_quantile(0.5).unwrap_or(0), state.metrics.latency_quantile(0.99).unwrap_or(0));
-    println!("{:<52} {:>9} ms {:>14}", "commit → ack p50 at 1k rows/s", p50, "-");
-    println!("{:<52} {:>9} ms {:>14}", "commit → ack p99 at 1k rows/s", p99, "-");
+    let (p50, p99) = (
+        state.metrics.latency_quantile(0.5).unwrap_or(0),
+        state.metrics.latency_quantile(0.99).unwrap_or(0),
+    );
+    println!(
+        "{:<52} {:>9} ms {:>14}",
+        "commit → ack p50 at 1k rows/s", p50, "-"
+    );
+    println!(
+        "{:<52} {:>9} ms {:>14}",
+        "commit → ack p99 at 1k rows/s", p99, "-"
+    );
     // A large backlog.
     let big = if quick { 100_000 } else { 1_000_000 };
     create_topic(&brokers, "bench-backlog")?;
     let raw = raw_produce(&brokers, "bench-backlog", big.min(200_000), 100).await?;
     let rate = drain(&brokers, "bench-backlog", big, 100, 1, false).await?;
-    println!("{:<52} {rate:>12.0} {raw:>14.0}", format!("drain msgs/s with {big} pending, 100 B, 1 relay"));
+    println!(
+        "{:<52} {rate:>12.0} {raw:>14.0}",
+        format!("drain msgs/s with {big} pending, 100 B, 1 relay")
+    );
     Ok(())
 }
 
@@ -100,7 +147,11 @@ async fn fresh() -> Res<(Ferry, String)> {
     Ok((ferry, url))
 }
 
-type Started = (CancellationToken, tokio::task::JoinHandle<Result<(), ferry_relay::RelayError>>, std::sync::Arc<ferry_relay::service::RelayState>);
+type Started = (
+    CancellationToken,
+    tokio::task::JoinHandle<Result<(), ferry_relay::RelayError>>,
+    std::sync::Arc<ferry_relay::service::RelayState>,
+);
 
 fn start(url: &str, brokers: &str, ferry: Ferry, delete: bool) -> Res<Started> {
     let mut cfg = RelayConfig::new(url, brokers);
@@ -124,7 +175,10 @@ async fn seed(ferry: &Ferry, topic: &str, n: usize, size: usize) -> Res<()> {
     let payload = vec![b'x'; size];
     for chunk in (0..n).collect::<Vec<_>>().chunks(10_000) {
         let keys: Vec<String> = chunk.iter().map(|i| format!("k{}", i % 1000)).collect();
-        let lanes: Vec<i32> = keys.iter().map(|k| ferry::outbox::lane_for(k, ferry.lanes())).collect();
+        let lanes: Vec<i32> = keys
+            .iter()
+            .map(|k| ferry::outbox::lane_for(k, ferry.lanes()))
+            .collect();
         sqlx::query(
             "INSERT INTO outbox (tenant, topic, key, lane, payload, headers, created_at)
              SELECT 'bench', $1, k, l, $4, '{}'::jsonb, (extract(epoch FROM now()) * 1000)::bigint
@@ -144,7 +198,9 @@ async fn seed(ferry: &Ferry, topic: &str, n: usize, size: usize) -> Res<()> {
 async fn wait_delivered(ferry: &Ferry) -> Res<()> {
     let pool = ferry.db().as_postgres().ok_or("PostgreSQL only")?;
     loop {
-        let left: i64 = sqlx::query_scalar("SELECT count(*) FROM outbox WHERE state = 'pending'").fetch_one(pool).await?;
+        let left: i64 = sqlx::query_scalar("SELECT count(*) FROM outbox WHERE state = 'pending'")
+            .fetch_one(pool)
+            .await?;
         if left == 0 {
             return Ok(());
         }
@@ -152,7 +208,14 @@ async fn wait_delivered(ferry: &Ferry) -> Res<()> {
     }
 }
 
-async fn drain(brokers: &str, topic: &str, n: usize, size: usize, relays: usize, delete: bool) -> Res<f64> {
+async fn drain(
+    brokers: &str,
+    topic: &str,
+    n: usize,
+    size: usize,
+    relays: usize,
+    delete: bool,
+) -> Res<f64> {
     let (ferry, url) = fresh().await?;
     seed(&ferry, topic, n, size).await?;
     let started = Instant::now();

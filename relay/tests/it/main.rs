@@ -1,5 +1,4 @@
 //! ferry-relay against PostgreSQL and a real Kafka-protocol broker.
 
-mod broker;
 mod relay;
 mod support;

@@ -10,8 +10,8 @@ use ferry::{Clock, Ferry, Millis, NewRun, OutboxMessage};
 use ferry_relay::OnPoison;
 use serde_json::json;
 
-use crate::broker::Broker;
 use crate::support::*;
+use ferry::testing::Broker;
 
 const TP: &str = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
 

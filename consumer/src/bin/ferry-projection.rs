@@ -1,0 +1,135 @@
+//! Example consumer: keeps a per-key projection (`ferry_projection`: events
+//! seen and last offset per record key) and counts how often each effect
+//! key's effect was applied (`ferry_projection_applied`), which must stay 1.
+//!
+//! Environment: `DATABASE_URL`, `FERRY_BROKERS`, `FERRY_GROUP`, `FERRY_TOPICS`
+//! (comma-separated), `FERRY_DLQ` (dead-letter topic), `FERRY_ASSIGNMENT`
+//! (`eager` or `cooperative`), and for tests `FERRY_CRASH_AT` (abort the
+//! process inside the handler, before commit, the first time this effect key
+//! is seen; a marker file makes it once) and `FERRY_POISON_KEY` (records with
+//! this key fail terminally).
+
+use std::time::Duration;
+
+use ferry::Ferry;
+use ferry_consumer::{Assignment, Consumer, Handler, HandlerError, Record};
+use futures::future::BoxFuture;
+
+struct Projection {
+    crash_at: Option<String>,
+    marker: std::path::PathBuf,
+    poison_key: Option<String>,
+}
+
+const UPSERT: &str = "INSERT INTO ferry_projection (key, events, last_offset) VALUES ($1, 1, $2)
+    ON CONFLICT (key) DO UPDATE SET events = ferry_projection.events + 1, last_offset = excluded.last_offset";
+const APPLIED: &str = "INSERT INTO ferry_projection_applied (effect_key, applied) VALUES ($1, 1)
+    ON CONFLICT (effect_key) DO UPDATE SET applied = ferry_projection_applied.applied + 1";
+
+impl Handler for Projection {
+    fn handle<'a>(
+        &'a self,
+        r: &'a Record,
+        tx: &'a mut ferry::Tx,
+    ) -> BoxFuture<'a, Result<(), HandlerError>> {
+        Box::pin(async move {
+            let key = String::from_utf8_lossy(r.key.as_deref().unwrap_or_default()).into_owned();
+            if self.poison_key.as_deref() == Some(key.as_str()) {
+                return Err(HandlerError::terminal("poison_key"));
+            }
+            let effect = r.effect_key().unwrap_or_default();
+            match tx {
+                ferry::Tx::Postgres(_) => {
+                    let c = tx.postgres().expect("postgres");
+                    sqlx::query(UPSERT)
+                        .bind(&key)
+                        .bind(r.offset)
+                        .execute(&mut *c)
+                        .await?;
+                    sqlx::query(APPLIED).bind(&effect).execute(&mut *c).await?;
+                }
+                ferry::Tx::Sqlite(_) => {
+                    let c = tx.sqlite().expect("sqlite");
+                    sqlx::query(UPSERT)
+                        .bind(&key)
+                        .bind(r.offset)
+                        .execute(&mut *c)
+                        .await?;
+                    sqlx::query(APPLIED).bind(&effect).execute(&mut *c).await?;
+                }
+            }
+            if self.crash_at.as_deref() == Some(effect.as_str()) && !self.marker.exists() {
+                let _ = std::fs::write(&self.marker, b"crashed");
+                // Between the handler's writes and the commit.
+                std::process::abort();
+            }
+            Ok(())
+        })
+    }
+}
+
+async fn shutdown() {
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).ok();
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        _ = async { match term.as_mut() { Some(t) => { t.recv().await; } None => std::future::pending().await } } => {}
+    }
+}
+
+#[tokio::main]
+async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    init_tracing();
+    let env = |k: &str, d: &str| std::env::var(k).unwrap_or_else(|_| d.to_owned());
+    let url = std::env::var("DATABASE_URL")?;
+    let ferry = Ferry::builder(&url).migrate(true).connect().await?;
+    for ddl in [
+        "CREATE TABLE IF NOT EXISTS ferry_projection (key TEXT PRIMARY KEY, events BIGINT NOT NULL, last_offset BIGINT NOT NULL)",
+        "CREATE TABLE IF NOT EXISTS ferry_projection_applied (effect_key TEXT PRIMARY KEY, applied BIGINT NOT NULL)",
+    ] {
+        match ferry.db() {
+            ferry::Db::Postgres(p) => sqlx::query(ddl).execute(p).await.map(|_| ()),
+            ferry::Db::Sqlite(p) => sqlx::query(ddl).execute(p).await.map(|_| ()),
+        }?;
+    }
+    let topics = env("FERRY_TOPICS", "ferry.run-events");
+    let topics: Vec<&str> = topics.split(',').collect();
+    let assignment = if env("FERRY_ASSIGNMENT", "cooperative") == "eager" {
+        Assignment::Eager
+    } else {
+        Assignment::CooperativeSticky
+    };
+    let crash_at = std::env::var("FERRY_CRASH_AT").ok();
+    let handler = Projection {
+        marker: std::env::temp_dir().join(format!(
+            "ferry-crash-{}",
+            crash_at.clone().unwrap_or_default().replace('/', "_")
+        )),
+        crash_at,
+        poison_key: std::env::var("FERRY_POISON_KEY").ok(),
+    };
+    let mut builder = Consumer::builder(
+        ferry,
+        env("FERRY_BROKERS", "127.0.0.1:9092"),
+        env("FERRY_GROUP", "ferry-projection"),
+        &topics,
+    )
+    .handler(handler)
+    .assignment(assignment)
+    .lease(Duration::from_secs(10))
+    .kafka("session.timeout.ms", "6000")
+    .kafka("heartbeat.interval.ms", "500");
+    if let Ok(dlq) = std::env::var("FERRY_DLQ") {
+        builder = builder.dead_letter_topic(dlq);
+    }
+    builder.run(shutdown()).await?;
+    Ok(())
+}
+
+fn init_tracing() {
+    let filter =
+        tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into());
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .try_init();
+}

@@ -1,0 +1,92 @@
+//! The consumer's metrics as typed handles, in Prometheus text format.
+
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::Histogram;
+use prometheus_client::registry::Registry;
+
+/// A partition label.
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct PartitionLabel {
+    /// Topic.
+    pub topic: String,
+    /// Partition.
+    pub partition: i32,
+}
+
+/// Every consumer metric, prefixed `ferry_consumer_`.
+#[derive(Debug)]
+pub struct Metrics {
+    /// The registry.
+    pub registry: Registry,
+    /// Records whose effects committed.
+    pub processed: Counter,
+    /// Records skipped as duplicates by the ledger.
+    pub duplicates: Counter,
+    /// Records sent to the dead-letter topic.
+    pub dead_lettered: Counter,
+    /// Partition leases lost (a commit refused).
+    pub lease_losses: Counter,
+    /// Records behind the high watermark, per partition.
+    pub lag: Family<PartitionLabel, Gauge>,
+    /// Handler time in seconds.
+    pub handler_latency: Histogram,
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Metrics {
+    /// Registers every metric.
+    pub fn new() -> Self {
+        let mut registry = Registry::with_prefix("ferry_consumer");
+        let m = Metrics {
+            registry: Registry::default(),
+            processed: Counter::default(),
+            duplicates: Counter::default(),
+            dead_lettered: Counter::default(),
+            lease_losses: Counter::default(),
+            lag: Family::default(),
+            handler_latency: Histogram::new([0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0]),
+        };
+        registry.register(
+            "processed",
+            "Records whose effects committed",
+            m.processed.clone(),
+        );
+        registry.register(
+            "duplicates",
+            "Records skipped as duplicates",
+            m.duplicates.clone(),
+        );
+        registry.register(
+            "dead_lettered",
+            "Records sent to the dead-letter topic",
+            m.dead_lettered.clone(),
+        );
+        registry.register(
+            "lease_losses",
+            "Partition leases lost",
+            m.lease_losses.clone(),
+        );
+        registry.register("lag", "Records behind the high watermark", m.lag.clone());
+        registry.register(
+            "handler_latency_seconds",
+            "Handler time",
+            m.handler_latency.clone(),
+        );
+        Metrics { registry, ..m }
+    }
+
+    /// The Prometheus text exposition.
+    pub fn render(&self) -> String {
+        let mut out = String::new();
+        let _ = prometheus_client::encoding::text::encode(&mut out, &self.registry);
+        out
+    }
+}

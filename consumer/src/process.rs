@@ -1,0 +1,113 @@
+//! One record's transaction: check the partition lease at our generation,
+//! insert the ledger row (a duplicate skips the handler), run the handler's
+//! writes, store `next_offset = offset + 1`, commit.
+
+use ferry::consumer::{LedgerEntry, PartitionLease};
+use ferry::Ferry;
+
+use crate::error::HandlerError;
+use crate::record::{Handler, Record};
+
+/// How a record's transaction ended.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Processed {
+    /// The handler's effects committed with the offset.
+    Applied,
+    /// The ledger already had the effect key: only the offset moved.
+    Duplicate,
+    /// Recorded as dead-lettered (no handler effects), offset moved.
+    DeadLettered,
+}
+
+/// Why a record's transaction did not commit (nothing of it was written).
+#[derive(Debug, thiserror::Error)]
+pub enum ProcessError {
+    /// The partition lease is no longer ours: stop processing that partition.
+    #[error("{0}")]
+    LostLease(ferry::Error),
+    /// The handler failed.
+    #[error("{0}")]
+    Handler(HandlerError),
+    /// The database failed.
+    #[error("{0}")]
+    Database(ferry::Error),
+}
+
+impl From<ferry::Error> for ProcessError {
+    fn from(e: ferry::Error) -> Self {
+        if e.code() == "lost_lease" {
+            ProcessError::LostLease(e)
+        } else {
+            ProcessError::Database(e)
+        }
+    }
+}
+
+/// Processes `record` under `lease` in one transaction.
+pub async fn process_record(
+    ferry: &Ferry,
+    lease: &PartitionLease,
+    record: &Record,
+    effect_key: &str,
+    handler: &dyn Handler,
+) -> Result<Processed, ProcessError> {
+    let mut tx = ferry.begin().await?;
+    let entry = match ferry
+        .begin_record(tx.conn(), lease, effect_key, record.offset, "applied")
+        .await
+    {
+        Ok(e) => e,
+        Err(e) => {
+            let _ = tx.rollback().await;
+            return Err(e.into());
+        }
+    };
+    let outcome = match entry {
+        LedgerEntry::Duplicate => Processed::Duplicate,
+        LedgerEntry::New => {
+            if let Err(h) = handler.handle(record, &mut tx).await {
+                let _ = tx.rollback().await;
+                return Err(ProcessError::Handler(h));
+            }
+            Processed::Applied
+        }
+    };
+    if let Err(e) = ferry
+        .advance_offset(tx.conn(), lease, record.offset + 1)
+        .await
+    {
+        let _ = tx.rollback().await;
+        return Err(e.into());
+    }
+    tx.commit().await?;
+    Ok(outcome)
+}
+
+/// Records a dead-lettered record in the ledger and moves the offset, under the lease.
+pub async fn record_dead_letter(
+    ferry: &Ferry,
+    lease: &PartitionLease,
+    record: &Record,
+    effect_key: &str,
+) -> Result<Processed, ProcessError> {
+    let mut tx = ferry.begin().await?;
+    let r = async {
+        ferry
+            .begin_record(tx.conn(), lease, effect_key, record.offset, "dead_lettered")
+            .await?;
+        ferry
+            .advance_offset(tx.conn(), lease, record.offset + 1)
+            .await
+    }
+    .await;
+    match r {
+        Ok(()) => {
+            tx.commit().await?;
+            Ok(Processed::DeadLettered)
+        }
+        Err(e) => {
+            let _ = tx.rollback().await;
+            Err(e.into())
+        }
+    }
+}

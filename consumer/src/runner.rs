@@ -1,0 +1,681 @@
+//! The consumer loop: a `BaseConsumer` whose rebalance callback drives the
+//! partition leases (take on assign and seek to the offset stored with the
+//! effects; give back on revoke only if still ours), one transaction per
+//! record, retries that pause only their partition, a dead-letter topic, and
+//! asynchronous Kafka offset commits so standard lag tools keep working.
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use backon::{BackoffBuilder, ExponentialBuilder};
+use ferry::consumer::PartitionLease;
+use ferry::Ferry;
+use rdkafka::consumer::{
+    BaseConsumer, CommitMode, Consumer as _, ConsumerContext, RebalanceProtocol,
+};
+use rdkafka::error::KafkaResult;
+use rdkafka::message::{Header, OwnedHeaders};
+use rdkafka::producer::{FutureProducer, FutureRecord};
+use rdkafka::topic_partition_list::{Offset, TopicPartitionList};
+use rdkafka::types::RDKafkaRespErr;
+use rdkafka::{ClientConfig, ClientContext};
+use tracing::Instrument;
+
+use crate::error::{ConsumerError, HandlerClass, HandlerError};
+use crate::metrics::{Metrics, PartitionLabel};
+use crate::process::{process_record, record_dead_letter, ProcessError, Processed};
+use crate::record::{Handler, Record};
+
+/// Partition assignment strategy of the group.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Assignment {
+    /// Eager (`range`): every rebalance revokes everything.
+    Eager,
+    /// `cooperative-sticky`: only moved partitions are revoked.
+    CooperativeSticky,
+}
+
+/// Derives an effect key for records without Ferry's headers.
+pub type EffectKeyFn = Arc<dyn Fn(&Record) -> Option<String> + Send + Sync>;
+
+type TopicPartition = (String, i32);
+type Leases = Arc<Mutex<HashMap<TopicPartition, PartitionLease>>>;
+
+/// Builds a [`Consumer`]: `Consumer::builder(ferry, brokers, group, topics).handler(h).run(shutdown)`.
+pub struct ConsumerBuilder {
+    ferry: Ferry,
+    brokers: String,
+    group: String,
+    topics: Vec<String>,
+    handler: Option<Arc<dyn Handler>>,
+    dead_letter_topic: Option<String>,
+    assignment: Assignment,
+    retry_budget: u32,
+    retry_base: Duration,
+    retry_cap: Duration,
+    effect_key_fn: Option<EffectKeyFn>,
+    kafka: Vec<(String, String)>,
+    lease: Duration,
+    ledger_retention: Duration,
+    max_redelivery_window: Duration,
+    owner: String,
+}
+
+/// A consumer-group member whose effects commit at most once per group.
+pub struct Consumer {
+    b: ConsumerBuilder,
+    handler: Arc<dyn Handler>,
+    metrics: Arc<Metrics>,
+}
+
+impl Consumer {
+    /// Starts building a consumer of `topics` in `group`.
+    pub fn builder(
+        ferry: Ferry,
+        brokers: impl Into<String>,
+        group: impl Into<String>,
+        topics: &[&str],
+    ) -> ConsumerBuilder {
+        ConsumerBuilder {
+            ferry,
+            brokers: brokers.into(),
+            group: group.into(),
+            topics: topics.iter().map(|t| (*t).to_owned()).collect(),
+            handler: None,
+            dead_letter_topic: None,
+            assignment: Assignment::CooperativeSticky,
+            retry_budget: 5,
+            retry_base: Duration::from_millis(100),
+            retry_cap: Duration::from_secs(10),
+            effect_key_fn: None,
+            kafka: Vec::new(),
+            lease: Duration::from_secs(30),
+            ledger_retention: Duration::from_secs(7 * 24 * 3600),
+            max_redelivery_window: Duration::from_secs(24 * 3600),
+            owner: format!("consumer-{}", uuid::Uuid::now_v7().simple()),
+        }
+    }
+
+    /// Live metrics.
+    pub fn metrics(&self) -> Arc<Metrics> {
+        self.metrics.clone()
+    }
+}
+
+impl ConsumerBuilder {
+    /// The record handler (required).
+    pub fn handler(mut self, h: impl Handler) -> Self {
+        self.handler = Some(Arc::new(h));
+        self
+    }
+
+    /// Topic for terminal and poison records.
+    pub fn dead_letter_topic(mut self, t: impl Into<String>) -> Self {
+        self.dead_letter_topic = Some(t.into());
+        self
+    }
+
+    /// Assignment strategy (default cooperative-sticky).
+    pub fn assignment(mut self, a: Assignment) -> Self {
+        self.assignment = a;
+        self
+    }
+
+    /// Attempts of a retryable record before it is dead-lettered (default 5),
+    /// with exponential backoff from `base` up to `cap`.
+    pub fn retry(mut self, budget: u32, base: Duration, cap: Duration) -> Self {
+        self.retry_budget = budget.max(1);
+        self.retry_base = base;
+        self.retry_cap = cap;
+        self
+    }
+
+    /// Effect keys for records without `ferry-effect-key`/`ferry-outbox-id`
+    /// (otherwise they are poison).
+    pub fn effect_key_fn(
+        mut self,
+        f: impl Fn(&Record) -> Option<String> + Send + Sync + 'static,
+    ) -> Self {
+        self.effect_key_fn = Some(Arc::new(f));
+        self
+    }
+
+    /// Any librdkafka consumer property.
+    pub fn kafka(mut self, key: impl Into<String>, value: impl Into<String>) -> Self {
+        self.kafka.push((key.into(), value.into()));
+        self
+    }
+
+    /// Partition lease duration (renewed every third of it).
+    pub fn lease(mut self, d: Duration) -> Self {
+        self.lease = d;
+        self
+    }
+
+    /// How long ledger rows are kept, and the longest time after which a
+    /// record may still be redelivered (a relay backlog, a replay). Startup
+    /// refuses a retention shorter than the window.
+    pub fn ledger_retention(
+        mut self,
+        retention: Duration,
+        max_redelivery_window: Duration,
+    ) -> Self {
+        self.ledger_retention = retention;
+        self.max_redelivery_window = max_redelivery_window;
+        self
+    }
+
+    /// This member's identity in partition leases.
+    pub fn owner(mut self, owner: impl Into<String>) -> Self {
+        self.owner = owner.into();
+        self
+    }
+
+    /// Validates and builds.
+    pub fn build(self) -> Result<Consumer, ConsumerError> {
+        if self.ledger_retention < self.max_redelivery_window {
+            return Err(ConsumerError::Config(format!(
+                "ledger retention {:?} is shorter than the maximum redelivery window {:?}: duplicates could slip through",
+                self.ledger_retention, self.max_redelivery_window
+            )));
+        }
+        if self.topics.is_empty() {
+            return Err(ConsumerError::Config("no topics".into()));
+        }
+        let handler = self
+            .handler
+            .clone()
+            .ok_or_else(|| ConsumerError::Config("a handler is required".into()))?;
+        Ok(Consumer {
+            b: self,
+            handler,
+            metrics: Arc::new(Metrics::new()),
+        })
+    }
+
+    /// Builds and runs until `shutdown` resolves.
+    pub async fn run(self, shutdown: impl Future<Output = ()>) -> Result<(), ConsumerError> {
+        self.build()?.run(shutdown).await
+    }
+}
+
+/// Drives the leases from rebalance callbacks. Callbacks run inside
+/// `poll`, which the loop calls from `block_in_place`, so they may block on
+/// the database.
+struct LeaseContext {
+    ferry: Ferry,
+    group: String,
+    owner: String,
+    lease: Duration,
+    leases: Leases,
+    handle: tokio::runtime::Handle,
+}
+
+impl ClientContext for LeaseContext {}
+
+impl ConsumerContext for LeaseContext {
+    fn rebalance(
+        &self,
+        base: &BaseConsumer<Self>,
+        err: RDKafkaRespErr,
+        tpl: &mut TopicPartitionList,
+    ) {
+        let cooperative = matches!(base.rebalance_protocol(), RebalanceProtocol::Cooperative);
+        match err {
+            RDKafkaRespErr::RD_KAFKA_RESP_ERR__ASSIGN_PARTITIONS => {
+                let parts: Vec<TopicPartition> = tpl
+                    .elements()
+                    .iter()
+                    .map(|e| (e.topic().to_owned(), e.partition()))
+                    .collect();
+                for (topic, partition) in parts {
+                    let acquired = self.handle.block_on(self.ferry.acquire_partition(
+                        &self.group,
+                        &topic,
+                        partition,
+                        &self.owner,
+                        self.lease,
+                    ));
+                    match acquired {
+                        Ok((lease, next)) => {
+                            if let Some(n) = next {
+                                // Resume from the offset stored with the effects.
+                                let _ =
+                                    tpl.set_partition_offset(&topic, partition, Offset::Offset(n));
+                            }
+                            tracing::info!(%topic, partition, generation = lease.generation, next_offset = ?next, "partition assigned");
+                            self.leases
+                                .lock()
+                                .unwrap_or_else(|p| p.into_inner())
+                                .insert((topic, partition), lease);
+                        }
+                        Err(e) => {
+                            tracing::error!(%topic, partition, error = %e, "cannot lease an assigned partition; its records are skipped")
+                        }
+                    }
+                }
+                let r = if cooperative {
+                    base.incremental_assign(tpl)
+                } else {
+                    base.assign(tpl)
+                };
+                if let Err(e) = r {
+                    tracing::error!(error = %e, "assign failed");
+                }
+            }
+            RDKafkaRespErr::RD_KAFKA_RESP_ERR__REVOKE_PARTITIONS => {
+                let parts: Vec<TopicPartition> = tpl
+                    .elements()
+                    .iter()
+                    .map(|e| (e.topic().to_owned(), e.partition()))
+                    .collect();
+                for tp in parts {
+                    let lease = self
+                        .leases
+                        .lock()
+                        .unwrap_or_else(|p| p.into_inner())
+                        .remove(&tp);
+                    if let Some(lease) = lease {
+                        // Only if still ours: a newer generation is left alone.
+                        let _ = self.handle.block_on(self.ferry.release_partition(&lease));
+                        tracing::info!(topic = %tp.0, partition = tp.1, "partition revoked");
+                    }
+                }
+                let r = if cooperative {
+                    base.incremental_unassign(tpl)
+                } else {
+                    base.unassign()
+                };
+                if let Err(e) = r {
+                    tracing::error!(error = %e, "unassign failed");
+                }
+            }
+            other => {
+                tracing::error!(error = ?other, "rebalance error");
+                if !cooperative {
+                    let _ = base.unassign();
+                }
+            }
+        }
+    }
+}
+
+/// How often lag is measured (it costs a broker round trip per partition).
+const LAG_EVERY: Duration = Duration::from_secs(15);
+
+/// A record waiting for its next attempt while its partition is paused.
+struct Retry {
+    record: Record,
+    effect_key: String,
+    attempts: u32,
+    due: Instant,
+    backoff: Box<dyn Iterator<Item = Duration> + Send>,
+}
+
+impl Consumer {
+    /// Consumes until `shutdown` resolves, then leaves the group (revoking,
+    /// and so releasing, its partitions).
+    pub async fn run(self, shutdown: impl Future<Output = ()>) -> Result<(), ConsumerError> {
+        let b = &self.b;
+        let leases: Leases = Arc::default();
+        let ctx = LeaseContext {
+            ferry: b.ferry.clone(),
+            group: b.group.clone(),
+            owner: b.owner.clone(),
+            lease: b.lease,
+            leases: leases.clone(),
+            handle: tokio::runtime::Handle::current(),
+        };
+        let mut config = ClientConfig::new();
+        config
+            .set("bootstrap.servers", &b.brokers)
+            .set("group.id", &b.group)
+            .set("enable.auto.commit", "false")
+            .set("enable.auto.offset.store", "false")
+            .set("auto.offset.reset", "earliest")
+            .set(
+                "partition.assignment.strategy",
+                match b.assignment {
+                    Assignment::Eager => "range",
+                    Assignment::CooperativeSticky => "cooperative-sticky",
+                },
+            );
+        for (k, v) in &b.kafka {
+            config.set(k, v);
+        }
+        let consumer: BaseConsumer<LeaseContext> = config.create_with_context(ctx)?;
+        let topics: Vec<&str> = b.topics.iter().map(String::as_str).collect();
+        consumer.subscribe(&topics)?;
+        let dlq: Option<FutureProducer> = match &b.dead_letter_topic {
+            Some(_) => Some(
+                ClientConfig::new()
+                    .set("bootstrap.servers", &b.brokers)
+                    .set("enable.idempotence", "true")
+                    .set("acks", "all")
+                    .create()?,
+            ),
+            None => None,
+        };
+        let mut retries: HashMap<TopicPartition, Retry> = HashMap::new();
+        let mut housekeeping = Instant::now();
+        let mut lag_at = Instant::now();
+        tokio::pin!(shutdown);
+        loop {
+            if futures::poll!(&mut shutdown).is_ready() {
+                break;
+            }
+            // Retries that are due, each on its own paused partition.
+            let due: Vec<TopicPartition> = retries
+                .iter()
+                .filter(|(_, r)| r.due <= Instant::now())
+                .map(|(tp, _)| tp.clone())
+                .collect();
+            for tp in due {
+                if let Some(mut retry) = retries.remove(&tp) {
+                    retry.attempts += 1;
+                    if let Some(again) = self
+                        .handle(
+                            &consumer,
+                            &leases,
+                            dlq.as_ref(),
+                            retry.record.clone(),
+                            Some(retry),
+                        )
+                        .await
+                    {
+                        retries.insert(tp, again);
+                    }
+                }
+            }
+            let polled = tokio::task::block_in_place(|| {
+                consumer
+                    .poll(Duration::from_millis(100))
+                    .map(|m| m.map(|m| Record::from_message(&m)))
+            });
+            match polled {
+                None => {}
+                Some(Err(e)) => tracing::warn!(error = %e, "consumer error"),
+                Some(Ok(record)) => {
+                    let tp = (record.topic.clone(), record.partition);
+                    // A paused partition's prefetched records come again after its retry.
+                    if let std::collections::hash_map::Entry::Vacant(slot) = retries.entry(tp) {
+                        if let Some(retry) = self
+                            .handle(&consumer, &leases, dlq.as_ref(), record, None)
+                            .await
+                        {
+                            slot.insert(retry);
+                        }
+                    }
+                }
+            }
+            if housekeeping.elapsed() >= b.lease / 3 {
+                housekeeping = Instant::now();
+                self.housekeeping().await;
+            }
+            if lag_at.elapsed() >= LAG_EVERY {
+                lag_at = Instant::now();
+                self.measure_lag(&consumer, &leases).await;
+            }
+        }
+        tokio::task::block_in_place(|| {
+            consumer.unsubscribe();
+            // Serve the revocation callback, which releases the leases.
+            let _ = consumer.poll(Duration::from_millis(500));
+        });
+        let remaining: Vec<PartitionLease> = leases
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .drain()
+            .map(|(_, l)| l)
+            .collect();
+        for lease in remaining {
+            let _ = b.ferry.release_partition(&lease).await;
+        }
+        Ok(())
+    }
+
+    /// Processes one record (first attempt or retry). Returns a retry to
+    /// schedule when a retryable failure leaves budget.
+    async fn handle(
+        &self,
+        consumer: &BaseConsumer<LeaseContext>,
+        leases: &Leases,
+        dlq: Option<&FutureProducer>,
+        record: Record,
+        retry: Option<Retry>,
+    ) -> Option<Retry> {
+        let b = &self.b;
+        let m = &self.metrics;
+        let tp = (record.topic.clone(), record.partition);
+        let Some(lease) = leases
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(&tp)
+            .cloned()
+        else {
+            return None; // not ours (revoked or lost): its new owner processes it
+        };
+        let effect_key = match &retry {
+            Some(r) => Some(r.effect_key.clone()),
+            None => record
+                .effect_key()
+                .or_else(|| b.effect_key_fn.as_ref().and_then(|f| f(&record))),
+        };
+        let Some(effect_key) = effect_key else {
+            self.dead_letter(
+                dlq,
+                &lease,
+                &record,
+                &format!("{}/{}/{}", record.topic, record.partition, record.offset),
+                "missing_effect_key",
+            )
+            .await;
+            return None;
+        };
+        let span = tracing::info_span!("ferry.consume", topic = %record.topic, partition = record.partition, offset = record.offset,
+            traceparent = record.traceparent().unwrap_or(""));
+        let started = Instant::now();
+        let outcome = process_record(
+            &b.ferry,
+            &lease,
+            &record,
+            &effect_key,
+            self.handler.as_ref(),
+        )
+        .instrument(span)
+        .await;
+        m.handler_latency.observe(started.elapsed().as_secs_f64());
+        let was_paused = retry.is_some();
+        let result = match outcome {
+            Ok(Processed::Applied) => {
+                m.processed.inc();
+                None
+            }
+            Ok(_) => {
+                m.duplicates.inc();
+                None
+            }
+            Err(ProcessError::LostLease(e)) => {
+                m.lease_losses.inc();
+                tracing::warn!(topic = %tp.0, partition = tp.1, error = %e, "partition lease lost; its records are left to the new owner");
+                leases.lock().unwrap_or_else(|p| p.into_inner()).remove(&tp);
+                return None;
+            }
+            Err(ProcessError::Handler(HandlerError {
+                class: HandlerClass::Terminal,
+                code,
+            })) => {
+                self.dead_letter(dlq, &lease, &record, &effect_key, &code)
+                    .await;
+                None
+            }
+            Err(e) => {
+                let code = match &e {
+                    ProcessError::Handler(h) => h.code.clone(),
+                    other => other.to_string(),
+                };
+                let mut r = retry.unwrap_or_else(|| Retry {
+                    record: record.clone(),
+                    effect_key: effect_key.clone(),
+                    attempts: 1,
+                    due: Instant::now(),
+                    backoff: Box::new(
+                        ExponentialBuilder::default()
+                            .with_min_delay(b.retry_base)
+                            .with_max_delay(b.retry_cap)
+                            .with_jitter()
+                            .without_max_times()
+                            .build(),
+                    ),
+                });
+                if r.attempts >= b.retry_budget {
+                    tracing::warn!(topic = %tp.0, partition = tp.1, offset = record.offset, %code, "retry budget spent; dead-lettering");
+                    self.dead_letter(dlq, &lease, &record, &effect_key, &code)
+                        .await;
+                    None
+                } else {
+                    let delay = r.backoff.next().unwrap_or(b.retry_cap);
+                    r.due = Instant::now() + delay;
+                    if !was_paused {
+                        let _ = pause(consumer, &tp, true);
+                    }
+                    tracing::info!(topic = %tp.0, partition = tp.1, offset = record.offset, %code, ?delay, "retrying in place");
+                    return Some(r);
+                }
+            }
+        };
+        // Progress: tell Kafka too, so standard lag tools see it.
+        let mut tpl = TopicPartitionList::new();
+        let _ = tpl.add_partition_offset(&tp.0, tp.1, Offset::Offset(record.offset + 1));
+        let _ = consumer.commit(&tpl, CommitMode::Async);
+        if was_paused {
+            // Fetch again from the next record, then resume the partition.
+            let _ = tokio::task::block_in_place(|| {
+                consumer.seek(
+                    &tp.0,
+                    tp.1,
+                    Offset::Offset(record.offset + 1),
+                    Duration::from_secs(5),
+                )
+            });
+            let _ = pause(consumer, &tp, false);
+        }
+        result
+    }
+
+    async fn dead_letter(
+        &self,
+        dlq: Option<&FutureProducer>,
+        lease: &PartitionLease,
+        record: &Record,
+        effect_key: &str,
+        code: &str,
+    ) {
+        let b = &self.b;
+        if let (Some(producer), Some(topic)) = (dlq, &b.dead_letter_topic) {
+            let mut headers = OwnedHeaders::new();
+            for (k, v) in &record.headers {
+                headers = headers.insert(Header {
+                    key: k,
+                    value: Some(v),
+                });
+            }
+            let offset = record.offset.to_string();
+            let partition = record.partition.to_string();
+            headers = headers
+                .insert(Header {
+                    key: "ferry-error-code",
+                    value: Some(code.as_bytes()),
+                })
+                .insert(Header {
+                    key: "ferry-source-topic",
+                    value: Some(record.topic.as_bytes()),
+                })
+                .insert(Header {
+                    key: "ferry-source-partition",
+                    value: Some(partition.as_bytes()),
+                })
+                .insert(Header {
+                    key: "ferry-source-offset",
+                    value: Some(offset.as_bytes()),
+                });
+            let mut fr = FutureRecord::<[u8], [u8]>::to(topic).headers(headers);
+            if let Some(k) = &record.key {
+                fr = fr.key(k.as_slice());
+            }
+            if let Some(p) = &record.payload {
+                fr = fr.payload(p.as_slice());
+            }
+            if let Err((e, _)) = producer.send(fr, Duration::from_secs(30)).await {
+                tracing::error!(error = %e, "dead-letter publish failed; the record will be redelivered");
+                return;
+            }
+        } else {
+            tracing::error!(topic = %record.topic, partition = record.partition, offset = record.offset, code, "no dead-letter topic configured; recording and skipping");
+        }
+        match record_dead_letter(&b.ferry, lease, record, effect_key).await {
+            Ok(_) => {
+                self.metrics.dead_lettered.inc();
+            }
+            Err(e) => tracing::warn!(error = %e, "recording the dead letter failed"),
+        }
+    }
+
+    async fn housekeeping(&self) {
+        let b = &self.b;
+        if let Err(e) = b.ferry.renew_partitions(&b.group, &b.owner, b.lease).await {
+            tracing::warn!(error = %e, "renewing partition leases failed");
+        }
+        let _ = b
+            .ferry
+            .sweep_ledger(&b.group, b.ledger_retention, 1000)
+            .await;
+    }
+
+    /// Lag per held partition: high watermark minus the offset stored with
+    /// the effects. Asks the broker, so it runs only every [`LAG_EVERY`].
+    async fn measure_lag(&self, consumer: &BaseConsumer<LeaseContext>, leases: &Leases) {
+        let b = &self.b;
+        let held: Vec<TopicPartition> = leases
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .keys()
+            .cloned()
+            .collect();
+        let stored: HashMap<TopicPartition, i64> = b
+            .ferry
+            .stored_offsets(&b.group)
+            .await
+            .unwrap_or_default()
+            .into_iter()
+            .filter_map(|s| s.next_offset.map(|n| ((s.topic, s.partition), n)))
+            .collect();
+        for tp in held {
+            let wm = tokio::task::block_in_place(|| {
+                consumer.fetch_watermarks(&tp.0, tp.1, Duration::from_millis(200))
+            });
+            if let Ok((_, high)) = wm {
+                let at = stored.get(&tp).copied().unwrap_or(0);
+                self.metrics
+                    .lag
+                    .get_or_create(&PartitionLabel {
+                        topic: tp.0.clone(),
+                        partition: tp.1,
+                    })
+                    .set((high - at).max(0));
+            }
+        }
+    }
+}
+
+fn pause(consumer: &BaseConsumer<LeaseContext>, tp: &TopicPartition, yes: bool) -> KafkaResult<()> {
+    let mut tpl = TopicPartitionList::new();
+    tpl.add_partition(&tp.0, tp.1);
+    if yes {
+        consumer.pause(&tpl)
+    } else {
+        consumer.resume(&tpl)
+    }
+}

@@ -1,0 +1,560 @@
+//! ferry-consumer against PostgreSQL and a real Kafka-protocol broker
+//! (invariant 10): effects once per group under duplicates, rebalances and
+//! crashes; stale members refused; poison records dead-lettered.
+
+use std::collections::HashMap;
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use ferry::consumer::PartitionLease;
+use ferry::testing::Broker;
+use ferry::{Engine, Ferry};
+use ferry_consumer::{Assignment, Consumer, Handler, HandlerError, Record};
+use futures::future::BoxFuture;
+use rdkafka::consumer::{BaseConsumer, Consumer as _};
+use rdkafka::message::{Header, Headers, Message, OwnedHeaders};
+use rdkafka::producer::{FutureProducer, FutureRecord};
+use rdkafka::ClientConfig;
+use tokio_util::sync::CancellationToken;
+
+async fn pg() -> (Ferry, String) {
+    let url = ferry::testing::fresh_database_url(Engine::Postgres)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    let ferry = Ferry::builder(&url).migrate(true).connect().await.unwrap();
+    sqlx::query("CREATE TABLE effects_applied (effect_key TEXT PRIMARY KEY, applied BIGINT NOT NULL, written_by TEXT NOT NULL)")
+        .execute(ferry.db().as_postgres().unwrap())
+        .await
+        .unwrap();
+    (ferry, url)
+}
+
+async fn scalar(ferry: &Ferry, sql: &str) -> i64 {
+    sqlx::query_scalar(sql)
+        .fetch_one(ferry.db().as_postgres().unwrap())
+        .await
+        .unwrap()
+}
+
+/// Waits (bounded) until `sql` returns at least `want`.
+async fn until_at_least(ferry: &Ferry, sql: &str, want: i64, limit: Duration) {
+    let start = Instant::now();
+    loop {
+        let n = scalar(ferry, sql).await;
+        if n >= want {
+            return;
+        }
+        assert!(
+            start.elapsed() < limit,
+            "{sql}: {n} after {limit:?}, wanted {want}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// Writes the effect and counts applications; `poison` keys fail terminally.
+struct Apply {
+    owner: String,
+}
+
+impl Handler for Apply {
+    fn handle<'a>(
+        &'a self,
+        r: &'a Record,
+        tx: &'a mut ferry::Tx,
+    ) -> BoxFuture<'a, Result<(), HandlerError>> {
+        Box::pin(async move {
+            if r.key.as_deref() == Some(b"poison") {
+                return Err(HandlerError::terminal("poison_key"));
+            }
+            let key = r
+                .effect_key()
+                .unwrap_or_else(|| format!("{}/{}/{}", r.topic, r.partition, r.offset));
+            sqlx::query(
+                "INSERT INTO effects_applied (effect_key, applied, written_by) VALUES ($1, 1, $2)
+                 ON CONFLICT (effect_key) DO UPDATE SET applied = effects_applied.applied + 1",
+            )
+            .bind(key)
+            .bind(&self.owner)
+            .execute(tx.postgres().unwrap())
+            .await?;
+            Ok(())
+        })
+    }
+}
+
+fn producer(brokers: &str) -> FutureProducer {
+    ClientConfig::new()
+        .set("bootstrap.servers", brokers)
+        .set("enable.idempotence", "true")
+        .set("acks", "all")
+        .create()
+        .unwrap()
+}
+
+async fn produce(p: &FutureProducer, topic: &str, key: &str, outbox_id: Option<&str>) {
+    let mut h = OwnedHeaders::new();
+    if let Some(id) = outbox_id {
+        h = h.insert(Header {
+            key: "ferry-outbox-id",
+            value: Some(id),
+        });
+    }
+    p.send(
+        FutureRecord::to(topic).key(key).payload("{}").headers(h),
+        Duration::from_secs(10),
+    )
+    .await
+    .unwrap();
+}
+
+fn in_process(
+    ferry: Ferry,
+    brokers: &str,
+    group: &str,
+    topic: &str,
+    assignment: Assignment,
+    owner: &str,
+) -> (
+    CancellationToken,
+    tokio::task::JoinHandle<()>,
+    Arc<ferry_consumer::metrics::Metrics>,
+) {
+    let c = Consumer::builder(ferry, brokers, group, &[topic])
+        .handler(Apply {
+            owner: owner.into(),
+        })
+        .assignment(assignment)
+        .owner(owner)
+        .dead_letter_topic(format!("{topic}.dlq"))
+        .kafka("session.timeout.ms", "6000")
+        .kafka("heartbeat.interval.ms", "500")
+        .build()
+        .unwrap();
+    let metrics = c.metrics();
+    let stop = CancellationToken::new();
+    let s = stop.clone();
+    let h = tokio::spawn(async move { c.run(async move { s.cancelled().await }).await.unwrap() });
+    (stop, h, metrics)
+}
+
+async fn duplicates_apply_once(assignment: Assignment) {
+    let broker = Broker::start();
+    broker.create_topic("orders", 1);
+    broker.create_topic("orders.dlq", 1);
+    let (ferry, _) = pg().await;
+    let p = producer(&broker.brokers());
+    // The same outbox row published three times, as after relay crashes.
+    for id in ["42", "42", "43", "42", "44"] {
+        produce(&p, "orders", "order-1", Some(id)).await;
+    }
+    let (stop, h, metrics) = in_process(
+        ferry.clone(),
+        &broker.brokers(),
+        "g1",
+        "orders",
+        assignment,
+        "c1",
+    );
+    until_at_least(
+        &ferry,
+        "SELECT COALESCE(max(next_offset), 0) FROM consumer_partitions",
+        5,
+        Duration::from_secs(60),
+    )
+    .await;
+    stop.cancel();
+    h.await.unwrap();
+    assert_eq!(
+        scalar(&ferry, "SELECT count(*) FROM effects_applied").await,
+        3
+    );
+    assert_eq!(
+        scalar(&ferry, "SELECT max(applied) FROM effects_applied").await,
+        1,
+        "each effect applied once"
+    );
+    assert_eq!(
+        scalar(
+            &ferry,
+            "SELECT count(*) FROM consumer_ledger WHERE group_id = 'g1'"
+        )
+        .await,
+        3
+    );
+    assert_eq!((metrics.processed.get(), metrics.duplicates.get()), (3, 2));
+    assert_eq!(
+        scalar(
+            &ferry,
+            "SELECT count(*) FROM consumer_partitions WHERE owner IS NOT NULL"
+        )
+        .await,
+        0,
+        "released on shutdown"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn duplicates_apply_once_cooperative() {
+    duplicates_apply_once(Assignment::CooperativeSticky).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn duplicates_apply_once_eager() {
+    duplicates_apply_once(Assignment::Eager).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stale_member_cannot_commit() {
+    let broker = Broker::start();
+    broker.create_topic("events", 1);
+    let (ferry, _) = pg().await;
+    let p = producer(&broker.brokers());
+    produce(&p, "events", "k", Some("7")).await;
+    // Member A leases the partition and reads the record, then pauses.
+    let (lease_a, _) = ferry
+        .acquire_partition("g", "events", 0, "member-a", Duration::from_secs(30))
+        .await
+        .unwrap();
+    let reader: BaseConsumer = ClientConfig::new()
+        .set("bootstrap.servers", broker.brokers())
+        .set("group.id", "reader")
+        .set("auto.offset.reset", "earliest")
+        .create()
+        .unwrap();
+    reader.subscribe(&["events"]).unwrap();
+    let record = loop {
+        if let Some(Ok(m)) = tokio::task::block_in_place(|| reader.poll(Duration::from_millis(100)))
+        {
+            break Record::from_message(&m);
+        }
+    };
+    // The partition moves to B at a higher generation; B applies the effect.
+    let (stop, h, _) = in_process(
+        ferry.clone(),
+        &broker.brokers(),
+        "g",
+        "events",
+        Assignment::CooperativeSticky,
+        "member-b",
+    );
+    until_at_least(
+        &ferry,
+        "SELECT count(*) FROM effects_applied",
+        1,
+        Duration::from_secs(60),
+    )
+    .await;
+    // A resumes: its commit is refused, and nothing of it is written.
+    let err = ferry_consumer::process_record(
+        &ferry,
+        &lease_a,
+        &record,
+        "7",
+        &Apply {
+            owner: "member-a".into(),
+        },
+    )
+    .await
+    .unwrap_err();
+    assert!(
+        matches!(err, ferry_consumer::ProcessError::LostLease(_)),
+        "{err}"
+    );
+    stop.cancel();
+    h.await.unwrap();
+    assert_eq!(
+        scalar(
+            &ferry,
+            "SELECT count(*) FROM effects_applied WHERE written_by = 'member-b' AND applied = 1"
+        )
+        .await,
+        1
+    );
+    assert_eq!(
+        scalar(&ferry, "SELECT count(*) FROM effects_applied").await,
+        1
+    );
+    let _: PartitionLease = lease_a;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn poison_goes_to_the_dead_letter_topic_and_the_partition_flows() {
+    let broker = Broker::start();
+    broker.create_topic("jobs", 1);
+    broker.create_topic("jobs.dlq", 1);
+    let (ferry, _) = pg().await;
+    let p = producer(&broker.brokers());
+    produce(&p, "jobs", "a", Some("1")).await;
+    produce(&p, "jobs", "b", None).await; // no effect key at all
+    produce(&p, "jobs", "poison", Some("3")).await; // the handler refuses it
+    produce(&p, "jobs", "d", Some("4")).await;
+    let (stop, h, metrics) = in_process(
+        ferry.clone(),
+        &broker.brokers(),
+        "gp",
+        "jobs",
+        Assignment::CooperativeSticky,
+        "c",
+    );
+    until_at_least(
+        &ferry,
+        "SELECT COALESCE(max(next_offset), 0) FROM consumer_partitions",
+        4,
+        Duration::from_secs(60),
+    )
+    .await;
+    stop.cancel();
+    h.await.unwrap();
+    assert_eq!(
+        scalar(&ferry, "SELECT count(*) FROM effects_applied").await,
+        2,
+        "the records after the poison were applied"
+    );
+    assert_eq!(
+        scalar(
+            &ferry,
+            "SELECT count(*) FROM consumer_ledger WHERE outcome = 'dead_lettered'"
+        )
+        .await,
+        2
+    );
+    assert_eq!(metrics.dead_lettered.get(), 2);
+    let dlq: BaseConsumer = ClientConfig::new()
+        .set("bootstrap.servers", broker.brokers())
+        .set("group.id", "dlq-reader")
+        .set("auto.offset.reset", "earliest")
+        .create()
+        .unwrap();
+    dlq.subscribe(&["jobs.dlq"]).unwrap();
+    let mut codes = Vec::new();
+    let start = Instant::now();
+    while codes.len() < 2 {
+        assert!(
+            start.elapsed() < Duration::from_secs(30),
+            "dead letters missing: {codes:?}"
+        );
+        if let Some(Ok(m)) = tokio::task::block_in_place(|| dlq.poll(Duration::from_millis(100))) {
+            let h = m.headers().unwrap();
+            let code = h
+                .iter()
+                .find(|h| h.key == "ferry-error-code")
+                .and_then(|h| h.value)
+                .unwrap();
+            codes.push(String::from_utf8_lossy(code).into_owned());
+        }
+    }
+    codes.sort();
+    assert_eq!(codes, ["missing_effect_key", "poison_key"]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ledger_retention_shorter_than_the_redelivery_window_is_refused() {
+    let (ferry, _) = pg().await;
+    let err = Consumer::builder(ferry, "127.0.0.1:1", "g", &["t"])
+        .handler(Apply { owner: "x".into() })
+        .ledger_retention(Duration::from_secs(3600), Duration::from_secs(7200))
+        .build()
+        .err()
+        .unwrap();
+    assert_eq!(err.code(), "config");
+}
+
+/// A member process, killed if the test fails before it ends it.
+struct Member(Option<Child>);
+
+impl Member {
+    fn sigkill(mut self) {
+        if let Some(mut c) = self.0.take() {
+            c.kill().unwrap();
+            c.wait().unwrap();
+        }
+    }
+
+    fn terminate(mut self) {
+        if let Some(mut c) = self.0.take() {
+            let _ = Command::new("kill")
+                .args(["-TERM", &c.id().to_string()])
+                .status();
+            let _ = c.wait();
+        }
+    }
+
+    fn wait(mut self) -> std::process::ExitStatus {
+        self.0.take().unwrap().wait().unwrap()
+    }
+}
+
+impl Drop for Member {
+    fn drop(&mut self) {
+        if let Some(mut c) = self.0.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+fn projection(
+    url: &str,
+    brokers: &str,
+    group: &str,
+    topic: &str,
+    crash_at: Option<&str>,
+) -> Member {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_ferry-projection"));
+    c.env("DATABASE_URL", url)
+        .env("FERRY_BROKERS", brokers)
+        .env("FERRY_GROUP", group)
+        .env("FERRY_TOPICS", topic)
+        .env("RUST_LOG", "error")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null());
+    if let Some(k) = crash_at {
+        c.env("FERRY_CRASH_AT", k);
+    }
+    Member(Some(c.spawn().expect("spawn ferry-projection")))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_crash_between_handler_and_commit_processes_the_record_once() {
+    let broker = Broker::start();
+    broker.create_topic("crash", 1);
+    let (ferry, url) = pg().await;
+    let p = producer(&broker.brokers());
+    for i in 0..5 {
+        produce(
+            &p,
+            "crash",
+            "k",
+            Some(&format!("c{i}-{}", std::process::id())),
+        )
+        .await;
+    }
+    let marker_key = format!("c2-{}", std::process::id());
+    let _ = std::fs::remove_file(std::env::temp_dir().join(format!("ferry-crash-{marker_key}")));
+    let child = projection(&url, &broker.brokers(), "gc", "crash", Some(&marker_key));
+    let status = child.wait();
+    assert!(!status.success(), "the process aborted mid-record");
+    let stored = scalar(
+        &ferry,
+        "SELECT COALESCE(max(next_offset), 0) FROM consumer_partitions",
+    )
+    .await;
+    assert_eq!(
+        stored, 2,
+        "the offset moved only with the committed effects"
+    );
+    let child = projection(&url, &broker.brokers(), "gc", "crash", None);
+    until_at_least(
+        &ferry,
+        "SELECT COALESCE(max(next_offset), 0) FROM consumer_partitions",
+        5,
+        Duration::from_secs(60),
+    )
+    .await;
+    child.terminate();
+    assert_eq!(
+        scalar(&ferry, "SELECT count(*) FROM ferry_projection_applied").await,
+        5
+    );
+    assert_eq!(
+        scalar(&ferry, "SELECT max(applied) FROM ferry_projection_applied").await,
+        1,
+        "the crashed record was applied once"
+    );
+    assert_eq!(
+        scalar(
+            &ferry,
+            "SELECT events FROM ferry_projection WHERE key = 'k'"
+        )
+        .await,
+        5
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rebalance_storm_applies_every_effect_exactly_once() {
+    const N: usize = 10_000;
+    let broker = Broker::start();
+    broker.create_topic("storm", 6);
+    let (ferry, url) = pg().await;
+    let p = producer(&broker.brokers());
+    let sends: Vec<_> = (0..N)
+        .map(|i| {
+            let id = i.to_string();
+            let key = format!("k{}", i % 100);
+            let h = OwnedHeaders::new().insert(Header {
+                key: "ferry-outbox-id",
+                value: Some(&id),
+            });
+            p.send_result(FutureRecord::to("storm").key(&key).payload("{}").headers(h))
+                .map_err(|(e, _)| e)
+                .unwrap()
+        })
+        .collect();
+    for s in sends {
+        s.await.unwrap().map_err(|(e, _)| e).unwrap();
+    }
+    let brokers = broker.brokers();
+    let mut members: Vec<Member> = (0..3)
+        .map(|_| projection(&url, &brokers, "storm-group", "storm", None))
+        .collect();
+    let ledger = "SELECT count(*) FROM consumer_ledger WHERE group_id = 'storm-group'";
+    until_at_least(&ferry, ledger, 1500, Duration::from_secs(180)).await;
+    members.remove(0).sigkill();
+    members.push(projection(&url, &brokers, "storm-group", "storm", None));
+    until_at_least(&ferry, ledger, 4000, Duration::from_secs(180)).await;
+    members.remove(0).terminate();
+    members.push(projection(&url, &brokers, "storm-group", "storm", None));
+    members.push(projection(&url, &brokers, "storm-group", "storm", None));
+    until_at_least(&ferry, ledger, 7000, Duration::from_secs(180)).await;
+    members.remove(1).sigkill();
+    until_at_least(&ferry, ledger, N as i64, Duration::from_secs(240)).await;
+    for m in members {
+        m.terminate();
+    }
+    assert_eq!(
+        scalar(&ferry, "SELECT count(*) FROM ferry_projection_applied").await,
+        N as i64
+    );
+    assert_eq!(
+        scalar(&ferry, "SELECT max(applied) FROM ferry_projection_applied").await,
+        1,
+        "every effect key applied exactly once"
+    );
+    // Stored offsets match what each partition holds.
+    let offsets: Vec<(i32, Option<i64>)> = sqlx::query_as(
+        "SELECT partition, next_offset FROM consumer_partitions WHERE group_id = 'storm-group'",
+    )
+    .fetch_all(ferry.db().as_postgres().unwrap())
+    .await
+    .unwrap();
+    let probe: BaseConsumer = ClientConfig::new()
+        .set("bootstrap.servers", &brokers)
+        .create()
+        .unwrap();
+    let mut total = 0;
+    let by_partition: HashMap<i32, Option<i64>> = offsets.into_iter().collect();
+    for partition in 0..6 {
+        let (_, high) = tokio::task::block_in_place(|| {
+            probe.fetch_watermarks("storm", partition, Duration::from_secs(10))
+        })
+        .unwrap();
+        assert_eq!(
+            by_partition.get(&partition).copied().flatten(),
+            Some(high),
+            "partition {partition}"
+        );
+        total += high;
+    }
+    assert_eq!(total, N as i64);
+    assert_eq!(
+        scalar(
+            &ferry,
+            "SELECT CAST(sum(events) AS BIGINT) FROM ferry_projection"
+        )
+        .await,
+        N as i64
+    );
+}

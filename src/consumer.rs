@@ -1,0 +1,219 @@
+//! The consumer's side of the database, without Kafka: partition leases whose
+//! generation only goes up, the dedupe ledger, and offsets stored in the same
+//! transaction as a handler's effects (invariant 10). `ferry-consumer`
+//! drives these from a Kafka consumer group.
+
+use std::time::Duration;
+
+use crate::error::{Error, Result};
+use crate::store::{on_conn, on_pool, Conn};
+use crate::time::duration_ms;
+use crate::Ferry;
+
+/// A consumer's lease on `(group, topic, partition)`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PartitionLease {
+    /// Consumer group.
+    pub group: String,
+    /// Topic.
+    pub topic: String,
+    /// Partition.
+    pub partition: i32,
+    /// The consumer holding it.
+    pub owner: String,
+    /// Generation of this lease.
+    pub generation: i64,
+}
+
+impl PartitionLease {
+    fn lost(&self) -> Error {
+        Error::LostPartition {
+            topic: self.topic.clone(),
+            partition: self.partition,
+            generation: self.generation,
+        }
+    }
+}
+
+/// A partition's stored position.
+#[derive(Debug, Clone, PartialEq, Eq, sqlx::FromRow)]
+pub struct StoredOffset {
+    /// Topic.
+    pub topic: String,
+    /// Partition.
+    pub partition: i32,
+    /// The next offset to process, stored with the effects.
+    pub next_offset: Option<i64>,
+    /// Current holder.
+    pub owner: Option<String>,
+    /// Current generation.
+    pub generation: i64,
+}
+
+/// What [`Ferry::begin_record`] found in the ledger.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LedgerEntry {
+    /// First time: run the handler's effects in this transaction.
+    New,
+    /// Already processed by this group: skip the handler, only advance.
+    Duplicate,
+}
+
+impl Ferry {
+    /// Takes the lease on a partition Kafka assigned to `owner`, raising its
+    /// generation. Returns the lease and the offset stored with the effects.
+    pub async fn acquire_partition(
+        &self,
+        group: &str,
+        topic: &str,
+        partition: i32,
+        owner: &str,
+        lease: Duration,
+    ) -> Result<(PartitionLease, Option<i64>)> {
+        let ms = duration_ms(lease)?;
+        let (generation, next): (i64, Option<i64>) = on_pool!(self.db(), |p, q| {
+            sqlx::query_as(q.get("acquire_partition"))
+                .bind(group)
+                .bind(topic)
+                .bind(partition)
+                .bind(owner)
+                .bind(self.now())
+                .bind(ms)
+                .fetch_one(p)
+                .await?
+        });
+        let lease = PartitionLease {
+            group: group.into(),
+            topic: topic.into(),
+            partition,
+            owner: owner.into(),
+            generation,
+        };
+        Ok((lease, next))
+    }
+
+    /// Gives a partition back, only if the lease is still current.
+    pub async fn release_partition(&self, lease: &PartitionLease) -> Result<bool> {
+        let n = on_pool!(self.db(), |p, q| {
+            sqlx::query(q.get("release_partition"))
+                .bind(&lease.group)
+                .bind(&lease.topic)
+                .bind(lease.partition)
+                .bind(&lease.owner)
+                .bind(lease.generation)
+                .execute(p)
+                .await?
+                .rows_affected()
+        });
+        Ok(n == 1)
+    }
+
+    /// Extends every partition lease `owner` holds in `group`.
+    pub async fn renew_partitions(&self, group: &str, owner: &str, lease: Duration) -> Result<u64> {
+        let ms = duration_ms(lease)?;
+        Ok(on_pool!(self.db(), |p, q| {
+            sqlx::query(q.get("renew_partitions"))
+                .bind(group)
+                .bind(owner)
+                .bind(self.now())
+                .bind(ms)
+                .execute(p)
+                .await?
+                .rows_affected()
+        }))
+    }
+
+    /// Steps 1–2 of processing a record, inside the caller's transaction:
+    /// locks the partition row if `lease` is current ([`Error::LostLease`]
+    /// otherwise, with nothing written) and inserts the ledger row for
+    /// `effect_key`, telling whether it is new or a duplicate.
+    pub async fn begin_record(
+        &self,
+        mut conn: Conn<'_>,
+        lease: &PartitionLease,
+        effect_key: &str,
+        offset: i64,
+        outcome: &str,
+    ) -> Result<LedgerEntry> {
+        let held: Option<Option<i64>> = on_conn!(conn.reborrow(), |c, q| {
+            sqlx::query_scalar(q.get("lock_partition"))
+                .bind(&lease.group)
+                .bind(&lease.topic)
+                .bind(lease.partition)
+                .bind(&lease.owner)
+                .bind(lease.generation)
+                .fetch_optional(&mut *c)
+                .await?
+        });
+        if held.is_none() {
+            return Err(lease.lost());
+        }
+        let inserted: Option<String> = on_conn!(conn, |c, q| {
+            sqlx::query_scalar(q.get("insert_ledger"))
+                .bind(&lease.group)
+                .bind(effect_key)
+                .bind(&lease.topic)
+                .bind(lease.partition)
+                .bind(offset)
+                .bind(outcome)
+                .bind(self.now())
+                .fetch_optional(&mut *c)
+                .await?
+        });
+        Ok(if inserted.is_some() {
+            LedgerEntry::New
+        } else {
+            LedgerEntry::Duplicate
+        })
+    }
+
+    /// Step 4: stores `next_offset` with the effects, under the lease.
+    pub async fn advance_offset(
+        &self,
+        conn: Conn<'_>,
+        lease: &PartitionLease,
+        next_offset: i64,
+    ) -> Result<()> {
+        let n = on_conn!(conn, |c, q| {
+            sqlx::query(q.get("advance_offset"))
+                .bind(&lease.group)
+                .bind(&lease.topic)
+                .bind(lease.partition)
+                .bind(&lease.owner)
+                .bind(lease.generation)
+                .bind(next_offset)
+                .execute(&mut *c)
+                .await?
+                .rows_affected()
+        });
+        if n == 0 {
+            return Err(lease.lost());
+        }
+        Ok(())
+    }
+
+    /// Deletes up to `batch` ledger rows of `group` older than `retention`.
+    pub async fn sweep_ledger(&self, group: &str, retention: Duration, batch: u32) -> Result<u64> {
+        let ms = duration_ms(retention)?;
+        Ok(on_pool!(self.db(), |p, q| {
+            sqlx::query(q.get("sweep_ledger"))
+                .bind(group)
+                .bind(self.now())
+                .bind(ms)
+                .bind(i64::from(batch))
+                .execute(p)
+                .await?
+                .rows_affected()
+        }))
+    }
+
+    /// Every partition's stored offset for `group`.
+    pub async fn stored_offsets(&self, group: &str) -> Result<Vec<StoredOffset>> {
+        Ok(on_pool!(self.db(), |p, q| {
+            sqlx::query_as(q.get("stored_offsets"))
+                .bind(group)
+                .fetch_all(p)
+                .await?
+        }))
+    }
+}

@@ -1,0 +1,46 @@
+-- Consumer partition leases and the dedupe ledger (SQLite).
+
+-- name: acquire_partition
+-- Kafka assigned the partition to $4: take the lease at a higher generation,
+-- whoever held it. Returns the generation and the offset stored with effects.
+INSERT INTO consumer_partitions AS p (group_id, topic, partition, owner, generation, lease_expires_at)
+VALUES ($1, $2, $3, $4, 1, COALESCE($5, CAST(unixepoch('subsec') * 1000 AS INTEGER)) + $6)
+ON CONFLICT (group_id, topic, partition) DO UPDATE
+    SET owner = EXCLUDED.owner, generation = p.generation + 1, lease_expires_at = EXCLUDED.lease_expires_at
+RETURNING generation, next_offset
+
+-- name: release_partition
+UPDATE consumer_partitions SET owner = NULL, lease_expires_at = NULL
+WHERE group_id = $1 AND topic = $2 AND partition = $3 AND owner = $4 AND generation = $5
+
+-- name: renew_partitions
+UPDATE consumer_partitions
+SET lease_expires_at = COALESCE($3, CAST(unixepoch('subsec') * 1000 AS INTEGER)) + $4
+WHERE group_id = $1 AND owner = $2
+
+-- name: lock_partition
+-- BEGIN IMMEDIATE holds the write lock until commit: no takeover interleaves with the effects.
+SELECT next_offset FROM consumer_partitions
+WHERE group_id = $1 AND topic = $2 AND partition = $3 AND owner = $4 AND generation = $5
+
+-- name: insert_ledger
+INSERT INTO consumer_ledger (group_id, effect_key, topic, partition, "offset", outcome, processed_at)
+VALUES ($1, $2, $3, $4, $5, $6, COALESCE($7, CAST(unixepoch('subsec') * 1000 AS INTEGER)))
+ON CONFLICT (group_id, effect_key) DO NOTHING
+RETURNING effect_key
+
+-- name: advance_offset
+UPDATE consumer_partitions SET next_offset = $6
+WHERE group_id = $1 AND topic = $2 AND partition = $3 AND owner = $4 AND generation = $5
+
+-- name: sweep_ledger
+DELETE FROM consumer_ledger
+WHERE (group_id, effect_key) IN (
+    SELECT group_id, effect_key FROM consumer_ledger
+    WHERE group_id = $1 AND processed_at <= COALESCE($2, CAST(unixepoch('subsec') * 1000 AS INTEGER)) - $3
+    LIMIT $4
+)
+
+-- name: stored_offsets
+SELECT topic, partition, next_offset, owner, generation FROM consumer_partitions
+WHERE group_id = $1 ORDER BY topic, partition
