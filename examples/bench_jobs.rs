@@ -21,8 +21,7 @@ type Res<T> = Result<T, Box<dyn std::error::Error + Send + Sync>>;
 #[tokio::main]
 async fn main() -> Res<()> {
     let quick = std::env::args().any(|a| a == "--quick");
-    let base = std::env::var("DATABASE_URL")
-        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".into());
+    let base = std::env::var("DATABASE_URL").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".into());
     let n = if quick { 2_000 } else { 20_000 };
     println!("ferry job benchmarks (PostgreSQL, 16 connections, n = {n})\n");
     println!("{:<44} {:>12} {:>12}", "measure", "ferry", "raw SQL");
@@ -43,11 +42,7 @@ async fn main() -> Res<()> {
 
     // The cost of wake-up notifications: none, coalesced (the default), one per transaction.
     let mut rates = Vec::new();
-    for interval in [
-        Duration::from_secs(3600),
-        Duration::from_millis(50),
-        Duration::ZERO,
-    ] {
+    for interval in [Duration::from_secs(3600), Duration::from_millis(50), Duration::ZERO] {
         let (_, pool) = fresh(&base, "notify").await?;
         let f = Ferry::builder(url_of(&base, "notify"))
             .notify_interval(interval)
@@ -57,29 +52,16 @@ async fn main() -> Res<()> {
             rate(n, 16, move |i| {
                 let f = f.clone();
                 async move {
-                    f.create_run_idempotent(NewRun::new(
-                        "bench",
-                        "op",
-                        format!("k{i}"),
-                        json!({"i": i}),
-                    ))
-                    .await?;
+                    f.create_run_idempotent(NewRun::new("bench", "op", format!("k{i}"), json!({"i": i})))
+                        .await?;
                     Ok(1)
                 }
             })
             .await?,
         );
     }
-    row(
-        "enqueue, NOTIFY coalesced (jobs/s) vs none",
-        rates[1],
-        rates[0],
-    );
-    row(
-        "enqueue, NOTIFY every tx (jobs/s) vs none",
-        rates[2],
-        rates[0],
-    );
+    row("enqueue, NOTIFY coalesced (jobs/s) vs none", rates[1], rates[0]);
+    row("enqueue, NOTIFY every tx (jobs/s) vs none", rates[2], rates[0]);
     println!(
         "{:<44} {:>11.1}%",
         "coalesced NOTIFY cost",
@@ -112,9 +94,7 @@ async fn main() -> Res<()> {
         let ferry_rate = drain(workers, move |_| {
             let f = f.clone();
             async move {
-                let claimed = f
-                    .claim("default", "bench", Duration::from_secs(60), batch)
-                    .await?;
+                let claimed = f.claim("default", "bench", Duration::from_secs(60), batch).await?;
                 for c in &claimed {
                     f.complete(&c.lease, &json!({})).await?;
                 }
@@ -166,10 +146,9 @@ async fn main() -> Res<()> {
         rx.recv().await;
         let _ = stop.send(());
         running.await??;
-        let succeeded: i64 =
-            sqlx::query_scalar("SELECT count(*) FROM jobs WHERE state = 'succeeded'")
-                .fetch_one(&pool)
-                .await?;
+        let succeeded: i64 = sqlx::query_scalar("SELECT count(*) FROM jobs WHERE state = 'succeeded'")
+            .fetch_one(&pool)
+            .await?;
         assert_eq!(succeeded, jobs as i64);
         let ferry_rate = jobs as f64 / start.elapsed().as_secs_f64();
         let (_f, pool) = fresh(&base, "workerraw").await?;
@@ -191,8 +170,7 @@ async fn main() -> Res<()> {
         let mut raw_lat = Vec::new();
         for _ in 0..1000 {
             let t = Instant::now();
-            f.claim("default", "bench", Duration::from_secs(60), 1)
-                .await?;
+            f.claim("default", "bench", Duration::from_secs(60), 1).await?;
             ferry_lat.push(t.elapsed());
             let t = Instant::now();
             raw_claim(&pool, 1).await?;
@@ -226,16 +204,10 @@ async fn fresh(base: &str, name: &str) -> Res<(Ferry, PgPool)> {
     sqlx::query(&format!("DROP SCHEMA IF EXISTS {schema} CASCADE"))
         .execute(&admin)
         .await?;
-    sqlx::query(&format!("CREATE SCHEMA {schema}"))
-        .execute(&admin)
-        .await?;
+    sqlx::query(&format!("CREATE SCHEMA {schema}")).execute(&admin).await?;
     admin.close().await;
     let url = url_of(base, name);
-    let f = Ferry::builder(&url)
-        .max_connections(16)
-        .migrate(true)
-        .connect()
-        .await?;
+    let f = Ferry::builder(&url).max_connections(16).migrate(true).connect().await?;
     let pool = sqlx::postgres::PgPoolOptions::new()
         .max_connections(16)
         .connect(&url)

@@ -36,12 +36,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             }
         }
     }
-    let reused = NewRun::new(
-        "acme",
-        "charge",
-        "order-0",
-        json!({"amount": 999, "currency": "EUR"}),
-    );
+    let reused = NewRun::new("acme", "charge", "order-0", json!({"amount": 999, "currency": "EUR"}));
     match ferry.create_run_idempotent(reused).await {
         Err(e) if e.code() == "idempotency_conflict" => conflicts += 1,
         other => return Err(format!("expected a conflict, got {other:?}").into()),

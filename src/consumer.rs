@@ -168,12 +168,7 @@ impl Ferry {
     }
 
     /// Step 4: stores `next_offset` with the effects, under the lease.
-    pub async fn advance_offset(
-        &self,
-        conn: Conn<'_>,
-        lease: &PartitionLease,
-        next_offset: i64,
-    ) -> Result<()> {
+    pub async fn advance_offset(&self, conn: Conn<'_>, lease: &PartitionLease, next_offset: i64) -> Result<()> {
         let n = on_conn!(conn, |c, q| {
             sqlx::query(q.get("advance_offset"))
                 .bind(&lease.group)
@@ -210,10 +205,7 @@ impl Ferry {
     /// Every partition's stored offset for `group`.
     pub async fn stored_offsets(&self, group: &str) -> Result<Vec<StoredOffset>> {
         Ok(on_pool!(self.db(), |p, q| {
-            sqlx::query_as(q.get("stored_offsets"))
-                .bind(group)
-                .fetch_all(p)
-                .await?
+            sqlx::query_as(q.get("stored_offsets")).bind(group).fetch_all(p).await?
         }))
     }
 }

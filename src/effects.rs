@@ -40,11 +40,7 @@ impl EffectState {
             "succeeded" => EffectState::Succeeded,
             "failed" => EffectState::Failed,
             "unknown" => EffectState::Unknown,
-            other => {
-                return Err(Error::Config(format!(
-                    "unknown effect state {other:?} in the database"
-                )))
-            }
+            other => return Err(Error::Config(format!("unknown effect state {other:?} in the database"))),
         })
     }
 }
@@ -110,12 +106,7 @@ pub enum Resolution {
 impl Ferry {
     /// Reserves `(step, operation)` under `lease` before an external call.
     /// Returns the existing record when there is one.
-    pub async fn reserve_effect(
-        &self,
-        lease: &Lease,
-        step: &str,
-        operation: &str,
-    ) -> Result<Reservation> {
+    pub async fn reserve_effect(&self, lease: &Lease, step: &str, operation: &str) -> Result<Reservation> {
         self.limits().name("step", step)?;
         self.limits().name("operation", operation)?;
         let mut tx = self.begin().await?;
@@ -138,9 +129,7 @@ impl Ferry {
             }
             Ok(match record.state {
                 EffectState::Succeeded => Reservation::AlreadyDone(record),
-                EffectState::Reserved if record.generation == lease.generation => {
-                    Reservation::Proceed(record)
-                }
+                EffectState::Reserved if record.generation == lease.generation => Reservation::Proceed(record),
                 EffectState::Reserved | EffectState::Unknown => Reservation::NeedsReconcile(record),
                 EffectState::Failed => {
                     update_effect(
@@ -170,15 +159,8 @@ impl Ferry {
         operation: &str,
         provider_ref: &str,
     ) -> Result<EffectRecord> {
-        self.close_effect(
-            lease,
-            step,
-            operation,
-            EffectState::Succeeded,
-            Some(provider_ref),
-            None,
-        )
-        .await
+        self.close_effect(lease, step, operation, EffectState::Succeeded, Some(provider_ref), None)
+            .await
     }
 
     /// Records that the external call failed: `ambiguous` when its outcome is
@@ -197,8 +179,7 @@ impl Ferry {
         } else {
             EffectState::Failed
         };
-        self.close_effect(lease, step, operation, state, None, Some(code))
-            .await
+        self.close_effect(lease, step, operation, state, None, Some(code)).await
     }
 
     /// Resolves a record an earlier generation left unresolved, with what
@@ -225,10 +206,7 @@ impl Ferry {
                     .await?,
                 ))
             }
-            Resolution::Failed { code } => {
-                self.record_effect_failure(lease, step, operation, &code, false)
-                    .await?
-            }
+            Resolution::Failed { code } => self.record_effect_failure(lease, step, operation, &code, false).await?,
             Resolution::NotApplied => {
                 self.close_effect(lease, step, operation, EffectState::Reserved, None, None)
                     .await?
@@ -238,13 +216,7 @@ impl Ferry {
     }
 
     /// Reads a record (no fence: reads are harmless).
-    pub async fn get_effect(
-        &self,
-        tenant: &str,
-        run_id: Uuid,
-        step: &str,
-        operation: &str,
-    ) -> Result<EffectRecord> {
+    pub async fn get_effect(&self, tenant: &str, run_id: Uuid, step: &str, operation: &str) -> Result<EffectRecord> {
         let lease = Lease {
             tenant: tenant.into(),
             run_id,
@@ -273,17 +245,7 @@ impl Ferry {
         let mut tx = self.begin().await?;
         let r = async {
             let (now, _) = self.lock_fence(tx.conn(), lease).await?;
-            let changed = update_effect(
-                tx.conn(),
-                lease,
-                step,
-                operation,
-                state,
-                provider_ref,
-                code,
-                now,
-            )
-            .await?;
+            let changed = update_effect(tx.conn(), lease, step, operation, state, provider_ref, code, now).await?;
             if changed == 0 {
                 return Err(Error::NotFound { what: "effect" });
             }
@@ -294,12 +256,7 @@ impl Ferry {
     }
 }
 
-async fn get_effect(
-    conn: Conn<'_>,
-    lease: &Lease,
-    step: &str,
-    operation: &str,
-) -> Result<EffectRecord> {
+async fn get_effect(conn: Conn<'_>, lease: &Lease, step: &str, operation: &str) -> Result<EffectRecord> {
     let row: Option<EffectRow> = on_conn!(conn, |c, q| {
         sqlx::query_as(q.get("get_effect"))
             .bind(&lease.tenant)

@@ -94,9 +94,7 @@ pub enum Error {
     },
     /// An effect from an earlier generation is unresolved and must be
     /// reconciled before the step repeats.
-    #[error(
-        "effect {step}/{operation} is {state} from generation {generation}; reconcile it first"
-    )]
+    #[error("effect {step}/{operation} is {state} from generation {generation}; reconcile it first")]
     EffectNeedsReconcile {
         /// The step name.
         step: String,
@@ -144,9 +142,7 @@ impl Error {
             Error::IdempotencyConflict { .. } => "idempotency_conflict",
             Error::DuplicateRun { .. } => "duplicate_run",
             Error::NotFound { .. } => "not_found",
-            Error::LostLease { .. } | Error::LostLane { .. } | Error::LostPartition { .. } => {
-                "lost_lease"
-            }
+            Error::LostLease { .. } | Error::LostLane { .. } | Error::LostPartition { .. } => "lost_lease",
             Error::RunTerminal { .. } => "run_terminal",
             Error::Cancelled { .. } => "cancelled",
             Error::DeadlineExceeded { .. } => "deadline_exceeded",

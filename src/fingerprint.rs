@@ -23,12 +23,7 @@ pub struct Fingerprint {
 }
 
 /// Fingerprints `command` for `(operation, schema_version, tenant)`.
-pub fn fingerprint(
-    operation: &str,
-    schema_version: u32,
-    tenant: &str,
-    command: &Value,
-) -> Fingerprint {
+pub fn fingerprint(operation: &str, schema_version: u32, tenant: &str, command: &Value) -> Fingerprint {
     let envelope = serde_json::json!({
         "command": command,
         "fingerprint_version": FINGERPRINT_VERSION,

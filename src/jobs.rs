@@ -246,13 +246,7 @@ impl Ferry {
     /// lease of `lease`. Eligible: due, under the attempt budget, not
     /// cancelled, and queued or leased past expiry. On PostgreSQL this is one
     /// `FOR UPDATE SKIP LOCKED` statement that also writes the attempt rows.
-    pub async fn claim(
-        &self,
-        queue: &str,
-        owner: &str,
-        lease: Duration,
-        limit: u32,
-    ) -> Result<Vec<Claimed>> {
+    pub async fn claim(&self, queue: &str, owner: &str, lease: Duration, limit: u32) -> Result<Vec<Claimed>> {
         self.limits().name("queue", queue)?;
         self.limits().name("owner", owner)?;
         let lease_ms = positive_ms("lease", lease)?;
@@ -260,9 +254,7 @@ impl Ferry {
             return Ok(Vec::new());
         }
         let mut tx = self.begin().await?;
-        let result = self
-            .claim_in(tx.conn(), queue, owner, lease_ms, limit)
-            .await;
+        let result = self.claim_in(tx.conn(), queue, owner, lease_ms, limit).await;
         crate::finish(tx, result).await
     }
 
@@ -290,11 +282,7 @@ impl Ferry {
                         use sqlx::{FromRow, Row};
                         let base = ClaimRow::from_row(row)?;
                         let request: Json<Value> = row.try_get("request")?;
-                        Ok(base.into_claimed(
-                            row.try_get("operation")?,
-                            request.0,
-                            row.try_get("replay_of")?,
-                        ))
+                        Ok(base.into_claimed(row.try_get("operation")?, request.0, row.try_get("replay_of")?))
                     })
                     .collect()
             }
@@ -365,9 +353,7 @@ impl Ferry {
     /// `run_succeeded` event carrying `result` and its outbox row, and the
     /// attempt closed, in one transaction.
     pub async fn complete(&self, lease: &Lease, result: &Value) -> Result<()> {
-        let size = serde_json::to_vec(result)
-            .map(|v| v.len())
-            .unwrap_or(usize::MAX);
+        let size = serde_json::to_vec(result).map(|v| v.len()).unwrap_or(usize::MAX);
         self.limits().payload("result", size)?;
         let mut tx = self.begin().await?;
         let r = self.complete_in(tx.conn(), lease, result).await;
@@ -379,9 +365,7 @@ impl Ferry {
     /// per lease, in order; a refused lease does not affect the others.
     pub async fn complete_batch(&self, items: &[(Lease, Value)]) -> Result<Vec<Result<()>>> {
         for (_, result) in items {
-            let size = serde_json::to_vec(result)
-                .map(|v| v.len())
-                .unwrap_or(usize::MAX);
+            let size = serde_json::to_vec(result).map(|v| v.len()).unwrap_or(usize::MAX);
             self.limits().payload("result", size)?;
         }
         let mut tx = self.begin().await?;
@@ -406,26 +390,12 @@ impl Ferry {
         crate::finish(tx, r).await
     }
 
-    async fn complete_batch_pg(
-        &self,
-        c: &mut sqlx::PgConnection,
-        items: &[(Lease, Value)],
-    ) -> Result<Vec<Result<()>>> {
+    async fn complete_batch_pg(&self, c: &mut sqlx::PgConnection, items: &[(Lease, Value)]) -> Result<Vec<Result<()>>> {
         let q = &*crate::store::POSTGRES;
         let rows: Vec<(Uuid, bool)> = sqlx::query_as(q.get("complete_batch"))
-            .bind(
-                items
-                    .iter()
-                    .map(|(l, _)| l.tenant.as_str())
-                    .collect::<Vec<_>>(),
-            )
+            .bind(items.iter().map(|(l, _)| l.tenant.as_str()).collect::<Vec<_>>())
             .bind(items.iter().map(|(l, _)| l.run_id).collect::<Vec<_>>())
-            .bind(
-                items
-                    .iter()
-                    .map(|(l, _)| l.owner.as_str())
-                    .collect::<Vec<_>>(),
-            )
+            .bind(items.iter().map(|(l, _)| l.owner.as_str()).collect::<Vec<_>>())
             .bind(items.iter().map(|(l, _)| l.generation).collect::<Vec<_>>())
             .bind(items.iter().map(|(_, v)| Json(v)).collect::<Vec<_>>())
             .bind(
@@ -449,18 +419,14 @@ impl Ferry {
             out.push(if done.contains(&lease.run_id) {
                 Ok(())
             } else {
-                Err(self
-                    .refusal(Conn::Postgres(&mut *c), lease, Transition::Finish)
-                    .await)
+                Err(self.refusal(Conn::Postgres(&mut *c), lease, Transition::Finish).await)
             });
         }
         Ok(out)
     }
 
     async fn complete_in(&self, mut conn: Conn<'_>, lease: &Lease, result: &Value) -> Result<()> {
-        let (attempt, _max, _created, now) = self
-            .finish_job(conn.reborrow(), lease, "succeeded", None, None)
-            .await?;
+        let (attempt, _max, _created, now) = self.finish_job(conn.reborrow(), lease, "succeeded", None, None).await?;
         self.terminate(
             conn.reborrow(),
             &lease.tenant,
@@ -504,14 +470,13 @@ impl Ferry {
     ) -> Result<FailOutcome> {
         // Lock the lease first: the decision below depends on its attempt count.
         let (now, attempt) = self.lock_fence(conn.reborrow(), lease).await?;
-        let job: (String, String, i32, i32, i64, Option<String>) =
-            on_conn!(conn.reborrow(), |c, q| {
-                sqlx::query_as(q.get("get_job"))
-                    .bind(&lease.tenant)
-                    .bind(lease.run_id)
-                    .fetch_one(&mut *c)
-                    .await?
-            });
+        let job: (String, String, i32, i32, i64, Option<String>) = on_conn!(conn.reborrow(), |c, q| {
+            sqlx::query_as(q.get("get_job"))
+                .bind(&lease.tenant)
+                .bind(lease.run_id)
+                .fetch_one(&mut *c)
+                .await?
+        });
         let max_attempts = job.2;
         let run = get_run_in(conn.reborrow(), &lease.tenant, lease.run_id).await?;
         let class = error.class;
@@ -549,24 +514,9 @@ impl Ferry {
         }
         match dead_code {
             None => {
-                self.finish_job(
-                    conn.reborrow(),
-                    lease,
-                    "queued",
-                    available_at,
-                    Some(&error.code),
-                )
-                .await?;
-                close_attempt(
-                    conn,
-                    lease,
-                    attempt,
-                    now,
-                    "retried",
-                    Some(class),
-                    Some(&error.code),
-                )
-                .await?;
+                self.finish_job(conn.reborrow(), lease, "queued", available_at, Some(&error.code))
+                    .await?;
+                close_attempt(conn, lease, attempt, now, "retried", Some(class), Some(&error.code)).await?;
                 Ok(FailOutcome::Retried {
                     available_at: available_at.unwrap_or(now),
                 })
@@ -608,9 +558,7 @@ impl Ferry {
                     .await?
             });
             match row {
-                Some((attempt, now)) => {
-                    close_attempt(tx.conn(), lease, attempt, now, "released", None, None).await
-                }
+                Some((attempt, now)) => close_attempt(tx.conn(), lease, attempt, now, "released", None, None).await,
                 None => Err(self.refusal(tx.conn(), lease, Transition::Finish).await),
             }
         }
@@ -722,19 +670,9 @@ impl Ferry {
                 let Some((attempt, now, code)) = expired else {
                     continue;
                 };
-                let body =
-                    json!({ "error_code": code, "error_class": "retryable", "attempts": attempt });
-                self.terminate(
-                    tx.conn(),
-                    &tenant,
-                    run_id,
-                    "failed",
-                    None,
-                    "run_failed",
-                    &body,
-                    now,
-                )
-                .await?;
+                let body = json!({ "error_code": code, "error_class": "retryable", "attempts": attempt });
+                self.terminate(tx.conn(), &tenant, run_id, "failed", None, "run_failed", &body, now)
+                    .await?;
                 let lease = Lease {
                     tenant,
                     run_id,
@@ -761,12 +699,7 @@ impl Ferry {
 
     /// Dead jobs of `tenant`, optionally only those with `error_code`, with
     /// their attempt history.
-    pub async fn list_dead(
-        &self,
-        tenant: &str,
-        error_code: Option<&str>,
-        limit: u32,
-    ) -> Result<Vec<DeadJob>> {
+    pub async fn list_dead(&self, tenant: &str, error_code: Option<&str>, limit: u32) -> Result<Vec<DeadJob>> {
         let rows: Vec<DeadRow> = on_pool!(self.db(), |p, q| {
             sqlx::query_as(q.get("list_dead"))
                 .bind(tenant)
@@ -868,20 +801,16 @@ impl Ferry {
                     .await?
             });
             if let (Some(replayed_as), false) = (earlier, force) {
-                return Err(Error::AlreadyReplayed {
-                    run_id,
-                    replayed_as,
-                });
+                return Err(Error::AlreadyReplayed { run_id, replayed_as });
             }
             let dead = get_run_in(tx.conn(), tenant, run_id).await?;
-            let job: (String, String, i32, i32, i64, Option<String>) =
-                on_conn!(tx.conn(), |c, q| {
-                    sqlx::query_as(q.get("get_job"))
-                        .bind(tenant)
-                        .bind(run_id)
-                        .fetch_one(&mut *c)
-                        .await?
-                });
+            let job: (String, String, i32, i32, i64, Option<String>) = on_conn!(tx.conn(), |c, q| {
+                sqlx::query_as(q.get("get_job"))
+                    .bind(tenant)
+                    .bind(run_id)
+                    .fetch_one(&mut *c)
+                    .await?
+            });
             let nth = dead.last_event_seq; // distinct per replay: every replay appends an event
             let mut new = NewRun::new(
                 tenant,
@@ -893,8 +822,7 @@ impl Ferry {
             .max_attempts(job.2 as u32);
             new.replay_of = Some(run_id);
             let accepted = self.create_run_idempotent_in(tx.conn(), new).await?;
-            let body =
-                json!({ "actor": actor, "reason": reason, "new_run_id": accepted.run.run_id });
+            let body = json!({ "actor": actor, "reason": reason, "new_run_id": accepted.run.run_id });
             self.append_event_in(tx.conn(), tenant, run_id, "replay_requested", &body)
                 .await?;
             Ok(accepted)
@@ -1009,26 +937,18 @@ impl Ferry {
             Ok(None) => return Error::NotFound { what: "job" },
             Err(e) => return e.into(),
         };
-        let ours = status.lease_owner.as_deref() == Some(lease.owner.as_str())
-            && status.lease_generation == lease.generation;
+        let ours =
+            status.lease_owner.as_deref() == Some(lease.owner.as_str()) && status.lease_generation == lease.generation;
         match status.state.as_str() {
-            "cancelled" if transition == Transition::Renew => Error::Cancelled {
+            "cancelled" if transition == Transition::Renew => Error::Cancelled { run_id: lease.run_id },
+            "cancelled" | "succeeded" | "dead" if status.lease_generation == lease.generation => Error::RunTerminal {
                 run_id: lease.run_id,
+                state: status.run_state,
             },
-            "cancelled" | "succeeded" | "dead" if status.lease_generation == lease.generation => {
-                Error::RunTerminal {
-                    run_id: lease.run_id,
-                    state: status.run_state,
-                }
-            }
             "leased"
-                if ours
-                    && status.deadline_at.is_some_and(|d| d <= status.now)
-                    && transition == Transition::Renew =>
+                if ours && status.deadline_at.is_some_and(|d| d <= status.now) && transition == Transition::Renew =>
             {
-                Error::DeadlineExceeded {
-                    run_id: lease.run_id,
-                }
+                Error::DeadlineExceeded { run_id: lease.run_id }
             }
             _ => {
                 tracing::warn!(run_id = %lease.run_id, generation = lease.generation, current = status.lease_generation,

@@ -95,10 +95,7 @@ impl Limits {
         if ok {
             Ok(())
         } else {
-            Err(Error::invalid(
-                "topic",
-                "must be 1 to 249 bytes of [A-Za-z0-9._-]",
-            ))
+            Err(Error::invalid("topic", "must be 1 to 249 bytes of [A-Za-z0-9._-]"))
         }
     }
 }
@@ -128,10 +125,7 @@ mod tests {
             let e = l.idempotency_key(bad).unwrap_err();
             assert_eq!(e.code(), "invalid_input");
             if !bad.is_empty() {
-                assert!(
-                    !e.to_string().contains(bad),
-                    "error text must not echo the key"
-                );
+                assert!(!e.to_string().contains(bad), "error text must not echo the key");
             }
         }
         assert!(l.idempotency_key(&"k".repeat(255)).is_ok());

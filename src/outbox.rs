@@ -60,11 +60,9 @@ impl OutboxMessage {
         key: impl Into<String>,
         value: &T,
     ) -> Result<Self> {
-        let payload =
-            serde_json::to_vec(value).map_err(|e| Error::invalid("payload", e.to_string()))?;
+        let payload = serde_json::to_vec(value).map_err(|e| Error::invalid("payload", e.to_string()))?;
         let mut msg = Self::bytes(tenant, topic, key, payload);
-        msg.headers
-            .insert("content-type".into(), "application/json".into());
+        msg.headers.insert("content-type".into(), "application/json".into());
         Ok(msg)
     }
 
@@ -102,11 +100,7 @@ impl OutboxMessage {
                 format!("at most {} headers", limits.max_headers),
             ));
         }
-        if self
-            .headers
-            .keys()
-            .any(|k| k.is_empty() || k.starts_with("ferry-"))
-        {
+        if self.headers.keys().any(|k| k.is_empty() || k.starts_with("ferry-")) {
             return Err(Error::invalid(
                 "headers",
                 "names must be non-empty and not start with ferry-",
@@ -131,12 +125,7 @@ impl OutboxMessage {
 pub fn validate_traceparent(tp: &str) -> Result<()> {
     let parts: Vec<&str> = tp.split('-').collect();
     let hex = |s: &str, n: usize| s.len() == n && s.bytes().all(|b| b.is_ascii_hexdigit());
-    if parts.len() == 4
-        && hex(parts[0], 2)
-        && hex(parts[1], 32)
-        && hex(parts[2], 16)
-        && hex(parts[3], 2)
-    {
+    if parts.len() == 4 && hex(parts[0], 2) && hex(parts[1], 32) && hex(parts[2], 16) && hex(parts[3], 2) {
         Ok(())
     } else {
         Err(Error::invalid("traceparent", "must be a W3C traceparent"))
@@ -184,30 +173,17 @@ pub fn lane_for(key: &str, lanes: i32) -> i32 {
 
 pub(crate) async fn load_lanes(db: &Db) -> Result<i32> {
     let value: Option<String> = on_pool!(db, |p, q| {
-        sqlx::query_scalar(q.get("outbox_lanes"))
-            .fetch_optional(p)
-            .await
+        sqlx::query_scalar(q.get("outbox_lanes")).fetch_optional(p).await
     })
-    .map_err(|e| {
-        Error::Config(format!(
-            "cannot read ferry_settings; is the schema migrated? ({e})"
-        ))
-    })?;
+    .map_err(|e| Error::Config(format!("cannot read ferry_settings; is the schema migrated? ({e})")))?;
     value
         .and_then(|v| v.parse::<i32>().ok())
         .filter(|n| *n > 0)
-        .ok_or_else(|| {
-            Error::Config("ferry_settings.outbox_lanes is missing or not a positive integer".into())
-        })
+        .ok_or_else(|| Error::Config("ferry_settings.outbox_lanes is missing or not a positive integer".into()))
 }
 
 /// Writes one validated outbox row; returns its id.
-pub(crate) async fn insert(
-    ferry: &Ferry,
-    conn: Conn<'_>,
-    msg: &OutboxMessage,
-    now: Option<i64>,
-) -> Result<i64> {
+pub(crate) async fn insert(ferry: &Ferry, conn: Conn<'_>, msg: &OutboxMessage, now: Option<i64>) -> Result<i64> {
     let lane = lane_for(&msg.key, ferry.lanes());
     let id = on_conn!(conn, |c, q| {
         sqlx::query_scalar(q.get("insert_outbox"))
@@ -274,9 +250,7 @@ mod tests {
 
     #[test]
     fn traceparent_shape() {
-        assert!(
-            validate_traceparent("00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01").is_ok()
-        );
+        assert!(validate_traceparent("00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01").is_ok());
         assert!(validate_traceparent("00-xyz-00f067aa0ba902b7-01").is_err());
     }
 }

@@ -133,10 +133,7 @@ impl Ferry {
     /// Removes relay `owner` from the membership (clean shutdown).
     pub async fn relay_leave(&self, owner: &str) -> Result<()> {
         on_pool!(self.db(), |p, q| {
-            sqlx::query(q.get("relay_leave"))
-                .bind(owner)
-                .execute(p)
-                .await?;
+            sqlx::query(q.get("relay_leave")).bind(owner).execute(p).await?;
         });
         Ok(())
     }
@@ -156,12 +153,7 @@ impl Ferry {
     }
 
     /// Takes up to `max` free or expired lanes, each at a new generation.
-    pub async fn acquire_lanes(
-        &self,
-        owner: &str,
-        lease: Duration,
-        max: u32,
-    ) -> Result<Vec<LaneLease>> {
+    pub async fn acquire_lanes(&self, owner: &str, lease: Duration, max: u32) -> Result<Vec<LaneLease>> {
         let ms = duration_ms(lease)?;
         if max == 0 {
             return Ok(Vec::new());
@@ -225,24 +217,14 @@ impl Ferry {
     /// Marks acknowledged rows delivered (or deletes them, with `delete`), in
     /// one statement, fenced by the lane generation: a relay that lost the
     /// lane gets [`Error::LostLane`] and changes nothing.
-    pub async fn mark_delivered(
-        &self,
-        owner: &str,
-        lane: LaneLease,
-        ids: &[i64],
-        delete: bool,
-    ) -> Result<u64> {
+    pub async fn mark_delivered(&self, owner: &str, lane: LaneLease, ids: &[i64], delete: bool) -> Result<u64> {
         if ids.is_empty() {
             return Ok(0);
         }
         let mut tx = self.begin().await?;
         let r = async {
             self.lock_lane(tx.conn(), owner, lane).await?;
-            let name = if delete {
-                "delete_delivered"
-            } else {
-                "mark_delivered"
-            };
+            let name = if delete { "delete_delivered" } else { "mark_delivered" };
             Ok(match tx.conn() {
                 Conn::Postgres(c) => sqlx::query(crate::store::POSTGRES.get(name))
                     .bind(lane.lane)
@@ -324,9 +306,7 @@ impl Ferry {
     /// How many rows are dead.
     pub async fn outbox_dead_count(&self) -> Result<i64> {
         Ok(on_pool!(self.db(), |p, q| {
-            sqlx::query_scalar(q.get("outbox_dead_count"))
-                .fetch_one(p)
-                .await?
+            sqlx::query_scalar(q.get("outbox_dead_count")).fetch_one(p).await?
         }))
     }
 
@@ -342,12 +322,7 @@ impl Ferry {
 
     /// Puts dead rows (all, or only `id`) back to pending and writes an audit
     /// entry naming `actor` and `reason`, in one transaction. Returns the ids.
-    pub async fn replay_dead_outbox(
-        &self,
-        id: Option<i64>,
-        actor: &str,
-        reason: &str,
-    ) -> Result<Vec<i64>> {
+    pub async fn replay_dead_outbox(&self, id: Option<i64>, actor: &str, reason: &str) -> Result<Vec<i64>> {
         self.limits().text("actor", actor, 255)?;
         self.limits().text("reason", reason, 4096)?;
         let mut tx = self.begin().await?;
@@ -375,14 +350,7 @@ impl Ferry {
     }
 
     /// Appends an operator action to `ferry_audit`.
-    pub async fn audit_in(
-        &self,
-        conn: Conn<'_>,
-        actor: &str,
-        action: &str,
-        subject: &str,
-        reason: &str,
-    ) -> Result<()> {
+    pub async fn audit_in(&self, conn: Conn<'_>, actor: &str, action: &str, subject: &str, reason: &str) -> Result<()> {
         on_conn!(conn, |c, q| {
             sqlx::query(q.get("insert_audit"))
                 .bind(self.now())

@@ -36,18 +36,10 @@ impl Default for RetryPolicy {
 
 impl RetryPolicy {
     /// The delay after failed attempt number `attempt` (1-based).
-    pub fn delay(
-        &self,
-        attempt: u32,
-        retry_after: Option<Duration>,
-        rng: &mut (dyn RngCore + Send),
-    ) -> Duration {
+    pub fn delay(&self, attempt: u32, retry_after: Option<Duration>, rng: &mut (dyn RngCore + Send)) -> Duration {
         let exp = self
             .base
-            .checked_mul(
-                1u32.checked_shl(attempt.saturating_sub(1))
-                    .unwrap_or(u32::MAX),
-            )
+            .checked_mul(1u32.checked_shl(attempt.saturating_sub(1)).unwrap_or(u32::MAX))
             .unwrap_or(self.cap)
             .min(self.cap);
         let jitter_bound = self.max_jitter.min(exp / 2).as_millis() as u64;
@@ -79,19 +71,9 @@ mod tests {
             ..RetryPolicy::default()
         };
         let mut rng = StdRng::seed_from_u64(7);
-        for (attempt, exp) in [
-            (1, 100),
-            (2, 200),
-            (3, 400),
-            (4, 800),
-            (5, 1000),
-            (40, 1000),
-        ] {
+        for (attempt, exp) in [(1, 100), (2, 200), (3, 400), (4, 800), (5, 1000), (40, 1000)] {
             let d = p.delay(attempt, None, &mut rng).as_millis() as u64;
-            assert!(
-                d >= exp && d <= exp + 40.min(exp / 2),
-                "attempt {attempt}: {d}"
-            );
+            assert!(d >= exp && d <= exp + 40.min(exp / 2), "attempt {attempt}: {d}");
         }
     }
 

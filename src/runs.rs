@@ -119,9 +119,7 @@ impl NewRun {
         if !self.command.is_object() {
             return Err(Error::invalid("command", "must be a JSON object"));
         }
-        let size = serde_json::to_vec(&self.command)
-            .map(|v| v.len())
-            .unwrap_or(usize::MAX);
+        let size = serde_json::to_vec(&self.command).map(|v| v.len()).unwrap_or(usize::MAX);
         l.payload("command", size)?;
         if let Some(d) = self.deadline {
             if duration_ms(d)? <= 0 {
@@ -167,11 +165,7 @@ impl RunState {
             "succeeded" => RunState::Succeeded,
             "failed" => RunState::Failed,
             "cancelled" => RunState::Cancelled,
-            other => {
-                return Err(Error::Config(format!(
-                    "unknown run state {other:?} in the database"
-                )))
-            }
+            other => return Err(Error::Config(format!("unknown run state {other:?} in the database"))),
         })
     }
 
@@ -278,18 +272,9 @@ impl Ferry {
     /// Accepts a run inside the caller's transaction, beside its own domain
     /// writes: nothing is visible until the caller commits, and a rollback
     /// undoes all of it. After an error the caller must roll back.
-    pub async fn create_run_idempotent_in(
-        &self,
-        mut conn: Conn<'_>,
-        run: NewRun,
-    ) -> Result<Accepted> {
+    pub async fn create_run_idempotent_in(&self, mut conn: Conn<'_>, run: NewRun) -> Result<Accepted> {
         run.validate(self)?;
-        let fp = fingerprint(
-            &run.operation,
-            run.schema_version,
-            &run.tenant,
-            &run.command,
-        );
+        let fp = fingerprint(&run.operation, run.schema_version, &run.tenant, &run.command);
         let run_id = run.run_id.unwrap_or_else(Uuid::now_v7);
         let ttl = duration_ms(self.limits().idempotency_ttl)?;
         let claimed: Option<i64> = on_conn!(conn.reborrow(), |c, q| {
@@ -306,9 +291,7 @@ impl Ferry {
                 .await?
         });
         let Some(now) = claimed else {
-            return self
-                .replay_or_conflict(conn, &run, &fp.hex, fp.version)
-                .await;
+            return self.replay_or_conflict(conn, &run, &fp.hex, fp.version).await;
         };
         let deadline_at = match run.deadline {
             Some(d) => Some(crate::Millis::new(now)?.checked_add(d)?.get()),
@@ -384,13 +367,7 @@ impl Ferry {
         })
     }
 
-    async fn replay_or_conflict(
-        &self,
-        mut conn: Conn<'_>,
-        run: &NewRun,
-        fp: &str,
-        version: i32,
-    ) -> Result<Accepted> {
+    async fn replay_or_conflict(&self, mut conn: Conn<'_>, run: &NewRun, fp: &str, version: i32) -> Result<Accepted> {
         let existing: Option<(String, i32, Uuid)> = on_conn!(conn.reborrow(), |c, q| {
             sqlx::query_as(q.get("find_idempotency_key"))
                 .bind(&run.tenant)
@@ -401,11 +378,8 @@ impl Ferry {
         });
         // The record was swept between our insert and this read: a retry of
         // the whole acceptance will claim the key afresh.
-        let (stored_fp, stored_version, run_id) = existing.ok_or_else(|| {
-            Error::Database(sqlx::Error::Protocol(
-                "idempotency record vanished; retry".into(),
-            ))
-        })?;
+        let (stored_fp, stored_version, run_id) = existing
+            .ok_or_else(|| Error::Database(sqlx::Error::Protocol("idempotency record vanished; retry".into())))?;
         let key_hash = redact(&run.idempotency_key);
         if stored_fp != fp || stored_version != version {
             tracing::info!(tenant = %run.tenant, operation = %run.operation, key = %key_hash, "idempotency conflict");
@@ -463,9 +437,7 @@ impl Ferry {
         if TERMINAL_KINDS.contains(&kind) || kind == "run_queued" {
             return Err(Error::invalid("kind", "run_* kinds are reserved for Ferry"));
         }
-        let size = serde_json::to_vec(body)
-            .map(|v| v.len())
-            .unwrap_or(usize::MAX);
+        let size = serde_json::to_vec(body).map(|v| v.len()).unwrap_or(usize::MAX);
         self.limits().payload("body", size)?;
         let next: Option<(i64, i64)> = on_conn!(conn.reborrow(), |c, q| {
             sqlx::query_as(q.get("next_event_seq"))
@@ -481,17 +453,9 @@ impl Ferry {
     }
 
     /// Appends an event in its own transaction.
-    pub async fn append_event(
-        &self,
-        tenant: &str,
-        run_id: Uuid,
-        kind: &str,
-        body: &Value,
-    ) -> Result<i64> {
+    pub async fn append_event(&self, tenant: &str, run_id: Uuid, kind: &str, body: &Value) -> Result<i64> {
         let mut tx = self.begin().await?;
-        let result = self
-            .append_event_in(tx.conn(), tenant, run_id, kind, body)
-            .await;
+        let result = self.append_event_in(tx.conn(), tenant, run_id, kind, body).await;
         crate::finish(tx, result).await
     }
 

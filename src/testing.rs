@@ -17,8 +17,7 @@ use crate::store::Engine;
 
 /// The test PostgreSQL: `DATABASE_URL`, or the local server.
 pub fn postgres_url() -> String {
-    std::env::var("DATABASE_URL")
-        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".into())
+    std::env::var("DATABASE_URL").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".into())
 }
 
 static SEQ: AtomicU64 = AtomicU64::new(0);
@@ -43,9 +42,7 @@ pub async fn fresh_database_url(engine: Engine) -> Result<String> {
                 .map(|d| d.as_secs())
                 .unwrap_or(0);
             let schema = format!("ferry_t_{born}_{pid}_{n}");
-            let opts: PgConnectOptions = base
-                .parse()
-                .map_err(|e| Error::Config(format!("DATABASE_URL: {e}")))?;
+            let opts: PgConnectOptions = base.parse().map_err(|e| Error::Config(format!("DATABASE_URL: {e}")))?;
             let admin = PgPoolOptions::new()
                 .max_connections(1)
                 .acquire_timeout(Duration::from_secs(5))
@@ -59,9 +56,7 @@ pub async fn fresh_database_url(engine: Engine) -> Result<String> {
             if n == 0 {
                 drop_stale_schemas(&admin, born).await;
             }
-            sqlx::query(&format!("CREATE SCHEMA {schema}"))
-                .execute(&admin)
-                .await?;
+            sqlx::query(&format!("CREATE SCHEMA {schema}")).execute(&admin).await?;
             admin.close().await;
             let sep = if base.contains('?') { '&' } else { '?' };
             Ok(format!("{base}{sep}options=-csearch_path%3D{schema}"))
@@ -72,18 +67,13 @@ pub async fn fresh_database_url(engine: Engine) -> Result<String> {
 /// Drops `ferry_t_*` schemas created more than a day ago (earlier test
 /// runs); concurrent test processes keep theirs.
 async fn drop_stale_schemas(admin: &sqlx::PgPool, now: u64) {
-    let names: Vec<String> = sqlx::query_scalar(
-        "SELECT nspname::text FROM pg_namespace WHERE nspname LIKE 'ferry\\_t\\_%'",
-    )
-    .fetch_all(admin)
-    .await
-    .unwrap_or_default();
+    let names: Vec<String> =
+        sqlx::query_scalar("SELECT nspname::text FROM pg_namespace WHERE nspname LIKE 'ferry\\_t\\_%'")
+            .fetch_all(admin)
+            .await
+            .unwrap_or_default();
     for s in names {
-        let born: u64 = s
-            .split('_')
-            .nth(2)
-            .and_then(|b| b.parse().ok())
-            .unwrap_or(0);
+        let born: u64 = s.split('_').nth(2).and_then(|b| b.parse().ok()).unwrap_or(0);
         if born + 24 * 3600 < now {
             let _ = sqlx::query(&format!("DROP SCHEMA IF EXISTS {s} CASCADE"))
                 .execute(admin)
@@ -110,18 +100,10 @@ pub struct Broker {
 impl Broker {
     /// Starts one; panics naming what is missing when `tansu` is not installed.
     pub fn start() -> Broker {
-        let port = TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port();
+        let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
         let dir = std::env::temp_dir().join(format!("ferry-tansu-{}-{port}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
-        let mut b = Broker {
-            child: None,
-            port,
-            dir,
-        };
+        let mut b = Broker { child: None, port, dir };
         b.spawn();
         b
     }
@@ -129,7 +111,14 @@ impl Broker {
     fn spawn(&mut self) {
         let url = format!("tcp://127.0.0.1:{}", self.port);
         let child = Command::new(tansu())
-            .args(["broker", "--listener-url", &url, "--advertised-listener-url", &url, "--storage-engine"])
+            .args([
+                "broker",
+                "--listener-url",
+                &url,
+                "--advertised-listener-url",
+                &url,
+                "--storage-engine",
+            ])
             // Tansu resolves the sqlite path against its working directory.
             .arg("sqlite://tansu.db")
             .current_dir(&self.dir)
@@ -137,7 +126,9 @@ impl Broker {
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()
-            .unwrap_or_else(|e| panic!("the Kafka-protocol broker `tansu` is required ({e}); run scripts/install-broker"));
+            .unwrap_or_else(|e| {
+                panic!("the Kafka-protocol broker `tansu` is required ({e}); run scripts/install-broker")
+            });
         self.child = Some(child);
         // Wait until it accepts connections (it answers in about 0.2 s).
         let deadline = Instant::now() + Duration::from_secs(20);
@@ -177,9 +168,7 @@ impl Broker {
     /// SIGTERM and wait: the broker is down until [`Broker::restart`].
     pub fn stop(&mut self) {
         if let Some(mut c) = self.child.take() {
-            let _ = Command::new("kill")
-                .args(["-TERM", &c.id().to_string()])
-                .status();
+            let _ = Command::new("kill").args(["-TERM", &c.id().to_string()]).status();
             let _ = c.wait();
         }
     }

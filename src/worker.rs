@@ -71,18 +71,11 @@ impl JobContext {
 
     /// [`Ferry::reserve_effect`] under this lease.
     pub async fn reserve_effect(&self, step: &str, operation: &str) -> Result<Reservation> {
-        self.ferry
-            .reserve_effect(&self.lease, step, operation)
-            .await
+        self.ferry.reserve_effect(&self.lease, step, operation).await
     }
 
     /// [`Ferry::record_effect_success`] under this lease.
-    pub async fn record_effect_success(
-        &self,
-        step: &str,
-        operation: &str,
-        provider_ref: &str,
-    ) -> Result<EffectRecord> {
+    pub async fn record_effect_success(&self, step: &str, operation: &str, provider_ref: &str) -> Result<EffectRecord> {
         self.ferry
             .record_effect_success(&self.lease, step, operation, provider_ref)
             .await
@@ -102,12 +95,7 @@ impl JobContext {
     }
 
     /// [`Ferry::reconcile_effect`] under this lease.
-    pub async fn reconcile_effect(
-        &self,
-        step: &str,
-        operation: &str,
-        resolution: Resolution,
-    ) -> Result<Reservation> {
+    pub async fn reconcile_effect(&self, step: &str, operation: &str, resolution: Resolution) -> Result<Reservation> {
         self.ferry
             .reconcile_effect(&self.lease, step, operation, resolution)
             .await
@@ -201,9 +189,7 @@ impl<H: Handler> Worker<H> {
     pub async fn run(self, shutdown: impl Future<Output = ()> + Send) -> Result<()> {
         let cfg = Arc::new(self.config);
         if cfg.queues.is_empty() || cfg.concurrency == 0 {
-            return Err(Error::Config(
-                "a worker needs at least one queue and one slot".into(),
-            ));
+            return Err(Error::Config("a worker needs at least one queue and one slot".into()));
         }
         for q in &cfg.queues {
             self.ferry.limits().name("queue", q)?;
@@ -217,11 +203,7 @@ impl<H: Handler> Worker<H> {
         }));
         let mut wake = Wakeup::connect(&self.ferry).await;
         let (completions, completed) = mpsc::channel(cfg.concurrency.max(1));
-        let completer = tokio::spawn(completer(
-            self.ferry.clone(),
-            completed,
-            cfg.concurrency.clamp(1, 500),
-        ));
+        let completer = tokio::spawn(completer(self.ferry.clone(), completed, cfg.concurrency.clamp(1, 500)));
         let mut tasks = JoinSet::new();
         let mut backoff = reconnect_backoff();
         let mut next_queue = 0usize;
@@ -263,10 +245,7 @@ impl<H: Handler> Worker<H> {
                 idle_queues += 1;
                 if idle_queues >= cfg.queues.len() {
                     idle_queues = 0;
-                    let jitter = rng
-                        .lock()
-                        .unwrap_or_else(|p| p.into_inner())
-                        .random_range(0.8..1.2);
+                    let jitter = rng.lock().unwrap_or_else(|p| p.into_inner()).random_range(0.8..1.2);
                     let wait = cfg.poll_interval.mul_f64(jitter);
                     tokio::select! {
                         _ = &mut shutdown => break,
@@ -303,10 +282,7 @@ impl<H: Handler> Worker<H> {
             }
         }
         soft.cancel();
-        let drained = tokio::time::timeout(cfg.grace, async {
-            while tasks.join_next().await.is_some() {}
-        })
-        .await;
+        let drained = tokio::time::timeout(cfg.grace, async { while tasks.join_next().await.is_some() {} }).await;
         if drained.is_err() {
             hard.cancel();
             while tasks.join_next().await.is_some() {}
@@ -342,10 +318,7 @@ async fn completer(ferry: Ferry, mut rx: mpsc::Receiver<Completion>, max_batch: 
                 Err(_) => break,
             }
         }
-        let items: Vec<(Lease, Value)> = batch
-            .iter()
-            .map(|(l, v, _)| (l.clone(), v.clone()))
-            .collect();
+        let items: Vec<(Lease, Value)> = batch.iter().map(|(l, v, _)| (l.clone(), v.clone())).collect();
         let outcome = (|| async { ferry.complete_batch(&items).await })
             .retry(ExponentialBuilder::default().with_max_times(5))
             .when(Error::is_transient)
@@ -448,16 +421,11 @@ impl Attempt {
                     }
                 }
             }
-            Err(err) if signalled && err.class == ErrorClass::Retryable => {
-                self.release(&lease).await
-            }
+            Err(err) if signalled && err.class == ErrorClass::Retryable => self.release(&lease).await,
             Err(err) => {
                 let failed = (|| async {
                     let mut rng = self.rng.lock().unwrap_or_else(|p| p.into_inner()).clone();
-                    let out = self
-                        .ferry
-                        .fail(&lease, &err, &self.cfg.retry, &mut rng)
-                        .await;
+                    let out = self.ferry.fail(&lease, &err, &self.cfg.retry, &mut rng).await;
                     *self.rng.lock().unwrap_or_else(|p| p.into_inner()) = rng;
                     out
                 })

@@ -54,32 +54,16 @@ impl Metrics {
             lag: Family::default(),
             handler_latency: Histogram::new([0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0]),
         };
-        registry.register(
-            "processed",
-            "Records whose effects committed",
-            m.processed.clone(),
-        );
-        registry.register(
-            "duplicates",
-            "Records skipped as duplicates",
-            m.duplicates.clone(),
-        );
+        registry.register("processed", "Records whose effects committed", m.processed.clone());
+        registry.register("duplicates", "Records skipped as duplicates", m.duplicates.clone());
         registry.register(
             "dead_lettered",
             "Records sent to the dead-letter topic",
             m.dead_lettered.clone(),
         );
-        registry.register(
-            "lease_losses",
-            "Partition leases lost",
-            m.lease_losses.clone(),
-        );
+        registry.register("lease_losses", "Partition leases lost", m.lease_losses.clone());
         registry.register("lag", "Records behind the high watermark", m.lag.clone());
-        registry.register(
-            "handler_latency_seconds",
-            "Handler time",
-            m.handler_latency.clone(),
-        );
+        registry.register("handler_latency_seconds", "Handler time", m.handler_latency.clone());
         Metrics { registry, ..m }
     }
 

@@ -72,10 +72,7 @@ pub async fn process_record(
             Processed::Applied
         }
     };
-    if let Err(e) = ferry
-        .advance_offset(tx.conn(), lease, record.offset + 1)
-        .await
-    {
+    if let Err(e) = ferry.advance_offset(tx.conn(), lease, record.offset + 1).await {
         let _ = tx.rollback().await;
         return Err(e.into());
     }
@@ -95,9 +92,7 @@ pub async fn record_dead_letter(
         ferry
             .begin_record(tx.conn(), lease, effect_key, record.offset, "dead_lettered")
             .await?;
-        ferry
-            .advance_offset(tx.conn(), lease, record.offset + 1)
-            .await
+        ferry.advance_offset(tx.conn(), lease, record.offset + 1).await
     }
     .await;
     match r {

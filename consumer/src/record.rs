@@ -47,9 +47,7 @@ impl Record {
 
     /// A header as UTF-8.
     pub fn header(&self, name: &str) -> Option<&str> {
-        self.headers
-            .get(name)
-            .and_then(|v| std::str::from_utf8(v).ok())
+        self.headers.get(name).and_then(|v| std::str::from_utf8(v).ok())
     }
 
     /// The key consumers dedupe on: `ferry-effect-key`, else `ferry-outbox-id`.
@@ -70,9 +68,5 @@ impl Record {
 /// together with the ledger row and the stored offset, or not at all.
 pub trait Handler: Send + Sync + 'static {
     /// Writes the record's effects with `tx`. Never commit or roll back `tx`.
-    fn handle<'a>(
-        &'a self,
-        record: &'a Record,
-        tx: &'a mut ferry::Tx,
-    ) -> BoxFuture<'a, Result<(), HandlerError>>;
+    fn handle<'a>(&'a self, record: &'a Record, tx: &'a mut ferry::Tx) -> BoxFuture<'a, Result<(), HandlerError>>;
 }

@@ -12,9 +12,7 @@ use std::time::{Duration, Instant};
 use backon::{BackoffBuilder, ExponentialBuilder};
 use ferry::consumer::PartitionLease;
 use ferry::Ferry;
-use rdkafka::consumer::{
-    BaseConsumer, CommitMode, Consumer as _, ConsumerContext, RebalanceProtocol,
-};
+use rdkafka::consumer::{BaseConsumer, CommitMode, Consumer as _, ConsumerContext, RebalanceProtocol};
 use rdkafka::error::KafkaResult;
 use rdkafka::message::{Header, OwnedHeaders};
 use rdkafka::producer::{FutureProducer, FutureRecord};
@@ -134,10 +132,7 @@ impl ConsumerBuilder {
 
     /// Effect keys for records without `ferry-effect-key`/`ferry-outbox-id`
     /// (otherwise they are poison).
-    pub fn effect_key_fn(
-        mut self,
-        f: impl Fn(&Record) -> Option<String> + Send + Sync + 'static,
-    ) -> Self {
+    pub fn effect_key_fn(mut self, f: impl Fn(&Record) -> Option<String> + Send + Sync + 'static) -> Self {
         self.effect_key_fn = Some(Arc::new(f));
         self
     }
@@ -157,11 +152,7 @@ impl ConsumerBuilder {
     /// How long ledger rows are kept, and the longest time after which a
     /// record may still be redelivered (a relay backlog, a replay). Startup
     /// refuses a retention shorter than the window.
-    pub fn ledger_retention(
-        mut self,
-        retention: Duration,
-        max_redelivery_window: Duration,
-    ) -> Self {
+    pub fn ledger_retention(mut self, retention: Duration, max_redelivery_window: Duration) -> Self {
         self.ledger_retention = retention;
         self.max_redelivery_window = max_redelivery_window;
         self
@@ -216,12 +207,7 @@ struct LeaseContext {
 impl ClientContext for LeaseContext {}
 
 impl ConsumerContext for LeaseContext {
-    fn rebalance(
-        &self,
-        base: &BaseConsumer<Self>,
-        err: RDKafkaRespErr,
-        tpl: &mut TopicPartitionList,
-    ) {
+    fn rebalance(&self, base: &BaseConsumer<Self>, err: RDKafkaRespErr, tpl: &mut TopicPartitionList) {
         let cooperative = matches!(base.rebalance_protocol(), RebalanceProtocol::Cooperative);
         match err {
             RDKafkaRespErr::RD_KAFKA_RESP_ERR__ASSIGN_PARTITIONS => {
@@ -242,8 +228,7 @@ impl ConsumerContext for LeaseContext {
                         Ok((lease, next)) => {
                             if let Some(n) = next {
                                 // Resume from the offset stored with the effects.
-                                let _ =
-                                    tpl.set_partition_offset(&topic, partition, Offset::Offset(n));
+                                let _ = tpl.set_partition_offset(&topic, partition, Offset::Offset(n));
                             }
                             tracing::info!(%topic, partition, generation = lease.generation, next_offset = ?next, "partition assigned");
                             self.leases
@@ -272,11 +257,7 @@ impl ConsumerContext for LeaseContext {
                     .map(|e| (e.topic().to_owned(), e.partition()))
                     .collect();
                 for tp in parts {
-                    let lease = self
-                        .leases
-                        .lock()
-                        .unwrap_or_else(|p| p.into_inner())
-                        .remove(&tp);
+                    let lease = self.leases.lock().unwrap_or_else(|p| p.into_inner()).remove(&tp);
                     if let Some(lease) = lease {
                         // Only if still ours: a newer generation is left alone.
                         let _ = self.handle.block_on(self.ferry.release_partition(&lease));
@@ -376,13 +357,7 @@ impl Consumer {
                 if let Some(mut retry) = retries.remove(&tp) {
                     retry.attempts += 1;
                     if let Some(again) = self
-                        .handle(
-                            &consumer,
-                            &leases,
-                            dlq.as_ref(),
-                            retry.record.clone(),
-                            Some(retry),
-                        )
+                        .handle(&consumer, &leases, dlq.as_ref(), retry.record.clone(), Some(retry))
                         .await
                     {
                         retries.insert(tp, again);
@@ -401,10 +376,7 @@ impl Consumer {
                     let tp = (record.topic.clone(), record.partition);
                     // A paused partition's prefetched records come again after its retry.
                     if let std::collections::hash_map::Entry::Vacant(slot) = retries.entry(tp) {
-                        if let Some(retry) = self
-                            .handle(&consumer, &leases, dlq.as_ref(), record, None)
-                            .await
-                        {
+                        if let Some(retry) = self.handle(&consumer, &leases, dlq.as_ref(), record, None).await {
                             slot.insert(retry);
                         }
                     }
@@ -449,12 +421,7 @@ impl Consumer {
         let b = &self.b;
         let m = &self.metrics;
         let tp = (record.topic.clone(), record.partition);
-        let Some(lease) = leases
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .get(&tp)
-            .cloned()
-        else {
+        let Some(lease) = leases.lock().unwrap_or_else(|p| p.into_inner()).get(&tp).cloned() else {
             return None; // not ours (revoked or lost): its new owner processes it
         };
         let effect_key = match &retry {
@@ -477,15 +444,9 @@ impl Consumer {
         let span = tracing::info_span!("ferry.consume", topic = %record.topic, partition = record.partition, offset = record.offset,
             traceparent = record.traceparent().unwrap_or(""));
         let started = Instant::now();
-        let outcome = process_record(
-            &b.ferry,
-            &lease,
-            &record,
-            &effect_key,
-            self.handler.as_ref(),
-        )
-        .instrument(span)
-        .await;
+        let outcome = process_record(&b.ferry, &lease, &record, &effect_key, self.handler.as_ref())
+            .instrument(span)
+            .await;
         m.handler_latency.observe(started.elapsed().as_secs_f64());
         let was_paused = retry.is_some();
         let result = match outcome {
@@ -507,8 +468,7 @@ impl Consumer {
                 class: HandlerClass::Terminal,
                 code,
             })) => {
-                self.dead_letter(dlq, &lease, &record, &effect_key, &code)
-                    .await;
+                self.dead_letter(dlq, &lease, &record, &effect_key, &code).await;
                 None
             }
             Err(e) => {
@@ -532,8 +492,7 @@ impl Consumer {
                 });
                 if r.attempts >= b.retry_budget {
                     tracing::warn!(topic = %tp.0, partition = tp.1, offset = record.offset, %code, "retry budget spent; dead-lettering");
-                    self.dead_letter(dlq, &lease, &record, &effect_key, &code)
-                        .await;
+                    self.dead_letter(dlq, &lease, &record, &effect_key, &code).await;
                     None
                 } else {
                     let delay = r.backoff.next().unwrap_or(b.retry_cap);
@@ -553,12 +512,7 @@ impl Consumer {
         if was_paused {
             // Fetch again from the next record, then resume the partition.
             let _ = tokio::task::block_in_place(|| {
-                consumer.seek(
-                    &tp.0,
-                    tp.1,
-                    Offset::Offset(record.offset + 1),
-                    Duration::from_secs(5),
-                )
+                consumer.seek(&tp.0, tp.1, Offset::Offset(record.offset + 1), Duration::from_secs(5))
             });
             let _ = pause(consumer, &tp, false);
         }
@@ -577,10 +531,7 @@ impl Consumer {
         if let (Some(producer), Some(topic)) = (dlq, &b.dead_letter_topic) {
             let mut headers = OwnedHeaders::new();
             for (k, v) in &record.headers {
-                headers = headers.insert(Header {
-                    key: k,
-                    value: Some(v),
-                });
+                headers = headers.insert(Header { key: k, value: Some(v) });
             }
             let offset = record.offset.to_string();
             let partition = record.partition.to_string();
@@ -628,10 +579,7 @@ impl Consumer {
         if let Err(e) = b.ferry.renew_partitions(&b.group, &b.owner, b.lease).await {
             tracing::warn!(error = %e, "renewing partition leases failed");
         }
-        let _ = b
-            .ferry
-            .sweep_ledger(&b.group, b.ledger_retention, 1000)
-            .await;
+        let _ = b.ferry.sweep_ledger(&b.group, b.ledger_retention, 1000).await;
     }
 
     /// Lag per held partition: high watermark minus the offset stored with
@@ -653,9 +601,7 @@ impl Consumer {
             .filter_map(|s| s.next_offset.map(|n| ((s.topic, s.partition), n)))
             .collect();
         for tp in held {
-            let wm = tokio::task::block_in_place(|| {
-                consumer.fetch_watermarks(&tp.0, tp.1, Duration::from_millis(200))
-            });
+            let wm = tokio::task::block_in_place(|| consumer.fetch_watermarks(&tp.0, tp.1, Duration::from_millis(200)));
             if let Ok((_, high)) = wm {
                 let at = stored.get(&tp).copied().unwrap_or(0);
                 self.metrics

@@ -28,9 +28,7 @@ impl Drop for Tansu {
 }
 
 fn start_tansu() -> Res<(Tansu, String)> {
-    let port = std::net::TcpListener::bind("127.0.0.1:0")?
-        .local_addr()?
-        .port();
+    let port = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
     let url = format!("tcp://127.0.0.1:{port}");
     let child = Command::new("tansu")
         .args([
@@ -76,21 +74,14 @@ async fn main() -> Res<()> {
     let n: usize = if quick { 20_000 } else { 100_000 };
     let (_tansu, brokers) = start_tansu()?;
     println!("ferry-relay benchmarks (PostgreSQL → Tansu memory://, n = {n})\n");
-    println!(
-        "{:<52} {:>12} {:>14}",
-        "measure", "ferry-relay", "raw produce"
-    );
+    println!("{:<52} {:>12} {:>14}", "measure", "ferry-relay", "raw produce");
     for size in [100usize, 1024] {
         let topic = format!("bench-{size}");
         create_topic(&brokers, &topic)?;
         let raw = raw_produce(&brokers, &topic, n, size).await?;
         for (relays, delete) in [(1, false), (2, false), (1, true)] {
             let rate = drain(&brokers, &topic, n, size, relays, delete).await?;
-            let mode = if delete {
-                "delete on delivery"
-            } else {
-                "mark delivered"
-            };
+            let mode = if delete { "delete on delivery" } else { "mark delivered" };
             println!(
                 "{:<52} {rate:>12.0} {raw:>14.0}",
                 format!("drain msgs/s, {size} B, {relays} relay(s), {mode}")
@@ -121,14 +112,8 @@ async fn main() -> Res<()> {
         state.metrics.latency_quantile(0.5).unwrap_or(0),
         state.metrics.latency_quantile(0.99).unwrap_or(0),
     );
-    println!(
-        "{:<52} {:>9} ms {:>14}",
-        "commit → ack p50 at 1k rows/s", p50, "-"
-    );
-    println!(
-        "{:<52} {:>9} ms {:>14}",
-        "commit → ack p99 at 1k rows/s", p99, "-"
-    );
+    println!("{:<52} {:>9} ms {:>14}", "commit → ack p50 at 1k rows/s", p50, "-");
+    println!("{:<52} {:>9} ms {:>14}", "commit → ack p99 at 1k rows/s", p99, "-");
     // A large backlog.
     let big = if quick { 100_000 } else { 1_000_000 };
     create_topic(&brokers, "bench-backlog")?;
@@ -175,10 +160,7 @@ async fn seed(ferry: &Ferry, topic: &str, n: usize, size: usize) -> Res<()> {
     let payload = vec![b'x'; size];
     for chunk in (0..n).collect::<Vec<_>>().chunks(10_000) {
         let keys: Vec<String> = chunk.iter().map(|i| format!("k{}", i % 1000)).collect();
-        let lanes: Vec<i32> = keys
-            .iter()
-            .map(|k| ferry::outbox::lane_for(k, ferry.lanes()))
-            .collect();
+        let lanes: Vec<i32> = keys.iter().map(|k| ferry::outbox::lane_for(k, ferry.lanes())).collect();
         sqlx::query(
             "INSERT INTO outbox (tenant, topic, key, lane, payload, headers, created_at)
              SELECT 'bench', $1, k, l, $4, '{}'::jsonb, (extract(epoch FROM now()) * 1000)::bigint
@@ -208,14 +190,7 @@ async fn wait_delivered(ferry: &Ferry) -> Res<()> {
     }
 }
 
-async fn drain(
-    brokers: &str,
-    topic: &str,
-    n: usize,
-    size: usize,
-    relays: usize,
-    delete: bool,
-) -> Res<f64> {
+async fn drain(brokers: &str, topic: &str, n: usize, size: usize, relays: usize, delete: bool) -> Res<f64> {
     let (ferry, url) = fresh().await?;
     seed(&ferry, topic, n, size).await?;
     let started = Instant::now();

@@ -77,10 +77,9 @@ pub enum DeadCommand {
     },
 }
 
-/// Logs to stderr, filtered by `RUST_LOG` (default `info`).
-pub fn init_tracing() {
-    let filter =
-        tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into());
+/// Logs to stderr, filtered by `RUST_LOG` (default `default_level`).
+pub fn init_tracing(default_level: &str) {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| default_level.into());
     let _ = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
@@ -91,8 +90,7 @@ pub fn init_tracing() {
 pub async fn shutdown_signal() {
     #[cfg(unix)]
     {
-        let mut term =
-            tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).ok();
+        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).ok();
         tokio::select! {
             _ = tokio::signal::ctrl_c() => {}
             _ = async { match term.as_mut() { Some(t) => { t.recv().await; } None => std::future::pending().await } } => {}
@@ -122,10 +120,7 @@ pub async fn run(cli: Cli, shutdown: impl Future<Output = ()>) -> Result<(), Rel
             let ferry = Ferry::builder(&db.database_url).connect().await?;
             let b = ferry.outbox_backlog().await?;
             println!("pending rows        {}", b.pending);
-            println!(
-                "oldest pending age  {:.1}s",
-                b.oldest_age_ms() as f64 / 1000.0
-            );
+            println!("oldest pending age  {:.1}s", b.oldest_age_ms() as f64 / 1000.0);
             println!("dead rows           {}", ferry.outbox_dead_count().await?);
             let mut by_owner = std::collections::BTreeMap::<String, Vec<i32>>::new();
             for l in ferry.lane_owners().await? {
@@ -157,12 +152,7 @@ pub async fn run(cli: Cli, shutdown: impl Future<Output = ()>) -> Result<(), Rel
                 }
                 Ok(())
             }
-            DeadCommand::Replay {
-                db,
-                id,
-                actor,
-                reason,
-            } => {
+            DeadCommand::Replay { db, id, actor, reason } => {
                 let ferry = Ferry::builder(&db.database_url).connect().await?;
                 let ids = ferry.replay_dead_outbox(id, &actor, &reason).await?;
                 println!("{} rows back to pending", ids.len());

@@ -18,6 +18,9 @@ use rdkafka::mocking::MockCluster;
 use rdkafka::ClientConfig;
 use serde_json::json;
 
+use ferry_consumer::{Handler, HandlerError, Record};
+use futures::future::BoxFuture;
+
 use crate::config::RelayConfig;
 use crate::error::RelayError;
 
@@ -41,6 +44,41 @@ pub struct DemoArgs {
 const EVENTS: &str = "ferry.run-events";
 const ORDERS: &str = "demo.orders";
 const TENANTS: [&str; 3] = ["acme", "globex", "initech"];
+
+/// The demo consumer's effect: a per-key projection of order events.
+struct Projection;
+
+const PROJECT: &str = "INSERT INTO demo_projection (key, events) VALUES ($1, 1)
+    ON CONFLICT (key) DO UPDATE SET events = demo_projection.events + 1";
+
+impl Handler for Projection {
+    fn handle<'a>(&'a self, r: &'a Record, tx: &'a mut ferry::Tx) -> BoxFuture<'a, Result<(), HandlerError>> {
+        Box::pin(async move {
+            let key = String::from_utf8_lossy(r.key.as_deref().unwrap_or_default()).into_owned();
+            match tx {
+                ferry::Tx::Postgres(_) => sqlx::query(PROJECT)
+                    .bind(key)
+                    .execute(tx.postgres().expect("postgres"))
+                    .await
+                    .map(|_| ())?,
+                ferry::Tx::Sqlite(_) => sqlx::query(PROJECT)
+                    .bind(key)
+                    .execute(tx.sqlite().expect("sqlite"))
+                    .await
+                    .map(|_| ())?,
+            }
+            Ok(())
+        })
+    }
+}
+
+async fn exec(ferry: &Ferry, sql: &str) -> Result<(), RelayError> {
+    match ferry.db() {
+        ferry::Db::Postgres(p) => sqlx::query(sql).execute(p).await.map(|_| ()),
+        ferry::Db::Sqlite(p) => sqlx::query(sql).execute(p).await.map(|_| ()),
+    }
+    .map_err(|e| RelayError::Ferry(e.into()))
+}
 
 /// Runs the demo.
 pub async fn run(args: DemoArgs) -> Result<(), RelayError> {
@@ -84,6 +122,25 @@ pub async fn run(args: DemoArgs) -> Result<(), RelayError> {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     let stopped = stop.clone();
     let running = tokio::spawn(relay.run(listener, async move { stopped.cancelled().await }));
+    exec(
+        &ferry,
+        "CREATE TABLE IF NOT EXISTS demo_projection (key TEXT PRIMARY KEY, events BIGINT NOT NULL)",
+    )
+    .await?;
+    let consumer_app = ferry_consumer::Consumer::builder(
+        ferry.clone(),
+        &brokers,
+        format!("ferry-demo-projection-{}", uuid::Uuid::now_v7().simple()),
+        &[ORDERS],
+    )
+    .handler(Projection)
+    .kafka("session.timeout.ms", "6000")
+    .build()
+    .map_err(|e| RelayError::Config(e.to_string()))?;
+    let consumer_metrics = consumer_app.metrics();
+    let consumer_stop = tokio_util::sync::CancellationToken::new();
+    let cs = consumer_stop.clone();
+    let consuming = tokio::spawn(consumer_app.run(async move { cs.cancelled().await }));
 
     // Accept runs and domain events, like a service behind an HTTP endpoint would.
     let bar = indicatif::ProgressBar::new(args.runs as u64);
@@ -104,9 +161,7 @@ pub async fn run(args: DemoArgs) -> Result<(), RelayError> {
         let tries = if i % 5 == 0 { 2 } else { 1 };
         for _ in 0..tries {
             let mut tx = ferry.begin().await?;
-            let a = ferry
-                .create_run_idempotent_in(tx.conn(), run.clone())
-                .await?;
+            let a = ferry.create_run_idempotent_in(tx.conn(), run.clone()).await?;
             if a.replay {
                 replays += 1;
                 tx.rollback().await?;
@@ -125,12 +180,7 @@ pub async fn run(args: DemoArgs) -> Result<(), RelayError> {
         }
         bar.inc(1);
     }
-    let reused = NewRun::new(
-        "acme",
-        "charge",
-        "order-0",
-        json!({"amount": 1, "currency": "EUR"}),
-    );
+    let reused = NewRun::new("acme", "charge", "order-0", json!({"amount": 1, "currency": "EUR"}));
     match ferry.create_run_idempotent(reused).await {
         Err(e) if e.code() == "idempotency_conflict" => conflicts += 1,
         other => {
@@ -146,10 +196,7 @@ pub async fn run(args: DemoArgs) -> Result<(), RelayError> {
     // Read everything back.
     let consumer: BaseConsumer = ClientConfig::new()
         .set("bootstrap.servers", &brokers)
-        .set(
-            "group.id",
-            format!("ferry-demo-{}", uuid::Uuid::now_v7().simple()),
-        )
+        .set("group.id", format!("ferry-demo-{}", uuid::Uuid::now_v7().simple()))
         .set("auto.offset.reset", "earliest")
         .set("enable.auto.commit", "false")
         .create()?;
@@ -185,11 +232,30 @@ pub async fn run(args: DemoArgs) -> Result<(), RelayError> {
         }
     }
     bar.finish_and_clear();
-    stop.cancel();
-    running
-        .await
-        .map_err(|e| RelayError::Config(e.to_string()))??;
     let m = &state.metrics;
+    let (p50, p99) = (
+        m.latency_quantile(0.5).unwrap_or(0),
+        m.latency_quantile(0.99).unwrap_or(0),
+    );
+    // A relay crash after publishing but before marking republishes rows:
+    // simulate it for 50 order rows; the consumer's ledger must skip them.
+    let replayed = 50.min(accepted);
+    exec(&ferry, &format!("UPDATE outbox SET state = 'pending' WHERE id IN (SELECT id FROM outbox WHERE topic = '{ORDERS}' ORDER BY id LIMIT {replayed})")).await?;
+    let orders = accepted;
+    let waited = Instant::now();
+    while consumer_metrics.processed.get() < orders || consumer_metrics.duplicates.get() < replayed {
+        if waited.elapsed() > args.timeout {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    consumer_stop.cancel();
+    consuming
+        .await
+        .map_err(|e| RelayError::Config(e.to_string()))?
+        .map_err(|e| RelayError::Config(e.to_string()))?;
+    stop.cancel();
+    running.await.map_err(|e| RelayError::Config(e.to_string()))??;
     let published = m.published.get();
     println!("runs accepted        {accepted}");
     println!("replays collapsed    {replays}");
@@ -205,15 +271,22 @@ pub async fn run(args: DemoArgs) -> Result<(), RelayError> {
             .join(", ")
     );
     println!("distinct rows read   {}", seen.len());
+    println!("duplicates           {}", read.saturating_sub(seen.len() as u64));
+    println!("commit → ack         p50 {p50} ms, p99 {p99} ms");
     println!(
-        "duplicates           {}",
-        read.saturating_sub(seen.len() as u64)
+        "effects applied      {} (per-key projection, one per order event)",
+        consumer_metrics.processed.get()
     );
     println!(
-        "commit → ack         p50 {} ms, p99 {} ms",
-        m.latency_quantile(0.5).unwrap_or(0),
-        m.latency_quantile(0.99).unwrap_or(0)
+        "duplicates skipped   {} (of {replayed} republished rows)",
+        consumer_metrics.duplicates.get()
     );
+    if consumer_metrics.processed.get() < orders {
+        return Err(RelayError::Lost(format!(
+            "the consumer applied {} of {orders} order events",
+            consumer_metrics.processed.get()
+        )));
+    }
     if (seen.len() as u64) < expected {
         return Err(RelayError::Lost(format!(
             "lost {} of {expected} rows",
@@ -225,9 +298,7 @@ pub async fn run(args: DemoArgs) -> Result<(), RelayError> {
 }
 
 async fn create_topics(brokers: &str) -> Result<(), RelayError> {
-    let admin: AdminClient<DefaultClientContext> = ClientConfig::new()
-        .set("bootstrap.servers", brokers)
-        .create()?;
+    let admin: AdminClient<DefaultClientContext> = ClientConfig::new().set("bootstrap.servers", brokers).create()?;
     let topics = [
         NewTopic::new(EVENTS, 6, TopicReplication::Fixed(1)),
         NewTopic::new(ORDERS, 6, TopicReplication::Fixed(1)),

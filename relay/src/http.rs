@@ -14,11 +14,7 @@ use tokio_util::sync::CancellationToken;
 use crate::service::RelayState;
 
 /// Serves until `stop` is cancelled.
-pub async fn serve(
-    listener: tokio::net::TcpListener,
-    state: Arc<RelayState>,
-    stop: CancellationToken,
-) {
+pub async fn serve(listener: tokio::net::TcpListener, state: Arc<RelayState>, stop: CancellationToken) {
     let app = Router::new()
         .route("/healthz", get(|| async { "ok" }))
         .route("/readyz", get(ready))

@@ -44,10 +44,7 @@ pub async fn tick(
             plan.lost.push(*lease);
         }
     }
-    plan.kept = renewed
-        .into_iter()
-        .filter(|r| held.get(&r.lane) == Some(r))
-        .collect();
+    plan.kept = renewed.into_iter().filter(|r| held.get(&r.lane) == Some(r)).collect();
     let share = fair_share(ferry.lanes(), live, cfg.max_lanes);
     if plan.kept.len() < share {
         plan.acquired = ferry

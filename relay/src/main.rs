@@ -5,7 +5,13 @@ use clap::Parser;
 #[tokio::main]
 async fn main() -> std::process::ExitCode {
     let cli = ferry_relay::cli::Cli::parse();
-    ferry_relay::cli::init_tracing();
+    // The demo prints a summary; only warnings would interrupt it.
+    let level = if matches!(cli.command, ferry_relay::cli::Command::Demo(_)) {
+        "warn"
+    } else {
+        "info"
+    };
+    ferry_relay::cli::init_tracing(level);
     match ferry_relay::cli::run(cli, ferry_relay::cli::shutdown_signal()).await {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(e) => {

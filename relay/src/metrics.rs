@@ -62,9 +62,7 @@ impl Metrics {
             oldest_pending_age: Gauge::default(),
             lanes_owned: Gauge::default(),
             lease_losses: Counter::default(),
-            publish_latency: Histogram::new([
-                0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
-            ]),
+            publish_latency: Histogram::new([0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0]),
             registry: Registry::default(),
             latency_samples: std::sync::Mutex::new(Vec::new()),
         };
@@ -86,11 +84,7 @@ impl Metrics {
             "Age of the oldest pending row",
             m.oldest_pending_age.clone(),
         );
-        registry.register(
-            "lanes_owned",
-            "Lanes this relay holds",
-            m.lanes_owned.clone(),
-        );
+        registry.register("lanes_owned", "Lanes this relay holds", m.lanes_owned.clone());
         registry.register("lease_losses", "Lane leases lost", m.lease_losses.clone());
         registry.register(
             "publish_latency_seconds",
@@ -103,10 +97,7 @@ impl Metrics {
     /// Records one commit-to-ack latency.
     pub fn observe_latency(&self, ms: i64) {
         self.publish_latency.observe(ms.max(0) as f64 / 1000.0);
-        let mut s = self
-            .latency_samples
-            .lock()
-            .unwrap_or_else(|p| p.into_inner());
+        let mut s = self.latency_samples.lock().unwrap_or_else(|p| p.into_inner());
         if s.len() < 1_000_000 {
             s.push(ms.max(0));
         }
@@ -114,11 +105,7 @@ impl Metrics {
 
     /// The `q` quantile (0..=1) of the recorded latencies, in ms.
     pub fn latency_quantile(&self, q: f64) -> Option<i64> {
-        let mut s = self
-            .latency_samples
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .clone();
+        let mut s = self.latency_samples.lock().unwrap_or_else(|p| p.into_inner()).clone();
         if s.is_empty() {
             return None;
         }

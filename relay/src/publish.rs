@@ -82,11 +82,7 @@ pub fn headers(row: &PendingRow) -> OwnedHeaders {
 /// Produces every row in order and awaits every acknowledgement. Returns one
 /// outcome per row, in row order. librdkafka's idempotent producer keeps the
 /// order within each partition across its own retries.
-pub async fn publish_batch(
-    producer: &FutureProducer,
-    cfg: &RelayConfig,
-    rows: &[PendingRow],
-) -> Vec<Outcome> {
+pub async fn publish_batch(producer: &FutureProducer, cfg: &RelayConfig, rows: &[PendingRow]) -> Vec<Outcome> {
     let mut outcomes: Vec<Option<Outcome>> = vec![None; rows.len()];
     let mut inflight: VecDeque<(usize, DeliveryFuture)> = VecDeque::new();
     for (i, row) in rows.iter().enumerate() {
@@ -128,10 +124,7 @@ pub async fn publish_batch(
 }
 
 fn delivered(
-    r: Result<
-        rdkafka::producer::future_producer::OwnedDeliveryResult,
-        futures::channel::oneshot::Canceled,
-    >,
+    r: Result<rdkafka::producer::future_producer::OwnedDeliveryResult, futures::channel::oneshot::Canceled>,
 ) -> Outcome {
     match r {
         Ok(Ok(d)) => Outcome::Acked {
@@ -161,20 +154,13 @@ pub fn classify(e: &KafkaError) -> Outcome {
         C::UnsupportedForMessageFormat => Outcome::Poison("unsupported_message_format"),
         C::QueueFull => Outcome::Transient("queue_full"),
         C::MessageTimedOut | C::RequestTimedOut => Outcome::Transient("timeout"),
-        C::UnknownTopicOrPartition | C::UnknownTopic | C::UnknownPartition => {
-            Outcome::Transient("unknown_topic")
-        }
-        C::NotEnoughReplicas | C::NotEnoughReplicasAfterAppend => {
-            Outcome::Transient("not_enough_replicas")
-        }
+        C::UnknownTopicOrPartition | C::UnknownTopic | C::UnknownPartition => Outcome::Transient("unknown_topic"),
+        C::NotEnoughReplicas | C::NotEnoughReplicasAfterAppend => Outcome::Transient("not_enough_replicas"),
         C::NotLeaderForPartition | C::LeaderNotAvailable => Outcome::Transient("leader_moved"),
-        C::AllBrokersDown
-        | C::BrokerTransportFailure
-        | C::NetworkException
-        | C::BrokerNotAvailable => Outcome::Transient("broker_unreachable"),
-        C::ClusterAuthorizationFailed | C::SaslAuthenticationFailed => {
-            Outcome::Transient("authentication")
+        C::AllBrokersDown | C::BrokerTransportFailure | C::NetworkException | C::BrokerNotAvailable => {
+            Outcome::Transient("broker_unreachable")
         }
+        C::ClusterAuthorizationFailed | C::SaslAuthenticationFailed => Outcome::Transient("authentication"),
         _ => Outcome::Transient("other"),
     }
 }
@@ -194,17 +180,11 @@ mod tests {
             p(RDKafkaErrorCode::TopicAuthorizationFailed),
             Outcome::Poison("topic_authorization_failed")
         );
-        assert_eq!(
-            p(RDKafkaErrorCode::QueueFull),
-            Outcome::Transient("queue_full")
-        );
+        assert_eq!(p(RDKafkaErrorCode::QueueFull), Outcome::Transient("queue_full"));
         assert_eq!(
             p(RDKafkaErrorCode::AllBrokersDown),
             Outcome::Transient("broker_unreachable")
         );
-        assert_eq!(
-            classify(&KafkaError::Canceled),
-            Outcome::Transient("client")
-        );
+        assert_eq!(classify(&KafkaError::Canceled), Outcome::Transient("client"));
     }
 }

@@ -51,11 +51,7 @@ pub struct Relay {
 }
 
 /// Binds `cfg.listen`, then runs a relay until `shutdown` resolves.
-pub async fn run(
-    cfg: RelayConfig,
-    ferry: Ferry,
-    shutdown: impl Future<Output = ()>,
-) -> Result<(), RelayError> {
+pub async fn run(cfg: RelayConfig, ferry: Ferry, shutdown: impl Future<Output = ()>) -> Result<(), RelayError> {
     let listener = tokio::net::TcpListener::bind(cfg.listen).await?;
     Relay::new(cfg, ferry)?.run(listener, shutdown).await
 }
@@ -75,11 +71,7 @@ impl Relay {
             owner,
             ready: AtomicBool::new(false),
         });
-        Ok(Relay {
-            cfg,
-            state,
-            producer,
-        })
+        Ok(Relay { cfg, state, producer })
     }
 
     /// The shared state (metrics, owner).
@@ -95,27 +87,15 @@ impl Relay {
         listener: tokio::net::TcpListener,
         shutdown: impl Future<Output = ()>,
     ) -> Result<(), RelayError> {
-        let Relay {
-            cfg,
-            state,
-            producer,
-        } = self;
+        let Relay { cfg, state, producer } = self;
         let ferry = state.ferry.clone();
         let owner = state.owner.clone();
         let cfg = Arc::new(cfg);
         let http_stop = CancellationToken::new();
-        let http = tokio::spawn(crate::http::serve(
-            listener,
-            state.clone(),
-            http_stop.clone(),
-        ));
+        let http = tokio::spawn(crate::http::serve(listener, state.clone(), http_stop.clone()));
         let wake = Arc::new(Notify::new());
         let listen_stop = CancellationToken::new();
-        tokio::spawn(listen_for_wakeups(
-            ferry.clone(),
-            wake.clone(),
-            listen_stop.clone(),
-        ));
+        tokio::spawn(listen_for_wakeups(ferry.clone(), wake.clone(), listen_stop.clone()));
 
         let mut held: BTreeMap<i32, LaneTask> = BTreeMap::new();
         let mut tasks = JoinSet::new();
@@ -268,9 +248,7 @@ async fn lane_loop(
                 }
                 Outcome::Poison(code) => {
                     m.publish_errors
-                        .get_or_create(&CodeLabel {
-                            code: (*code).into(),
-                        })
+                        .get_or_create(&CodeLabel { code: (*code).into() })
                         .inc();
                     if cfg.on_poison == OnPoison::Block {
                         tracing::error!(
@@ -299,9 +277,7 @@ async fn lane_loop(
                 Outcome::Transient(code) => {
                     // Resume from the first unacknowledged row; never skip ahead.
                     m.publish_errors
-                        .get_or_create(&CodeLabel {
-                            code: (*code).into(),
-                        })
+                        .get_or_create(&CodeLabel { code: (*code).into() })
                         .inc();
                     stalled = Some((code, row.id));
                     break;

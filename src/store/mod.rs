@@ -292,14 +292,9 @@ impl Queries {
                 let name_end = after.find('\n').unwrap_or(after.len());
                 let name = after[..name_end].trim();
                 let body_and_more = &after[name_end..];
-                let body_end = body_and_more
-                    .find("-- name: ")
-                    .unwrap_or(body_and_more.len());
+                let body_end = body_and_more.find("-- name: ").unwrap_or(body_and_more.len());
                 let body = body_and_more[..body_end].trim();
-                assert!(
-                    by_name.insert(name, body).is_none(),
-                    "duplicate query name {name}"
-                );
+                assert!(by_name.insert(name, body).is_none(), "duplicate query name {name}");
                 rest = &body_and_more[body_end..];
             }
         }
@@ -341,8 +336,6 @@ macro_rules! engine_sql {
 pub const POSTGRES_ONLY: &[&str] = &["complete_batch"];
 
 /// PostgreSQL's named queries.
-pub static POSTGRES: LazyLock<Queries> =
-    LazyLock::new(|| Queries::parse(Engine::Postgres, &engine_sql!("postgres")));
+pub static POSTGRES: LazyLock<Queries> = LazyLock::new(|| Queries::parse(Engine::Postgres, &engine_sql!("postgres")));
 /// SQLite's named queries.
-pub static SQLITE: LazyLock<Queries> =
-    LazyLock::new(|| Queries::parse(Engine::Sqlite, &engine_sql!("sqlite")));
+pub static SQLITE: LazyLock<Queries> = LazyLock::new(|| Queries::parse(Engine::Sqlite, &engine_sql!("sqlite")));

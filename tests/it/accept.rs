@@ -11,12 +11,7 @@ use uuid::Uuid;
 use crate::support::{manual_clock, on_both_engines, Kind, TestDb};
 
 fn charge(key: &str, amount: i64) -> NewRun {
-    NewRun::new(
-        "acme",
-        "charge",
-        key,
-        json!({"amount": amount, "currency": "EUR"}),
-    )
+    NewRun::new("acme", "charge", key, json!({"amount": amount, "currency": "EUR"}))
 }
 
 async fn counts(t: &TestDb) -> [i64; 5] {
@@ -31,15 +26,9 @@ async fn counts(t: &TestDb) -> [i64; 5] {
 
 async fn migration_and_atomic_first_event(kind: Kind) {
     let t = TestDb::new(kind).await;
-    ferry::migrate(t.ferry.db())
-        .await
-        .expect("migrations are idempotent");
+    ferry::migrate(t.ferry.db()).await.expect("migrations are idempotent");
     assert_eq!(counts(&t).await, [0; 5]);
-    let a = t
-        .ferry
-        .create_run_idempotent(charge("k-1", 5))
-        .await
-        .unwrap();
+    let a = t.ferry.create_run_idempotent(charge("k-1", 5)).await.unwrap();
     assert!(!a.replay);
     assert_eq!(a.run.state, RunState::Queued);
     assert_eq!(a.run.last_event_seq, 1);
@@ -51,16 +40,17 @@ async fn migration_and_atomic_first_event(kind: Kind) {
     let events = t.ferry.list_events("acme", a.run.run_id).await.unwrap();
     assert_eq!(events.len(), 1);
     assert_eq!((events[0].seq, events[0].kind.as_str()), (1, "run_queued"));
-    assert_eq!(
-        events[0].body["request"],
-        json!({"amount": 5, "currency": "EUR"})
-    );
+    assert_eq!(events[0].body["request"], json!({"amount": 5, "currency": "EUR"}));
     let key = format!("acme/{}/1", a.run.run_id);
     assert_eq!(
         t.scalar(&format!("SELECT count(*) FROM outbox WHERE effect_key = '{key}' AND topic = 'ferry.run-events' AND state = 'pending'")).await,
         1
     );
-    assert_eq!(t.scalar("SELECT count(*) FROM jobs WHERE state = 'queued' AND attempts = 0 AND max_attempts = 5").await, 1);
+    assert_eq!(
+        t.scalar("SELECT count(*) FROM jobs WHERE state = 'queued' AND attempts = 0 AND max_attempts = 5")
+            .await,
+        1
+    );
     assert_eq!(t.ferry.get_run("acme", a.run.run_id).await.unwrap(), a.run);
 }
 
@@ -84,22 +74,14 @@ async fn duplicate_run_id_rolls_back_the_whole_acceptance(kind: Kind) {
         "nothing of the second acceptance stays, not even its key"
     );
     // The key was not burnt: it accepts normally afterwards.
-    let again = t
-        .ferry
-        .create_run_idempotent(charge("k-2", 7))
-        .await
-        .unwrap();
+    let again = t.ferry.create_run_idempotent(charge("k-2", 7)).await.unwrap();
     assert!(!again.replay);
     assert_ne!(again.run.run_id, id);
 }
 
 async fn projection_and_event_commit_together(kind: Kind) {
     let t = TestDb::new(kind).await;
-    let a = t
-        .ferry
-        .create_run_idempotent(charge("k-1", 5))
-        .await
-        .unwrap();
+    let a = t.ferry.create_run_idempotent(charge("k-1", 5)).await.unwrap();
     let id = a.run.run_id;
     // Inject a failure between the projection update and the event insert:
     // a stray event already occupies the next seq, so the insert fails after
@@ -150,9 +132,7 @@ async fn event_seqs_stay_unique_under_concurrent_appends(kind: Kind) {
         let b = barrier.clone();
         tasks.push(tokio::spawn(async move {
             b.wait().await;
-            f.append_event("acme", id, "progress", &json!({"i": i}))
-                .await
-                .unwrap()
+            f.append_event("acme", id, "progress", &json!({"i": i})).await.unwrap()
         }));
     }
     let mut seqs: Vec<i64> = futures::future::join_all(tasks)
@@ -167,10 +147,7 @@ async fn event_seqs_stay_unique_under_concurrent_appends(kind: Kind) {
         events.iter().map(|e| e.seq).collect::<Vec<_>>(),
         (1..18).collect::<Vec<_>>()
     );
-    assert_eq!(
-        t.ferry.get_run("acme", id).await.unwrap().last_event_seq,
-        17
-    );
+    assert_eq!(t.ferry.get_run("acme", id).await.unwrap().last_event_seq, 17);
 }
 
 async fn no_orphan_events(kind: Kind) {
@@ -188,10 +165,7 @@ async fn no_orphan_events(kind: Kind) {
     let direct = t
         .exec(&format!("INSERT INTO run_events (tenant, run_id, seq, kind, body, created_at) VALUES ('acme', {blob}, 1, 'x', '{{}}', 0)"))
         .await;
-    assert!(
-        direct.is_err(),
-        "the schema refuses an event without its run"
-    );
+    assert!(direct.is_err(), "the schema refuses an event without its run");
     assert_eq!(
         t.scalar("SELECT count(*) FROM run_events e WHERE NOT EXISTS (SELECT 1 FROM runs r WHERE r.tenant = e.tenant AND r.run_id = e.run_id)").await,
         0
@@ -221,16 +195,9 @@ async fn invalid_input_writes_nothing(kind: Kind) {
         assert_eq!(err.code(), "invalid_input", "case {i}: {err}");
     }
     let msg = OutboxMessage::bytes("acme", "bad/topic", "k", vec![1]);
-    assert_eq!(
-        t.ferry.enqueue(&msg).await.unwrap_err().code(),
-        "invalid_input"
-    );
-    let msg =
-        OutboxMessage::bytes("acme", "orders", "k", vec![1]).header("ferry-outbox-id", "spoof");
-    assert_eq!(
-        t.ferry.enqueue(&msg).await.unwrap_err().code(),
-        "invalid_input"
-    );
+    assert_eq!(t.ferry.enqueue(&msg).await.unwrap_err().code(), "invalid_input");
+    let msg = OutboxMessage::bytes("acme", "orders", "k", vec![1]).header("ferry-outbox-id", "spoof");
+    assert_eq!(t.ferry.enqueue(&msg).await.unwrap_err().code(), "invalid_input");
     assert_eq!(counts(&t).await, [0; 5]);
     // The schema refuses impossible states too.
     assert!(
@@ -246,10 +213,7 @@ async fn invalid_input_writes_nothing(kind: Kind) {
         .run_id;
     assert!(t.exec("UPDATE runs SET state = 'bogus'").await.is_err());
     assert!(t.exec("UPDATE jobs SET attempts = -1").await.is_err());
-    assert_eq!(
-        t.ferry.get_run("acme", id).await.unwrap().state,
-        RunState::Queued
-    );
+    assert_eq!(t.ferry.get_run("acme", id).await.unwrap().state, RunState::Queued);
 }
 
 async fn replay_returns_the_first_run_and_writes_nothing(kind: Kind) {
@@ -281,11 +245,7 @@ async fn different_fingerprint_is_a_conflict(kind: Kind) {
     let key = "secret-key-that-must-not-leak";
     let first = t.ferry.create_run_idempotent(charge(key, 5)).await.unwrap();
     let before = counts(&t).await;
-    let err = t
-        .ferry
-        .create_run_idempotent(charge(key, 6))
-        .await
-        .unwrap_err();
+    let err = t.ferry.create_run_idempotent(charge(key, 6)).await.unwrap_err();
     assert_eq!(err.code(), "idempotency_conflict");
     assert!(
         !format!("{err} {err:?}").contains(key),
@@ -305,29 +265,14 @@ async fn different_fingerprint_is_a_conflict(kind: Kind) {
         .unwrap_err();
     assert_eq!(err.code(), "idempotency_conflict");
     // The same key under another operation is another scope.
-    let other_op = NewRun::new(
-        "acme",
-        "refund",
-        key,
-        json!({"amount": 5, "currency": "EUR"}),
-    );
-    assert!(
-        !t.ferry
-            .create_run_idempotent(other_op)
-            .await
-            .unwrap()
-            .replay
-    );
+    let other_op = NewRun::new("acme", "refund", key, json!({"amount": 5, "currency": "EUR"}));
+    assert!(!t.ferry.create_run_idempotent(other_op).await.unwrap().replay);
     assert_eq!(counts(&t).await[0], before[0] + 1);
 }
 
 async fn tenants_are_isolated(kind: Kind) {
     let t = TestDb::new(kind).await;
-    let a = t
-        .ferry
-        .create_run_idempotent(charge("shared-key", 5))
-        .await
-        .unwrap();
+    let a = t.ferry.create_run_idempotent(charge("shared-key", 5)).await.unwrap();
     let other = NewRun::new(
         "globex",
         "charge",
@@ -338,19 +283,10 @@ async fn tenants_are_isolated(kind: Kind) {
     assert!(!b.replay, "another tenant's key is another record");
     assert_ne!(a.run.run_id, b.run.run_id);
     assert_eq!(
-        t.ferry
-            .get_run("globex", a.run.run_id)
-            .await
-            .unwrap_err()
-            .code(),
+        t.ferry.get_run("globex", a.run.run_id).await.unwrap_err().code(),
         "not_found"
     );
-    assert!(t
-        .ferry
-        .list_events("globex", a.run.run_id)
-        .await
-        .unwrap()
-        .is_empty());
+    assert!(t.ferry.list_events("globex", a.run.run_id).await.unwrap().is_empty());
     assert_eq!(
         t.ferry
             .append_event("globex", a.run.run_id, "note", &json!({}))
@@ -418,19 +354,11 @@ async fn acceptance_inside_the_callers_transaction(kind: Kind) {
     assert_eq!(t.scalar("SELECT count(*) FROM orders").await, 1);
     let lane = ferry::outbox::lane_for("o-1", t.ferry.lanes());
     assert_eq!(
-        t.scalar(&format!(
-            "SELECT CAST(lane AS BIGINT) FROM outbox WHERE id = {id}"
-        ))
-        .await,
+        t.scalar(&format!("SELECT CAST(lane AS BIGINT) FROM outbox WHERE id = {id}"))
+            .await,
         i64::from(lane)
     );
-    assert!(
-        t.ferry
-            .create_run_idempotent(charge("k-1", 5))
-            .await
-            .unwrap()
-            .replay
-    );
+    assert!(t.ferry.create_run_idempotent(charge("k-1", 5)).await.unwrap().replay);
     assert_eq!(
         t.ferry.get_run("acme", a.run.run_id).await.unwrap().run_id,
         a.run.run_id
@@ -453,11 +381,7 @@ async fn expired_keys_are_swept_in_batches(kind: Kind) {
     );
     clock.advance(Duration::from_secs(24 * 3600)).unwrap();
     // An expired record is taken over by a new request rather than replayed.
-    let fresh = t
-        .ferry
-        .create_run_idempotent(charge("k-0", 99))
-        .await
-        .unwrap();
+    let fresh = t.ferry.create_run_idempotent(charge("k-0", 99)).await.unwrap();
     assert!(!fresh.replay);
     let swept: Vec<u64> = {
         let mut v = Vec::new();
@@ -549,14 +473,8 @@ async fn postgres_racing_connections_share_one_run() {
             .into_iter()
             .map(|r| r.unwrap())
             .collect();
-        assert_eq!(
-            results.iter().filter(|a| !a.replay).count(),
-            1,
-            "exactly one winner"
-        );
-        assert!(results
-            .iter()
-            .all(|a| a.run.run_id == results[0].run.run_id));
+        assert_eq!(results.iter().filter(|a| !a.replay).count(), 1, "exactly one winner");
+        assert!(results.iter().all(|a| a.run.run_id == results[0].run.run_id));
     }
     assert_eq!(counts(&t).await, [5, 5, 5, 5, 5]);
 }

@@ -20,7 +20,8 @@ fn job(key: &str) -> NewRun {
 }
 
 async fn terminal_events(t: &TestDb) -> Vec<String> {
-    let sql = "SELECT kind FROM run_events WHERE kind IN ('run_succeeded', 'run_failed', 'run_cancelled') ORDER BY kind";
+    let sql =
+        "SELECT kind FROM run_events WHERE kind IN ('run_succeeded', 'run_failed', 'run_cancelled') ORDER BY kind";
     match t.ferry.db() {
         ferry::Db::Postgres(p) => sqlx::query_scalar(sql).fetch_all(p).await.unwrap(),
         ferry::Db::Sqlite(p) => sqlx::query_scalar(sql).fetch_all(p).await.unwrap(),
@@ -63,27 +64,18 @@ async fn expired_lease_recovery_and_stale_fencing(kind: Kind) {
     let mut rng = StdRng::seed_from_u64(1);
     let errs = [
         t.ferry.renew(&a.lease, LEASE).await.unwrap_err(),
-        t.ferry
-            .complete(&a.lease, &json!({"by": "a"}))
-            .await
-            .unwrap_err(),
+        t.ferry.complete(&a.lease, &json!({"by": "a"})).await.unwrap_err(),
         t.ferry
             .fail(&a.lease, &JobError::retryable("timeout"), &policy, &mut rng)
             .await
             .unwrap_err(),
-        t.ferry
-            .reserve_effect(&a.lease, "pay", "psp.charge")
-            .await
-            .unwrap_err(),
+        t.ferry.reserve_effect(&a.lease, "pay", "psp.charge").await.unwrap_err(),
         t.ferry.release(&a.lease).await.unwrap_err(),
     ];
     for e in &errs {
         assert_eq!(e.code(), "lost_lease", "{e}");
     }
-    t.ferry
-        .complete(&b.lease, &json!({"by": "b"}))
-        .await
-        .unwrap();
+    t.ferry.complete(&b.lease, &json!({"by": "b"})).await.unwrap();
     assert_eq!(
         t.ferry
             .complete(&a.lease, &json!({"by": "a"}))
@@ -115,30 +107,17 @@ async fn renewal_extends_only_a_live_lease(kind: Kind) {
     let clock = manual_clock();
     let t = TestDb::with_clock(kind, clock.clone()).await;
     t.ferry.create_run_idempotent(job("k")).await.unwrap();
-    let c = t
-        .ferry
-        .claim("payments", "w", LEASE, 1)
-        .await
-        .unwrap()
-        .pop()
-        .unwrap();
+    let c = t.ferry.claim("payments", "w", LEASE, 1).await.unwrap().pop().unwrap();
     assert_eq!(c.lease_expires_at, T0 + 30_000);
     clock.advance(Duration::from_secs(20)).unwrap();
     assert_eq!(t.ferry.renew(&c.lease, LEASE).await.unwrap(), T0 + 50_000);
     clock.advance(Duration::from_secs(29)).unwrap();
     assert!(
-        t.ferry
-            .claim("payments", "other", LEASE, 1)
-            .await
-            .unwrap()
-            .is_empty(),
+        t.ferry.claim("payments", "other", LEASE, 1).await.unwrap().is_empty(),
         "the renewed lease still holds"
     );
     clock.advance(Duration::from_secs(2)).unwrap();
-    assert_eq!(
-        t.ferry.renew(&c.lease, LEASE).await.unwrap_err().code(),
-        "lost_lease"
-    );
+    assert_eq!(t.ferry.renew(&c.lease, LEASE).await.unwrap_err().code(), "lost_lease");
 
     // A deadline caps renewals, and past it the job is terminalized.
     t.ferry
@@ -166,11 +145,7 @@ async fn renewal_extends_only_a_live_lease(kind: Kind) {
         .iter()
         .all(|x| x.lease.run_id != d.lease.run_id));
     assert!(t.ferry.reap_exhausted("payments", 10).await.unwrap() >= 1);
-    let dead = t
-        .ferry
-        .list_dead("acme", Some("deadline_exceeded"), 10)
-        .await
-        .unwrap();
+    let dead = t.ferry.list_dead("acme", Some("deadline_exceeded"), 10).await.unwrap();
     assert_eq!(dead.len(), 1);
     assert_eq!(
         t.ferry.get_run("acme", d.lease.run_id).await.unwrap().state,
@@ -197,12 +172,7 @@ async fn retry_schedule_is_exact_and_the_budget_terminalizes(kind: Kind) {
         assert_eq!(c.attempt as u32, attempt);
         let out = t
             .ferry
-            .fail(
-                &c.lease,
-                &JobError::retryable("psp_timeout"),
-                &policy,
-                &mut rng,
-            )
+            .fail(&c.lease, &JobError::retryable("psp_timeout"), &policy, &mut rng)
             .await
             .unwrap();
         if attempt < 3 {
@@ -216,11 +186,7 @@ async fn retry_schedule_is_exact_and_the_budget_terminalizes(kind: Kind) {
             );
             clock.advance(delay - Duration::from_millis(1)).unwrap();
             assert!(
-                t.ferry
-                    .claim("payments", "w", LEASE, 1)
-                    .await
-                    .unwrap()
-                    .is_empty(),
+                t.ferry.claim("payments", "w", LEASE, 1).await.unwrap().is_empty(),
                 "not before its time"
             );
             clock.advance(Duration::from_millis(1)).unwrap();
@@ -239,13 +205,7 @@ async fn retry_schedule_is_exact_and_the_budget_terminalizes(kind: Kind) {
         t.ferry.get_run("acme", run.run_id).await.unwrap().state,
         RunState::Failed
     );
-    let last = t
-        .ferry
-        .list_events("acme", run.run_id)
-        .await
-        .unwrap()
-        .pop()
-        .unwrap();
+    let last = t.ferry.list_events("acme", run.run_id).await.unwrap().pop().unwrap();
     assert_eq!(last.kind, "run_failed");
     assert_eq!(last.body["error_code"], "psp_timeout");
     let outcomes: Vec<_> = t
@@ -269,21 +229,10 @@ async fn retry_schedule_is_exact_and_the_budget_terminalizes(kind: Kind) {
 
     // Terminal errors go dead at once; Retry-After is honoured.
     let run2 = t.ferry.create_run_idempotent(job("k2")).await.unwrap().run;
-    let c = t
-        .ferry
-        .claim("payments", "w", LEASE, 1)
-        .await
-        .unwrap()
-        .pop()
-        .unwrap();
+    let c = t.ferry.claim("payments", "w", LEASE, 1).await.unwrap().pop().unwrap();
     let out = t
         .ferry
-        .fail(
-            &c.lease,
-            &JobError::terminal("card_declined"),
-            &policy,
-            &mut rng,
-        )
+        .fail(&c.lease, &JobError::terminal("card_declined"), &policy, &mut rng)
         .await
         .unwrap();
     assert_eq!(
@@ -297,20 +246,9 @@ async fn retry_schedule_is_exact_and_the_budget_terminalizes(kind: Kind) {
         RunState::Failed
     );
     t.ferry.create_run_idempotent(job("k3")).await.unwrap();
-    let c = t
-        .ferry
-        .claim("payments", "w", LEASE, 1)
-        .await
-        .unwrap()
-        .pop()
-        .unwrap();
+    let c = t.ferry.claim("payments", "w", LEASE, 1).await.unwrap().pop().unwrap();
     let hint = JobError::retryable("rate_limited").retry_after(Duration::from_secs(600));
-    match t
-        .ferry
-        .fail(&c.lease, &hint, &policy, &mut rng)
-        .await
-        .unwrap()
-    {
+    match t.ferry.fail(&c.lease, &hint, &policy, &mut rng).await.unwrap() {
         FailOutcome::Retried { available_at } => assert!(available_at >= c.claimed_at + 600_000),
         other => panic!("unexpected {other:?}"),
     }
@@ -321,13 +259,7 @@ async fn cancel_versus_complete_in_both_orders(kind: Kind) {
     let t = TestDb::with_clock(kind, manual_clock()).await;
     // Cancel first: the completion loses and is told the run is cancelled.
     let r1 = t.ferry.create_run_idempotent(job("c1")).await.unwrap().run;
-    let c = t
-        .ferry
-        .claim("payments", "w", LEASE, 1)
-        .await
-        .unwrap()
-        .pop()
-        .unwrap();
+    let c = t.ferry.claim("payments", "w", LEASE, 1).await.unwrap().pop().unwrap();
     t.ferry
         .cancel("acme", r1.run_id, Some(1), "ops@example", "customer asked")
         .await
@@ -341,30 +273,15 @@ async fn cancel_versus_complete_in_both_orders(kind: Kind) {
         "cancelled",
         "renew reports cancellation"
     );
-    let last = t
-        .ferry
-        .list_events("acme", r1.run_id)
-        .await
-        .unwrap()
-        .pop()
-        .unwrap();
+    let last = t.ferry.list_events("acme", r1.run_id).await.unwrap().pop().unwrap();
     assert_eq!(
         (last.kind.as_str(), last.body["actor"].as_str()),
         ("run_cancelled", Some("ops@example"))
     );
     // Complete first: the cancel loses and is told the run succeeded.
     let r2 = t.ferry.create_run_idempotent(job("c2")).await.unwrap().run;
-    let c = t
-        .ferry
-        .claim("payments", "w", LEASE, 1)
-        .await
-        .unwrap()
-        .pop()
-        .unwrap();
-    t.ferry
-        .complete(&c.lease, &json!({"ok": true}))
-        .await
-        .unwrap();
+    let c = t.ferry.claim("payments", "w", LEASE, 1).await.unwrap().pop().unwrap();
+    t.ferry.complete(&c.lease, &json!({"ok": true})).await.unwrap();
     match t
         .ferry
         .cancel("acme", r2.run_id, None, "ops", "late")
@@ -374,10 +291,7 @@ async fn cancel_versus_complete_in_both_orders(kind: Kind) {
         Error::RunTerminal { state, .. } => assert_eq!(state, "succeeded"),
         other => panic!("unexpected {other:?}"),
     }
-    assert_eq!(
-        terminal_events(&t).await,
-        vec!["run_cancelled", "run_succeeded"]
-    );
+    assert_eq!(terminal_events(&t).await, vec!["run_cancelled", "run_succeeded"]);
     // A queued job cancelled is never claimable; a stale version is refused.
     let r3 = t.ferry.create_run_idempotent(job("c3")).await.unwrap().run;
     assert_eq!(
@@ -388,16 +302,8 @@ async fn cancel_versus_complete_in_both_orders(kind: Kind) {
             .code(),
         "invalid_state"
     );
-    t.ferry
-        .cancel("acme", r3.run_id, Some(1), "ops", "fine")
-        .await
-        .unwrap();
-    assert!(t
-        .ferry
-        .claim("payments", "w", LEASE, 10)
-        .await
-        .unwrap()
-        .is_empty());
+    t.ferry.cancel("acme", r3.run_id, Some(1), "ops", "fine").await.unwrap();
+    assert!(t.ferry.claim("payments", "w", LEASE, 10).await.unwrap().is_empty());
     // Racing: exactly one winner.
     for i in 0..5 {
         let run = t
@@ -406,13 +312,7 @@ async fn cancel_versus_complete_in_both_orders(kind: Kind) {
             .await
             .unwrap()
             .run;
-        let c = t
-            .ferry
-            .claim("payments", "w", LEASE, 1)
-            .await
-            .unwrap()
-            .pop()
-            .unwrap();
+        let c = t.ferry.claim("payments", "w", LEASE, 1).await.unwrap().pop().unwrap();
         let (f1, f2) = (t.ferry.clone(), t.ferry.clone());
         let barrier = std::sync::Arc::new(tokio::sync::Barrier::new(2));
         let (b1, b2) = (barrier.clone(), barrier);
@@ -439,11 +339,7 @@ async fn cancel_versus_complete_in_both_orders(kind: Kind) {
             .into_iter()
             .map(|e| e.kind)
             .collect();
-        assert_eq!(
-            kinds.len(),
-            2,
-            "run_queued and one terminal event: {kinds:?}"
-        );
+        assert_eq!(kinds.len(), 2, "run_queued and one terminal event: {kinds:?}");
     }
 }
 
@@ -458,25 +354,13 @@ async fn effect_ledger(kind: Kind) {
     let mut rng = StdRng::seed_from_u64(3);
     // Reserve, then success; later reservations see it done.
     t.ferry.create_run_idempotent(job("e1")).await.unwrap();
-    let c = t
-        .ferry
-        .claim("payments", "w", LEASE, 1)
-        .await
-        .unwrap()
-        .pop()
-        .unwrap();
+    let c = t.ferry.claim("payments", "w", LEASE, 1).await.unwrap().pop().unwrap();
     assert!(matches!(
-        t.ferry
-            .reserve_effect(&c.lease, "pay", "psp.charge")
-            .await
-            .unwrap(),
+        t.ferry.reserve_effect(&c.lease, "pay", "psp.charge").await.unwrap(),
         Reservation::Proceed(_)
     ));
     assert!(matches!(
-        t.ferry
-            .reserve_effect(&c.lease, "pay", "psp.charge")
-            .await
-            .unwrap(),
+        t.ferry.reserve_effect(&c.lease, "pay", "psp.charge").await.unwrap(),
         Reservation::Proceed(_)
     ));
     let rec = t
@@ -485,12 +369,7 @@ async fn effect_ledger(kind: Kind) {
         .await
         .unwrap();
     assert_eq!(rec.provider_ref.as_deref(), Some("ch_123"));
-    match t
-        .ferry
-        .reserve_effect(&c.lease, "pay", "psp.charge")
-        .await
-        .unwrap()
-    {
+    match t.ferry.reserve_effect(&c.lease, "pay", "psp.charge").await.unwrap() {
         Reservation::AlreadyDone(r) => assert_eq!(r.provider_ref.as_deref(), Some("ch_123")),
         other => panic!("unexpected {other:?}"),
     }
@@ -498,28 +377,14 @@ async fn effect_ledger(kind: Kind) {
 
     // Ambiguous outcome: the effect becomes unknown and must be reconciled.
     let r2 = t.ferry.create_run_idempotent(job("e2")).await.unwrap().run;
-    let c = t
-        .ferry
-        .claim("payments", "w", LEASE, 1)
-        .await
-        .unwrap()
-        .pop()
-        .unwrap();
+    let c = t.ferry.claim("payments", "w", LEASE, 1).await.unwrap().pop().unwrap();
     assert!(matches!(
-        t.ferry
-            .reserve_effect(&c.lease, "pay", "psp.charge")
-            .await
-            .unwrap(),
+        t.ferry.reserve_effect(&c.lease, "pay", "psp.charge").await.unwrap(),
         Reservation::Proceed(_)
     ));
     let out = t
         .ferry
-        .fail(
-            &c.lease,
-            &JobError::ambiguous("psp_timeout"),
-            &policy,
-            &mut rng,
-        )
+        .fail(&c.lease, &JobError::ambiguous("psp_timeout"), &policy, &mut rng)
         .await
         .unwrap();
     assert!(matches!(out, FailOutcome::Retried { .. }));
@@ -535,19 +400,8 @@ async fn effect_ledger(kind: Kind) {
         "Unknown"
     );
     clock.advance(Duration::from_secs(2)).unwrap();
-    let c2 = t
-        .ferry
-        .claim("payments", "w", LEASE, 1)
-        .await
-        .unwrap()
-        .pop()
-        .unwrap();
-    match t
-        .ferry
-        .reserve_effect(&c2.lease, "pay", "psp.charge")
-        .await
-        .unwrap()
-    {
+    let c2 = t.ferry.claim("payments", "w", LEASE, 1).await.unwrap().pop().unwrap();
+    match t.ferry.reserve_effect(&c2.lease, "pay", "psp.charge").await.unwrap() {
         Reservation::NeedsReconcile(r) => assert_eq!(r.generation, 1),
         other => panic!("must reconcile first, got {other:?}"),
     }
@@ -568,10 +422,7 @@ async fn effect_ledger(kind: Kind) {
     );
     // A reconcile that finds nothing happened lets the step run under the new generation.
     assert!(matches!(
-        t.ferry
-            .reserve_effect(&c2.lease, "ship", "wms.ship")
-            .await
-            .unwrap(),
+        t.ferry.reserve_effect(&c2.lease, "ship", "wms.ship").await.unwrap(),
         Reservation::Proceed(_)
     ));
     t.ferry
@@ -584,10 +435,7 @@ async fn effect_ledger(kind: Kind) {
         .await
         .unwrap()
     {
-        Reservation::Proceed(r) => assert_eq!(
-            (format!("{:?}", r.state), r.generation),
-            ("Reserved".into(), 2)
-        ),
+        Reservation::Proceed(r) => assert_eq!((format!("{:?}", r.state), r.generation), ("Reserved".into(), 2)),
         other => panic!("unexpected {other:?}"),
     }
 
@@ -595,26 +443,11 @@ async fn effect_ledger(kind: Kind) {
 
     // A stale generation can write nothing.
     let r3 = t.ferry.create_run_idempotent(job("e3")).await.unwrap().run;
-    let a = t
-        .ferry
-        .claim("payments", "a", LEASE, 1)
-        .await
-        .unwrap()
-        .pop()
-        .unwrap();
+    let a = t.ferry.claim("payments", "a", LEASE, 1).await.unwrap().pop().unwrap();
     assert_eq!(a.lease.run_id, r3.run_id);
-    t.ferry
-        .reserve_effect(&a.lease, "pay", "psp.charge")
-        .await
-        .unwrap();
+    t.ferry.reserve_effect(&a.lease, "pay", "psp.charge").await.unwrap();
     clock.advance(LEASE * 2).unwrap();
-    let b = t
-        .ferry
-        .claim("payments", "b", LEASE, 1)
-        .await
-        .unwrap()
-        .pop()
-        .unwrap();
+    let b = t.ferry.claim("payments", "b", LEASE, 1).await.unwrap().pop().unwrap();
     assert_eq!(b.lease.run_id, r3.run_id);
     for e in [
         t.ferry
@@ -643,10 +476,7 @@ async fn effect_ledger(kind: Kind) {
         "the stale worker changed nothing"
     );
     assert!(matches!(
-        t.ferry
-            .reserve_effect(&b.lease, "pay", "psp.charge")
-            .await
-            .unwrap(),
+        t.ferry.reserve_effect(&b.lease, "pay", "psp.charge").await.unwrap(),
         Reservation::NeedsReconcile(_)
     ));
 }
@@ -654,13 +484,7 @@ async fn effect_ledger(kind: Kind) {
 async fn dead_jobs_are_listed_and_replayed_once(kind: Kind) {
     let t = TestDb::with_clock(kind, manual_clock()).await;
     let run = t.ferry.create_run_idempotent(job("d1")).await.unwrap().run;
-    let c = t
-        .ferry
-        .claim("payments", "w", LEASE, 1)
-        .await
-        .unwrap()
-        .pop()
-        .unwrap();
+    let c = t.ferry.claim("payments", "w", LEASE, 1).await.unwrap().pop().unwrap();
     let mut rng = StdRng::seed_from_u64(0);
     t.ferry
         .fail(
@@ -677,11 +501,7 @@ async fn dead_jobs_are_listed_and_replayed_once(kind: Kind) {
         .await
         .unwrap()
         .is_empty());
-    let dead = t
-        .ferry
-        .list_dead("acme", Some("card_declined"), 10)
-        .await
-        .unwrap();
+    let dead = t.ferry.list_dead("acme", Some("card_declined"), 10).await.unwrap();
     assert_eq!(dead.len(), 1);
     assert_eq!(dead[0].history.len(), 1);
     assert_eq!(dead[0].history[0].error_class.as_deref(), Some("terminal"));
@@ -694,24 +514,14 @@ async fn dead_jobs_are_listed_and_replayed_once(kind: Kind) {
     assert_ne!(replay.run.run_id, run.run_id, "a new run");
     assert_eq!(replay.run.replay_of, Some(run.run_id));
     assert_eq!(replay.run.operation, "charge.replay");
-    let audit = t
-        .ferry
-        .list_events("acme", run.run_id)
-        .await
-        .unwrap()
-        .pop()
-        .unwrap();
+    let audit = t.ferry.list_events("acme", run.run_id).await.unwrap().pop().unwrap();
     assert_eq!(
         (
             audit.kind.as_str(),
             audit.body["actor"].as_str(),
             audit.body["reason"].as_str()
         ),
-        (
-            "replay_requested",
-            Some("ops@example"),
-            Some("card updated")
-        )
+        ("replay_requested", Some("ops@example"), Some("card updated"))
     );
     let again = t
         .ferry
@@ -742,10 +552,7 @@ async fn attempt_history_is_bounded_by_retention(kind: Kind) {
     let clock = manual_clock();
     let t = TestDb::with_clock(kind, clock.clone()).await;
     for i in 0..3 {
-        t.ferry
-            .create_run_idempotent(job(&format!("h{i}")))
-            .await
-            .unwrap();
+        t.ferry.create_run_idempotent(job(&format!("h{i}"))).await.unwrap();
     }
     for c in t.ferry.claim("payments", "w", LEASE, 10).await.unwrap() {
         t.ferry.complete(&c.lease, &json!({})).await.unwrap();
@@ -761,10 +568,7 @@ async fn batch_completion_fences_each_lease(kind: Kind) {
     let clock = manual_clock();
     let t = TestDb::with_clock(kind, clock.clone()).await;
     for i in 0..4 {
-        t.ferry
-            .create_run_idempotent(job(&format!("b{i}")))
-            .await
-            .unwrap();
+        t.ferry.create_run_idempotent(job(&format!("b{i}"))).await.unwrap();
     }
     let mut claimed = t.ferry.claim("payments", "w", LEASE, 10).await.unwrap();
     assert_eq!(claimed.len(), 4);
@@ -779,52 +583,28 @@ async fn batch_completion_fences_each_lease(kind: Kind) {
         .map(|c| (c.lease.clone(), json!({"run": c.lease.run_id})))
         .collect();
     let results = t.ferry.complete_batch(&items).await.unwrap();
-    let codes: Vec<_> = results
-        .iter()
-        .map(|r| r.as_ref().err().map(|e| e.code()))
-        .collect();
-    assert_eq!(
-        codes,
-        [None, Some("run_terminal"), Some("lost_lease"), None]
-    );
+    let codes: Vec<_> = results.iter().map(|r| r.as_ref().err().map(|e| e.code())).collect();
+    assert_eq!(codes, [None, Some("run_terminal"), Some("lost_lease"), None]);
     assert_eq!(
         terminal_events(&t).await,
         vec!["run_cancelled", "run_succeeded", "run_succeeded"]
     );
     for c in [&claimed[0], &claimed[3]] {
         let id = c.lease.run_id;
-        assert_eq!(
-            t.ferry.get_run("acme", id).await.unwrap().state,
-            RunState::Succeeded
-        );
-        let last = t
-            .ferry
-            .list_events("acme", id)
-            .await
-            .unwrap()
-            .pop()
-            .unwrap();
+        assert_eq!(t.ferry.get_run("acme", id).await.unwrap().state, RunState::Succeeded);
+        let last = t.ferry.list_events("acme", id).await.unwrap().pop().unwrap();
         assert_eq!(last.body, json!({"result": {"run": id}}));
         assert_eq!(
-            t.ferry.list_attempts("acme", id).await.unwrap()[0]
-                .outcome
-                .as_deref(),
+            t.ferry.list_attempts("acme", id).await.unwrap()[0].outcome.as_deref(),
             Some("succeeded")
         );
         let lane = ferry::outbox::lane_for(&id.to_string(), t.ferry.lanes());
-        let sql = format!("SELECT count(*) FROM outbox WHERE effect_key = 'acme/{id}/2' AND key = '{id}' AND lane = {lane}");
-        assert_eq!(
-            t.scalar(&sql).await,
-            1,
-            "the event's outbox row, on the run's lane"
-        );
+        let sql =
+            format!("SELECT count(*) FROM outbox WHERE effect_key = 'acme/{id}/2' AND key = '{id}' AND lane = {lane}");
+        assert_eq!(t.scalar(&sql).await, 1, "the event's outbox row, on the run's lane");
     }
     assert_eq!(
-        t.ferry
-            .get_run("acme", claimed[2].lease.run_id)
-            .await
-            .unwrap()
-            .state,
+        t.ferry.get_run("acme", claimed[2].lease.run_id).await.unwrap().state,
         RunState::Queued
     );
 }

@@ -26,8 +26,7 @@ async fn accept_many(ferry: &Ferry, n: usize, queue: &str) {
         let queue = queue.to_owned();
         tokio::spawn(async move {
             for i in chunk {
-                let run =
-                    NewRun::new("acme", "work", format!("k-{i}"), json!({"i": i})).queue(&queue);
+                let run = NewRun::new("acme", "work", format!("k-{i}"), json!({"i": i})).queue(&queue);
                 f.create_run_idempotent(run).await.unwrap();
             }
         })
@@ -45,10 +44,7 @@ async fn concurrent_claimers_never_share_a_job() {
     let claimer = |f: Ferry, name: &'static str| async move {
         let mut got = Vec::new();
         loop {
-            let batch = f
-                .claim("q", name, Duration::from_secs(60), 7)
-                .await
-                .unwrap();
+            let batch = f.claim("q", name, Duration::from_secs(60), 7).await.unwrap();
             if batch.is_empty() {
                 return got;
             }
@@ -82,20 +78,16 @@ async fn eight_workers_complete_five_thousand_jobs_exactly_once() {
             owner: format!("soak-{w}"),
             ..WorkerConfig::default()
         };
-        let worker = Worker::new(
-            t.ferry.clone(),
-            config,
-            move |job: Claimed, _ctx: JobContext| {
-                let calls = calls.clone();
-                let done_tx = done_tx.clone();
-                async move {
-                    if calls.fetch_add(1, Ordering::SeqCst) + 1 == N {
-                        let _ = done_tx.try_send(());
-                    }
-                    Ok(json!({"i": job.request["i"]}))
+        let worker = Worker::new(t.ferry.clone(), config, move |job: Claimed, _ctx: JobContext| {
+            let calls = calls.clone();
+            let done_tx = done_tx.clone();
+            async move {
+                if calls.fetch_add(1, Ordering::SeqCst) + 1 == N {
+                    let _ = done_tx.try_send(());
                 }
-            },
-        );
+                Ok(json!({"i": job.request["i"]}))
+            }
+        });
         let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
         stops.push(stop_tx);
         running.push(tokio::spawn(worker.run(async move {
@@ -111,13 +103,11 @@ async fn eight_workers_complete_five_thousand_jobs_exactly_once() {
     }
     assert_eq!(calls.load(Ordering::SeqCst), N, "every handler ran once");
     assert_eq!(
-        t.scalar("SELECT count(*) FROM jobs WHERE state = 'succeeded'")
-            .await,
+        t.scalar("SELECT count(*) FROM jobs WHERE state = 'succeeded'").await,
         N as i64
     );
     assert_eq!(
-        t.scalar("SELECT count(*) FROM jobs WHERE state = 'leased'")
-            .await,
+        t.scalar("SELECT count(*) FROM jobs WHERE state = 'leased'").await,
         0,
         "nothing left leased"
     );
@@ -137,9 +127,7 @@ async fn eight_workers_complete_five_thousand_jobs_exactly_once() {
         N as i64
     );
     assert!(
-        t.scalar("SELECT count(DISTINCT worker) FROM job_attempts")
-            .await
-            >= 2,
+        t.scalar("SELECT count(DISTINCT worker) FROM job_attempts").await >= 2,
         "the work was shared"
     );
 }
@@ -192,10 +180,7 @@ async fn a_sigkilled_worker_loses_nothing() {
         .pop()
         .expect("recovered after expiry");
     assert_eq!((c.lease.run_id, c.lease.generation, c.attempt), (id, 2, 2));
-    later
-        .complete(&c.lease, &json!({"by": "rescuer"}))
-        .await
-        .unwrap();
+    later.complete(&c.lease, &json!({"by": "rescuer"})).await.unwrap();
     let attempts = t.ferry.list_attempts("acme", id).await.unwrap();
     assert_eq!(attempts[0].outcome.as_deref(), Some("lost"));
     assert_eq!(attempts[1].outcome.as_deref(), Some("succeeded"));
@@ -217,11 +202,7 @@ async fn a_worker_survives_pg_terminate_backend() {
     accept_many(&t.ferry, N, "term").await;
     let app = format!("ferry-term-{}", std::process::id());
     let url = format!("{}&application_name={app}", t.url);
-    let worker_ferry = Ferry::builder(&url)
-        .max_connections(4)
-        .connect()
-        .await
-        .unwrap();
+    let worker_ferry = Ferry::builder(&url).max_connections(4).connect().await.unwrap();
     let calls = Arc::new(AtomicUsize::new(0));
     let (half_tx, mut half_rx) = mpsc::channel::<()>(1);
     let (go_tx, go_rx) = tokio::sync::watch::channel(false);
@@ -235,29 +216,25 @@ async fn a_worker_survives_pg_terminate_backend() {
         ..WorkerConfig::default()
     };
     let c2 = calls.clone();
-    let worker = Worker::new(
-        worker_ferry,
-        config,
-        move |_job: Claimed, _ctx: JobContext| {
-            let calls = c2.clone();
-            let (half_tx, done_tx) = (half_tx.clone(), done_tx.clone());
-            let mut go = go_rx.clone();
-            async move {
-                let n = calls.fetch_add(1, Ordering::SeqCst) + 1;
-                if n == N / 2 {
-                    let _ = half_tx.try_send(());
-                }
-                if n >= N / 2 {
-                    // Hold the second half until the backends have been killed.
-                    let _ = go.wait_for(|v| *v).await;
-                }
-                if n >= N {
-                    let _ = done_tx.try_send(());
-                }
-                Ok(json!({}))
+    let worker = Worker::new(worker_ferry, config, move |_job: Claimed, _ctx: JobContext| {
+        let calls = c2.clone();
+        let (half_tx, done_tx) = (half_tx.clone(), done_tx.clone());
+        let mut go = go_rx.clone();
+        async move {
+            let n = calls.fetch_add(1, Ordering::SeqCst) + 1;
+            if n == N / 2 {
+                let _ = half_tx.try_send(());
             }
-        },
-    );
+            if n >= N / 2 {
+                // Hold the second half until the backends have been killed.
+                let _ = go.wait_for(|v| *v).await;
+            }
+            if n >= N {
+                let _ = done_tx.try_send(());
+            }
+            Ok(json!({}))
+        }
+    });
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
     let running = tokio::spawn(worker.run(async move {
         let _ = stop_rx.await;
@@ -283,14 +260,9 @@ async fn a_worker_survives_pg_terminate_backend() {
         N as i64
     );
     assert_eq!(
-        t.scalar("SELECT count(*) FROM jobs WHERE state <> 'succeeded'")
-            .await,
+        t.scalar("SELECT count(*) FROM jobs WHERE state <> 'succeeded'").await,
         0,
         "nothing lost"
     );
-    assert_eq!(
-        calls.load(Ordering::SeqCst),
-        N,
-        "no job needed a second attempt"
-    );
+    assert_eq!(calls.load(Ordering::SeqCst), N, "no job needed a second attempt");
 }

@@ -81,8 +81,7 @@ async fn worker_completes_and_retries(kind: Kind) {
         assert_eq!(attempts.len(), if i % 3 == 0 { 2 } else { 1 });
     }
     assert_eq!(
-        t.scalar("SELECT count(*) FROM jobs WHERE state <> 'succeeded'")
-            .await,
+        t.scalar("SELECT count(*) FROM jobs WHERE state <> 'succeeded'").await,
         0
     );
 }
@@ -104,19 +103,15 @@ async fn lost_lease_and_cancellation_stop_the_handler(kind: Kind) {
     cfg.renew_every = Some(Duration::from_millis(10));
     cfg.concurrency = 1;
     cfg.batch = 1;
-    let worker = Worker::new(
-        t.ferry.clone(),
-        cfg,
-        move |_job: Claimed, _ctx: JobContext| {
-            let tx = tx.clone();
-            async move {
-                let _guard = DropSignal(tx.clone());
-                let _ = tx.send("started");
-                std::future::pending::<()>().await;
-                Ok(json!({}))
-            }
-        },
-    );
+    let worker = Worker::new(t.ferry.clone(), cfg, move |_job: Claimed, _ctx: JobContext| {
+        let tx = tx.clone();
+        async move {
+            let _guard = DropSignal(tx.clone());
+            let _ = tx.send("started");
+            std::future::pending::<()>().await;
+            Ok(json!({}))
+        }
+    });
     let stats = worker.stats();
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
     let running = tokio::spawn(worker.run(async move {
@@ -138,19 +133,13 @@ async fn lost_lease_and_cancellation_stop_the_handler(kind: Kind) {
         Some("dropped"),
         "the stale handler is cancelled at its next renew"
     );
-    t.ferry
-        .complete(&thief.lease, &json!({"by": "thief"}))
-        .await
-        .unwrap();
+    t.ferry.complete(&thief.lease, &json!({"by": "thief"})).await.unwrap();
 
     // Cancellation reaches a running handler through renew.
     let run = NewRun::new("acme", "work", "k-cancel", json!({"i": 99})).queue("q");
     let id = t.ferry.create_run_idempotent(run).await.unwrap().run.run_id;
     assert_eq!(rx.recv().await, Some("started"));
-    t.ferry
-        .cancel("acme", id, None, "ops", "stop it")
-        .await
-        .unwrap();
+    t.ferry.cancel("acme", id, None, "ops", "stop it").await.unwrap();
     assert_eq!(rx.recv().await, Some("dropped"));
     stop_tx.send(()).unwrap();
     running.await.unwrap().unwrap();
@@ -173,25 +162,21 @@ async fn shutdown_releases_only_owned_jobs(kind: Kind) {
     let (tx, mut rx) = mpsc::unbounded_channel::<bool>();
     let mut cfg = fast_config("shy");
     cfg.grace = Duration::from_millis(200);
-    let worker = Worker::new(
-        t.ferry.clone(),
-        cfg,
-        move |job: Claimed, ctx: JobContext| {
-            let tx = tx.clone();
-            async move {
-                let polite = job.request["i"] == 0;
-                let _ = tx.send(polite);
-                if polite {
-                    // Observes the shutdown signal and gives up cleanly.
-                    ctx.cancellation().cancelled().await;
-                    return Err(JobError::retryable("shutting_down"));
-                }
-                // Ignores it: released after the grace period.
-                std::future::pending::<()>().await;
-                Ok(json!({}))
+    let worker = Worker::new(t.ferry.clone(), cfg, move |job: Claimed, ctx: JobContext| {
+        let tx = tx.clone();
+        async move {
+            let polite = job.request["i"] == 0;
+            let _ = tx.send(polite);
+            if polite {
+                // Observes the shutdown signal and gives up cleanly.
+                ctx.cancellation().cancelled().await;
+                return Err(JobError::retryable("shutting_down"));
             }
-        },
-    );
+            // Ignores it: released after the grace period.
+            std::future::pending::<()>().await;
+            Ok(json!({}))
+        }
+    });
     let stats = worker.stats();
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
     let running = tokio::spawn(worker.run(async move {

@@ -27,11 +27,7 @@ const APPLIED: &str = "INSERT INTO ferry_projection_applied (effect_key, applied
     ON CONFLICT (effect_key) DO UPDATE SET applied = ferry_projection_applied.applied + 1";
 
 impl Handler for Projection {
-    fn handle<'a>(
-        &'a self,
-        r: &'a Record,
-        tx: &'a mut ferry::Tx,
-    ) -> BoxFuture<'a, Result<(), HandlerError>> {
+    fn handle<'a>(&'a self, r: &'a Record, tx: &'a mut ferry::Tx) -> BoxFuture<'a, Result<(), HandlerError>> {
         Box::pin(async move {
             let key = String::from_utf8_lossy(r.key.as_deref().unwrap_or_default()).into_owned();
             if self.poison_key.as_deref() == Some(key.as_str()) {
@@ -41,20 +37,12 @@ impl Handler for Projection {
             match tx {
                 ferry::Tx::Postgres(_) => {
                     let c = tx.postgres().expect("postgres");
-                    sqlx::query(UPSERT)
-                        .bind(&key)
-                        .bind(r.offset)
-                        .execute(&mut *c)
-                        .await?;
+                    sqlx::query(UPSERT).bind(&key).bind(r.offset).execute(&mut *c).await?;
                     sqlx::query(APPLIED).bind(&effect).execute(&mut *c).await?;
                 }
                 ferry::Tx::Sqlite(_) => {
                     let c = tx.sqlite().expect("sqlite");
-                    sqlx::query(UPSERT)
-                        .bind(&key)
-                        .bind(r.offset)
-                        .execute(&mut *c)
-                        .await?;
+                    sqlx::query(UPSERT).bind(&key).bind(r.offset).execute(&mut *c).await?;
                     sqlx::query(APPLIED).bind(&effect).execute(&mut *c).await?;
                 }
             }
@@ -126,8 +114,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
 }
 
 fn init_tracing() {
-    let filter =
-        tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into());
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into());
     let _ = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)

@@ -23,10 +23,12 @@ async fn pg() -> (Ferry, String) {
         .await
         .unwrap_or_else(|e| panic!("{e}"));
     let ferry = Ferry::builder(&url).migrate(true).connect().await.unwrap();
-    sqlx::query("CREATE TABLE effects_applied (effect_key TEXT PRIMARY KEY, applied BIGINT NOT NULL, written_by TEXT NOT NULL)")
-        .execute(ferry.db().as_postgres().unwrap())
-        .await
-        .unwrap();
+    sqlx::query(
+        "CREATE TABLE effects_applied (effect_key TEXT PRIMARY KEY, applied BIGINT NOT NULL, written_by TEXT NOT NULL)",
+    )
+    .execute(ferry.db().as_postgres().unwrap())
+    .await
+    .unwrap();
     (ferry, url)
 }
 
@@ -45,10 +47,7 @@ async fn until_at_least(ferry: &Ferry, sql: &str, want: i64, limit: Duration) {
         if n >= want {
             return;
         }
-        assert!(
-            start.elapsed() < limit,
-            "{sql}: {n} after {limit:?}, wanted {want}"
-        );
+        assert!(start.elapsed() < limit, "{sql}: {n} after {limit:?}, wanted {want}");
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }
@@ -59,11 +58,7 @@ struct Apply {
 }
 
 impl Handler for Apply {
-    fn handle<'a>(
-        &'a self,
-        r: &'a Record,
-        tx: &'a mut ferry::Tx,
-    ) -> BoxFuture<'a, Result<(), HandlerError>> {
+    fn handle<'a>(&'a self, r: &'a Record, tx: &'a mut ferry::Tx) -> BoxFuture<'a, Result<(), HandlerError>> {
         Box::pin(async move {
             if r.key.as_deref() == Some(b"poison") {
                 return Err(HandlerError::terminal("poison_key"));
@@ -122,9 +117,7 @@ fn in_process(
     Arc<ferry_consumer::metrics::Metrics>,
 ) {
     let c = Consumer::builder(ferry, brokers, group, &[topic])
-        .handler(Apply {
-            owner: owner.into(),
-        })
+        .handler(Apply { owner: owner.into() })
         .assignment(assignment)
         .owner(owner)
         .dead_letter_topic(format!("{topic}.dlq"))
@@ -149,14 +142,7 @@ async fn duplicates_apply_once(assignment: Assignment) {
     for id in ["42", "42", "43", "42", "44"] {
         produce(&p, "orders", "order-1", Some(id)).await;
     }
-    let (stop, h, metrics) = in_process(
-        ferry.clone(),
-        &broker.brokers(),
-        "g1",
-        "orders",
-        assignment,
-        "c1",
-    );
+    let (stop, h, metrics) = in_process(ferry.clone(), &broker.brokers(), "g1", "orders", assignment, "c1");
     until_at_least(
         &ferry,
         "SELECT COALESCE(max(next_offset), 0) FROM consumer_partitions",
@@ -166,21 +152,14 @@ async fn duplicates_apply_once(assignment: Assignment) {
     .await;
     stop.cancel();
     h.await.unwrap();
-    assert_eq!(
-        scalar(&ferry, "SELECT count(*) FROM effects_applied").await,
-        3
-    );
+    assert_eq!(scalar(&ferry, "SELECT count(*) FROM effects_applied").await, 3);
     assert_eq!(
         scalar(&ferry, "SELECT max(applied) FROM effects_applied").await,
         1,
         "each effect applied once"
     );
     assert_eq!(
-        scalar(
-            &ferry,
-            "SELECT count(*) FROM consumer_ledger WHERE group_id = 'g1'"
-        )
-        .await,
+        scalar(&ferry, "SELECT count(*) FROM consumer_ledger WHERE group_id = 'g1'").await,
         3
     );
     assert_eq!((metrics.processed.get(), metrics.duplicates.get()), (3, 2));
@@ -225,8 +204,7 @@ async fn a_stale_member_cannot_commit() {
         .unwrap();
     reader.subscribe(&["events"]).unwrap();
     let record = loop {
-        if let Some(Ok(m)) = tokio::task::block_in_place(|| reader.poll(Duration::from_millis(100)))
-        {
+        if let Some(Ok(m)) = tokio::task::block_in_place(|| reader.poll(Duration::from_millis(100))) {
             break Record::from_message(&m);
         }
     };
@@ -258,10 +236,7 @@ async fn a_stale_member_cannot_commit() {
     )
     .await
     .unwrap_err();
-    assert!(
-        matches!(err, ferry_consumer::ProcessError::LostLease(_)),
-        "{err}"
-    );
+    assert!(matches!(err, ferry_consumer::ProcessError::LostLease(_)), "{err}");
     stop.cancel();
     h.await.unwrap();
     assert_eq!(
@@ -272,10 +247,7 @@ async fn a_stale_member_cannot_commit() {
         .await,
         1
     );
-    assert_eq!(
-        scalar(&ferry, "SELECT count(*) FROM effects_applied").await,
-        1
-    );
+    assert_eq!(scalar(&ferry, "SELECT count(*) FROM effects_applied").await, 1);
     let _: PartitionLease = lease_a;
 }
 
@@ -374,9 +346,7 @@ impl Member {
 
     fn terminate(mut self) {
         if let Some(mut c) = self.0.take() {
-            let _ = Command::new("kill")
-                .args(["-TERM", &c.id().to_string()])
-                .status();
+            let _ = Command::new("kill").args(["-TERM", &c.id().to_string()]).status();
             let _ = c.wait();
         }
     }
@@ -395,13 +365,7 @@ impl Drop for Member {
     }
 }
 
-fn projection(
-    url: &str,
-    brokers: &str,
-    group: &str,
-    topic: &str,
-    crash_at: Option<&str>,
-) -> Member {
+fn projection(url: &str, brokers: &str, group: &str, topic: &str, crash_at: Option<&str>) -> Member {
     let mut c = Command::new(env!("CARGO_BIN_EXE_ferry-projection"));
     c.env("DATABASE_URL", url)
         .env("FERRY_BROKERS", brokers)
@@ -423,28 +387,15 @@ async fn a_crash_between_handler_and_commit_processes_the_record_once() {
     let (ferry, url) = pg().await;
     let p = producer(&broker.brokers());
     for i in 0..5 {
-        produce(
-            &p,
-            "crash",
-            "k",
-            Some(&format!("c{i}-{}", std::process::id())),
-        )
-        .await;
+        produce(&p, "crash", "k", Some(&format!("c{i}-{}", std::process::id()))).await;
     }
     let marker_key = format!("c2-{}", std::process::id());
     let _ = std::fs::remove_file(std::env::temp_dir().join(format!("ferry-crash-{marker_key}")));
     let child = projection(&url, &broker.brokers(), "gc", "crash", Some(&marker_key));
     let status = child.wait();
     assert!(!status.success(), "the process aborted mid-record");
-    let stored = scalar(
-        &ferry,
-        "SELECT COALESCE(max(next_offset), 0) FROM consumer_partitions",
-    )
-    .await;
-    assert_eq!(
-        stored, 2,
-        "the offset moved only with the committed effects"
-    );
+    let stored = scalar(&ferry, "SELECT COALESCE(max(next_offset), 0) FROM consumer_partitions").await;
+    assert_eq!(stored, 2, "the offset moved only with the committed effects");
     let child = projection(&url, &broker.brokers(), "gc", "crash", None);
     until_at_least(
         &ferry,
@@ -454,21 +405,14 @@ async fn a_crash_between_handler_and_commit_processes_the_record_once() {
     )
     .await;
     child.terminate();
-    assert_eq!(
-        scalar(&ferry, "SELECT count(*) FROM ferry_projection_applied").await,
-        5
-    );
+    assert_eq!(scalar(&ferry, "SELECT count(*) FROM ferry_projection_applied").await, 5);
     assert_eq!(
         scalar(&ferry, "SELECT max(applied) FROM ferry_projection_applied").await,
         1,
         "the crashed record was applied once"
     );
     assert_eq!(
-        scalar(
-            &ferry,
-            "SELECT events FROM ferry_projection WHERE key = 'k'"
-        )
-        .await,
+        scalar(&ferry, "SELECT events FROM ferry_projection WHERE key = 'k'").await,
         5
     );
 }
@@ -524,23 +468,18 @@ async fn a_rebalance_storm_applies_every_effect_exactly_once() {
         "every effect key applied exactly once"
     );
     // Stored offsets match what each partition holds.
-    let offsets: Vec<(i32, Option<i64>)> = sqlx::query_as(
-        "SELECT partition, next_offset FROM consumer_partitions WHERE group_id = 'storm-group'",
-    )
-    .fetch_all(ferry.db().as_postgres().unwrap())
-    .await
-    .unwrap();
-    let probe: BaseConsumer = ClientConfig::new()
-        .set("bootstrap.servers", &brokers)
-        .create()
-        .unwrap();
+    let offsets: Vec<(i32, Option<i64>)> =
+        sqlx::query_as("SELECT partition, next_offset FROM consumer_partitions WHERE group_id = 'storm-group'")
+            .fetch_all(ferry.db().as_postgres().unwrap())
+            .await
+            .unwrap();
+    let probe: BaseConsumer = ClientConfig::new().set("bootstrap.servers", &brokers).create().unwrap();
     let mut total = 0;
     let by_partition: HashMap<i32, Option<i64>> = offsets.into_iter().collect();
     for partition in 0..6 {
-        let (_, high) = tokio::task::block_in_place(|| {
-            probe.fetch_watermarks("storm", partition, Duration::from_secs(10))
-        })
-        .unwrap();
+        let (_, high) =
+            tokio::task::block_in_place(|| probe.fetch_watermarks("storm", partition, Duration::from_secs(10)))
+                .unwrap();
         assert_eq!(
             by_partition.get(&partition).copied().flatten(),
             Some(high),
@@ -550,11 +489,7 @@ async fn a_rebalance_storm_applies_every_effect_exactly_once() {
     }
     assert_eq!(total, N as i64);
     assert_eq!(
-        scalar(
-            &ferry,
-            "SELECT CAST(sum(events) AS BIGINT) FROM ferry_projection"
-        )
-        .await,
+        scalar(&ferry, "SELECT CAST(sum(events) AS BIGINT) FROM ferry_projection").await,
         N as i64
     );
 }

@@ -54,10 +54,7 @@ fn java_murmur2(data: &[u8]) -> i32 {
 }
 
 fn distinct(r: &[Record]) -> usize {
-    r.iter()
-        .map(Record::outbox_id)
-        .collect::<HashSet<_>>()
-        .len()
+    r.iter().map(Record::outbox_id).collect::<HashSet<_>>().len()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -71,10 +68,7 @@ async fn end_to_end_every_row_once_with_the_right_partition() {
         let tenant = tenants[i % 3];
         let mut tx = ferry.begin().await.unwrap();
         let run = NewRun::new(tenant, "charge", format!("k{i}"), json!({"i": i})).traceparent(TP);
-        ferry
-            .create_run_idempotent_in(tx.conn(), run)
-            .await
-            .unwrap();
+        ferry.create_run_idempotent_in(tx.conn(), run).await.unwrap();
         let msg = OutboxMessage::json(tenant, "orders", format!("order-{i}"), &json!({"i": i}))
             .unwrap()
             .header("source", "test")
@@ -90,11 +84,7 @@ async fn end_to_end_every_row_once_with_the_right_partition() {
     assert_eq!(recs.len(), total, "exactly once in the normal case");
     for r in &recs {
         let expected = (java_murmur2(r.key.as_bytes()) & 0x7fffffff) % 6;
-        assert_eq!(
-            r.partition, expected,
-            "key {} on the Java client's partition",
-            r.key
-        );
+        assert_eq!(r.partition, expected, "key {} on the Java client's partition", r.key);
         let body: serde_json::Value = serde_json::from_slice(&r.payload).unwrap();
         assert!(tenants.contains(&r.headers["ferry-tenant"].as_str()));
         assert_eq!(r.headers["traceparent"], TP);
@@ -120,27 +110,16 @@ async fn end_to_end_every_row_once_with_the_right_partition() {
     let (status, _) = http_get(relay.addr, "/readyz").await;
     assert!(status.contains("200"));
     let (_, metrics) = http_get(relay.addr, "/metrics").await;
-    assert!(
-        metrics.contains("ferry_relay_published_total 300"),
-        "{metrics}"
-    );
+    assert!(metrics.contains("ferry_relay_published_total 300"), "{metrics}");
     assert!(metrics.contains("ferry_relay_backlog_rows 0"));
     assert!(metrics.contains("ferry_relay_publish_latency_seconds_count 300"));
     relay.shutdown().await;
     assert_eq!(
-        scalar(
-            &ferry,
-            "SELECT count(*) FROM outbox WHERE state = 'delivered'"
-        )
-        .await,
+        scalar(&ferry, "SELECT count(*) FROM outbox WHERE state = 'delivered'").await,
         300
     );
     assert_eq!(
-        scalar(
-            &ferry,
-            "SELECT count(*) FROM relay_lanes WHERE owner IS NOT NULL"
-        )
-        .await,
+        scalar(&ferry, "SELECT count(*) FROM relay_lanes WHERE owner IS NOT NULL").await,
         0,
         "lanes released"
     );
@@ -202,16 +181,9 @@ async fn same_key_rows_arrive_in_id_order_with_concurrent_writers_and_two_relays
         }
     }
     for (key, seqs) in &per_key {
-        assert_eq!(
-            seqs,
-            &(1..=61).collect::<Vec<_>>(),
-            "key {key} out of order"
-        );
+        assert_eq!(seqs, &(1..=61).collect::<Vec<_>>(), "key {key} out of order");
     }
-    let (pa, pb) = (
-        a.state.metrics.published.get(),
-        b.state.metrics.published.get(),
-    );
+    let (pa, pb) = (a.state.metrics.published.get(), b.state.metrics.published.get());
     a.shutdown().await;
     b.shutdown().await;
     assert!(pa > 0 && pb > 0, "both relays published (a: {pa}, b: {pb})");
@@ -230,14 +202,7 @@ fn spawn_relay_process(url: &str, brokers: &str) -> Child {
             "--poll-interval",
             "50ms",
         ])
-        .args([
-            "--batch-size",
-            "50",
-            "--listen",
-            "127.0.0.1:0",
-            "--grace",
-            "5s",
-        ])
+        .args(["--batch-size", "50", "--listen", "127.0.0.1:0", "--grace", "5s"])
         .env("RUST_LOG", "warn")
         .stdout(Stdio::null())
         .stderr(Stdio::null())
@@ -247,13 +212,7 @@ fn spawn_relay_process(url: &str, brokers: &str) -> Child {
 
 async fn write_orders(ferry: &Ferry, n: usize, keys: usize) {
     for i in 0..n {
-        let msg = OutboxMessage::json(
-            "acme",
-            "orders",
-            format!("key-{}", i % keys),
-            &json!({"i": i}),
-        )
-        .unwrap();
+        let msg = OutboxMessage::json("acme", "orders", format!("key-{}", i % keys), &json!({"i": i})).unwrap();
         ferry.enqueue(&msg).await.unwrap();
     }
 }
@@ -283,9 +242,7 @@ async fn a_sigkilled_relay_loses_nothing() {
     })
     .await;
     recs.extend(more);
-    let _ = Command::new("kill")
-        .args(["-TERM", &child.id().to_string()])
-        .status();
+    let _ = Command::new("kill").args(["-TERM", &child.id().to_string()]).status();
     child.wait().unwrap();
     let ids: HashSet<i64> = recs.iter().map(Record::outbox_id).collect();
     let all: Vec<i64> = sqlx::query_scalar("SELECT id FROM outbox")
@@ -328,11 +285,7 @@ async fn a_broker_outage_drains_after_restart() {
     relay.shutdown().await;
     assert_eq!(distinct(&recs), 300);
     assert_eq!(
-        scalar(
-            &ferry,
-            "SELECT count(*) FROM outbox WHERE state = 'pending'"
-        )
-        .await,
+        scalar(&ferry, "SELECT count(*) FROM outbox WHERE state = 'pending'").await,
         0,
         "the backlog drained"
     );
@@ -342,11 +295,7 @@ async fn a_broker_outage_drains_after_restart() {
 async fn a_relay_that_lost_its_lane_cannot_mark() {
     let (_, url) = pg_ferry().await;
     let clock = Clock::manual(Millis::new(1_800_000_000_000).unwrap());
-    let ferry = Ferry::builder(&url)
-        .clock(clock.clone())
-        .connect()
-        .await
-        .unwrap();
+    let ferry = Ferry::builder(&url).clock(clock.clone()).connect().await.unwrap();
     let lease = Duration::from_secs(10);
     let held_a = ferry.acquire_lanes("relay-a", lease, 64).await.unwrap();
     assert_eq!(held_a.len(), 64);
@@ -362,11 +311,7 @@ async fn a_relay_that_lost_its_lane_cannot_mark() {
     assert_eq!(batch.len(), 5);
     // A pauses past its lease; B takes the lane at a higher generation.
     assert!(
-        ferry
-            .acquire_lanes("relay-b", lease, 64)
-            .await
-            .unwrap()
-            .is_empty(),
+        ferry.acquire_lanes("relay-b", lease, 64).await.unwrap().is_empty(),
         "live leases are not taken"
     );
     clock.advance(lease + Duration::from_millis(1)).unwrap();
@@ -374,51 +319,26 @@ async fn a_relay_that_lost_its_lane_cannot_mark() {
     let b = *held_b.iter().find(|l| l.lane == lane).unwrap();
     assert!(b.generation > a.generation);
     let ids: Vec<i64> = batch.iter().map(|r| r.id).collect();
-    let err = ferry
-        .mark_delivered("relay-a", a, &ids, false)
-        .await
-        .unwrap_err();
+    let err = ferry.mark_delivered("relay-a", a, &ids, false).await.unwrap_err();
     assert_eq!(err.code(), "lost_lease");
     assert_eq!(
-        ferry
-            .mark_dead("relay-a", a, ids[0], "x")
-            .await
-            .unwrap_err()
-            .code(),
+        ferry.mark_dead("relay-a", a, ids[0], "x").await.unwrap_err().code(),
         "lost_lease"
     );
     assert!(
         !ferry.release_lane("relay-a", a).await.unwrap(),
         "never releases a lane it lost"
     );
-    assert!(ferry
-        .renew_lanes("relay-a", lease)
-        .await
-        .unwrap()
-        .is_empty());
-    assert_eq!(
-        ferry.outbox_backlog().await.unwrap().pending,
-        5,
-        "A changed nothing"
-    );
-    assert_eq!(
-        ferry
-            .mark_delivered("relay-b", b, &ids, false)
-            .await
-            .unwrap(),
-        5
-    );
+    assert!(ferry.renew_lanes("relay-a", lease).await.unwrap().is_empty());
+    assert_eq!(ferry.outbox_backlog().await.unwrap().pending, 5, "A changed nothing");
+    assert_eq!(ferry.mark_delivered("relay-b", b, &ids, false).await.unwrap(), 5);
 }
 
 async fn poison_rows(ferry: &Ferry) -> i64 {
     let mut poison = 0;
     for i in 0..7 {
         let big = i == 3;
-        let payload = if big {
-            vec![b'x'; 50_000]
-        } else {
-            vec![b'y'; 10]
-        };
+        let payload = if big { vec![b'x'; 50_000] } else { vec![b'y'; 10] };
         let id = ferry
             .enqueue(&OutboxMessage::bytes("acme", "orders", "same-key", payload))
             .await
@@ -451,11 +371,7 @@ async fn a_poison_record_goes_dead_and_the_lane_flows_or_blocks() {
     );
     relay.shutdown().await;
     assert_eq!(
-        scalar(
-            &ferry,
-            "SELECT count(*) FROM outbox WHERE state = 'delivered'"
-        )
-        .await,
+        scalar(&ferry, "SELECT count(*) FROM outbox WHERE state = 'delivered'").await,
         6
     );
     // An operator puts it back (audited).
@@ -466,7 +382,14 @@ async fn a_poison_record_goes_dead_and_the_lane_flows_or_blocks() {
             .unwrap(),
         vec![poison]
     );
-    assert_eq!(scalar(&ferry, "SELECT count(*) FROM ferry_audit WHERE action = 'outbox.replay_dead' AND actor = 'ops'").await, 1);
+    assert_eq!(
+        scalar(
+            &ferry,
+            "SELECT count(*) FROM ferry_audit WHERE action = 'outbox.replay_dead' AND actor = 'ops'"
+        )
+        .await,
+        1
+    );
 
     // Block mode: the lane stops at the poison record.
     let (ferry, url) = pg_ferry().await;
@@ -491,11 +414,7 @@ async fn a_poison_record_goes_dead_and_the_lane_flows_or_blocks() {
     }
     relay.shutdown().await;
     assert_eq!(
-        scalar(
-            &ferry,
-            "SELECT count(*) FROM outbox WHERE state = 'delivered'"
-        )
-        .await,
+        scalar(&ferry, "SELECT count(*) FROM outbox WHERE state = 'delivered'").await,
         3,
         "only rows before it"
     );
@@ -523,9 +442,7 @@ async fn sigterm_marks_everything_acknowledged_within_the_grace() {
     let mut child = spawn_relay_process(&url, &broker.brokers());
     let mut recs = read_until(&c, Duration::from_secs(60), |r| distinct(r) >= 300).await;
     let asked = Instant::now();
-    let _ = Command::new("kill")
-        .args(["-TERM", &child.id().to_string()])
-        .status();
+    let _ = Command::new("kill").args(["-TERM", &child.id().to_string()]).status();
     let status = child.wait().unwrap();
     assert!(status.success(), "clean exit: {status:?}");
     assert!(
@@ -533,11 +450,7 @@ async fn sigterm_marks_everything_acknowledged_within_the_grace() {
         "exited within the grace ({:?})",
         asked.elapsed()
     );
-    let delivered = scalar(
-        &ferry,
-        "SELECT count(*) FROM outbox WHERE state = 'delivered'",
-    )
-    .await as usize;
+    let delivered = scalar(&ferry, "SELECT count(*) FROM outbox WHERE state = 'delivered'").await as usize;
     let more = read_until(&c, Duration::from_secs(60), |r| {
         distinct(&[&recs[..], r].concat()) >= delivered
     })
@@ -559,11 +472,7 @@ async fn sigterm_marks_everything_acknowledged_within_the_grace() {
         "acknowledged rows left unmarked: {acked_but_pending:?}"
     );
     assert_eq!(
-        scalar(
-            &ferry,
-            "SELECT count(*) FROM relay_lanes WHERE owner IS NOT NULL"
-        )
-        .await,
+        scalar(&ferry, "SELECT count(*) FROM relay_lanes WHERE owner IS NOT NULL").await,
         0,
         "lanes released"
     );

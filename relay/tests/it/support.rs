@@ -77,10 +77,7 @@ impl Record {
 pub fn consumer(brokers: &str, topics: &[&str]) -> BaseConsumer {
     let c: BaseConsumer = ClientConfig::new()
         .set("bootstrap.servers", brokers)
-        .set(
-            "group.id",
-            format!("test-{}", uuid::Uuid::now_v7().simple()),
-        )
+        .set("group.id", format!("test-{}", uuid::Uuid::now_v7().simple()))
         .set("auto.offset.reset", "earliest")
         .set("enable.auto.commit", "false")
         .set("session.timeout.ms", "6000")
@@ -91,11 +88,7 @@ pub fn consumer(brokers: &str, topics: &[&str]) -> BaseConsumer {
 }
 
 /// Reads until `done(records)` holds; fails after `limit` (a bound, not a sync).
-pub async fn read_until(
-    c: &BaseConsumer,
-    limit: Duration,
-    mut done: impl FnMut(&[Record]) -> bool,
-) -> Vec<Record> {
+pub async fn read_until(c: &BaseConsumer, limit: Duration, mut done: impl FnMut(&[Record]) -> bool) -> Vec<Record> {
     let mut out = Vec::new();
     let start = Instant::now();
     while !done(&out) {
