@@ -21,13 +21,26 @@ type Res<T> = Result<T, Box<dyn std::error::Error + Send + Sync>>;
 #[tokio::main]
 async fn main() -> Res<()> {
     let quick = std::env::args().any(|a| a == "--quick");
+    // `--only worker` runs just the worker-runtime rows.
+    let only_worker = std::env::args().any(|a| a == "worker");
     let base = std::env::var("DATABASE_URL").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".into());
     let n = if quick { 2_000 } else { 20_000 };
     println!("ferry job benchmarks (PostgreSQL, 16 connections, n = {n})\n");
     println!("{:<44} {:>12} {:>12}", "measure", "ferry", "raw SQL");
 
+    if !only_worker {
+        enqueue_and_claim(&base, n).await?;
+    }
+    worker_runtime(&base, quick).await?;
+    if !only_worker {
+        claim_latency(&base, quick).await?;
+    }
+    Ok(())
+}
+
+async fn enqueue_and_claim(base: &str, n: usize) -> Res<()> {
     // Enqueue, single acceptance per transaction, 16 concurrent clients.
-    let (f, pool) = fresh(&base, "enq").await?;
+    let (f, pool) = fresh(base, "enq").await?;
     let ferry_rate = rate(n, 16, move |i| {
         let f = f.clone();
         async move {
@@ -43,8 +56,8 @@ async fn main() -> Res<()> {
     // The cost of wake-up notifications: none, coalesced (the default), one per transaction.
     let mut rates = Vec::new();
     for interval in [Duration::from_secs(3600), Duration::from_millis(50), Duration::ZERO] {
-        let (_, pool) = fresh(&base, "notify").await?;
-        let f = Ferry::builder(url_of(&base, "notify"))
+        let (_, pool) = fresh(base, "notify").await?;
+        let f = Ferry::builder(url_of(base, "notify"))
             .notify_interval(interval)
             .build(ferry::Db::Postgres(pool))
             .await?;
@@ -69,7 +82,7 @@ async fn main() -> Res<()> {
     );
 
     // Enqueue, 100 acceptances per transaction.
-    let (f, pool) = fresh(&base, "enqb").await?;
+    let (f, pool) = fresh(base, "enqb").await?;
     let ferry_rate = rate(n / 100, 16, move |i| {
         let f = f.clone();
         async move {
@@ -89,7 +102,7 @@ async fn main() -> Res<()> {
     // Claim + complete.
     for (workers, batch) in [(1, 1), (4, 1), (16, 1), (1, 100), (4, 100), (16, 100)] {
         let jobs = if batch == 1 { n / 2 } else { n * 2 };
-        let (f, pool) = fresh(&base, "cc").await?;
+        let (f, pool) = fresh(base, "cc").await?;
         seed(&pool, jobs).await?;
         let ferry_rate = drain(workers, move |_| {
             let f = f.clone();
@@ -102,7 +115,7 @@ async fn main() -> Res<()> {
             }
         })
         .await?;
-        let (_f, pool) = fresh(&base, "ccraw").await?;
+        let (_f, pool) = fresh(base, "ccraw").await?;
         seed(&pool, jobs).await?;
         let raw = drain(workers, move |_| raw_claim_complete(pool.clone(), batch)).await?;
         row(
@@ -112,10 +125,14 @@ async fn main() -> Res<()> {
         );
     }
 
-    // The worker runtime end to end: batch claims, handler, batched completions.
+    Ok(())
+}
+
+/// The worker runtime end to end: batch claims, handler, batched completions.
+async fn worker_runtime(base: &str, quick: bool) -> Res<()> {
     for (concurrency, batch) in [(16usize, 16u32), (200, 100)] {
         let jobs = if quick { 5_000 } else { 50_000 };
-        let (f, pool) = fresh(&base, "worker").await?;
+        let (f, pool) = fresh(base, "worker").await?;
         seed(&pool, jobs).await?;
         let start = Instant::now();
         let count = Arc::new(AtomicU64::new(0));
@@ -151,7 +168,7 @@ async fn main() -> Res<()> {
             .await?;
         assert_eq!(succeeded, jobs as i64);
         let ferry_rate = jobs as f64 / start.elapsed().as_secs_f64();
-        let (_f, pool) = fresh(&base, "workerraw").await?;
+        let (_f, pool) = fresh(base, "workerraw").await?;
         seed(&pool, jobs).await?;
         let raw = drain(16, move |_| raw_claim_complete(pool.clone(), batch)).await?;
         row(
@@ -161,9 +178,13 @@ async fn main() -> Res<()> {
         );
     }
 
-    // Claim latency over a backlog.
+    Ok(())
+}
+
+/// Claim latency over a backlog.
+async fn claim_latency(base: &str, quick: bool) -> Res<()> {
     for backlog in [10_000usize, if quick { 100_000 } else { 1_000_000 }] {
-        let (f, pool) = fresh(&base, "lat").await?;
+        let (f, pool) = fresh(base, "lat").await?;
         seed(&pool, backlog).await?;
         sqlx::query("VACUUM ANALYZE jobs").execute(&pool).await?;
         let mut ferry_lat = Vec::new();

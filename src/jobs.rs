@@ -190,6 +190,29 @@ pub struct JobAttempt {
     pub error_code: Option<String>,
 }
 
+/// A job as operators list it.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, sqlx::FromRow)]
+pub struct JobSummary {
+    /// Tenant.
+    pub tenant: String,
+    /// Run.
+    pub run_id: Uuid,
+    /// Queue.
+    pub queue: String,
+    /// `queued`, `leased`, `succeeded`, `dead` or `cancelled`.
+    pub state: String,
+    /// Attempts spent.
+    pub attempts: i32,
+    /// Attempt budget.
+    pub max_attempts: i32,
+    /// Current lease holder.
+    pub lease_owner: Option<String>,
+    /// Last safe error code.
+    pub last_error_code: Option<String>,
+    /// Last change.
+    pub updated_at: i64,
+}
+
 /// A dead job with its preserved evidence.
 #[derive(Debug, Clone, serde::Serialize)]
 pub struct DeadJob {
@@ -773,62 +796,86 @@ impl Ferry {
         reason: &str,
         force: bool,
     ) -> Result<Accepted> {
+        let mut tx = self.begin().await?;
+        let r = self
+            .replay_dead_in(tx.conn(), tenant, run_id, actor, reason, force)
+            .await;
+        crate::finish(tx, r).await
+    }
+
+    /// [`Ferry::replay_dead`] inside the caller's transaction.
+    pub async fn replay_dead_in(
+        &self,
+        mut conn: Conn<'_>,
+        tenant: &str,
+        run_id: Uuid,
+        actor: &str,
+        reason: &str,
+        force: bool,
+    ) -> Result<Accepted> {
         self.limits().tenant(tenant)?;
         self.limits().text("actor", actor, 255)?;
         self.limits().text("reason", reason, 4096)?;
-        let mut tx = self.begin().await?;
-        let r = async {
-            let locked: Option<(String, i64)> = on_conn!(tx.conn(), |c, q| {
-                sqlx::query_as(q.get("lock_run"))
-                    .bind(tenant)
-                    .bind(run_id)
-                    .fetch_optional(&mut *c)
-                    .await?
+        let locked: Option<(String, i64)> = on_conn!(conn.reborrow(), |c, q| {
+            sqlx::query_as(q.get("lock_run"))
+                .bind(tenant)
+                .bind(run_id)
+                .fetch_optional(&mut *c)
+                .await?
+        });
+        let (state, _) = locked.ok_or(Error::NotFound { what: "run" })?;
+        if state != "failed" {
+            return Err(Error::InvalidState {
+                run_id,
+                state,
+                reason: "only failed runs can be replayed",
             });
-            let (state, _) = locked.ok_or(Error::NotFound { what: "run" })?;
-            if state != "failed" {
-                return Err(Error::InvalidState {
-                    run_id,
-                    state,
-                    reason: "only failed runs can be replayed",
-                });
-            }
-            let earlier: Option<Uuid> = on_conn!(tx.conn(), |c, q| {
-                sqlx::query_scalar(q.get("find_replay"))
-                    .bind(tenant)
-                    .bind(run_id)
-                    .fetch_optional(&mut *c)
-                    .await?
-            });
-            if let (Some(replayed_as), false) = (earlier, force) {
-                return Err(Error::AlreadyReplayed { run_id, replayed_as });
-            }
-            let dead = get_run_in(tx.conn(), tenant, run_id).await?;
-            let job: (String, String, i32, i32, i64, Option<String>) = on_conn!(tx.conn(), |c, q| {
-                sqlx::query_as(q.get("get_job"))
-                    .bind(tenant)
-                    .bind(run_id)
-                    .fetch_one(&mut *c)
-                    .await?
-            });
-            let nth = dead.last_event_seq; // distinct per replay: every replay appends an event
-            let mut new = NewRun::new(
-                tenant,
-                format!("{}.replay", dead.operation),
-                format!("{run_id}.{nth}"),
-                dead.request.clone(),
-            )
-            .queue(job.0)
-            .max_attempts(job.2 as u32);
-            new.replay_of = Some(run_id);
-            let accepted = self.create_run_idempotent_in(tx.conn(), new).await?;
-            let body = json!({ "actor": actor, "reason": reason, "new_run_id": accepted.run.run_id });
-            self.append_event_in(tx.conn(), tenant, run_id, "replay_requested", &body)
-                .await?;
-            Ok(accepted)
         }
-        .await;
-        crate::finish(tx, r).await
+        let earlier: Option<Uuid> = on_conn!(conn.reborrow(), |c, q| {
+            sqlx::query_scalar(q.get("find_replay"))
+                .bind(tenant)
+                .bind(run_id)
+                .fetch_optional(&mut *c)
+                .await?
+        });
+        if let (Some(replayed_as), false) = (earlier, force) {
+            return Err(Error::AlreadyReplayed { run_id, replayed_as });
+        }
+        let dead = get_run_in(conn.reborrow(), tenant, run_id).await?;
+        let job: (String, String, i32, i32, i64, Option<String>) = on_conn!(conn.reborrow(), |c, q| {
+            sqlx::query_as(q.get("get_job"))
+                .bind(tenant)
+                .bind(run_id)
+                .fetch_one(&mut *c)
+                .await?
+        });
+        let nth = dead.last_event_seq; // distinct per replay: every replay appends an event
+        let mut new = NewRun::new(
+            tenant,
+            format!("{}.replay", dead.operation),
+            format!("{run_id}.{nth}"),
+            dead.request.clone(),
+        )
+        .queue(job.0)
+        .max_attempts(job.2 as u32);
+        new.replay_of = Some(run_id);
+        let accepted = self.create_run_idempotent_in(conn.reborrow(), new).await?;
+        let body = json!({ "actor": actor, "reason": reason, "new_run_id": accepted.run.run_id });
+        self.append_event_in(conn, tenant, run_id, "replay_requested", &body)
+            .await?;
+        Ok(accepted)
+    }
+
+    /// Jobs of `tenant`, newest first, optionally only in `state`.
+    pub async fn list_jobs(&self, tenant: &str, state: Option<&str>, limit: u32) -> Result<Vec<JobSummary>> {
+        Ok(on_pool!(self.db(), |p, q| {
+            sqlx::query_as(q.get("list_jobs"))
+                .bind(tenant)
+                .bind(state)
+                .bind(i64::from(limit))
+                .fetch_all(p)
+                .await?
+        }))
     }
 
     /// Locks the leased job row if `lease` is current; returns `(now, attempt)`.

@@ -21,6 +21,7 @@
 #![deny(clippy::print_stdout)]
 
 pub mod consumer;
+pub mod doctor;
 pub mod effects;
 pub mod error;
 pub mod fingerprint;

@@ -111,6 +111,9 @@ pub struct WorkerConfig {
     pub concurrency: usize,
     /// Most jobs taken per claim statement.
     pub batch: u32,
+    /// How long the loop waits for more free slots before a claim, so claims
+    /// and completions batch under load (default 2 ms).
+    pub claim_window: Duration,
     /// Lease duration.
     pub lease: Duration,
     /// Renewal period (default lease/3).
@@ -133,6 +136,7 @@ impl Default for WorkerConfig {
             queues: vec!["default".into()],
             concurrency: 8,
             batch: 8,
+            claim_window: Duration::from_millis(2),
             lease: Duration::from_secs(30),
             renew_every: None,
             poll_interval: Duration::from_millis(500),
@@ -224,14 +228,28 @@ impl<H: Handler> Worker<H> {
                 }
             }
             claims_since_reap = (claims_since_reap + 1) % 64;
-            let want = (slots.available_permits() as u32 + 1).min(cfg.batch.max(1));
+            // Gather free slots for a moment, so claims (and the completions
+            // that follow) come in batches instead of one job per transaction.
+            let mut permits = vec![permit];
+            let target = (cfg.batch.max(1) as usize).min(cfg.concurrency);
+            let deadline = tokio::time::Instant::now() + cfg.claim_window;
+            while permits.len() < target {
+                match slots.clone().try_acquire_owned() {
+                    Ok(p) => permits.push(p),
+                    Err(_) => match tokio::time::timeout_at(deadline, slots.clone().acquire_owned()).await {
+                        Ok(Ok(p)) => permits.push(p),
+                        _ => break,
+                    },
+                }
+            }
+            let want = permits.len() as u32;
             let claimed = match self.ferry.claim(&queue, &cfg.owner, cfg.lease, want).await {
                 Ok(c) => {
                     backoff = reconnect_backoff();
                     c
                 }
                 Err(e) => {
-                    drop(permit);
+                    drop(permits);
                     let delay = backoff.next().unwrap_or(Duration::from_secs(5));
                     tracing::warn!(error = %e, code = e.code(), ?delay, "claim failed; backing off");
                     tokio::select! {
@@ -241,7 +259,7 @@ impl<H: Handler> Worker<H> {
                 }
             };
             if claimed.is_empty() {
-                drop(permit);
+                drop(permits);
                 idle_queues += 1;
                 if idle_queues >= cfg.queues.len() {
                     idle_queues = 0;
@@ -255,16 +273,8 @@ impl<H: Handler> Worker<H> {
                 continue;
             }
             idle_queues = 0;
-            let mut permit = Some(permit);
-            for job in claimed {
-                let slot = match permit.take() {
-                    Some(p) => p,
-                    None => slots
-                        .clone()
-                        .acquire_owned()
-                        .await
-                        .map_err(|_| Error::Config("worker slots closed".into()))?,
-                };
+            // Fewer jobs than slots: the extra permits drop here.
+            for (job, slot) in claimed.into_iter().zip(permits) {
                 let attempt = Attempt {
                     completions: completions.clone(),
                     ferry: self.ferry.clone(),

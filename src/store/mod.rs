@@ -327,6 +327,7 @@ macro_rules! engine_sql {
             include_str!(concat!("sql/", $engine, "/effects.sql")),
             include_str!(concat!("sql/", $engine, "/relay.sql")),
             include_str!(concat!("sql/", $engine, "/consumer.sql")),
+            include_str!(concat!("sql/", $engine, "/doctor.sql")),
         ]
     };
 }

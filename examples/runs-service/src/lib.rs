@@ -1,0 +1,300 @@
+//! An example HTTP admission service on Ferry, the way a Rust service uses it:
+//! `POST /v1/runs` with an `Idempotency-Key` (IETF httpapi draft), tenants
+//! from bearer tokens, bounded backpressure (429 + `Retry-After`),
+//! `GET /v1/runs/{id}`, `POST /v1/runs/{id}/cancel`, and a worker in the
+//! same process. Errors are `application/problem+json` with a stable `code`.
+#![forbid(unsafe_code)]
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::extract::{Path, State};
+use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use ferry::worker::{Worker, WorkerConfig};
+use ferry::{Ferry, NewRun};
+use serde_json::{json, Value};
+use uuid::Uuid;
+
+/// Service settings.
+#[derive(Debug, Clone)]
+pub struct Config {
+    /// Bearer token → tenant.
+    pub tokens: HashMap<String, String>,
+    /// Queued jobs a tenant may have before new runs get 429.
+    pub max_queued_per_tenant: i64,
+    /// `Retry-After` seconds on a 429.
+    pub retry_after_secs: u64,
+    /// Run the worker in this process.
+    pub with_worker: bool,
+}
+
+impl Config {
+    /// Parses `token=tenant,token=tenant`.
+    pub fn parse_tokens(s: &str) -> HashMap<String, String> {
+        s.split(',')
+            .filter_map(|pair| pair.split_once('='))
+            .map(|(t, tenant)| (t.trim().to_owned(), tenant.trim().to_owned()))
+            .collect()
+    }
+}
+
+#[derive(Clone)]
+struct AppState {
+    ferry: Ferry,
+    config: Arc<Config>,
+}
+
+/// The routes.
+pub fn app(ferry: Ferry, config: Config) -> Router {
+    let state = AppState {
+        ferry,
+        config: Arc::new(config),
+    };
+    Router::new()
+        .route("/healthz", get(|| async { "ok" }))
+        .route("/v1/runs", post(create_run))
+        .route("/v1/runs/{id}", get(get_run))
+        .route("/v1/runs/{id}/cancel", post(cancel_run))
+        .with_state(state)
+}
+
+/// Serves on `listener` (and runs the worker, if configured) until `shutdown`.
+pub async fn run(
+    ferry: Ferry,
+    config: Config,
+    listener: tokio::net::TcpListener,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    let stop = tokio_util_free::Stop::default();
+    let worker = if config.with_worker {
+        let w = Worker::new(
+            ferry.clone(),
+            WorkerConfig {
+                poll_interval: Duration::from_millis(200),
+                ..WorkerConfig::default()
+            },
+            |job: ferry::Claimed, _ctx| async move { Ok(json!({ "accepted": job.request })) },
+        );
+        let s = stop.clone();
+        Some(tokio::spawn(w.run(async move { s.wait().await })))
+    } else {
+        None
+    };
+    let s = stop.clone();
+    let served = axum::serve(listener, app(ferry, config))
+        .with_graceful_shutdown(async move {
+            shutdown.await;
+            s.fire();
+        })
+        .await;
+    stop.fire();
+    if let Some(w) = worker {
+        let _ = w.await;
+    }
+    served
+}
+
+/// Binds `addr` and runs.
+pub async fn serve(
+    ferry: Ferry,
+    config: Config,
+    addr: SocketAddr,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    run(ferry, config, tokio::net::TcpListener::bind(addr).await?, shutdown).await
+}
+
+mod tokio_util_free {
+    //! A tiny one-shot stop signal shared by the server and the worker.
+    use std::sync::Arc;
+    use tokio::sync::watch;
+
+    #[derive(Clone)]
+    pub struct Stop(Arc<watch::Sender<bool>>);
+
+    impl Default for Stop {
+        fn default() -> Self {
+            Stop(Arc::new(watch::channel(false).0))
+        }
+    }
+
+    impl Stop {
+        pub fn fire(&self) {
+            let _ = self.0.send(true);
+        }
+
+        pub async fn wait(&self) {
+            let mut rx = self.0.subscribe();
+            let _ = rx.wait_for(|v| *v).await;
+        }
+    }
+}
+
+/// An `application/problem+json` answer with a stable `code`.
+struct Problem {
+    status: StatusCode,
+    code: String,
+    detail: String,
+    retry_after: Option<u64>,
+}
+
+fn problem(status: StatusCode, code: &str, detail: impl Into<String>) -> Problem {
+    Problem {
+        status,
+        code: code.to_owned(),
+        detail: detail.into(),
+        retry_after: None,
+    }
+}
+
+impl IntoResponse for Problem {
+    fn into_response(self) -> Response {
+        let body = json!({
+            "type": format!("https://ferry.dev/problems/{}", self.code),
+            "title": self.status.canonical_reason().unwrap_or("error"),
+            "status": self.status.as_u16(),
+            "code": self.code,
+            "detail": self.detail,
+        });
+        let mut r = (
+            self.status,
+            [(header::CONTENT_TYPE, "application/problem+json")],
+            body.to_string(),
+        )
+            .into_response();
+        if let Some(secs) = self.retry_after {
+            r.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from(secs));
+        }
+        r
+    }
+}
+
+fn tenant(state: &AppState, headers: &HeaderMap) -> Result<String, Problem> {
+    let token = headers
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "));
+    match token.and_then(|t| state.config.tokens.get(t)) {
+        Some(t) => Ok(t.clone()),
+        None => Err(problem(
+            StatusCode::UNAUTHORIZED,
+            "unauthorized",
+            "a valid bearer token is required",
+        )),
+    }
+}
+
+/// The `Idempotency-Key` header: an sf-string per the draft (`"…"`); a bare
+/// token is accepted too.
+fn idempotency_key(headers: &HeaderMap) -> Result<String, Problem> {
+    let raw = headers
+        .get("idempotency-key")
+        .ok_or_else(|| {
+            problem(
+                StatusCode::BAD_REQUEST,
+                "idempotency_key_missing",
+                "send an Idempotency-Key header",
+            )
+        })?
+        .to_str()
+        .map_err(|_| {
+            problem(
+                StatusCode::BAD_REQUEST,
+                "invalid_input",
+                "Idempotency-Key must be visible ASCII",
+            )
+        })?;
+    let key = raw.strip_prefix('"').and_then(|k| k.strip_suffix('"')).unwrap_or(raw);
+    Ok(key.to_owned())
+}
+
+fn error_response(e: ferry::Error) -> Problem {
+    let status = match e.code() {
+        "invalid_input" => StatusCode::BAD_REQUEST,
+        "idempotency_conflict" | "run_terminal" | "duplicate_run" | "invalid_state" => StatusCode::CONFLICT,
+        "not_found" => StatusCode::NOT_FOUND,
+        _ => StatusCode::SERVICE_UNAVAILABLE,
+    };
+    // The error text never carries a full key or a payload.
+    problem(status, e.code(), e.to_string())
+}
+
+fn accepted_body(run: &ferry::Run) -> Value {
+    json!({ "run_id": run.run_id, "state": run.state, "operation": run.operation })
+}
+
+async fn create_run(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    body: axum::body::Bytes,
+) -> Result<Response, Problem> {
+    let tenant = tenant(&state, &headers)?;
+    let key = idempotency_key(&headers)?;
+    let command: Value = match serde_json::from_slice(&body) {
+        Ok(v @ Value::Object(_)) => v,
+        _ => {
+            return Err(problem(
+                StatusCode::BAD_REQUEST,
+                "invalid_input",
+                "the body must be a JSON object",
+            ))
+        }
+    };
+    let operation = command
+        .get("operation")
+        .and_then(Value::as_str)
+        .unwrap_or("run")
+        .to_owned();
+    let depth = state.ferry.queued_depth(&tenant).await.map_err(error_response)?;
+    if depth >= state.config.max_queued_per_tenant {
+        let mut p = problem(
+            StatusCode::TOO_MANY_REQUESTS,
+            "backpressure",
+            "too many queued runs for this tenant",
+        );
+        p.retry_after = Some(state.config.retry_after_secs);
+        return Err(p);
+    }
+    let a = state
+        .ferry
+        .create_run_idempotent(NewRun::new(&tenant, operation, key, command))
+        .await
+        .map_err(error_response)?;
+    let location = format!("/v1/runs/{}", a.run.run_id);
+    let mut r = (StatusCode::ACCEPTED, Json(accepted_body(&a.run))).into_response();
+    if let Ok(v) = HeaderValue::from_str(&location) {
+        r.headers_mut().insert(header::LOCATION, v);
+    }
+    if a.replay {
+        r.headers_mut()
+            .insert("idempotent-replayed", HeaderValue::from_static("true"));
+    }
+    Ok(r)
+}
+
+async fn get_run(State(state): State<AppState>, headers: HeaderMap, Path(id): Path<Uuid>) -> Result<Response, Problem> {
+    let tenant = tenant(&state, &headers)?;
+    let run = state.ferry.get_run(&tenant, id).await.map_err(error_response)?;
+    let events = state.ferry.list_events(&tenant, id).await.map_err(error_response)?;
+    Ok(Json(json!({ "run": run, "events": events })).into_response())
+}
+
+async fn cancel_run(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    Path(id): Path<Uuid>,
+) -> Result<Response, Problem> {
+    let tenant = tenant(&state, &headers)?;
+    state
+        .ferry
+        .cancel(&tenant, id, None, &format!("api:{tenant}"), "cancelled through the API")
+        .await
+        .map_err(error_response)?;
+    Ok(Json(json!({ "run_id": id, "state": "cancelled" })).into_response())
+}

@@ -1,0 +1,135 @@
+//! Investigations an operator runs when something looks wrong, as queries:
+//! duplicate paid generations, two workers completing one run, and jobs
+//! leased forever. Each finding comes with a suggested action. Read-only:
+//! repairs go through the ordinary fenced transitions (cancel, replay).
+
+use std::time::Duration;
+
+use crate::error::Result;
+use crate::store::on_pool;
+use crate::time::duration_ms;
+use crate::Ferry;
+
+/// How bad a finding is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Severity {
+    /// Context, not a fault.
+    Info,
+    /// Needs a look.
+    Warning,
+    /// An invariant was broken.
+    Critical,
+}
+
+/// One check's result.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct Finding {
+    /// Stable name of the check.
+    pub check: &'static str,
+    /// Severity when `items` is not empty.
+    pub severity: Severity,
+    /// What was found: `subject: detail` lines (bounded).
+    pub items: Vec<String>,
+    /// What to do about it.
+    pub action: &'static str,
+}
+
+struct Check {
+    name: &'static str,
+    query: &'static str,
+    severity: Severity,
+    action: &'static str,
+}
+
+const CHECKS: [Check; 4] = [
+    Check {
+        name: "duplicate_acceptances",
+        query: "doctor_duplicate_acceptances",
+        severity: Severity::Warning,
+        action: "the same request was accepted as several runs: check that clients reuse one Idempotency-Key per operation and that the key TTL covers their retry window; cancel the extra runs (`ferry-relay jobs cancel`)",
+    },
+    Check {
+        name: "effect_provider_refs",
+        query: "doctor_effect_provider_refs",
+        severity: Severity::Critical,
+        action: "an external effect happened more than once: refund or void the extra provider refs, and make the handler reserve_effect/reconcile before calling the provider",
+    },
+    Check {
+        name: "multiple_terminal_events",
+        query: "doctor_multiple_terminal_events",
+        severity: Severity::Critical,
+        action: "a run ended twice: restore the run_events_one_terminal_idx index and check for writers bypassing Ferry",
+    },
+    Check {
+        name: "stale_completions",
+        query: "doctor_stale_completions",
+        severity: Severity::Critical,
+        action: "a worker completed with an old lease generation: look for writers bypassing the fenced complete and for clock skew",
+    },
+];
+
+impl Ferry {
+    /// Runs every investigation; `stuck_after` is how long past expiry a
+    /// lease may sit before it counts as not being reclaimed.
+    pub async fn doctor(&self, stuck_after: Duration, limit: u32) -> Result<Vec<Finding>> {
+        let limit = i64::from(limit);
+        let mut out = Vec::new();
+        for c in &CHECKS {
+            let rows: Vec<(String, String)> = on_pool!(self.db(), |p, q| {
+                sqlx::query_as(q.get(c.query)).bind(limit).fetch_all(p).await?
+            });
+            out.push(finding(c.name, c.severity, rows, c.action));
+        }
+        let expiry: Vec<(String, String)> = on_pool!(self.db(), |p, q| {
+            sqlx::query_as(q.get("doctor_lease_expiry"))
+                .bind(self.now())
+                .fetch_all(p)
+                .await?
+        });
+        out.push(finding(
+            "lease_expiry",
+            Severity::Info,
+            expiry,
+            "leases far in the future point at clock skew between workers and the database",
+        ));
+        let stuck_ms = duration_ms(stuck_after)?;
+        let stuck: Vec<(String, String)> = on_pool!(self.db(), |p, q| {
+            sqlx::query_as(q.get("doctor_unreclaimed_leases"))
+                .bind(self.now())
+                .bind(stuck_ms)
+                .bind(limit)
+                .fetch_all(p)
+                .await?
+        });
+        out.push(finding(
+            "unreclaimed_leases",
+            Severity::Warning,
+            stuck,
+            "expired leases nobody reclaims: start workers for these queues, or check that they can reach the database",
+        ));
+        let exhausted: Vec<(String, String)> = on_pool!(self.db(), |p, q| {
+            sqlx::query_as(q.get("doctor_exhausted_unterminated"))
+                .bind(self.now())
+                .bind(limit)
+                .fetch_all(p)
+                .await?
+        });
+        out.push(finding(
+            "exhausted_unterminated",
+            Severity::Warning,
+            exhausted,
+            "attempts exhausted but not terminalized: run a worker on the queue (it reaps them) or Ferry::reap_exhausted",
+        ));
+        Ok(out)
+    }
+}
+
+fn finding(check: &'static str, severity: Severity, rows: Vec<(String, String)>, action: &'static str) -> Finding {
+    Finding {
+        check,
+        severity,
+        items: rows.into_iter().map(|(s, d)| format!("{s}: {d}")).collect(),
+        action,
+    }
+}

@@ -1,0 +1,107 @@
+//! `doctor` finds seeded faults of each kind, on both engines, and nothing on
+//! a healthy database.
+
+use std::time::Duration;
+
+use ferry::doctor::Finding;
+use ferry::{NewRun, Reservation};
+use serde_json::json;
+
+use crate::support::{manual_clock, on_both_engines, Kind, TestDb};
+
+fn items<'a>(findings: &'a [Finding], check: &str) -> &'a [String] {
+    &findings
+        .iter()
+        .find(|f| f.check == check)
+        .unwrap_or_else(|| panic!("no check {check}"))
+        .items
+}
+
+async fn doctor_finds_seeded_faults(kind: Kind) {
+    let clock = manual_clock();
+    let t = TestDb::with_clock(kind, clock.clone()).await;
+    let lease = Duration::from_secs(30);
+    // A healthy history first: nothing to report.
+    t.ferry
+        .create_run_idempotent(NewRun::new("acme", "charge", "ok", json!({"n": 0})))
+        .await
+        .unwrap();
+    let c = t.ferry.claim("default", "w", lease, 1).await.unwrap().pop().unwrap();
+    t.ferry.complete(&c.lease, &json!({})).await.unwrap();
+    let clean = t.ferry.doctor(Duration::from_secs(300), 20).await.unwrap();
+    assert!(
+        clean
+            .iter()
+            .filter(|f| f.check != "lease_expiry")
+            .all(|f| f.items.is_empty()),
+        "{clean:?}"
+    );
+
+    // Duplicate paid generations: one request accepted twice, and one
+    // operation with two provider refs.
+    for key in ["k1", "k2"] {
+        t.ferry
+            .create_run_idempotent(NewRun::new("acme", "charge", key, json!({"n": 1})))
+            .await
+            .unwrap();
+    }
+    let c = t.ferry.claim("default", "w", lease, 1).await.unwrap().pop().unwrap();
+    for (step, reference) in [("a", "ch_1"), ("b", "ch_2")] {
+        assert!(matches!(
+            t.ferry.reserve_effect(&c.lease, step, "psp.charge").await.unwrap(),
+            Reservation::Proceed(_)
+        ));
+        t.ferry
+            .record_effect_success(&c.lease, step, "psp.charge", reference)
+            .await
+            .unwrap();
+    }
+    t.ferry.complete(&c.lease, &json!({})).await.unwrap();
+    // Two workers completed one run: a second terminal event, and a
+    // completion whose generation is not the current one.
+    t.exec("DROP INDEX run_events_one_terminal_idx").await.unwrap();
+    t.exec("INSERT INTO run_events (tenant, run_id, seq, kind, body, created_at)
+            SELECT tenant, run_id, seq + 1, 'run_failed', body, created_at FROM run_events WHERE kind = 'run_succeeded'")
+        .await
+        .unwrap();
+    t.exec("UPDATE jobs SET lease_generation = lease_generation + 5 WHERE state = 'succeeded'")
+        .await
+        .unwrap();
+    // Jobs leased forever: one expired and unclaimed, one out of attempts.
+    t.ferry
+        .create_run_idempotent(NewRun::new("acme", "ship", "s1", json!({})).queue("shipping"))
+        .await
+        .unwrap();
+    t.ferry
+        .create_run_idempotent(
+            NewRun::new("acme", "mail", "m1", json!({}))
+                .queue("mail")
+                .max_attempts(1),
+        )
+        .await
+        .unwrap();
+    t.ferry.claim("shipping", "gone-1", lease, 1).await.unwrap();
+    t.ferry.claim("mail", "gone-2", lease, 1).await.unwrap();
+    clock.advance(Duration::from_secs(3600)).unwrap();
+
+    let f = t.ferry.doctor(Duration::from_secs(300), 20).await.unwrap();
+    assert_eq!(items(&f, "duplicate_acceptances").len(), 1);
+    assert!(
+        items(&f, "duplicate_acceptances")[0].contains("2 runs"),
+        "{:?}",
+        items(&f, "duplicate_acceptances")
+    );
+    assert_eq!(items(&f, "effect_provider_refs").len(), 1);
+    assert!(
+        items(&f, "effect_provider_refs")[0].contains("ch_1") && items(&f, "effect_provider_refs")[0].contains("ch_2")
+    );
+    assert_eq!(items(&f, "multiple_terminal_events").len(), 2);
+    assert_eq!(items(&f, "stale_completions").len(), 2);
+    assert_eq!(items(&f, "unreclaimed_leases").len(), 1);
+    assert!(items(&f, "unreclaimed_leases")[0].contains("gone-1"));
+    assert_eq!(items(&f, "exhausted_unterminated").len(), 1);
+    assert!(items(&f, "exhausted_unterminated")[0].contains("mail"));
+    assert!(f.iter().all(|x| !x.action.is_empty()));
+}
+
+on_both_engines!(doctor_finds_seeded_faults);

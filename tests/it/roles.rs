@@ -1,0 +1,122 @@
+//! PostgreSQL: `deploy/sql/roles.sql` grants each role what it needs and
+//! nothing more; every role is refused outside its grant.
+
+use std::time::Duration;
+
+use ferry::{Ferry, NewRun, OutboxMessage};
+use serde_json::json;
+
+use crate::support::{Kind, TestDb};
+
+/// The same database, connected as `role`.
+async fn as_role(t: &TestDb, role: &str) -> Ferry {
+    let url = t.url.replace(
+        "options=-csearch_path",
+        &format!("options=-crole%3D{role}%20-csearch_path"),
+    );
+    Ferry::builder(&url)
+        .connect()
+        .await
+        .unwrap_or_else(|e| panic!("connect as {role}: {e}"))
+}
+
+async fn refused(f: &Ferry, sql: &str) {
+    let err = sqlx::query(sql)
+        .execute(f.db().as_postgres().unwrap())
+        .await
+        .expect_err(sql);
+    let code = err.as_database_error().and_then(|e| e.code()).map(|c| c.into_owned());
+    assert_eq!(
+        code.as_deref(),
+        Some("42501"),
+        "{sql} must be refused for lack of privilege: {err}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_role_is_refused_outside_its_grant() {
+    let t = TestDb::new(Kind::Postgres).await;
+    let roles = include_str!("../../deploy/sql/roles.sql");
+    sqlx::raw_sql(roles)
+        .execute(t.ferry.db().as_postgres().unwrap())
+        .await
+        .expect("roles.sql applies");
+    sqlx::raw_sql(roles)
+        .execute(t.ferry.db().as_postgres().unwrap())
+        .await
+        .expect("and applies again");
+
+    // The service accepts, enqueues and works its jobs...
+    let service = as_role(&t, "ferry_service").await;
+    let run = service
+        .create_run_idempotent(NewRun::new("acme", "charge", "k1", json!({"a": 1})))
+        .await
+        .unwrap()
+        .run;
+    service
+        .enqueue(&OutboxMessage::bytes("acme", "orders", "o-1", vec![1]))
+        .await
+        .unwrap();
+    let c = service
+        .claim("default", "w", Duration::from_secs(30), 1)
+        .await
+        .unwrap()
+        .pop()
+        .unwrap();
+    service.complete(&c.lease, &json!({})).await.unwrap();
+    // ...but cannot read, mark or delete the outbox, take lanes, or touch ledgers.
+    refused(&service, "SELECT payload FROM outbox").await;
+    refused(&service, "UPDATE outbox SET state = 'delivered'").await;
+    refused(&service, "DELETE FROM outbox").await;
+    refused(&service, "UPDATE relay_lanes SET owner = 'me'").await;
+    refused(&service, "SELECT * FROM consumer_ledger").await;
+    refused(&service, "DELETE FROM run_events").await;
+
+    // The relay reads and marks the outbox and holds lanes...
+    let relay = as_role(&t, "ferry_relay").await;
+    let lanes = relay
+        .acquire_lanes("relay-1", Duration::from_secs(30), 64)
+        .await
+        .unwrap();
+    relay.relay_heartbeat("relay-1", Duration::from_secs(30)).await.unwrap();
+    let mut marked = 0;
+    for lane in lanes {
+        let ids: Vec<i64> = relay
+            .pending_batch(lane.lane, 100)
+            .await
+            .unwrap()
+            .iter()
+            .map(|r| r.id)
+            .collect();
+        marked += relay.mark_delivered("relay-1", lane, &ids, false).await.unwrap();
+    }
+    assert_eq!(marked, 3, "run_queued, the order, run_succeeded");
+    // ...and nothing else.
+    refused(&relay, "SELECT * FROM runs").await;
+    refused(&relay, "INSERT INTO outbox (tenant, topic, key, lane, payload, headers, created_at) VALUES ('x', 't', 'k', 0, '', '{}', 0)").await;
+    refused(&relay, "UPDATE outbox SET payload = 'x'").await;
+    refused(&relay, "UPDATE jobs SET state = 'queued'").await;
+    refused(&relay, "SELECT * FROM consumer_ledger").await;
+
+    // The consumer keeps its partitions and ledger...
+    let consumer = as_role(&t, "ferry_consumer").await;
+    let (lease, _) = consumer
+        .acquire_partition("g", "orders", 0, "m", Duration::from_secs(30))
+        .await
+        .unwrap();
+    let mut tx = consumer.begin().await.unwrap();
+    consumer
+        .begin_record(tx.conn(), &lease, "e1", 0, "applied")
+        .await
+        .unwrap();
+    consumer.advance_offset(tx.conn(), &lease, 1).await.unwrap();
+    tx.commit().await.unwrap();
+    // ...and reads nothing of the runs or the outbox.
+    refused(&consumer, "SELECT * FROM runs").await;
+    refused(&consumer, "SELECT * FROM outbox").await;
+    refused(&consumer, "UPDATE relay_lanes SET owner = 'me'").await;
+    assert_eq!(
+        t.ferry.get_run("acme", run.run_id).await.unwrap().state,
+        ferry::RunState::Succeeded
+    );
+}
