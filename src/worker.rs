@@ -134,8 +134,8 @@ impl Default for WorkerConfig {
     fn default() -> Self {
         WorkerConfig {
             queues: vec!["default".into()],
-            concurrency: 8,
-            batch: 8,
+            concurrency: 100,
+            batch: 50,
             claim_window: Duration::from_millis(2),
             lease: Duration::from_secs(30),
             renew_every: None,
@@ -286,8 +286,7 @@ impl<H: Handler> Worker<H> {
                 };
                 let handler = self.handler.clone();
                 tasks.spawn(async move {
-                    attempt.run(handler, job).await;
-                    drop(slot);
+                    attempt.run(handler, job, slot).await;
                 });
             }
         }
@@ -365,7 +364,9 @@ struct Attempt {
 }
 
 impl Attempt {
-    async fn run<H: Handler>(self, handler: Arc<H>, job: Claimed) {
+    /// Works one attempt. The slot is given back as soon as the handler is
+    /// done, so the next claim overlaps this attempt's completion commit.
+    async fn run<H: Handler>(self, handler: Arc<H>, job: Claimed, slot: tokio::sync::OwnedSemaphorePermit) {
         let lease = job.lease.clone();
         let ctx = JobContext {
             ferry: self.ferry.clone(),
@@ -408,6 +409,7 @@ impl Attempt {
                 }
             }
         };
+        drop(slot);
         match outcome {
             Ok(result) => {
                 let (reply, answer) = oneshot::channel();
