@@ -33,6 +33,7 @@ pub mod relay;
 pub mod retry;
 pub mod runs;
 pub mod store;
+pub mod telemetry;
 pub mod testing;
 pub mod time;
 pub mod worker;

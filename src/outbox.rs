@@ -207,6 +207,18 @@ impl Ferry {
     /// that transaction commits. Returns the outbox id.
     pub async fn enqueue_in(&self, mut conn: Conn<'_>, msg: &OutboxMessage) -> Result<i64> {
         msg.validate(self.limits())?;
+        // Carry the caller's trace to consumers unless the message has its own.
+        let traced;
+        let msg = match (&msg.traceparent, crate::telemetry::current_traceparent()) {
+            (None, Some(tp)) => {
+                traced = OutboxMessage {
+                    traceparent: Some(tp),
+                    ..msg.clone()
+                };
+                &traced
+            }
+            _ => msg,
+        };
         let id = insert(self, conn.reborrow(), msg, self.now()).await?;
         self.inner.notifier.wake(conn, OUTBOX_PAYLOAD).await?;
         Ok(id)

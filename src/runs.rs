@@ -332,7 +332,7 @@ impl Ferry {
             "run_queued",
             &body,
             now,
-            run.traceparent.clone(),
+            run.traceparent.clone().or_else(crate::telemetry::current_traceparent),
         )
         .await?;
         on_conn!(conn.reborrow(), |c, q| {

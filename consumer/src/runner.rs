@@ -441,8 +441,9 @@ impl Consumer {
             .await;
             return None;
         };
-        let span = tracing::info_span!("ferry.consume", topic = %record.topic, partition = record.partition, offset = record.offset,
-            traceparent = record.traceparent().unwrap_or(""));
+        let span = tracing::info_span!("ferry.consume", topic = %record.topic, partition = record.partition, offset = record.offset);
+        // Continue the producer's trace: child of its context, linked to its span.
+        ferry::telemetry::continue_trace(&span, record.traceparent());
         let started = Instant::now();
         let outcome = process_record(&b.ferry, &lease, &record, &effect_key, self.handler.as_ref())
             .instrument(span)

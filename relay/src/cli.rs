@@ -166,15 +166,6 @@ pub enum DeadCommand {
     },
 }
 
-/// Logs to stderr, filtered by `RUST_LOG` (default `default_level`).
-pub fn init_tracing(default_level: &str) {
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| default_level.into());
-    let _ = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .try_init();
-}
-
 /// Resolves on SIGTERM or Ctrl-C.
 pub async fn shutdown_signal() {
     #[cfg(unix)]

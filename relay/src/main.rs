@@ -11,7 +11,7 @@ async fn main() -> std::process::ExitCode {
     } else {
         "info"
     };
-    ferry_relay::cli::init_tracing(level);
+    let _telemetry = ferry::telemetry::init("ferry-relay", level);
     match ferry_relay::cli::run(cli, ferry_relay::cli::shutdown_signal()).await {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(e) => {

@@ -66,7 +66,8 @@ async fn shutdown() {
 
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
-    init_tracing();
+    #[cfg(feature = "otlp")]
+    let _telemetry = ferry::telemetry::init("ferry-projection", "warn");
     let env = |k: &str, d: &str| std::env::var(k).unwrap_or_else(|_| d.to_owned());
     let url = std::env::var("DATABASE_URL")?;
     let ferry = Ferry::builder(&url).migrate(true).connect().await?;
@@ -111,12 +112,4 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     }
     builder.run(shutdown()).await?;
     Ok(())
-}
-
-fn init_tracing() {
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into());
-    let _ = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .try_init();
 }

@@ -2,3 +2,4 @@
 
 mod relay;
 mod support;
+mod trace;

@@ -1,0 +1,118 @@
+//! One trace from end to end: a request span accepts a run, the outbox row
+//! keeps its traceparent, the relay publishes it, and the consumer's span is a
+//! child of (and linked to) the request span. Spans go to the SDK's
+//! in-memory exporter.
+
+use std::sync::OnceLock;
+use std::time::Duration;
+
+use ferry::testing::Broker;
+use ferry::NewRun;
+use ferry_consumer::{Consumer, Handler, HandlerError, Record};
+use futures::future::BoxFuture;
+use opentelemetry::trace::{TraceContextExt, TracerProvider as _};
+use opentelemetry_sdk::trace::{InMemorySpanExporter, SdkTracerProvider};
+use serde_json::json;
+use tracing::Instrument;
+use tracing_opentelemetry::OpenTelemetrySpanExt;
+use tracing_subscriber::layer::SubscriberExt;
+
+use crate::support::*;
+
+fn exporter() -> &'static (InMemorySpanExporter, SdkTracerProvider) {
+    static CELL: OnceLock<(InMemorySpanExporter, SdkTracerProvider)> = OnceLock::new();
+    CELL.get_or_init(|| {
+        let exporter = InMemorySpanExporter::default();
+        let provider = SdkTracerProvider::builder()
+            .with_simple_exporter(exporter.clone())
+            .build();
+        let subscriber = tracing_subscriber::registry()
+            .with(tracing_opentelemetry::layer().with_tracer(provider.tracer("ferry-test")));
+        tracing::subscriber::set_global_default(subscriber).expect("the trace test owns the global subscriber");
+        (exporter, provider)
+    })
+}
+
+struct Noop;
+impl Handler for Noop {
+    fn handle<'a>(&'a self, _r: &'a Record, _tx: &'a mut ferry::Tx) -> BoxFuture<'a, Result<(), HandlerError>> {
+        Box::pin(async { Ok(()) })
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_trace_from_request_to_consumer() {
+    let (exporter, provider) = exporter();
+    let broker = Broker::start();
+    broker.create_topic("ferry.run-events", 1);
+    let (ferry, url) = pg_ferry().await;
+
+    let request = tracing::info_span!("http.request");
+    let request_cx = request.context().span().span_context().clone();
+    assert!(
+        request_cx.is_valid(),
+        "the OpenTelemetry layer records the request span"
+    );
+    let run = async {
+        ferry
+            .create_run_idempotent(NewRun::new("acme", "charge", "traced", json!({"a": 1})))
+            .await
+            .unwrap()
+    }
+    .instrument(request.clone())
+    .await
+    .run;
+    let stored: Option<String> = sqlx::query_scalar("SELECT traceparent FROM outbox")
+        .fetch_one(ferry.db().as_postgres().unwrap())
+        .await
+        .unwrap();
+    let expected = format!("00-{}-{}-01", request_cx.trace_id(), request_cx.span_id());
+    assert_eq!(
+        stored.as_deref(),
+        Some(expected.as_str()),
+        "acceptance captured the request's context"
+    );
+
+    let relay = start_relay(relay_config(&url, &broker.brokers()), ferry.clone()).await;
+    let consumer = Consumer::builder(ferry.clone(), broker.brokers(), "traced-group", &["ferry.run-events"])
+        .handler(Noop)
+        .kafka("session.timeout.ms", "6000")
+        .build()
+        .unwrap();
+    let metrics = consumer.metrics();
+    let stop = tokio_util::sync::CancellationToken::new();
+    let s = stop.clone();
+    let consuming = tokio::spawn(consumer.run(async move { s.cancelled().await }));
+    let start = std::time::Instant::now();
+    while metrics.processed.get() < 1 {
+        assert!(
+            start.elapsed() < Duration::from_secs(60),
+            "the record was never consumed"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    stop.cancel();
+    consuming.await.unwrap().unwrap();
+    relay.shutdown().await;
+    drop(request);
+    let _ = provider.force_flush();
+
+    let spans = exporter.get_finished_spans().unwrap();
+    let consume = spans
+        .iter()
+        .find(|s| s.name == "ferry.consume" && s.span_context.trace_id() == request_cx.trace_id())
+        .unwrap_or_else(|| panic!("no consumer span in the request's trace (run {})", run.run_id));
+    assert_eq!(
+        consume.parent_span_id,
+        request_cx.span_id(),
+        "the consumer continues the request span"
+    );
+    assert!(
+        consume
+            .links
+            .links
+            .iter()
+            .any(|l| l.span_context.span_id() == request_cx.span_id()),
+        "and links to the producer's span"
+    );
+}
