@@ -44,6 +44,6 @@ pub mod record;
 pub mod runner;
 
 pub use error::{ConsumerError, HandlerClass, HandlerError};
-pub use process::{process_record, ProcessError, Processed};
+pub use process::{process_batch, process_record, ProcessError, Processed};
 pub use record::{Handler, Record};
 pub use runner::{Assignment, Consumer, ConsumerBuilder};

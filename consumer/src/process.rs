@@ -106,3 +106,49 @@ pub async fn record_dead_letter(
         }
     }
 }
+
+/// Processes consecutive records of one partition in one transaction (a
+/// micro-batch): the lease is checked, each record's ledger row inserted and
+/// its handler run (duplicates skipped), and the offset after the last record
+/// stored, all committed together. Any failure rolls the whole batch back
+/// (nothing of it is written); the caller then processes the records one by
+/// one to isolate the failing record.
+pub async fn process_batch(
+    ferry: &Ferry,
+    lease: &PartitionLease,
+    records: &[(Record, String)],
+    handler: &dyn Handler,
+) -> Result<Vec<Processed>, ProcessError> {
+    let Some((last, _)) = records.last() else {
+        return Ok(Vec::new());
+    };
+    let mut tx = ferry.begin().await?;
+    let mut out = Vec::with_capacity(records.len());
+    let result: Result<(), ProcessError> = async {
+        for (record, key) in records {
+            match ferry
+                .begin_record(tx.conn(), lease, key, record.offset, "applied")
+                .await?
+            {
+                LedgerEntry::Duplicate => out.push(Processed::Duplicate),
+                LedgerEntry::New => {
+                    handler.handle(record, &mut tx).await.map_err(ProcessError::Handler)?;
+                    out.push(Processed::Applied);
+                }
+            }
+        }
+        ferry.advance_offset(tx.conn(), lease, last.offset + 1).await?;
+        Ok(())
+    }
+    .await;
+    match result {
+        Ok(()) => {
+            tx.commit().await?;
+            Ok(out)
+        }
+        Err(e) => {
+            let _ = tx.rollback().await;
+            Err(e)
+        }
+    }
+}

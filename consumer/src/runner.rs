@@ -23,7 +23,7 @@ use tracing::Instrument;
 
 use crate::error::{ConsumerError, HandlerClass, HandlerError};
 use crate::metrics::{Metrics, PartitionLabel};
-use crate::process::{process_record, record_dead_letter, ProcessError, Processed};
+use crate::process::{process_batch, process_record, record_dead_letter, ProcessError, Processed};
 use crate::record::{Handler, Record};
 
 /// Partition assignment strategy of the group.
@@ -59,6 +59,7 @@ pub struct ConsumerBuilder {
     ledger_retention: Duration,
     max_redelivery_window: Duration,
     owner: String,
+    batch: usize,
 }
 
 /// A consumer-group member whose effects commit at most once per group.
@@ -66,6 +67,9 @@ pub struct Consumer {
     b: ConsumerBuilder,
     handler: Arc<dyn Handler>,
     metrics: Arc<Metrics>,
+    /// Partitions whose lease was lost while Kafka still had them assigned
+    /// here, and when to check again.
+    reclaims: Mutex<HashMap<TopicPartition, Instant>>,
 }
 
 impl Consumer {
@@ -93,6 +97,7 @@ impl Consumer {
             ledger_retention: Duration::from_secs(7 * 24 * 3600),
             max_redelivery_window: Duration::from_secs(24 * 3600),
             owner: format!("consumer-{}", uuid::Uuid::now_v7().simple()),
+            batch: 50,
         }
     }
 
@@ -158,6 +163,14 @@ impl ConsumerBuilder {
         self
     }
 
+    /// Records of one partition committed per transaction (default 50; 1 is
+    /// one transaction per record). Only records already fetched are
+    /// batched, so a batch never waits for more to arrive.
+    pub fn micro_batch(mut self, records: usize) -> Self {
+        self.batch = records.max(1);
+        self
+    }
+
     /// This member's identity in partition leases.
     pub fn owner(mut self, owner: impl Into<String>) -> Self {
         self.owner = owner.into();
@@ -183,6 +196,7 @@ impl ConsumerBuilder {
             b: self,
             handler,
             metrics: Arc::new(Metrics::new()),
+            reclaims: Mutex::default(),
         })
     }
 
@@ -283,6 +297,10 @@ impl ConsumerContext for LeaseContext {
     }
 }
 
+/// How long a member waits after losing a partition lease before checking
+/// whether Kafka still assigns the partition to it.
+const RECLAIM_AFTER: Duration = Duration::from_secs(3);
+
 /// How often lag is measured (it costs a broker round trip per partition).
 const LAG_EVERY: Duration = Duration::from_secs(15);
 
@@ -347,6 +365,7 @@ impl Consumer {
             if futures::poll!(&mut shutdown).is_ready() {
                 break;
             }
+            self.reclaim_due(&consumer, &leases).await;
             // Retries that are due, each on its own paused partition.
             let due: Vec<TopicPartition> = retries
                 .iter()
@@ -364,22 +383,40 @@ impl Consumer {
                     }
                 }
             }
-            let polled = tokio::task::block_in_place(|| {
-                consumer
-                    .poll(Duration::from_millis(100))
-                    .map(|m| m.map(|m| Record::from_message(&m)))
-            });
-            match polled {
-                None => {}
-                Some(Err(e)) => tracing::warn!(error = %e, "consumer error"),
-                Some(Ok(record)) => {
-                    let tp = (record.topic.clone(), record.partition);
-                    // A paused partition's prefetched records come again after its retry.
-                    if let std::collections::hash_map::Entry::Vacant(slot) = retries.entry(tp) {
-                        if let Some(retry) = self.handle(&consumer, &leases, dlq.as_ref(), record, None).await {
-                            slot.insert(retry);
+            // Poll one record, then whatever else is already fetched, up to the
+            // micro-batch size.
+            let polled: Vec<Record> = tokio::task::block_in_place(|| {
+                let mut out = Vec::new();
+                let mut timeout = Duration::from_millis(100);
+                while out.len() < b.batch {
+                    match consumer.poll(timeout) {
+                        Some(Ok(m)) => out.push(Record::from_message(&m)),
+                        Some(Err(e)) => {
+                            tracing::warn!(error = %e, "consumer error");
+                            break;
                         }
+                        None => break,
                     }
+                    timeout = Duration::ZERO;
+                }
+                out
+            });
+            // A paused partition's prefetched records come again after its retry.
+            let mut groups: Vec<(TopicPartition, Vec<Record>)> = Vec::new();
+            for record in polled {
+                let tp = (record.topic.clone(), record.partition);
+                if retries.contains_key(&tp) {
+                    continue;
+                }
+                match groups.iter_mut().find(|(g, _)| *g == tp) {
+                    Some((_, rs)) => rs.push(record),
+                    None => groups.push((tp, vec![record])),
+                }
+            }
+            for (tp, records) in groups {
+                let pending = self.handle_group(&consumer, &leases, dlq.as_ref(), records).await;
+                if let Some(retry) = pending {
+                    retries.insert(tp, retry);
                 }
             }
             if housekeeping.elapsed() >= b.lease / 3 {
@@ -406,6 +443,54 @@ impl Consumer {
             let _ = b.ferry.release_partition(&lease).await;
         }
         Ok(())
+    }
+
+    /// Processes a partition's records: as one micro-batch transaction when
+    /// they all carry effect keys and it commits, otherwise one by one.
+    /// Returns a retry to schedule if a record must wait.
+    async fn handle_group(
+        &self,
+        consumer: &BaseConsumer<LeaseContext>,
+        leases: &Leases,
+        dlq: Option<&FutureProducer>,
+        records: Vec<Record>,
+    ) -> Option<Retry> {
+        let tp = (records[0].topic.clone(), records[0].partition);
+        let lease = leases.lock().unwrap_or_else(|p| p.into_inner()).get(&tp).cloned();
+        if let (Some(lease), true) = (lease, records.len() > 1) {
+            let keyed: Option<Vec<(Record, String)>> = records
+                .iter()
+                .map(|r| {
+                    r.effect_key()
+                        .or_else(|| self.b.effect_key_fn.as_ref().and_then(|f| f(r)))
+                        .map(|k| (r.clone(), k))
+                })
+                .collect();
+            if let Some(keyed) = keyed {
+                let started = Instant::now();
+                if let Ok(done) = process_batch(&self.b.ferry, &lease, &keyed, self.handler.as_ref()).await {
+                    self.metrics.handler_latency.observe(started.elapsed().as_secs_f64());
+                    for p in done {
+                        match p {
+                            Processed::Applied => self.metrics.processed.inc(),
+                            _ => self.metrics.duplicates.inc(),
+                        };
+                    }
+                    let last = records.last().map(|r| r.offset).unwrap_or_default();
+                    let mut tpl = TopicPartitionList::new();
+                    let _ = tpl.add_partition_offset(&tp.0, tp.1, Offset::Offset(last + 1));
+                    let _ = consumer.commit(&tpl, CommitMode::Async);
+                    return None;
+                }
+            }
+        }
+        for record in records {
+            if let Some(retry) = self.handle(consumer, leases, dlq, record, None).await {
+                // Later records of this partition are fetched again after the retry.
+                return Some(retry);
+            }
+        }
+        None
     }
 
     /// Processes one record (first attempt or retry). Returns a retry to
@@ -461,8 +546,15 @@ impl Consumer {
             }
             Err(ProcessError::LostLease(e)) => {
                 m.lease_losses.inc();
-                tracing::warn!(topic = %tp.0, partition = tp.1, error = %e, "partition lease lost; its records are left to the new owner");
+                tracing::warn!(topic = %tp.0, partition = tp.1, error = %e, "partition lease lost; pausing it");
                 leases.lock().unwrap_or_else(|p| p.into_inner()).remove(&tp);
+                // Stop processing it. If Kafka still assigns it here once the
+                // group settles, take it back at a new generation.
+                let _ = pause(consumer, &tp, true);
+                self.reclaims
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .insert(tp, Instant::now() + RECLAIM_AFTER);
                 return None;
             }
             Err(ProcessError::Handler(HandlerError {
@@ -572,6 +664,62 @@ impl Consumer {
                 self.metrics.dead_lettered.inc();
             }
             Err(e) => tracing::warn!(error = %e, "recording the dead letter failed"),
+        }
+    }
+
+    /// Takes back partitions whose lease was lost but which Kafka still
+    /// assigns here (the group settled on this member): a new generation,
+    /// resuming from the offset stored with the effects.
+    async fn reclaim_due(&self, consumer: &BaseConsumer<LeaseContext>, leases: &Leases) {
+        let due: Vec<TopicPartition> = {
+            let mut r = self.reclaims.lock().unwrap_or_else(|p| p.into_inner());
+            let due: Vec<_> = r
+                .iter()
+                .filter(|(_, at)| **at <= Instant::now())
+                .map(|(tp, _)| tp.clone())
+                .collect();
+            for tp in &due {
+                r.remove(tp);
+            }
+            due
+        };
+        if due.is_empty() {
+            return;
+        }
+        let assigned = consumer.assignment().unwrap_or_default();
+        let b = &self.b;
+        for tp in due {
+            if assigned.find_partition(&tp.0, tp.1).is_none()
+                || leases.lock().unwrap_or_else(|p| p.into_inner()).contains_key(&tp)
+            {
+                continue;
+            }
+            match b
+                .ferry
+                .acquire_partition(&b.group, &tp.0, tp.1, &b.owner, b.lease)
+                .await
+            {
+                Ok((lease, next)) => {
+                    tracing::info!(topic = %tp.0, partition = tp.1, generation = lease.generation, "partition lease taken back");
+                    leases
+                        .lock()
+                        .unwrap_or_else(|p| p.into_inner())
+                        .insert(tp.clone(), lease);
+                    if let Some(n) = next {
+                        let _ = tokio::task::block_in_place(|| {
+                            consumer.seek(&tp.0, tp.1, Offset::Offset(n), Duration::from_secs(5))
+                        });
+                    }
+                    let _ = pause(consumer, &tp, false);
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "taking a partition back failed; retrying later");
+                    self.reclaims
+                        .lock()
+                        .unwrap_or_else(|p| p.into_inner())
+                        .insert(tp, Instant::now() + RECLAIM_AFTER);
+                }
+            }
         }
     }
 

@@ -4,10 +4,10 @@
 //!
 //! Environment: `DATABASE_URL`, `FERRY_BROKERS`, `FERRY_GROUP`, `FERRY_TOPICS`
 //! (comma-separated), `FERRY_DLQ` (dead-letter topic), `FERRY_ASSIGNMENT`
-//! (`eager` or `cooperative`), and for tests `FERRY_CRASH_AT` (abort the
-//! process inside the handler, before commit, the first time this effect key
-//! is seen; a marker file makes it once) and `FERRY_POISON_KEY` (records with
-//! this key fail terminally).
+//! (`eager` or `cooperative`), `FERRY_MICRO_BATCH` (records per transaction),
+//! and for tests `FERRY_CRASH_AT` (abort the process inside the handler,
+//! before commit, the first time this effect key is seen; a marker file makes
+//! it once) and `FERRY_POISON_KEY` (records with this key fail terminally).
 
 use std::time::Duration;
 
@@ -105,6 +105,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     .handler(handler)
     .assignment(assignment)
     .lease(Duration::from_secs(10))
+    .micro_batch(env("FERRY_MICRO_BATCH", "50").parse().unwrap_or(50))
     .kafka("session.timeout.ms", "6000")
     .kafka("heartbeat.interval.ms", "500");
     if let Ok(dlq) = std::env::var("FERRY_DLQ") {

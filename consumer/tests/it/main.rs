@@ -375,7 +375,8 @@ fn projection(url: &str, brokers: &str, group: &str, topic: &str, crash_at: Opti
         .stdout(Stdio::null())
         .stderr(Stdio::null());
     if let Some(k) = crash_at {
-        c.env("FERRY_CRASH_AT", k);
+        // One record per transaction, so the crash lands between records.
+        c.env("FERRY_CRASH_AT", k).env("FERRY_MICRO_BATCH", "1");
     }
     Member(Some(c.spawn().expect("spawn ferry-projection")))
 }

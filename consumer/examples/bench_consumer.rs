@@ -1,0 +1,186 @@
+//! Consumer benchmark against PostgreSQL and a Tansu broker (memory://):
+//! effects per second through `ferry-consumer` (ledger, partition lease,
+//! offset stored with the effect) with 1 and 3 members, beside a raw loop in
+//! the same run that consumes the same records and writes the same effect
+//! with no ledger and no lease.
+//!
+//!     scripts/install-broker && cargo run --release -p ferry-consumer --example bench_consumer -- [--quick]
+#![allow(clippy::print_stdout, missing_docs)]
+
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use ferry::{Engine, Ferry};
+use ferry_consumer::{Consumer, Handler, HandlerError, Record};
+use futures::future::BoxFuture;
+use rdkafka::consumer::{BaseConsumer, Consumer as _};
+use rdkafka::message::{Header, Message, OwnedHeaders};
+use rdkafka::producer::{FutureProducer, FutureRecord};
+use rdkafka::ClientConfig;
+
+type Res<T> = Result<T, Box<dyn std::error::Error + Send + Sync>>;
+
+struct Tansu(Child);
+impl Drop for Tansu {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+const EFFECT: &str =
+    "INSERT INTO bench_effects (k, n) VALUES ($1, 1) ON CONFLICT (k) DO UPDATE SET n = bench_effects.n + 1";
+
+struct Apply;
+impl Handler for Apply {
+    fn handle<'a>(&'a self, r: &'a Record, tx: &'a mut ferry::Tx) -> BoxFuture<'a, Result<(), HandlerError>> {
+        Box::pin(async move {
+            let key = String::from_utf8_lossy(r.key.as_deref().unwrap_or_default()).into_owned();
+            sqlx::query(EFFECT)
+                .bind(key)
+                .execute(tx.postgres().expect("postgres"))
+                .await?;
+            Ok(())
+        })
+    }
+}
+
+#[tokio::main]
+async fn main() -> Res<()> {
+    let n: usize = if std::env::args().any(|a| a == "--quick") {
+        5_000
+    } else {
+        30_000
+    };
+    let port = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
+    let url = format!("tcp://127.0.0.1:{port}");
+    let _tansu = Tansu(
+        Command::new(ferry::testing::tansu())
+            .args([
+                "broker",
+                "--listener-url",
+                &url,
+                "--advertised-listener-url",
+                &url,
+                "--storage-engine",
+                "memory://tansu/",
+            ])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()?,
+    );
+    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let brokers = format!("127.0.0.1:{port}");
+    Command::new(ferry::testing::tansu())
+        .args(["topic", "create", "bench", "--partitions", "6", "--broker", &url])
+        .status()?;
+    let producer: FutureProducer = ClientConfig::new()
+        .set("bootstrap.servers", &brokers)
+        .set("linger.ms", "5")
+        .create()?;
+    let mut acks = Vec::with_capacity(n);
+    for i in 0..n {
+        let id = i.to_string();
+        let key = format!("k{}", i % 1000);
+        let h = OwnedHeaders::new().insert(Header {
+            key: "ferry-outbox-id",
+            value: Some(&id),
+        });
+        acks.push(
+            producer
+                .send_result(FutureRecord::to("bench").key(&key).payload("{}").headers(h))
+                .map_err(|(e, _)| e)?,
+        );
+    }
+    for a in acks {
+        a.await?.map_err(|(e, _)| e)?;
+    }
+    println!("ferry-consumer benchmark (PostgreSQL, Tansu memory://, {n} records, 6 partitions)\n");
+    println!("{:<40} {:>14} {:>14}", "measure", "ferry-consumer", "raw loop");
+    let raw = raw_loop(&brokers, n).await?;
+    for members in [1usize, 3] {
+        let rate = ferry_members(&brokers, n, members).await?;
+        println!(
+            "{:<40} {rate:>14.0} {raw:>14.0}",
+            format!("effects/s, {members} member(s)")
+        );
+    }
+    Ok(())
+}
+
+async fn fresh() -> Res<Ferry> {
+    let url = ferry::testing::fresh_database_url(Engine::Postgres).await?;
+    let ferry = Ferry::builder(&url).migrate(true).connect().await?;
+    sqlx::query("CREATE TABLE bench_effects (k TEXT PRIMARY KEY, n BIGINT NOT NULL)")
+        .execute(ferry.db().as_postgres().ok_or("pg")?)
+        .await?;
+    Ok(ferry)
+}
+
+/// Consume and write the effect, autocommit, no ledger, no lease.
+async fn raw_loop(brokers: &str, n: usize) -> Res<f64> {
+    let ferry = fresh().await?;
+    let pool = ferry.db().as_postgres().ok_or("pg")?.clone();
+    let c: BaseConsumer = ClientConfig::new()
+        .set("bootstrap.servers", brokers)
+        .set("group.id", format!("raw-{}", uuid::Uuid::now_v7().simple()))
+        .set("auto.offset.reset", "earliest")
+        .create()?;
+    c.subscribe(&["bench"])?;
+    let mut done = 0;
+    let mut start = None;
+    while done < n {
+        let m = tokio::task::block_in_place(|| {
+            c.poll(Duration::from_millis(100))
+                .map(|m| m.map(|m| m.key().map(<[u8]>::to_vec)))
+        });
+        if let Some(Ok(key)) = m {
+            start.get_or_insert_with(Instant::now);
+            sqlx::query(EFFECT)
+                .bind(String::from_utf8_lossy(&key.unwrap_or_default()).into_owned())
+                .execute(&pool)
+                .await?;
+            done += 1;
+        }
+    }
+    Ok(n as f64 / start.map(|s| s.elapsed().as_secs_f64()).unwrap_or(1.0))
+}
+
+async fn ferry_members(brokers: &str, n: usize, members: usize) -> Res<f64> {
+    let ferry = fresh().await?;
+    let group = format!("bench-{}", uuid::Uuid::now_v7().simple());
+    let stop = tokio_util::sync::CancellationToken::new();
+    let mut metrics = Vec::new();
+    let mut running = Vec::new();
+    let start = Instant::now();
+    for _ in 0..members {
+        let c = Consumer::builder(ferry.clone(), brokers, &group, &["bench"])
+            .handler(Apply)
+            .kafka("session.timeout.ms", "6000")
+            .build()?;
+        metrics.push(c.metrics());
+        let s = stop.clone();
+        running.push(tokio::spawn(c.run(async move { s.cancelled().await })));
+    }
+    let mut last = Instant::now();
+    while metrics
+        .iter()
+        .map(|m| m.processed.get() + m.duplicates.get())
+        .sum::<u64>()
+        < n as u64
+    {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        if std::env::var("BENCH_DEBUG").is_ok() && last.elapsed() > Duration::from_secs(2) {
+            last = Instant::now();
+            eprintln!("{:?}", metrics.iter().map(|m| m.processed.get()).collect::<Vec<_>>());
+        }
+    }
+    let rate = n as f64 / start.elapsed().as_secs_f64();
+    stop.cancel();
+    for r in running {
+        r.await??;
+    }
+    Ok(rate)
+}
