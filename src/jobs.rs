@@ -602,9 +602,6 @@ impl Ferry {
         actor: &str,
         reason: &str,
     ) -> Result<()> {
-        self.limits().tenant(tenant)?;
-        self.limits().text("actor", actor, 255)?;
-        self.limits().text("reason", reason, 4096)?;
         let mut tx = self.begin().await?;
         let r = self
             .cancel_in(tx.conn(), tenant, run_id, expected_version, actor, reason)
@@ -622,6 +619,9 @@ impl Ferry {
         actor: &str,
         reason: &str,
     ) -> Result<()> {
+        self.limits().tenant(tenant)?;
+        self.limits().text("actor", actor, 255)?;
+        self.limits().text("reason", reason, 4096)?;
         let job: Option<(i32, i64)> = on_conn!(conn.reborrow(), |c, q| {
             sqlx::query_as(q.get("cancel_job"))
                 .bind(tenant)

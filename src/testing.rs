@@ -95,15 +95,32 @@ pub struct Broker {
     /// Its port.
     pub port: u16,
     dir: PathBuf,
+    storage: &'static str,
 }
 
 impl Broker {
-    /// Starts one; panics naming what is missing when `tansu` is not installed.
+    /// Starts one on sqlite:// storage (correct offsets, data kept across a
+    /// restart); panics naming what is missing when `tansu` is not installed.
     pub fn start() -> Broker {
+        Self::start_on("sqlite://tansu.db")
+    }
+
+    /// Starts one on memory:// storage: fastest, for benchmarks, but its
+    /// watermarks are wrong and a restart loses everything.
+    pub fn start_memory() -> Broker {
+        Self::start_on("memory://tansu/")
+    }
+
+    fn start_on(storage: &'static str) -> Broker {
         let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
         let dir = std::env::temp_dir().join(format!("ferry-tansu-{}-{port}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
-        let mut b = Broker { child: None, port, dir };
+        let mut b = Broker {
+            child: None,
+            port,
+            dir,
+            storage,
+        };
         b.spawn();
         b
     }
@@ -120,7 +137,7 @@ impl Broker {
                 "--storage-engine",
             ])
             // Tansu resolves the sqlite path against its working directory.
-            .arg("sqlite://tansu.db")
+            .arg(self.storage)
             .current_dir(&self.dir)
             .env_remove("OTEL_EXPORTER_OTLP_ENDPOINT")
             .stdout(Stdio::null())

@@ -7,7 +7,6 @@
 //!     scripts/install-broker && cargo run --release -p ferry-consumer --example bench_consumer -- [--quick]
 #![allow(clippy::print_stdout, missing_docs)]
 
-use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use ferry::{Engine, Ferry};
@@ -19,14 +18,6 @@ use rdkafka::producer::{FutureProducer, FutureRecord};
 use rdkafka::ClientConfig;
 
 type Res<T> = Result<T, Box<dyn std::error::Error + Send + Sync>>;
-
-struct Tansu(Child);
-impl Drop for Tansu {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
 
 const EFFECT: &str =
     "INSERT INTO bench_effects (k, n) VALUES ($1, 1) ON CONFLICT (k) DO UPDATE SET n = bench_effects.n + 1";
@@ -52,30 +43,9 @@ async fn main() -> Res<()> {
     } else {
         30_000
     };
-    let port = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
-    let url = format!("tcp://127.0.0.1:{port}");
-    let _tansu = Tansu(
-        Command::new(ferry::testing::tansu())
-            .args([
-                "broker",
-                "--listener-url",
-                &url,
-                "--advertised-listener-url",
-                &url,
-                "--storage-engine",
-                "memory://tansu/",
-            ])
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()?,
-    );
-    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    let brokers = format!("127.0.0.1:{port}");
-    Command::new(ferry::testing::tansu())
-        .args(["topic", "create", "bench", "--partitions", "6", "--broker", &url])
-        .status()?;
+    let broker = ferry::testing::Broker::start_memory();
+    let brokers = broker.brokers();
+    broker.create_topic("bench", 6);
     let producer: FutureProducer = ClientConfig::new()
         .set("bootstrap.servers", &brokers)
         .set("linger.ms", "5")

@@ -8,7 +8,6 @@
 //!     scripts/install-broker && cargo run --release -p ferry-relay --example bench_relay -- [--quick]
 #![allow(clippy::print_stdout, missing_docs)]
 
-use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use ferry::{Engine, Ferry, OutboxMessage};
@@ -19,65 +18,17 @@ use tokio_util::sync::CancellationToken;
 
 type Res<T> = Result<T, Box<dyn std::error::Error + Send + Sync>>;
 
-struct Tansu(Child);
-impl Drop for Tansu {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-fn start_tansu() -> Res<(Tansu, String)> {
-    let port = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
-    let url = format!("tcp://127.0.0.1:{port}");
-    let child = Command::new("tansu")
-        .args([
-            "broker",
-            "--listener-url",
-            &url,
-            "--advertised-listener-url",
-            &url,
-            "--storage-engine",
-            "memory://tansu/",
-        ])
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()?;
-    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    Ok((Tansu(child), format!("127.0.0.1:{port}")))
-}
-
-fn create_topic(brokers: &str, name: &str) -> Res<()> {
-    let status = Command::new("tansu")
-        .args([
-            "topic",
-            "create",
-            name,
-            "--partitions",
-            "6",
-            "--broker",
-            &format!("tcp://{brokers}"),
-        ])
-        .stdout(Stdio::null())
-        .status()?;
-    if !status.success() {
-        return Err(format!("cannot create topic {name}").into());
-    }
-    Ok(())
-}
-
 #[tokio::main]
 async fn main() -> Res<()> {
     let quick = std::env::args().any(|a| a == "--quick");
     let n: usize = if quick { 20_000 } else { 100_000 };
-    let (_tansu, brokers) = start_tansu()?;
+    let broker = ferry::testing::Broker::start_memory();
+    let brokers = broker.brokers();
     println!("ferry-relay benchmarks (PostgreSQL → Tansu memory://, n = {n})\n");
     println!("{:<52} {:>12} {:>14}", "measure", "ferry-relay", "raw produce");
     for size in [100usize, 1024] {
         let topic = format!("bench-{size}");
-        create_topic(&brokers, &topic)?;
+        broker.create_topic(&topic, 6);
         let raw = raw_produce(&brokers, &topic, n, size).await?;
         for (relays, delete) in [(1, false), (2, false), (1, true)] {
             let rate = drain(&brokers, &topic, n, size, relays, delete).await?;
@@ -89,7 +40,7 @@ async fn main() -> Res<()> {
         }
     }
     // Latency from commit to acknowledgement at a steady 1k rows/s.
-    create_topic(&brokers, "bench-latency")?;
+    broker.create_topic("bench-latency", 6);
     let (ferry, url) = fresh().await?;
     let (stop, handle, state) = start(&url, &brokers, ferry.clone(), false)?;
     let secs = if quick { 5 } else { 15 };
@@ -116,7 +67,7 @@ async fn main() -> Res<()> {
     println!("{:<52} {:>9} ms {:>14}", "commit → ack p99 at 1k rows/s", p99, "-");
     // A large backlog.
     let big = if quick { 100_000 } else { 1_000_000 };
-    create_topic(&brokers, "bench-backlog")?;
+    broker.create_topic("bench-backlog", 6);
     let raw = raw_produce(&brokers, "bench-backlog", big.min(200_000), 100).await?;
     let rate = drain(&brokers, "bench-backlog", big, 100, 1, false).await?;
     println!(
