@@ -5,8 +5,8 @@
 //! costs nothing when tracing export is not configured.
 //!
 //! With the `otlp` feature, [`init`] installs logging (text, or JSON with
-//! `FERRY_LOG_FORMAT=json`) and, when `OTEL_EXPORTER_OTLP_ENDPOINT` is set, an
-//! OTLP span exporter.
+//! `FERRY_LOG_FORMAT=json`) and, when `OTEL_EXPORTER_OTLP_ENDPOINT` is set,
+//! OTLP span and metric exporters.
 
 use opentelemetry::trace::{SpanContext, SpanId, TraceContextExt, TraceFlags, TraceId, TraceState};
 use tracing_opentelemetry::OpenTelemetrySpanExt;
@@ -60,6 +60,7 @@ pub fn continue_trace(span: &tracing::Span, traceparent: Option<&str>) -> bool {
 #[cfg(feature = "otlp")]
 pub struct TelemetryGuard {
     provider: Option<opentelemetry_sdk::trace::SdkTracerProvider>,
+    meters: Option<opentelemetry_sdk::metrics::SdkMeterProvider>,
 }
 
 #[cfg(feature = "otlp")]
@@ -67,6 +68,9 @@ impl Drop for TelemetryGuard {
     fn drop(&mut self) {
         if let Some(p) = self.provider.take() {
             let _ = p.shutdown();
+        }
+        if let Some(m) = self.meters.take() {
+            let _ = m.shutdown();
         }
     }
 }
@@ -111,7 +115,23 @@ pub fn init(service_name: &'static str, default_level: &str) -> TelemetryGuard {
         .with(fmt)
         .with(otel)
         .try_init();
-    TelemetryGuard { provider }
+    // Metrics under the same names as the Prometheus endpoints.
+    let meters = std::env::var("OTEL_EXPORTER_OTLP_ENDPOINT").ok().and_then(|_| {
+        let exporter = opentelemetry_otlp::MetricExporter::builder()
+            .with_tonic()
+            .build()
+            .ok()?;
+        let resource = opentelemetry_sdk::Resource::builder()
+            .with_service_name(service_name)
+            .build();
+        let meters = opentelemetry_sdk::metrics::SdkMeterProvider::builder()
+            .with_periodic_exporter(exporter)
+            .with_resource(resource)
+            .build();
+        opentelemetry::global::set_meter_provider(meters.clone());
+        Some(meters)
+    });
+    TelemetryGuard { provider, meters }
 }
 
 #[cfg(test)]

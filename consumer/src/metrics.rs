@@ -1,4 +1,6 @@
-//! The consumer's metrics as typed handles, in Prometheus text format.
+//! The consumer's metrics as typed handles, in Prometheus text format and,
+//! under the same names, through OpenTelemetry (the global meter provider; a
+//! no-op unless `ferry::telemetry::init` installed one).
 
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
@@ -33,6 +35,9 @@ pub struct Metrics {
     pub lag: Family<PartitionLabel, Gauge>,
     /// Handler time in seconds.
     pub handler_latency: Histogram,
+    otel_latency: opentelemetry::metrics::Histogram<f64>,
+    otel_lag: opentelemetry::metrics::Gauge<i64>,
+    _observed: Vec<opentelemetry::metrics::ObservableCounter<u64>>,
 }
 
 impl Default for Metrics {
@@ -45,6 +50,7 @@ impl Metrics {
     /// Registers every metric.
     pub fn new() -> Self {
         let mut registry = Registry::with_prefix("ferry_consumer");
+        let meter = opentelemetry::global::meter("ferry-consumer");
         let m = Metrics {
             registry: Registry::default(),
             processed: Counter::default(),
@@ -53,6 +59,12 @@ impl Metrics {
             lease_losses: Counter::default(),
             lag: Family::default(),
             handler_latency: Histogram::new([0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0]),
+            otel_latency: meter
+                .f64_histogram("ferry_consumer_handler_latency_seconds")
+                .with_unit("s")
+                .build(),
+            otel_lag: meter.i64_gauge("ferry_consumer_lag").build(),
+            _observed: Vec::new(),
         };
         registry.register("processed", "Records whose effects committed", m.processed.clone());
         registry.register("duplicates", "Records skipped as duplicates", m.duplicates.clone());
@@ -64,7 +76,48 @@ impl Metrics {
         registry.register("lease_losses", "Partition leases lost", m.lease_losses.clone());
         registry.register("lag", "Records behind the high watermark", m.lag.clone());
         registry.register("handler_latency_seconds", "Handler time", m.handler_latency.clone());
-        Metrics { registry, ..m }
+        let observed = [
+            ("ferry_consumer_processed", m.processed.clone()),
+            ("ferry_consumer_duplicates", m.duplicates.clone()),
+            ("ferry_consumer_dead_lettered", m.dead_lettered.clone()),
+            ("ferry_consumer_lease_losses", m.lease_losses.clone()),
+        ]
+        .into_iter()
+        .map(|(name, c)| {
+            meter
+                .u64_observable_counter(name)
+                .with_callback(move |o| o.observe(c.get(), &[]))
+                .build()
+        })
+        .collect();
+        Metrics {
+            registry,
+            _observed: observed,
+            ..m
+        }
+    }
+
+    /// Records one handler (or micro-batch) duration.
+    pub fn observe_handler(&self, secs: f64) {
+        self.handler_latency.observe(secs);
+        self.otel_latency.record(secs, &[]);
+    }
+
+    /// Sets a partition's lag.
+    pub fn set_lag(&self, topic: &str, partition: i32, lag: i64) {
+        self.lag
+            .get_or_create(&PartitionLabel {
+                topic: topic.to_owned(),
+                partition,
+            })
+            .set(lag);
+        self.otel_lag.record(
+            lag,
+            &[
+                opentelemetry::KeyValue::new("topic", topic.to_owned()),
+                opentelemetry::KeyValue::new("partition", i64::from(partition)),
+            ],
+        );
     }
 
     /// The Prometheus text exposition.

@@ -22,7 +22,7 @@ use rdkafka::{ClientConfig, ClientContext};
 use tracing::Instrument;
 
 use crate::error::{ConsumerError, HandlerClass, HandlerError};
-use crate::metrics::{Metrics, PartitionLabel};
+use crate::metrics::Metrics;
 use crate::process::{process_batch, process_record, record_dead_letter, ProcessError, Processed};
 use crate::record::{Handler, Record};
 
@@ -469,7 +469,7 @@ impl Consumer {
             if let Some(keyed) = keyed {
                 let started = Instant::now();
                 if let Ok(done) = process_batch(&self.b.ferry, &lease, &keyed, self.handler.as_ref()).await {
-                    self.metrics.handler_latency.observe(started.elapsed().as_secs_f64());
+                    self.metrics.observe_handler(started.elapsed().as_secs_f64());
                     for p in done {
                         match p {
                             Processed::Applied => self.metrics.processed.inc(),
@@ -533,7 +533,7 @@ impl Consumer {
         let outcome = process_record(&b.ferry, &lease, &record, &effect_key, self.handler.as_ref())
             .instrument(span)
             .await;
-        m.handler_latency.observe(started.elapsed().as_secs_f64());
+        m.observe_handler(started.elapsed().as_secs_f64());
         let was_paused = retry.is_some();
         let result = match outcome {
             Ok(Processed::Applied) => {
@@ -753,13 +753,7 @@ impl Consumer {
             let wm = tokio::task::block_in_place(|| consumer.fetch_watermarks(&tp.0, tp.1, Duration::from_millis(200)));
             if let Ok((_, high)) = wm {
                 let at = stored.get(&tp).copied().unwrap_or(0);
-                self.metrics
-                    .lag
-                    .get_or_create(&PartitionLabel {
-                        topic: tp.0.clone(),
-                        partition: tp.1,
-                    })
-                    .set((high - at).max(0));
+                self.metrics.set_lag(&tp.0, tp.1, (high - at).max(0));
             }
         }
     }

@@ -34,19 +34,12 @@ async fn ready(State(state): State<Arc<RelayState>>) -> impl IntoResponse {
 }
 
 async fn metrics(State(state): State<Arc<RelayState>>) -> impl IntoResponse {
-    let m = &state.metrics;
-    if let Ok(b) = state.ferry.outbox_backlog().await {
-        m.backlog.set(b.pending);
-        m.oldest_pending_age.set(b.oldest_age_ms() as f64 / 1000.0);
-    }
-    if let Ok(n) = state.ferry.outbox_dead_count().await {
-        m.dead_rows.set(n);
-    }
+    state.refresh_gauges().await;
     (
         [(
             header::CONTENT_TYPE,
             "application/openmetrics-text; version=1.0.0; charset=utf-8",
         )],
-        m.render(),
+        state.metrics.render(),
     )
 }

@@ -1,5 +1,6 @@
 //! The relay's metrics as typed handles, exposed in Prometheus text format
-//! on `/metrics`.
+//! on `/metrics` and, under the same names, through OpenTelemetry (the global
+//! meter provider; a no-op unless `ferry::telemetry::init` installed one).
 
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
@@ -38,6 +39,8 @@ pub struct Metrics {
     pub lease_losses: Counter,
     /// Seconds from commit to broker acknowledgement.
     pub publish_latency: Histogram,
+    /// OpenTelemetry instruments mirroring the ones above.
+    otel: Otel,
     /// The latest commit-to-ack samples (ms), for exact quantiles in the demo
     /// and benchmarks; bounded.
     pub latency_samples: std::sync::Mutex<Vec<i64>>,
@@ -65,6 +68,7 @@ impl Metrics {
             publish_latency: Histogram::new([0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0]),
             registry: Registry::default(),
             latency_samples: std::sync::Mutex::new(Vec::new()),
+            otel: Otel::default(),
         };
         registry.register(
             "published",
@@ -91,12 +95,26 @@ impl Metrics {
             "Seconds from commit to broker acknowledgement",
             m.publish_latency.clone(),
         );
-        Metrics { registry, ..m }
+        let otel = Otel::new(&m);
+        Metrics { registry, otel, ..m }
+    }
+
+    /// Counts a classified publish error.
+    pub fn publish_error(&self, code: &str) {
+        self.publish_errors
+            .get_or_create(&CodeLabel { code: code.to_owned() })
+            .inc();
+        if let Some(c) = &self.otel.publish_errors {
+            c.add(1, &[opentelemetry::KeyValue::new("code", code.to_owned())]);
+        }
     }
 
     /// Records one commit-to-ack latency.
     pub fn observe_latency(&self, ms: i64) {
         self.publish_latency.observe(ms.max(0) as f64 / 1000.0);
+        if let Some(h) = &self.otel.publish_latency {
+            h.record(ms.max(0) as f64 / 1000.0, &[]);
+        }
         let mut s = self.latency_samples.lock().unwrap_or_else(|p| p.into_inner());
         if s.len() < 1_000_000 {
             s.push(ms.max(0));
@@ -118,5 +136,64 @@ impl Metrics {
         let mut out = String::new();
         let _ = prometheus_client::encoding::text::encode(&mut out, &self.registry);
         out
+    }
+}
+
+/// The OpenTelemetry side: counters and gauges are observed from the
+/// Prometheus handles at collection time; errors and latency are recorded
+/// directly. Names match the Prometheus ones (without the `_total` suffix
+/// Prometheus adds to counters).
+#[derive(Debug, Default)]
+struct Otel {
+    publish_errors: Option<opentelemetry::metrics::Counter<u64>>,
+    publish_latency: Option<opentelemetry::metrics::Histogram<f64>>,
+    _observed: Vec<Box<dyn std::any::Any + Send + Sync>>,
+}
+
+impl Otel {
+    fn new(m: &Metrics) -> Otel {
+        let meter = opentelemetry::global::meter("ferry-relay");
+        let mut observed: Vec<Box<dyn std::any::Any + Send + Sync>> = Vec::new();
+        for (name, counter) in [
+            ("ferry_relay_published", m.published.clone()),
+            ("ferry_relay_dead", m.dead.clone()),
+            ("ferry_relay_lease_losses", m.lease_losses.clone()),
+        ] {
+            observed.push(Box::new(
+                meter
+                    .u64_observable_counter(name)
+                    .with_callback(move |o| o.observe(counter.get(), &[]))
+                    .build(),
+            ));
+        }
+        for (name, gauge) in [
+            ("ferry_relay_backlog_rows", m.backlog.clone()),
+            ("ferry_relay_dead_rows", m.dead_rows.clone()),
+            ("ferry_relay_lanes_owned", m.lanes_owned.clone()),
+        ] {
+            observed.push(Box::new(
+                meter
+                    .i64_observable_gauge(name)
+                    .with_callback(move |o| o.observe(gauge.get(), &[]))
+                    .build(),
+            ));
+        }
+        let age = m.oldest_pending_age.clone();
+        observed.push(Box::new(
+            meter
+                .f64_observable_gauge("ferry_relay_oldest_pending_age_seconds")
+                .with_callback(move |o| o.observe(age.get(), &[]))
+                .build(),
+        ));
+        Otel {
+            publish_errors: Some(meter.u64_counter("ferry_relay_publish_errors").build()),
+            publish_latency: Some(
+                meter
+                    .f64_histogram("ferry_relay_publish_latency_seconds")
+                    .with_unit("s")
+                    .build(),
+            ),
+            _observed: observed,
+        }
     }
 }

@@ -18,7 +18,7 @@ use tokio_util::sync::CancellationToken;
 use crate::config::{OnPoison, RelayConfig};
 use crate::error::RelayError;
 use crate::lanes;
-use crate::metrics::{CodeLabel, Metrics};
+use crate::metrics::Metrics;
 use crate::publish::{self, Outcome};
 
 /// A running relay's shared parts, for the HTTP endpoints and tests.
@@ -40,6 +40,20 @@ struct LaneTask {
     finish: CancellationToken,
     /// Stop at once (the lease is lost): publish nothing more.
     abort: CancellationToken,
+}
+
+impl RelayState {
+    /// Refreshes the gauges that come from the table (backlog, oldest
+    /// pending age, dead rows); done every lane tick and at each scrape.
+    pub async fn refresh_gauges(&self) {
+        if let Ok(b) = self.ferry.outbox_backlog().await {
+            self.metrics.backlog.set(b.pending);
+            self.metrics.oldest_pending_age.set(b.oldest_age_ms() as f64 / 1000.0);
+        }
+        if let Ok(n) = self.ferry.outbox_dead_count().await {
+            self.metrics.dead_rows.set(n);
+        }
+    }
 }
 
 /// A configured relay, not yet running: [`Relay::state`] gives tests and the
@@ -140,6 +154,7 @@ impl Relay {
                         held.insert(lease.lane, task);
                     }
                     state.metrics.lanes_owned.set(held.len() as i64);
+                    state.refresh_gauges().await;
                 }
                 _ = sweep.tick(), if !cfg.delete_on_delivery => {
                     loop {
@@ -247,9 +262,7 @@ async fn lane_loop(
                     m.observe_latency(acked_at - row.created_at);
                 }
                 Outcome::Poison(code) => {
-                    m.publish_errors
-                        .get_or_create(&CodeLabel { code: (*code).into() })
-                        .inc();
+                    m.publish_error(code);
                     if cfg.on_poison == OnPoison::Block {
                         tracing::error!(
                             lane = lease.lane,
@@ -276,9 +289,7 @@ async fn lane_loop(
                 }
                 Outcome::Transient(code) => {
                     // Resume from the first unacknowledged row; never skip ahead.
-                    m.publish_errors
-                        .get_or_create(&CodeLabel { code: (*code).into() })
-                        .inc();
+                    m.publish_error(code);
                     stalled = Some((code, row.id));
                     break;
                 }

@@ -11,6 +11,7 @@ use ferry::NewRun;
 use ferry_consumer::{Consumer, Handler, HandlerError, Record};
 use futures::future::BoxFuture;
 use opentelemetry::trace::{TraceContextExt, TracerProvider as _};
+use opentelemetry_sdk::metrics::{InMemoryMetricExporter, SdkMeterProvider};
 use opentelemetry_sdk::trace::{InMemorySpanExporter, SdkTracerProvider};
 use serde_json::json;
 use tracing::Instrument;
@@ -19,17 +20,32 @@ use tracing_subscriber::layer::SubscriberExt;
 
 use crate::support::*;
 
-fn exporter() -> &'static (InMemorySpanExporter, SdkTracerProvider) {
-    static CELL: OnceLock<(InMemorySpanExporter, SdkTracerProvider)> = OnceLock::new();
+struct Exporters {
+    spans: InMemorySpanExporter,
+    tracer: SdkTracerProvider,
+    metrics: InMemoryMetricExporter,
+    meters: SdkMeterProvider,
+}
+
+fn exporters() -> &'static Exporters {
+    static CELL: OnceLock<Exporters> = OnceLock::new();
     CELL.get_or_init(|| {
-        let exporter = InMemorySpanExporter::default();
-        let provider = SdkTracerProvider::builder()
-            .with_simple_exporter(exporter.clone())
-            .build();
+        let spans = InMemorySpanExporter::default();
+        let tracer = SdkTracerProvider::builder().with_simple_exporter(spans.clone()).build();
         let subscriber = tracing_subscriber::registry()
-            .with(tracing_opentelemetry::layer().with_tracer(provider.tracer("ferry-test")));
+            .with(tracing_opentelemetry::layer().with_tracer(tracer.tracer("ferry-test")));
         tracing::subscriber::set_global_default(subscriber).expect("the trace test owns the global subscriber");
-        (exporter, provider)
+        let metrics = InMemoryMetricExporter::default();
+        let meters = SdkMeterProvider::builder()
+            .with_periodic_exporter(metrics.clone())
+            .build();
+        opentelemetry::global::set_meter_provider(meters.clone());
+        Exporters {
+            spans,
+            tracer,
+            metrics,
+            meters,
+        }
     })
 }
 
@@ -42,7 +58,12 @@ impl Handler for Noop {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_trace_from_request_to_consumer() {
-    let (exporter, provider) = exporter();
+    let Exporters {
+        spans: exporter,
+        tracer: provider,
+        metrics: metric_exporter,
+        meters,
+    } = exporters();
     let broker = Broker::start();
     broker.create_topic("ferry.run-events", 1);
     let (ferry, url) = pg_ferry().await;
@@ -91,6 +112,35 @@ async fn one_trace_from_request_to_consumer() {
         );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
+    // The same metric names reach OpenTelemetry as Prometheus.
+    meters.force_flush().unwrap();
+    let names: std::collections::BTreeSet<String> = metric_exporter
+        .get_finished_metrics()
+        .unwrap()
+        .iter()
+        .flat_map(|rm| {
+            rm.scope_metrics()
+                .flat_map(|sm| sm.metrics().map(|m| m.name().to_owned()))
+                .collect::<Vec<_>>()
+        })
+        .collect();
+    let (_, prometheus) = http_get(relay.addr, "/metrics").await;
+    for name in [
+        "ferry_relay_published",
+        "ferry_relay_backlog_rows",
+        "ferry_relay_publish_latency_seconds",
+        "ferry_consumer_processed",
+    ] {
+        assert!(names.contains(name), "{name} missing from OpenTelemetry: {names:?}");
+    }
+    for name in [
+        "ferry_relay_published_total",
+        "ferry_relay_backlog_rows",
+        "ferry_relay_publish_latency_seconds",
+    ] {
+        assert!(prometheus.contains(name), "{name} missing from /metrics");
+    }
+    assert!(metrics.render().contains("ferry_consumer_processed_total"));
     stop.cancel();
     consuming.await.unwrap().unwrap();
     relay.shutdown().await;
