@@ -71,7 +71,7 @@ pub async fn run(
     listener: tokio::net::TcpListener,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
-    let stop = tokio_util_free::Stop::default();
+    let stop = stop_signal::Stop::default();
     let worker = if config.with_worker {
         let w = Worker::new(
             ferry.clone(),
@@ -110,7 +110,7 @@ pub async fn serve(
     run(ferry, config, tokio::net::TcpListener::bind(addr).await?, shutdown).await
 }
 
-mod tokio_util_free {
+mod stop_signal {
     //! A tiny one-shot stop signal shared by the server and the worker.
     use std::sync::Arc;
     use tokio::sync::watch;
