@@ -263,6 +263,9 @@ impl ConsumerContext for LeaseContext {
                 if let Err(e) = r {
                     tracing::error!(error = %e, "assign failed");
                 }
+                // A partition paused by an earlier owner-ship of ours (a retry,
+                // a lost lease) must not stay paused when it comes back.
+                let _ = base.resume(tpl);
             }
             RDKafkaRespErr::RD_KAFKA_RESP_ERR__REVOKE_PARTITIONS => {
                 let parts: Vec<TopicPartition> = tpl
@@ -422,6 +425,7 @@ impl Consumer {
             if housekeeping.elapsed() >= b.lease / 3 {
                 housekeeping = Instant::now();
                 self.housekeeping().await;
+                self.watch_unleased(&consumer, &leases);
             }
             if lag_at.elapsed() >= LAG_EVERY {
                 lag_at = Instant::now();
@@ -689,9 +693,11 @@ impl Consumer {
         let assigned = consumer.assignment().unwrap_or_default();
         let b = &self.b;
         for tp in due {
-            if assigned.find_partition(&tp.0, tp.1).is_none()
-                || leases.lock().unwrap_or_else(|p| p.into_inner()).contains_key(&tp)
-            {
+            if leases.lock().unwrap_or_else(|p| p.into_inner()).contains_key(&tp) {
+                let _ = pause(consumer, &tp, false);
+                continue;
+            }
+            if assigned.find_partition(&tp.0, tp.1).is_none() {
                 continue;
             }
             match b
@@ -705,11 +711,11 @@ impl Consumer {
                         .lock()
                         .unwrap_or_else(|p| p.into_inner())
                         .insert(tp.clone(), lease);
-                    if let Some(n) = next {
-                        let _ = tokio::task::block_in_place(|| {
-                            consumer.seek(&tp.0, tp.1, Offset::Offset(n), Duration::from_secs(5))
-                        });
-                    }
+                    // Records fetched while the partition had no lease were
+                    // skipped: go back to the offset stored with the effects
+                    // (or the beginning, when nothing was ever processed).
+                    let at = next.map(Offset::Offset).unwrap_or(Offset::Beginning);
+                    let _ = tokio::task::block_in_place(|| consumer.seek(&tp.0, tp.1, at, Duration::from_secs(5)));
                     let _ = pause(consumer, &tp, false);
                 }
                 Err(e) => {
@@ -719,6 +725,20 @@ impl Consumer {
                         .unwrap_or_else(|p| p.into_inner())
                         .insert(tp, Instant::now() + RECLAIM_AFTER);
                 }
+            }
+        }
+    }
+
+    /// Partitions Kafka assigns here that have no lease (the lease could not
+    /// be taken in the rebalance callback) get one through the reclaim path.
+    fn watch_unleased(&self, consumer: &BaseConsumer<LeaseContext>, leases: &Leases) {
+        let assigned = consumer.assignment().unwrap_or_default();
+        let held = leases.lock().unwrap_or_else(|p| p.into_inner());
+        let mut reclaims = self.reclaims.lock().unwrap_or_else(|p| p.into_inner());
+        for e in assigned.elements() {
+            let tp = (e.topic().to_owned(), e.partition());
+            if !held.contains_key(&tp) && !reclaims.contains_key(&tp) {
+                reclaims.insert(tp, Instant::now() + RECLAIM_AFTER);
             }
         }
     }
