@@ -7,7 +7,7 @@ use uuid::Uuid;
 
 use crate::error::{Error, Result};
 use crate::jobs::Lease;
-use crate::store::{on_conn, Conn};
+use crate::store::{on_conn, Conn, Db};
 use crate::Ferry;
 
 /// Where an effect stands.
@@ -123,7 +123,7 @@ impl Ferry {
                     .fetch_optional(&mut *c)
                     .await?
             });
-            let record = get_effect(tx.conn(), lease, step, operation).await?;
+            let record = get_effect(tx.conn(), &lease.tenant, lease.run_id, step, operation).await?;
             if inserted.is_some() {
                 return Ok(Reservation::Proceed(record));
             }
@@ -143,7 +143,7 @@ impl Ferry {
                         now,
                     )
                     .await?;
-                    Reservation::Proceed(get_effect(tx.conn(), lease, step, operation).await?)
+                    Reservation::Proceed(get_effect(tx.conn(), &lease.tenant, lease.run_id, step, operation).await?)
                 }
             })
         }
@@ -217,15 +217,19 @@ impl Ferry {
 
     /// Reads a record (no fence: reads are harmless).
     pub async fn get_effect(&self, tenant: &str, run_id: Uuid, step: &str, operation: &str) -> Result<EffectRecord> {
-        let lease = Lease {
-            tenant: tenant.into(),
-            run_id,
-            owner: String::new(),
-            generation: 0,
-        };
-        let mut tx = self.begin().await?;
-        let r = get_effect(tx.conn(), &lease, step, operation).await;
-        crate::finish(tx, r).await
+        match self.db() {
+            Db::Postgres(p) => {
+                get_effect(
+                    Conn::Postgres(&mut *p.acquire().await?),
+                    tenant,
+                    run_id,
+                    step,
+                    operation,
+                )
+                .await
+            }
+            Db::Sqlite(p) => get_effect(Conn::Sqlite(&mut *p.acquire().await?), tenant, run_id, step, operation).await,
+        }
     }
 
     async fn close_effect(
@@ -249,18 +253,18 @@ impl Ferry {
             if changed == 0 {
                 return Err(Error::NotFound { what: "effect" });
             }
-            get_effect(tx.conn(), lease, step, operation).await
+            get_effect(tx.conn(), &lease.tenant, lease.run_id, step, operation).await
         }
         .await;
         crate::finish(tx, r).await
     }
 }
 
-async fn get_effect(conn: Conn<'_>, lease: &Lease, step: &str, operation: &str) -> Result<EffectRecord> {
+async fn get_effect(conn: Conn<'_>, tenant: &str, run_id: Uuid, step: &str, operation: &str) -> Result<EffectRecord> {
     let row: Option<EffectRow> = on_conn!(conn, |c, q| {
         sqlx::query_as(q.get("get_effect"))
-            .bind(&lease.tenant)
-            .bind(lease.run_id)
+            .bind(tenant)
+            .bind(run_id)
             .bind(step)
             .bind(operation)
             .fetch_optional(&mut *c)
@@ -268,7 +272,7 @@ async fn get_effect(conn: Conn<'_>, lease: &Lease, step: &str, operation: &str) 
     });
     let row = row.ok_or(Error::NotFound { what: "effect" })?;
     Ok(EffectRecord {
-        run_id: lease.run_id,
+        run_id,
         step: row.step,
         operation: row.operation,
         state: EffectState::parse(&row.state)?,

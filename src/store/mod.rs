@@ -333,8 +333,9 @@ macro_rules! engine_sql {
 }
 
 /// Queries only PostgreSQL has: set-based statements built on data-modifying
-/// CTEs, which SQLite lacks. SQLite runs the equivalent statement by statement.
-pub const POSTGRES_ONLY: &[&str] = &["complete_batch"];
+/// CTEs, which SQLite lacks (it runs the equivalent statement by statement),
+/// and NOTIFY (one SQLite process has nobody to notify).
+pub const POSTGRES_ONLY: &[&str] = &["complete_batch", "notify_work"];
 
 /// PostgreSQL's named queries.
 pub static POSTGRES: LazyLock<Queries> = LazyLock::new(|| Queries::parse(Engine::Postgres, &engine_sql!("postgres")));

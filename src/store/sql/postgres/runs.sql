@@ -1,9 +1,6 @@
 -- Runs, run events and idempotency records (PostgreSQL).
 -- `$now` parameters are NULL in production (the database clock) or an injected instant.
 
--- name: db_now
-SELECT COALESCE($1::bigint, (extract(epoch FROM now()) * 1000)::bigint)
-
 -- name: claim_idempotency_key
 -- Inserts the record, or takes over an expired one. Returns nothing when a live
 -- record exists; a racing insert waits for the other transaction to finish.

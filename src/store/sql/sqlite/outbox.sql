@@ -7,7 +7,3 @@ SELECT value FROM ferry_settings WHERE name = 'outbox_lanes'
 INSERT INTO outbox (tenant, topic, key, lane, payload, headers, effect_key, traceparent, created_at)
 VALUES ($1, $2, $3, $4, $5, $6, $7, $8, COALESCE($9, CAST(unixepoch('subsec') * 1000 AS INTEGER)))
 RETURNING id
-
--- name: notify_work
--- SQLite has no NOTIFY: one process, woken in memory.
-SELECT $1 AS channel, $2 AS payload

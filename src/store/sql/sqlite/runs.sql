@@ -1,9 +1,6 @@
 -- Runs, run events and idempotency records (SQLite).
 -- `$now` parameters are NULL in production (the database clock) or an injected instant.
 
--- name: db_now
-SELECT COALESCE($1, CAST(unixepoch('subsec') * 1000 AS INTEGER))
-
 -- name: claim_idempotency_key
 -- Inserts the record, or takes over an expired one. Returns nothing when a live
 -- record exists; a racing insert waits for the other transaction to finish.
