@@ -1,13 +1,11 @@
 //! Helpers for tests of Ferry and of services built on it: a brand-new
 //! PostgreSQL schema or SQLite file per test, so tests run in parallel against
-//! real databases, and a real Kafka-protocol broker (Tansu) per test. PostgreSQL must be reachable; when it is not, the helper
-//! fails with a message naming what is missing (tests never skip).
+//! real databases. PostgreSQL must be reachable; when it is not, the helper
+//! fails with a message naming what is missing (tests never skip). The Kafka broker for tests is in the `ferry-testkit`
+//! crate.
 
-use std::net::TcpListener;
-use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::ConnectOptions as _;
@@ -79,130 +77,5 @@ async fn drop_stale_schemas(admin: &sqlx::PgPool, now: u64) {
                 .execute(admin)
                 .await;
         }
-    }
-}
-
-/// The `tansu` binary: `FERRY_TANSU`, or `tansu` on the PATH.
-pub fn tansu() -> String {
-    std::env::var("FERRY_TANSU").unwrap_or_else(|_| "tansu".into())
-}
-
-/// A Tansu broker process on a free 127.0.0.1 port with its own sqlite://
-/// storage (so data survives [`Broker::stop`] and [`Broker::restart`]).
-/// Killed on drop.
-pub struct Broker {
-    child: Option<Child>,
-    /// Its port.
-    pub port: u16,
-    dir: PathBuf,
-    storage: &'static str,
-}
-
-impl Broker {
-    /// Starts one on sqlite:// storage (correct offsets, data kept across a
-    /// restart); panics naming what is missing when `tansu` is not installed.
-    pub fn start() -> Broker {
-        Self::start_on("sqlite://tansu.db")
-    }
-
-    /// Starts one on memory:// storage: fastest, for benchmarks, but its
-    /// watermarks are wrong and a restart loses everything.
-    pub fn start_memory() -> Broker {
-        Self::start_on("memory://tansu/")
-    }
-
-    fn start_on(storage: &'static str) -> Broker {
-        let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
-        let dir = std::env::temp_dir().join(format!("ferry-tansu-{}-{port}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let mut b = Broker {
-            child: None,
-            port,
-            dir,
-            storage,
-        };
-        b.spawn();
-        b
-    }
-
-    fn spawn(&mut self) {
-        let url = format!("tcp://127.0.0.1:{}", self.port);
-        let child = Command::new(tansu())
-            .args([
-                "broker",
-                "--listener-url",
-                &url,
-                "--advertised-listener-url",
-                &url,
-                "--storage-engine",
-            ])
-            // Tansu resolves the sqlite path against its working directory.
-            .arg(self.storage)
-            .current_dir(&self.dir)
-            .env_remove("OTEL_EXPORTER_OTLP_ENDPOINT")
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap_or_else(|e| {
-                panic!("the Kafka-protocol broker `tansu` is required ({e}); run scripts/install-broker")
-            });
-        self.child = Some(child);
-        // Wait until it accepts connections (it answers in about 0.2 s).
-        let deadline = Instant::now() + Duration::from_secs(20);
-        while std::net::TcpStream::connect(("127.0.0.1", self.port)).is_err() {
-            assert!(
-                Instant::now() < deadline,
-                "tansu did not start listening on port {}",
-                self.port
-            );
-            std::thread::sleep(Duration::from_millis(20));
-        }
-    }
-
-    /// `bootstrap.servers` for it.
-    pub fn brokers(&self) -> String {
-        format!("127.0.0.1:{}", self.port)
-    }
-
-    /// Creates a topic (Tansu does not create topics on demand).
-    pub fn create_topic(&self, name: &str, partitions: u32) {
-        let status = Command::new(tansu())
-            .args([
-                "topic",
-                "create",
-                name,
-                "--partitions",
-                &partitions.to_string(),
-                "--broker",
-            ])
-            .arg(format!("tcp://127.0.0.1:{}", self.port))
-            .stdout(Stdio::null())
-            .status()
-            .expect("tansu topic create");
-        assert!(status.success(), "creating topic {name} failed");
-    }
-
-    /// SIGTERM and wait: the broker is down until [`Broker::restart`].
-    pub fn stop(&mut self) {
-        if let Some(mut c) = self.child.take() {
-            let _ = Command::new("kill").args(["-TERM", &c.id().to_string()]).status();
-            let _ = c.wait();
-        }
-    }
-
-    /// Starts it again on the same port and storage.
-    pub fn restart(&mut self) {
-        self.stop();
-        self.spawn();
-    }
-}
-
-impl Drop for Broker {
-    fn drop(&mut self) {
-        if let Some(mut c) = self.child.take() {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-        let _ = std::fs::remove_dir_all(&self.dir);
     }
 }

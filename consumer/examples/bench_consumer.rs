@@ -43,7 +43,7 @@ async fn main() -> Res<()> {
     } else {
         30_000
     };
-    let broker = ferry::testing::Broker::start_memory();
+    let broker = ferry_testkit::Kafka::start();
     let brokers = broker.brokers();
     broker.create_topic("bench", 6);
     let producer: FutureProducer = ClientConfig::new()

@@ -22,7 +22,7 @@ type Res<T> = Result<T, Box<dyn std::error::Error + Send + Sync>>;
 async fn main() -> Res<()> {
     let quick = std::env::args().any(|a| a == "--quick");
     let n: usize = if quick { 20_000 } else { 100_000 };
-    let broker = ferry::testing::Broker::start_memory();
+    let broker = ferry_testkit::Kafka::start();
     let brokers = broker.brokers();
     println!("ferry-relay benchmarks (PostgreSQL → Tansu memory://, n = {n})\n");
     println!("{:<52} {:>12} {:>14}", "measure", "ferry-relay", "raw produce");

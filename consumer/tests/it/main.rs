@@ -8,9 +8,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use ferry::consumer::PartitionLease;
-use ferry::testing::Broker;
 use ferry::{Engine, Ferry};
 use ferry_consumer::{Assignment, Consumer, Handler, HandlerError, Record};
+use ferry_testkit::Kafka;
 use futures::future::BoxFuture;
 use rdkafka::consumer::{BaseConsumer, Consumer as _};
 use rdkafka::message::{Header, Headers, Message, OwnedHeaders};
@@ -133,7 +133,7 @@ fn in_process(
 }
 
 async fn duplicates_apply_once(assignment: Assignment) {
-    let broker = Broker::start();
+    let broker = Kafka::start();
     broker.create_topic("orders", 1);
     broker.create_topic("orders.dlq", 1);
     let (ferry, _) = pg().await;
@@ -186,7 +186,7 @@ async fn duplicates_apply_once_eager() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stale_member_cannot_commit() {
-    let broker = Broker::start();
+    let broker = Kafka::start();
     broker.create_topic("events", 1);
     let (ferry, _) = pg().await;
     let p = producer(&broker.brokers());
@@ -253,7 +253,7 @@ async fn a_stale_member_cannot_commit() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn poison_goes_to_the_dead_letter_topic_and_the_partition_flows() {
-    let broker = Broker::start();
+    let broker = Kafka::start();
     broker.create_topic("jobs", 1);
     broker.create_topic("jobs.dlq", 1);
     let (ferry, _) = pg().await;
@@ -383,7 +383,7 @@ fn projection(url: &str, brokers: &str, group: &str, topic: &str, crash_at: Opti
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_crash_between_handler_and_commit_processes_the_record_once() {
-    let broker = Broker::start();
+    let broker = Kafka::start();
     broker.create_topic("crash", 1);
     let (ferry, url) = pg().await;
     let p = producer(&broker.brokers());
@@ -421,7 +421,7 @@ async fn a_crash_between_handler_and_commit_processes_the_record_once() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_rebalance_storm_applies_every_effect_exactly_once() {
     const N: usize = 10_000;
-    let broker = Broker::start();
+    let broker = Kafka::start();
     broker.create_topic("storm", 6);
     let (ferry, url) = pg().await;
     let p = producer(&broker.brokers());

@@ -11,7 +11,7 @@ use ferry_relay::OnPoison;
 use serde_json::json;
 
 use crate::support::*;
-use ferry::testing::Broker;
+use ferry_testkit::Kafka;
 
 const TP: &str = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
 
@@ -59,7 +59,7 @@ fn distinct(r: &[Record]) -> usize {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn end_to_end_every_row_once_with_the_right_partition() {
-    let broker = Broker::start();
+    let broker = Kafka::start();
     broker.create_topic("ferry.run-events", 6);
     broker.create_topic("orders", 6);
     let (ferry, url) = pg_ferry().await;
@@ -127,7 +127,7 @@ async fn end_to_end_every_row_once_with_the_right_partition() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn same_key_rows_arrive_in_id_order_with_concurrent_writers_and_two_relays() {
-    let broker = Broker::start();
+    let broker = Kafka::start();
     broker.create_topic("ferry.run-events", 6);
     let (ferry, url) = pg_ferry().await;
     let a = start_relay(relay_config(&url, &broker.brokers()), ferry.clone()).await;
@@ -219,7 +219,7 @@ async fn write_orders(ferry: &Ferry, n: usize, keys: usize) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_sigkilled_relay_loses_nothing() {
-    let broker = Broker::start();
+    let broker = Kafka::start();
     broker.create_topic("orders", 6);
     let (ferry, url) = pg_ferry().await;
     write_orders(&ferry, 1500, 40).await;
@@ -267,7 +267,7 @@ async fn a_sigkilled_relay_loses_nothing() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_broker_outage_drains_after_restart() {
-    let mut broker = Broker::start();
+    let mut broker = Kafka::start();
     broker.create_topic("orders", 6);
     let (ferry, url) = pg_ferry().await;
     let relay = start_relay(relay_config(&url, &broker.brokers()), ferry.clone()).await;
@@ -352,7 +352,7 @@ async fn poison_rows(ferry: &Ferry) -> i64 {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_poison_record_goes_dead_and_the_lane_flows_or_blocks() {
-    let broker = Broker::start();
+    let broker = Kafka::start();
     broker.create_topic("orders", 3);
     // Skip mode: the oversized record is dead, the rest of the lane flows.
     let (ferry, url) = pg_ferry().await;
@@ -434,7 +434,7 @@ async fn a_poison_record_goes_dead_and_the_lane_flows_or_blocks() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigterm_marks_everything_acknowledged_within_the_grace() {
-    let broker = Broker::start();
+    let broker = Kafka::start();
     broker.create_topic("orders", 6);
     let (ferry, url) = pg_ferry().await;
     write_orders(&ferry, 3000, 50).await;

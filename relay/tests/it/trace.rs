@@ -6,9 +6,9 @@
 use std::sync::OnceLock;
 use std::time::Duration;
 
-use ferry::testing::Broker;
 use ferry::NewRun;
 use ferry_consumer::{Consumer, Handler, HandlerError, Record};
+use ferry_testkit::Kafka;
 use futures::future::BoxFuture;
 use opentelemetry::trace::{TraceContextExt, TracerProvider as _};
 use opentelemetry_sdk::metrics::{InMemoryMetricExporter, SdkMeterProvider};
@@ -64,7 +64,7 @@ async fn one_trace_from_request_to_consumer() {
         metrics: metric_exporter,
         meters,
     } = exporters();
-    let broker = Broker::start();
+    let broker = Kafka::start();
     broker.create_topic("ferry.run-events", 1);
     let (ferry, url) = pg_ferry().await;
 
