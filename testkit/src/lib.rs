@@ -380,10 +380,19 @@ fn free_port() -> u16 {
 }
 
 /// A KRaft cluster id: 16 random bytes, base64url without padding (what
-/// `kafka-storage.sh random-uuid` prints).
+/// `kafka-storage.sh random-uuid` prints). Like Kafka's `Uuid.randomUuid`,
+/// it never starts with `-`, which the storage tool would read as a flag.
 fn cluster_id() -> String {
+    loop {
+        let id = encode_cluster_id(uuid::Uuid::new_v4().into_bytes());
+        if !id.starts_with('-') {
+            return id;
+        }
+    }
+}
+
+fn encode_cluster_id(bytes: [u8; 16]) -> String {
     const A: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_";
-    let bytes = uuid::Uuid::new_v4().into_bytes();
     let mut out = String::with_capacity(22);
     for chunk in bytes.chunks(3) {
         let n = chunk
@@ -408,6 +417,8 @@ mod tests {
         assert_eq!(id.len(), 22, "{id}");
         assert!(id.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_'));
         assert_ne!(id, cluster_id());
+        assert!((0..2000).all(|_| !cluster_id().starts_with('-')));
+        assert_eq!(encode_cluster_id([0xfb; 16]), "-_v7-_v7-_v7-_v7-_v7-w");
     }
 
     #[test]
