@@ -65,6 +65,20 @@ pub struct RelayConfig {
     /// This instance's identity in lane leases (default: a fresh id).
     #[arg(long, env = "FERRY_RELAY_ID")]
     pub relay_id: Option<String>,
+    /// Exactly-once into Kafka: each lane publishes through a transactional
+    /// producer (`transactional.id = <prefix>-lane-<n>`) and writes the ids it
+    /// published to the progress topic in the same Kafka transaction, so a
+    /// `read_committed` reader sees every row once even across crashes.
+    #[arg(long, env = "FERRY_EXACTLY_ONCE")]
+    pub exactly_once: bool,
+    /// Prefix of the lanes' `transactional.id`s; the same on every relay of
+    /// one database, unique per database.
+    #[arg(long, env = "FERRY_TRANSACTIONAL_ID_PREFIX", default_value = "ferry-relay")]
+    pub transactional_id_prefix: String,
+    /// Compacted topic holding each lane's last transaction (key = lane), one
+    /// partition per lane; created when missing (`--exactly-once` only).
+    #[arg(long, env = "FERRY_PROGRESS_TOPIC", default_value = "ferry.relay-progress")]
+    pub progress_topic: String,
 }
 
 impl RelayConfig {
@@ -86,6 +100,9 @@ impl RelayConfig {
             compression: "lz4".into(),
             listen: SocketAddr::from(([127, 0, 0, 1], 0)),
             relay_id: None,
+            exactly_once: false,
+            transactional_id_prefix: "ferry-relay".into(),
+            progress_topic: "ferry.relay-progress".into(),
         }
     }
 
@@ -105,7 +122,17 @@ impl RelayConfig {
                 "topic template may only use {topic} and {tenant}".into(),
             ));
         }
+        if self.exactly_once && (self.transactional_id_prefix.is_empty() || self.progress_topic.is_empty()) {
+            return Err(RelayError::Config(
+                "--exactly-once needs a transactional id prefix and a progress topic".into(),
+            ));
+        }
         Ok(())
+    }
+
+    /// The `transactional.id` of `lane` (`--exactly-once`).
+    pub fn transactional_id(&self, lane: i32) -> String {
+        format!("{}-lane-{lane}", self.transactional_id_prefix)
     }
 
     /// The Kafka topic for a row.

@@ -2,12 +2,10 @@
 //! explicitly: transient errors back off and retry from the first
 //! unacknowledged row; a record Kafka will never accept is poison.
 
-use std::collections::VecDeque;
-
 use ferry::relay::PendingRow;
 use rdkafka::error::{KafkaError, RDKafkaErrorCode};
 use rdkafka::message::{Header, OwnedHeaders};
-use rdkafka::producer::{DeliveryFuture, FutureProducer, FutureRecord};
+use rdkafka::producer::{FutureProducer, FutureRecord};
 use rdkafka::ClientConfig;
 
 use crate::config::RelayConfig;
@@ -32,6 +30,12 @@ pub enum Outcome {
 /// Builds the idempotent producer: `acks=all`, Java-compatible partitioning,
 /// then the operator's `--kafka` overrides.
 pub fn producer(cfg: &RelayConfig) -> Result<FutureProducer, RelayError> {
+    Ok(producer_config(cfg).create()?)
+}
+
+/// The settings of every relay producer (idempotent, `acks=all`,
+/// `murmur2_random`), with the operator's overrides applied last.
+pub fn producer_config(cfg: &RelayConfig) -> ClientConfig {
     let mut c = ClientConfig::new();
     c.set("bootstrap.servers", &cfg.brokers)
         .set("enable.idempotence", "true")
@@ -43,7 +47,29 @@ pub fn producer(cfg: &RelayConfig) -> Result<FutureProducer, RelayError> {
     for (k, v) in &cfg.kafka {
         c.set(k, v);
     }
-    Ok(c.create()?)
+    c
+}
+
+/// The record of a row, routed by the topic template.
+pub fn record<'a>(topic: &'a str, row: &'a PendingRow) -> FutureRecord<'a, [u8], [u8]> {
+    FutureRecord::to(topic)
+        .key(row.key.as_bytes())
+        .payload(&row.payload[..])
+        .headers(headers(row))
+}
+
+/// The outcome of a delivery future.
+pub fn delivered(
+    r: Result<rdkafka::producer::future_producer::OwnedDeliveryResult, futures::channel::oneshot::Canceled>,
+) -> Outcome {
+    match r {
+        Ok(Ok(d)) => Outcome::Acked {
+            partition: d.partition,
+            offset: d.offset,
+        },
+        Ok(Err((e, _))) => classify(&e),
+        Err(_) => Outcome::Transient("canceled"),
+    }
 }
 
 /// The headers of a row's record: the row's own, plus `ferry-outbox-id`,
@@ -77,63 +103,6 @@ pub fn headers(row: &PendingRow) -> OwnedHeaders {
         });
     }
     h
-}
-
-/// Produces every row in order and awaits every acknowledgement. Returns one
-/// outcome per row, in row order. librdkafka's idempotent producer keeps the
-/// order within each partition across its own retries.
-pub async fn publish_batch(producer: &FutureProducer, cfg: &RelayConfig, rows: &[PendingRow]) -> Vec<Outcome> {
-    let mut outcomes: Vec<Option<Outcome>> = vec![None; rows.len()];
-    let mut inflight: VecDeque<(usize, DeliveryFuture)> = VecDeque::new();
-    for (i, row) in rows.iter().enumerate() {
-        let topic = cfg.route(&row.topic, &row.tenant);
-        loop {
-            let record = FutureRecord::to(&topic)
-                .key(row.key.as_bytes())
-                .payload(&row.payload)
-                .headers(headers(row));
-            match producer.send_result(record) {
-                Ok(fut) => {
-                    inflight.push_back((i, fut));
-                    break;
-                }
-                Err((KafkaError::MessageProduction(RDKafkaErrorCode::QueueFull), _)) => {
-                    match inflight.pop_front() {
-                        // Make room by waiting for the oldest delivery.
-                        Some((j, fut)) => outcomes[j] = Some(delivered(fut.await)),
-                        None => {
-                            outcomes[i] = Some(Outcome::Transient("queue_full"));
-                            break;
-                        }
-                    }
-                }
-                Err((e, _)) => {
-                    outcomes[i] = Some(classify(&e));
-                    break;
-                }
-            }
-        }
-    }
-    for (j, fut) in inflight {
-        outcomes[j] = Some(delivered(fut.await));
-    }
-    outcomes
-        .into_iter()
-        .map(|o| o.unwrap_or(Outcome::Transient("not_sent")))
-        .collect()
-}
-
-fn delivered(
-    r: Result<rdkafka::producer::future_producer::OwnedDeliveryResult, futures::channel::oneshot::Canceled>,
-) -> Outcome {
-    match r {
-        Ok(Ok(d)) => Outcome::Acked {
-            partition: d.partition,
-            offset: d.offset,
-        },
-        Ok(Err((e, _))) => classify(&e),
-        Err(_) => Outcome::Transient("canceled"),
-    }
 }
 
 /// The explicit classification: a named list is fatal for the record; every

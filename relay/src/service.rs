@@ -5,7 +5,7 @@ use std::collections::BTreeMap;
 use std::future::Future;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
 use backon::{BackoffBuilder, ExponentialBuilder};
 use ferry::relay::LaneLease;
@@ -15,11 +15,12 @@ use tokio::sync::Notify;
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
-use crate::config::{OnPoison, RelayConfig};
+use crate::config::RelayConfig;
 use crate::error::RelayError;
+use crate::lane;
 use crate::lanes;
 use crate::metrics::Metrics;
-use crate::publish::{self, Outcome};
+use crate::publish;
 
 /// A running relay's shared parts, for the HTTP endpoints and tests.
 #[derive(Debug)]
@@ -61,7 +62,9 @@ impl RelayState {
 pub struct Relay {
     cfg: RelayConfig,
     state: Arc<RelayState>,
-    producer: FutureProducer,
+    /// The shared idempotent producer (at least once); `None` with
+    /// `--exactly-once`, where each lane has its own.
+    producer: Option<FutureProducer>,
 }
 
 /// Binds `cfg.listen`, then runs a relay until `shutdown` resolves.
@@ -74,7 +77,12 @@ impl Relay {
     /// Validates `cfg` and creates the producer.
     pub fn new(cfg: RelayConfig, ferry: Ferry) -> Result<Relay, RelayError> {
         cfg.validate()?;
-        let producer = publish::producer(&cfg)?;
+        // Exactly once: every lane makes its own transactional producer.
+        let producer = if cfg.exactly_once {
+            None
+        } else {
+            Some(publish::producer(&cfg)?)
+        };
         let owner = cfg
             .relay_id
             .clone()
@@ -104,6 +112,9 @@ impl Relay {
         let Relay { cfg, state, producer } = self;
         let ferry = state.ferry.clone();
         let owner = state.owner.clone();
+        if cfg.exactly_once {
+            crate::exactly_once::ensure_progress_topic(&cfg, ferry.lanes()).await?;
+        }
         let cfg = Arc::new(cfg);
         let http_stop = CancellationToken::new();
         let http = tokio::spawn(crate::http::serve(listener, state.clone(), http_stop.clone()));
@@ -150,7 +161,11 @@ impl Relay {
                     }
                     for lease in plan.acquired {
                         let task = LaneTask { lease, finish: CancellationToken::new(), abort: CancellationToken::new() };
-                        tasks.spawn(lane_loop(state.clone(), cfg.clone(), producer.clone(), wake.clone(), lease, task.finish.clone(), task.abort.clone()));
+                        let sink = match &producer {
+                            Some(p) => lane::Sink::Shared(p.clone()),
+                            None => lane::Sink::Transactional,
+                        };
+                        tasks.spawn(lane::run(state.clone(), cfg.clone(), sink, wake.clone(), lease, task.finish.clone(), task.abort.clone()));
                         held.insert(lease.lane, task);
                     }
                     state.metrics.lanes_owned.set(held.len() as i64);
@@ -199,131 +214,14 @@ impl Relay {
             let _ = ferry.release_lane(&owner, t.lease).await;
         }
         let _ = ferry.relay_leave(&owner).await;
-        let _ = producer.flush(Duration::from_secs(1));
+        if let Some(p) = &producer {
+            let _ = p.flush(Duration::from_secs(1));
+        }
         listen_stop.cancel();
         http_stop.cancel();
         let _ = http.await;
         Ok(())
     }
-}
-
-/// Publishes one lane until told to finish (after its in-flight batch) or
-/// abort (lease lost: publish and mark nothing more).
-async fn lane_loop(
-    state: Arc<RelayState>,
-    cfg: Arc<RelayConfig>,
-    producer: FutureProducer,
-    wake: Arc<Notify>,
-    lease: LaneLease,
-    finish: CancellationToken,
-    abort: CancellationToken,
-) {
-    let ferry = &state.ferry;
-    let m = &state.metrics;
-    let mut backoff = retry_backoff();
-    loop {
-        if finish.is_cancelled() || abort.is_cancelled() {
-            break;
-        }
-        let rows = match ferry.pending_batch(lease.lane, cfg.batch_size).await {
-            Ok(r) => r,
-            Err(e) => {
-                tracing::warn!(lane = lease.lane, error = %e, "reading the lane failed");
-                if pause(&mut backoff, &finish, &abort).await {
-                    break;
-                }
-                continue;
-            }
-        };
-        if rows.is_empty() {
-            let notified = wake.notified();
-            tokio::select! {
-                _ = notified => {}
-                _ = tokio::time::sleep(cfg.poll_interval) => {}
-                _ = finish.cancelled() => break,
-                _ = abort.cancelled() => break,
-            }
-            continue;
-        }
-        let outcomes = tokio::select! {
-            o = publish::publish_batch(&producer, &cfg, &rows) => o,
-            // Lost mid-batch: whatever was acknowledged is republished by the
-            // new owner (a duplicate, never a loss).
-            _ = abort.cancelled() => break,
-        };
-        let acked_at = now_ms();
-        let mut delivered = Vec::with_capacity(rows.len());
-        let mut stalled: Option<(&'static str, i64)> = None;
-        let mut blocked = false;
-        for (row, outcome) in rows.iter().zip(&outcomes) {
-            match outcome {
-                Outcome::Acked { .. } => {
-                    delivered.push(row.id);
-                    m.observe_latency(acked_at - row.created_at);
-                }
-                Outcome::Poison(code) => {
-                    m.publish_error(code);
-                    if cfg.on_poison == OnPoison::Block {
-                        tracing::error!(
-                            lane = lease.lane,
-                            id = row.id,
-                            code,
-                            "poison record blocks the lane (--on-poison=block)"
-                        );
-                        stalled = Some((code, row.id));
-                        blocked = true;
-                        break;
-                    }
-                    // Logged without its payload.
-                    tracing::error!(lane = lease.lane, id = row.id, tenant = %row.tenant, topic = %row.topic, code, "record refused by Kafka; marked dead");
-                    match ferry.mark_dead(&state.owner, lease, row.id, code).await {
-                        Ok(()) => {
-                            m.dead.inc();
-                        }
-                        Err(e) => {
-                            stalled = Some(("mark_dead", row.id));
-                            tracing::warn!(error = %e, "marking a poison row dead failed");
-                            break;
-                        }
-                    }
-                }
-                Outcome::Transient(code) => {
-                    // Resume from the first unacknowledged row; never skip ahead.
-                    m.publish_error(code);
-                    stalled = Some((code, row.id));
-                    break;
-                }
-            }
-        }
-        match ferry
-            .mark_delivered(&state.owner, lease, &delivered, cfg.delete_on_delivery)
-            .await
-        {
-            Ok(n) => {
-                m.published.inc_by(n);
-            }
-            Err(ferry::Error::LostLane { .. }) => {
-                tracing::warn!(lane = lease.lane, "lane taken over; its marks were refused");
-                break;
-            }
-            Err(e) => {
-                tracing::warn!(lane = lease.lane, error = %e, "marking delivered failed; rows will be republished")
-            }
-        }
-        if let Some((code, id)) = stalled {
-            let _ = ferry.note_publish_error(lease.lane, id, code).await;
-            tracing::warn!(lane = lease.lane, id, code, "publish failed; backing off");
-        }
-        if stalled.is_some() || blocked {
-            if pause(&mut backoff, &finish, &abort).await {
-                break;
-            }
-        } else {
-            backoff = retry_backoff();
-        }
-    }
-    // Tell whoever waits to release this lane that nothing is in flight.
-    abort.cancel();
 }
 
 fn retry_backoff() -> impl Iterator<Item = Duration> {
@@ -333,20 +231,6 @@ fn retry_backoff() -> impl Iterator<Item = Duration> {
         .with_jitter()
         .without_max_times()
         .build()
-}
-
-/// Sleeps the next backoff step; true when the lane should stop instead.
-async fn pause(
-    backoff: &mut impl Iterator<Item = Duration>,
-    finish: &CancellationToken,
-    abort: &CancellationToken,
-) -> bool {
-    let d = backoff.next().unwrap_or(Duration::from_secs(10));
-    tokio::select! {
-        _ = tokio::time::sleep(d) => false,
-        _ = finish.cancelled() => true,
-        _ = abort.cancelled() => true,
-    }
 }
 
 /// `LISTEN ferry_wakeup` on PostgreSQL; SQLite relies on the poll interval.
@@ -384,11 +268,4 @@ async fn listen_for_wakeups(ferry: Ferry, wake: Arc<Notify>, stop: CancellationT
             }
         }
     }
-}
-
-fn now_ms() -> i64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_millis() as i64)
-        .unwrap_or(0)
 }

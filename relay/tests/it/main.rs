@@ -1,5 +1,6 @@
-//! ferry-relay against PostgreSQL and a real Kafka-protocol broker.
+//! ferry-relay against PostgreSQL and Apache Kafka.
 
+mod exactly_once;
 mod relay;
 mod support;
 mod trace;

@@ -1,9 +1,9 @@
-//! Invariant 9 against PostgreSQL and Tansu: every committed row published at
+//! Invariant 9 against PostgreSQL and Apache Kafka: every committed row published at
 //! least once, same-key rows in id order, marks only after acks and only under
 //! the lane generation, and nothing lost to crashes, outages or shutdown.
 
 use std::collections::{HashMap, HashSet};
-use std::process::{Child, Command, Stdio};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
 use ferry::{Clock, Ferry, Millis, NewRun, OutboxMessage};
@@ -189,28 +189,7 @@ async fn same_key_rows_arrive_in_id_order_with_concurrent_writers_and_two_relays
     assert!(pa > 0 && pb > 0, "both relays published (a: {pa}, b: {pb})");
 }
 
-fn spawn_relay_process(url: &str, brokers: &str) -> Child {
-    Command::new(env!("CARGO_BIN_EXE_ferry-relay"))
-        .args([
-            "run",
-            "--database-url",
-            url,
-            "--brokers",
-            brokers,
-            "--lease",
-            "1s",
-            "--poll-interval",
-            "50ms",
-        ])
-        .args(["--batch-size", "50", "--listen", "127.0.0.1:0", "--grace", "5s"])
-        .env("RUST_LOG", "warn")
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("spawn ferry-relay")
-}
-
-async fn write_orders(ferry: &Ferry, n: usize, keys: usize) {
+pub async fn write_orders(ferry: &Ferry, n: usize, keys: usize) {
     for i in 0..n {
         let msg = OutboxMessage::json("acme", "orders", format!("key-{}", i % keys), &json!({"i": i})).unwrap();
         ferry.enqueue(&msg).await.unwrap();
@@ -226,7 +205,7 @@ async fn a_sigkilled_relay_loses_nothing() {
     let c = consumer(&broker.brokers(), &["orders"]);
     let mut recs = Vec::new();
     for round in 1..=3 {
-        let mut child = spawn_relay_process(&url, &broker.brokers());
+        let mut child = spawn_relay_process(&url, &broker.brokers(), &[], &[]);
         let want = round * 300;
         let more = read_until(&c, Duration::from_secs(60), |r| {
             distinct(&[&recs[..], r].concat()) >= want
@@ -236,7 +215,7 @@ async fn a_sigkilled_relay_loses_nothing() {
         child.kill().unwrap(); // SIGKILL mid-stream
         child.wait().unwrap();
     }
-    let mut child = spawn_relay_process(&url, &broker.brokers());
+    let mut child = spawn_relay_process(&url, &broker.brokers(), &[], &[]);
     let more = read_until(&c, Duration::from_secs(90), |r| {
         distinct(&[&recs[..], r].concat()) >= 1500
     })
@@ -439,7 +418,7 @@ async fn sigterm_marks_everything_acknowledged_within_the_grace() {
     let (ferry, url) = pg_ferry().await;
     write_orders(&ferry, 3000, 50).await;
     let c = consumer(&broker.brokers(), &["orders"]);
-    let mut child = spawn_relay_process(&url, &broker.brokers());
+    let mut child = spawn_relay_process(&url, &broker.brokers(), &[], &[]);
     let mut recs = read_until(&c, Duration::from_secs(60), |r| distinct(r) >= 300).await;
     let asked = Instant::now();
     let _ = Command::new("kill").args(["-TERM", &child.id().to_string()]).status();

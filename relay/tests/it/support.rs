@@ -1,7 +1,7 @@
 //! Shared pieces: a migrated PostgreSQL schema, a relay running in-process,
 //! and a plain consumer that reads records back.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::time::{Duration, Instant};
 
 use ferry::{Engine, Ferry};
@@ -99,6 +99,15 @@ pub async fn read_until(c: &BaseConsumer, limit: Duration, mut done: impl FnMut(
         );
         let m = tokio::task::block_in_place(|| c.poll(Duration::from_millis(100)));
         if let Some(Ok(m)) = m {
+            out.push(to_record(&m));
+        }
+    }
+    out
+}
+
+fn to_record(m: &rdkafka::message::BorrowedMessage<'_>) -> Record {
+    {
+        {
             let headers = m
                 .headers()
                 .map(|h| {
@@ -112,13 +121,58 @@ pub async fn read_until(c: &BaseConsumer, limit: Duration, mut done: impl FnMut(
                         .collect()
                 })
                 .unwrap_or_default();
-            out.push(Record {
+            Record {
                 topic: m.topic().to_owned(),
                 partition: m.partition(),
                 key: String::from_utf8_lossy(m.key().unwrap_or_default()).into_owned(),
                 payload: m.payload().unwrap_or_default().to_vec(),
                 headers,
-            });
+            }
+        }
+    }
+}
+
+/// Every record of `topic`, read from the beginning to the end of every
+/// partition by a fresh consumer (`read_committed` or not). No producer may
+/// be running. Fails after `limit`.
+pub async fn read_all(brokers: &str, topic: &str, read_committed: bool, limit: Duration) -> Vec<Record> {
+    let c: BaseConsumer = ClientConfig::new()
+        .set("bootstrap.servers", brokers)
+        .set("group.id", format!("all-{}", uuid::Uuid::now_v7().simple()))
+        .set("enable.auto.commit", "false")
+        .set("enable.partition.eof", "true")
+        .set(
+            "isolation.level",
+            if read_committed {
+                "read_committed"
+            } else {
+                "read_uncommitted"
+            },
+        )
+        .create()
+        .unwrap();
+    let md = c.fetch_metadata(Some(topic), Duration::from_secs(10)).unwrap();
+    let mut tpl = rdkafka::TopicPartitionList::new();
+    for p in md.topics()[0].partitions() {
+        tpl.add_partition_offset(topic, p.id(), rdkafka::Offset::Beginning)
+            .unwrap();
+    }
+    let mut open: HashSet<i32> = md.topics()[0].partitions().iter().map(|p| p.id()).collect();
+    c.assign(&tpl).unwrap();
+    let mut out = Vec::new();
+    let start = Instant::now();
+    while !open.is_empty() {
+        assert!(
+            start.elapsed() < limit,
+            "never reached the end of {topic} ({open:?} open)"
+        );
+        match tokio::task::block_in_place(|| c.poll(Duration::from_millis(200))) {
+            Some(Ok(m)) => out.push(to_record(&m)),
+            Some(Err(rdkafka::error::KafkaError::PartitionEOF(p))) => {
+                open.remove(&p);
+            }
+            Some(Err(e)) => panic!("reading {topic}: {e}"),
+            None => {}
         }
     }
     out
@@ -143,4 +197,35 @@ pub async fn http_get(addr: std::net::SocketAddr, path: &str) -> (String, String
     let status = buf.lines().next().unwrap_or_default().to_owned();
     let body = buf.split("\r\n\r\n").nth(1).unwrap_or_default().to_owned();
     (status, body)
+}
+
+/// A `ferry-relay run` process (1 s lane leases, batches of 50) with extra
+/// flags and environment, for the crash tests.
+pub fn spawn_relay_process(url: &str, brokers: &str, extra: &[&str], env: &[(&str, &str)]) -> std::process::Child {
+    std::process::Command::new(env!("CARGO_BIN_EXE_ferry-relay"))
+        .args([
+            "run",
+            "--database-url",
+            url,
+            "--brokers",
+            brokers,
+            "--lease",
+            "1s",
+            "--poll-interval",
+            "50ms",
+        ])
+        .args(["--batch-size", "50", "--listen", "127.0.0.1:0", "--grace", "5s"])
+        .args(extra)
+        .envs(env.iter().copied())
+        .env(
+            "RUST_LOG",
+            std::env::var("FERRY_TEST_RELAY_LOG").unwrap_or_else(|_| "off".into()),
+        )
+        .stdout(std::process::Stdio::null())
+        .stderr(match std::env::var("FERRY_TEST_RELAY_LOG") {
+            Ok(_) => std::process::Stdio::inherit(),
+            Err(_) => std::process::Stdio::null(),
+        })
+        .spawn()
+        .expect("spawn ferry-relay")
 }
