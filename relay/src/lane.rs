@@ -42,6 +42,11 @@ enum BatchEnd {
     /// Stopped at row `id`: back off, then resume from the lane's first
     /// pending row.
     Stalled { id: i64, code: &'static str },
+    /// The broker refused a produce request holding several rows as too
+    /// large (or otherwise poison): it refuses the whole request, so which
+    /// row is poison is unknown. Publish rows one at a time through `through`
+    /// to find it; nothing is marked dead on a guess.
+    Isolate { through: i64, code: &'static str },
     /// The lane is no longer ours (taken over, or its producer fenced):
     /// publish nothing more.
     Lost,
@@ -73,6 +78,8 @@ pub async fn run(
     };
     let transactional = producer.is_none();
     let mut txn: Option<FutureProducer> = None;
+    // Rows up to this id are published one at a time (see BatchEnd::Isolate).
+    let mut isolate_through = 0_i64;
     loop {
         if finish.is_cancelled() || abort.is_cancelled() {
             break;
@@ -90,7 +97,12 @@ pub async fn run(
             }
         }
         let rows = match state.ferry.pending_batch(lease.lane, cfg.batch_size).await {
-            Ok(r) => r,
+            Ok(mut r) => {
+                if r.first().is_some_and(|f| f.id <= isolate_through) {
+                    r.truncate(1);
+                }
+                r
+            }
             Err(e) => {
                 tracing::warn!(lane = lease.lane, error = %e, "reading the lane failed");
                 if pause(&mut backoff, &finish, &abort).await {
@@ -136,6 +148,15 @@ pub async fn run(
                 }
                 break;
             }
+            BatchEnd::Isolate { through, code } => {
+                tracing::warn!(
+                    lane = lease.lane,
+                    through,
+                    code,
+                    "a produce request was refused whole; publishing one row at a time to find the poison row"
+                );
+                isolate_through = through;
+            }
             BatchEnd::Stalled { id, code } => {
                 let _ = state.ferry.note_publish_error(lease.lane, id, code).await;
                 tracing::warn!(lane = lease.lane, id, code, "publish failed; backing off");
@@ -166,7 +187,16 @@ async fn at_least_once(
         // the lane before anything more is produced.
         while let Some(Some(r)) = inflight.front_mut().map(|(_, f)| f.now_or_never()) {
             let (j, _) = inflight.pop_front().expect("front exists");
-            if let Some(stop) = settle(state, cfg, &mut marker, &rows[j], publish::delivered(r)).await {
+            if let Some(stop) = settle(
+                state,
+                cfg,
+                &mut marker,
+                &rows[j],
+                publish::delivered(r),
+                rows.len() == 1,
+            )
+            .await
+            {
                 end = stop;
                 break 'send;
             }
@@ -187,13 +217,22 @@ async fn at_least_once(
                         break 'send;
                     };
                     // Make room by waiting for the oldest delivery.
-                    if let Some(stop) = settle(state, cfg, &mut marker, &rows[j], publish::delivered(fut.await)).await {
+                    if let Some(stop) = settle(
+                        state,
+                        cfg,
+                        &mut marker,
+                        &rows[j],
+                        publish::delivered(fut.await),
+                        rows.len() == 1,
+                    )
+                    .await
+                    {
                         end = stop;
                         break 'send;
                     }
                 }
                 Err((e, _)) => {
-                    if let Some(stop) = settle(state, cfg, &mut marker, row, publish::classify(&e)).await {
+                    if let Some(stop) = settle(state, cfg, &mut marker, row, publish::classify(&e), true).await {
                         end = stop;
                         break 'send;
                     }
@@ -207,11 +246,18 @@ async fn at_least_once(
         // After a stop, what was still in flight is awaited but not marked:
         // only the acknowledged prefix counts.
         if end == BatchEnd::Done {
-            if let Some(stop) = settle(state, cfg, &mut marker, &rows[j], outcome).await {
+            if let Some(stop) = settle(state, cfg, &mut marker, &rows[j], outcome, rows.len() == 1).await {
                 end = stop;
             }
         }
     }
+    let end = match end {
+        BatchEnd::Isolate { code, .. } => BatchEnd::Isolate {
+            through: rows.last().map(|r| r.id).unwrap_or(0),
+            code,
+        },
+        other => other,
+    };
     match marker.flush(state, cfg).await {
         Some(BatchEnd::Lost) => BatchEnd::Lost,
         Some(stop) if end == BatchEnd::Done => stop,
@@ -219,13 +265,16 @@ async fn at_least_once(
     }
 }
 
-/// Applies one row's outcome in order; `Some` stops the batch.
+/// Applies one row's outcome in order; `Some` stops the batch. `alone`:
+/// the outcome is certainly this row's (refused by the client before
+/// sending, or the only row in flight), not its produce request's.
 async fn settle(
     state: &RelayState,
     cfg: &RelayConfig,
     marker: &mut Marker,
     row: &PendingRow,
     outcome: Outcome,
+    alone: bool,
 ) -> Option<BatchEnd> {
     let m = &state.metrics;
     match outcome {
@@ -239,6 +288,12 @@ async fn settle(
         }
         Outcome::Poison(code) => {
             m.publish_error(code);
+            if !alone {
+                return Some(BatchEnd::Isolate {
+                    through: i64::MAX,
+                    code,
+                });
+            }
             if cfg.on_poison == OnPoison::Block {
                 tracing::error!(
                     lane = marker.lease.lane,
@@ -409,6 +464,7 @@ async fn transactional_batch(
     }
     let mut inflight: Vec<(usize, DeliveryFuture)> = Vec::with_capacity(rows.len());
     let mut failed: Option<(usize, Outcome)> = None;
+    let mut sync_failure = false;
     for (i, row) in rows.iter().enumerate() {
         let topic = cfg.route(&row.topic, &row.tenant);
         match producer.send_result(publish::record(&topic, row)) {
@@ -416,6 +472,7 @@ async fn transactional_batch(
             Err((e, _)) => {
                 // Queue full included: the transaction is retried smaller.
                 failed = Some((i, publish::classify(&e)));
+                sync_failure = true;
                 break;
             }
         }
@@ -467,6 +524,11 @@ async fn transactional_batch(
             return txn_failed(producer, "abort_transaction", &e, rows[i].id).await;
         }
         return match outcome {
+            // Refused with the rest of its request: find the row first.
+            Outcome::Poison(code) if rows.len() > 1 && !sync_failure => BatchEnd::Isolate {
+                through: rows.last().map(|r| r.id).unwrap_or(0),
+                code,
+            },
             Outcome::Poison(code) if cfg.on_poison == OnPoison::Dead => {
                 state.metrics.publish_error(code);
                 poison_dead(state, lease, &rows[i], code)

@@ -313,11 +313,24 @@ async fn a_relay_that_lost_its_lane_cannot_mark() {
     assert_eq!(ferry.mark_delivered("relay-b", b, &ids, false).await.unwrap(), 5);
 }
 
+fn noise(n: usize) -> Vec<u8> {
+    let mut x: u64 = 0x9e3779b97f4a7c15;
+    (0..n)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x as u8
+        })
+        .collect()
+}
+
 async fn poison_rows(ferry: &Ferry) -> i64 {
     let mut poison = 0;
     for i in 0..7 {
         let big = i == 3;
-        let payload = if big { vec![b'x'; 50_000] } else { vec![b'y'; 10] };
+        // Incompressible, so lz4 cannot squeeze it under the topic's limit.
+        let payload = if big { noise(50_000) } else { vec![b'y'; 10] };
         let id = ferry
             .enqueue(&OutboxMessage::bytes("acme", "orders", "same-key", payload))
             .await
@@ -329,16 +342,19 @@ async fn poison_rows(ferry: &Ferry) -> i64 {
     poison
 }
 
+/// A topic whose `max.message.bytes` (2,000) refuses the 50 kB row: a real
+/// poison record, refused by the broker and not by the client.
+fn poison_topic(broker: &Kafka, name: &str) {
+    broker.create_topic_with(name, 3, &[("max.message.bytes", "2000")]);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_poison_record_goes_dead_and_the_lane_flows_or_blocks() {
+async fn a_poison_record_goes_dead_and_the_lane_flows() {
     let broker = Kafka::start();
-    broker.create_topic("orders", 3);
-    // Skip mode: the oversized record is dead, the rest of the lane flows.
+    poison_topic(&broker, "orders");
     let (ferry, url) = pg_ferry().await;
     let poison = poison_rows(&ferry).await;
-    let mut cfg = relay_config(&url, &broker.brokers());
-    cfg.kafka.push(("message.max.bytes".into(), "20000".into()));
-    let relay = start_relay(cfg.clone(), ferry.clone()).await;
+    let relay = start_relay(relay_config(&url, &broker.brokers()), ferry.clone()).await;
     let c = consumer(&broker.brokers(), &["orders"]);
     let recs = read_until(&c, Duration::from_secs(60), |r| distinct(r) >= 6).await;
     assert!(recs.iter().all(|r| r.outbox_id() != poison));
@@ -369,13 +385,18 @@ async fn a_poison_record_goes_dead_and_the_lane_flows_or_blocks() {
         .await,
         1
     );
+}
 
-    // Block mode: the lane stops at the poison record.
+/// Block mode: the lane stops at the poison record, and nothing behind it
+/// (same key, same lane) ever reaches the topic, on any retry.
+async fn poison_blocks(exactly_once: bool) {
+    let broker = Kafka::start();
+    poison_topic(&broker, "orders");
     let (ferry, url) = pg_ferry().await;
     let poison = poison_rows(&ferry).await;
     let mut cfg = relay_config(&url, &broker.brokers());
-    cfg.kafka.push(("message.max.bytes".into(), "20000".into()));
     cfg.on_poison = OnPoison::Block;
+    cfg.exactly_once = exactly_once;
     let relay = start_relay(cfg, ferry.clone()).await;
     let start = Instant::now();
     while scalar(
@@ -383,10 +404,10 @@ async fn a_poison_record_goes_dead_and_the_lane_flows_or_blocks() {
         &format!("SELECT CAST(publish_attempts AS BIGINT) FROM outbox WHERE id = {poison}"),
     )
     .await
-        < 2
+        < 3
     {
         assert!(
-            start.elapsed() < Duration::from_secs(30),
+            start.elapsed() < Duration::from_secs(60),
             "the relay never retried the poison row"
         );
         tokio::task::yield_now().await;
@@ -409,6 +430,26 @@ async fn a_poison_record_goes_dead_and_the_lane_flows_or_blocks() {
         scalar(&ferry, "SELECT count(*) FROM outbox WHERE state = 'dead'").await,
         0
     );
+    let on_topic = read_all(&broker.brokers(), "orders", exactly_once, Duration::from_secs(30)).await;
+    let behind: Vec<i64> = on_topic
+        .iter()
+        .map(Record::outbox_id)
+        .filter(|id| *id > poison)
+        .collect();
+    assert!(
+        behind.is_empty(),
+        "rows behind the blocked row reached Kafka: {behind:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_poison_record_blocks_the_lane_and_nothing_behind_it_is_published() {
+    poison_blocks(false).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_poison_record_blocks_an_exactly_once_lane() {
+    poison_blocks(true).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -12,6 +12,13 @@ use rdkafka::ClientConfig;
 use tokio_util::sync::CancellationToken;
 
 pub async fn pg_ferry() -> (Ferry, String) {
+    // FERRY_TEST_RELAY_LOG=debug shows the in-process relay's logs too.
+    if let Ok(filter) = std::env::var("FERRY_TEST_RELAY_LOG") {
+        let _ = tracing_subscriber::fmt()
+            .with_env_filter(tracing_subscriber::EnvFilter::new(filter))
+            .with_test_writer()
+            .try_init();
+    }
     let url = ferry::testing::fresh_database_url(Engine::Postgres)
         .await
         .unwrap_or_else(|e| panic!("{e}"));
