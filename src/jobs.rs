@@ -172,9 +172,11 @@ pub enum FailOutcome {
 /// One claim's history entry.
 #[derive(Debug, Clone, PartialEq, serde::Serialize, sqlx::FromRow)]
 pub struct JobAttempt {
-    /// Attempt number.
+    /// Attempt number. A released claim gives its number back, so the claim
+    /// after a release repeats it.
     pub attempt: i32,
-    /// Lease generation of the claim.
+    /// Lease generation of the claim: unique per claim, the row's key, and
+    /// the history's order.
     pub generation: i64,
     /// Worker that claimed it.
     pub worker: String,
@@ -324,7 +326,7 @@ impl Ferry {
                     sqlx::query(q.get("close_lost_attempts"))
                         .bind(&row.tenant)
                         .bind(row.run_id)
-                        .bind(row.attempts)
+                        .bind(row.lease_generation)
                         .bind(row.claimed_at)
                         .execute(&mut *c)
                         .await?;
@@ -449,7 +451,7 @@ impl Ferry {
     }
 
     async fn complete_in(&self, mut conn: Conn<'_>, lease: &Lease, result: &Value) -> Result<()> {
-        let (attempt, _max, _created, now) = self.finish_job(conn.reborrow(), lease, "succeeded", None, None).await?;
+        let (_attempt, _max, _created, now) = self.finish_job(conn.reborrow(), lease, "succeeded", None, None).await?;
         self.terminate(
             conn.reborrow(),
             &lease.tenant,
@@ -461,7 +463,7 @@ impl Ferry {
             now,
         )
         .await?;
-        close_attempt(conn, lease, attempt, now, "succeeded", None, None).await
+        close_attempt(conn, lease, now, "succeeded", None, None).await
     }
 
     /// Records a failed attempt. Retryable and ambiguous errors requeue the
@@ -539,7 +541,7 @@ impl Ferry {
             None => {
                 self.finish_job(conn.reborrow(), lease, "queued", available_at, Some(&error.code))
                     .await?;
-                close_attempt(conn, lease, attempt, now, "retried", Some(class), Some(&error.code)).await?;
+                close_attempt(conn, lease, now, "retried", Some(class), Some(&error.code)).await?;
                 Ok(FailOutcome::Retried {
                     available_at: available_at.unwrap_or(now),
                 })
@@ -559,7 +561,7 @@ impl Ferry {
                     now,
                 )
                 .await?;
-                close_attempt(conn, lease, attempt, now, "dead", Some(class), Some(&code)).await?;
+                close_attempt(conn, lease, now, "dead", Some(class), Some(&code)).await?;
                 Ok(FailOutcome::Dead { code })
             }
         }
@@ -570,8 +572,8 @@ impl Ferry {
     pub async fn release(&self, lease: &Lease) -> Result<()> {
         let mut tx = self.begin().await?;
         let r = async {
-            let row: Option<(i32, i64)> = on_conn!(tx.conn(), |c, q| {
-                sqlx::query_as(q.get("release_job"))
+            let now: Option<i64> = on_conn!(tx.conn(), |c, q| {
+                sqlx::query_scalar(q.get("release_job"))
                     .bind(&lease.tenant)
                     .bind(lease.run_id)
                     .bind(&lease.owner)
@@ -580,8 +582,8 @@ impl Ferry {
                     .fetch_optional(&mut *c)
                     .await?
             });
-            match row {
-                Some((attempt, now)) => close_attempt(tx.conn(), lease, attempt, now, "released", None, None).await,
+            match now {
+                Some(now) => close_attempt(tx.conn(), lease, now, "released", None, None).await,
                 None => Err(self.refusal(tx.conn(), lease, Transition::Finish).await),
             }
         }
@@ -622,7 +624,7 @@ impl Ferry {
         self.limits().tenant(tenant)?;
         self.limits().text("actor", actor, 255)?;
         self.limits().text("reason", reason, 4096)?;
-        let job: Option<(i32, i64)> = on_conn!(conn.reborrow(), |c, q| {
+        let job: Option<(i64, i64)> = on_conn!(conn.reborrow(), |c, q| {
             sqlx::query_as(q.get("cancel_job"))
                 .bind(tenant)
                 .bind(run_id)
@@ -630,7 +632,7 @@ impl Ferry {
                 .fetch_optional(&mut *c)
                 .await?
         });
-        let Some((attempt, now)) = job else {
+        let Some((generation, now)) = job else {
             let run = get_run_in(conn, tenant, run_id).await?;
             return Err(Error::RunTerminal {
                 run_id,
@@ -653,7 +655,7 @@ impl Ferry {
             sqlx::query(q.get("close_attempt"))
                 .bind(tenant)
                 .bind(run_id)
-                .bind(attempt)
+                .bind(generation)
                 .bind(now)
                 .bind("cancelled")
                 .bind(None::<&str>)
@@ -702,16 +704,7 @@ impl Ferry {
                     owner: String::new(),
                     generation,
                 };
-                close_attempt(
-                    tx.conn(),
-                    &lease,
-                    attempt,
-                    now,
-                    "dead",
-                    Some(ErrorClass::Retryable),
-                    Some(&code),
-                )
-                .await?;
+                close_attempt(tx.conn(), &lease, now, "dead", Some(ErrorClass::Retryable), Some(&code)).await?;
                 n += 1;
             }
             Ok(n)
@@ -748,7 +741,8 @@ impl Ferry {
         Ok(out)
     }
 
-    /// The attempt history of a run's job.
+    /// The attempt history of a run's job, one row per claim, in claim
+    /// (generation) order.
     pub async fn list_attempts(&self, tenant: &str, run_id: Uuid) -> Result<Vec<JobAttempt>> {
         Ok(on_pool!(self.db(), |p, q| {
             sqlx::query_as(q.get("list_attempts"))
@@ -1029,11 +1023,10 @@ impl ClaimRow {
     }
 }
 
-#[allow(clippy::too_many_arguments)]
+/// Closes the attempt row of `lease`'s claim, found by its generation.
 async fn close_attempt(
     conn: Conn<'_>,
     lease: &Lease,
-    attempt: i32,
     now: i64,
     outcome: &str,
     class: Option<ErrorClass>,
@@ -1043,7 +1036,7 @@ async fn close_attempt(
         sqlx::query(q.get("close_attempt"))
             .bind(&lease.tenant)
             .bind(lease.run_id)
-            .bind(attempt)
+            .bind(lease.generation)
             .bind(now)
             .bind(outcome)
             .bind(class.map(ErrorClass::as_str))

@@ -609,6 +609,56 @@ async fn batch_completion_fences_each_lease(kind: Kind) {
     );
 }
 
+async fn release_then_claim_again_completes(kind: Kind) {
+    let clock = manual_clock();
+    let t = TestDb::with_clock(kind, clock.clone()).await;
+    let run = t.ferry.create_run_idempotent(job("r")).await.unwrap().run;
+    let first = t.ferry.claim("payments", "w1", LEASE, 1).await.unwrap().pop().unwrap();
+    assert_eq!((first.lease.generation, first.attempt), (1, 1));
+    t.ferry.release(&first.lease).await.unwrap();
+    // The released job is due first; claiming it again must not wedge the queue.
+    t.ferry.create_run_idempotent(job("r-later")).await.unwrap();
+    let again = t
+        .ferry
+        .claim("payments", "w2", LEASE, 1)
+        .await
+        .expect("a released job is claimable again")
+        .pop()
+        .unwrap();
+    assert_eq!(again.lease.run_id, run.run_id, "the released job is due first");
+    assert_eq!(
+        (again.lease.generation, again.attempt),
+        (2, 1),
+        "a release spends no attempt; the generation still goes up"
+    );
+    t.ferry.release(&again.lease).await.unwrap();
+    let third = t.ferry.claim("payments", "w3", LEASE, 2).await.unwrap();
+    assert_eq!(third.len(), 2, "the queue keeps moving");
+    for c in &third {
+        t.ferry.complete(&c.lease, &json!({"by": c.lease.owner})).await.unwrap();
+    }
+    assert_eq!(
+        t.ferry.get_run("acme", run.run_id).await.unwrap().state,
+        RunState::Succeeded
+    );
+    let history: Vec<_> = t
+        .ferry
+        .list_attempts("acme", run.run_id)
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|a| (a.attempt, a.generation, a.worker, a.outcome.unwrap()))
+        .collect();
+    assert_eq!(
+        history,
+        [
+            (1, 1, "w1".to_owned(), "released".to_owned()),
+            (1, 2, "w2".to_owned(), "released".to_owned()),
+            (1, 3, "w3".to_owned(), "succeeded".to_owned()),
+        ]
+    );
+}
+
 on_both_engines!(
     batch_completion_fences_each_lease,
     expired_lease_recovery_and_stale_fencing,
@@ -618,4 +668,5 @@ on_both_engines!(
     effect_ledger,
     dead_jobs_are_listed_and_replayed_once,
     attempt_history_is_bounded_by_retention,
+    release_then_claim_again_completes,
 );

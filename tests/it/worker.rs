@@ -199,8 +199,85 @@ async fn shutdown_releases_only_owned_jobs(kind: Kind) {
     );
 }
 
+async fn released_jobs_are_drained_by_the_next_worker(kind: Kind) {
+    const N: usize = 3;
+    let t = TestDb::new(kind).await;
+    let ids = accept(&t, N).await;
+    // The first worker takes every job, then shuts down: all are released.
+    let (tx, mut rx) = mpsc::unbounded_channel::<()>();
+    let worker = Worker::new(
+        t.ferry.clone(),
+        fast_config("leaving"),
+        move |_job: Claimed, ctx: JobContext| {
+            let tx = tx.clone();
+            async move {
+                let _ = tx.send(());
+                ctx.cancellation().cancelled().await;
+                Err(JobError::retryable("shutting_down"))
+            }
+        },
+    );
+    let stats = worker.stats();
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let running = tokio::spawn(worker.run(async move {
+        let _ = stop_rx.await;
+    }));
+    for _ in 0..N {
+        rx.recv().await.unwrap();
+    }
+    stop_tx.send(()).unwrap();
+    running.await.unwrap().unwrap();
+    assert_eq!(stats.released.load(Ordering::SeqCst), N as u64);
+
+    // A new worker drains the queue.
+    let (done_tx, mut done_rx) = mpsc::unbounded_channel::<()>();
+    let worker = Worker::new(
+        t.ferry.clone(),
+        fast_config("next"),
+        move |job: Claimed, _ctx: JobContext| {
+            let done_tx = done_tx.clone();
+            async move {
+                let _ = done_tx.send(());
+                Ok(json!({"attempt": job.attempt}))
+            }
+        },
+    );
+    let stats = worker.stats();
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let running = tokio::spawn(worker.run(async move {
+        let _ = stop_rx.await;
+    }));
+    // Bounded, so a wedged queue fails the test instead of hanging it.
+    tokio::time::timeout(Duration::from_secs(60), async {
+        for _ in 0..N {
+            done_rx.recv().await.unwrap();
+        }
+    })
+    .await
+    .expect("the new worker drains the released jobs (the queue is wedged)");
+    stop_tx.send(()).unwrap();
+    running.await.unwrap().unwrap();
+    assert_eq!(stats.completed.load(Ordering::SeqCst), N as u64);
+    for id in ids {
+        assert_eq!(
+            t.ferry.get_run("acme", id).await.unwrap().state,
+            ferry::RunState::Succeeded
+        );
+        let history: Vec<_> = t
+            .ferry
+            .list_attempts("acme", id)
+            .await
+            .unwrap()
+            .into_iter()
+            .map(|a| (a.attempt, a.generation, a.outcome.unwrap()))
+            .collect();
+        assert_eq!(history, [(1, 1, "released".to_owned()), (1, 2, "succeeded".to_owned())]);
+    }
+}
+
 on_both_engines!(
     worker_completes_and_retries,
     lost_lease_and_cancellation_stop_the_handler,
-    shutdown_releases_only_owned_jobs
+    shutdown_releases_only_owned_jobs,
+    released_jobs_are_drained_by_the_next_worker,
 );

@@ -43,7 +43,7 @@ WITH clock AS (
     UPDATE job_attempts a
     SET finished_at = c.updated_at, outcome = 'lost'
     FROM claimed c
-    WHERE a.tenant = c.tenant AND a.run_id = c.run_id AND a.attempt < c.attempts AND a.finished_at IS NULL
+    WHERE a.tenant = c.tenant AND a.run_id = c.run_id AND a.generation < c.lease_generation AND a.finished_at IS NULL
 )
 SELECT c.tenant, c.run_id, c.queue, c.lease_owner, c.lease_generation, c.attempts, c.max_attempts,
        c.lease_expires_at, c.deadline_at, c.created_at, c.updated_at AS claimed_at,
@@ -94,12 +94,14 @@ RETURNING attempts, max_attempts, created_at, updated_at AS now
 -- The `lost` step of claim_jobs as its own statement (SQLite runs it per claim).
 UPDATE job_attempts
 SET finished_at = $4, outcome = 'lost'
-WHERE tenant = $1 AND run_id = $2 AND attempt < $3 AND finished_at IS NULL
+WHERE tenant = $1 AND run_id = $2 AND generation < $3 AND finished_at IS NULL
 
 -- name: close_attempt
+-- Attempt rows are keyed by generation ($3): a release gives the attempt
+-- number back, so the next claim can reuse it, but never a generation.
 UPDATE job_attempts
 SET finished_at = $4, outcome = $5, error_class = $6, error_code = $7
-WHERE tenant = $1 AND run_id = $2 AND attempt = $3 AND finished_at IS NULL
+WHERE tenant = $1 AND run_id = $2 AND generation = $3 AND finished_at IS NULL
 
 -- name: job_status
 SELECT j.state, j.lease_owner, j.lease_generation, j.lease_expires_at, j.deadline_at, j.attempts,
@@ -114,7 +116,7 @@ UPDATE jobs
 SET state = 'cancelled', lease_owner = NULL, lease_expires_at = NULL, last_error_code = 'cancelled',
     updated_at = COALESCE($3::bigint, (extract(epoch FROM now()) * 1000)::bigint)
 WHERE tenant = $1 AND run_id = $2 AND state IN ('queued', 'leased')
-RETURNING attempts, updated_at AS now
+RETURNING lease_generation, updated_at AS now
 
 -- name: release_job
 -- Fenced: gives a job back on graceful shutdown without spending its attempt.
@@ -127,7 +129,7 @@ SET state = 'queued',
     updated_at = COALESCE($5::bigint, (extract(epoch FROM now()) * 1000)::bigint)
 WHERE tenant = $1 AND run_id = $2 AND state = 'leased' AND lease_owner = $3 AND lease_generation = $4
   AND lease_expires_at > COALESCE($5::bigint, (extract(epoch FROM now()) * 1000)::bigint)
-RETURNING attempts + 1 AS attempt, updated_at AS now
+RETURNING updated_at AS now
 
 -- name: exhausted_jobs
 -- Due jobs nobody may work any more: the last attempt's lease expired (the
@@ -162,7 +164,7 @@ LIMIT $3
 SELECT attempt, generation, worker, claimed_at, finished_at, outcome, error_class, error_code
 FROM job_attempts
 WHERE tenant = $1 AND run_id = $2
-ORDER BY attempt
+ORDER BY generation
 
 -- name: get_job
 SELECT queue, state, max_attempts, attempts, lease_generation, last_error_code
@@ -170,8 +172,8 @@ FROM jobs WHERE tenant = $1 AND run_id = $2
 
 -- name: sweep_attempts
 DELETE FROM job_attempts
-WHERE (tenant, run_id, attempt) IN (
-    SELECT tenant, run_id, attempt FROM job_attempts
+WHERE (tenant, run_id, generation) IN (
+    SELECT tenant, run_id, generation FROM job_attempts
     WHERE finished_at IS NOT NULL AND finished_at <= $1
     LIMIT $2
 )
@@ -196,14 +198,14 @@ WITH input AS (
     FROM input i, clock
     WHERE j.tenant = i.tenant AND j.run_id = i.run_id AND j.state = 'leased' AND j.lease_owner = i.owner
       AND j.lease_generation = i.generation AND j.lease_expires_at > clock.at
-    RETURNING j.tenant, j.run_id, j.attempts, i.result, i.lane
+    RETURNING j.tenant, j.run_id, j.lease_generation, i.result, i.lane
 ), finished AS (
     UPDATE runs r
     SET state = 'succeeded', version = r.version + 1, last_event_seq = r.last_event_seq + 1,
         updated_at = GREATEST(r.updated_at, clock.at)
     FROM done d, clock
     WHERE r.tenant = d.tenant AND r.run_id = d.run_id AND r.state = 'queued'
-    RETURNING r.tenant, r.run_id, r.last_event_seq AS seq, d.attempts, d.result, d.lane
+    RETURNING r.tenant, r.run_id, r.last_event_seq AS seq, d.lease_generation, d.result, d.lane
 ), events AS (
     INSERT INTO run_events (tenant, run_id, seq, kind, body, created_at)
     SELECT f.tenant, f.run_id, f.seq, 'run_succeeded', jsonb_build_object('result', f.result), clock.at
@@ -221,7 +223,7 @@ WITH input AS (
     UPDATE job_attempts a
     SET finished_at = clock.at, outcome = 'succeeded'
     FROM finished f, clock
-    WHERE a.tenant = f.tenant AND a.run_id = f.run_id AND a.attempt = f.attempts AND a.finished_at IS NULL
+    WHERE a.tenant = f.tenant AND a.run_id = f.run_id AND a.generation = f.lease_generation AND a.finished_at IS NULL
 )
 SELECT d.run_id, EXISTS (SELECT 1 FROM finished f WHERE f.tenant = d.tenant AND f.run_id = d.run_id) AS moved
 FROM done d

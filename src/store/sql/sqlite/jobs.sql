@@ -74,12 +74,14 @@ RETURNING attempts, max_attempts, created_at, updated_at AS now
 -- SQLite's half of claim_jobs: closes attempts whose lease expired unreported.
 UPDATE job_attempts
 SET finished_at = $4, outcome = 'lost'
-WHERE tenant = $1 AND run_id = $2 AND attempt < $3 AND finished_at IS NULL
+WHERE tenant = $1 AND run_id = $2 AND generation < $3 AND finished_at IS NULL
 
 -- name: close_attempt
+-- Attempt rows are keyed by generation ($3): a release gives the attempt
+-- number back, so the next claim can reuse it, but never a generation.
 UPDATE job_attempts
 SET finished_at = $4, outcome = $5, error_class = $6, error_code = $7
-WHERE tenant = $1 AND run_id = $2 AND attempt = $3 AND finished_at IS NULL
+WHERE tenant = $1 AND run_id = $2 AND generation = $3 AND finished_at IS NULL
 
 -- name: job_status
 SELECT j.state, j.lease_owner, j.lease_generation, j.lease_expires_at, j.deadline_at, j.attempts,
@@ -94,7 +96,7 @@ UPDATE jobs
 SET state = 'cancelled', lease_owner = NULL, lease_expires_at = NULL, last_error_code = 'cancelled',
     updated_at = COALESCE($3, CAST(unixepoch('subsec') * 1000 AS INTEGER))
 WHERE tenant = $1 AND run_id = $2 AND state IN ('queued', 'leased')
-RETURNING attempts, updated_at AS now
+RETURNING lease_generation, updated_at AS now
 
 -- name: release_job
 -- Fenced: gives a job back on graceful shutdown without spending its attempt.
@@ -107,7 +109,7 @@ SET state = 'queued',
     updated_at = COALESCE($5, CAST(unixepoch('subsec') * 1000 AS INTEGER))
 WHERE tenant = $1 AND run_id = $2 AND state = 'leased' AND lease_owner = $3 AND lease_generation = $4
   AND lease_expires_at > COALESCE($5, CAST(unixepoch('subsec') * 1000 AS INTEGER))
-RETURNING attempts + 1 AS attempt, updated_at AS now
+RETURNING updated_at AS now
 
 -- name: exhausted_jobs
 -- Due jobs nobody may work any more: the last attempt's lease expired (the
@@ -141,7 +143,7 @@ LIMIT $3
 SELECT attempt, generation, worker, claimed_at, finished_at, outcome, error_class, error_code
 FROM job_attempts
 WHERE tenant = $1 AND run_id = $2
-ORDER BY attempt
+ORDER BY generation
 
 -- name: get_job
 SELECT queue, state, max_attempts, attempts, lease_generation, last_error_code
@@ -149,8 +151,8 @@ FROM jobs WHERE tenant = $1 AND run_id = $2
 
 -- name: sweep_attempts
 DELETE FROM job_attempts
-WHERE (tenant, run_id, attempt) IN (
-    SELECT tenant, run_id, attempt FROM job_attempts
+WHERE (tenant, run_id, generation) IN (
+    SELECT tenant, run_id, generation FROM job_attempts
     WHERE finished_at IS NOT NULL AND finished_at <= $1
     LIMIT $2
 )
