@@ -92,6 +92,65 @@ impl Ferry {
         Ok((lease, next))
     }
 
+    /// Takes the lease on a partition only if nobody holds it (never leased,
+    /// released, already `owner`'s, or expired), raising its generation.
+    /// `None` when another member holds a live lease. This is the reclaim of a
+    /// member that lost a lease: unlike [`Ferry::acquire_partition`], which
+    /// the rebalance callback uses because Kafka's assignment is current
+    /// there, it never takes a partition from a live holder on the strength
+    /// of a possibly stale local view.
+    pub async fn acquire_free_partition(
+        &self,
+        group: &str,
+        topic: &str,
+        partition: i32,
+        owner: &str,
+        lease: Duration,
+    ) -> Result<Option<(PartitionLease, Option<i64>)>> {
+        let ms = duration_ms(lease)?;
+        let row: Option<(i64, Option<i64>)> = on_pool!(self.db(), |p, q| {
+            sqlx::query_as(q.get("acquire_free_partition"))
+                .bind(group)
+                .bind(topic)
+                .bind(partition)
+                .bind(owner)
+                .bind(self.now())
+                .bind(ms)
+                .fetch_optional(p)
+                .await?
+        });
+        Ok(row.map(|(generation, next)| {
+            let lease = PartitionLease {
+                group: group.into(),
+                topic: topic.into(),
+                partition,
+                owner: owner.into(),
+                generation,
+            };
+            (lease, next)
+        }))
+    }
+
+    /// Extends one partition lease at its generation. `false` when it is no
+    /// longer current (taken over or released).
+    pub async fn renew_partition(&self, lease: &PartitionLease, duration: Duration) -> Result<bool> {
+        let ms = duration_ms(duration)?;
+        let n = on_pool!(self.db(), |p, q| {
+            sqlx::query(q.get("renew_partition"))
+                .bind(&lease.group)
+                .bind(&lease.topic)
+                .bind(lease.partition)
+                .bind(&lease.owner)
+                .bind(lease.generation)
+                .bind(self.now())
+                .bind(ms)
+                .execute(p)
+                .await?
+                .rows_affected()
+        });
+        Ok(n == 1)
+    }
+
     /// Gives a partition back, only if the lease is still current.
     pub async fn release_partition(&self, lease: &PartitionLease) -> Result<bool> {
         let n = on_pool!(self.db(), |p, q| {

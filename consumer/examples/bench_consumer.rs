@@ -38,6 +38,7 @@ impl Handler for Apply {
 
 #[tokio::main]
 async fn main() -> Res<()> {
+    let _telemetry = ferry::telemetry::init("bench_consumer", "warn");
     let n: usize = if std::env::args().any(|a| a == "--quick") {
         5_000
     } else {
@@ -145,6 +146,13 @@ async fn ferry_members(brokers: &str, n: usize, members: usize) -> Res<f64> {
         if std::env::var("BENCH_DEBUG").is_ok() && last.elapsed() > Duration::from_secs(2) {
             last = Instant::now();
             eprintln!("{:?}", metrics.iter().map(|m| m.processed.get()).collect::<Vec<_>>());
+            let rows: Vec<(i32, Option<i64>, Option<String>, i64)> = sqlx::query_as(
+                "SELECT partition, next_offset, owner, generation FROM consumer_partitions WHERE group_id = $1 ORDER BY partition",
+            )
+            .bind(&group)
+            .fetch_all(ferry.db().as_postgres().ok_or("pg")?)
+            .await?;
+            eprintln!("  {rows:?}");
         }
     }
     let rate = n as f64 / start.elapsed().as_secs_f64();

@@ -31,6 +31,8 @@ pub struct Metrics {
     pub dead_lettered: Counter,
     /// Partition leases lost (a commit refused).
     pub lease_losses: Counter,
+    /// Reclaims put off because another member held a live lease.
+    pub reclaims_deferred: Counter,
     /// Records behind the high watermark, per partition.
     pub lag: Family<PartitionLabel, Gauge>,
     /// Handler time in seconds.
@@ -57,6 +59,7 @@ impl Metrics {
             duplicates: Counter::default(),
             dead_lettered: Counter::default(),
             lease_losses: Counter::default(),
+            reclaims_deferred: Counter::default(),
             lag: Family::default(),
             handler_latency: Histogram::new([0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0]),
             otel_latency: meter
@@ -74,6 +77,11 @@ impl Metrics {
             m.dead_lettered.clone(),
         );
         registry.register("lease_losses", "Partition leases lost", m.lease_losses.clone());
+        registry.register(
+            "reclaims_deferred",
+            "Reclaims of a lost partition put off: another member holds a live lease",
+            m.reclaims_deferred.clone(),
+        );
         registry.register("lag", "Records behind the high watermark", m.lag.clone());
         registry.register("handler_latency_seconds", "Handler time", m.handler_latency.clone());
         let observed = [
@@ -81,6 +89,7 @@ impl Metrics {
             ("ferry_consumer_duplicates", m.duplicates.clone()),
             ("ferry_consumer_dead_lettered", m.dead_lettered.clone()),
             ("ferry_consumer_lease_losses", m.lease_losses.clone()),
+            ("ferry_consumer_reclaims_deferred", m.reclaims_deferred.clone()),
         ]
         .into_iter()
         .map(|(name, c)| {

@@ -40,6 +40,8 @@ pub type EffectKeyFn = Arc<dyn Fn(&Record) -> Option<String> + Send + Sync>;
 
 type TopicPartition = (String, i32);
 type Leases = Arc<Mutex<HashMap<TopicPartition, PartitionLease>>>;
+/// Stored offsets to commit to Kafka once a partition is (re)leased.
+type Commits = Arc<Mutex<Vec<(TopicPartition, i64)>>>;
 
 /// Builds a [`Consumer`]: `Consumer::builder(ferry, brokers, group, topics).handler(h).run(shutdown)`.
 pub struct ConsumerBuilder {
@@ -70,6 +72,10 @@ pub struct Consumer {
     /// Partitions whose lease was lost while Kafka still had them assigned
     /// here, and when to check again.
     reclaims: Mutex<HashMap<TopicPartition, Instant>>,
+    /// Seeks that must happen before a paused partition resumes (records
+    /// were passed over), with the lease generation they belong to. A seek
+    /// that fails stays here, its partition paused, and is tried again.
+    seeks: Mutex<HashMap<TopicPartition, (i64, Offset)>>,
 }
 
 impl Consumer {
@@ -197,6 +203,7 @@ impl ConsumerBuilder {
             handler,
             metrics: Arc::new(Metrics::new()),
             reclaims: Mutex::default(),
+            seeks: Mutex::default(),
         })
     }
 
@@ -215,6 +222,7 @@ struct LeaseContext {
     owner: String,
     lease: Duration,
     leases: Leases,
+    commits: Commits,
     handle: tokio::runtime::Handle,
 }
 
@@ -230,6 +238,7 @@ impl ConsumerContext for LeaseContext {
                     .iter()
                     .map(|e| (e.topic().to_owned(), e.partition()))
                     .collect();
+                let mut unleased = TopicPartitionList::new();
                 for (topic, partition) in parts {
                     let acquired = self.handle.block_on(self.ferry.acquire_partition(
                         &self.group,
@@ -243,6 +252,13 @@ impl ConsumerContext for LeaseContext {
                             if let Some(n) = next {
                                 // Resume from the offset stored with the effects.
                                 let _ = tpl.set_partition_offset(&topic, partition, Offset::Offset(n));
+                                // And tell Kafka: the previous owner may have died
+                                // before its last commit reached the broker, and
+                                // with nothing left to process none would follow.
+                                self.commits
+                                    .lock()
+                                    .unwrap_or_else(|p| p.into_inner())
+                                    .push(((topic.clone(), partition), n));
                             }
                             tracing::info!(%topic, partition, generation = lease.generation, next_offset = ?next, "partition assigned");
                             self.leases
@@ -251,7 +267,10 @@ impl ConsumerContext for LeaseContext {
                                 .insert((topic, partition), lease);
                         }
                         Err(e) => {
-                            tracing::error!(%topic, partition, error = %e, "cannot lease an assigned partition; its records are skipped")
+                            // Paused until the reclaim path leases it and
+                            // seeks to the stored offset.
+                            tracing::error!(%topic, partition, error = %e, "cannot lease an assigned partition; paused until it can");
+                            unleased.add_partition(&topic, partition);
                         }
                     }
                 }
@@ -266,6 +285,11 @@ impl ConsumerContext for LeaseContext {
                 // A partition paused by an earlier owner-ship of ours (a retry,
                 // a lost lease) must not stay paused when it comes back.
                 let _ = base.resume(tpl);
+                if unleased.count() > 0 {
+                    if let Err(e) = base.pause(&unleased) {
+                        tracing::error!(error = %e, "pausing unleased partitions failed");
+                    }
+                }
             }
             RDKafkaRespErr::RD_KAFKA_RESP_ERR__REVOKE_PARTITIONS => {
                 let parts: Vec<TopicPartition> = tpl
@@ -309,6 +333,8 @@ const LAG_EVERY: Duration = Duration::from_secs(15);
 
 /// A record waiting for its next attempt while its partition is paused.
 struct Retry {
+    /// Generation of the lease the record was fetched under.
+    generation: i64,
     record: Record,
     effect_key: String,
     attempts: u32,
@@ -322,7 +348,9 @@ impl Consumer {
     pub async fn run(self, shutdown: impl Future<Output = ()>) -> Result<(), ConsumerError> {
         let b = &self.b;
         let leases: Leases = Arc::default();
+        let commits: Commits = Arc::default();
         let ctx = LeaseContext {
+            commits: commits.clone(),
             ferry: b.ferry.clone(),
             group: b.group.clone(),
             owner: b.owner.clone(),
@@ -368,7 +396,9 @@ impl Consumer {
             if futures::poll!(&mut shutdown).is_ready() {
                 break;
             }
-            self.reclaim_due(&consumer, &leases).await;
+            self.reclaim_due(&consumer, &leases, &commits).await;
+            self.apply_seeks(&consumer, &leases);
+            commit_stored(&consumer, &leases, &commits);
             // Retries that are due, each on its own paused partition.
             let due: Vec<TopicPartition> = retries
                 .iter()
@@ -377,9 +407,22 @@ impl Consumer {
                 .collect();
             for tp in due {
                 if let Some(mut retry) = retries.remove(&tp) {
+                    if generation(&leases, &tp) != Some(retry.generation) {
+                        // The partition was revoked, or assigned here again
+                        // (which resumed it from the stored offset): the
+                        // retry belongs to a lease that is gone.
+                        continue;
+                    }
                     retry.attempts += 1;
                     if let Some(again) = self
-                        .handle(&consumer, &leases, dlq.as_ref(), retry.record.clone(), Some(retry))
+                        .handle(
+                            &consumer,
+                            &leases,
+                            dlq.as_ref(),
+                            retry.generation,
+                            retry.record.clone(),
+                            Some(retry),
+                        )
                         .await
                     {
                         retries.insert(tp, again);
@@ -388,12 +431,19 @@ impl Consumer {
             }
             // Poll one record, then whatever else is already fetched, up to the
             // micro-batch size.
-            let polled: Vec<Record> = tokio::task::block_in_place(|| {
+            // Each record is tagged with the lease generation current when it
+            // was delivered: a rebalance callback served by a later poll of
+            // the same batch may revoke or re-lease its partition.
+            let polled: Vec<(Record, Option<i64>)> = tokio::task::block_in_place(|| {
                 let mut out = Vec::new();
                 let mut timeout = Duration::from_millis(100);
                 while out.len() < b.batch {
                     match consumer.poll(timeout) {
-                        Some(Ok(m)) => out.push(Record::from_message(&m)),
+                        Some(Ok(m)) => {
+                            let record = Record::from_message(&m);
+                            let tp = (record.topic.clone(), record.partition);
+                            out.push((record, generation(&leases, &tp)));
+                        }
                         Some(Err(e)) => {
                             tracing::warn!(error = %e, "consumer error");
                             break;
@@ -404,27 +454,49 @@ impl Consumer {
                 }
                 out
             });
-            // A paused partition's prefetched records come again after its retry.
-            let mut groups: Vec<(TopicPartition, Vec<Record>)> = Vec::new();
-            for record in polled {
+            // Records are passed over only when they are fetched again later:
+            // - no lease, or a lease that changed since delivery: the callback
+            //   or reclaim that changes a lease positions the partition at the
+            //   stored offset (or it is no longer ours);
+            // - a pending retry or seek: they reposition the partition.
+            let pending_seeks: Vec<TopicPartition> = self
+                .seeks
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .keys()
+                .cloned()
+                .collect();
+            let mut groups: Vec<(TopicPartition, i64, Vec<Record>)> = Vec::new();
+            for (record, polled_at) in polled {
                 let tp = (record.topic.clone(), record.partition);
-                if retries.contains_key(&tp) {
+                let Some(gen) = polled_at.filter(|g| generation(&leases, &tp) == Some(*g)) else {
+                    continue;
+                };
+                if pending_seeks.contains(&tp) {
                     continue;
                 }
-                match groups.iter_mut().find(|(g, _)| *g == tp) {
-                    Some((_, rs)) => rs.push(record),
-                    None => groups.push((tp, vec![record])),
+                if let Some(r) = retries.get(&tp) {
+                    if r.generation == gen {
+                        // Prefetched before the pause: they come again after the retry.
+                        continue;
+                    }
+                    // A retry of an earlier lease of this partition is void.
+                    retries.remove(&tp);
+                }
+                match groups.iter_mut().find(|(g, _, _)| *g == tp) {
+                    Some((_, _, rs)) => rs.push(record),
+                    None => groups.push((tp, gen, vec![record])),
                 }
             }
-            for (tp, records) in groups {
-                let pending = self.handle_group(&consumer, &leases, dlq.as_ref(), records).await;
+            for (tp, gen, records) in groups {
+                let pending = self.handle_group(&consumer, &leases, dlq.as_ref(), gen, records).await;
                 if let Some(retry) = pending {
                     retries.insert(tp, retry);
                 }
             }
             if housekeeping.elapsed() >= b.lease / 3 {
                 housekeeping = Instant::now();
-                self.housekeeping().await;
+                self.housekeeping(&consumer, &leases).await;
                 self.watch_unleased(&consumer, &leases);
             }
             if lag_at.elapsed() >= LAG_EVERY {
@@ -457,10 +529,11 @@ impl Consumer {
         consumer: &BaseConsumer<LeaseContext>,
         leases: &Leases,
         dlq: Option<&FutureProducer>,
+        generation: i64,
         records: Vec<Record>,
     ) -> Option<Retry> {
         let tp = (records[0].topic.clone(), records[0].partition);
-        let lease = leases.lock().unwrap_or_else(|p| p.into_inner()).get(&tp).cloned();
+        let lease = current_lease(leases, &tp, generation);
         if let (Some(lease), true) = (lease, records.len() > 1) {
             let keyed: Option<Vec<(Record, String)>> = records
                 .iter()
@@ -489,7 +562,7 @@ impl Consumer {
             }
         }
         for record in records {
-            if let Some(retry) = self.handle(consumer, leases, dlq, record, None).await {
+            if let Some(retry) = self.handle(consumer, leases, dlq, generation, record, None).await {
                 // Later records of this partition are fetched again after the retry.
                 return Some(retry);
             }
@@ -504,14 +577,17 @@ impl Consumer {
         consumer: &BaseConsumer<LeaseContext>,
         leases: &Leases,
         dlq: Option<&FutureProducer>,
+        generation: i64,
         record: Record,
         retry: Option<Retry>,
     ) -> Option<Retry> {
         let b = &self.b;
         let m = &self.metrics;
         let tp = (record.topic.clone(), record.partition);
-        let Some(lease) = leases.lock().unwrap_or_else(|p| p.into_inner()).get(&tp).cloned() else {
-            return None; // not ours (revoked or lost): its new owner processes it
+        let Some(lease) = current_lease(leases, &tp, generation) else {
+            // Not ours any more (revoked or lost: its new owner processes it),
+            // or leased again since (positioned at the stored offset then).
+            return None;
         };
         let effect_key = match &retry {
             Some(r) => Some(r.effect_key.clone()),
@@ -549,16 +625,8 @@ impl Consumer {
                 None
             }
             Err(ProcessError::LostLease(e)) => {
-                m.lease_losses.inc();
                 tracing::warn!(topic = %tp.0, partition = tp.1, error = %e, "partition lease lost; pausing it");
-                leases.lock().unwrap_or_else(|p| p.into_inner()).remove(&tp);
-                // Stop processing it. If Kafka still assigns it here once the
-                // group settles, take it back at a new generation.
-                let _ = pause(consumer, &tp, true);
-                self.reclaims
-                    .lock()
-                    .unwrap_or_else(|p| p.into_inner())
-                    .insert(tp, Instant::now() + RECLAIM_AFTER);
+                self.lost(consumer, leases, &lease);
                 return None;
             }
             Err(ProcessError::Handler(HandlerError {
@@ -574,6 +642,7 @@ impl Consumer {
                     other => other.to_string(),
                 };
                 let mut r = retry.unwrap_or_else(|| Retry {
+                    generation: lease.generation,
                     record: record.clone(),
                     effect_key: effect_key.clone(),
                     attempts: 1,
@@ -608,10 +677,11 @@ impl Consumer {
         let _ = consumer.commit(&tpl, CommitMode::Async);
         if was_paused {
             // Fetch again from the next record, then resume the partition.
-            let _ = tokio::task::block_in_place(|| {
-                consumer.seek(&tp.0, tp.1, Offset::Offset(record.offset + 1), Duration::from_secs(5))
-            });
-            let _ = pause(consumer, &tp, false);
+            self.seeks
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .insert(tp, (lease.generation, Offset::Offset(record.offset + 1)));
+            self.apply_seeks(consumer, leases);
         }
         result
     }
@@ -671,10 +741,36 @@ impl Consumer {
         }
     }
 
-    /// Takes back partitions whose lease was lost but which Kafka still
-    /// assigns here (the group settled on this member): a new generation,
-    /// resuming from the offset stored with the effects.
-    async fn reclaim_due(&self, consumer: &BaseConsumer<LeaseContext>, leases: &Leases) {
+    /// Stops processing a partition whose lease is no longer current: drops
+    /// the lease (if still this one), pauses the partition and schedules a
+    /// reclaim in case Kafka keeps assigning it here.
+    fn lost(&self, consumer: &BaseConsumer<LeaseContext>, leases: &Leases, lease: &PartitionLease) {
+        let tp = (lease.topic.clone(), lease.partition);
+        {
+            let mut held = leases.lock().unwrap_or_else(|p| p.into_inner());
+            if held.get(&tp).map(|l| l.generation) != Some(lease.generation) {
+                return; // already replaced or dropped
+            }
+            held.remove(&tp);
+        }
+        self.metrics.lease_losses.inc();
+        let _ = pause(consumer, &tp, true);
+        self.reclaims
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(tp, Instant::now() + RECLAIM_AFTER);
+    }
+
+    /// Takes back partitions whose lease was lost (or never taken) but which
+    /// Kafka still assigns here, only if no other member holds a live lease
+    /// on them: the local assignment may be stale (the group may have moved
+    /// the partition and not told this member yet), and the member Kafka
+    /// assigned it to took it in its rebalance callback. While another lease
+    /// is live, the partition stays paused and the check is repeated; the
+    /// lease frees up when its holder releases it on revoke or stops renewing
+    /// it. A reclaimed partition resumes from the offset stored with the
+    /// effects.
+    async fn reclaim_due(&self, consumer: &BaseConsumer<LeaseContext>, leases: &Leases, commits: &Commits) {
         let due: Vec<TopicPartition> = {
             let mut r = self.reclaims.lock().unwrap_or_else(|p| p.into_inner());
             let due: Vec<_> = r
@@ -694,36 +790,88 @@ impl Consumer {
         let b = &self.b;
         for tp in due {
             if leases.lock().unwrap_or_else(|p| p.into_inner()).contains_key(&tp) {
-                let _ = pause(consumer, &tp, false);
+                // Assigned here again meanwhile: the callback leased it,
+                // positioned it and resumed it.
                 continue;
             }
             if assigned.find_partition(&tp.0, tp.1).is_none() {
                 continue;
             }
+            let again = || {
+                self.reclaims
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .insert(tp.clone(), Instant::now() + RECLAIM_AFTER);
+            };
             match b
                 .ferry
-                .acquire_partition(&b.group, &tp.0, tp.1, &b.owner, b.lease)
+                .acquire_free_partition(&b.group, &tp.0, tp.1, &b.owner, b.lease)
                 .await
             {
-                Ok((lease, next)) => {
+                Ok(Some((lease, next))) => {
                     tracing::info!(topic = %tp.0, partition = tp.1, generation = lease.generation, "partition lease taken back");
+                    let generation = lease.generation;
                     leases
                         .lock()
                         .unwrap_or_else(|p| p.into_inner())
                         .insert(tp.clone(), lease);
                     // Records fetched while the partition had no lease were
-                    // skipped: go back to the offset stored with the effects
-                    // (or the beginning, when nothing was ever processed).
+                    // passed over: go back to the offset stored with the
+                    // effects (or the beginning, when nothing was ever
+                    // processed) before resuming.
                     let at = next.map(Offset::Offset).unwrap_or(Offset::Beginning);
-                    let _ = tokio::task::block_in_place(|| consumer.seek(&tp.0, tp.1, at, Duration::from_secs(5)));
-                    let _ = pause(consumer, &tp, false);
+                    if let Some(n) = next {
+                        commits.lock().unwrap_or_else(|p| p.into_inner()).push((tp.clone(), n));
+                    }
+                    self.seeks
+                        .lock()
+                        .unwrap_or_else(|p| p.into_inner())
+                        .insert(tp.clone(), (generation, at));
+                }
+                Ok(None) => {
+                    self.metrics.reclaims_deferred.inc();
+                    tracing::info!(topic = %tp.0, partition = tp.1, "another member holds the partition's lease; checking again later");
+                    again();
                 }
                 Err(e) => {
                     tracing::warn!(error = %e, "taking a partition back failed; retrying later");
-                    self.reclaims
-                        .lock()
-                        .unwrap_or_else(|p| p.into_inner())
-                        .insert(tp, Instant::now() + RECLAIM_AFTER);
+                    again();
+                }
+            }
+        }
+        self.apply_seeks(consumer, leases);
+    }
+
+    /// Performs the pending seeks of partitions still leased at the seek's
+    /// generation, resuming each partition once its seek succeeded. A failed
+    /// seek leaves its partition paused and is tried again on the next turn
+    /// of the loop, so records are never passed over for good.
+    fn apply_seeks(&self, consumer: &BaseConsumer<LeaseContext>, leases: &Leases) {
+        let pending: Vec<(TopicPartition, (i64, Offset))> = self
+            .seeks
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .iter()
+            .map(|(tp, s)| (tp.clone(), *s))
+            .collect();
+        for (tp, (gen, at)) in pending {
+            if generation(leases, &tp) != Some(gen) {
+                // Revoked or leased again since: whoever changed the lease
+                // positioned the partition.
+                self.seeks.lock().unwrap_or_else(|p| p.into_inner()).remove(&tp);
+                continue;
+            }
+            let r = tokio::task::block_in_place(|| consumer.seek(&tp.0, tp.1, at, Duration::from_secs(5)));
+            match r {
+                Ok(()) => {
+                    self.seeks.lock().unwrap_or_else(|p| p.into_inner()).remove(&tp);
+                    if let Err(e) = pause(consumer, &tp, false) {
+                        tracing::warn!(topic = %tp.0, partition = tp.1, error = %e, "resuming a partition failed");
+                    }
+                }
+                Err(e) => {
+                    tracing::warn!(topic = %tp.0, partition = tp.1, offset = ?at, error = %e, "seek failed; the partition stays paused and the seek is retried");
+                    let _ = pause(consumer, &tp, true);
                 }
             }
         }
@@ -743,10 +891,27 @@ impl Consumer {
         }
     }
 
-    async fn housekeeping(&self) {
+    /// Renews each lease this member holds, at its generation (never a row
+    /// it released or lost: that would keep a stale lease alive and the
+    /// partition's assignee waiting). A renewal that matches nothing is a
+    /// lost lease.
+    async fn housekeeping(&self, consumer: &BaseConsumer<LeaseContext>, leases: &Leases) {
         let b = &self.b;
-        if let Err(e) = b.ferry.renew_partitions(&b.group, &b.owner, b.lease).await {
-            tracing::warn!(error = %e, "renewing partition leases failed");
+        let held: Vec<PartitionLease> = leases
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .values()
+            .cloned()
+            .collect();
+        for lease in held {
+            match b.ferry.renew_partition(&lease, b.lease).await {
+                Ok(true) => {}
+                Ok(false) => {
+                    tracing::warn!(topic = %lease.topic, partition = lease.partition, "partition lease lost at renewal; pausing it");
+                    self.lost(consumer, leases, &lease);
+                }
+                Err(e) => tracing::warn!(error = %e, "renewing a partition lease failed"),
+            }
         }
         let _ = b.ferry.sweep_ledger(&b.group, b.ledger_retention, 1000).await;
     }
@@ -777,6 +942,43 @@ impl Consumer {
             }
         }
     }
+}
+
+/// Commits to Kafka the stored offsets of partitions just leased (and still
+/// held): advisory, for lag tools, like every Kafka commit here.
+fn commit_stored(consumer: &BaseConsumer<LeaseContext>, leases: &Leases, commits: &Commits) {
+    let due: Vec<(TopicPartition, i64)> = std::mem::take(&mut *commits.lock().unwrap_or_else(|p| p.into_inner()));
+    if due.is_empty() {
+        return;
+    }
+    let mut tpl = TopicPartitionList::new();
+    for ((topic, partition), next) in due {
+        if generation(leases, &(topic.clone(), partition)).is_some() {
+            let _ = tpl.add_partition_offset(&topic, partition, Offset::Offset(next));
+        }
+    }
+    if tpl.count() > 0 {
+        let _ = consumer.commit(&tpl, CommitMode::Async);
+    }
+}
+
+/// The generation of the lease held on `tp`, if any.
+fn generation(leases: &Leases, tp: &TopicPartition) -> Option<i64> {
+    leases
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .get(tp)
+        .map(|l| l.generation)
+}
+
+/// The lease held on `tp` if it is still at `generation`.
+fn current_lease(leases: &Leases, tp: &TopicPartition, generation: i64) -> Option<PartitionLease> {
+    leases
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .get(tp)
+        .filter(|l| l.generation == generation)
+        .cloned()
 }
 
 fn pause(consumer: &BaseConsumer<LeaseContext>, tp: &TopicPartition, yes: bool) -> KafkaResult<()> {

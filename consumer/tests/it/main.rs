@@ -366,8 +366,20 @@ impl Drop for Member {
 }
 
 fn projection(url: &str, brokers: &str, group: &str, topic: &str, crash_at: Option<&str>) -> Member {
+    projection_with(url, brokers, group, topic, crash_at, "cooperative")
+}
+
+fn projection_with(
+    url: &str,
+    brokers: &str,
+    group: &str,
+    topic: &str,
+    crash_at: Option<&str>,
+    assignment: &str,
+) -> Member {
     let mut c = Command::new(env!("CARGO_BIN_EXE_ferry-projection"));
     c.env("DATABASE_URL", url)
+        .env("FERRY_ASSIGNMENT", assignment)
         .env("FERRY_BROKERS", brokers)
         .env("FERRY_GROUP", group)
         .env("FERRY_TOPICS", topic)
@@ -493,4 +505,228 @@ async fn a_rebalance_storm_applies_every_effect_exactly_once() {
         scalar(&ferry, "SELECT CAST(sum(events) AS BIGINT) FROM ferry_projection").await,
         N as i64
     );
+}
+
+/// Generation and owner of a partition row.
+async fn holder(ferry: &Ferry, group: &str, topic: &str, partition: i32) -> (Option<String>, i64) {
+    sqlx::query_as(
+        "SELECT owner, generation FROM consumer_partitions WHERE group_id = $1 AND topic = $2 AND partition = $3",
+    )
+    .bind(group)
+    .bind(topic)
+    .bind(partition)
+    .fetch_one(ferry.db().as_postgres().unwrap())
+    .await
+    .unwrap()
+}
+
+/// A member that lost a partition lease while its local assignment still
+/// lists the partition must not take it back from a member holding a live
+/// lease: its view may be stale (the group moved the partition), and taking
+/// it anyway hands the partition back and forth between two members. It
+/// takes it back once the lease is free, from the offset stored with the
+/// effects, and nothing is skipped or applied twice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lost_lease_is_not_taken_back_from_a_live_holder() {
+    let broker = Kafka::start();
+    broker.create_topic("reclaim", 1);
+    let (ferry, _) = pg().await;
+    let p = producer(&broker.brokers());
+    produce(&p, "reclaim", "k", Some("r0")).await;
+    let (stop, h, metrics) = in_process(
+        ferry.clone(),
+        &broker.brokers(),
+        "gr",
+        "reclaim",
+        Assignment::CooperativeSticky,
+        "member-a",
+    );
+    let stored = "SELECT COALESCE(max(next_offset), 0) FROM consumer_partitions WHERE group_id = 'gr'";
+    until_at_least(&ferry, stored, 1, Duration::from_secs(60)).await;
+    // Another member takes the partition at a higher generation, as the
+    // rebalance callback of the partition's new assignee does.
+    let (lease_b, _) = ferry
+        .acquire_partition("gr", "reclaim", 0, "member-b", Duration::from_secs(120))
+        .await
+        .unwrap();
+    produce(&p, "reclaim", "k", Some("r1")).await;
+    produce(&p, "reclaim", "k", Some("r2")).await;
+    // A's next commit is refused: it pauses the partition.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while metrics.lease_losses.get() == 0 {
+        assert!(Instant::now() < deadline, "member A never noticed the lost lease");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // A checks again later (Kafka still assigns the partition to it): either
+    // it defers to the live lease, or it takes the partition (the bug).
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let (_, generation) = holder(&ferry, "gr", "reclaim", 0).await;
+        if generation != lease_b.generation || metrics.reclaims_deferred.get() > 0 {
+            break;
+        }
+        assert!(Instant::now() < deadline, "member A never came back for the partition");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(
+        holder(&ferry, "gr", "reclaim", 0).await,
+        (Some("member-b".to_owned()), lease_b.generation),
+        "member A took the partition from a live lease"
+    );
+    assert_eq!(scalar(&ferry, "SELECT count(*) FROM effects_applied").await, 1);
+    // The holder gives it back: A takes it and resumes from the stored offset.
+    assert!(ferry.release_partition(&lease_b).await.unwrap());
+    until_at_least(&ferry, stored, 3, Duration::from_secs(60)).await;
+    until_at_least(
+        &ferry,
+        "SELECT count(*) FROM effects_applied",
+        3,
+        Duration::from_secs(60),
+    )
+    .await;
+    stop.cancel();
+    h.await.unwrap();
+    assert_eq!(
+        scalar(&ferry, "SELECT max(applied) FROM effects_applied").await,
+        1,
+        "each effect applied once"
+    );
+    assert_eq!(
+        scalar(
+            &ferry,
+            "SELECT count(*) FROM effects_applied WHERE written_by = 'member-a'"
+        )
+        .await,
+        3
+    );
+    let (_, generation) = holder(&ferry, "gr", "reclaim", 0).await;
+    assert!(generation > lease_b.generation, "taken back at a new generation");
+}
+
+/// Produces records `from..to` of `topic` (effect key = index, 100 keys).
+async fn produce_range(p: &FutureProducer, topic: &str, from: usize, to: usize) {
+    let sends: Vec<_> = (from..to)
+        .map(|i| {
+            let id = i.to_string();
+            let key = format!("k{}", i % 100);
+            let h = OwnedHeaders::new().insert(Header {
+                key: "ferry-outbox-id",
+                value: Some(&id),
+            });
+            p.send_result(FutureRecord::to(topic).key(&key).payload("{}").headers(h))
+                .map_err(|(e, _)| e)
+                .unwrap()
+        })
+        .collect();
+    for s in sends {
+        s.await.unwrap().map_err(|(e, _)| e).unwrap();
+    }
+}
+
+/// Three member processes, one SIGKILLed and replaced at each step of
+/// progress while records keep arriving: the group converges with every
+/// effect applied once and both the stored offsets and the group's Kafka
+/// committed offsets at the log end (a short version of
+/// `examples/soak_consumer.rs`).
+async fn a_kill_storm_converges(assignment: &str) {
+    const N: usize = 10_000;
+    const PARTITIONS: i32 = 6;
+    let broker = Kafka::start();
+    broker.create_topic("kills", PARTITIONS);
+    let (ferry, url) = pg().await;
+    let p = producer(&broker.brokers());
+    let brokers = broker.brokers();
+    let group = format!("kills-{assignment}");
+    produce_range(&p, "kills", 0, N / 2).await;
+    let mut members: Vec<Member> = (0..3)
+        .map(|_| projection_with(&url, &brokers, &group, "kills", None, assignment))
+        .collect();
+    let ledger = format!("SELECT count(*) FROM consumer_ledger WHERE group_id = '{group}'");
+    // A kill at each step, the victim rotating; the second half of the
+    // records arrives in the middle of it.
+    for (step, at) in [600, 1500, 2400, 3300, 4200, 5400, 6600, 7800].into_iter().enumerate() {
+        until_at_least(&ferry, &ledger, at, Duration::from_secs(120)).await;
+        members.remove(step % members.len()).sigkill();
+        members.push(projection_with(&url, &brokers, &group, "kills", None, assignment));
+        if step == 3 {
+            produce_range(&p, "kills", N / 2, N).await;
+        }
+    }
+    until_at_least(&ferry, &ledger, N as i64, Duration::from_secs(120)).await;
+    assert_eq!(
+        scalar(&ferry, "SELECT count(*) FROM ferry_projection_applied").await,
+        N as i64
+    );
+    assert_eq!(
+        scalar(&ferry, "SELECT max(applied) FROM ferry_projection_applied").await,
+        1,
+        "every effect key applied exactly once"
+    );
+    // Stored offsets and the group's Kafka commits reach the log end.
+    let probe: BaseConsumer = ClientConfig::new()
+        .set("bootstrap.servers", &brokers)
+        .set("group.id", &group)
+        .set("enable.auto.commit", "false")
+        .create()
+        .unwrap();
+    let mut high = HashMap::new();
+    for partition in 0..PARTITIONS {
+        let (_, h) =
+            tokio::task::block_in_place(|| probe.fetch_watermarks("kills", partition, Duration::from_secs(10)))
+                .unwrap();
+        high.insert(partition, h);
+    }
+    assert_eq!(high.values().sum::<i64>(), N as i64);
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let stored: Vec<(i32, Option<i64>)> =
+            sqlx::query_as("SELECT partition, next_offset FROM consumer_partitions WHERE group_id = $1")
+                .bind(&group)
+                .fetch_all(ferry.db().as_postgres().unwrap())
+                .await
+                .unwrap();
+        let stored: HashMap<i32, i64> = stored.into_iter().filter_map(|(p, o)| Some((p, o?))).collect();
+        let mut tpl = rdkafka::TopicPartitionList::new();
+        for partition in 0..PARTITIONS {
+            tpl.add_partition("kills", partition);
+        }
+        let committed: HashMap<i32, i64> =
+            tokio::task::block_in_place(|| probe.committed_offsets(tpl, Duration::from_secs(5)))
+                .map(|t| {
+                    t.elements()
+                        .iter()
+                        .filter_map(|e| match e.offset() {
+                            rdkafka::Offset::Offset(o) => Some((e.partition(), o)),
+                            _ => None,
+                        })
+                        .collect()
+                })
+                .unwrap_or_default();
+        if high == stored && high == committed {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "offsets short of the log end {high:?}: stored {stored:?}, committed {committed:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    for m in members {
+        m.terminate();
+    }
+    assert_eq!(
+        scalar(&ferry, "SELECT max(applied) FROM ferry_projection_applied").await,
+        1,
+        "every effect key applied exactly once"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_kill_storm_converges_eager() {
+    a_kill_storm_converges("eager").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_kill_storm_converges_cooperative() {
+    a_kill_storm_converges("cooperative").await;
 }

@@ -9,6 +9,19 @@ ON CONFLICT (group_id, topic, partition) DO UPDATE
     SET owner = EXCLUDED.owner, generation = p.generation + 1, lease_expires_at = EXCLUDED.lease_expires_at
 RETURNING generation, next_offset
 
+-- name: acquire_free_partition
+-- A member whose lease was lost takes it back only if nobody holds it: the
+-- row is new, released, already $4's, or its lease expired. The takeover of
+-- `acquire_partition` belongs to the rebalance callback alone, where Kafka's
+-- assignment is current; a member's local view may be stale. No row: held.
+INSERT INTO consumer_partitions AS p (group_id, topic, partition, owner, generation, lease_expires_at)
+VALUES ($1, $2, $3, $4, 1, COALESCE($5, CAST(unixepoch('subsec') * 1000 AS INTEGER)) + $6)
+ON CONFLICT (group_id, topic, partition) DO UPDATE
+    SET owner = EXCLUDED.owner, generation = p.generation + 1, lease_expires_at = EXCLUDED.lease_expires_at
+    WHERE p.owner IS NULL OR p.owner = EXCLUDED.owner OR p.lease_expires_at IS NULL
+        OR p.lease_expires_at <= COALESCE($5, CAST(unixepoch('subsec') * 1000 AS INTEGER))
+RETURNING generation, next_offset
+
 -- name: release_partition
 UPDATE consumer_partitions SET owner = NULL, lease_expires_at = NULL
 WHERE group_id = $1 AND topic = $2 AND partition = $3 AND owner = $4 AND generation = $5
@@ -17,6 +30,13 @@ WHERE group_id = $1 AND topic = $2 AND partition = $3 AND owner = $4 AND generat
 UPDATE consumer_partitions
 SET lease_expires_at = COALESCE($3, CAST(unixepoch('subsec') * 1000 AS INTEGER)) + $4
 WHERE group_id = $1 AND owner = $2
+
+-- name: renew_partition
+-- Extends one lease, only at its generation: a member renews what it holds,
+-- never a row it released or lost. No row: the lease is gone.
+UPDATE consumer_partitions
+SET lease_expires_at = COALESCE($6, CAST(unixepoch('subsec') * 1000 AS INTEGER)) + $7
+WHERE group_id = $1 AND topic = $2 AND partition = $3 AND owner = $4 AND generation = $5
 
 -- name: lock_partition
 -- BEGIN IMMEDIATE holds the write lock until commit: no takeover interleaves with the effects.
