@@ -243,8 +243,12 @@ impl Ferry {
     ) -> Result<EffectRecord> {
         if let Some(r) = provider_ref {
             if r.is_empty() || r.len() > self.limits().max_key_bytes {
-                return Err(Error::invalid("provider_ref", "must be 1 to 255 bytes"));
+                return Err(Error::invalid(
+                    "provider_ref",
+                    format!("must be 1 to {} bytes", self.limits().max_key_bytes),
+                ));
             }
+            self.limits().no_nul("provider_ref", r)?;
         }
         let mut tx = self.begin().await?;
         let r = async {

@@ -378,8 +378,7 @@ impl Ferry {
     /// `run_succeeded` event carrying `result` and its outbox row, and the
     /// attempt closed, in one transaction.
     pub async fn complete(&self, lease: &Lease, result: &Value) -> Result<()> {
-        let size = serde_json::to_vec(result).map(|v| v.len()).unwrap_or(usize::MAX);
-        self.limits().payload("result", size)?;
+        self.limits().json("result", result)?;
         let mut tx = self.begin().await?;
         let r = self.complete_in(tx.conn(), lease, result).await;
         crate::finish(tx, r).await
@@ -390,8 +389,7 @@ impl Ferry {
     /// per lease, in order; a refused lease does not affect the others.
     pub async fn complete_batch(&self, items: &[(Lease, Value)]) -> Result<Vec<Result<()>>> {
         for (_, result) in items {
-            let size = serde_json::to_vec(result).map(|v| v.len()).unwrap_or(usize::MAX);
-            self.limits().payload("result", size)?;
+            self.limits().json("result", result)?;
         }
         let mut tx = self.begin().await?;
         let r = match tx.conn() {

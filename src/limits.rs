@@ -73,6 +73,41 @@ impl Limits {
         Ok(())
     }
 
+    /// Text stored as is (an outbox key or header, an effect key, a
+    /// provider reference): no NUL (`\u{0}`), which PostgreSQL cannot store
+    /// in text or JSON. Refused on every engine, so both behave alike and the
+    /// caller gets `invalid_input` instead of a database error.
+    pub fn no_nul(&self, field: &'static str, v: &str) -> Result<()> {
+        if v.contains('\0') {
+            return Err(Error::invalid(field, "must not contain NUL (\\u0000)"));
+        }
+        Ok(())
+    }
+
+    /// A JSON document stored as JSON (a command, a result, an event body):
+    /// at most the payload limit when serialized, and no NUL in any string or
+    /// object key at any depth (see [`Limits::no_nul`]).
+    pub fn json(&self, field: &'static str, v: &serde_json::Value) -> Result<()> {
+        let size = serde_json::to_vec(v).map(|b| b.len()).unwrap_or(usize::MAX);
+        self.payload(field, size)?;
+        // Iterative, so a deeply nested document cannot overflow the stack.
+        let mut pending = vec![v];
+        while let Some(v) = pending.pop() {
+            match v {
+                serde_json::Value::String(s) => self.no_nul(field, s)?,
+                serde_json::Value::Array(items) => pending.extend(items),
+                serde_json::Value::Object(map) => {
+                    for (k, item) in map {
+                        self.no_nul(field, k)?;
+                        pending.push(item);
+                    }
+                }
+                _ => {}
+            }
+        }
+        Ok(())
+    }
+
     /// A payload size.
     pub fn payload(&self, field: &'static str, len: usize) -> Result<()> {
         if len > self.max_payload_bytes {
@@ -140,5 +175,22 @@ mod tests {
         assert!(l.topic("ferry.run-events").is_ok());
         assert!(l.topic("bad/topic").is_err());
         assert!(l.payload("payload", 1024 * 1024 + 1).is_err());
+    }
+
+    #[test]
+    fn nul_is_refused_in_text_and_at_any_json_depth() {
+        let l = Limits::default();
+        assert!(l.no_nul("key", "plain").is_ok());
+        assert_eq!(l.no_nul("key", "a\0b").unwrap_err().code(), "invalid_input");
+        assert!(l
+            .json("command", &serde_json::json!({"a": [1, "x", {"b": null}]}))
+            .is_ok());
+        for bad in [
+            serde_json::json!({"a": "x\u{0}"}),
+            serde_json::json!({"a\u{0}": 1}),
+            serde_json::json!([[[{"deep": ["\u{0}"]}]]]),
+        ] {
+            assert_eq!(l.json("command", &bad).unwrap_err().code(), "invalid_input");
+        }
     }
 }

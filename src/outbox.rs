@@ -93,6 +93,7 @@ impl OutboxMessage {
                 format!("must be 1 to {} bytes", limits.max_key_bytes),
             ));
         }
+        limits.no_nul("key", &self.key)?;
         limits.payload("payload", self.payload.len())?;
         if self.headers.len() > limits.max_headers {
             return Err(Error::invalid(
@@ -106,6 +107,10 @@ impl OutboxMessage {
                 "names must be non-empty and not start with ferry-",
             ));
         }
+        for (name, value) in &self.headers {
+            limits.no_nul("headers", name)?;
+            limits.no_nul("headers", value)?;
+        }
         if let Some(k) = &self.effect_key {
             if k.is_empty() || k.len() > limits.max_key_bytes {
                 return Err(Error::invalid(
@@ -113,6 +118,7 @@ impl OutboxMessage {
                     format!("must be 1 to {} bytes", limits.max_key_bytes),
                 ));
             }
+            limits.no_nul("effect_key", k)?;
         }
         if let Some(tp) = &self.traceparent {
             validate_traceparent(tp)?;

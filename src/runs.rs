@@ -119,8 +119,7 @@ impl NewRun {
         if !self.command.is_object() {
             return Err(Error::invalid("command", "must be a JSON object"));
         }
-        let size = serde_json::to_vec(&self.command).map(|v| v.len()).unwrap_or(usize::MAX);
-        l.payload("command", size)?;
+        l.json("command", &self.command)?;
         if let Some(d) = self.deadline {
             if duration_ms(d)? <= 0 {
                 return Err(Error::invalid("deadline", "must be positive"));
@@ -437,8 +436,7 @@ impl Ferry {
         if TERMINAL_KINDS.contains(&kind) || kind == "run_queued" {
             return Err(Error::invalid("kind", "run_* kinds are reserved for Ferry"));
         }
-        let size = serde_json::to_vec(body).map(|v| v.len()).unwrap_or(usize::MAX);
-        self.limits().payload("body", size)?;
+        self.limits().json("body", body)?;
         let next: Option<(i64, i64)> = on_conn!(conn.reborrow(), |c, q| {
             sqlx::query_as(q.get("next_event_seq"))
                 .bind(tenant)

@@ -659,6 +659,109 @@ async fn release_then_claim_again_completes(kind: Kind) {
     );
 }
 
+/// Counts of every table a refused call could have written to.
+async fn written(t: &TestDb) -> Vec<i64> {
+    let mut out = Vec::new();
+    for table in ["runs", "run_events", "jobs", "idempotency_keys", "outbox", "effects"] {
+        out.push(t.scalar(&format!("SELECT count(*) FROM {table}")).await);
+    }
+    out.push(
+        t.scalar("SELECT count(*) FROM effects WHERE provider_ref IS NOT NULL OR state <> 'reserved'")
+            .await,
+    );
+    out.push(t.scalar("SELECT count(*) FROM jobs WHERE state <> 'leased'").await);
+    out
+}
+
+async fn nul_bytes_are_invalid_input_and_write_nothing(kind: Kind) {
+    let t = TestDb::with_clock(kind, manual_clock()).await;
+    let nul = "a\u{0}b";
+    t.ferry.create_run_idempotent(job("ok")).await.unwrap();
+    let c = t.ferry.claim("payments", "w", LEASE, 1).await.unwrap().pop().unwrap();
+    t.ferry.reserve_effect(&c.lease, "pay", "psp.charge").await.unwrap();
+    let before = written(&t).await;
+    let mut errs = vec![
+        (
+            "command value",
+            t.ferry
+                .create_run_idempotent(NewRun::new("acme", "charge", "n1", json!({ "note": nul })))
+                .await
+                .unwrap_err(),
+        ),
+        (
+            "command key",
+            t.ferry
+                .create_run_idempotent(NewRun::new("acme", "charge", "n2", json!({ nul: [1] })))
+                .await
+                .unwrap_err(),
+        ),
+        (
+            "result",
+            t.ferry
+                .complete(&c.lease, &json!({ "nested": [{ "v": nul }] }))
+                .await
+                .unwrap_err(),
+        ),
+        (
+            "batch result",
+            t.ferry
+                .complete_batch(&[(c.lease.clone(), json!({ "v": nul }))])
+                .await
+                .unwrap_err(),
+        ),
+        (
+            "event body",
+            t.ferry
+                .append_event("acme", c.lease.run_id, "note", &json!({ "v": nul }))
+                .await
+                .unwrap_err(),
+        ),
+        (
+            "provider ref",
+            t.ferry
+                .record_effect_success(&c.lease, "pay", "psp.charge", nul)
+                .await
+                .unwrap_err(),
+        ),
+        (
+            "reconciled provider ref",
+            t.ferry
+                .reconcile_effect(
+                    &c.lease,
+                    "pay",
+                    "psp.charge",
+                    Resolution::Succeeded {
+                        provider_ref: nul.into(),
+                    },
+                )
+                .await
+                .unwrap_err(),
+        ),
+    ];
+    let outbox = |key: &str| ferry::OutboxMessage::bytes("acme", "orders", key, vec![1]);
+    for (what, msg) in [
+        ("outbox key", outbox(nul)),
+        ("header name", outbox("k").header(nul, "v")),
+        ("header value", outbox("k").header("h", nul)),
+        ("effect key", outbox("k").effect_key(nul)),
+    ] {
+        errs.push((what, t.ferry.enqueue(&msg).await.unwrap_err()));
+        let mut tx = t.ferry.begin().await.unwrap();
+        errs.push((what, t.ferry.enqueue_in(tx.conn(), &msg).await.unwrap_err()));
+        tx.rollback().await.unwrap();
+    }
+    for (what, e) in &errs {
+        assert_eq!(e.code(), "invalid_input", "{what}: {e}");
+    }
+    assert_eq!(written(&t).await, before, "nothing was written");
+    // The lease is intact: the same calls without NUL succeed.
+    t.ferry
+        .record_effect_success(&c.lease, "pay", "psp.charge", "ch_1")
+        .await
+        .unwrap();
+    t.ferry.complete(&c.lease, &json!({"ok": true})).await.unwrap();
+}
+
 on_both_engines!(
     batch_completion_fences_each_lease,
     expired_lease_recovery_and_stale_fencing,
@@ -669,4 +772,5 @@ on_both_engines!(
     dead_jobs_are_listed_and_replayed_once,
     attempt_history_is_bounded_by_retention,
     release_then_claim_again_completes,
+    nul_bytes_are_invalid_input_and_write_nothing,
 );
