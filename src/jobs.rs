@@ -268,7 +268,7 @@ enum Transition {
 
 impl Ferry {
     /// Claims up to `limit` eligible jobs of `queue` for `owner`, each under a
-    /// lease of `lease`. Eligible: due, under the attempt budget, not
+    /// lease of `lease`, never past the run's deadline (like [`Ferry::renew`]). Eligible: due, under the attempt budget, not
     /// cancelled, and queued or leased past expiry. On PostgreSQL this is one
     /// `FOR UPDATE SKIP LOCKED` statement that also writes the attempt rows.
     pub async fn claim(&self, queue: &str, owner: &str, lease: Duration, limit: u32) -> Result<Vec<Claimed>> {

@@ -762,6 +762,50 @@ async fn nul_bytes_are_invalid_input_and_write_nothing(kind: Kind) {
     t.ferry.complete(&c.lease, &json!({"ok": true})).await.unwrap();
 }
 
+async fn claim_never_leases_past_the_deadline(kind: Kind) {
+    let clock = manual_clock();
+    let t = TestDb::with_clock(kind, clock.clone()).await;
+    let run = t
+        .ferry
+        .create_run_idempotent(job("dl").deadline(Duration::from_secs(45)))
+        .await
+        .unwrap()
+        .run;
+    let deadline = run.deadline_at.unwrap();
+    assert_eq!(deadline, T0 + 45_000);
+    let c = t
+        .ferry
+        .claim("payments", "w", Duration::from_secs(60), 1)
+        .await
+        .unwrap()
+        .pop()
+        .unwrap();
+    assert_eq!(c.lease_expires_at, deadline, "the claim caps the lease at the deadline");
+    assert_eq!(
+        t.scalar("SELECT lease_expires_at FROM jobs").await,
+        deadline,
+        "as stored"
+    );
+    assert_eq!(
+        t.scalar("SELECT available_at FROM jobs").await,
+        deadline,
+        "a leased job keeps available_at = lease_expires_at"
+    );
+    // A lease shorter than the time left is not touched.
+    t.ferry
+        .create_run_idempotent(job("dl2").deadline(Duration::from_secs(45)))
+        .await
+        .unwrap();
+    let short = t.ferry.claim("payments", "w", LEASE, 1).await.unwrap().pop().unwrap();
+    assert_eq!(short.lease_expires_at, T0 + 30_000);
+    // At the deadline the capped lease is over: nothing can be written under it.
+    clock.advance(Duration::from_secs(45)).unwrap();
+    assert_eq!(
+        t.ferry.complete(&c.lease, &json!({})).await.unwrap_err().code(),
+        "lost_lease"
+    );
+}
+
 on_both_engines!(
     batch_completion_fences_each_lease,
     expired_lease_recovery_and_stale_fencing,
@@ -773,4 +817,5 @@ on_both_engines!(
     attempt_history_is_bounded_by_retention,
     release_then_claim_again_completes,
     nul_bytes_are_invalid_input_and_write_nothing,
+    claim_never_leases_past_the_deadline,
 );

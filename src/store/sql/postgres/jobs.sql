@@ -8,6 +8,7 @@ VALUES ($1, $2, $3, 'queued', $4, $5, $6, $7, $7)
 
 -- name: claim_jobs
 -- Eligible: due, under the attempt budget, and queued or leased past expiry.
+-- The lease ends at now + $5 or the run's deadline, whichever comes first.
 -- A leased job keeps available_at = lease_expires_at, so one index serves both.
 WITH clock AS (
     SELECT COALESCE($2::bigint, (extract(epoch FROM now()) * 1000)::bigint) AS at
@@ -26,8 +27,9 @@ WITH clock AS (
     UPDATE jobs j
     SET state = 'leased',
         lease_owner = $4,
-        lease_expires_at = clock.at + $5,
-        available_at = clock.at + $5,
+        -- Never past the run's deadline, exactly like renew_lease.
+        lease_expires_at = LEAST(clock.at + $5, COALESCE(j.deadline_at, 9223372036854775807)),
+        available_at = LEAST(clock.at + $5, COALESCE(j.deadline_at, 9223372036854775807)),
         lease_generation = j.lease_generation + 1,
         attempts = j.attempts + 1,
         updated_at = clock.at

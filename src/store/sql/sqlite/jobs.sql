@@ -8,13 +8,17 @@ VALUES ($1, $2, $3, 'queued', $4, $5, $6, $7, $7)
 
 -- name: claim_jobs
 -- Eligible: due, under the attempt budget, and queued or leased past expiry.
+-- The lease ends at now + $5 or the run's deadline, whichever comes first.
 -- SQLite has one writer (BEGIN IMMEDIATE), so no SKIP LOCKED is needed; the
 -- caller writes the attempt rows and reads the run data.
 UPDATE jobs
 SET state = 'leased',
     lease_owner = $4,
-    lease_expires_at = COALESCE($2, CAST(unixepoch('subsec') * 1000 AS INTEGER)) + $5,
-    available_at = COALESCE($2, CAST(unixepoch('subsec') * 1000 AS INTEGER)) + $5,
+    -- Never past the run's deadline, exactly like renew_lease.
+    lease_expires_at = MIN(COALESCE($2, CAST(unixepoch('subsec') * 1000 AS INTEGER)) + $5,
+                           COALESCE(deadline_at, 9223372036854775807)),
+    available_at = MIN(COALESCE($2, CAST(unixepoch('subsec') * 1000 AS INTEGER)) + $5,
+                       COALESCE(deadline_at, 9223372036854775807)),
     lease_generation = lease_generation + 1,
     attempts = attempts + 1,
     updated_at = COALESCE($2, CAST(unixepoch('subsec') * 1000 AS INTEGER))
