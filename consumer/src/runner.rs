@@ -913,6 +913,24 @@ impl Consumer {
                 Err(e) => tracing::warn!(error = %e, "renewing a partition lease failed"),
             }
         }
+        // Re-commit the stored offsets of held partitions to Kafka: an
+        // asynchronous commit can be lost (a rebalance in progress, a member
+        // killed before it reached the broker), and a partition with nothing
+        // left to process would otherwise never be committed again.
+        if let Ok(stored) = b.ferry.stored_offsets(&b.group).await {
+            let mut tpl = TopicPartitionList::new();
+            for s in stored {
+                if let Some(next) = s.next_offset {
+                    let tp = (s.topic, s.partition);
+                    if generation(leases, &tp).is_some() {
+                        let _ = tpl.add_partition_offset(&tp.0, tp.1, Offset::Offset(next));
+                    }
+                }
+            }
+            if tpl.count() > 0 {
+                let _ = consumer.commit(&tpl, CommitMode::Async);
+            }
+        }
         let _ = b.ferry.sweep_ledger(&b.group, b.ledger_retention, 1000).await;
     }
 
