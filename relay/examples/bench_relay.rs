@@ -1,11 +1,11 @@
-//! Relay benchmarks against PostgreSQL and a Tansu broker on memory:// storage,
-//! each beside a raw rdkafka produce of the same records to the same broker,
-//! measured in the same run:
-//! drain throughput with 1 and 2 relays at 100 B and 1 KiB (marking delivered
-//! and deleting on delivery), commit-to-ack latency at a steady 1k rows/s, and
-//! a large pending backlog.
+//! Relay benchmarks against PostgreSQL and Apache Kafka (a single-node KRaft
+//! broker started by `ferry-testkit`), each beside a raw rdkafka produce of
+//! the same records to the same broker, measured in the same run:
+//! drain throughput with 1 and 2 relays at 100 B and 1 KiB (marking
+//! delivered, deleting on delivery, and `--exactly-once`), commit-to-ack
+//! latency at a steady 1k rows/s, and a large pending backlog.
 //!
-//!     scripts/install-broker && cargo run --release -p ferry-relay --example bench_relay -- [--quick]
+//!     scripts/install-kafka && cargo run --release -p ferry-relay --example bench_relay -- [--quick]
 #![allow(clippy::print_stdout, missing_docs)]
 
 use std::time::{Duration, Instant};
@@ -24,15 +24,24 @@ async fn main() -> Res<()> {
     let n: usize = if quick { 20_000 } else { 100_000 };
     let broker = ferry_testkit::Kafka::start();
     let brokers = broker.brokers();
-    println!("ferry-relay benchmarks (PostgreSQL → Tansu memory://, n = {n})\n");
+    println!("ferry-relay benchmarks (PostgreSQL → Apache Kafka, n = {n})\n");
     println!("{:<52} {:>12} {:>14}", "measure", "ferry-relay", "raw produce");
     for size in [100usize, 1024] {
         let topic = format!("bench-{size}");
         broker.create_topic(&topic, 6);
         let raw = raw_produce(&brokers, &topic, n, size).await?;
-        for (relays, delete) in [(1, false), (2, false), (1, true)] {
-            let rate = drain(&brokers, &topic, n, size, relays, delete).await?;
-            let mode = if delete { "delete on delivery" } else { "mark delivered" };
+        for (relays, mode) in [
+            (1, Mode::Mark),
+            (2, Mode::Mark),
+            (1, Mode::Delete),
+            (1, Mode::ExactlyOnce),
+        ] {
+            let rate = drain(&brokers, &topic, n, size, relays, mode).await?;
+            let mode = match mode {
+                Mode::Mark => "mark delivered",
+                Mode::Delete => "delete on delivery",
+                Mode::ExactlyOnce => "--exactly-once",
+            };
             println!(
                 "{:<52} {rate:>12.0} {raw:>14.0}",
                 format!("drain msgs/s, {size} B, {relays} relay(s), {mode}")
@@ -42,7 +51,7 @@ async fn main() -> Res<()> {
     // Latency from commit to acknowledgement at a steady 1k rows/s.
     broker.create_topic("bench-latency", 6);
     let (ferry, url) = fresh().await?;
-    let (stop, handle, state) = start(&url, &brokers, ferry.clone(), false)?;
+    let (stop, handle, state) = start(&url, &brokers, ferry.clone(), Mode::Mark)?;
     let secs = if quick { 5 } else { 15 };
     let mut tick = tokio::time::interval(Duration::from_millis(1));
     for i in 0..secs * 1000 {
@@ -69,7 +78,7 @@ async fn main() -> Res<()> {
     let big = if quick { 100_000 } else { 1_000_000 };
     broker.create_topic("bench-backlog", 6);
     let raw = raw_produce(&brokers, "bench-backlog", big.min(200_000), 100).await?;
-    let rate = drain(&brokers, "bench-backlog", big, 100, 1, false).await?;
+    let rate = drain(&brokers, "bench-backlog", big, 100, 1, Mode::Mark).await?;
     println!(
         "{:<52} {rate:>12.0} {raw:>14.0}",
         format!("drain msgs/s with {big} pending, 100 B, 1 relay")
@@ -89,11 +98,26 @@ type Started = (
     std::sync::Arc<ferry_relay::service::RelayState>,
 );
 
-fn start(url: &str, brokers: &str, ferry: Ferry, delete: bool) -> Res<Started> {
+/// How the relay under test publishes.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Mode {
+    Mark,
+    Delete,
+    ExactlyOnce,
+}
+
+fn start(url: &str, brokers: &str, ferry: Ferry, mode: Mode) -> Res<Started> {
     let mut cfg = RelayConfig::new(url, brokers);
     cfg.poll_interval = Duration::from_millis(20);
     cfg.lease = Duration::from_secs(5);
-    cfg.delete_on_delivery = delete;
+    cfg.delete_on_delivery = mode == Mode::Delete;
+    if mode == Mode::ExactlyOnce {
+        // A fresh database per drain: a prefix and progress topic of its own.
+        let id = uuid::Uuid::now_v7().simple().to_string();
+        cfg.exactly_once = true;
+        cfg.transactional_id_prefix = format!("bench-{id}");
+        cfg.progress_topic = format!("bench-progress-{id}");
+    }
     let relay = Relay::new(cfg, ferry)?;
     let state = relay.state();
     let stop = CancellationToken::new();
@@ -141,14 +165,14 @@ async fn wait_delivered(ferry: &Ferry) -> Res<()> {
     }
 }
 
-async fn drain(brokers: &str, topic: &str, n: usize, size: usize, relays: usize, delete: bool) -> Res<f64> {
+async fn drain(brokers: &str, topic: &str, n: usize, size: usize, relays: usize, mode: Mode) -> Res<f64> {
     let (ferry, url) = fresh().await?;
     seed(&ferry, topic, n, size).await?;
     let started = Instant::now();
     let mut running = Vec::new();
     for _ in 0..relays {
         let f = Ferry::builder(&url).connect().await?;
-        running.push(start(&url, brokers, f, delete)?);
+        running.push(start(&url, brokers, f, mode)?);
     }
     wait_delivered(&ferry).await?;
     let rate = n as f64 / started.elapsed().as_secs_f64();

@@ -144,12 +144,33 @@ fn progress_reader(cfg: &RelayConfig) -> Result<BaseConsumer, KafkaError> {
     c.create()
 }
 
-/// The lane's last committed progress record, read `read_committed` from the
-/// lane's partition. Call it after [`lane_producer`], so the previous
-/// owner's last transaction is settled. Blocking.
-pub fn read_progress(cfg: &RelayConfig, lane: i32) -> Result<Option<Progress>, RelayError> {
-    let c = progress_reader(cfg)?;
-    let topic = cfg.progress_topic.as_str();
+/// Reads lanes' last progress records through one `read_committed` consumer
+/// per relay (assigned one partition at a time), so taking many lanes does
+/// not open a connection per lane.
+pub struct ProgressReader {
+    consumer: std::sync::Mutex<BaseConsumer>,
+    topic: String,
+}
+
+impl ProgressReader {
+    /// A reader of `cfg.progress_topic`.
+    pub fn new(cfg: &RelayConfig) -> Result<Self, KafkaError> {
+        Ok(ProgressReader {
+            consumer: std::sync::Mutex::new(progress_reader(cfg)?),
+            topic: cfg.progress_topic.clone(),
+        })
+    }
+
+    /// The lane's last committed progress record, read from the lane's
+    /// partition. Call it after [`lane_producer`], so the previous owner's
+    /// last transaction is settled. Blocking.
+    pub fn read(&self, lane: i32) -> Result<Option<Progress>, RelayError> {
+        let c = self.consumer.lock().unwrap_or_else(|p| p.into_inner());
+        read_progress(&c, &self.topic, lane)
+    }
+}
+
+fn read_progress(c: &BaseConsumer, topic: &str, lane: i32) -> Result<Option<Progress>, RelayError> {
     let (low, high) = c.fetch_watermarks(topic, lane, Duration::from_secs(30))?;
     if high <= low {
         return Ok(None);

@@ -25,7 +25,7 @@ use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
 use crate::config::{OnPoison, RelayConfig};
-use crate::exactly_once::{self, Progress, TxnFailure, TXN_TIMEOUT};
+use crate::exactly_once::{self, Progress, ProgressReader, TxnFailure, TXN_TIMEOUT};
 use crate::publish::{self, Outcome};
 use crate::service::RelayState;
 
@@ -53,11 +53,13 @@ enum BatchEnd {
 }
 
 /// Where a lane's records go.
+#[derive(Clone)]
 pub enum Sink {
     /// The relay's shared idempotent producer (at least once).
     Shared(FutureProducer),
-    /// The lane's own transactional producer, created on the lane task.
-    Transactional,
+    /// The lane's own transactional producer, created on the lane task, and
+    /// the relay's reader of the progress topic.
+    Transactional(Arc<ProgressReader>),
 }
 
 /// Publishes one lane until told to finish (after its in-flight batch) or
@@ -72,9 +74,9 @@ pub async fn run(
     abort: CancellationToken,
 ) {
     let mut backoff = retry_backoff();
-    let producer = match sink {
-        Sink::Shared(p) => Some(p),
-        Sink::Transactional => None,
+    let (producer, reader) = match sink {
+        Sink::Shared(p) => (Some(p), None),
+        Sink::Transactional(r) => (None, Some(r)),
     };
     let transactional = producer.is_none();
     let mut txn: Option<FutureProducer> = None;
@@ -84,8 +86,8 @@ pub async fn run(
         if finish.is_cancelled() || abort.is_cancelled() {
             break;
         }
-        if transactional && txn.is_none() {
-            match take_over(&state, &cfg, lease, &abort).await {
+        if let (Some(reader), None) = (&reader, &txn) {
+            match take_over(&state, &cfg, reader, lease, &abort).await {
                 Ok(p) => txn = Some(p),
                 Err(BatchEnd::Lost) => break,
                 Err(_) => {
@@ -396,14 +398,15 @@ impl Marker {
 async fn take_over(
     state: &RelayState,
     cfg: &Arc<RelayConfig>,
+    reader: &Arc<ProgressReader>,
     lease: LaneLease,
     abort: &CancellationToken,
 ) -> Result<FutureProducer, BatchEnd> {
-    let c = cfg.clone();
+    let (c, r) = (cfg.clone(), reader.clone());
     let lane = lease.lane;
     let init = tokio::task::spawn_blocking(move || {
         let p = exactly_once::lane_producer(&c, lane).map_err(crate::error::RelayError::from)?;
-        let progress = exactly_once::read_progress(&c, lane)?;
+        let progress = r.read(lane)?;
         Ok::<_, crate::error::RelayError>((p, progress))
     });
     let (producer, progress) = tokio::select! {

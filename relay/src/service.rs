@@ -112,9 +112,13 @@ impl Relay {
         let Relay { cfg, state, producer } = self;
         let ferry = state.ferry.clone();
         let owner = state.owner.clone();
-        if cfg.exactly_once {
-            crate::exactly_once::ensure_progress_topic(&cfg, ferry.lanes()).await?;
-        }
+        let sink = match &producer {
+            Some(p) => lane::Sink::Shared(p.clone()),
+            None => {
+                crate::exactly_once::ensure_progress_topic(&cfg, ferry.lanes()).await?;
+                lane::Sink::Transactional(Arc::new(crate::exactly_once::ProgressReader::new(&cfg)?))
+            }
+        };
         let cfg = Arc::new(cfg);
         let http_stop = CancellationToken::new();
         let http = tokio::spawn(crate::http::serve(listener, state.clone(), http_stop.clone()));
@@ -161,11 +165,7 @@ impl Relay {
                     }
                     for lease in plan.acquired {
                         let task = LaneTask { lease, finish: CancellationToken::new(), abort: CancellationToken::new() };
-                        let sink = match &producer {
-                            Some(p) => lane::Sink::Shared(p.clone()),
-                            None => lane::Sink::Transactional,
-                        };
-                        tasks.spawn(lane::run(state.clone(), cfg.clone(), sink, wake.clone(), lease, task.finish.clone(), task.abort.clone()));
+                        tasks.spawn(lane::run(state.clone(), cfg.clone(), sink.clone(), wake.clone(), lease, task.finish.clone(), task.abort.clone()));
                         held.insert(lease.lane, task);
                     }
                     state.metrics.lanes_owned.set(held.len() as i64);

@@ -206,10 +206,34 @@ pub async fn http_get(addr: std::net::SocketAddr, path: &str) -> (String, String
     (status, body)
 }
 
+/// A `ferry-relay run` child process, SIGKILLed when dropped (also when
+/// the test fails), so no relay outlives its test.
+pub struct RelayProcess(pub std::process::Child);
+
+impl std::ops::Deref for RelayProcess {
+    type Target = std::process::Child;
+    fn deref(&self) -> &Self::Target {
+        &self.0
+    }
+}
+
+impl std::ops::DerefMut for RelayProcess {
+    fn deref_mut(&mut self) -> &mut Self::Target {
+        &mut self.0
+    }
+}
+
+impl Drop for RelayProcess {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
 /// A `ferry-relay run` process (1 s lane leases, batches of 50) with extra
 /// flags and environment, for the crash tests.
-pub fn spawn_relay_process(url: &str, brokers: &str, extra: &[&str], env: &[(&str, &str)]) -> std::process::Child {
-    std::process::Command::new(env!("CARGO_BIN_EXE_ferry-relay"))
+pub fn spawn_relay_process(url: &str, brokers: &str, extra: &[&str], env: &[(&str, &str)]) -> RelayProcess {
+    let child = std::process::Command::new(env!("CARGO_BIN_EXE_ferry-relay"))
         .args([
             "run",
             "--database-url",
@@ -234,5 +258,6 @@ pub fn spawn_relay_process(url: &str, brokers: &str, extra: &[&str], env: &[(&st
             Err(_) => std::process::Stdio::null(),
         })
         .spawn()
-        .expect("spawn ferry-relay")
+        .expect("spawn ferry-relay");
+    RelayProcess(child)
 }
