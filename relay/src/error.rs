@@ -10,6 +10,9 @@ pub enum RelayError {
     /// Kafka client setup or a fatal client error.
     #[error("kafka: {0}")]
     Kafka(#[from] rdkafka::error::KafkaError),
+    /// The producer failed fatally; the process should exit and be restarted.
+    #[error("kafka producer failed fatally ({0}); restart the relay")]
+    ProducerFatal(String),
     /// Unusable configuration.
     #[error("configuration: {0}")]
     Config(String),
@@ -27,6 +30,7 @@ impl RelayError {
         match self {
             RelayError::Ferry(e) => e.code(),
             RelayError::Kafka(_) => "kafka",
+            RelayError::ProducerFatal(_) => "kafka_fatal",
             RelayError::Config(_) => "config",
             RelayError::Io(_) => "io",
             RelayError::Lost(_) => "lost",

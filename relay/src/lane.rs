@@ -50,6 +50,9 @@ enum BatchEnd {
     /// The lane is no longer ours (taken over, or its producer fenced):
     /// publish nothing more.
     Lost,
+    /// The shared producer failed fatally: stop; the relay drains and exits
+    /// non-zero to be restarted with a new producer.
+    Fatal,
 }
 
 /// Where a lane's records go.
@@ -148,6 +151,14 @@ pub async fn run(
                     // taken again with a new producer if it is still free.
                     let _ = state.ferry.release_lane(&state.owner, lease).await;
                 }
+                break;
+            }
+            BatchEnd::Fatal => {
+                tracing::error!(
+                    lane = lease.lane,
+                    "fatal producer error; the relay stops and exits to be restarted"
+                );
+                state.fatal.cancel();
                 break;
             }
             BatchEnd::Isolate { through, code } => {
@@ -310,6 +321,10 @@ async fn settle(
         Outcome::Transient(code) => {
             m.publish_error(code);
             Some(BatchEnd::Stalled { id: row.id, code })
+        }
+        Outcome::Fatal => {
+            m.publish_error("fatal");
+            Some(BatchEnd::Fatal)
         }
     }
 }
@@ -515,7 +530,7 @@ async fn transactional_batch(
         }
     }
     if let Some(f) = progress_fut {
-        if let o @ (Outcome::Poison(_) | Outcome::Transient(_)) = publish::delivered(f.await) {
+        if let o @ (Outcome::Poison(_) | Outcome::Transient(_) | Outcome::Fatal) = publish::delivered(f.await) {
             if failed.is_none() {
                 failed = Some((0, o));
             }
@@ -542,6 +557,8 @@ async fn transactional_batch(
                 state.metrics.publish_error(code);
                 BatchEnd::Stalled { id: rows[i].id, code }
             }
+            // A transactional producer's fatal error: a new one is made.
+            Outcome::Fatal => BatchEnd::Lost,
             Outcome::Acked { .. } => unreachable!("only failures are recorded"),
         };
     }

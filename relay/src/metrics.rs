@@ -37,6 +37,9 @@ pub struct Metrics {
     pub lanes_owned: Gauge,
     /// Lane leases lost.
     pub lease_losses: Counter,
+    /// Fatal producer errors (the relay then drains and exits non-zero so its
+    /// orchestrator restarts it with a new producer).
+    pub producer_fatal: Counter,
     /// Seconds from commit to broker acknowledgement.
     pub publish_latency: Histogram,
     /// OpenTelemetry instruments mirroring the ones above.
@@ -65,6 +68,7 @@ impl Metrics {
             oldest_pending_age: Gauge::default(),
             lanes_owned: Gauge::default(),
             lease_losses: Counter::default(),
+            producer_fatal: Counter::default(),
             publish_latency: Histogram::new([0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0]),
             registry: Registry::default(),
             latency_samples: std::sync::Mutex::new(Vec::new()),
@@ -90,6 +94,11 @@ impl Metrics {
         );
         registry.register("lanes_owned", "Lanes this relay holds", m.lanes_owned.clone());
         registry.register("lease_losses", "Lane leases lost", m.lease_losses.clone());
+        registry.register(
+            "producer_fatal",
+            "Fatal producer errors; the relay exits to be restarted",
+            m.producer_fatal.clone(),
+        );
         registry.register(
             "publish_latency_seconds",
             "Seconds from commit to broker acknowledgement",
@@ -158,6 +167,7 @@ impl Otel {
             ("ferry_relay_published", m.published.clone()),
             ("ferry_relay_dead", m.dead.clone()),
             ("ferry_relay_lease_losses", m.lease_losses.clone()),
+            ("ferry_relay_producer_fatal", m.producer_fatal.clone()),
         ] {
             observed.push(Box::new(
                 meter

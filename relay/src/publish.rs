@@ -25,6 +25,9 @@ pub enum Outcome {
     Poison(&'static str),
     /// Worth retrying later (broker down, timeout, queue full, ...).
     Transient(&'static str),
+    /// The producer is unusable (librdkafka raised a fatal error, e.g. an
+    /// idempotence guarantee could not be kept): every later produce fails.
+    Fatal,
 }
 
 /// Builds the idempotent producer: `acks=all`, Java-compatible partitioning,
@@ -105,32 +108,63 @@ pub fn headers(row: &PendingRow) -> OwnedHeaders {
     h
 }
 
-/// The explicit classification: a named list is fatal for the record; every
-/// other code backs off. Nothing unknown is silently dropped.
+/// The explicit classification of a produce error. Poison is a record
+/// Kafka will never accept as it is; transient is anything a wait can heal
+/// (outages, leader moves, quotas, and authorization, which an operator
+/// fixes: marking every row of a topic dead on an ACL mistake would break
+/// per-key order when they are replayed). A code not listed here is logged
+/// and counted as `unclassified`, and treated as transient: the lane waits
+/// rather than guessing that a record is poison.
 pub fn classify(e: &KafkaError) -> Outcome {
     let code = match e {
         KafkaError::MessageProduction(code) => *code,
-        _ => return Outcome::Transient("client"),
+        KafkaError::Canceled => return Outcome::Transient("canceled"),
+        other => {
+            tracing::warn!(error = %other, "unclassified Kafka client error; treated as transient");
+            return Outcome::Transient("unclassified");
+        }
     };
     use RDKafkaErrorCode as C;
     match code {
         C::MessageSizeTooLarge | C::InvalidMessageSize => Outcome::Poison("message_too_large"),
         C::MessageBatchTooLarge => Outcome::Poison("message_batch_too_large"),
         C::InvalidMessage | C::InvalidRecord => Outcome::Poison("invalid_record"),
-        C::TopicAuthorizationFailed => Outcome::Poison("topic_authorization_failed"),
         C::InvalidTopic => Outcome::Poison("invalid_topic"),
         C::PolicyViolation => Outcome::Poison("policy_violation"),
-        C::UnsupportedForMessageFormat => Outcome::Poison("unsupported_message_format"),
+        C::UnsupportedForMessageFormat | C::UnsupportedCompressionType => Outcome::Poison("unsupported_message_format"),
+        C::InvalidTimestamp => Outcome::Poison("invalid_timestamp"),
+        C::Fatal => Outcome::Fatal,
+        C::TopicAuthorizationFailed => Outcome::Transient("topic_authorization_failed"),
+        C::ClusterAuthorizationFailed
+        | C::SaslAuthenticationFailed
+        | C::Authentication
+        | C::TransactionalIdAuthorizationFailed => Outcome::Transient("authentication"),
         C::QueueFull => Outcome::Transient("queue_full"),
-        C::MessageTimedOut | C::RequestTimedOut => Outcome::Transient("timeout"),
+        C::MessageTimedOut | C::RequestTimedOut | C::OperationTimedOut => Outcome::Transient("timeout"),
         C::UnknownTopicOrPartition | C::UnknownTopic | C::UnknownPartition => Outcome::Transient("unknown_topic"),
         C::NotEnoughReplicas | C::NotEnoughReplicasAfterAppend => Outcome::Transient("not_enough_replicas"),
-        C::NotLeaderForPartition | C::LeaderNotAvailable => Outcome::Transient("leader_moved"),
-        C::AllBrokersDown | C::BrokerTransportFailure | C::NetworkException | C::BrokerNotAvailable => {
+        C::NotLeaderForPartition
+        | C::LeaderNotAvailable
+        | C::FencedLeaderEpoch
+        | C::UnknownLeaderEpoch
+        | C::KafkaStorageError
+        | C::PreferredLeaderNotAvailable => Outcome::Transient("leader_moved"),
+        C::AllBrokersDown | C::BrokerTransportFailure | C::NetworkException | C::BrokerNotAvailable | C::Resolve => {
             Outcome::Transient("broker_unreachable")
         }
-        C::ClusterAuthorizationFailed | C::SaslAuthenticationFailed => Outcome::Transient("authentication"),
-        _ => Outcome::Transient("other"),
+        C::ThrottlingQuotaExceeded => Outcome::Transient("throttled"),
+        C::OutOfOrderSequenceNumber
+        | C::DuplicateSequenceNumber
+        | C::UnknownProducerId
+        | C::InvalidProducerEpoch
+        | C::InvalidProducerIdMapping
+        | C::ProducerFenced
+        | C::Inconsistent => Outcome::Transient("idempotence"),
+        C::PurgeQueue | C::PurgeInflight => Outcome::Transient("purged"),
+        other => {
+            tracing::warn!(code = ?other, "unclassified Kafka error code; treated as transient");
+            Outcome::Transient("unclassified")
+        }
     }
 }
 
@@ -145,15 +179,22 @@ mod tests {
             p(RDKafkaErrorCode::MessageSizeTooLarge),
             Outcome::Poison("message_too_large")
         );
+        // An ACL mistake waits; it never marks rows dead.
         assert_eq!(
             p(RDKafkaErrorCode::TopicAuthorizationFailed),
-            Outcome::Poison("topic_authorization_failed")
+            Outcome::Transient("topic_authorization_failed")
+        );
+        assert_eq!(p(RDKafkaErrorCode::Fatal), Outcome::Fatal);
+        // Unknown codes are visible, and never poison.
+        assert_eq!(
+            p(RDKafkaErrorCode::GroupAuthorizationFailed),
+            Outcome::Transient("unclassified")
         );
         assert_eq!(p(RDKafkaErrorCode::QueueFull), Outcome::Transient("queue_full"));
         assert_eq!(
             p(RDKafkaErrorCode::AllBrokersDown),
             Outcome::Transient("broker_unreachable")
         );
-        assert_eq!(classify(&KafkaError::Canceled), Outcome::Transient("client"));
+        assert_eq!(classify(&KafkaError::Canceled), Outcome::Transient("canceled"));
     }
 }

@@ -33,6 +33,9 @@ pub struct RelayState {
     pub owner: String,
     /// Set once the first lane tick succeeded.
     pub ready: AtomicBool,
+    /// Cancelled when the shared producer failed fatally: `/readyz` fails,
+    /// the relay drains and [`Relay::run`] returns an error.
+    pub fatal: CancellationToken,
 }
 
 struct LaneTask {
@@ -92,6 +95,7 @@ impl Relay {
             metrics: Metrics::new(),
             owner,
             ready: AtomicBool::new(false),
+            fatal: CancellationToken::new(),
         });
         Ok(Relay { cfg, state, producer })
     }
@@ -134,6 +138,11 @@ impl Relay {
         loop {
             tokio::select! {
                 _ = &mut shutdown => break,
+                _ = state.fatal.cancelled() => {
+                    state.metrics.producer_fatal.inc();
+                    tracing::error!("fatal producer error: draining and exiting so the producer is rebuilt");
+                    break;
+                }
                 _ = tick.tick() => {
                     let leases: BTreeMap<i32, LaneLease> = held.iter().map(|(l, t)| (*l, t.lease)).collect();
                     let plan = match lanes::tick(&ferry, &cfg, &owner, &leases).await {
@@ -220,6 +229,15 @@ impl Relay {
         listen_stop.cancel();
         http_stop.cancel();
         let _ = http.await;
+        if state.fatal.is_cancelled() {
+            return Err(RelayError::ProducerFatal(
+                producer
+                    .as_ref()
+                    .and_then(|p| p.client().fatal_error())
+                    .map(|(code, reason)| format!("{code:?}: {reason}"))
+                    .unwrap_or_else(|| "fatal producer error".into()),
+            ));
+        }
         Ok(())
     }
 }

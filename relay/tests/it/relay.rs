@@ -505,3 +505,49 @@ async fn sigterm_marks_everything_acknowledged_within_the_grace() {
         "lanes released"
     );
 }
+
+/// rdkafka's mock cluster refuses the idempotent producer's id
+/// (ClusterAuthorizationFailed on InitProducerId), which librdkafka raises as
+/// a fatal error: the relay must fail readiness, count it, drain without
+/// losing a row and exit with an error, and a restarted relay publishes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fatal_producer_error_fails_readiness_and_exits_to_be_restarted() {
+    use rdkafka::mocking::MockCluster;
+    use rdkafka::types::{RDKafkaApiKey, RDKafkaRespErr};
+    let mock = MockCluster::new(1).unwrap();
+    mock.create_topic("orders", 3, 1).unwrap();
+    mock.request_errors(
+        RDKafkaApiKey::InitProducerId,
+        &[RDKafkaRespErr::RD_KAFKA_RESP_ERR_CLUSTER_AUTHORIZATION_FAILED],
+    );
+    let (ferry, url) = pg_ferry().await;
+    write_orders(&ferry, 20, 5).await;
+    let relay = start_relay(relay_config(&url, &mock.bootstrap_servers()), ferry.clone()).await;
+    let state = relay.state.clone();
+    let err = tokio::time::timeout(Duration::from_secs(60), relay.handle)
+        .await
+        .expect("the relay exits after a fatal producer error")
+        .unwrap()
+        .unwrap_err();
+    assert_eq!(err.code(), "kafka_fatal", "{err}");
+    assert!(state.fatal.is_cancelled(), "/readyz fails from the fatal error on");
+    assert_eq!(state.metrics.producer_fatal.get(), 1);
+    assert!(state.metrics.render().contains("ferry_relay_producer_fatal_total 1"));
+    assert_eq!(
+        scalar(&ferry, "SELECT count(*) FROM outbox WHERE state = 'pending'").await,
+        20,
+        "nothing was marked past the fatal error"
+    );
+    // The orchestrator restarts it: a new producer publishes everything.
+    mock.clear_request_errors(RDKafkaApiKey::InitProducerId);
+    let relay = start_relay(relay_config(&url, &mock.bootstrap_servers()), ferry.clone()).await;
+    let start = Instant::now();
+    while scalar(&ferry, "SELECT count(*) FROM outbox WHERE state = 'delivered'").await < 20 {
+        assert!(
+            start.elapsed() < Duration::from_secs(60),
+            "the restarted relay did not publish"
+        );
+        tokio::task::yield_now().await;
+    }
+    relay.shutdown().await;
+}
