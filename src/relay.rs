@@ -13,6 +13,15 @@ use crate::store::{on_conn, on_pool, Conn};
 use crate::time::duration_ms;
 use crate::Ferry;
 
+/// A live relay instance and its `--max-lanes`.
+#[derive(Debug, Clone, PartialEq, Eq, sqlx::FromRow)]
+pub struct LiveRelay {
+    /// Its lease identity.
+    pub owner: String,
+    /// The most lanes it takes.
+    pub max_lanes: i64,
+}
+
 /// A lane this relay holds, at a generation.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, sqlx::FromRow)]
 pub struct LaneLease {
@@ -113,19 +122,27 @@ impl Backlog {
 }
 
 impl Ferry {
-    /// Announces relay `owner` alive for `ttl`; returns how many relays are live.
-    pub async fn relay_heartbeat(&self, owner: &str, ttl: Duration) -> Result<i64> {
+    /// Announces relay `owner` alive for `ttl` with its lane cap, sweeps
+    /// instances whose heartbeat expired, and returns the live relays (this
+    /// one included) with their caps, ordered by owner.
+    pub async fn relay_heartbeat(&self, owner: &str, ttl: Duration, max_lanes: u32) -> Result<Vec<LiveRelay>> {
         let ttl = duration_ms(ttl)?;
+        let cap = i64::from(max_lanes);
         Ok(on_pool!(self.db(), |p, q| {
             sqlx::query(q.get("relay_heartbeat"))
                 .bind(owner)
                 .bind(self.now())
                 .bind(ttl)
+                .bind(cap)
                 .execute(p)
                 .await?;
-            sqlx::query_scalar(q.get("live_relays"))
+            sqlx::query(q.get("sweep_relay_instances"))
                 .bind(self.now())
-                .fetch_one(p)
+                .execute(p)
+                .await?;
+            sqlx::query_as(q.get("live_relays"))
+                .bind(self.now())
+                .fetch_all(p)
                 .await?
         }))
     }
@@ -266,17 +283,27 @@ impl Ferry {
         crate::finish(tx, r).await
     }
 
-    /// Records a transient publish failure on a row (attempt count and code).
-    pub async fn note_publish_error(&self, lane: i32, id: i64, code: &str) -> Result<()> {
-        on_pool!(self.db(), |p, q| {
-            sqlx::query(q.get("note_publish_error"))
-                .bind(lane)
-                .bind(id)
-                .bind(code)
-                .execute(p)
-                .await?;
-        });
-        Ok(())
+    /// Records a transient publish failure on a row (attempt count and code),
+    /// fenced by the lane generation: a relay that lost the lane gets
+    /// [`Error::LostLane`] and changes nothing.
+    pub async fn note_publish_error(&self, owner: &str, lane: LaneLease, id: i64, code: &str) -> Result<()> {
+        let mut tx = self.begin().await?;
+        let r = async {
+            self.lock_lane(tx.conn(), owner, lane).await?;
+            on_conn!(tx.conn(), |c, q| {
+                sqlx::query(q.get("note_publish_error"))
+                    .bind(lane.lane)
+                    .bind(id)
+                    .bind(code)
+                    .bind(owner)
+                    .bind(lane.generation)
+                    .execute(&mut *c)
+                    .await?;
+            });
+            Ok(())
+        }
+        .await;
+        crate::finish(tx, r).await
     }
 
     /// Deletes up to `batch` rows delivered more than `retention` ago.

@@ -171,7 +171,11 @@ pub async fn run(
                 isolate_through = through;
             }
             BatchEnd::Stalled { id, code } => {
-                let _ = state.ferry.note_publish_error(lease.lane, id, code).await;
+                if let Err(ferry::Error::LostLane { .. }) =
+                    state.ferry.note_publish_error(&state.owner, lease, id, code).await
+                {
+                    break;
+                }
                 tracing::warn!(lane = lease.lane, id, code, "publish failed; backing off");
                 if pause(&mut backoff, &finish, &abort).await {
                     break;

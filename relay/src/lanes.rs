@@ -4,7 +4,7 @@
 
 use std::collections::BTreeMap;
 
-use ferry::relay::LaneLease;
+use ferry::relay::{LaneLease, LiveRelay};
 use ferry::Ferry;
 
 use crate::config::RelayConfig;
@@ -21,12 +21,36 @@ pub struct LanePlan {
     pub acquired: Vec<LaneLease>,
     /// Lanes to give back (held beyond the fair share).
     pub surplus: Vec<LaneLease>,
+    /// Lanes the database says this relay holds that it has no task for (a
+    /// restart with the same `--relay-id` inside the lease, a lost acquire
+    /// reply, a failed release). They are released at once, so they are
+    /// taken again at a new generation, by this relay or another, and
+    /// published; renewing them without publishing would strand their rows.
+    pub orphans: Vec<LaneLease>,
 }
 
-/// The fair share of `lanes` among `live` relays, capped by `max`.
-pub fn fair_share(lanes: i32, live: i64, max: u32) -> usize {
-    let live = live.max(1) as usize;
-    (lanes.max(0) as usize).div_ceil(live).min(max as usize)
+/// This relay's share of `lanes` when the live relays have these caps
+/// (`--max-lanes`), water-filled: relays are taken by ascending cap (then
+/// owner), each gets the smaller of its cap and an even split (rounded up)
+/// of what is left, so capped relays take their cap and the others share
+/// the rest. Every relay computes the same assignment from the same
+/// membership.
+pub fn fair_share(lanes: i32, live: &[LiveRelay], me: &str, my_cap: u32) -> usize {
+    let mut members: Vec<(i64, &str)> = live.iter().map(|r| (r.max_lanes.max(0), r.owner.as_str())).collect();
+    if !members.iter().any(|(_, o)| *o == me) {
+        members.push((i64::from(my_cap), me));
+    }
+    members.sort_unstable();
+    let mut left = i64::from(lanes.max(0));
+    for (i, (cap, owner)) in members.iter().enumerate() {
+        let rest = (members.len() - i) as i64;
+        let share = (*cap).min((left + rest - 1) / rest);
+        if *owner == me {
+            return share.min(i64::from(my_cap)) as usize;
+        }
+        left -= share;
+    }
+    0
 }
 
 /// One tick: heartbeat, renew, then acquire up to or release down to the fair share.
@@ -36,16 +60,23 @@ pub async fn tick(
     owner: &str,
     held: &BTreeMap<i32, LaneLease>,
 ) -> Result<LanePlan, RelayError> {
-    let live = ferry.relay_heartbeat(owner, cfg.lease).await?;
+    let live = ferry.relay_heartbeat(owner, cfg.lease, cfg.max_lanes).await?;
     let renewed = ferry.renew_lanes(owner, cfg.lease).await?;
     let mut plan = LanePlan::default();
+    for lease in &renewed {
+        if held.get(&lease.lane) != Some(lease) {
+            // Fenced by the generation: a newer holder is never disturbed.
+            ferry.release_lane(owner, *lease).await?;
+            plan.orphans.push(*lease);
+        }
+    }
     for lease in held.values() {
         if !renewed.iter().any(|r| r == lease) {
             plan.lost.push(*lease);
         }
     }
     plan.kept = renewed.into_iter().filter(|r| held.get(&r.lane) == Some(r)).collect();
-    let share = fair_share(ferry.lanes(), live, cfg.max_lanes);
+    let share = fair_share(ferry.lanes(), &live, owner, cfg.max_lanes);
     if plan.kept.len() < share {
         plan.acquired = ferry
             .acquire_lanes(owner, cfg.lease, (share - plan.kept.len()) as u32)
@@ -60,12 +91,37 @@ pub async fn tick(
 mod tests {
     use super::*;
 
+    fn live(caps: &[(&str, i64)]) -> Vec<LiveRelay> {
+        caps.iter()
+            .map(|(o, c)| LiveRelay {
+                owner: (*o).into(),
+                max_lanes: *c,
+            })
+            .collect()
+    }
+
     #[test]
     fn shares_cover_every_lane() {
-        assert_eq!(fair_share(64, 1, 1024), 64);
-        assert_eq!(fair_share(64, 2, 1024), 32);
-        assert_eq!(fair_share(64, 3, 1024), 22);
-        assert_eq!(fair_share(64, 0, 1024), 64);
-        assert_eq!(fair_share(64, 1, 10), 10);
+        assert_eq!(fair_share(64, &live(&[("a", 1024)]), "a", 1024), 64);
+        assert_eq!(fair_share(64, &live(&[("a", 1024), ("b", 1024)]), "a", 1024), 32);
+        let three = live(&[("a", 1024), ("b", 1024), ("c", 1024)]);
+        let total: usize = ["a", "b", "c"].iter().map(|o| fair_share(64, &three, o, 1024)).sum();
+        assert_eq!(total, 64);
+        assert_eq!(fair_share(64, &[], "a", 1024), 64, "not yet in the membership");
+        assert_eq!(fair_share(64, &live(&[("a", 10)]), "a", 10), 10);
+    }
+
+    #[test]
+    fn a_capped_relay_beside_an_uncapped_one_leaves_no_lane_unowned() {
+        let m = live(&[("small", 10), ("big", 1024)]);
+        assert_eq!(fair_share(64, &m, "small", 10), 10);
+        assert_eq!(fair_share(64, &m, "big", 1024), 54);
+        let m = live(&[("a", 5), ("b", 20), ("c", 1024), ("d", 1024)]);
+        let shares: Vec<usize> = [("a", 5), ("b", 20), ("c", 1024), ("d", 1024)]
+            .iter()
+            .map(|(o, c)| fair_share(64, &m, o, *c as u32))
+            .collect();
+        assert_eq!(shares, [5, 20, 20, 19]);
+        assert_eq!(shares.iter().sum::<usize>(), 64);
     }
 }

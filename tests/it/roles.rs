@@ -78,7 +78,10 @@ async fn each_role_is_refused_outside_its_grant() {
         .acquire_lanes("relay-1", Duration::from_secs(30), 64)
         .await
         .unwrap();
-    relay.relay_heartbeat("relay-1", Duration::from_secs(30)).await.unwrap();
+    relay
+        .relay_heartbeat("relay-1", Duration::from_secs(30), 64)
+        .await
+        .unwrap();
     let mut marked = 0;
     for lane in lanes {
         let ids: Vec<i64> = relay

@@ -1,6 +1,7 @@
 //! ferry-relay against PostgreSQL and Apache Kafka.
 
 mod exactly_once;
+mod lanes;
 mod relay;
 mod support;
 mod trace;

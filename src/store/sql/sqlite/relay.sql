@@ -1,13 +1,18 @@
 -- The relay's side of the outbox: lane leases, batches, fenced marks, retention (SQLite).
 
 -- name: relay_heartbeat
-INSERT INTO relay_instances (owner, expires_at)
-VALUES ($1, COALESCE($2, CAST(unixepoch('subsec') * 1000 AS INTEGER)) + $3)
-ON CONFLICT (owner) DO UPDATE SET expires_at = EXCLUDED.expires_at
+INSERT INTO relay_instances (owner, expires_at, max_lanes)
+VALUES ($1, COALESCE($2, CAST(unixepoch('subsec') * 1000 AS INTEGER)) + $3, $4)
+ON CONFLICT (owner) DO UPDATE SET expires_at = EXCLUDED.expires_at, max_lanes = EXCLUDED.max_lanes
+
+-- name: sweep_relay_instances
+-- Instances whose heartbeat expired are gone (a restarted one re-inserts itself).
+DELETE FROM relay_instances WHERE expires_at <= COALESCE($1, CAST(unixepoch('subsec') * 1000 AS INTEGER))
 
 -- name: live_relays
-SELECT count(*) FROM relay_instances
+SELECT owner, CAST(max_lanes AS BIGINT) AS max_lanes FROM relay_instances
 WHERE expires_at > COALESCE($1, CAST(unixepoch('subsec') * 1000 AS INTEGER))
+ORDER BY owner
 
 -- name: relay_leave
 DELETE FROM relay_instances WHERE owner = $1
@@ -66,8 +71,10 @@ SET state = 'dead', last_error = $3, publish_attempts = publish_attempts + 1
 WHERE lane = $1 AND id = $2 AND state = 'pending'
 
 -- name: note_publish_error
+-- Fenced like every relay write: only the lane's current holder counts attempts.
 UPDATE outbox SET publish_attempts = publish_attempts + 1, last_error = $3
 WHERE lane = $1 AND id = $2 AND state = 'pending'
+  AND EXISTS (SELECT 1 FROM relay_lanes l WHERE l.lane = $1 AND l.owner = $4 AND l.generation = $5)
 
 -- name: sweep_delivered
 DELETE FROM outbox
