@@ -24,8 +24,12 @@ pub struct RelayConfig {
     /// Kafka bootstrap servers.
     #[arg(long, env = "FERRY_BROKERS", default_value = "127.0.0.1:9092")]
     pub brokers: String,
-    /// Any librdkafka producer property, `key=value`; repeatable. Applied last.
-    #[arg(long = "kafka", value_parser = parse_kv, env = "FERRY_KAFKA", value_delimiter = ',')]
+    /// Any librdkafka producer property, `key=value`; repeatable. Applied
+    /// last, but never weakening delivery: `acks` other than `all`,
+    /// `enable.idempotence=false` and more than 5 in-flight requests are
+    /// refused at startup. Values may contain commas (a multi-host
+    /// `bootstrap.servers`); in `FERRY_KAFKA`, separate pairs with `;`.
+    #[arg(long = "kafka", value_parser = parse_kv, env = "FERRY_KAFKA", value_delimiter = ';')]
     pub kafka: Vec<(String, String)>,
     /// Most lanes this instance holds (the database fixes the lane count).
     #[arg(long, env = "FERRY_MAX_LANES", default_value_t = 1024)]
@@ -114,13 +118,9 @@ impl RelayConfig {
         if self.lease < Duration::from_millis(300) {
             return Err(RelayError::Config("lease must be at least 300ms".into()));
         }
-        if !self.topic_template.contains("{topic}")
-            && !self.topic_template.contains("{tenant}")
-            && self.topic_template.contains('{')
-        {
-            return Err(RelayError::Config(
-                "topic template may only use {topic} and {tenant}".into(),
-            ));
+        check_template(&self.topic_template)?;
+        for (k, v) in &self.kafka {
+            weakens_delivery(k, v)?;
         }
         if self.exactly_once && (self.transactional_id_prefix.is_empty() || self.progress_topic.is_empty()) {
             return Err(RelayError::Config(
@@ -135,12 +135,87 @@ impl RelayConfig {
         format!("{}-lane-{lane}", self.transactional_id_prefix)
     }
 
-    /// The Kafka topic for a row.
+    /// The Kafka topic for a row. With `{tenant}` in the template, both
+    /// parts are escaped so that different (topic, tenant) pairs never share
+    /// a Kafka topic and a tenant's name never makes an illegal one: ASCII
+    /// letters, digits and `-` stay, `_` becomes `__`, `.` becomes `_d`, `:`
+    /// becomes `_c`, any other byte `_xHH`. Escaped parts hold no `.`, and
+    /// [`RelayConfig::validate`] requires a `.` in the template text between
+    /// placeholders, so the routed name splits back one way only. Without
+    /// `{tenant}` the topic is used as it is.
     pub fn route(&self, topic: &str, tenant: &str) -> String {
+        if !self.topic_template.contains("{tenant}") {
+            return self.topic_template.replace("{topic}", topic);
+        }
         self.topic_template
-            .replace("{topic}", topic)
-            .replace("{tenant}", tenant)
+            .replace("{topic}", &escape_part(topic))
+            .replace("{tenant}", &escape_part(tenant))
     }
+}
+
+/// The injective escaping of a topic-name part (see [`RelayConfig::route`]).
+fn escape_part(part: &str) -> String {
+    let mut out = String::with_capacity(part.len());
+    for b in part.bytes() {
+        match b {
+            b'a'..=b'z' | b'A'..=b'Z' | b'0'..=b'9' | b'-' => out.push(b as char),
+            b'_' => out.push_str("__"),
+            b'.' => out.push_str("_d"),
+            b':' => out.push_str("_c"),
+            other => out.push_str(&format!("_x{other:02x}")),
+        }
+    }
+    out
+}
+
+/// A `{tenant}` template must separate its placeholders with text holding a
+/// `.` (which escaped parts never contain), and use only characters Kafka
+/// allows in topic names.
+fn check_template(t: &str) -> Result<(), RelayError> {
+    let literal = t.replace("{topic}", "\u{0}").replace("{tenant}", "\u{0}");
+    if literal.contains('{') || literal.contains('}') {
+        return Err(RelayError::Config(
+            "topic template may only use {topic} and {tenant}".into(),
+        ));
+    }
+    if literal
+        .chars()
+        .any(|c| c != '\u{0}' && !(c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-')))
+    {
+        return Err(RelayError::Config(format!(
+            "topic template {t:?} has characters Kafka refuses in topic names (allowed: letters, digits, '.', '_', '-')"
+        )));
+    }
+    if t.contains("{tenant}") {
+        let between: Vec<&str> = literal.split('\u{0}').collect();
+        let inner = &between[1..between.len() - 1];
+        if inner.iter().any(|sep| !sep.contains('.')) {
+            return Err(RelayError::Config(format!(
+                "topic template {t:?}: with {{tenant}}, placeholders must be separated by text containing '.', or two (topic, tenant) pairs could share a topic"
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// Refuses an override that would let Kafka lose or reorder acknowledged
+/// records: the relay marks a row delivered on acknowledgement, so the
+/// acknowledgement must mean "on every in-sync replica, in order, once".
+fn weakens_delivery(key: &str, value: &str) -> Result<(), RelayError> {
+    let v = value.trim().to_ascii_lowercase();
+    let refused = match key.trim() {
+        "acks" | "request.required.acks" => !matches!(v.as_str(), "all" | "-1"),
+        "enable.idempotence" => v != "true",
+        "max.in.flight" | "max.in.flight.requests.per.connection" => v.parse::<u32>().map_or(true, |n| n > 5),
+        "transactional.id" => true,
+        _ => false,
+    };
+    if refused {
+        return Err(RelayError::Config(format!(
+            "--kafka {key}={value} would weaken delivery: the relay needs acks=all, enable.idempotence=true, at most 5 in-flight requests, and sets transactional.id itself (--exactly-once)"
+        )));
+    }
+    Ok(())
 }
 
 fn parse_kv(s: &str) -> Result<(String, String), String> {
@@ -180,5 +255,83 @@ mod tests {
         assert_eq!(c.route("order", "acme"), "outbox.event.order");
         assert!(parse_kv("linger.ms=5").is_ok());
         assert!(parse_kv("nope").is_err());
+    }
+
+    #[test]
+    fn tenant_templates_never_collide_or_make_illegal_names() {
+        let mut c = RelayConfig::new("sqlite://x", "b");
+        c.topic_template = "{topic}.{tenant}".into();
+        assert!(c.validate().is_ok());
+        assert_ne!(c.route("a.b", "c"), c.route("a", "b.c"));
+        assert_ne!(c.route("a_d", "c"), c.route("a.", "c"));
+        assert_eq!(c.route("orders", "acme"), "orders.acme");
+        let name = c.route("orders", "team:eu_1");
+        assert_eq!(name, "orders.team_ceu__1");
+        assert!(name
+            .chars()
+            .all(|ch| ch.is_ascii_alphanumeric() || matches!(ch, '.' | '_' | '-')));
+        for bad in [
+            "{tenant}{topic}",
+            "{tenant}-{topic}",
+            "{topic}_{tenant}",
+            "{tenant}:{topic}",
+            "{topic}.{region}",
+        ] {
+            c.topic_template = bad.into();
+            assert!(c.validate().is_err(), "{bad} accepted");
+        }
+        c.topic_template = "outbox.event.{topic}".into();
+        assert!(c.validate().is_ok());
+        assert_eq!(
+            c.route("a.b", "t:1"),
+            "outbox.event.a.b",
+            "without {{tenant}} the topic is kept as is"
+        );
+    }
+
+    #[test]
+    fn overrides_never_weaken_delivery() {
+        let with = |k: &str, v: &str| {
+            let mut c = RelayConfig::new("sqlite://x", "b");
+            c.kafka = vec![(k.into(), v.into())];
+            c.validate().map_err(|e| e.code())
+        };
+        assert_eq!(with("acks", "1"), Err("config"));
+        assert_eq!(with("acks", "0"), Err("config"));
+        assert_eq!(with("enable.idempotence", "false"), Err("config"));
+        assert_eq!(with("max.in.flight", "6"), Err("config"));
+        assert_eq!(with("max.in.flight.requests.per.connection", "100"), Err("config"));
+        assert_eq!(with("transactional.id", "mine"), Err("config"));
+        assert_eq!(with("acks", "all"), Ok(()));
+        assert_eq!(with("acks", "-1"), Ok(()));
+        assert_eq!(with("max.in.flight", "5"), Ok(()));
+        assert_eq!(with("linger.ms", "20"), Ok(()));
+    }
+
+    #[test]
+    fn a_multi_host_bootstrap_override_keeps_its_commas() {
+        use clap::Parser;
+        #[derive(clap::Parser)]
+        struct Cli {
+            #[command(flatten)]
+            relay: RelayConfig,
+        }
+        let cli = Cli::try_parse_from([
+            "relay",
+            "--database-url",
+            "sqlite://x",
+            "--kafka",
+            "bootstrap.servers=a:9092,b:9092,c:9092",
+            "--kafka",
+            "linger.ms=10",
+        ])
+        .unwrap();
+        assert_eq!(
+            cli.relay.kafka,
+            vec![
+                ("bootstrap.servers".to_owned(), "a:9092,b:9092,c:9092".to_owned()),
+                ("linger.ms".to_owned(), "10".to_owned())
+            ]
+        );
     }
 }
