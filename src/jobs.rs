@@ -351,9 +351,15 @@ impl Ferry {
     /// Reports cancellation ([`Error::Cancelled`]) so the worker stops.
     /// Returns the new expiry.
     pub async fn renew(&self, lease: &Lease, duration: Duration) -> Result<i64> {
+        Ok(self.renew_at(lease, duration).await?.0)
+    }
+
+    /// [`Ferry::renew`], also returning the instant the new expiry was
+    /// computed from: `(expires_at, now)`.
+    pub(crate) async fn renew_at(&self, lease: &Lease, duration: Duration) -> Result<(i64, i64)> {
         let ms = positive_ms("lease", duration)?;
-        let renewed: Option<i64> = on_pool!(self.db(), |p, q| {
-            sqlx::query_scalar(q.get("renew_lease"))
+        let renewed: Option<(i64, i64)> = on_pool!(self.db(), |p, q| {
+            sqlx::query_as(q.get("renew_lease"))
                 .bind(&lease.tenant)
                 .bind(lease.run_id)
                 .bind(&lease.owner)

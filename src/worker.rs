@@ -2,11 +2,16 @@
 //! leases every ~lease/3, cancels a handler whose lease is lost (it publishes
 //! nothing more), and shuts down gracefully from a shutdown future.
 //!
+//! A worker also stops a handler on its own once the lease expiry it last
+//! learned has passed by its clock, even while renewals only fail
+//! transiently: the handler's future is dropped, and its [`JobContext`]
+//! refuses every later effect write with [`Error::LostLease`].
+//!
 //! No transaction is ever held open while a handler runs: a claim, each
 //! renewal and the final transition are separate short transactions.
 
 use std::future::Future;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -22,7 +27,7 @@ use crate::effects::{EffectRecord, Reservation, Resolution};
 use crate::error::{Error, Result};
 use crate::jobs::{Claimed, ErrorClass, FailOutcome, JobError, Lease};
 use crate::retry::RetryPolicy;
-use crate::Ferry;
+use crate::{Clock, Ferry};
 
 /// A job handler: an async function of the claimed job and its context.
 /// Closures `Fn(Claimed, JobContext) -> impl Future<Output = Result<Value, JobError>>` are handlers.
@@ -51,11 +56,15 @@ where
 
 /// What a handler gets beside the job: its lease, the effect ledger under
 /// that lease, and a token cancelled on shutdown, cancellation or lease loss.
+/// Once the worker gives the attempt up (lease lost, or the expiry it last
+/// learned has passed), the effect methods refuse with [`Error::LostLease`]
+/// without writing, in clones held by spawned tasks too.
 #[derive(Debug, Clone)]
 pub struct JobContext {
     ferry: Ferry,
     lease: Lease,
     cancel: CancellationToken,
+    watch: Arc<LeaseWatch>,
 }
 
 impl JobContext {
@@ -71,11 +80,13 @@ impl JobContext {
 
     /// [`Ferry::reserve_effect`] under this lease.
     pub async fn reserve_effect(&self, step: &str, operation: &str) -> Result<Reservation> {
+        self.live()?;
         self.ferry.reserve_effect(&self.lease, step, operation).await
     }
 
     /// [`Ferry::record_effect_success`] under this lease.
     pub async fn record_effect_success(&self, step: &str, operation: &str, provider_ref: &str) -> Result<EffectRecord> {
+        self.live()?;
         self.ferry
             .record_effect_success(&self.lease, step, operation, provider_ref)
             .await
@@ -89,6 +100,7 @@ impl JobContext {
         code: &str,
         ambiguous: bool,
     ) -> Result<EffectRecord> {
+        self.live()?;
         self.ferry
             .record_effect_failure(&self.lease, step, operation, code, ambiguous)
             .await
@@ -96,9 +108,104 @@ impl JobContext {
 
     /// [`Ferry::reconcile_effect`] under this lease.
     pub async fn reconcile_effect(&self, step: &str, operation: &str, resolution: Resolution) -> Result<Reservation> {
+        self.live()?;
         self.ferry
             .reconcile_effect(&self.lease, step, operation, resolution)
             .await
+    }
+
+    /// Refuses locally once the worker has given the attempt up or the
+    /// known expiry has passed; the database fence still checks the rest.
+    fn live(&self) -> Result<()> {
+        if self.watch.expired() {
+            return Err(Error::LostLease {
+                run_id: self.lease.run_id,
+                generation: self.lease.generation,
+            });
+        }
+        Ok(())
+    }
+}
+
+/// What a worker knows of one lease: the expiry the database last reported
+/// and, for the database clock, the same instant on the worker's monotonic
+/// clock (measured from when the claim or renewal was sent, so it is never
+/// later than the database's). With an injected clock the expiry is compared
+/// with that clock, the one the database is told.
+#[derive(Debug)]
+struct LeaseWatch {
+    clock: Clock,
+    known: Mutex<KnownExpiry>,
+    revoked: AtomicBool,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct KnownExpiry {
+    expires_at: i64,
+    local: tokio::time::Instant,
+}
+
+impl LeaseWatch {
+    fn new(clock: Clock, expires_at: i64, now: i64, sent: tokio::time::Instant) -> Self {
+        LeaseWatch {
+            clock,
+            known: Mutex::new(KnownExpiry::new(expires_at, now, sent)),
+            revoked: AtomicBool::new(false),
+        }
+    }
+
+    /// Records a successful renewal: `expires_at` computed at database time
+    /// `now`, for a request sent at `sent`.
+    fn learn(&self, expires_at: i64, now: i64, sent: tokio::time::Instant) {
+        *self.known.lock().unwrap_or_else(|p| p.into_inner()) = KnownExpiry::new(expires_at, now, sent);
+    }
+
+    fn known(&self) -> KnownExpiry {
+        *self.known.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The attempt was given up: nothing more may be written under it.
+    fn revoke(&self) {
+        self.revoked.store(true, Ordering::SeqCst);
+    }
+
+    /// Revoked, or past the known expiry by the worker's clock.
+    fn expired(&self) -> bool {
+        if self.revoked.load(Ordering::SeqCst) {
+            return true;
+        }
+        let known = self.known();
+        match self.clock.param() {
+            Some(now) => now >= known.expires_at,
+            None => tokio::time::Instant::now() >= known.local,
+        }
+    }
+
+    /// When the known expiry passes on the worker's monotonic clock; `None`
+    /// with an injected clock, which is checked at every renewal tick.
+    fn local_deadline(&self) -> Option<tokio::time::Instant> {
+        match self.clock {
+            Clock::Database => Some(self.known().local),
+            Clock::Manual(_) => None,
+        }
+    }
+}
+
+impl KnownExpiry {
+    fn new(expires_at: i64, now: i64, sent: tokio::time::Instant) -> Self {
+        let left = Duration::from_millis(u64::try_from(expires_at.saturating_sub(now)).unwrap_or(0));
+        KnownExpiry {
+            expires_at,
+            local: sent + left,
+        }
+    }
+}
+
+/// Resolves at `at`, or never.
+async fn sleep_until_some(at: Option<tokio::time::Instant>) {
+    match at {
+        Some(at) => tokio::time::sleep_until(at).await,
+        None => std::future::pending().await,
     }
 }
 
@@ -157,7 +264,8 @@ pub struct WorkerStats {
     pub retried: AtomicU64,
     /// Jobs made dead.
     pub dead: AtomicU64,
-    /// Attempts abandoned because the lease was lost or the run cancelled.
+    /// Attempts abandoned because the lease was lost, the run cancelled, or
+    /// the lease expiry the worker last learned passed without a renewal.
     pub lost: AtomicU64,
     /// Jobs given back at shutdown.
     pub released: AtomicU64,
@@ -243,6 +351,7 @@ impl<H: Handler> Worker<H> {
                 }
             }
             let want = permits.len() as u32;
+            let claim_sent = tokio::time::Instant::now();
             let claimed = match self.ferry.claim(&queue, &cfg.owner, cfg.lease, want).await {
                 Ok(c) => {
                     backoff = reconnect_backoff();
@@ -283,6 +392,7 @@ impl<H: Handler> Worker<H> {
                     rng: rng.clone(),
                     soft: soft.clone(),
                     hard: hard.clone(),
+                    claim_sent,
                 };
                 let handler = self.handler.clone();
                 tasks.spawn(async move {
@@ -361,6 +471,8 @@ struct Attempt {
     rng: Arc<Mutex<StdRng>>,
     soft: CancellationToken,
     hard: CancellationToken,
+    /// When the claim was sent: the start of the lease on the worker's clock.
+    claim_sent: tokio::time::Instant,
 }
 
 impl Attempt {
@@ -368,10 +480,17 @@ impl Attempt {
     /// done, so the next claim overlaps this attempt's completion commit.
     async fn run<H: Handler>(self, handler: Arc<H>, job: Claimed, slot: tokio::sync::OwnedSemaphorePermit) {
         let lease = job.lease.clone();
+        let watch = Arc::new(LeaseWatch::new(
+            self.ferry.clock().clone(),
+            job.lease_expires_at,
+            job.claimed_at,
+            self.claim_sent,
+        ));
         let ctx = JobContext {
             ferry: self.ferry.clone(),
             lease: lease.clone(),
             cancel: CancellationToken::new(),
+            watch: watch.clone(),
         };
         let cancel = ctx.cancel.clone();
         let work = handler.handle(job, ctx);
@@ -386,18 +505,36 @@ impl Attempt {
         let outcome = loop {
             tokio::select! {
                 out = &mut work => break out,
-                _ = renew.tick() => match self.ferry.renew(&lease, self.cfg.lease).await {
-                    Ok(_) => {}
-                    Err(e) if e.is_transient() => tracing::warn!(error = %e, "lease renewal failed; retrying at the next tick"),
-                    Err(e) => {
+                // The known expiry passed on the worker's clock while no
+                // renewal succeeded: the lease may already be someone else's.
+                _ = sleep_until_some(watch.local_deadline()) => {
+                    return self.abandon(&watch, &cancel, &lease, "lease_expired");
+                }
+                _ = renew.tick() => {
+                    if watch.expired() {
+                        return self.abandon(&watch, &cancel, &lease, "lease_expired");
+                    }
+                    let sent = tokio::time::Instant::now();
+                    let renewal = self.ferry.renew_at(&lease, self.cfg.lease);
+                    // A renewal that hangs past the known expiry is as good as failed.
+                    let renewed = match watch.local_deadline() {
+                        Some(at) => tokio::time::timeout_at(at, renewal).await.ok(),
+                        None => Some(renewal.await),
+                    };
+                    match renewed {
+                        Some(Ok((expires_at, now))) => watch.learn(expires_at, now, sent),
+                        Some(Err(e)) if e.is_transient() => {
+                            if watch.expired() {
+                                return self.abandon(&watch, &cancel, &lease, "lease_expired");
+                            }
+                            tracing::warn!(error = %e, "lease renewal failed; retrying at the next tick");
+                        }
                         // Lost, cancelled or past the deadline: stop the
                         // handler and publish nothing more for this attempt.
-                        cancel.cancel();
-                        self.stats.lost.fetch_add(1, Ordering::Relaxed);
-                        tracing::info!(run_id = %lease.run_id, code = e.code(), "attempt abandoned");
-                        return;
+                        Some(Err(e)) => return self.abandon(&watch, &cancel, &lease, e.code()),
+                        None => return self.abandon(&watch, &cancel, &lease, "lease_expired"),
                     }
-                },
+                }
                 _ = self.soft.cancelled(), if !signalled => {
                     signalled = true;
                     cancel.cancel();
@@ -458,6 +595,15 @@ impl Attempt {
                 }
             }
         }
+    }
+
+    /// Gives the attempt up: the handler's token is cancelled, its context
+    /// refuses further writes, and returning drops its future.
+    fn abandon(&self, watch: &LeaseWatch, cancel: &CancellationToken, lease: &Lease, code: &str) {
+        watch.revoke();
+        cancel.cancel();
+        self.stats.lost.fetch_add(1, Ordering::Relaxed);
+        tracing::info!(run_id = %lease.run_id, code, "attempt abandoned");
     }
 
     async fn release(&self, lease: &Lease) {

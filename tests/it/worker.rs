@@ -275,9 +275,162 @@ async fn released_jobs_are_drained_by_the_next_worker(kind: Kind) {
     }
 }
 
+/// Makes every lease renewal of the worker fail with a transient error, for
+/// real, whether or not the lease would still match: on PostgreSQL a
+/// statement trigger raises `serialization_failure` on every `UPDATE jobs`
+/// from the worker's connections (named by `application_name`); on SQLite
+/// another connection holds the write lock, so the worker's writes get
+/// `SQLITE_BUSY` after its short busy timeout. `heal` lets them through again.
+enum RenewalFault {
+    Postgres(sqlx::PgPool),
+    Sqlite(sqlx::SqliteConnection),
+}
+
+impl RenewalFault {
+    async fn inject(t: &TestDb) -> RenewalFault {
+        match t.ferry.db() {
+            ferry::Db::Postgres(p) => {
+                for sql in [
+                    "CREATE FUNCTION fail_renewals() RETURNS trigger LANGUAGE plpgsql AS $$ \
+                     BEGIN RAISE EXCEPTION 'injected renewal failure' USING ERRCODE = 'serialization_failure'; END $$",
+                    "CREATE TRIGGER fail_renewals BEFORE UPDATE ON jobs FOR EACH STATEMENT \
+                     WHEN (current_setting('application_name') = 'ferry-flaky-worker') \
+                     EXECUTE FUNCTION fail_renewals()",
+                ] {
+                    sqlx::query(sql).execute(p).await.unwrap();
+                }
+                RenewalFault::Postgres(p.clone())
+            }
+            ferry::Db::Sqlite(_) => {
+                use sqlx::Connection;
+                let mut c = sqlx::SqliteConnection::connect(&t.url).await.unwrap();
+                sqlx::query("BEGIN IMMEDIATE").execute(&mut c).await.unwrap();
+                RenewalFault::Sqlite(c)
+            }
+        }
+    }
+
+    async fn heal(self) {
+        match self {
+            RenewalFault::Postgres(p) => {
+                sqlx::query("DROP TRIGGER fail_renewals ON jobs")
+                    .execute(&p)
+                    .await
+                    .unwrap();
+            }
+            RenewalFault::Sqlite(mut c) => {
+                sqlx::query("ROLLBACK").execute(&mut c).await.unwrap();
+            }
+        }
+    }
+}
+
+/// A handle for the worker with its own pool; on SQLite a short busy
+/// timeout, so a held write lock fails a renewal quickly (and transiently).
+async fn worker_ferry(t: &TestDb) -> ferry::Ferry {
+    match t.ferry.db() {
+        ferry::Db::Postgres(_) => ferry::Ferry::builder(format!("{}&application_name=ferry-flaky-worker", t.url))
+            .clock(t.ferry.clock().clone())
+            .connect()
+            .await
+            .unwrap(),
+        ferry::Db::Sqlite(_) => {
+            use std::str::FromStr;
+            let opts = sqlx::sqlite::SqliteConnectOptions::from_str(&t.url)
+                .unwrap()
+                .journal_mode(sqlx::sqlite::SqliteJournalMode::Wal)
+                .foreign_keys(true)
+                .busy_timeout(Duration::from_millis(20));
+            let pool = sqlx::sqlite::SqlitePoolOptions::new()
+                .max_connections(2)
+                .connect_with(opts)
+                .await
+                .unwrap();
+            ferry::Ferry::builder(&t.url)
+                .clock(t.ferry.clock().clone())
+                .build(ferry::Db::Sqlite(pool))
+                .await
+                .unwrap()
+        }
+    }
+}
+
+async fn failing_renewals_cancel_the_handler_at_the_known_expiry(kind: Kind) {
+    let clock = manual_clock();
+    let t = TestDb::with_clock(kind, clock.clone()).await;
+    let id = accept(&t, 1).await[0];
+    let (tx, mut rx) = mpsc::unbounded_channel::<&'static str>();
+    let (ctx_tx, mut ctx_rx) = mpsc::unbounded_channel::<JobContext>();
+    let mut cfg = fast_config("flaky-renewals");
+    cfg.renew_every = Some(Duration::from_millis(10));
+    cfg.concurrency = 1;
+    cfg.batch = 1;
+    let worker = Worker::new(worker_ferry(&t).await, cfg, move |_job: Claimed, ctx: JobContext| {
+        let (tx, ctx_tx) = (tx.clone(), ctx_tx.clone());
+        async move {
+            let _guard = DropSignal(tx.clone());
+            let reserved = ctx.reserve_effect("before", "psp.charge").await;
+            assert!(matches!(reserved, Ok(ferry::Reservation::Proceed(_))), "{reserved:?}");
+            let _ = ctx_tx.send(ctx.clone());
+            let _ = tx.send("started");
+            std::future::pending::<()>().await;
+            Ok(json!({}))
+        }
+    });
+    let stats = worker.stats();
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let running = tokio::spawn(worker.run(async move {
+        let _ = stop_rx.await;
+    }));
+    assert_eq!(rx.recv().await, Some("started"));
+    let ctx = ctx_rx.recv().await.unwrap();
+    let fault = RenewalFault::inject(&t).await;
+    // The lease the worker knows ends at T0 + 30 s; renewals now fail.
+    clock.advance(Duration::from_secs(30)).unwrap();
+    // Bounded, so a handler that is never cancelled fails the test.
+    let dropped = tokio::time::timeout(Duration::from_secs(30), rx.recv()).await;
+    assert_eq!(
+        dropped.ok().flatten(),
+        Some("dropped"),
+        "the handler is cancelled once its known lease expiry passes, though renewals only fail transiently"
+    );
+    // Nothing may be reserved or recorded under the abandoned attempt.
+    let refused = ctx.reserve_effect("after", "psp.charge").await.unwrap_err();
+    assert_eq!(refused.code(), "lost_lease", "{refused}");
+    let refused = ctx
+        .record_effect_success("before", "psp.charge", "ch_late")
+        .await
+        .unwrap_err();
+    assert_eq!(refused.code(), "lost_lease", "{refused}");
+    fault.heal().await;
+    let refused = ctx.reserve_effect("after", "psp.charge").await.unwrap_err();
+    assert_eq!(
+        refused.code(),
+        "lost_lease",
+        "refused locally even once the database answers again"
+    );
+    stop_tx.send(()).unwrap();
+    running.await.unwrap().unwrap();
+    assert_eq!(stats.lost.load(Ordering::SeqCst), 1);
+    assert_eq!(stats.completed.load(Ordering::SeqCst), 0);
+    let effects = t
+        .scalar(
+            "SELECT count(*) FROM effects WHERE step <> 'before' OR provider_ref IS NOT NULL OR state <> 'reserved'",
+        )
+        .await;
+    assert_eq!(effects, 0, "nothing was recorded after the known expiry");
+    assert_eq!(t.scalar("SELECT count(*) FROM effects").await, 1);
+    assert_eq!(
+        t.ferry.get_run("acme", id).await.unwrap().state,
+        ferry::RunState::Queued,
+        "recovered by lease expiry, like any vanished worker"
+    );
+}
+
 on_both_engines!(
     worker_completes_and_retries,
     lost_lease_and_cancellation_stop_the_handler,
     shutdown_releases_only_owned_jobs,
     released_jobs_are_drained_by_the_next_worker,
+    failing_renewals_cancel_the_handler_at_the_known_expiry,
 );

@@ -40,7 +40,9 @@ INSERT INTO job_attempts (tenant, run_id, attempt, generation, worker, claimed_a
 VALUES ($1, $2, $3, $4, $5, $6)
 
 -- name: renew_lease
--- Extends the lease by $6 ms, never past the run's deadline.
+-- Extends the lease by $6 ms, never past the run's deadline. Returns the new
+-- expiry and the instant it was computed from, so a worker can place the
+-- expiry on its own clock.
 UPDATE jobs
 SET lease_expires_at = MIN(COALESCE($5, CAST(unixepoch('subsec') * 1000 AS INTEGER)) + $6,
                              COALESCE(deadline_at, 9223372036854775807)),
@@ -50,7 +52,7 @@ SET lease_expires_at = MIN(COALESCE($5, CAST(unixepoch('subsec') * 1000 AS INTEG
 WHERE tenant = $1 AND run_id = $2 AND state = 'leased' AND lease_owner = $3 AND lease_generation = $4
   AND lease_expires_at > COALESCE($5, CAST(unixepoch('subsec') * 1000 AS INTEGER))
   AND (deadline_at IS NULL OR deadline_at > COALESCE($5, CAST(unixepoch('subsec') * 1000 AS INTEGER)))
-RETURNING lease_expires_at
+RETURNING lease_expires_at, updated_at AS now
 
 -- name: lock_fence
 -- BEGIN IMMEDIATE holds the write lock for the rest of the transaction, so no
