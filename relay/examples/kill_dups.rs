@@ -1,0 +1,110 @@
+//! Duplicates per SIGKILL in the default (at-least-once) mode: rows are
+//! written at a steady rate while a `ferry-relay run` process (default batch
+//! size) is SIGKILLed and restarted every 3 s, five times; then the backlog
+//! drains and every record on the topic is counted. Prints lost rows (must be
+//! 0) and duplicates per kill. Pass another relay binary to compare builds:
+//!
+//!     scripts/install-kafka && cargo run --release -p ferry-relay --example kill_dups -- [path/to/ferry-relay]
+#![allow(clippy::print_stdout, missing_docs)]
+
+use std::collections::HashMap;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use ferry::{Engine, Ferry, OutboxMessage};
+use rdkafka::consumer::{BaseConsumer, Consumer};
+use rdkafka::message::{Headers, Message};
+use rdkafka::ClientConfig;
+
+type Res<T> = Result<T, Box<dyn std::error::Error + Send + Sync>>;
+
+fn relay(bin: &str, url: &str, brokers: &str) -> Res<Child> {
+    Ok(Command::new(bin)
+        .args(["run", "--database-url", url, "--brokers", brokers, "--lease", "2s"])
+        .args(["--poll-interval", "50ms", "--listen", "127.0.0.1:0"])
+        .env("RUST_LOG", "off")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()?)
+}
+
+#[tokio::main]
+async fn main() -> Res<()> {
+    let bin = std::env::args()
+        .nth(1)
+        .unwrap_or_else(|| env!("CARGO_BIN_EXE_ferry-relay").to_owned());
+    let broker = ferry_testkit::Kafka::start();
+    broker.create_topic("orders", 6);
+    let url = ferry::testing::fresh_database_url(Engine::Postgres).await?;
+    let ferry = Ferry::builder(&url).migrate(true).connect().await?;
+    let rows = 6000usize;
+    let writer = {
+        let ferry = ferry.clone();
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(Duration::from_micros(2500));
+            for i in 0..rows {
+                tick.tick().await;
+                let msg = OutboxMessage::json("acme", "orders", format!("k{}", i % 50), &serde_json::json!({ "i": i }))?;
+                ferry.enqueue(&msg).await?;
+            }
+            Ok::<_, ferry::Error>(())
+        })
+    };
+    let kills = 5;
+    for _ in 0..kills {
+        let mut child = relay(&bin, &url, &broker.brokers())?;
+        tokio::time::sleep(Duration::from_secs(3)).await;
+        child.kill()?;
+        child.wait()?;
+    }
+    writer.await??;
+    let mut child = relay(&bin, &url, &broker.brokers())?;
+    let pool = ferry.db().as_postgres().ok_or("PostgreSQL only")?;
+    let started = Instant::now();
+    loop {
+        let left: i64 = sqlx::query_scalar("SELECT count(*) FROM outbox WHERE state = 'pending'")
+            .fetch_one(pool)
+            .await?;
+        if left == 0 {
+            break;
+        }
+        if started.elapsed() > Duration::from_secs(120) {
+            return Err(format!("{left} rows still pending after 120 s").into());
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let _ = Command::new("kill").args(["-TERM", &child.id().to_string()]).status();
+    child.wait()?;
+    let c: BaseConsumer = ClientConfig::new()
+        .set("bootstrap.servers", broker.brokers())
+        .set("group.id", "kill-dups")
+        .set("auto.offset.reset", "earliest")
+        .set("enable.partition.eof", "true")
+        .create()?;
+    c.subscribe(&["orders"])?;
+    let mut count: HashMap<i64, usize> = HashMap::new();
+    let mut eof = 0;
+    while eof < 6 {
+        match c.poll(Duration::from_secs(10)) {
+            Some(Ok(m)) => {
+                let id = m
+                    .headers()
+                    .and_then(|h| h.iter().find(|h| h.key == "ferry-outbox-id").and_then(|h| h.value))
+                    .map(|v| String::from_utf8_lossy(v).parse::<i64>())
+                    .ok_or("record without ferry-outbox-id")??;
+                *count.entry(id).or_default() += 1;
+            }
+            Some(Err(rdkafka::error::KafkaError::PartitionEOF(_))) => eof += 1,
+            Some(Err(e)) => return Err(e.into()),
+            None => return Err("the topic did not reach its end".into()),
+        }
+    }
+    let total: usize = count.values().sum();
+    let dups = total - count.len();
+    println!(
+        "relay {bin}\n{rows} rows, {kills} SIGKILLs every 3 s: lost {}, duplicates {dups} ({} per kill)",
+        rows - count.len(),
+        dups / kills
+    );
+    Ok(())
+}
