@@ -1,10 +1,10 @@
-//! Consumer benchmark against PostgreSQL and a Tansu broker (memory://):
+//! Consumer benchmark against PostgreSQL and Apache Kafka (ferry-testkit):
 //! effects per second through `ferry-consumer` (ledger, partition lease,
 //! offset stored with the effect) with 1 and 3 members, beside a raw loop in
 //! the same run that consumes the same records and writes the same effect
 //! with no ledger and no lease.
 //!
-//!     scripts/install-broker && cargo run --release -p ferry-consumer --example bench_consumer -- [--quick]
+//!     scripts/install-kafka && cargo run --release -p ferry-consumer --example bench_consumer -- [--quick]
 #![allow(clippy::print_stdout, missing_docs)]
 
 use std::time::{Duration, Instant};
@@ -68,7 +68,7 @@ async fn main() -> Res<()> {
     for a in acks {
         a.await?.map_err(|(e, _)| e)?;
     }
-    println!("ferry-consumer benchmark (PostgreSQL, Tansu memory://, {n} records, 6 partitions)\n");
+    println!("ferry-consumer benchmark (PostgreSQL, Apache Kafka, {n} records, 6 partitions)\n");
     println!("{:<40} {:>14} {:>14}", "measure", "ferry-consumer", "raw loop");
     let raw = raw_loop(&brokers, n).await?;
     for members in [1usize, 3] {
