@@ -1,9 +1,10 @@
 //! Job benchmarks on PostgreSQL, each beside a raw-SQL baseline of the same
 //! statements run in the same process and the same run:
-//! enqueue (single and batched), claim+complete with 1/4/16 workers (single
+//! enqueue (single and batched), outbox enqueue with and without the
+//! per-key advisory lock, claim+complete with 1/4/16 workers (single
 //! and batch claims), and claim latency over a 10k and a 1M backlog.
 //!
-//!     cargo run --release --example bench_jobs -- [--quick]
+//!     cargo run --release --example bench_jobs -- [--quick] [worker | keylock]
 #![allow(clippy::print_stdout)]
 
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -28,6 +29,10 @@ async fn main() -> Res<()> {
     println!("ferry job benchmarks (PostgreSQL, 16 connections, n = {n})\n");
     println!("{:<44} {:>12} {:>12}", "measure", "ferry", "raw SQL");
 
+    // `keylock` runs just the outbox key-lock rows.
+    if std::env::args().any(|a| a == "keylock") {
+        return key_lock_cost(&base, n).await;
+    }
     if !only_worker {
         enqueue_and_claim(&base, n).await?;
     }
@@ -80,6 +85,8 @@ async fn enqueue_and_claim(base: &str, n: usize) -> Res<()> {
         "coalesced NOTIFY cost",
         (1.0 - rates[1] / rates[0]) * 100.0
     );
+
+    key_lock_cost(base, n).await?;
 
     // Enqueue, 100 acceptances per transaction.
     let (f, pool) = fresh(base, "enqb").await?;
@@ -205,6 +212,40 @@ async fn claim_latency(base: &str, quick: bool) -> Res<()> {
                 pct(&mut raw_lat, p)
             );
         }
+    }
+    Ok(())
+}
+
+/// The per-key advisory lock of `enqueue` (`.outbox_key_locks`, default on)
+/// against none: distinct keys (the statement's own cost), then 16 clients
+/// on 8 hot keys (where same-key writers wait for each other's commit).
+async fn key_lock_cost(base: &str, n: usize) -> Res<()> {
+    for (label, hot_keys) in [("distinct keys", usize::MAX), ("8 hot keys", 8)] {
+        let mut rates = Vec::new();
+        for locks in [true, false] {
+            let (_, pool) = fresh(base, "keylock").await?;
+            let f = Ferry::builder(url_of(base, "keylock"))
+                .outbox_key_locks(locks)
+                .build(ferry::Db::Postgres(pool))
+                .await?;
+            rates.push(
+                rate(n, 16, move |i| {
+                    let f = f.clone();
+                    async move {
+                        let key = format!("o-{}", i % hot_keys);
+                        f.enqueue(&ferry::OutboxMessage::bytes("bench", "orders", key, b"{}".to_vec()))
+                            .await?;
+                        Ok(1)
+                    }
+                })
+                .await?,
+            );
+        }
+        row(
+            &format!("outbox enqueue, key lock vs none, {label}"),
+            rates[0],
+            rates[1],
+        );
     }
     Ok(())
 }

@@ -71,6 +71,8 @@ struct Inner {
     lanes: i32,
     events_topic: String,
     notifier: notify::Notifier,
+    /// Whether `enqueue_in` serializes same-key writers (see `outbox_key_locks`).
+    outbox_key_locks: bool,
 }
 
 /// Builds a [`Ferry`]: `Ferry::builder(url).migrate(true).connect()`.
@@ -83,6 +85,7 @@ pub struct FerryBuilder {
     events_topic: String,
     migrate: bool,
     notify_interval: Duration,
+    outbox_key_locks: bool,
 }
 
 impl FerryBuilder {
@@ -124,6 +127,20 @@ impl FerryBuilder {
         self
     }
 
+    /// Whether [`Ferry::enqueue_in`] keeps per-key commit order for any
+    /// writer (default true). On PostgreSQL it takes a transaction-scoped
+    /// advisory lock on a hash of `(topic, key)` before the row draws its id,
+    /// so two transactions enqueueing one key commit in id order, the order
+    /// the relay publishes in; without it, a later id can commit first and
+    /// be published before an earlier one. Turn it off only when every
+    /// writer of a key already serializes on a common row (the cost is in
+    /// `BENCHMARKS.md`). SQLite serializes writers anyway; the setting
+    /// changes nothing there.
+    pub fn outbox_key_locks(mut self, yes: bool) -> Self {
+        self.outbox_key_locks = yes;
+        self
+    }
+
     /// Connects (and migrates, if asked).
     pub async fn connect(self) -> Result<Ferry> {
         let db = connect_with(&self.url, &self.connect).await?;
@@ -145,6 +162,7 @@ impl FerryBuilder {
                 lanes,
                 events_topic: self.events_topic,
                 notifier: notify::Notifier::new(self.notify_interval),
+                outbox_key_locks: self.outbox_key_locks,
             }),
         })
     }
@@ -161,6 +179,7 @@ impl Ferry {
             events_topic: DEFAULT_EVENTS_TOPIC.into(),
             migrate: false,
             notify_interval: Duration::from_millis(50),
+            outbox_key_locks: true,
         }
     }
 

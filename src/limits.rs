@@ -14,8 +14,21 @@ pub struct Limits {
     pub max_tenant_bytes: usize,
     /// Longest operation, queue, step or kind name. Default 128.
     pub max_name_bytes: usize,
-    /// Largest request or outbox payload, in bytes. Default 1 MiB.
+    /// Largest request or outbox payload stored, in bytes. Default 1 MiB.
+    /// Anything Ferry publishes is also held to [`Limits::max_publish_bytes`]:
+    /// a JSON document (command, result, event body) to
+    /// [`Limits::max_document_bytes`], an outbox message to its whole record.
     pub max_payload_bytes: usize,
+    /// Largest Kafka record the relay may have to publish, in bytes, counted
+    /// as librdkafka counts a message against the producer's
+    /// `message.max.bytes`: key + value + headers (each with two length
+    /// varints) + 36 bytes of record framing, headers the relay adds
+    /// included. Default 1,000,000, librdkafka's default (brokers and topics
+    /// accept 1,048,588 by default). A row larger than this could never be
+    /// published, so it is refused as `invalid_input` before anything is
+    /// written. Raise it only together with the relay's
+    /// `--kafka message.max.bytes=…` and the topics' `max.message.bytes`.
+    pub max_publish_bytes: usize,
     /// Most headers on one outbox message. Default 64.
     pub max_headers: usize,
     /// How long an idempotency record lives. Default 24 hours.
@@ -29,6 +42,7 @@ impl Default for Limits {
             max_tenant_bytes: 128,
             max_name_bytes: 128,
             max_payload_bytes: 1024 * 1024,
+            max_publish_bytes: 1_000_000,
             max_headers: 64,
             idempotency_ttl: Duration::from_secs(24 * 3600),
         }
@@ -85,11 +99,20 @@ impl Limits {
     }
 
     /// A JSON document stored as JSON (a command, a result, an event body):
-    /// at most the payload limit when serialized, and no NUL in any string or
-    /// object key at any depth (see [`Limits::no_nul`]).
+    /// at most [`Limits::max_document_bytes`] when serialized, and no NUL in
+    /// any string or object key at any depth (see [`Limits::no_nul`]).
     pub fn json(&self, field: &'static str, v: &serde_json::Value) -> Result<()> {
         let size = serde_json::to_vec(v).map(|b| b.len()).unwrap_or(usize::MAX);
-        self.payload(field, size)?;
+        let max = self.max_document_bytes();
+        if size > max {
+            return Err(Error::invalid(
+                field,
+                format!(
+                    "is {size} bytes; the limit is {max} (its run event must fit a {}-byte Kafka record)",
+                    self.max_publish_bytes
+                ),
+            ));
+        }
         // Iterative, so a deeply nested document cannot overflow the stack.
         let mut pending = vec![v];
         while let Some(v) = pending.pop() {
@@ -106,6 +129,45 @@ impl Limits {
             }
         }
         Ok(())
+    }
+
+    /// The largest JSON document (command, result or event body) accepted:
+    /// the smaller of [`Limits::max_payload_bytes`] and
+    /// [`Limits::max_publish_bytes`] minus [`Limits::run_event_overhead`].
+    /// With the default limits this is 998,492 bytes (an overhead of 1,508).
+    pub fn max_document_bytes(&self) -> usize {
+        self.max_payload_bytes
+            .min(self.max_publish_bytes.saturating_sub(self.run_event_overhead()))
+    }
+
+    /// An upper bound on the bytes a run event's Kafka record adds around the
+    /// caller's JSON document, computed from these limits rather than
+    /// measured on one event, so it holds for every event:
+    /// the 36 bytes of record framing; the key (a run id, 36 bytes); the
+    /// largest value with an empty document, built by the same code that
+    /// builds events (the envelope with the longest tenant and kind, 20-digit
+    /// seq and instant, and the largest wrapper Ferry puts around a caller's
+    /// document, `run_queued`'s, with the longest operation and queue and a
+    /// `replay_of`); and every header with its two length varints counted at
+    /// 5 bytes each (`content-type`, `ferry-event-kind`, and the relay's
+    /// `ferry-outbox-id`, `ferry-tenant`, `ferry-effect-key`, `traceparent`
+    /// at their longest). Names are `[A-Za-z0-9._:-]`, which JSON never
+    /// escapes, and a document serializes to the same bytes inside the
+    /// envelope as alone.
+    pub fn run_event_overhead(&self) -> usize {
+        let tenant = "t".repeat(self.max_tenant_bytes);
+        let name = "n".repeat(self.max_name_bytes);
+        let run_id = uuid::Uuid::max();
+        let body = crate::runs::queued_body(&name, &name, u32::MAX, &serde_json::Value::Null, Some(run_id));
+        let value = crate::runs::event_payload(&tenant, run_id, i64::MIN, &name, i64::MIN, &body);
+        let value_len = serde_json::to_vec(&value).map_or(0, |v| v.len()) - "null".len();
+        let effect_key = tenant.len() + 1 + 36 + 1 + 20;
+        RECORD_FRAMING
+            + 36
+            + value_len
+            + header_bytes("content-type", "application/json".len())
+            + header_bytes("ferry-event-kind", self.max_name_bytes)
+            + relay_header_bytes(self.max_tenant_bytes, Some(effect_key), true)
     }
 
     /// A payload size.
@@ -133,6 +195,32 @@ impl Limits {
             Err(Error::invalid("topic", "must be 1 to 249 bytes of [A-Za-z0-9._-]"))
         }
     }
+}
+
+/// librdkafka's largest per-record framing (`RD_KAFKAP_MESSAGE_V2_MAX_OVERHEAD`):
+/// length, attributes, timestamp delta, offset delta, key length, value
+/// length and header count, each varint at its widest.
+pub(crate) const RECORD_FRAMING: usize = 36;
+
+/// One record header as librdkafka counts it: name, value, and a length
+/// varint for each, counted at their widest (5 bytes).
+pub(crate) fn header_bytes(name: &str, value_len: usize) -> usize {
+    10 + name.len() + value_len
+}
+
+/// The headers the relay adds to every record (`relay/src/publish.rs`):
+/// `ferry-outbox-id` (an i64, at most 20 digits), `ferry-tenant`,
+/// `ferry-effect-key` (the row's, else the outbox id) and, when the row has
+/// one, `traceparent` (55 bytes).
+pub(crate) fn relay_header_bytes(tenant_len: usize, effect_key_len: Option<usize>, traceparent: bool) -> usize {
+    header_bytes("ferry-outbox-id", 20)
+        + header_bytes("ferry-tenant", tenant_len)
+        + header_bytes("ferry-effect-key", effect_key_len.unwrap_or(20))
+        + if traceparent {
+            header_bytes("traceparent", 55)
+        } else {
+            0
+        }
 }
 
 fn name(field: &'static str, v: &str, max: usize) -> Result<()> {
@@ -175,6 +263,24 @@ mod tests {
         assert!(l.topic("ferry.run-events").is_ok());
         assert!(l.topic("bad/topic").is_err());
         assert!(l.payload("payload", 1024 * 1024 + 1).is_err());
+    }
+
+    #[test]
+    fn documents_leave_room_for_the_run_event_around_them() {
+        let l = Limits::default();
+        assert_eq!(l.max_document_bytes(), 1_000_000 - l.run_event_overhead());
+        assert!(l.run_event_overhead() < 2_000, "{}", l.run_event_overhead());
+        let doc = |len: usize| serde_json::json!({ "b": "x".repeat(len - 8) });
+        assert!(l.json("command", &doc(l.max_document_bytes())).is_ok());
+        assert_eq!(
+            l.json("command", &doc(l.max_document_bytes() + 1)).unwrap_err().code(),
+            "invalid_input"
+        );
+        let small = Limits {
+            max_payload_bytes: 1000,
+            ..Limits::default()
+        };
+        assert_eq!(small.max_document_bytes(), 1000, "the stored limit still applies");
     }
 
     #[test]

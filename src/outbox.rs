@@ -4,6 +4,12 @@
 //! Each row carries `lane = murmur2(key) mod lanes`; rows of one key share a
 //! lane and are published in `id` order. The lane count is fixed per database
 //! (`ferry_settings.outbox_lanes`, default 64).
+//!
+//! Ids of one `(topic, key)` follow commit order for any writer: on
+//! PostgreSQL [`Ferry::enqueue_in`] takes a transaction-scoped advisory lock
+//! on the pair before the row draws its id (unless turned off with
+//! `FerryBuilder::outbox_key_locks(false)`); SQLite serializes writers
+//! already. Run events need no such lock: their writers hold the run's row.
 
 use std::collections::BTreeMap;
 
@@ -123,6 +129,38 @@ impl OutboxMessage {
         if let Some(tp) = &self.traceparent {
             validate_traceparent(tp)?;
         }
+        self.fits_a_record(limits)
+    }
+
+    /// The bytes librdkafka will count for this message's record against
+    /// `message.max.bytes`, at most: framing, key, payload, its headers and
+    /// the relay's (a `traceparent` always counted: `enqueue_in` may add the
+    /// current span's).
+    pub fn record_bytes(&self) -> usize {
+        crate::limits::RECORD_FRAMING
+            + self.key.len()
+            + self.payload.len()
+            + self
+                .headers
+                .iter()
+                .map(|(k, v)| crate::limits::header_bytes(k, v.len()))
+                .sum::<usize>()
+            + crate::limits::relay_header_bytes(self.tenant.len(), self.effect_key.as_ref().map(String::len), true)
+    }
+
+    /// Refuses a message whose record Kafka would refuse (see
+    /// [`Limits::max_publish_bytes`]).
+    fn fits_a_record(&self, limits: &Limits) -> Result<()> {
+        let size = self.record_bytes();
+        if size > limits.max_publish_bytes {
+            return Err(Error::invalid(
+                "payload",
+                format!(
+                    "makes a {size}-byte Kafka record with its key and headers; the limit is {}",
+                    limits.max_publish_bytes
+                ),
+            ));
+        }
         Ok(())
     }
 }
@@ -188,11 +226,27 @@ pub(crate) async fn load_lanes(db: &Db) -> Result<i32> {
         .ok_or_else(|| Error::Config("ferry_settings.outbox_lanes is missing or not a positive integer".into()))
 }
 
-/// Writes one validated outbox row; returns its id.
-pub(crate) async fn insert(ferry: &Ferry, conn: Conn<'_>, msg: &OutboxMessage, now: Option<i64>) -> Result<i64> {
+/// Writes one validated outbox row; returns its id. With `key_lock`, same
+/// `(topic, key)` writers wait for each other from before the id is drawn
+/// until commit (`insert_outbox_key_locked`).
+pub(crate) async fn insert(
+    ferry: &Ferry,
+    conn: Conn<'_>,
+    msg: &OutboxMessage,
+    now: Option<i64>,
+    key_lock: bool,
+) -> Result<i64> {
+    // The last guard for rows Ferry builds itself (run events): nothing is
+    // written that the relay could never publish.
+    msg.fits_a_record(ferry.limits())?;
     let lane = lane_for(&msg.key, ferry.lanes());
+    let query = if key_lock {
+        "insert_outbox_key_locked"
+    } else {
+        "insert_outbox"
+    };
     let id = on_conn!(conn, |c, q| {
-        sqlx::query_scalar(q.get("insert_outbox"))
+        sqlx::query_scalar(q.get(query))
             .bind(&msg.tenant)
             .bind(&msg.topic)
             .bind(&msg.key)
@@ -211,6 +265,16 @@ pub(crate) async fn insert(ferry: &Ferry, conn: Conn<'_>, msg: &OutboxMessage, n
 impl Ferry {
     /// Enqueues `msg` inside the caller's transaction; it is published only if
     /// that transaction commits. Returns the outbox id.
+    ///
+    /// Messages of one `(topic, key)` are published in commit order whoever
+    /// writes them: on PostgreSQL this takes a transaction-scoped advisory
+    /// lock on the pair before the row gets its id, so a second transaction
+    /// enqueueing the same key waits until this one commits or rolls back
+    /// (turn it off with `FerryBuilder::outbox_key_locks(false)` only when
+    /// your writers already serialize per key). A transaction that enqueues
+    /// several keys while another enqueues them in another order can
+    /// deadlock (PostgreSQL aborts one with `40P01`): enqueue keys in a
+    /// consistent order, or retry.
     pub async fn enqueue_in(&self, mut conn: Conn<'_>, msg: &OutboxMessage) -> Result<i64> {
         msg.validate(self.limits())?;
         // Carry the caller's trace to consumers unless the message has its own.
@@ -225,7 +289,7 @@ impl Ferry {
             }
             _ => msg,
         };
-        let id = insert(self, conn.reborrow(), msg, self.now()).await?;
+        let id = insert(self, conn.reborrow(), msg, self.now(), self.inner.outbox_key_locks).await?;
         self.inner.notifier.wake(conn, OUTBOX_PAYLOAD).await?;
         Ok(id)
     }

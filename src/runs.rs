@@ -315,13 +315,13 @@ impl Ferry {
                 _ => e.into(),
             });
         }
-        let body = json!({
-            "operation": run.operation,
-            "queue": run.queue,
-            "schema_version": run.schema_version,
-            "request": run.command,
-            "replay_of": run.replay_of,
-        });
+        let body = queued_body(
+            &run.operation,
+            &run.queue,
+            run.schema_version,
+            &run.command,
+            run.replay_of,
+        );
         write_event(
             self,
             conn.reborrow(),
@@ -483,6 +483,37 @@ pub(crate) async fn get_run_in(conn: Conn<'_>, tenant: &str, run_id: Uuid) -> Re
     row.ok_or(Error::NotFound { what: "run" })?.try_into()
 }
 
+/// The body of `run_queued`: the largest wrapper Ferry puts around a
+/// caller's document (sized in [`crate::Limits::run_event_overhead`]).
+pub(crate) fn queued_body(
+    operation: &str,
+    queue: &str,
+    schema_version: u32,
+    command: &Value,
+    replay_of: Option<Uuid>,
+) -> Value {
+    json!({
+        "operation": operation,
+        "queue": queue,
+        "schema_version": schema_version,
+        "request": command,
+        "replay_of": replay_of,
+    })
+}
+
+/// The value of a run event's Kafka record: the event's envelope around its
+/// body (sized in [`crate::Limits::run_event_overhead`]).
+pub(crate) fn event_payload(tenant: &str, run_id: Uuid, seq: i64, kind: &str, at: i64, body: &Value) -> Value {
+    json!({
+        "tenant": tenant,
+        "run_id": run_id,
+        "seq": seq,
+        "kind": kind,
+        "at": at,
+        "body": body,
+    })
+}
+
 /// Writes event `seq` of a run and the outbox row that carries it. The
 /// effect key `tenant/run_id/seq` lets consumers dedupe re-published events.
 #[allow(clippy::too_many_arguments)]
@@ -518,14 +549,7 @@ pub(crate) async fn write_event(
             _ => e.into(),
         });
     }
-    let payload = json!({
-        "tenant": tenant,
-        "run_id": run_id,
-        "seq": seq,
-        "kind": kind,
-        "at": now,
-        "body": body,
-    });
+    let payload = event_payload(tenant, run_id, seq, kind, now, body);
     let msg = OutboxMessage {
         tenant: tenant.to_owned(),
         topic: ferry.inner.events_topic.clone(),
@@ -539,6 +563,7 @@ pub(crate) async fn write_event(
         effect_key: Some(format!("{tenant}/{run_id}/{seq}")),
         traceparent,
     };
-    outbox::insert(ferry, conn, &msg, Some(now)).await?;
+    // No key lock: every writer of a run's events holds the run's row.
+    outbox::insert(ferry, conn, &msg, Some(now), false).await?;
     Ok(())
 }

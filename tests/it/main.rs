@@ -5,6 +5,7 @@ mod accept;
 mod doctor;
 mod fingerprint;
 mod jobs;
+mod outbox;
 mod pg;
 mod roles;
 mod support;

@@ -8,5 +8,19 @@ INSERT INTO outbox (tenant, topic, key, lane, payload, headers, effect_key, trac
 VALUES ($1, $2, $3, $4, $5, $6, $7, $8, COALESCE($9::bigint, (extract(epoch FROM now()) * 1000)::bigint))
 RETURNING id
 
+-- name: insert_outbox_key_locked
+-- insert_outbox behind a transaction-scoped advisory lock on (topic, key),
+-- taken before the id is drawn: a second writer of the key waits here, before
+-- nextval, until the first commits or rolls back, so one key's ids follow
+-- its commit order. Topics cannot contain '/', so `topic/key` is injective; a
+-- hash collision between two keys only makes them wait for each other.
+WITH key_lock AS MATERIALIZED (
+    SELECT pg_advisory_xact_lock(hashtextextended($2::text || '/' || $3::text, 0))
+)
+INSERT INTO outbox (tenant, topic, key, lane, payload, headers, effect_key, traceparent, created_at)
+SELECT $1, $2, $3, $4, $5, $6, $7, $8, COALESCE($9::bigint, (extract(epoch FROM now()) * 1000)::bigint)
+FROM key_lock
+RETURNING id
+
 -- name: notify_work
 SELECT pg_notify($1, $2)
