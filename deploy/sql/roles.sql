@@ -23,17 +23,32 @@ END $$;
 
 DO $$
 BEGIN
-    EXECUTE format('GRANT USAGE ON SCHEMA %I TO ferry_service, ferry_relay, ferry_consumer', current_schema());
+    CREATE ROLE ferry_operator NOLOGIN;
+EXCEPTION WHEN duplicate_object THEN NULL;
 END $$;
 
-GRANT SELECT ON ferry_settings TO ferry_service, ferry_relay, ferry_consumer;
+-- PostgreSQL 13 and 14 let every role create objects in the public schema
+-- (15 stopped); nobody here needs that.
+REVOKE CREATE ON SCHEMA public FROM PUBLIC;
+
+DO $$
+BEGIN
+    EXECUTE format('GRANT USAGE ON SCHEMA %I TO ferry_service, ferry_relay, ferry_consumer, ferry_operator', current_schema());
+END $$;
+
+GRANT SELECT ON ferry_settings TO ferry_service, ferry_relay, ferry_consumer, ferry_operator;
 
 -- The service accepts runs, enqueues outbox messages and works its jobs.
 -- Events are append-only; the outbox is write-only (RETURNING id aside).
 GRANT SELECT, INSERT, UPDATE ON runs, jobs, effects TO ferry_service;
 GRANT SELECT, INSERT ON run_events TO ferry_service;
 GRANT SELECT, INSERT, UPDATE, DELETE ON idempotency_keys, job_attempts TO ferry_service;
-GRANT INSERT ON outbox TO ferry_service;
+-- Only the columns insert_outbox writes (lane is computed by the library):
+-- a new row is pending, and its state, delivered_at, publish_attempts and
+-- last_error belong to the relay.
+REVOKE INSERT ON outbox FROM ferry_service;
+GRANT INSERT (tenant, topic, key, lane, payload, headers, effect_key, traceparent, created_at)
+    ON outbox TO ferry_service;
 GRANT SELECT (id) ON outbox TO ferry_service;
 GRANT USAGE ON SEQUENCE outbox_id_seq TO ferry_service;
 
@@ -49,3 +64,20 @@ GRANT USAGE ON SEQUENCE ferry_audit_id_seq TO ferry_relay;
 -- tables separately.
 GRANT SELECT, INSERT, UPDATE ON consumer_partitions TO ferry_consumer;
 GRANT SELECT, INSERT, DELETE ON consumer_ledger TO ferry_consumer;
+
+-- An operator runs `ferry-relay jobs list|inspect|cancel|replay-dead` and
+-- `ferry-relay dead list|replay`: cancel terminates a run (job, run, event,
+-- attempt, outbox row), replay-dead accepts a linked run and appends
+-- `replay_requested` to the dead one, dead replay sets dead outbox rows back
+-- to pending; each writes a ferry_audit entry. No DELETE anywhere, no lanes,
+-- no ledgers, no publishing marks.
+GRANT SELECT, INSERT, UPDATE ON runs, jobs, idempotency_keys TO ferry_operator;
+GRANT SELECT, INSERT ON run_events TO ferry_operator;
+GRANT SELECT, UPDATE ON job_attempts TO ferry_operator;
+GRANT INSERT (tenant, topic, key, lane, payload, headers, effect_key, traceparent, created_at)
+    ON outbox TO ferry_operator;
+GRANT SELECT ON outbox TO ferry_operator;
+GRANT UPDATE (state, last_error) ON outbox TO ferry_operator;
+GRANT USAGE ON SEQUENCE outbox_id_seq TO ferry_operator;
+GRANT INSERT ON ferry_audit TO ferry_operator;
+GRANT USAGE ON SEQUENCE ferry_audit_id_seq TO ferry_operator;

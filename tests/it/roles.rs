@@ -71,6 +71,17 @@ async fn each_role_is_refused_outside_its_grant() {
     refused(&service, "UPDATE relay_lanes SET owner = 'me'").await;
     refused(&service, "SELECT * FROM consumer_ledger").await;
     refused(&service, "DELETE FROM run_events").await;
+    // Its outbox INSERT is column-limited: no state or publishing columns.
+    refused(&service, "INSERT INTO outbox (tenant, topic, key, lane, payload, headers, created_at, state) VALUES ('x', 't', 'k', 0, '', '{}', 0, 'delivered')").await;
+    refused(&service, "INSERT INTO outbox (tenant, topic, key, lane, payload, headers, created_at, delivered_at) VALUES ('x', 't', 'k', 0, '', '{}', 0, 0)").await;
+    refused(&service, "INSERT INTO outbox (tenant, topic, key, lane, payload, headers, created_at, publish_attempts) VALUES ('x', 't', 'k', 0, '', '{}', 0, 9)").await;
+    refused(&service, "INSERT INTO outbox (tenant, topic, key, lane, payload, headers, created_at, last_error) VALUES ('x', 't', 'k', 0, '', '{}', 0, 'e')").await;
+    refused(
+        &service,
+        "INSERT INTO ferry_audit (at, actor, action, subject, reason) VALUES (0, 'a', 'b', 'c', 'd')",
+    )
+    .await;
+    refused(&service, "CREATE TABLE public.ferry_squat (x int)").await;
 
     // The relay reads and marks the outbox and holds lanes...
     let relay = as_role(&t, "ferry_relay").await;
@@ -122,4 +133,65 @@ async fn each_role_is_refused_outside_its_grant() {
         t.ferry.get_run("acme", run.run_id).await.unwrap().state,
         ferry::RunState::Succeeded
     );
+
+    // The operator cancels, replays dead jobs and dead outbox rows, audited...
+    let operator = as_role(&t, "ferry_operator").await;
+    let queued = service
+        .create_run_idempotent(NewRun::new("acme", "charge", "k2", json!({"a": 2})))
+        .await
+        .unwrap()
+        .run;
+    let mut tx = operator.begin().await.unwrap();
+    operator
+        .cancel_in(tx.conn(), "acme", queued.run_id, None, "alice", "test")
+        .await
+        .unwrap();
+    operator
+        .audit_in(tx.conn(), "alice", "jobs.cancel", "acme/run", "test")
+        .await
+        .unwrap();
+    tx.commit().await.unwrap();
+    let dead = service
+        .create_run_idempotent(NewRun::new("acme", "charge", "k3", json!({"a": 3})).max_attempts(1))
+        .await
+        .unwrap()
+        .run;
+    let c = service
+        .claim("default", "w", Duration::from_secs(30), 1)
+        .await
+        .unwrap()
+        .pop()
+        .unwrap();
+    assert_eq!(c.lease.run_id, dead.run_id);
+    service
+        .fail(
+            &c.lease,
+            &ferry::JobError::terminal("boom"),
+            &ferry::RetryPolicy::default(),
+            &mut <rand::rngs::StdRng as rand::SeedableRng>::seed_from_u64(1),
+        )
+        .await
+        .unwrap();
+    let mut tx = operator.begin().await.unwrap();
+    operator
+        .replay_dead_in(tx.conn(), "acme", dead.run_id, "alice", "test", false)
+        .await
+        .unwrap();
+    tx.commit().await.unwrap();
+    t.exec("UPDATE outbox SET state = 'dead' WHERE id = (SELECT min(id) FROM outbox)")
+        .await
+        .unwrap();
+    assert_eq!(operator.list_dead_outbox(10).await.unwrap().len(), 1);
+    assert_eq!(
+        operator.replay_dead_outbox(None, "alice", "test").await.unwrap().len(),
+        1
+    );
+    // ...and nothing else: no deletes, no publishing marks, no lanes or ledgers.
+    refused(&operator, "DELETE FROM outbox").await;
+    refused(&operator, "UPDATE outbox SET delivered_at = 0").await;
+    refused(&operator, "UPDATE outbox SET payload = 'x'").await;
+    refused(&operator, "INSERT INTO outbox (tenant, topic, key, lane, payload, headers, created_at, state) VALUES ('x', 't', 'k', 0, '', '{}', 0, 'delivered')").await;
+    refused(&operator, "DELETE FROM runs").await;
+    refused(&operator, "UPDATE relay_lanes SET owner = 'me'").await;
+    refused(&operator, "SELECT * FROM consumer_ledger").await;
 }
