@@ -53,18 +53,22 @@ pub fn fair_share(lanes: i32, live: &[LiveRelay], me: &str, my_cap: u32) -> usiz
     0
 }
 
-/// One tick: heartbeat, renew, then acquire up to or release down to the fair share.
+/// One tick: heartbeat, renew, release orphans, then acquire up to or
+/// release down to the fair share. `held` are the lanes with a publishing
+/// task; `draining` the surplus lanes still finishing their last batch before
+/// their release (ours, but neither kept nor orphaned).
 pub async fn tick(
     ferry: &Ferry,
     cfg: &RelayConfig,
     owner: &str,
     held: &BTreeMap<i32, LaneLease>,
+    draining: &BTreeMap<i32, LaneLease>,
 ) -> Result<LanePlan, RelayError> {
     let live = ferry.relay_heartbeat(owner, cfg.lease, cfg.max_lanes).await?;
     let renewed = ferry.renew_lanes(owner, cfg.lease).await?;
     let mut plan = LanePlan::default();
     for lease in &renewed {
-        if held.get(&lease.lane) != Some(lease) {
+        if held.get(&lease.lane) != Some(lease) && draining.get(&lease.lane) != Some(lease) {
             // Fenced by the generation: a newer holder is never disturbed.
             ferry.release_lane(owner, *lease).await?;
             plan.orphans.push(*lease);

@@ -131,6 +131,9 @@ impl Relay {
         tokio::spawn(listen_for_wakeups(ferry.clone(), wake.clone(), listen_stop.clone()));
 
         let mut held: BTreeMap<i32, LaneTask> = BTreeMap::new();
+        // Surplus lanes finishing their in-flight batch before release: still
+        // ours in the database, so never mistaken for orphans meanwhile.
+        let mut draining: BTreeMap<i32, (LaneLease, CancellationToken)> = BTreeMap::new();
         let mut tasks = JoinSet::new();
         let mut tick = tokio::time::interval(cfg.lease / 3);
         let mut sweep = tokio::time::interval(Duration::from_secs(30));
@@ -145,7 +148,9 @@ impl Relay {
                 }
                 _ = tick.tick() => {
                     let leases: BTreeMap<i32, LaneLease> = held.iter().map(|(l, t)| (*l, t.lease)).collect();
-                    let plan = match lanes::tick(&ferry, &cfg, &owner, &leases).await {
+                    draining.retain(|_, (_, done)| !done.is_cancelled());
+                    let busy: BTreeMap<i32, LaneLease> = draining.iter().map(|(l, (lease, _))| (*l, *lease)).collect();
+                    let plan = match lanes::tick(&ferry, &cfg, &owner, &leases, &busy).await {
                         Ok(p) => p,
                         Err(e) => {
                             tracing::warn!(error = %e, code = e.code(), "lane tick failed");
@@ -166,6 +171,7 @@ impl Relay {
                             let (ferry, owner) = (ferry.clone(), owner.clone());
                             // Release after the lane's in-flight batch is marked.
                             let done = t.abort.clone();
+                            draining.insert(extra.lane, (extra, done.clone()));
                             tasks.spawn(async move {
                                 done.cancelled().await;
                                 let _ = ferry.release_lane(&owner, extra).await;
