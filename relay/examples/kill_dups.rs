@@ -1,5 +1,5 @@
-//! Duplicates per SIGKILL in the default (at-least-once) mode: rows are
-//! written at a steady rate while a `ferry-relay run` process (default batch
+//! Duplicates per SIGKILL in the default (at-least-once) mode: after a
+//! 20,000-row backlog, rows are written at a steady rate while a `ferry-relay run` process (default batch
 //! size) is SIGKILLed and restarted every 3 s, five times; then the backlog
 //! drains and every record on the topic is counted. Prints lost rows (must be
 //! 0) and duplicates per kill. Pass another relay binary to compare builds:
@@ -30,21 +30,36 @@ fn relay(bin: &str, url: &str, brokers: &str) -> Res<Child> {
 
 #[tokio::main]
 async fn main() -> Res<()> {
-    let bin = std::env::args()
-        .nth(1)
-        .unwrap_or_else(|| env!("CARGO_BIN_EXE_ferry-relay").to_owned());
+    // Default: the ferry-relay binary of the same build (target/<profile>/).
+    let bin = match std::env::args().nth(1) {
+        Some(b) => b,
+        None => {
+            let exe = std::env::current_exe()?;
+            let dir = exe.parent().and_then(|d| d.parent()).ok_or("no target dir")?;
+            dir.join("ferry-relay").display().to_string()
+        }
+    };
     let broker = ferry_testkit::Kafka::start();
     broker.create_topic("orders", 6);
     let url = ferry::testing::fresh_database_url(Engine::Postgres).await?;
     let ferry = Ferry::builder(&url).migrate(true).connect().await?;
-    let rows = 6000usize;
+    // A backlog first, so every restarted relay has full batches in flight
+    // when it is killed; then a steady 400 rows/s.
+    let backlog = 20_000usize;
+    for i in 0..backlog {
+        let msg = OutboxMessage::json("acme", "orders", format!("k{}", i % 50), &serde_json::json!({ "b": i }))?;
+        ferry.enqueue(&msg).await?;
+    }
+    let steady = 6000usize;
+    let rows = backlog + steady;
     let writer = {
         let ferry = ferry.clone();
         tokio::spawn(async move {
             let mut tick = tokio::time::interval(Duration::from_micros(2500));
-            for i in 0..rows {
+            for i in 0..steady {
                 tick.tick().await;
-                let msg = OutboxMessage::json("acme", "orders", format!("k{}", i % 50), &serde_json::json!({ "i": i }))?;
+                let msg =
+                    OutboxMessage::json("acme", "orders", format!("k{}", i % 50), &serde_json::json!({ "i": i }))?;
                 ferry.enqueue(&msg).await?;
             }
             Ok::<_, ferry::Error>(())
@@ -81,7 +96,11 @@ async fn main() -> Res<()> {
         .set("auto.offset.reset", "earliest")
         .set("enable.partition.eof", "true")
         .create()?;
-    c.subscribe(&["orders"])?;
+    let mut tpl = rdkafka::TopicPartitionList::new();
+    for p in 0..6 {
+        tpl.add_partition_offset("orders", p, rdkafka::Offset::Beginning)?;
+    }
+    c.assign(&tpl)?;
     let mut count: HashMap<i64, usize> = HashMap::new();
     let mut eof = 0;
     while eof < 6 {
@@ -102,7 +121,7 @@ async fn main() -> Res<()> {
     let total: usize = count.values().sum();
     let dups = total - count.len();
     println!(
-        "relay {bin}\n{rows} rows, {kills} SIGKILLs every 3 s: lost {}, duplicates {dups} ({} per kill)",
+        "relay {bin}\n{rows} rows ({backlog} backlog, then 400/s), {kills} SIGKILLs every 3 s: lost {}, duplicates {dups} ({} per kill)",
         rows - count.len(),
         dups / kills
     );

@@ -305,7 +305,11 @@ async fn a_broker_crash_mid_batch_keeps_first_occurrences_in_order() {
         let id = r.outbox_id();
         if seen.insert(id) {
             if let Some(prev) = last.insert(&r.key, id) {
-                assert!(prev < id, "key {}: first occurrences out of order ({prev} then {id})", r.key);
+                assert!(
+                    prev < id,
+                    "key {}: first occurrences out of order ({prev} then {id})",
+                    r.key
+                );
             }
         }
     }
