@@ -29,6 +29,9 @@ pub struct Metrics {
     pub duplicates: Counter,
     /// Records sent to the dead-letter topic.
     pub dead_lettered: Counter,
+    /// Failed attempts to dead-letter a record (the dead-letter publish or
+    /// its ledger write failed); the record is retried, never passed over.
+    pub dead_letter_failures: Counter,
     /// Partition leases lost (a commit refused).
     pub lease_losses: Counter,
     /// Reclaims put off because another member held a live lease.
@@ -58,6 +61,7 @@ impl Metrics {
             processed: Counter::default(),
             duplicates: Counter::default(),
             dead_lettered: Counter::default(),
+            dead_letter_failures: Counter::default(),
             lease_losses: Counter::default(),
             reclaims_deferred: Counter::default(),
             lag: Family::default(),
@@ -76,6 +80,11 @@ impl Metrics {
             "Records sent to the dead-letter topic",
             m.dead_lettered.clone(),
         );
+        registry.register(
+            "dead_letter_failures",
+            "Failed attempts to dead-letter a record (publish or ledger write); retried in place",
+            m.dead_letter_failures.clone(),
+        );
         registry.register("lease_losses", "Partition leases lost", m.lease_losses.clone());
         registry.register(
             "reclaims_deferred",
@@ -88,6 +97,7 @@ impl Metrics {
             ("ferry_consumer_processed", m.processed.clone()),
             ("ferry_consumer_duplicates", m.duplicates.clone()),
             ("ferry_consumer_dead_lettered", m.dead_lettered.clone()),
+            ("ferry_consumer_dead_letter_failures", m.dead_letter_failures.clone()),
             ("ferry_consumer_lease_losses", m.lease_losses.clone()),
             ("ferry_consumer_reclaims_deferred", m.reclaims_deferred.clone()),
         ]

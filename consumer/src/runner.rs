@@ -340,7 +340,47 @@ struct Retry {
     attempts: u32,
     due: Instant,
     backoff: Box<dyn Iterator<Item = Duration> + Send>,
+    /// Set when the record is being dead-lettered and that failed: the next
+    /// attempt only finishes the dead letter.
+    dead_letter: Option<PendingDeadLetter>,
 }
+
+/// A dead letter not yet finished.
+#[derive(Debug, Clone)]
+struct PendingDeadLetter {
+    /// The `ferry-error-code` header.
+    code: String,
+    /// The dead-letter topic already has the record: only the ledger write
+    /// is left (a retry does not publish it twice).
+    published: bool,
+}
+
+/// Why a dead letter did not finish.
+enum DeadLetterFailure {
+    /// The publish or the ledger write failed: retry it, paused.
+    Failed {
+        /// Whether the publish had succeeded.
+        published: bool,
+    },
+    /// The lease is gone: the new owner reprocesses the record.
+    LostLease(ferry::Error),
+}
+
+/// What follows a record's attempt (short-lived, so the retry is not boxed).
+#[allow(clippy::large_enum_variant)]
+enum Step {
+    /// Done (applied, duplicate or dead-lettered): the offset moved.
+    Done,
+    /// Try again later with the partition paused; nothing moved.
+    Retry(Retry),
+    /// The lease is gone; leave the partition alone.
+    Stop,
+}
+
+/// How long a dead-letter publish may take before it counts as failed and
+/// is retried (the consumer loop waits for it, so it is kept well under the
+/// lease renewal period).
+const DLQ_DELIVERY_TIMEOUT: Duration = Duration::from_secs(5);
 
 impl Consumer {
     /// Consumes until `shutdown` resolves, then leaves the group (revoking,
@@ -384,6 +424,9 @@ impl Consumer {
                     .set("bootstrap.servers", &b.brokers)
                     .set("enable.idempotence", "true")
                     .set("acks", "all")
+                    // A publish that cannot finish (the topic is missing, the
+                    // broker is down) fails and is retried, partition paused.
+                    .set("message.timeout.ms", DLQ_DELIVERY_TIMEOUT.as_millis().to_string())
                     .create()?,
             ),
             None => None,
@@ -571,7 +614,9 @@ impl Consumer {
     }
 
     /// Processes one record (first attempt or retry). Returns a retry to
-    /// schedule when a retryable failure leaves budget.
+    /// schedule when a retryable failure leaves budget, or when the record
+    /// must be dead-lettered and that failed (its partition stays paused and
+    /// nothing moves past it, neither the stored offset nor Kafka's).
     async fn handle(
         &self,
         consumer: &BaseConsumer<LeaseContext>,
@@ -582,120 +627,206 @@ impl Consumer {
         retry: Option<Retry>,
     ) -> Option<Retry> {
         let b = &self.b;
-        let m = &self.metrics;
         let tp = (record.topic.clone(), record.partition);
         let Some(lease) = current_lease(leases, &tp, generation) else {
             // Not ours any more (revoked or lost: its new owner processes it),
             // or leased again since (positioned at the stored offset then).
             return None;
         };
-        let effect_key = match &retry {
-            Some(r) => Some(r.effect_key.clone()),
-            None => record
-                .effect_key()
-                .or_else(|| b.effect_key_fn.as_ref().and_then(|f| f(&record))),
+        let was_paused = retry.is_some();
+        let step = if let Some(pending) = retry.as_ref().and_then(|r| r.dead_letter.clone()) {
+            // A dead letter that failed before: finish it, never run the handler again.
+            let key = retry.as_ref().map(|r| r.effect_key.clone()).unwrap_or_default();
+            self.try_dead_letter(consumer, leases, dlq, &lease, &record, &key, &pending, retry)
+                .await
+        } else {
+            let effect_key = match &retry {
+                Some(r) => Some(r.effect_key.clone()),
+                None => record
+                    .effect_key()
+                    .or_else(|| b.effect_key_fn.as_ref().and_then(|f| f(&record))),
+            };
+            match effect_key {
+                None => {
+                    let key = format!("{}/{}/{}", record.topic, record.partition, record.offset);
+                    let pending = PendingDeadLetter {
+                        code: "missing_effect_key".into(),
+                        published: false,
+                    };
+                    self.try_dead_letter(consumer, leases, dlq, &lease, &record, &key, &pending, retry)
+                        .await
+                }
+                Some(effect_key) => {
+                    self.process(consumer, leases, dlq, &lease, &record, effect_key, retry)
+                        .await
+                }
+            }
         };
-        let Some(effect_key) = effect_key else {
-            self.dead_letter(
-                dlq,
-                &lease,
-                &record,
-                &format!("{}/{}/{}", record.topic, record.partition, record.offset),
-                "missing_effect_key",
-            )
-            .await;
-            return None;
-        };
+        match step {
+            Step::Stop => None,
+            Step::Retry(mut r) => {
+                let delay = r.backoff.next().unwrap_or(b.retry_cap);
+                r.due = Instant::now() + delay;
+                if !was_paused {
+                    let _ = pause(consumer, &tp, true);
+                }
+                Some(r)
+            }
+            Step::Done => {
+                // Progress: tell Kafka too, so standard lag tools see it.
+                let mut tpl = TopicPartitionList::new();
+                let _ = tpl.add_partition_offset(&tp.0, tp.1, Offset::Offset(record.offset + 1));
+                let _ = consumer.commit(&tpl, CommitMode::Async);
+                if was_paused {
+                    // Fetch again from the next record, then resume the partition.
+                    self.seeks
+                        .lock()
+                        .unwrap_or_else(|p| p.into_inner())
+                        .insert(tp, (lease.generation, Offset::Offset(record.offset + 1)));
+                    self.apply_seeks(consumer, leases);
+                }
+                None
+            }
+        }
+    }
+
+    /// Runs the record's transaction and decides what follows: done, a
+    /// retry, a dead letter (itself retried if it fails), or stop.
+    #[allow(clippy::too_many_arguments)]
+    async fn process(
+        &self,
+        consumer: &BaseConsumer<LeaseContext>,
+        leases: &Leases,
+        dlq: Option<&FutureProducer>,
+        lease: &PartitionLease,
+        record: &Record,
+        effect_key: String,
+        retry: Option<Retry>,
+    ) -> Step {
+        let b = &self.b;
+        let m = &self.metrics;
+        let tp = (record.topic.clone(), record.partition);
         let span = tracing::info_span!("ferry.consume", topic = %record.topic, partition = record.partition, offset = record.offset);
         // Continue the producer's trace: child of its context, linked to its span.
         ferry::telemetry::continue_trace(&span, record.traceparent());
         let started = Instant::now();
-        let outcome = process_record(&b.ferry, &lease, &record, &effect_key, self.handler.as_ref())
+        let outcome = process_record(&b.ferry, lease, record, &effect_key, self.handler.as_ref())
             .instrument(span)
             .await;
         m.observe_handler(started.elapsed().as_secs_f64());
-        let was_paused = retry.is_some();
-        let result = match outcome {
+        match outcome {
             Ok(Processed::Applied) => {
                 m.processed.inc();
-                None
+                Step::Done
             }
             Ok(_) => {
                 m.duplicates.inc();
-                None
+                Step::Done
             }
             Err(ProcessError::LostLease(e)) => {
                 tracing::warn!(topic = %tp.0, partition = tp.1, error = %e, "partition lease lost; pausing it");
-                self.lost(consumer, leases, &lease);
-                return None;
+                self.lost(consumer, leases, lease);
+                Step::Stop
             }
             Err(ProcessError::Handler(HandlerError {
                 class: HandlerClass::Terminal,
                 code,
             })) => {
-                self.dead_letter(dlq, &lease, &record, &effect_key, &code).await;
-                None
+                let pending = PendingDeadLetter { code, published: false };
+                self.try_dead_letter(consumer, leases, dlq, lease, record, &effect_key, &pending, retry)
+                    .await
             }
             Err(e) => {
                 let code = match &e {
                     ProcessError::Handler(h) => h.code.clone(),
                     other => other.to_string(),
                 };
-                let mut r = retry.unwrap_or_else(|| Retry {
-                    generation: lease.generation,
-                    record: record.clone(),
-                    effect_key: effect_key.clone(),
-                    attempts: 1,
-                    due: Instant::now(),
-                    backoff: Box::new(
-                        ExponentialBuilder::default()
-                            .with_min_delay(b.retry_base)
-                            .with_max_delay(b.retry_cap)
-                            .with_jitter()
-                            .without_max_times()
-                            .build(),
-                    ),
-                });
+                let r = retry.unwrap_or_else(|| self.new_retry(lease, record, &effect_key));
                 if r.attempts >= b.retry_budget {
                     tracing::warn!(topic = %tp.0, partition = tp.1, offset = record.offset, %code, "retry budget spent; dead-lettering");
-                    self.dead_letter(dlq, &lease, &record, &effect_key, &code).await;
-                    None
+                    let pending = PendingDeadLetter { code, published: false };
+                    self.try_dead_letter(consumer, leases, dlq, lease, record, &effect_key, &pending, Some(r))
+                        .await
                 } else {
-                    let delay = r.backoff.next().unwrap_or(b.retry_cap);
-                    r.due = Instant::now() + delay;
-                    if !was_paused {
-                        let _ = pause(consumer, &tp, true);
-                    }
-                    tracing::info!(topic = %tp.0, partition = tp.1, offset = record.offset, %code, ?delay, "retrying in place");
-                    return Some(r);
+                    tracing::info!(topic = %tp.0, partition = tp.1, offset = record.offset, %code, "retrying in place");
+                    Step::Retry(r)
                 }
             }
-        };
-        // Progress: tell Kafka too, so standard lag tools see it.
-        let mut tpl = TopicPartitionList::new();
-        let _ = tpl.add_partition_offset(&tp.0, tp.1, Offset::Offset(record.offset + 1));
-        let _ = consumer.commit(&tpl, CommitMode::Async);
-        if was_paused {
-            // Fetch again from the next record, then resume the partition.
-            self.seeks
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .insert(tp, (lease.generation, Offset::Offset(record.offset + 1)));
-            self.apply_seeks(consumer, leases);
         }
-        result
     }
 
+    /// A first retry of `record`: exponential backoff with jitter from the
+    /// retry base up to its cap, without an end (the budget bounds handler
+    /// retries; a dead letter is retried until it succeeds).
+    fn new_retry(&self, lease: &PartitionLease, record: &Record, effect_key: &str) -> Retry {
+        let b = &self.b;
+        Retry {
+            generation: lease.generation,
+            record: record.clone(),
+            effect_key: effect_key.to_owned(),
+            attempts: 1,
+            due: Instant::now(),
+            backoff: Box::new(
+                ExponentialBuilder::default()
+                    .with_min_delay(b.retry_base)
+                    .with_max_delay(b.retry_cap)
+                    .with_jitter()
+                    .without_max_times()
+                    .build(),
+            ),
+            dead_letter: None,
+        }
+    }
+
+    /// Dead-letters `record`; when the publish or the ledger write fails, a
+    /// retry of the dead letter alone (the record is never passed over).
+    #[allow(clippy::too_many_arguments)]
+    async fn try_dead_letter(
+        &self,
+        consumer: &BaseConsumer<LeaseContext>,
+        leases: &Leases,
+        dlq: Option<&FutureProducer>,
+        lease: &PartitionLease,
+        record: &Record,
+        effect_key: &str,
+        pending: &PendingDeadLetter,
+        retry: Option<Retry>,
+    ) -> Step {
+        match self.dead_letter(dlq, lease, record, effect_key, pending).await {
+            Ok(()) => Step::Done,
+            Err(DeadLetterFailure::LostLease(e)) => {
+                tracing::warn!(topic = %lease.topic, partition = lease.partition, error = %e, "partition lease lost while dead-lettering; pausing it");
+                self.lost(consumer, leases, lease);
+                Step::Stop
+            }
+            Err(DeadLetterFailure::Failed { published }) => {
+                self.metrics.dead_letter_failures.inc();
+                let mut r = retry.unwrap_or_else(|| self.new_retry(lease, record, effect_key));
+                r.dead_letter = Some(PendingDeadLetter {
+                    code: pending.code.clone(),
+                    published,
+                });
+                Step::Retry(r)
+            }
+        }
+    }
+
+    /// Publishes `record` to the dead-letter topic (unless `pending` says it
+    /// already is there) and records it in the ledger with the offset after
+    /// it. An error leaves the stored offset where it was.
     async fn dead_letter(
         &self,
         dlq: Option<&FutureProducer>,
         lease: &PartitionLease,
         record: &Record,
         effect_key: &str,
-        code: &str,
-    ) {
+        pending: &PendingDeadLetter,
+    ) -> Result<(), DeadLetterFailure> {
         let b = &self.b;
-        if let (Some(producer), Some(topic)) = (dlq, &b.dead_letter_topic) {
+        let code = pending.code.as_str();
+        if pending.published {
+            // Only the ledger write is left.
+        } else if let (Some(producer), Some(topic)) = (dlq, &b.dead_letter_topic) {
             let mut headers = OwnedHeaders::new();
             for (k, v) in &record.headers {
                 headers = headers.insert(Header { key: k, value: Some(v) });
@@ -726,18 +857,24 @@ impl Consumer {
             if let Some(p) = &record.payload {
                 fr = fr.payload(p.as_slice());
             }
-            if let Err((e, _)) = producer.send(fr, Duration::from_secs(30)).await {
-                tracing::error!(error = %e, "dead-letter publish failed; the record will be redelivered");
-                return;
+            if let Err((e, _)) = producer.send(fr, DLQ_DELIVERY_TIMEOUT).await {
+                tracing::error!(topic = %record.topic, partition = record.partition, offset = record.offset, code, error = %e, "dead-letter publish failed; the partition stays paused and it is retried");
+                return Err(DeadLetterFailure::Failed { published: false });
             }
         } else {
             tracing::error!(topic = %record.topic, partition = record.partition, offset = record.offset, code, "no dead-letter topic configured; recording and skipping");
         }
+        let published = dlq.is_some() && b.dead_letter_topic.is_some();
         match record_dead_letter(&b.ferry, lease, record, effect_key).await {
             Ok(_) => {
                 self.metrics.dead_lettered.inc();
+                Ok(())
             }
-            Err(e) => tracing::warn!(error = %e, "recording the dead letter failed"),
+            Err(ProcessError::LostLease(e)) => Err(DeadLetterFailure::LostLease(e)),
+            Err(e) => {
+                tracing::warn!(topic = %record.topic, partition = record.partition, offset = record.offset, error = %e, "recording the dead letter failed; the partition stays paused and it is retried");
+                Err(DeadLetterFailure::Failed { published })
+            }
         }
     }
 

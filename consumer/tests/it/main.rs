@@ -730,3 +730,108 @@ async fn a_kill_storm_converges_eager() {
 async fn a_kill_storm_converges_cooperative() {
     a_kill_storm_converges("cooperative").await;
 }
+
+/// The offset stored for `group`'s partition 0 of `topic` (0 when none).
+async fn stored_next(ferry: &Ferry, group: &str, topic: &str) -> i64 {
+    sqlx::query_scalar(
+        "SELECT COALESCE(max(next_offset), 0) FROM consumer_partitions WHERE group_id = $1 AND topic = $2",
+    )
+    .bind(group)
+    .bind(topic)
+    .fetch_one(ferry.db().as_postgres().unwrap())
+    .await
+    .unwrap()
+}
+
+/// A dead letter that cannot be published (the dead-letter topic does not
+/// exist yet) is retried with its partition paused: the stored offset and
+/// the records after it wait, nothing is passed over, and once the topic
+/// exists the record reaches it and the ledger and the partition flows.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_dead_letter_publish_is_retried_and_never_passed_over() {
+    let broker = Kafka::start();
+    broker.create_topic("dlqmiss", 1);
+    let (ferry, _) = pg().await;
+    let p = producer(&broker.brokers());
+    produce(&p, "dlqmiss", "a", Some("1")).await;
+    produce(&p, "dlqmiss", "poison", Some("2")).await; // offset 1, terminal
+    produce(&p, "dlqmiss", "c", Some("3")).await;
+    produce(&p, "dlqmiss", "d", Some("4")).await;
+    let c = Consumer::builder(ferry.clone(), broker.brokers(), "gd", &["dlqmiss"])
+        .handler(Apply { owner: "c".into() })
+        .dead_letter_topic("dlqmiss.dlq") // missing: auto.create.topics.enable=false
+        .retry(3, Duration::from_millis(100), Duration::from_secs(1))
+        .micro_batch(1)
+        .kafka("session.timeout.ms", "6000")
+        .kafka("heartbeat.interval.ms", "500")
+        .build()
+        .unwrap();
+    let metrics = c.metrics();
+    let stop = CancellationToken::new();
+    // A failed assertion stops the consumer too, so the runtime can shut down.
+    let _stop_on_panic = stop.clone().drop_guard();
+    let s = stop.clone();
+    let h = tokio::spawn(async move { c.run(async move { s.cancelled().await }).await.unwrap() });
+    // Until the dead-letter publish failed twice, the stored offset must
+    // never pass the poison record (offset 1).
+    let deadline = Instant::now() + Duration::from_secs(120);
+    loop {
+        let next = stored_next(&ferry, "gd", "dlqmiss").await;
+        assert!(
+            next <= 1,
+            "the stored offset moved past the undead-lettered poison record: next_offset = {next}, dead-letter failures = {}",
+            metrics.dead_letter_failures.get()
+        );
+        if metrics.dead_letter_failures.get() >= 2 {
+            break;
+        }
+        assert!(Instant::now() < deadline, "the dead-letter publish never failed twice");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(stored_next(&ferry, "gd", "dlqmiss").await, 1);
+    assert_eq!(scalar(&ferry, "SELECT count(*) FROM effects_applied").await, 1);
+    assert_eq!(
+        scalar(&ferry, "SELECT count(*) FROM consumer_ledger WHERE group_id = 'gd'").await,
+        1
+    );
+    assert_eq!(metrics.dead_lettered.get(), 0);
+    // The topic appears: the record is dead-lettered and the partition flows.
+    broker.create_topic("dlqmiss.dlq", 1);
+    let deadline = Instant::now() + Duration::from_secs(90);
+    while stored_next(&ferry, "gd", "dlqmiss").await < 4 {
+        assert!(
+            Instant::now() < deadline,
+            "the partition never got past the poison record"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    stop.cancel();
+    h.await.unwrap();
+    assert_eq!(scalar(&ferry, "SELECT count(*) FROM effects_applied").await, 3);
+    assert_eq!(
+        scalar(
+            &ferry,
+            "SELECT count(*) FROM consumer_ledger WHERE group_id = 'gd' AND outcome = 'dead_lettered' AND \"offset\" = 1"
+        )
+        .await,
+        1
+    );
+    assert_eq!(metrics.dead_lettered.get(), 1);
+    let dlq: BaseConsumer = ClientConfig::new()
+        .set("bootstrap.servers", broker.brokers())
+        .set("group.id", "dlqmiss-reader")
+        .set("auto.offset.reset", "earliest")
+        .create()
+        .unwrap();
+    dlq.subscribe(&["dlqmiss.dlq"]).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let m = loop {
+        assert!(Instant::now() < deadline, "the dead letter never reached the topic");
+        if let Some(Ok(m)) = tokio::task::block_in_place(|| dlq.poll(Duration::from_millis(100))) {
+            break Record::from_message(&m);
+        }
+    };
+    assert_eq!(m.key.as_deref(), Some(&b"poison"[..]));
+    assert_eq!(m.header("ferry-error-code"), Some("poison_key"));
+    assert_eq!(m.header("ferry-source-offset"), Some("1"));
+}
