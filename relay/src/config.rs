@@ -137,32 +137,47 @@ impl RelayConfig {
 
     /// The Kafka topic for a row. With `{tenant}` in the template, both
     /// parts are escaped so that different (topic, tenant) pairs never share
-    /// a Kafka topic and a tenant's name never makes an illegal one: ASCII
-    /// letters, digits and `-` stay, `_` becomes `__`, `.` becomes `_d`, `:`
-    /// becomes `_c`, any other byte `_xHH`. Escaped parts hold no `.`, and
-    /// [`RelayConfig::validate`] requires a `.` in the template text between
-    /// placeholders, so the routed name splits back one way only. Without
-    /// `{tenant}` the topic is used as it is.
+    /// a Kafka topic, not even under Kafka's rule that `.` and `_` collide,
+    /// and a tenant's name never makes an illegal one: ASCII letters and
+    /// digits stay, `-` becomes `--`, `.` becomes `-d`, `_` becomes `-u`, `:`
+    /// becomes `-c`, any other byte `-xHH`. Escaped parts hold neither `.`
+    /// nor `_`, and [`RelayConfig::validate`] requires a `.` in the template
+    /// text between placeholders, so the routed name splits back one way
+    /// only. A name longer than Kafka's 249 characters keeps its first 230
+    /// and ends in `-h` and a 16-hex-digit FNV-1a hash of the whole name.
+    /// Without `{tenant}` the topic is used as it is.
     pub fn route(&self, topic: &str, tenant: &str) -> String {
         if !self.topic_template.contains("{tenant}") {
             return self.topic_template.replace("{topic}", topic);
         }
-        self.topic_template
+        let name = self
+            .topic_template
             .replace("{topic}", &escape_part(topic))
-            .replace("{tenant}", &escape_part(tenant))
+            .replace("{tenant}", &escape_part(tenant));
+        if name.len() <= MAX_TOPIC_NAME {
+            return name;
+        }
+        let hash = name
+            .bytes()
+            .fold(0xcbf2_9ce4_8422_2325_u64, |h, b| (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3));
+        format!("{}-h{hash:016x}", &name[..230])
     }
 }
+
+/// Kafka's longest topic name.
+const MAX_TOPIC_NAME: usize = 249;
 
 /// The injective escaping of a topic-name part (see [`RelayConfig::route`]).
 fn escape_part(part: &str) -> String {
     let mut out = String::with_capacity(part.len());
     for b in part.bytes() {
         match b {
-            b'a'..=b'z' | b'A'..=b'Z' | b'0'..=b'9' | b'-' => out.push(b as char),
-            b'_' => out.push_str("__"),
-            b'.' => out.push_str("_d"),
-            b':' => out.push_str("_c"),
-            other => out.push_str(&format!("_x{other:02x}")),
+            b'a'..=b'z' | b'A'..=b'Z' | b'0'..=b'9' => out.push(b as char),
+            b'-' => out.push_str("--"),
+            b'.' => out.push_str("-d"),
+            b'_' => out.push_str("-u"),
+            b':' => out.push_str("-c"),
+            other => out.push_str(&format!("-x{other:02x}")),
         }
     }
     out
@@ -208,11 +223,13 @@ fn weakens_delivery(key: &str, value: &str) -> Result<(), RelayError> {
         "enable.idempotence" => v != "true",
         "max.in.flight" | "max.in.flight.requests.per.connection" => v.parse::<u32>().map_or(true, |n| n > 5),
         "transactional.id" => true,
+        // Per-key order needs keys where Java clients put them.
+        "partitioner" => v != "murmur2_random",
         _ => false,
     };
     if refused {
         return Err(RelayError::Config(format!(
-            "--kafka {key}={value} would weaken delivery: the relay needs acks=all, enable.idempotence=true, at most 5 in-flight requests, and sets transactional.id itself (--exactly-once)"
+            "--kafka {key}={value} would weaken delivery: the relay needs acks=all, enable.idempotence=true, at most 5 in-flight requests and the murmur2_random partitioner, and sets transactional.id itself (--exactly-once)"
         )));
     }
     Ok(())
@@ -263,10 +280,18 @@ mod tests {
         c.topic_template = "{topic}.{tenant}".into();
         assert!(c.validate().is_ok());
         assert_ne!(c.route("a.b", "c"), c.route("a", "b.c"));
-        assert_ne!(c.route("a_d", "c"), c.route("a.", "c"));
+        assert_ne!(c.route("a-d", "c"), c.route("a.", "c"));
+        // Kafka treats '.' and '_' as the same character when it checks
+        // for colliding topics: normalized names must differ too.
+        let kafka = |n: String| n.replace('_', ".");
+        assert_ne!(kafka(c.route("a_", "b")), kafka(c.route("a", "_b")));
+        assert_ne!(kafka(c.route("a.b", "c")), kafka(c.route("a_b", "c")));
         assert_eq!(c.route("orders", "acme"), "orders.acme");
         let name = c.route("orders", "team:eu_1");
-        assert_eq!(name, "orders.team_ceu__1");
+        assert_eq!(name, "orders.team-ceu-u1");
+        let long = c.route(&"t".repeat(128), &":".repeat(128));
+        assert!(long.len() <= 249, "{}", long.len());
+        assert_ne!(long, c.route(&"t".repeat(128), &":".repeat(127)));
         assert!(name
             .chars()
             .all(|ch| ch.is_ascii_alphanumeric() || matches!(ch, '.' | '_' | '-')));
@@ -302,6 +327,7 @@ mod tests {
         assert_eq!(with("max.in.flight", "6"), Err("config"));
         assert_eq!(with("max.in.flight.requests.per.connection", "100"), Err("config"));
         assert_eq!(with("transactional.id", "mine"), Err("config"));
+        assert_eq!(with("partitioner", "random"), Err("config"));
         assert_eq!(with("acks", "all"), Ok(()));
         assert_eq!(with("acks", "-1"), Ok(()));
         assert_eq!(with("max.in.flight", "5"), Ok(()));

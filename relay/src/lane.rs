@@ -53,6 +53,11 @@ enum BatchEnd {
     /// The shared producer failed fatally: stop; the relay drains and exits
     /// non-zero to be restarted with a new producer.
     Fatal,
+    /// A transactional call (commit, abort) did not end cleanly: the
+    /// producer's transaction state is unknown, so it is dropped and the lane
+    /// is taken over again (`init_transactions` settles the open
+    /// transaction, the progress read marks what it committed).
+    Reinit { id: i64, code: &'static str },
 }
 
 /// Where a lane's records go.
@@ -85,6 +90,8 @@ pub async fn run(
     let mut txn: Option<FutureProducer> = None;
     // Rows up to this id are published one at a time (see BatchEnd::Isolate).
     let mut isolate_through = 0_i64;
+    // Halved when the producer queue cannot hold a batch, reset on success.
+    let mut batch_size = cfg.batch_size;
     loop {
         if finish.is_cancelled() || abort.is_cancelled() {
             break;
@@ -101,7 +108,7 @@ pub async fn run(
                 }
             }
         }
-        let rows = match state.ferry.pending_batch(lease.lane, cfg.batch_size).await {
+        let rows = match state.ferry.pending_batch(lease.lane, batch_size).await {
             Ok(mut r) => {
                 if r.first().is_some_and(|f| f.id <= isolate_through) {
                     r.truncate(1);
@@ -143,7 +150,10 @@ pub async fn run(
             _ = abort.cancelled() => break,
         };
         match end {
-            BatchEnd::Done => backoff = retry_backoff(),
+            BatchEnd::Done => {
+                backoff = retry_backoff();
+                batch_size = cfg.batch_size;
+            }
             BatchEnd::Lost => {
                 if transactional {
                     // Fenced or taken over: give the lane up (fenced by its
@@ -161,6 +171,13 @@ pub async fn run(
                 state.fatal.cancel();
                 break;
             }
+            BatchEnd::Reinit { id, code } => {
+                tracing::warn!(lane = lease.lane, id, code, "transaction state unknown; taking the lane over again");
+                txn = None;
+                if pause(&mut backoff, &finish, &abort).await {
+                    break;
+                }
+            }
             BatchEnd::Isolate { through, code } => {
                 tracing::warn!(
                     lane = lease.lane,
@@ -171,6 +188,11 @@ pub async fn run(
                 isolate_through = through;
             }
             BatchEnd::Stalled { id, code } => {
+                if code == "queue_full" {
+                    // The producer queue cannot hold a whole batch (a
+                    // transaction cannot wait for room): retry smaller.
+                    batch_size = (batch_size / 2).max(1);
+                }
                 if let Err(ferry::Error::LostLane { .. }) =
                     state.ferry.note_publish_error(&state.owner, lease, id, code).await
                 {
@@ -515,7 +537,7 @@ async fn transactional_batch(
         match producer.send_result(rec) {
             Ok(f) => Some(f),
             Err((e, _)) => {
-                failed = Some((0, publish::classify(&e)));
+                failed = Some((0, progress_failure(publish::classify(&e))));
                 None
             }
         }
@@ -536,7 +558,7 @@ async fn transactional_batch(
     if let Some(f) = progress_fut {
         if let o @ (Outcome::Poison(_) | Outcome::Transient(_) | Outcome::Fatal) = publish::delivered(f.await) {
             if failed.is_none() {
-                failed = Some((0, o));
+                failed = Some((0, progress_failure(o)));
             }
         }
     }
@@ -572,7 +594,7 @@ async fn transactional_batch(
         Ok(Ok(())) => {}
         Ok(Err(e)) => return txn_failed(producer, "commit_transaction", &e, rows[0].id).await,
         Err(_) => {
-            return BatchEnd::Stalled {
+            return BatchEnd::Reinit {
                 id: rows[0].id,
                 code: "commit_transaction",
             }
@@ -609,6 +631,15 @@ async fn transactional_batch(
     }
 }
 
+/// A refused progress record says nothing about the rows: it stalls the
+/// lane (and is counted) but never marks a row dead.
+fn progress_failure(o: Outcome) -> Outcome {
+    match o {
+        Outcome::Poison(_) => Outcome::Transient("progress_record_refused"),
+        other => other,
+    }
+}
+
 async fn abort_txn(producer: &FutureProducer) -> Result<(), KafkaError> {
     let p = producer.clone();
     tokio::task::spawn_blocking(move || p.abort_transaction(TXN_TIMEOUT))
@@ -628,14 +659,16 @@ async fn txn_failed(producer: &FutureProducer, call: &'static str, e: &KafkaErro
             tracing::warn!(error = %e, call, "transaction failed; aborting and retrying");
             if let KafkaError::Transaction(t) = e {
                 if t.txn_requires_abort() {
-                    if let Err(e2) = abort_txn(producer).await {
-                        if exactly_once::classify_txn(&e2) == TxnFailure::Fatal {
-                            return BatchEnd::Lost;
-                        }
-                    }
+                    return match abort_txn(producer).await {
+                        Ok(()) => BatchEnd::Stalled { id, code: call },
+                        Err(e2) if exactly_once::classify_txn(&e2) == TxnFailure::Fatal => BatchEnd::Lost,
+                        Err(_) => BatchEnd::Reinit { id, code: call },
+                    };
                 }
             }
-            BatchEnd::Stalled { id, code: call }
+            // A commit or abort that failed without asking for an abort (a
+            // timeout, say) leaves the transaction in an unknown state.
+            BatchEnd::Reinit { id, code: call }
         }
     }
 }
