@@ -50,7 +50,10 @@ impl Record {
         self.headers.get(name).and_then(|v| std::str::from_utf8(v).ok())
     }
 
-    /// The key consumers dedupe on: `ferry-effect-key`, else `ferry-outbox-id`.
+    /// The key consumers dedupe on: `ferry-effect-key` (the relay publishes
+    /// `<database_id>:<outbox id>`, or `<tenant>/<key>` for a writer's key),
+    /// else `ferry-outbox-id`. That fallback, for records of relays that set
+    /// no `ferry-effect-key`, is not unique across databases.
     pub fn effect_key(&self) -> Option<String> {
         self.header("ferry-effect-key")
             .or_else(|| self.header("ferry-outbox-id"))

@@ -2,6 +2,9 @@
 //! explicitly: transient errors back off and retry from the first
 //! unacknowledged row; a record Kafka will never accept is poison.
 
+use std::future::Future;
+use std::sync::Arc;
+
 use ferry::relay::PendingRow;
 use rdkafka::error::{KafkaError, RDKafkaErrorCode};
 use rdkafka::message::{Header, OwnedHeaders};
@@ -53,7 +56,7 @@ pub fn producer_config(cfg: &RelayConfig) -> ClientConfig {
     c
 }
 
-/// The record of a row, routed by the topic template.
+/// The record of a row, routed by the topic template, with [`headers`].
 pub fn record<'a>(topic: &'a str, row: &'a PendingRow) -> FutureRecord<'a, [u8], [u8]> {
     FutureRecord::to(topic)
         .key(row.key.as_bytes())
@@ -75,11 +78,46 @@ pub fn delivered(
     }
 }
 
+tokio::task_local! {
+    /// The database id ([`ferry::Ferry::database_id`]) of the relay whose
+    /// lane task is publishing: [`crate::service::Relay::run`] loads it once
+    /// at startup and runs every lane task inside [`with_database_id`].
+    static DATABASE_ID: Arc<str>;
+}
+
+/// Runs `f` (a lane task) with `database_id` scoping the default effect keys
+/// of every record [`record`] and [`headers`] build inside it.
+pub async fn with_database_id<F: Future>(database_id: Arc<str>, f: F) -> F::Output {
+    DATABASE_ID.scope(database_id, f).await
+}
+
+/// The `ferry-effect-key` of a row, unambiguous across databases and tenants:
+/// - the writer's key, scoped by tenant: `<tenant>/<effect_key>` (a tenant
+///   never contains `/`, so the first `/` ends it);
+/// - otherwise `<database_id>:<outbox id>` (no `/`, so it never equals a
+///   writer's key); `None` without a database id.
+pub fn effect_key(row: &PendingRow, database_id: Option<&str>) -> Option<String> {
+    match (&row.effect_key, database_id) {
+        (Some(key), _) => Some(format!("{}/{key}", row.tenant)),
+        (None, Some(db)) => Some(format!("{db}:{}", row.id)),
+        (None, None) => None,
+    }
+}
+
 /// The headers of a row's record: the row's own, plus `ferry-outbox-id`,
-/// `ferry-tenant`, `ferry-effect-key` and `traceparent`.
+/// `ferry-tenant`, `ferry-effect-key` ([`effect_key`], scoped by the database
+/// id of the lane task, see [`with_database_id`]) and `traceparent`.
 pub fn headers(row: &PendingRow) -> OwnedHeaders {
+    let database_id = DATABASE_ID.try_with(Arc::clone).ok();
+    headers_for(row, database_id.as_deref())
+}
+
+/// [`headers`] with an explicit database id. Without one, a row without a
+/// writer's effect key gets no `ferry-effect-key` and consumers fall back to
+/// `ferry-outbox-id`, which is not unique across databases.
+pub fn headers_for(row: &PendingRow, database_id: Option<&str>) -> OwnedHeaders {
     let id = row.id.to_string();
-    let effect_key = row.effect_key.clone().unwrap_or_else(|| id.clone());
+    let effect_key = effect_key(row, database_id);
     let mut h = OwnedHeaders::new_with_capacity(row.headers.len() + 4);
     for (k, v) in &row.headers {
         h = h.insert(Header {
@@ -95,10 +133,12 @@ pub fn headers(row: &PendingRow) -> OwnedHeaders {
         key: "ferry-tenant",
         value: Some(row.tenant.as_bytes()),
     });
-    h = h.insert(Header {
-        key: "ferry-effect-key",
-        value: Some(effect_key.as_bytes()),
-    });
+    if let Some(effect_key) = &effect_key {
+        h = h.insert(Header {
+            key: "ferry-effect-key",
+            value: Some(effect_key.as_bytes()),
+        });
+    }
     if let Some(tp) = &row.traceparent {
         h = h.insert(Header {
             key: "traceparent",
@@ -196,5 +236,24 @@ mod tests {
             Outcome::Transient("broker_unreachable")
         );
         assert_eq!(classify(&KafkaError::Canceled), Outcome::Transient("canceled"));
+    }
+
+    #[test]
+    fn effect_keys_are_scoped() {
+        let mut row = PendingRow {
+            id: 7,
+            tenant: "acme:eu".into(),
+            topic: "orders".into(),
+            key: "k".into(),
+            payload: Vec::new(),
+            headers: Default::default(),
+            effect_key: None,
+            traceparent: None,
+            created_at: 0,
+        };
+        assert_eq!(effect_key(&row, Some("db-1")).as_deref(), Some("db-1:7"));
+        assert_eq!(effect_key(&row, None), None);
+        row.effect_key = Some("charge/1".into());
+        assert_eq!(effect_key(&row, Some("db-1")).as_deref(), Some("acme:eu/charge/1"));
     }
 }

@@ -115,6 +115,8 @@ impl Relay {
     ) -> Result<(), RelayError> {
         let Relay { cfg, state, producer } = self;
         let ferry = state.ferry.clone();
+        // Loaded once: it scopes the default effect key of every record.
+        let database_id: Arc<str> = ferry.database_id().await?.into();
         let owner = state.owner.clone();
         let sink = match &producer {
             Some(p) => lane::Sink::Shared(p.clone()),
@@ -180,7 +182,7 @@ impl Relay {
                     }
                     for lease in plan.acquired {
                         let task = LaneTask { lease, finish: CancellationToken::new(), abort: CancellationToken::new() };
-                        tasks.spawn(lane::run(state.clone(), cfg.clone(), sink.clone(), wake.clone(), lease, task.finish.clone(), task.abort.clone()));
+                        tasks.spawn(publish::with_database_id(database_id.clone(), lane::run(state.clone(), cfg.clone(), sink.clone(), wake.clone(), lease, task.finish.clone(), task.abort.clone())));
                         held.insert(lease.lane, task);
                     }
                     state.metrics.lanes_owned.set(held.len() as i64);

@@ -78,6 +78,7 @@ async fn end_to_end_every_row_once_with_the_right_partition() {
     }
     let total = scalar(&ferry, "SELECT count(*) FROM outbox").await as usize;
     assert_eq!(total, 300);
+    let database_id = ferry.database_id().await.unwrap();
     let relay = start_relay(relay_config(&url, &broker.brokers()), ferry.clone()).await;
     let c = consumer(&broker.brokers(), &["ferry.run-events", "orders"]);
     let recs = read_until(&c, Duration::from_secs(60), |r| distinct(r) >= total).await;
@@ -91,16 +92,19 @@ async fn end_to_end_every_row_once_with_the_right_partition() {
         match r.topic.as_str() {
             "orders" => {
                 assert_eq!(r.headers["source"], "test");
-                assert_eq!(r.headers["ferry-effect-key"], r.headers["ferry-outbox-id"]);
+                // The default key: `<database id>:<outbox id>`.
+                assert_eq!(
+                    r.headers["ferry-effect-key"],
+                    format!("{database_id}:{}", r.headers["ferry-outbox-id"])
+                );
                 assert!(r.key.starts_with("order-"));
             }
             "ferry.run-events" => {
                 assert_eq!(body["kind"], "run_queued");
                 assert_eq!(body["run_id"].as_str().unwrap(), r.key);
-                assert_eq!(
-                    r.headers["ferry-effect-key"],
-                    format!("{}/{}/1", r.headers["ferry-tenant"], r.key)
-                );
+                // The writer's key (`<tenant>/<run>/<seq>`), scoped by tenant.
+                let tenant = &r.headers["ferry-tenant"];
+                assert_eq!(r.headers["ferry-effect-key"], format!("{tenant}/{tenant}/{}/1", r.key));
             }
             other => panic!("unexpected topic {other}"),
         }
