@@ -116,7 +116,7 @@ fn start(url: &str, brokers: &str, ferry: Ferry, mode: Mode) -> Res<Started> {
         let id = uuid::Uuid::now_v7().simple().to_string();
         cfg.exactly_once = true;
         cfg.transactional_id_prefix = format!("bench-{id}");
-        cfg.progress_topic = format!("bench-progress-{id}");
+        cfg.progress_topic = Some(format!("bench-progress-{id}"));
     }
     let relay = Relay::new(cfg, ferry)?;
     let state = relay.state();

@@ -79,10 +79,11 @@ pub struct RelayConfig {
     /// one database, unique per database.
     #[arg(long, env = "FERRY_TRANSACTIONAL_ID_PREFIX", default_value = "ferry-relay")]
     pub transactional_id_prefix: String,
-    /// Compacted topic holding each lane's last transaction (key = lane), one
-    /// partition per lane; created when missing (`--exactly-once` only).
-    #[arg(long, env = "FERRY_PROGRESS_TOPIC", default_value = "ferry.relay-progress")]
-    pub progress_topic: String,
+    /// Compacted topic holding each lane's last transaction (key = database
+    /// id and lane), one partition per lane; created when missing
+    /// (`--exactly-once` only). Default: `<transactional id prefix>.progress`.
+    #[arg(long, env = "FERRY_PROGRESS_TOPIC")]
+    pub progress_topic: Option<String>,
 }
 
 impl RelayConfig {
@@ -106,7 +107,7 @@ impl RelayConfig {
             relay_id: None,
             exactly_once: false,
             transactional_id_prefix: "ferry-relay".into(),
-            progress_topic: "ferry.relay-progress".into(),
+            progress_topic: None,
         }
     }
 
@@ -122,12 +123,21 @@ impl RelayConfig {
         for (k, v) in &self.kafka {
             weakens_delivery(k, v)?;
         }
-        if self.exactly_once && (self.transactional_id_prefix.is_empty() || self.progress_topic.is_empty()) {
+        if self.exactly_once && (self.transactional_id_prefix.is_empty() || self.progress_topic().is_empty()) {
             return Err(RelayError::Config(
                 "--exactly-once needs a transactional id prefix and a progress topic".into(),
             ));
         }
         Ok(())
+    }
+
+    /// The progress topic (`--exactly-once`): `--progress-topic`, or
+    /// `<transactional id prefix>.progress`, so deployments with different
+    /// prefixes never share one by default.
+    pub fn progress_topic(&self) -> String {
+        self.progress_topic
+            .clone()
+            .unwrap_or_else(|| format!("{}.progress", self.transactional_id_prefix))
     }
 
     /// The `transactional.id` of `lane` (`--exactly-once`).
@@ -157,9 +167,9 @@ impl RelayConfig {
         if name.len() <= MAX_TOPIC_NAME {
             return name;
         }
-        let hash = name
-            .bytes()
-            .fold(0xcbf2_9ce4_8422_2325_u64, |h, b| (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3));
+        let hash = name.bytes().fold(0xcbf2_9ce4_8422_2325_u64, |h, b| {
+            (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
+        });
         format!("{}-h{hash:016x}", &name[..230])
     }
 }

@@ -39,6 +39,9 @@ pub const TXN_TIMEOUT: Duration = Duration::from_secs(30);
 /// One lane's progress record: the ids one committed transaction published.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Progress {
+    /// The database the rows belong to ([`ferry::Ferry::database_id`]):
+    /// another database's records in a shared topic are never taken.
+    pub database: String,
     /// Lane number.
     pub lane: i32,
     /// The lane generation of the relay that committed it (diagnostics).
@@ -48,9 +51,10 @@ pub struct Progress {
 }
 
 impl Progress {
-    /// The record key: the lane number in decimal.
-    pub fn key(lane: i32) -> String {
-        lane.to_string()
+    /// The record key: `<database id>:<lane>`, so compaction keeps one
+    /// record per lane and database even in a shared topic.
+    pub fn key(database_id: &str, lane: i32) -> String {
+        format!("{database_id}:{lane}")
     }
 }
 
@@ -59,17 +63,18 @@ impl Progress {
 /// missing. Fewer partitions than lanes is refused: a lane sharing a
 /// partition could read a stale record past another lane's open transaction.
 pub async fn ensure_progress_topic(cfg: &RelayConfig, lanes: i32) -> Result<(), RelayError> {
+    let progress_topic = cfg.progress_topic();
     let mut c = ClientConfig::new();
     c.set("bootstrap.servers", &cfg.brokers);
     apply_security(&mut c, cfg);
     let admin: AdminClient<DefaultClientContext> = c.create()?;
-    let topic = NewTopic::new(&cfg.progress_topic, lanes, TopicReplication::Fixed(-1))
+    let topic = NewTopic::new(&progress_topic, lanes, TopicReplication::Fixed(-1))
         .set("cleanup.policy", "compact")
         .set("min.compaction.lag.ms", "60000");
     let opts = AdminOptions::new().operation_timeout(Some(Duration::from_secs(30)));
     for r in admin.create_topics([&topic], &opts).await? {
         match r {
-            Ok(_) => tracing::info!(topic = %cfg.progress_topic, partitions = lanes, "created the progress topic"),
+            Ok(_) => tracing::info!(topic = %progress_topic, partitions = lanes, "created the progress topic"),
             Err((_, RDKafkaErrorCode::TopicAlreadyExists)) => {}
             Err((t, code)) => {
                 return Err(RelayError::Config(format!(
@@ -81,7 +86,7 @@ pub async fn ensure_progress_topic(cfg: &RelayConfig, lanes: i32) -> Result<(), 
     // A new topic's metadata reaches the broker's cache shortly after the
     // create call returns: ask until it shows, within a bound.
     let reader = progress_reader(cfg)?;
-    let name = cfg.progress_topic.clone();
+    let name = progress_topic.clone();
     let partitions = tokio::task::spawn_blocking(move || {
         let deadline = std::time::Instant::now() + Duration::from_secs(30);
         loop {
@@ -103,7 +108,7 @@ pub async fn ensure_progress_topic(cfg: &RelayConfig, lanes: i32) -> Result<(), 
     if (partitions as i32) < lanes {
         return Err(RelayError::Config(format!(
             "the progress topic {} has {partitions} partitions and the outbox has {lanes} lanes: it needs one partition per lane",
-            cfg.progress_topic
+            progress_topic
         )));
     }
     Ok(())
@@ -153,29 +158,29 @@ pub struct ProgressReader {
 }
 
 impl ProgressReader {
-    /// A reader of `cfg.progress_topic`.
+    /// A reader of the progress topic.
     pub fn new(cfg: &RelayConfig) -> Result<Self, KafkaError> {
         Ok(ProgressReader {
             consumer: std::sync::Mutex::new(progress_reader(cfg)?),
-            topic: cfg.progress_topic.clone(),
+            topic: cfg.progress_topic(),
         })
     }
 
     /// The lane's last committed progress record, read from the lane's
     /// partition. Call it after [`lane_producer`], so the previous owner's
     /// last transaction is settled. Blocking.
-    pub fn read(&self, lane: i32) -> Result<Option<Progress>, RelayError> {
+    pub fn read(&self, database_id: &str, lane: i32) -> Result<Option<Progress>, RelayError> {
         let c = self.consumer.lock().unwrap_or_else(|p| p.into_inner());
-        read_progress(&c, &self.topic, lane)
+        read_progress(&c, &self.topic, database_id, lane)
     }
 }
 
-fn read_progress(c: &BaseConsumer, topic: &str, lane: i32) -> Result<Option<Progress>, RelayError> {
+fn read_progress(c: &BaseConsumer, topic: &str, database_id: &str, lane: i32) -> Result<Option<Progress>, RelayError> {
     let (low, high) = c.fetch_watermarks(topic, lane, Duration::from_secs(30))?;
     if high <= low {
         return Ok(None);
     }
-    let key = Progress::key(lane);
+    let key = Progress::key(database_id, lane);
     // Each transaction leaves one record and one marker in the partition;
     // look back a growing window until a record of this lane turns up.
     let mut window = 16;
@@ -268,14 +273,15 @@ mod tests {
     #[test]
     fn progress_records_carry_the_exact_ids() {
         let p = Progress {
+            database: "db-1".into(),
             lane: 3,
             generation: 7,
             ids: vec![10, 12, 11],
         };
         let json = serde_json::to_string(&p).unwrap();
-        assert_eq!(json, r#"{"lane":3,"generation":7,"ids":[10,12,11]}"#);
+        assert_eq!(json, r#"{"database":"db-1","lane":3,"generation":7,"ids":[10,12,11]}"#);
         assert_eq!(serde_json::from_str::<Progress>(&json).unwrap(), p);
-        assert_eq!(Progress::key(3), "3");
+        assert_eq!(Progress::key("db-1", 3), "db-1:3");
     }
 
     #[test]

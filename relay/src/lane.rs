@@ -72,15 +72,20 @@ pub enum Sink {
 
 /// Publishes one lane until told to finish (after its in-flight batch) or
 /// abort (lease lost: publish and mark nothing more).
+#[allow(clippy::too_many_arguments)] // one lane task's whole context, spawned once
 pub async fn run(
     state: Arc<RelayState>,
     cfg: Arc<RelayConfig>,
     sink: Sink,
+    database_id: Arc<str>,
     wake: Arc<Notify>,
     lease: LaneLease,
     finish: CancellationToken,
     abort: CancellationToken,
 ) {
+    // However the task ends (including a panic), tell whoever waits to
+    // release this lane, and the main loop, that nothing is in flight.
+    let _done = abort.clone().drop_guard();
     let mut backoff = retry_backoff();
     let (producer, reader) = match sink {
         Sink::Shared(p) => (Some(p), None),
@@ -97,7 +102,7 @@ pub async fn run(
             break;
         }
         if let (Some(reader), None) = (&reader, &txn) {
-            match take_over(&state, &cfg, reader, lease, &abort).await {
+            match take_over(&state, &cfg, reader, &database_id, lease, &abort).await {
                 Ok(p) => txn = Some(p),
                 Err(BatchEnd::Lost) => break,
                 Err(_) => {
@@ -135,8 +140,8 @@ pub async fn run(
         }
         let batch = async {
             match (&producer, &txn) {
-                (Some(p), _) => at_least_once(&state, &cfg, p, lease, &rows).await,
-                (None, Some(p)) => transactional_batch(&state, &cfg, p, lease, &rows, &abort).await,
+                (Some(p), _) => at_least_once(&state, &cfg, p, &database_id, lease, &rows).await,
+                (None, Some(p)) => transactional_batch(&state, &cfg, p, &database_id, lease, &rows, &abort).await,
                 (None, None) => BatchEnd::Stalled {
                     id: rows[0].id,
                     code: "no_producer",
@@ -172,7 +177,12 @@ pub async fn run(
                 break;
             }
             BatchEnd::Reinit { id, code } => {
-                tracing::warn!(lane = lease.lane, id, code, "transaction state unknown; taking the lane over again");
+                tracing::warn!(
+                    lane = lease.lane,
+                    id,
+                    code,
+                    "transaction state unknown; taking the lane over again"
+                );
                 txn = None;
                 if pause(&mut backoff, &finish, &abort).await {
                     break;
@@ -205,8 +215,6 @@ pub async fn run(
             }
         }
     }
-    // Tell whoever waits to release this lane that nothing is in flight.
-    abort.cancel();
 }
 
 /// At least once: streams the batch, marks acknowledged rows progressively,
@@ -215,6 +223,7 @@ async fn at_least_once(
     state: &RelayState,
     cfg: &RelayConfig,
     producer: &FutureProducer,
+    database_id: &str,
     lease: LaneLease,
     rows: &[PendingRow],
 ) -> BatchEnd {
@@ -242,7 +251,7 @@ async fn at_least_once(
         }
         let topic = cfg.route(&row.topic, &row.tenant);
         loop {
-            match producer.send_result(publish::record(&topic, row)) {
+            match producer.send_result(publish::record(&topic, row, database_id)) {
                 Ok(fut) => {
                     inflight.push_back((i, fut));
                     break;
@@ -440,14 +449,15 @@ async fn take_over(
     state: &RelayState,
     cfg: &Arc<RelayConfig>,
     reader: &Arc<ProgressReader>,
+    database_id: &Arc<str>,
     lease: LaneLease,
     abort: &CancellationToken,
 ) -> Result<FutureProducer, BatchEnd> {
-    let (c, r) = (cfg.clone(), reader.clone());
+    let (c, r, db) = (cfg.clone(), reader.clone(), database_id.clone());
     let lane = lease.lane;
     let init = tokio::task::spawn_blocking(move || {
         let p = exactly_once::lane_producer(&c, lane).map_err(crate::error::RelayError::from)?;
-        let progress = r.read(lane)?;
+        let progress = r.read(&db, lane)?;
         Ok::<_, crate::error::RelayError>((p, progress))
     });
     let (producer, progress) = tokio::select! {
@@ -499,6 +509,7 @@ async fn transactional_batch(
     state: &RelayState,
     cfg: &Arc<RelayConfig>,
     producer: &FutureProducer,
+    database_id: &str,
     lease: LaneLease,
     rows: &[PendingRow],
     abort: &CancellationToken,
@@ -511,7 +522,7 @@ async fn transactional_batch(
     let mut sync_failure = false;
     for (i, row) in rows.iter().enumerate() {
         let topic = cfg.route(&row.topic, &row.tenant);
-        match producer.send_result(publish::record(&topic, row)) {
+        match producer.send_result(publish::record(&topic, row, database_id)) {
             Ok(fut) => inflight.push((i, fut)),
             Err((e, _)) => {
                 // Queue full included: the transaction is retried smaller.
@@ -523,14 +534,16 @@ async fn transactional_batch(
     }
     let ids: Vec<i64> = inflight.iter().map(|(i, _)| rows[*i].id).collect();
     let progress = Progress {
+        database: database_id.to_owned(),
         lane: lease.lane,
         generation: lease.generation,
         ids: ids.clone(),
     };
     let value = serde_json::to_vec(&progress).expect("progress serializes");
-    let key = Progress::key(lease.lane);
+    let key = Progress::key(database_id, lease.lane);
+    let progress_topic = cfg.progress_topic();
     let progress_fut = if failed.is_none() {
-        let rec = FutureRecord::to(&cfg.progress_topic)
+        let rec = FutureRecord::to(&progress_topic)
             .partition(lease.lane)
             .key(key.as_bytes())
             .payload(&value[..]);

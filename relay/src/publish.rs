@@ -2,9 +2,6 @@
 //! explicitly: transient errors back off and retry from the first
 //! unacknowledged row; a record Kafka will never accept is poison.
 
-use std::future::Future;
-use std::sync::Arc;
-
 use ferry::relay::PendingRow;
 use rdkafka::error::{KafkaError, RDKafkaErrorCode};
 use rdkafka::message::{Header, OwnedHeaders};
@@ -56,12 +53,13 @@ pub fn producer_config(cfg: &RelayConfig) -> ClientConfig {
     c
 }
 
-/// The record of a row, routed by the topic template, with [`headers`].
-pub fn record<'a>(topic: &'a str, row: &'a PendingRow) -> FutureRecord<'a, [u8], [u8]> {
+/// The record of a row, routed by the topic template, with its headers
+/// ([`headers_for`]) scoped by `database_id`.
+pub fn record<'a>(topic: &'a str, row: &'a PendingRow, database_id: &str) -> FutureRecord<'a, [u8], [u8]> {
     FutureRecord::to(topic)
         .key(row.key.as_bytes())
         .payload(&row.payload[..])
-        .headers(headers(row))
+        .headers(headers_for(row, Some(database_id)))
 }
 
 /// The outcome of a delivery future.
@@ -78,19 +76,6 @@ pub fn delivered(
     }
 }
 
-tokio::task_local! {
-    /// The database id ([`ferry::Ferry::database_id`]) of the relay whose
-    /// lane task is publishing: [`crate::service::Relay::run`] loads it once
-    /// at startup and runs every lane task inside [`with_database_id`].
-    static DATABASE_ID: Arc<str>;
-}
-
-/// Runs `f` (a lane task) with `database_id` scoping the default effect keys
-/// of every record [`record`] and [`headers`] build inside it.
-pub async fn with_database_id<F: Future>(database_id: Arc<str>, f: F) -> F::Output {
-    DATABASE_ID.scope(database_id, f).await
-}
-
 /// The `ferry-effect-key` of a row, unambiguous across databases and tenants:
 /// - the writer's key, scoped by tenant: `<tenant>/<effect_key>` (a tenant
 ///   never contains `/`, so the first `/` ends it);
@@ -105,16 +90,11 @@ pub fn effect_key(row: &PendingRow, database_id: Option<&str>) -> Option<String>
 }
 
 /// The headers of a row's record: the row's own, plus `ferry-outbox-id`,
-/// `ferry-tenant`, `ferry-effect-key` ([`effect_key`], scoped by the database
-/// id of the lane task, see [`with_database_id`]) and `traceparent`.
-pub fn headers(row: &PendingRow) -> OwnedHeaders {
-    let database_id = DATABASE_ID.try_with(Arc::clone).ok();
-    headers_for(row, database_id.as_deref())
-}
-
-/// [`headers`] with an explicit database id. Without one, a row without a
-/// writer's effect key gets no `ferry-effect-key` and consumers fall back to
-/// `ferry-outbox-id`, which is not unique across databases.
+/// `ferry-tenant`, `ferry-effect-key` ([`effect_key`], scoped by this
+/// database's id) and `traceparent`. Without a database id (tests of old
+/// relays), a row without a writer's effect key gets no `ferry-effect-key`
+/// and consumers fall back to `ferry-outbox-id`, which is not unique across
+/// databases.
 pub fn headers_for(row: &PendingRow, database_id: Option<&str>) -> OwnedHeaders {
     let id = row.id.to_string();
     let effect_key = effect_key(row, database_id);

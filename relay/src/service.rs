@@ -138,7 +138,12 @@ impl Relay {
         let mut draining: BTreeMap<i32, (LaneLease, CancellationToken)> = BTreeMap::new();
         let mut tasks = JoinSet::new();
         let mut tick = tokio::time::interval(cfg.lease / 3);
-        let mut sweep = tokio::time::interval(Duration::from_secs(30));
+        // Retention runs on its own task, so a large sweep never delays the
+        // lane ticks that renew the leases.
+        let sweep_stop = CancellationToken::new();
+        if !cfg.delete_on_delivery {
+            tokio::spawn(sweep_delivered(ferry.clone(), cfg.retention, sweep_stop.clone()));
+        }
         tokio::pin!(shutdown);
         loop {
             tokio::select! {
@@ -151,6 +156,15 @@ impl Relay {
                 _ = tick.tick() => {
                     let leases: BTreeMap<i32, LaneLease> = held.iter().map(|(l, t)| (*l, t.lease)).collect();
                     draining.retain(|_, (_, done)| !done.is_cancelled());
+                    // A lane task that ended on its own (lane lost while
+                    // marking, producer fenced, a panic) no longer publishes:
+                    // give the lane back so it is retaken with a new task.
+                    let ended: Vec<i32> = held.iter().filter(|(_, t)| t.abort.is_cancelled()).map(|(l, _)| *l).collect();
+                    for lane in ended {
+                        if let Some(t) = held.remove(&lane) {
+                            let _ = ferry.release_lane(&owner, t.lease).await;
+                        }
+                    }
                     let busy: BTreeMap<i32, LaneLease> = draining.iter().map(|(l, (lease, _))| (*l, *lease)).collect();
                     let plan = match lanes::tick(&ferry, &cfg, &owner, &leases, &busy).await {
                         Ok(p) => p,
@@ -182,23 +196,11 @@ impl Relay {
                     }
                     for lease in plan.acquired {
                         let task = LaneTask { lease, finish: CancellationToken::new(), abort: CancellationToken::new() };
-                        tasks.spawn(publish::with_database_id(database_id.clone(), lane::run(state.clone(), cfg.clone(), sink.clone(), wake.clone(), lease, task.finish.clone(), task.abort.clone())));
+                        tasks.spawn(lane::run(state.clone(), cfg.clone(), sink.clone(), database_id.clone(), wake.clone(), lease, task.finish.clone(), task.abort.clone()));
                         held.insert(lease.lane, task);
                     }
                     state.metrics.lanes_owned.set(held.len() as i64);
                     state.refresh_gauges().await;
-                }
-                _ = sweep.tick(), if !cfg.delete_on_delivery => {
-                    loop {
-                        match ferry.sweep_delivered(cfg.retention, 1000).await {
-                            Ok(1000) => continue,
-                            Ok(_) => break,
-                            Err(e) => {
-                                tracing::warn!(error = %e, "retention sweep failed");
-                                break;
-                            }
-                        }
-                    }
                 }
                 Some(_) = tasks.join_next(), if !tasks.is_empty() => {}
             }
@@ -235,6 +237,7 @@ impl Relay {
             let _ = p.flush(Duration::from_secs(1));
         }
         listen_stop.cancel();
+        sweep_stop.cancel();
         http_stop.cancel();
         let _ = http.await;
         if state.fatal.is_cancelled() {
@@ -247,6 +250,28 @@ impl Relay {
             ));
         }
         Ok(())
+    }
+}
+
+/// Deletes delivered rows older than `retention`, 1000 per statement, every
+/// 30 s until `stop`.
+async fn sweep_delivered(ferry: Ferry, retention: Duration, stop: CancellationToken) {
+    let mut every = tokio::time::interval(Duration::from_secs(30));
+    loop {
+        tokio::select! {
+            _ = every.tick() => {}
+            _ = stop.cancelled() => return,
+        }
+        loop {
+            match ferry.sweep_delivered(retention, 1000).await {
+                Ok(1000) if !stop.is_cancelled() => continue,
+                Ok(_) => break,
+                Err(e) => {
+                    tracing::warn!(error = %e, "retention sweep failed");
+                    break;
+                }
+            }
+        }
     }
 }
 
