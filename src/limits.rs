@@ -134,7 +134,7 @@ impl Limits {
     /// The largest JSON document (command, result or event body) accepted:
     /// the smaller of [`Limits::max_payload_bytes`] and
     /// [`Limits::max_publish_bytes`] minus [`Limits::run_event_overhead`].
-    /// With the default limits this is 998,492 bytes (an overhead of 1,508).
+    /// With the default limits this is 998,363 bytes (an overhead of 1,637).
     pub fn max_document_bytes(&self) -> usize {
         self.max_payload_bytes
             .min(self.max_publish_bytes.saturating_sub(self.run_event_overhead()))
@@ -210,12 +210,17 @@ pub(crate) fn header_bytes(name: &str, value_len: usize) -> usize {
 
 /// The headers the relay adds to every record (`relay/src/publish.rs`):
 /// `ferry-outbox-id` (an i64, at most 20 digits), `ferry-tenant`,
-/// `ferry-effect-key` (the row's, else the outbox id) and, when the row has
-/// one, `traceparent` (55 bytes).
+/// `ferry-effect-key` (the row's scoped by tenant, `<tenant>/<key>`, else
+/// `<database id>:<outbox id>`, a 36-byte UUID, `:` and up to 20 digits)
+/// and, when the row has one, `traceparent` (55 bytes).
 pub(crate) fn relay_header_bytes(tenant_len: usize, effect_key_len: Option<usize>, traceparent: bool) -> usize {
+    let effect_key = match effect_key_len {
+        Some(n) => tenant_len + 1 + n,
+        None => 36 + 1 + 20,
+    };
     header_bytes("ferry-outbox-id", 20)
         + header_bytes("ferry-tenant", tenant_len)
-        + header_bytes("ferry-effect-key", effect_key_len.unwrap_or(20))
+        + header_bytes("ferry-effect-key", effect_key)
         + if traceparent {
             header_bytes("traceparent", 55)
         } else {

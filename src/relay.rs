@@ -34,7 +34,8 @@ pub struct LaneLease {
 /// An outbox row waiting to be published.
 #[derive(Debug, Clone, PartialEq)]
 pub struct PendingRow {
-    /// Outbox id: publication order within the lane, and the default effect key.
+    /// Outbox id: publication order within the lane; with the database id,
+    /// the default effect key (`<database id>:<id>`).
     pub id: i64,
     /// Tenant.
     pub tenant: String,
