@@ -686,7 +686,9 @@ async fn txn_failed(producer: &FutureProducer, call: &'static str, e: &KafkaErro
     }
 }
 
-fn retry_backoff() -> impl Iterator<Item = Duration> {
+/// The relay's retry delays: exponential from 100 ms to 10 s, with jitter,
+/// never giving up.
+pub(crate) fn retry_backoff() -> impl Iterator<Item = Duration> {
     ExponentialBuilder::default()
         .with_min_delay(Duration::from_millis(100))
         .with_max_delay(Duration::from_secs(10))

@@ -7,7 +7,6 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use backon::{BackoffBuilder, ExponentialBuilder};
 use ferry::relay::LaneLease;
 use ferry::Ferry;
 use rdkafka::producer::{FutureProducer, Producer};
@@ -275,21 +274,12 @@ async fn sweep_delivered(ferry: Ferry, retention: Duration, stop: CancellationTo
     }
 }
 
-fn retry_backoff() -> impl Iterator<Item = Duration> {
-    ExponentialBuilder::default()
-        .with_min_delay(Duration::from_millis(100))
-        .with_max_delay(Duration::from_secs(10))
-        .with_jitter()
-        .without_max_times()
-        .build()
-}
-
 /// `LISTEN ferry_wakeup` on PostgreSQL; SQLite relies on the poll interval.
 async fn listen_for_wakeups(ferry: Ferry, wake: Arc<Notify>, stop: CancellationToken) {
     let Some(pool) = ferry.db().as_postgres() else {
         return;
     };
-    let mut backoff = retry_backoff();
+    let mut backoff = lane::retry_backoff();
     loop {
         let listener = async {
             let mut l = sqlx::postgres::PgListener::connect_with(pool).await?;
