@@ -493,34 +493,47 @@ impl Attempt {
             watch: watch.clone(),
         };
         let cancel = ctx.cancel.clone();
-        let work = handler.handle(job, ctx);
-        tokio::pin!(work);
+        // Boxed so it can be dropped before a hard release: a handler stopped
+        // inside a transaction gives its connection back (which rolls it back)
+        // before the release needs the job row.
+        let mut work = Box::pin(handler.handle(job, ctx));
         let every = self
             .cfg
             .renew_every
             .unwrap_or(self.cfg.lease / 3)
             .max(Duration::from_millis(1));
         let mut renew = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
+        // The renewal in flight runs beside the handler, never instead of it:
+        // a handler paused inside a transaction that holds the job row would
+        // otherwise block the very renewal that waits for it.
+        let mut renewing = None;
         let mut signalled = false;
         let outcome = loop {
             tokio::select! {
-                out = &mut work => break out,
+                out = &mut work => break Some(out),
                 // The known expiry passed on the worker's clock while no
                 // renewal succeeded: the lease may already be someone else's.
                 _ = sleep_until_some(watch.local_deadline()) => {
                     return self.abandon(&watch, &cancel, &lease, "lease_expired");
                 }
-                _ = renew.tick() => {
+                _ = renew.tick(), if renewing.is_none() => {
                     if watch.expired() {
                         return self.abandon(&watch, &cancel, &lease, "lease_expired");
                     }
                     let sent = tokio::time::Instant::now();
                     let renewal = self.ferry.renew_at(&lease, self.cfg.lease);
-                    // A renewal that hangs past the known expiry is as good as failed.
-                    let renewed = match watch.local_deadline() {
-                        Some(at) => tokio::time::timeout_at(at, renewal).await.ok(),
-                        None => Some(renewal.await),
-                    };
+                    let deadline = watch.local_deadline();
+                    renewing = Some(Box::pin(async move {
+                        // A renewal that hangs past the known expiry is as good as failed.
+                        let renewed = match deadline {
+                            Some(at) => tokio::time::timeout_at(at, renewal).await.ok(),
+                            None => Some(renewal.await),
+                        };
+                        (renewed, sent)
+                    }));
+                }
+                (renewed, sent) = async { renewing.as_mut().expect("guarded by is_some").await }, if renewing.is_some() => {
+                    renewing = None;
                     match renewed {
                         Some(Ok((expires_at, now))) => watch.learn(expires_at, now, sent),
                         Some(Err(e)) if e.is_transient() => {
@@ -541,10 +554,15 @@ impl Attempt {
                 }
                 _ = self.hard.cancelled() => {
                     cancel.cancel();
-                    self.release(&lease).await;
-                    return;
+                    break None;
                 }
             }
+        };
+        let Some(outcome) = outcome else {
+            drop(renewing);
+            drop(work);
+            self.release(&lease).await;
+            return;
         };
         drop(slot);
         match outcome {

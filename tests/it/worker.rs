@@ -402,6 +402,10 @@ async fn failing_renewals_cancel_the_handler_at_the_known_expiry(kind: Kind) {
         .await
         .unwrap_err();
     assert_eq!(refused.code(), "lost_lease", "{refused}");
+    // Stop the worker while the fault still refuses its claims: once healed,
+    // it could claim the expired job again and race the assertions below.
+    stop_tx.send(()).unwrap();
+    running.await.unwrap().unwrap();
     fault.heal().await;
     let refused = ctx.reserve_effect("after", "psp.charge").await.unwrap_err();
     assert_eq!(
@@ -409,8 +413,6 @@ async fn failing_renewals_cancel_the_handler_at_the_known_expiry(kind: Kind) {
         "lost_lease",
         "refused locally even once the database answers again"
     );
-    stop_tx.send(()).unwrap();
-    running.await.unwrap().unwrap();
     assert_eq!(stats.lost.load(Ordering::SeqCst), 1);
     assert_eq!(stats.completed.load(Ordering::SeqCst), 0);
     let effects = t
