@@ -266,3 +266,79 @@ async fn a_worker_survives_pg_terminate_backend() {
     );
     assert_eq!(calls.load(Ordering::SeqCst), N, "no job needed a second attempt");
 }
+
+/// A handler that holds the job's row inside its own transaction while the
+/// worker renews the lease: the renewal waits for that row lock, so it must
+/// run beside the handler, not instead of it. Renewing inline (the handler
+/// not polled while the renewal waits) deadlocks: the job never completes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_renewal_never_stalls_a_handler_holding_the_job_row() {
+    let t = TestDb::new(Kind::Postgres).await;
+    let run = NewRun::new("acme", "work", "k-lock", json!({})).queue("q");
+    let run_id = t.ferry.create_run_idempotent(run).await.unwrap().run.run_id;
+    let cfg = WorkerConfig {
+        queues: vec!["q".into()],
+        concurrency: 1,
+        batch: 1,
+        lease: Duration::from_secs(30),
+        renew_every: Some(Duration::from_millis(10)),
+        poll_interval: Duration::from_millis(20),
+        owner: "row-holder".into(),
+        ..WorkerConfig::default()
+    };
+    let probe = t.ferry.clone();
+    let handler_db = t.ferry.clone();
+    let (done_tx, mut done_rx) = mpsc::unbounded_channel::<()>();
+    let worker = Worker::new(t.reopen().await, cfg, move |job: Claimed, _ctx: JobContext| {
+        let (probe, db, done_tx) = (probe.clone(), handler_db.clone(), done_tx.clone());
+        async move {
+            let pool = db.db().as_postgres().unwrap().clone();
+            let mut tx = pool.begin().await.unwrap();
+            sqlx::query("SELECT 1 FROM jobs WHERE run_id = $1 FOR UPDATE")
+                .bind(job.lease.run_id)
+                .execute(&mut *tx)
+                .await
+                .unwrap();
+            // Hold the row until a renewal is waiting for it.
+            let probe = probe.db().as_postgres().unwrap().clone();
+            loop {
+                let waiting: i64 = sqlx::query_scalar(
+                    "SELECT count(*) FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid \
+                     WHERE NOT l.granted AND a.query LIKE '%Extends the lease%'",
+                )
+                .fetch_one(&probe)
+                .await
+                .unwrap();
+                if waiting > 0 {
+                    break;
+                }
+                tokio::task::yield_now().await;
+            }
+            tx.commit().await.unwrap();
+            let _ = done_tx.send(());
+            Ok(json!({"held": true}))
+        }
+    });
+    let stats = worker.stats();
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let running = tokio::spawn(worker.run(async move {
+        let _ = stop_rx.await;
+    }));
+    // Bounded, so a deadlocked worker fails the test instead of hanging it.
+    let done = tokio::time::timeout(Duration::from_secs(30), done_rx.recv()).await;
+    assert!(
+        matches!(done, Ok(Some(()))),
+        "the handler never got past the renewal waiting for its row"
+    );
+    let start = std::time::Instant::now();
+    while stats.completed.load(Ordering::SeqCst) == 0 {
+        assert!(start.elapsed() < Duration::from_secs(30), "the job never completed");
+        tokio::task::yield_now().await;
+    }
+    stop_tx.send(()).unwrap();
+    running.await.unwrap().unwrap();
+    assert_eq!(
+        t.ferry.get_run("acme", run_id).await.unwrap().state,
+        ferry::RunState::Succeeded
+    );
+}
