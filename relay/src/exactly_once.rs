@@ -7,7 +7,7 @@
 //!   can no longer commit) and aborts its open transaction, whose rows stay
 //!   pending and are published again.
 //! - Every transaction also writes one progress record to the compacted
-//!   progress topic (key = lane, partition = lane): **the exact ids published
+//!   progress topic (key = database id and lane, partition = lane): **the exact ids published
 //!   in that transaction**, never "everything up to X", because a lower id
 //!   that commits late in the database would be skipped by such a rule.
 //! - Rows are marked delivered right after their transaction commits and
@@ -60,9 +60,10 @@ impl Progress {
 
 /// Makes sure the progress topic exists with at least one partition per
 /// lane (compacted, the cluster's default replication), creating it when
-/// missing. Fewer partitions than lanes is refused: a lane sharing a
-/// partition could read a stale record past another lane's open transaction.
-pub async fn ensure_progress_topic(cfg: &RelayConfig, lanes: i32) -> Result<(), RelayError> {
+/// missing, and returns the relay's reader of it. Fewer partitions than
+/// lanes is refused: a lane sharing a partition could read a stale record
+/// past another lane's open transaction.
+pub async fn ensure_progress_topic(cfg: &RelayConfig, lanes: i32) -> Result<ProgressReader, RelayError> {
     let progress_topic = cfg.progress_topic();
     let mut c = ClientConfig::new();
     c.set("bootstrap.servers", &cfg.brokers);
@@ -85,20 +86,25 @@ pub async fn ensure_progress_topic(cfg: &RelayConfig, lanes: i32) -> Result<(), 
     }
     // A new topic's metadata reaches the broker's cache shortly after the
     // create call returns: ask until it shows, within a bound.
-    let reader = progress_reader(cfg)?;
-    let name = progress_topic.clone();
-    let partitions = tokio::task::spawn_blocking(move || {
+    let reader = ProgressReader {
+        consumer: std::sync::Mutex::new(progress_reader(cfg)?),
+        topic: progress_topic.clone(),
+    };
+    let (reader, partitions) = tokio::task::spawn_blocking(move || {
         let deadline = std::time::Instant::now() + Duration::from_secs(30);
         loop {
             let n = reader
-                .fetch_metadata(Some(&name), Duration::from_secs(10))?
+                .consumer
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .fetch_metadata(Some(&reader.topic), Duration::from_secs(10))?
                 .topics()
                 .first()
                 .filter(|t| t.error().is_none())
                 .map(|t| t.partitions().len())
                 .unwrap_or(0);
             if n > 0 || std::time::Instant::now() > deadline {
-                return Ok::<_, KafkaError>(n);
+                return Ok::<_, KafkaError>((reader, n));
             }
             std::thread::sleep(Duration::from_millis(100));
         }
@@ -111,7 +117,7 @@ pub async fn ensure_progress_topic(cfg: &RelayConfig, lanes: i32) -> Result<(), 
             progress_topic
         )));
     }
-    Ok(())
+    Ok(reader)
 }
 
 /// Only the client settings a producer override may carry that the admin
@@ -158,14 +164,6 @@ pub struct ProgressReader {
 }
 
 impl ProgressReader {
-    /// A reader of the progress topic.
-    pub fn new(cfg: &RelayConfig) -> Result<Self, KafkaError> {
-        Ok(ProgressReader {
-            consumer: std::sync::Mutex::new(progress_reader(cfg)?),
-            topic: cfg.progress_topic(),
-        })
-    }
-
     /// The lane's last committed progress record, read from the lane's
     /// partition. Call it after [`lane_producer`], so the previous owner's
     /// last transaction is settled. Blocking.

@@ -91,7 +91,6 @@ pub async fn run(
         Sink::Shared(p) => (Some(p), None),
         Sink::Transactional(r) => (None, Some(r)),
     };
-    let transactional = producer.is_none();
     let mut txn: Option<FutureProducer> = None;
     // Rows up to this id are published one at a time (see BatchEnd::Isolate).
     let mut isolate_through = 0_i64;
@@ -159,15 +158,10 @@ pub async fn run(
                 backoff = retry_backoff();
                 batch_size = cfg.batch_size;
             }
-            BatchEnd::Lost => {
-                if transactional {
-                    // Fenced or taken over: give the lane up (fenced by its
-                    // generation, so a newer owner is never disturbed); it is
-                    // taken again with a new producer if it is still free.
-                    let _ = state.ferry.release_lane(&state.owner, lease).await;
-                }
-                break;
-            }
+            // Taken over, or the producer fenced: the relay's next tick
+            // releases the lane (fenced by its generation), so it is taken
+            // again with a new task and producer if it is still free.
+            BatchEnd::Lost => break,
             BatchEnd::Fatal => {
                 tracing::error!(
                     lane = lease.lane,

@@ -120,8 +120,8 @@ impl Relay {
         let sink = match &producer {
             Some(p) => lane::Sink::Shared(p.clone()),
             None => {
-                crate::exactly_once::ensure_progress_topic(&cfg, ferry.lanes()).await?;
-                lane::Sink::Transactional(Arc::new(crate::exactly_once::ProgressReader::new(&cfg)?))
+                let reader = crate::exactly_once::ensure_progress_topic(&cfg, ferry.lanes()).await?;
+                lane::Sink::Transactional(Arc::new(reader))
             }
         };
         let cfg = Arc::new(cfg);
