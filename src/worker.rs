@@ -494,8 +494,8 @@ impl Attempt {
         };
         let cancel = ctx.cancel.clone();
         // Boxed so it can be dropped before a hard release: a handler stopped
-        // inside a transaction gives its connection back (which rolls it back)
-        // before the release needs the job row.
+        // inside a transaction gives its connection back, and the pool rolls
+        // it back (in the background) so the release gets the job row.
         let mut work = Box::pin(handler.handle(job, ctx));
         let every = self
             .cfg
@@ -558,8 +558,10 @@ impl Attempt {
                 }
             }
         };
+        // A renewal still in flight is abandoned with the loop, so its
+        // connection goes back to the pool before the completion needs one.
+        drop(renewing);
         let Some(outcome) = outcome else {
-            drop(renewing);
             drop(work);
             self.release(&lease).await;
             return;

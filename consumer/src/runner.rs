@@ -648,7 +648,7 @@ impl Consumer {
             };
             match effect_key {
                 None => {
-                    let key = format!("{}/{}/{}", record.topic, record.partition, record.offset);
+                    let key = unkeyed_ledger_key(&record);
                     let pending = PendingDeadLetter {
                         code: "missing_effect_key".into(),
                         published: false,
@@ -1143,5 +1143,39 @@ fn pause(consumer: &BaseConsumer<LeaseContext>, tp: &TopicPartition, yes: bool) 
         consumer.pause(&tpl)
     } else {
         consumer.resume(&tpl)
+    }
+}
+
+/// The ledger key of a record that has no effect key (it is dead-lettered as
+/// `missing_effect_key`): `!unkeyed/<topic>/<partition>/<offset>`. The `!`
+/// is outside every key the relay publishes (`<tenant>/<key>`, where tenants
+/// are `[A-Za-z0-9._:-]`, and `<database uuid>:<id>`), so it never shadows a
+/// real effect.
+fn unkeyed_ledger_key(record: &Record) -> String {
+    format!("!unkeyed/{}/{}/{}", record.topic, record.partition, record.offset)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_unkeyed_record_never_shares_a_ledger_key_with_a_published_one() {
+        let record = Record {
+            topic: "orders".into(),
+            partition: 0,
+            offset: 42,
+            key: None,
+            payload: None,
+            headers: Default::default(),
+        };
+        let key = unkeyed_ledger_key(&record);
+        assert_eq!(key, "!unkeyed/orders/0/42");
+        // A tenant named like the topic cannot produce it: '!' is refused.
+        assert!(ferry::Limits::default().name("tenant", "!unkeyed").is_err());
+        assert_ne!(
+            key, "orders/0/42",
+            "the old form a tenant `orders` with key `0/42` would publish"
+        );
     }
 }
