@@ -11,7 +11,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use ferry::store::POSTGRES as Q;
+use ferry::store::queries::QUERIES;
 use ferry::{Ferry, NewRun};
 use serde_json::json;
 use sqlx::PgPool;
@@ -364,7 +364,7 @@ async fn raw_accept(pool: PgPool, i: usize, per_tx: usize) -> Res<u64> {
     let mut tx = pool.begin().await?;
     for j in 0..per_tx {
         let id = Uuid::now_v7();
-        let now: i64 = sqlx::query_scalar(Q.get("claim_idempotency_key"))
+        let now: i64 = sqlx::query_scalar(QUERIES.postgres.claim_idempotency_key)
             .bind("bench")
             .bind("op")
             .bind(format!("r{i}-{j}"))
@@ -376,7 +376,7 @@ async fn raw_accept(pool: PgPool, i: usize, per_tx: usize) -> Res<u64> {
             .fetch_one(&mut *tx)
             .await?;
         let req = json!({"i": i});
-        sqlx::query(Q.get("insert_run"))
+        sqlx::query(QUERIES.postgres.insert_run)
             .bind("bench")
             .bind(id)
             .bind("op")
@@ -386,7 +386,7 @@ async fn raw_accept(pool: PgPool, i: usize, per_tx: usize) -> Res<u64> {
             .bind(now)
             .execute(&mut *tx)
             .await?;
-        sqlx::query(Q.get("insert_event"))
+        sqlx::query(QUERIES.postgres.insert_event)
             .bind("bench")
             .bind(id)
             .bind(1i64)
@@ -395,7 +395,7 @@ async fn raw_accept(pool: PgPool, i: usize, per_tx: usize) -> Res<u64> {
             .bind(now)
             .execute(&mut *tx)
             .await?;
-        sqlx::query(Q.get("insert_job"))
+        sqlx::query(QUERIES.postgres.insert_job)
             .bind("bench")
             .bind(id)
             .bind("default")
@@ -412,7 +412,7 @@ async fn raw_accept(pool: PgPool, i: usize, per_tx: usize) -> Res<u64> {
 }
 
 async fn raw_outbox(tx: &mut sqlx::PgConnection, id: Uuid, now: i64) -> Res<()> {
-    sqlx::query(Q.get("insert_outbox"))
+    sqlx::query(QUERIES.postgres.insert_outbox)
         .bind("bench")
         .bind("ferry.run-events")
         .bind(id.to_string())
@@ -429,7 +429,7 @@ async fn raw_outbox(tx: &mut sqlx::PgConnection, id: Uuid, now: i64) -> Res<()> 
 
 async fn raw_claim(pool: &PgPool, batch: u32) -> Res<Vec<(String, Uuid, i64, i32)>> {
     use sqlx::Row;
-    let rows = sqlx::query(Q.get("claim_jobs"))
+    let rows = sqlx::query(QUERIES.postgres.claim_jobs)
         .bind("default")
         .bind(None::<i64>)
         .bind(i64::from(batch))
@@ -455,7 +455,7 @@ async fn raw_claim_complete(pool: PgPool, batch: u32) -> Res<u64> {
     let claimed = raw_claim(&pool, batch).await?;
     for (tenant, id, generation, attempt) in &claimed {
         let mut tx = pool.begin().await?;
-        let (_, _, _, now): (i32, i32, i64, i64) = sqlx::query_as(Q.get("finish_job"))
+        let (_, _, _, now): (i32, i32, i64, i64) = sqlx::query_as(QUERIES.postgres.finish_job)
             .bind(tenant)
             .bind(id)
             .bind("raw")
@@ -466,7 +466,7 @@ async fn raw_claim_complete(pool: PgPool, batch: u32) -> Res<u64> {
             .bind(None::<String>)
             .fetch_one(&mut *tx)
             .await?;
-        let (seq, _, _): (i64, i64, i64) = sqlx::query_as(Q.get("terminate_run"))
+        let (seq, _, _): (i64, i64, i64) = sqlx::query_as(QUERIES.postgres.terminate_run)
             .bind(tenant)
             .bind(id)
             .bind("succeeded")
@@ -474,7 +474,7 @@ async fn raw_claim_complete(pool: PgPool, batch: u32) -> Res<u64> {
             .bind(None::<i64>)
             .fetch_one(&mut *tx)
             .await?;
-        sqlx::query(Q.get("insert_event"))
+        sqlx::query(QUERIES.postgres.insert_event)
             .bind(tenant)
             .bind(id)
             .bind(seq)
@@ -484,7 +484,7 @@ async fn raw_claim_complete(pool: PgPool, batch: u32) -> Res<u64> {
             .execute(&mut *tx)
             .await?;
         raw_outbox(&mut tx, *id, now).await?;
-        sqlx::query(Q.get("close_attempt"))
+        sqlx::query(QUERIES.postgres.close_attempt)
             .bind(tenant)
             .bind(id)
             .bind(attempt)

@@ -72,7 +72,7 @@ impl Ferry {
     ) -> Result<(PartitionLease, Option<i64>)> {
         let ms = duration_ms(lease)?;
         let (generation, next): (i64, Option<i64>) = on_pool!(self.db(), |p, q| {
-            sqlx::query_as(q.get("acquire_partition"))
+            sqlx::query_as(q.acquire_partition)
                 .bind(group)
                 .bind(topic)
                 .bind(partition)
@@ -109,7 +109,7 @@ impl Ferry {
     ) -> Result<Option<(PartitionLease, Option<i64>)>> {
         let ms = duration_ms(lease)?;
         let row: Option<(i64, Option<i64>)> = on_pool!(self.db(), |p, q| {
-            sqlx::query_as(q.get("acquire_free_partition"))
+            sqlx::query_as(q.acquire_free_partition)
                 .bind(group)
                 .bind(topic)
                 .bind(partition)
@@ -136,7 +136,7 @@ impl Ferry {
     pub async fn renew_partition(&self, lease: &PartitionLease, duration: Duration) -> Result<bool> {
         let ms = duration_ms(duration)?;
         let n = on_pool!(self.db(), |p, q| {
-            sqlx::query(q.get("renew_partition"))
+            sqlx::query(q.renew_partition)
                 .bind(&lease.group)
                 .bind(&lease.topic)
                 .bind(lease.partition)
@@ -154,7 +154,7 @@ impl Ferry {
     /// Gives a partition back, only if the lease is still current.
     pub async fn release_partition(&self, lease: &PartitionLease) -> Result<bool> {
         let n = on_pool!(self.db(), |p, q| {
-            sqlx::query(q.get("release_partition"))
+            sqlx::query(q.release_partition)
                 .bind(&lease.group)
                 .bind(&lease.topic)
                 .bind(lease.partition)
@@ -171,7 +171,7 @@ impl Ferry {
     pub async fn renew_partitions(&self, group: &str, owner: &str, lease: Duration) -> Result<u64> {
         let ms = duration_ms(lease)?;
         Ok(on_pool!(self.db(), |p, q| {
-            sqlx::query(q.get("renew_partitions"))
+            sqlx::query(q.renew_partitions)
                 .bind(group)
                 .bind(owner)
                 .bind(self.now())
@@ -195,7 +195,7 @@ impl Ferry {
         outcome: &str,
     ) -> Result<LedgerEntry> {
         let held: Option<Option<i64>> = on_conn!(conn.reborrow(), |c, q| {
-            sqlx::query_scalar(q.get("lock_partition"))
+            sqlx::query_scalar(q.lock_partition)
                 .bind(&lease.group)
                 .bind(&lease.topic)
                 .bind(lease.partition)
@@ -208,7 +208,7 @@ impl Ferry {
             return Err(lease.lost());
         }
         let inserted: Option<String> = on_conn!(conn, |c, q| {
-            sqlx::query_scalar(q.get("insert_ledger"))
+            sqlx::query_scalar(q.insert_ledger)
                 .bind(&lease.group)
                 .bind(effect_key)
                 .bind(&lease.topic)
@@ -229,7 +229,7 @@ impl Ferry {
     /// Step 4: stores `next_offset` with the effects, under the lease.
     pub async fn advance_offset(&self, conn: Conn<'_>, lease: &PartitionLease, next_offset: i64) -> Result<()> {
         let n = on_conn!(conn, |c, q| {
-            sqlx::query(q.get("advance_offset"))
+            sqlx::query(q.advance_offset)
                 .bind(&lease.group)
                 .bind(&lease.topic)
                 .bind(lease.partition)
@@ -250,7 +250,7 @@ impl Ferry {
     pub async fn sweep_ledger(&self, group: &str, retention: Duration, batch: u32) -> Result<u64> {
         let ms = duration_ms(retention)?;
         Ok(on_pool!(self.db(), |p, q| {
-            sqlx::query(q.get("sweep_ledger"))
+            sqlx::query(q.sweep_ledger)
                 .bind(group)
                 .bind(self.now())
                 .bind(ms)
@@ -269,17 +269,17 @@ impl Ferry {
     /// has not run.
     pub async fn database_id(&self) -> Result<String> {
         let value: Option<String> = on_pool!(self.db(), |p, q| {
-            sqlx::query_scalar(q.get("database_id")).fetch_optional(p).await?
+            sqlx::query_scalar(q.database_id).fetch_optional(p).await?
         });
         value
             .filter(|v| !v.is_empty())
-            .ok_or_else(|| Error::Config("ferry_settings.database_id is missing: run the migrations".into()))
+            .ok_or_else(|| Error::NotMigrated("ferry_settings.database_id is missing".into()))
     }
 
     /// Every partition's stored offset for `group`.
     pub async fn stored_offsets(&self, group: &str) -> Result<Vec<StoredOffset>> {
         Ok(on_pool!(self.db(), |p, q| {
-            sqlx::query_as(q.get("stored_offsets")).bind(group).fetch_all(p).await?
+            sqlx::query_as(q.stored_offsets).bind(group).fetch_all(p).await?
         }))
     }
 }

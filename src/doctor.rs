@@ -37,7 +37,7 @@ pub struct Finding {
 
 struct Check {
     name: &'static str,
-    query: &'static str,
+    query: fn(&crate::store::queries::Queries) -> &'static str,
     severity: Severity,
     action: &'static str,
 }
@@ -45,25 +45,25 @@ struct Check {
 const CHECKS: [Check; 4] = [
     Check {
         name: "duplicate_acceptances",
-        query: "doctor_duplicate_acceptances",
+        query: |q| q.doctor_duplicate_acceptances,
         severity: Severity::Warning,
         action: "the same request was accepted as several runs: check that clients reuse one Idempotency-Key per operation and that the key TTL covers their retry window; cancel the extra runs (`ferry-relay jobs cancel`)",
     },
     Check {
         name: "effect_provider_refs",
-        query: "doctor_effect_provider_refs",
+        query: |q| q.doctor_effect_provider_refs,
         severity: Severity::Critical,
         action: "an external effect happened more than once: refund or void the extra provider refs, and make the handler reserve_effect/reconcile before calling the provider",
     },
     Check {
         name: "multiple_terminal_events",
-        query: "doctor_multiple_terminal_events",
+        query: |q| q.doctor_multiple_terminal_events,
         severity: Severity::Critical,
         action: "a run ended twice: restore the run_events_one_terminal_idx index and check for writers bypassing Ferry",
     },
     Check {
         name: "stale_completions",
-        query: "doctor_stale_completions",
+        query: |q| q.doctor_stale_completions,
         severity: Severity::Critical,
         action: "a worker completed with an old lease generation: look for writers bypassing the fenced complete and for clock skew",
     },
@@ -77,12 +77,12 @@ impl Ferry {
         let mut out = Vec::new();
         for c in &CHECKS {
             let rows: Vec<(String, String)> = on_pool!(self.db(), |p, q| {
-                sqlx::query_as(q.get(c.query)).bind(limit).fetch_all(p).await?
+                sqlx::query_as((c.query)(q)).bind(limit).fetch_all(p).await?
             });
             out.push(finding(c.name, c.severity, rows, c.action));
         }
         let expiry: Vec<(String, String)> = on_pool!(self.db(), |p, q| {
-            sqlx::query_as(q.get("doctor_lease_expiry"))
+            sqlx::query_as(q.doctor_lease_expiry)
                 .bind(self.now())
                 .fetch_all(p)
                 .await?
@@ -95,7 +95,7 @@ impl Ferry {
         ));
         let stuck_ms = duration_ms(stuck_after)?;
         let stuck: Vec<(String, String)> = on_pool!(self.db(), |p, q| {
-            sqlx::query_as(q.get("doctor_unreclaimed_leases"))
+            sqlx::query_as(q.doctor_unreclaimed_leases)
                 .bind(self.now())
                 .bind(stuck_ms)
                 .bind(limit)
@@ -109,7 +109,7 @@ impl Ferry {
             "expired leases nobody reclaims: start workers for these queues, or check that they can reach the database",
         ));
         let exhausted: Vec<(String, String)> = on_pool!(self.db(), |p, q| {
-            sqlx::query_as(q.get("doctor_exhausted_unterminated"))
+            sqlx::query_as(q.doctor_exhausted_unterminated)
                 .bind(self.now())
                 .bind(limit)
                 .fetch_all(p)

@@ -40,7 +40,12 @@ impl EffectState {
             "succeeded" => EffectState::Succeeded,
             "failed" => EffectState::Failed,
             "unknown" => EffectState::Unknown,
-            other => return Err(Error::Config(format!("unknown effect state {other:?} in the database"))),
+            other => {
+                return Err(Error::CorruptRow {
+                    what: "effects.state",
+                    value: other.into(),
+                })
+            }
         })
     }
 }
@@ -113,7 +118,7 @@ impl Ferry {
         let r = async {
             let (now, _) = self.lock_fence(tx.conn(), lease).await?;
             let inserted: Option<String> = on_conn!(tx.conn(), |c, q| {
-                sqlx::query_scalar(q.get("reserve_effect"))
+                sqlx::query_scalar(q.reserve_effect)
                     .bind(&lease.tenant)
                     .bind(lease.run_id)
                     .bind(step)
@@ -266,7 +271,7 @@ impl Ferry {
 
 async fn get_effect(conn: Conn<'_>, tenant: &str, run_id: Uuid, step: &str, operation: &str) -> Result<EffectRecord> {
     let row: Option<EffectRow> = on_conn!(conn, |c, q| {
-        sqlx::query_as(q.get("get_effect"))
+        sqlx::query_as(q.get_effect)
             .bind(tenant)
             .bind(run_id)
             .bind(step)
@@ -298,7 +303,7 @@ async fn update_effect(
     now: i64,
 ) -> Result<u64> {
     let done = on_conn!(conn, |c, q| {
-        sqlx::query(q.get("update_effect"))
+        sqlx::query(q.update_effect)
             .bind(&lease.tenant)
             .bind(lease.run_id)
             .bind(step)

@@ -123,9 +123,48 @@ pub enum Error {
         /// Why that refuses the request.
         reason: &'static str,
     },
-    /// The configuration is unusable.
+    /// The configuration is unusable (a bad URL, a worker without queues).
     #[error("configuration: {0}")]
     Config(String),
+    /// The schema is not the one this version expects: migrations were not
+    /// run, or a settings row is missing.
+    #[error("schema not migrated: {0}")]
+    NotMigrated(String),
+    /// A named query does not prepare on this database (found by
+    /// [`crate::store::check_queries`]): the schema and the code disagree.
+    #[error("query {name} does not prepare on {engine:?}: {message}")]
+    Query {
+        /// The query's name in its `sql/` file.
+        name: &'static str,
+        /// The engine it was prepared on.
+        engine: crate::store::Engine,
+        /// The database's message.
+        message: String,
+    },
+    /// A row holds a value this version does not know (an unknown state), so
+    /// it was written by something else or by a newer version.
+    #[error("corrupt row: {what} {value:?}")]
+    CorruptRow {
+        /// Which column.
+        what: &'static str,
+        /// The value found.
+        value: String,
+    },
+    /// A statement returned something its own SQL rules out: a bug in Ferry.
+    #[error("broken invariant: {0}")]
+    Invariant(String),
+    /// The part that would do the work is shutting down (a worker's slots or
+    /// its completer closed); retry on another instance.
+    #[error("shutting down: {0}")]
+    ShuttingDown(&'static str),
+    /// The call raced a concurrent change that removed what it had just
+    /// seen (an idempotency record swept between its conflict and its read);
+    /// nothing was written and the same call may be retried.
+    #[error("raced a concurrent change: {0}; retry")]
+    Raced(&'static str),
+    /// The call is not supported in this setup (advancing the database clock).
+    #[error("unsupported: {0}")]
+    Unsupported(&'static str),
     /// The database failed or could not be reached.
     #[error("database: {0}")]
     Database(#[from] sqlx::Error),
@@ -150,15 +189,24 @@ impl Error {
             Error::AlreadyReplayed { .. } => "already_replayed",
             Error::InvalidState { .. } => "invalid_state",
             Error::Config(_) => "config",
+            Error::NotMigrated(_) => "not_migrated",
+            Error::Query { .. } => "query_does_not_prepare",
+            Error::CorruptRow { .. } => "corrupt_row",
+            Error::Invariant(_) => "invariant",
+            Error::ShuttingDown(_) => "shutting_down",
+            Error::Unsupported(_) => "unsupported",
+            Error::Raced(_) => "raced",
             Error::Database(_) => "database",
             Error::Migrate(_) => "migrate",
         }
     }
 
     /// True when retrying the same call later may succeed (database
-    /// unreachable, connection reset, serialization failure).
+    /// unreachable, connection reset, serialization failure, a part shutting
+    /// down).
     pub fn is_transient(&self) -> bool {
         match self {
+            Error::ShuttingDown(_) | Error::Raced(_) => true,
             Error::Database(e) => match e {
                 sqlx::Error::Io(_)
                 | sqlx::Error::Protocol(_)

@@ -293,8 +293,8 @@ impl Ferry {
     ) -> Result<Vec<Claimed>> {
         match conn {
             Conn::Postgres(c) => {
-                let q = &*crate::store::POSTGRES;
-                let rows = sqlx::query(q.get("claim_jobs"))
+                let q = &crate::store::queries::QUERIES.postgres;
+                let rows = sqlx::query(q.claim_jobs)
                     .bind(queue)
                     .bind(self.now())
                     .bind(i64::from(limit))
@@ -312,8 +312,8 @@ impl Ferry {
                     .collect()
             }
             Conn::Sqlite(c) => {
-                let q = &*crate::store::SQLITE;
-                let rows: Vec<ClaimRow> = sqlx::query_as(q.get("claim_jobs"))
+                let q = &crate::store::queries::QUERIES.sqlite;
+                let rows: Vec<ClaimRow> = sqlx::query_as(q.claim_jobs)
                     .bind(queue)
                     .bind(self.now())
                     .bind(i64::from(limit))
@@ -323,14 +323,14 @@ impl Ferry {
                     .await?;
                 let mut out = Vec::with_capacity(rows.len());
                 for row in rows {
-                    sqlx::query(q.get("close_lost_attempts"))
+                    sqlx::query(q.close_lost_attempts)
                         .bind(&row.tenant)
                         .bind(row.run_id)
                         .bind(row.lease_generation)
                         .bind(row.claimed_at)
                         .execute(&mut *c)
                         .await?;
-                    sqlx::query(q.get("insert_attempt"))
+                    sqlx::query(q.insert_attempt)
                         .bind(&row.tenant)
                         .bind(row.run_id)
                         .bind(row.attempts)
@@ -359,7 +359,7 @@ impl Ferry {
     pub(crate) async fn renew_at(&self, lease: &Lease, duration: Duration) -> Result<(i64, i64)> {
         let ms = positive_ms("lease", duration)?;
         let renewed: Option<(i64, i64)> = on_pool!(self.db(), |p, q| {
-            sqlx::query_as(q.get("renew_lease"))
+            sqlx::query_as(q.renew_lease)
                 .bind(&lease.tenant)
                 .bind(lease.run_id)
                 .bind(&lease.owner)
@@ -420,8 +420,7 @@ impl Ferry {
     }
 
     async fn complete_batch_pg(&self, c: &mut sqlx::PgConnection, items: &[(Lease, Value)]) -> Result<Vec<Result<()>>> {
-        let q = &*crate::store::POSTGRES;
-        let rows: Vec<(Uuid, bool)> = sqlx::query_as(q.get("complete_batch"))
+        let rows: Vec<(Uuid, bool)> = sqlx::query_as(crate::store::queries::POSTGRES_ONLY.complete_batch)
             .bind(items.iter().map(|(l, _)| l.tenant.as_str()).collect::<Vec<_>>())
             .bind(items.iter().map(|(l, _)| l.run_id).collect::<Vec<_>>())
             .bind(items.iter().map(|(l, _)| l.owner.as_str()).collect::<Vec<_>>())
@@ -438,7 +437,7 @@ impl Ferry {
             .fetch_all(&mut *c)
             .await?;
         if rows.iter().any(|(_, moved)| !moved) {
-            return Err(Error::Config(
+            return Err(Error::Invariant(
                 "a leased job's run was already terminal; the batch was rolled back".into(),
             ));
         }
@@ -500,7 +499,7 @@ impl Ferry {
         // Lock the lease first: the decision below depends on its attempt count.
         let (now, attempt) = self.lock_fence(conn.reborrow(), lease).await?;
         let job: (String, String, i32, i32, i64, Option<String>) = on_conn!(conn.reborrow(), |c, q| {
-            sqlx::query_as(q.get("get_job"))
+            sqlx::query_as(q.get_job)
                 .bind(&lease.tenant)
                 .bind(lease.run_id)
                 .fetch_one(&mut *c)
@@ -532,7 +531,7 @@ impl Ferry {
         }
         if class == ErrorClass::Ambiguous {
             on_conn!(conn.reborrow(), |c, q| {
-                sqlx::query(q.get("mark_effects_unknown"))
+                sqlx::query(q.mark_effects_unknown)
                     .bind(&lease.tenant)
                     .bind(lease.run_id)
                     .bind(lease.generation)
@@ -577,7 +576,7 @@ impl Ferry {
         let mut tx = self.begin().await?;
         let r = async {
             let now: Option<i64> = on_conn!(tx.conn(), |c, q| {
-                sqlx::query_scalar(q.get("release_job"))
+                sqlx::query_scalar(q.release_job)
                     .bind(&lease.tenant)
                     .bind(lease.run_id)
                     .bind(&lease.owner)
@@ -629,7 +628,7 @@ impl Ferry {
         self.limits().text("actor", actor, 255)?;
         self.limits().text("reason", reason, 4096)?;
         let job: Option<(i64, i64)> = on_conn!(conn.reborrow(), |c, q| {
-            sqlx::query_as(q.get("cancel_job"))
+            sqlx::query_as(q.cancel_job)
                 .bind(tenant)
                 .bind(run_id)
                 .bind(self.now())
@@ -656,7 +655,7 @@ impl Ferry {
         )
         .await?;
         on_conn!(conn, |c, q| {
-            sqlx::query(q.get("close_attempt"))
+            sqlx::query(q.close_attempt)
                 .bind(tenant)
                 .bind(run_id)
                 .bind(generation)
@@ -678,7 +677,7 @@ impl Ferry {
         let mut tx = self.begin().await?;
         let r = async {
             let found: Vec<(String, Uuid, i64, i32)> = on_conn!(tx.conn(), |c, q| {
-                sqlx::query_as(q.get("exhausted_jobs"))
+                sqlx::query_as(q.exhausted_jobs)
                     .bind(queue)
                     .bind(self.now())
                     .bind(i64::from(limit))
@@ -688,7 +687,7 @@ impl Ferry {
             let mut n = 0;
             for (tenant, run_id, generation, _) in found {
                 let expired: Option<(i32, i64, String)> = on_conn!(tx.conn(), |c, q| {
-                    sqlx::query_as(q.get("expire_job"))
+                    sqlx::query_as(q.expire_job)
                         .bind(&tenant)
                         .bind(run_id)
                         .bind(generation)
@@ -721,7 +720,7 @@ impl Ferry {
     /// their attempt history.
     pub async fn list_dead(&self, tenant: &str, error_code: Option<&str>, limit: u32) -> Result<Vec<DeadJob>> {
         let rows: Vec<DeadRow> = on_pool!(self.db(), |p, q| {
-            sqlx::query_as(q.get("list_dead"))
+            sqlx::query_as(q.list_dead)
                 .bind(tenant)
                 .bind(error_code)
                 .bind(i64::from(limit))
@@ -749,7 +748,7 @@ impl Ferry {
     /// (generation) order.
     pub async fn list_attempts(&self, tenant: &str, run_id: Uuid) -> Result<Vec<JobAttempt>> {
         Ok(on_pool!(self.db(), |p, q| {
-            sqlx::query_as(q.get("list_attempts"))
+            sqlx::query_as(q.list_attempts)
                 .bind(tenant)
                 .bind(run_id)
                 .fetch_all(p)
@@ -761,7 +760,7 @@ impl Ferry {
     /// (retention of attempt history). Returns how many.
     pub async fn sweep_attempts(&self, before: crate::Millis, batch: u32) -> Result<u64> {
         let done = on_pool!(self.db(), |p, q| {
-            sqlx::query(q.get("sweep_attempts"))
+            sqlx::query(q.sweep_attempts)
                 .bind(before.get())
                 .bind(i64::from(batch))
                 .execute(p)
@@ -774,10 +773,7 @@ impl Ferry {
     /// Jobs of `tenant` waiting to be claimed (for backpressure).
     pub async fn queued_depth(&self, tenant: &str) -> Result<i64> {
         Ok(on_pool!(self.db(), |p, q| {
-            sqlx::query_scalar(q.get("queued_depth"))
-                .bind(tenant)
-                .fetch_one(p)
-                .await?
+            sqlx::query_scalar(q.queued_depth).bind(tenant).fetch_one(p).await?
         }))
     }
 
@@ -815,7 +811,7 @@ impl Ferry {
         self.limits().text("actor", actor, 255)?;
         self.limits().text("reason", reason, 4096)?;
         let locked: Option<(String, i64)> = on_conn!(conn.reborrow(), |c, q| {
-            sqlx::query_as(q.get("lock_run"))
+            sqlx::query_as(q.lock_run)
                 .bind(tenant)
                 .bind(run_id)
                 .fetch_optional(&mut *c)
@@ -830,7 +826,7 @@ impl Ferry {
             });
         }
         let earlier: Option<Uuid> = on_conn!(conn.reborrow(), |c, q| {
-            sqlx::query_scalar(q.get("find_replay"))
+            sqlx::query_scalar(q.find_replay)
                 .bind(tenant)
                 .bind(run_id)
                 .fetch_optional(&mut *c)
@@ -841,7 +837,7 @@ impl Ferry {
         }
         let dead = get_run_in(conn.reborrow(), tenant, run_id).await?;
         let job: (String, String, i32, i32, i64, Option<String>) = on_conn!(conn.reborrow(), |c, q| {
-            sqlx::query_as(q.get("get_job"))
+            sqlx::query_as(q.get_job)
                 .bind(tenant)
                 .bind(run_id)
                 .fetch_one(&mut *c)
@@ -867,7 +863,7 @@ impl Ferry {
     /// Jobs of `tenant`, newest first, optionally only in `state`.
     pub async fn list_jobs(&self, tenant: &str, state: Option<&str>, limit: u32) -> Result<Vec<JobSummary>> {
         Ok(on_pool!(self.db(), |p, q| {
-            sqlx::query_as(q.get("list_jobs"))
+            sqlx::query_as(q.list_jobs)
                 .bind(tenant)
                 .bind(state)
                 .bind(i64::from(limit))
@@ -879,7 +875,7 @@ impl Ferry {
     /// Locks the leased job row if `lease` is current; returns `(now, attempt)`.
     pub(crate) async fn lock_fence(&self, mut conn: Conn<'_>, lease: &Lease) -> Result<(i64, i32)> {
         let row: Option<(i64, i32)> = on_conn!(conn.reborrow(), |c, q| {
-            sqlx::query_as(q.get("lock_fence"))
+            sqlx::query_as(q.lock_fence)
                 .bind(&lease.tenant)
                 .bind(lease.run_id)
                 .bind(&lease.owner)
@@ -904,7 +900,7 @@ impl Ferry {
         code: Option<&str>,
     ) -> Result<(i32, i32, i64, i64)> {
         let row: Option<(i32, i32, i64, i64)> = on_conn!(conn.reborrow(), |c, q| {
-            sqlx::query_as(q.get("finish_job"))
+            sqlx::query_as(q.finish_job)
                 .bind(&lease.tenant)
                 .bind(lease.run_id)
                 .bind(&lease.owner)
@@ -936,7 +932,7 @@ impl Ferry {
         now: i64,
     ) -> Result<()> {
         let row: Option<(i64, i64, i64)> = on_conn!(conn.reborrow(), |c, q| {
-            sqlx::query_as(q.get("terminate_run"))
+            sqlx::query_as(q.terminate_run)
                 .bind(tenant)
                 .bind(run_id)
                 .bind(state)
@@ -966,7 +962,7 @@ impl Ferry {
     /// Names the reason a fenced statement matched nothing.
     async fn refusal(&self, conn: Conn<'_>, lease: &Lease, transition: Transition) -> Error {
         let status: std::result::Result<Option<JobStatus>, sqlx::Error> = on_conn!(conn, |c, q| {
-            sqlx::query_as(q.get("job_status"))
+            sqlx::query_as(q.job_status)
                 .bind(&lease.tenant)
                 .bind(lease.run_id)
                 .bind(self.now())
@@ -1037,7 +1033,7 @@ async fn close_attempt(
     code: Option<&str>,
 ) -> Result<()> {
     on_conn!(conn, |c, q| {
-        sqlx::query(q.get("close_attempt"))
+        sqlx::query(q.close_attempt)
             .bind(&lease.tenant)
             .bind(lease.run_id)
             .bind(lease.generation)

@@ -51,8 +51,8 @@ impl Notifier {
         if matches!(conn, Conn::Sqlite(_)) || !self.due(payload) {
             return Ok(());
         }
-        on_conn!(conn, |c, q| {
-            sqlx::query(q.get("notify_work"))
+        on_conn!(conn, |c, _q| {
+            sqlx::query(crate::store::queries::POSTGRES_ONLY.notify_work)
                 .bind(CHANNEL)
                 .bind(payload)
                 .execute(&mut *c)

@@ -217,13 +217,13 @@ pub fn lane_for(key: &str, lanes: i32) -> i32 {
 
 pub(crate) async fn load_lanes(db: &Db) -> Result<i32> {
     let value: Option<String> = on_pool!(db, |p, q| {
-        sqlx::query_scalar(q.get("outbox_lanes")).fetch_optional(p).await
+        sqlx::query_scalar(q.outbox_lanes).fetch_optional(p).await
     })
-    .map_err(|e| Error::Config(format!("cannot read ferry_settings; is the schema migrated? ({e})")))?;
+    .map_err(|e| Error::NotMigrated(format!("cannot read ferry_settings ({e})")))?;
     value
         .and_then(|v| v.parse::<i32>().ok())
         .filter(|n| *n > 0)
-        .ok_or_else(|| Error::Config("ferry_settings.outbox_lanes is missing or not a positive integer".into()))
+        .ok_or_else(|| Error::NotMigrated("ferry_settings.outbox_lanes is missing or not a positive integer".into()))
 }
 
 /// Writes one validated outbox row; returns its id. With `key_lock`, same
@@ -240,24 +240,23 @@ pub(crate) async fn insert(
     // written that the relay could never publish.
     msg.fits_a_record(ferry.limits())?;
     let lane = lane_for(&msg.key, ferry.lanes());
-    let query = if key_lock {
-        "insert_outbox_key_locked"
-    } else {
-        "insert_outbox"
-    };
     let id = on_conn!(conn, |c, q| {
-        sqlx::query_scalar(q.get(query))
-            .bind(&msg.tenant)
-            .bind(&msg.topic)
-            .bind(&msg.key)
-            .bind(lane)
-            .bind(&msg.payload)
-            .bind(Json(&msg.headers))
-            .bind(&msg.effect_key)
-            .bind(&msg.traceparent)
-            .bind(now)
-            .fetch_one(&mut *c)
-            .await?
+        sqlx::query_scalar(if key_lock {
+            q.insert_outbox_key_locked
+        } else {
+            q.insert_outbox
+        })
+        .bind(&msg.tenant)
+        .bind(&msg.topic)
+        .bind(&msg.key)
+        .bind(lane)
+        .bind(&msg.payload)
+        .bind(Json(&msg.headers))
+        .bind(&msg.effect_key)
+        .bind(&msg.traceparent)
+        .bind(now)
+        .fetch_one(&mut *c)
+        .await?
     });
     Ok(id)
 }

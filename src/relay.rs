@@ -130,28 +130,22 @@ impl Ferry {
         let ttl = duration_ms(ttl)?;
         let cap = i64::from(max_lanes);
         Ok(on_pool!(self.db(), |p, q| {
-            sqlx::query(q.get("relay_heartbeat"))
+            sqlx::query(q.relay_heartbeat)
                 .bind(owner)
                 .bind(self.now())
                 .bind(ttl)
                 .bind(cap)
                 .execute(p)
                 .await?;
-            sqlx::query(q.get("sweep_relay_instances"))
-                .bind(self.now())
-                .execute(p)
-                .await?;
-            sqlx::query_as(q.get("live_relays"))
-                .bind(self.now())
-                .fetch_all(p)
-                .await?
+            sqlx::query(q.sweep_relay_instances).bind(self.now()).execute(p).await?;
+            sqlx::query_as(q.live_relays).bind(self.now()).fetch_all(p).await?
         }))
     }
 
     /// Removes relay `owner` from the membership (clean shutdown).
     pub async fn relay_leave(&self, owner: &str) -> Result<()> {
         on_pool!(self.db(), |p, q| {
-            sqlx::query(q.get("relay_leave")).bind(owner).execute(p).await?;
+            sqlx::query(q.relay_leave).bind(owner).execute(p).await?;
         });
         Ok(())
     }
@@ -161,7 +155,7 @@ impl Ferry {
     pub async fn renew_lanes(&self, owner: &str, lease: Duration) -> Result<Vec<LaneLease>> {
         let ms = duration_ms(lease)?;
         Ok(on_pool!(self.db(), |p, q| {
-            sqlx::query_as(q.get("renew_lanes"))
+            sqlx::query_as(q.renew_lanes)
                 .bind(owner)
                 .bind(self.now())
                 .bind(ms)
@@ -179,7 +173,7 @@ impl Ferry {
         let mut tx = self.begin().await?;
         let r = async {
             Ok(on_conn!(tx.conn(), |c, q| {
-                sqlx::query_as(q.get("acquire_lanes"))
+                sqlx::query_as(q.acquire_lanes)
                     .bind(owner)
                     .bind(self.now())
                     .bind(ms)
@@ -196,7 +190,7 @@ impl Ferry {
     /// Gives a lane back, only if `owner` still holds it at that generation.
     pub async fn release_lane(&self, owner: &str, lane: LaneLease) -> Result<bool> {
         let n = on_pool!(self.db(), |p, q| {
-            sqlx::query(q.get("release_lane"))
+            sqlx::query(q.release_lane)
                 .bind(lane.lane)
                 .bind(owner)
                 .bind(lane.generation)
@@ -210,7 +204,7 @@ impl Ferry {
     /// The next `limit` pending rows of `lane`, in `id` order.
     pub async fn pending_batch(&self, lane: i32, limit: u32) -> Result<Vec<PendingRow>> {
         let rows: Vec<PendingSqlRow> = on_pool!(self.db(), |p, q| {
-            sqlx::query_as(q.get("pending_batch"))
+            sqlx::query_as(q.pending_batch)
                 .bind(lane)
                 .bind(i64::from(limit))
                 .fetch_all(p)
@@ -242,23 +236,15 @@ impl Ferry {
         let mut tx = self.begin().await?;
         let r = async {
             self.lock_lane(tx.conn(), owner, lane).await?;
-            let name = if delete { "delete_delivered" } else { "mark_delivered" };
-            Ok(match tx.conn() {
-                Conn::Postgres(c) => sqlx::query(crate::store::POSTGRES.get(name))
+            Ok(on_conn!(tx.conn(), |c, q| {
+                sqlx::query(if delete { q.delete_delivered } else { q.mark_delivered })
                     .bind(lane.lane)
-                    .bind(ids)
+                    .bind(crate::store::Ids(ids))
                     .bind(self.now())
                     .execute(&mut *c)
                     .await?
-                    .rows_affected(),
-                Conn::Sqlite(c) => sqlx::query(crate::store::SQLITE.get(name))
-                    .bind(lane.lane)
-                    .bind(serde_json::to_string(ids).map_err(|e| Error::Config(e.to_string()))?)
-                    .bind(self.now())
-                    .execute(&mut *c)
-                    .await?
-                    .rows_affected(),
-            })
+                    .rows_affected()
+            }))
         }
         .await;
         crate::finish(tx, r).await
@@ -271,7 +257,7 @@ impl Ferry {
         let r = async {
             self.lock_lane(tx.conn(), owner, lane).await?;
             on_conn!(tx.conn(), |c, q| {
-                sqlx::query(q.get("mark_dead"))
+                sqlx::query(q.mark_dead)
                     .bind(lane.lane)
                     .bind(id)
                     .bind(code)
@@ -292,7 +278,7 @@ impl Ferry {
         let r = async {
             self.lock_lane(tx.conn(), owner, lane).await?;
             on_conn!(tx.conn(), |c, q| {
-                sqlx::query(q.get("note_publish_error"))
+                sqlx::query(q.note_publish_error)
                     .bind(lane.lane)
                     .bind(id)
                     .bind(code)
@@ -311,7 +297,7 @@ impl Ferry {
     pub async fn sweep_delivered(&self, retention: Duration, batch: u32) -> Result<u64> {
         let ms = duration_ms(retention)?;
         Ok(on_pool!(self.db(), |p, q| {
-            sqlx::query(q.get("sweep_delivered"))
+            sqlx::query(q.sweep_delivered)
                 .bind(self.now())
                 .bind(ms)
                 .bind(i64::from(batch))
@@ -324,24 +310,21 @@ impl Ferry {
     /// The pending backlog and the age of its oldest row.
     pub async fn outbox_backlog(&self) -> Result<Backlog> {
         Ok(on_pool!(self.db(), |p, q| {
-            sqlx::query_as(q.get("outbox_backlog"))
-                .bind(self.now())
-                .fetch_one(p)
-                .await?
+            sqlx::query_as(q.outbox_backlog).bind(self.now()).fetch_one(p).await?
         }))
     }
 
     /// How many rows are dead.
     pub async fn outbox_dead_count(&self) -> Result<i64> {
         Ok(on_pool!(self.db(), |p, q| {
-            sqlx::query_scalar(q.get("outbox_dead_count")).fetch_one(p).await?
+            sqlx::query_scalar(q.outbox_dead_count).fetch_one(p).await?
         }))
     }
 
     /// Dead rows, oldest first, without payloads.
     pub async fn list_dead_outbox(&self, limit: u32) -> Result<Vec<DeadRow>> {
         Ok(on_pool!(self.db(), |p, q| {
-            sqlx::query_as(q.get("list_dead_outbox"))
+            sqlx::query_as(q.list_dead_outbox)
                 .bind(i64::from(limit))
                 .fetch_all(p)
                 .await?
@@ -356,7 +339,7 @@ impl Ferry {
         let mut tx = self.begin().await?;
         let r = async {
             let ids: Vec<i64> = on_conn!(tx.conn(), |c, q| {
-                sqlx::query_scalar(q.get("replay_dead_outbox"))
+                sqlx::query_scalar(q.replay_dead_outbox)
                     .bind(id)
                     .fetch_all(&mut *c)
                     .await?
@@ -373,14 +356,14 @@ impl Ferry {
     /// Who holds each lane.
     pub async fn lane_owners(&self) -> Result<Vec<LaneOwner>> {
         Ok(on_pool!(self.db(), |p, q| {
-            sqlx::query_as(q.get("lane_owners")).fetch_all(p).await?
+            sqlx::query_as(q.lane_owners).fetch_all(p).await?
         }))
     }
 
     /// Appends an operator action to `ferry_audit`.
     pub async fn audit_in(&self, conn: Conn<'_>, actor: &str, action: &str, subject: &str, reason: &str) -> Result<()> {
         on_conn!(conn, |c, q| {
-            sqlx::query(q.get("insert_audit"))
+            sqlx::query(q.insert_audit)
                 .bind(self.now())
                 .bind(actor)
                 .bind(action)
@@ -394,7 +377,7 @@ impl Ferry {
 
     async fn lock_lane(&self, conn: Conn<'_>, owner: &str, lane: LaneLease) -> Result<()> {
         let held: Option<i32> = on_conn!(conn, |c, q| {
-            sqlx::query_scalar(q.get("lock_lane"))
+            sqlx::query_scalar(q.lock_lane)
                 .bind(lane.lane)
                 .bind(owner)
                 .bind(lane.generation)

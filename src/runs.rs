@@ -164,7 +164,12 @@ impl RunState {
             "succeeded" => RunState::Succeeded,
             "failed" => RunState::Failed,
             "cancelled" => RunState::Cancelled,
-            other => return Err(Error::Config(format!("unknown run state {other:?} in the database"))),
+            other => {
+                return Err(Error::CorruptRow {
+                    what: "runs.state",
+                    value: other.into(),
+                })
+            }
         })
     }
 
@@ -277,7 +282,7 @@ impl Ferry {
         let run_id = run.run_id.unwrap_or_else(Uuid::now_v7);
         let ttl = duration_ms(self.limits().idempotency_ttl)?;
         let claimed: Option<i64> = on_conn!(conn.reborrow(), |c, q| {
-            sqlx::query_scalar(q.get("claim_idempotency_key"))
+            sqlx::query_scalar(q.claim_idempotency_key)
                 .bind(&run.tenant)
                 .bind(&run.operation)
                 .bind(&run.idempotency_key)
@@ -297,7 +302,7 @@ impl Ferry {
             None => None,
         };
         let inserted = on_conn!(conn.reborrow(), |c, q| {
-            sqlx::query(q.get("insert_run"))
+            sqlx::query(q.insert_run)
                 .bind(&run.tenant)
                 .bind(run_id)
                 .bind(&run.operation)
@@ -335,7 +340,7 @@ impl Ferry {
         )
         .await?;
         on_conn!(conn.reborrow(), |c, q| {
-            sqlx::query(q.get("insert_job"))
+            sqlx::query(q.insert_job)
                 .bind(&run.tenant)
                 .bind(run_id)
                 .bind(&run.queue)
@@ -368,7 +373,7 @@ impl Ferry {
 
     async fn replay_or_conflict(&self, mut conn: Conn<'_>, run: &NewRun, fp: &str, version: i32) -> Result<Accepted> {
         let existing: Option<(String, i32, Uuid)> = on_conn!(conn.reborrow(), |c, q| {
-            sqlx::query_as(q.get("find_idempotency_key"))
+            sqlx::query_as(q.find_idempotency_key)
                 .bind(&run.tenant)
                 .bind(&run.operation)
                 .bind(&run.idempotency_key)
@@ -377,8 +382,7 @@ impl Ferry {
         });
         // The record was swept between our insert and this read: a retry of
         // the whole acceptance will claim the key afresh.
-        let (stored_fp, stored_version, run_id) = existing
-            .ok_or_else(|| Error::Database(sqlx::Error::Protocol("idempotency record vanished; retry".into())))?;
+        let (stored_fp, stored_version, run_id) = existing.ok_or(Error::Raced("the idempotency record was swept"))?;
         let key_hash = redact(&run.idempotency_key);
         if stored_fp != fp || stored_version != version {
             tracing::info!(tenant = %run.tenant, operation = %run.operation, key = %key_hash, "idempotency conflict");
@@ -399,7 +403,7 @@ impl Ferry {
     /// The run, if it belongs to `tenant`.
     pub async fn get_run(&self, tenant: &str, run_id: Uuid) -> Result<Run> {
         let row: Option<RunRow> = on_pool!(self.db(), |p, q| {
-            sqlx::query_as(q.get("get_run"))
+            sqlx::query_as(q.get_run)
                 .bind(tenant)
                 .bind(run_id)
                 .fetch_optional(p)
@@ -411,7 +415,7 @@ impl Ferry {
     /// The run's events in seq order (empty for another tenant's run).
     pub async fn list_events(&self, tenant: &str, run_id: Uuid) -> Result<Vec<RunEvent>> {
         Ok(on_pool!(self.db(), |p, q| {
-            sqlx::query_as(q.get("list_events"))
+            sqlx::query_as(q.list_events)
                 .bind(tenant)
                 .bind(run_id)
                 .fetch_all(p)
@@ -438,7 +442,7 @@ impl Ferry {
         }
         self.limits().json("body", body)?;
         let next: Option<(i64, i64)> = on_conn!(conn.reborrow(), |c, q| {
-            sqlx::query_as(q.get("next_event_seq"))
+            sqlx::query_as(q.next_event_seq)
                 .bind(tenant)
                 .bind(run_id)
                 .bind(self.now())
@@ -461,7 +465,7 @@ impl Ferry {
     /// Call it until it returns less than `batch`.
     pub async fn sweep_idempotency_keys(&self, batch: u32) -> Result<u64> {
         let done = on_pool!(self.db(), |p, q| {
-            sqlx::query(q.get("sweep_idempotency_keys"))
+            sqlx::query(q.sweep_idempotency_keys)
                 .bind(self.now())
                 .bind(i64::from(batch))
                 .execute(p)
@@ -474,7 +478,7 @@ impl Ferry {
 
 pub(crate) async fn get_run_in(conn: Conn<'_>, tenant: &str, run_id: Uuid) -> Result<Run> {
     let row: Option<RunRow> = on_conn!(conn, |c, q| {
-        sqlx::query_as(q.get("get_run"))
+        sqlx::query_as(q.get_run)
             .bind(tenant)
             .bind(run_id)
             .fetch_optional(&mut *c)
@@ -529,7 +533,7 @@ pub(crate) async fn write_event(
     traceparent: Option<String>,
 ) -> Result<()> {
     let inserted = on_conn!(conn.reborrow(), |c, q| {
-        sqlx::query(q.get("insert_event"))
+        sqlx::query(q.insert_event)
             .bind(tenant)
             .bind(run_id)
             .bind(seq)

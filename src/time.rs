@@ -73,7 +73,7 @@ impl Clock {
     /// Moves an injected clock forward; refuses on [`Clock::Database`].
     pub fn advance(&self, d: Duration) -> Result<Millis> {
         match self {
-            Clock::Database => Err(Error::Config("the database clock cannot be advanced".into())),
+            Clock::Database => Err(Error::Unsupported("the database clock cannot be advanced")),
             Clock::Manual(at) => {
                 let next = Millis(at.load(Ordering::SeqCst)).checked_add(d)?;
                 at.store(next.get(), Ordering::SeqCst);

@@ -326,7 +326,7 @@ impl<H: Handler> Worker<H> {
             while tasks.try_join_next().is_some() {}
             let permit = tokio::select! {
                 _ = &mut shutdown => break,
-                p = slots.clone().acquire_owned() => p.map_err(|_| Error::Config("worker slots closed".into()))?,
+                p = slots.clone().acquire_owned() => p.map_err(|_| Error::ShuttingDown("worker slots closed"))?,
             };
             let queue = cfg.queues[next_queue % cfg.queues.len()].clone();
             next_queue = next_queue.wrapping_add(1);
@@ -573,8 +573,8 @@ impl Attempt {
                 let done = match self.completions.send((lease.clone(), result, reply)).await {
                     Ok(()) => answer
                         .await
-                        .unwrap_or_else(|_| Err(Error::Config("completer stopped".into()))),
-                    Err(_) => Err(Error::Config("completer stopped".into())),
+                        .unwrap_or_else(|_| Err(Error::ShuttingDown("completer stopped"))),
+                    Err(_) => Err(Error::ShuttingDown("completer stopped")),
                 };
                 match done {
                     Ok(()) => {

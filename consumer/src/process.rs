@@ -35,7 +35,10 @@ pub enum ProcessError {
 
 impl From<ferry::Error> for ProcessError {
     fn from(e: ferry::Error) -> Self {
-        if e.code() == "lost_lease" {
+        if matches!(
+            e,
+            ferry::Error::LostLease { .. } | ferry::Error::LostLane { .. } | ferry::Error::LostPartition { .. }
+        ) {
             ProcessError::LostLease(e)
         } else {
             ProcessError::Database(e)

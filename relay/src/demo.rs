@@ -182,7 +182,7 @@ pub async fn run(args: DemoArgs) -> Result<(), RelayError> {
     }
     let reused = NewRun::new("acme", "charge", "order-0", json!({"amount": 1, "currency": "EUR"}));
     match ferry.create_run_idempotent(reused).await {
-        Err(e) if e.code() == "idempotency_conflict" => conflicts += 1,
+        Err(ferry::Error::IdempotencyConflict { .. }) => conflicts += 1,
         other => {
             return Err(RelayError::Lost(format!(
                 "expected an idempotency conflict, got {other:?}"

@@ -405,34 +405,9 @@ async fn expired_keys_are_swept_in_batches(kind: Kind) {
 
 async fn every_named_query_prepares(kind: Kind) {
     let t = TestDb::new(kind).await;
-    match t.ferry.db() {
-        ferry::Db::Postgres(p) => {
-            let mut c = p.acquire().await.unwrap();
-            for name in ferry::store::POSTGRES.names() {
-                sqlx::Executor::prepare(&mut *c, ferry::store::POSTGRES.get(name))
-                    .await
-                    .unwrap_or_else(|e| panic!("postgres query {name}: {e}"));
-            }
-        }
-        ferry::Db::Sqlite(p) => {
-            let mut c = p.acquire().await.unwrap();
-            for name in ferry::store::SQLITE.names() {
-                sqlx::Executor::prepare(&mut *c, ferry::store::SQLITE.get(name))
-                    .await
-                    .unwrap_or_else(|e| panic!("sqlite query {name}: {e}"));
-            }
-        }
-    }
-    let shared: Vec<_> = ferry::store::POSTGRES
-        .names()
-        .into_iter()
-        .filter(|n| !ferry::store::POSTGRES_ONLY.contains(n))
-        .collect();
-    assert_eq!(
-        shared,
-        ferry::store::SQLITE.names(),
-        "both engines name the same queries, except the PostgreSQL-only set"
-    );
+    ferry::store::check_queries(t.ferry.db(), &ferry::store::queries::QUERIES, |q| q.all())
+        .await
+        .unwrap();
 }
 
 on_both_engines!(

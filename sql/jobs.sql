@@ -1,4 +1,4 @@
--- Jobs, leases and attempt history (PostgreSQL).
+-- Jobs, leases and attempt history.
 -- Fenced statements take $1 tenant, $2 run_id, $3 owner, $4 generation, $5 now
 -- and match only `state = 'leased' AND owner AND generation AND lease_expires_at > now`.
 
@@ -6,12 +6,12 @@
 INSERT INTO jobs (tenant, run_id, queue, state, available_at, max_attempts, deadline_at, created_at, updated_at)
 VALUES ($1, $2, $3, 'queued', $4, $5, $6, $7, $7)
 
--- name: claim_jobs
+-- name: claim_jobs [postgres]
 -- Eligible: due, under the attempt budget, and queued or leased past expiry.
 -- The lease ends at now + $5 or the run's deadline, whichever comes first.
 -- A leased job keeps available_at = lease_expires_at, so one index serves both.
 WITH clock AS (
-    SELECT COALESCE($2::bigint, (extract(epoch FROM now()) * 1000)::bigint) AS at
+    SELECT {now $2} AS at
 ), picked AS (
     SELECT j.tenant, j.run_id
     FROM jobs j, clock
@@ -52,6 +52,35 @@ SELECT c.tenant, c.run_id, c.queue, c.lease_owner, c.lease_generation, c.attempt
        r.operation, r.request, r.replay_of
 FROM claimed c JOIN runs r ON r.tenant = c.tenant AND r.run_id = c.run_id
 
+-- name: claim_jobs [sqlite]
+-- Eligible: due, under the attempt budget, and queued or leased past expiry.
+-- The lease ends at now + $5 or the run's deadline, whichever comes first.
+-- SQLite has one writer (BEGIN IMMEDIATE), so no SKIP LOCKED is needed; the
+-- caller writes the attempt rows and reads the run data.
+UPDATE jobs
+SET state = 'leased',
+    lease_owner = $4,
+    -- Never past the run's deadline, exactly like renew_lease.
+    lease_expires_at = MIN({now $2} + $5,
+                           COALESCE(deadline_at, 9223372036854775807)),
+    available_at = MIN({now $2} + $5,
+                       COALESCE(deadline_at, 9223372036854775807)),
+    lease_generation = lease_generation + 1,
+    attempts = attempts + 1,
+    updated_at = {now $2}
+WHERE (tenant, run_id) IN (
+    SELECT tenant, run_id FROM jobs
+    WHERE queue = $1
+      AND state IN ('queued', 'leased')
+      AND available_at <= {now $2}
+      AND attempts < max_attempts
+      AND (deadline_at IS NULL OR deadline_at > {now $2})
+    ORDER BY available_at
+    LIMIT $3
+)
+RETURNING tenant, run_id, queue, lease_owner, lease_generation, attempts, max_attempts,
+          lease_expires_at, deadline_at, created_at, updated_at AS claimed_at
+
 -- name: insert_attempt
 INSERT INTO job_attempts (tenant, run_id, attempt, generation, worker, claimed_at)
 VALUES ($1, $2, $3, $4, $5, $6)
@@ -61,24 +90,24 @@ VALUES ($1, $2, $3, $4, $5, $6)
 -- expiry and the instant it was computed from, so a worker can place the
 -- expiry on its own clock.
 UPDATE jobs
-SET lease_expires_at = LEAST(COALESCE($5::bigint, (extract(epoch FROM now()) * 1000)::bigint) + $6,
+SET lease_expires_at = {least}({now $5} + $6,
                              COALESCE(deadline_at, 9223372036854775807)),
-    available_at = LEAST(COALESCE($5::bigint, (extract(epoch FROM now()) * 1000)::bigint) + $6,
+    available_at = {least}({now $5} + $6,
                          COALESCE(deadline_at, 9223372036854775807)),
-    updated_at = COALESCE($5::bigint, (extract(epoch FROM now()) * 1000)::bigint)
+    updated_at = {now $5}
 WHERE tenant = $1 AND run_id = $2 AND state = 'leased' AND lease_owner = $3 AND lease_generation = $4
-  AND lease_expires_at > COALESCE($5::bigint, (extract(epoch FROM now()) * 1000)::bigint)
-  AND (deadline_at IS NULL OR deadline_at > COALESCE($5::bigint, (extract(epoch FROM now()) * 1000)::bigint))
+  AND lease_expires_at > {now $5}
+  AND (deadline_at IS NULL OR deadline_at > {now $5})
 RETURNING lease_expires_at, updated_at AS now
 
 -- name: lock_fence
 -- Holds the job row for the rest of the transaction, so no claim can move the
 -- generation between this check and the writes it guards.
-SELECT COALESCE($5::bigint, (extract(epoch FROM now()) * 1000)::bigint) AS now, attempts
+SELECT {now $5} AS now, attempts
 FROM jobs
 WHERE tenant = $1 AND run_id = $2 AND state = 'leased' AND lease_owner = $3 AND lease_generation = $4
-  AND lease_expires_at > COALESCE($5::bigint, (extract(epoch FROM now()) * 1000)::bigint)
-FOR NO KEY UPDATE
+  AND lease_expires_at > {now $5}
+{pg:FOR NO KEY UPDATE}
 
 -- name: finish_job
 -- Fenced: ends the lease with state $6 (queued for a retry, or terminal),
@@ -89,9 +118,9 @@ SET state = $6,
     lease_owner = NULL,
     lease_expires_at = NULL,
     last_error_code = $8,
-    updated_at = COALESCE($5::bigint, (extract(epoch FROM now()) * 1000)::bigint)
+    updated_at = {now $5}
 WHERE tenant = $1 AND run_id = $2 AND state = 'leased' AND lease_owner = $3 AND lease_generation = $4
-  AND lease_expires_at > COALESCE($5::bigint, (extract(epoch FROM now()) * 1000)::bigint)
+  AND lease_expires_at > {now $5}
 RETURNING attempts, max_attempts, created_at, updated_at AS now
 
 -- name: close_lost_attempts
@@ -110,7 +139,7 @@ WHERE tenant = $1 AND run_id = $2 AND generation = $3 AND finished_at IS NULL
 -- name: job_status
 SELECT j.state, j.lease_owner, j.lease_generation, j.lease_expires_at, j.deadline_at, j.attempts,
        r.state AS run_state,
-       COALESCE($3::bigint, (extract(epoch FROM now()) * 1000)::bigint) AS now
+       {now $3} AS now
 FROM jobs j JOIN runs r ON r.tenant = j.tenant AND r.run_id = j.run_id
 WHERE j.tenant = $1 AND j.run_id = $2
 
@@ -118,7 +147,7 @@ WHERE j.tenant = $1 AND j.run_id = $2
 -- Makes a live job unclaimable. The caller closes the open attempt, if any.
 UPDATE jobs
 SET state = 'cancelled', lease_owner = NULL, lease_expires_at = NULL, last_error_code = 'cancelled',
-    updated_at = COALESCE($3::bigint, (extract(epoch FROM now()) * 1000)::bigint)
+    updated_at = {now $3}
 WHERE tenant = $1 AND run_id = $2 AND state IN ('queued', 'leased')
 RETURNING lease_generation, updated_at AS now
 
@@ -126,13 +155,13 @@ RETURNING lease_generation, updated_at AS now
 -- Fenced: gives a job back on graceful shutdown without spending its attempt.
 UPDATE jobs
 SET state = 'queued',
-    available_at = COALESCE($5::bigint, (extract(epoch FROM now()) * 1000)::bigint),
+    available_at = {now $5},
     attempts = attempts - 1,
     lease_owner = NULL,
     lease_expires_at = NULL,
-    updated_at = COALESCE($5::bigint, (extract(epoch FROM now()) * 1000)::bigint)
+    updated_at = {now $5}
 WHERE tenant = $1 AND run_id = $2 AND state = 'leased' AND lease_owner = $3 AND lease_generation = $4
-  AND lease_expires_at > COALESCE($5::bigint, (extract(epoch FROM now()) * 1000)::bigint)
+  AND lease_expires_at > {now $5}
 RETURNING updated_at AS now
 
 -- name: exhausted_jobs
@@ -141,26 +170,26 @@ RETURNING updated_at AS now
 SELECT tenant, run_id, lease_generation, attempts
 FROM jobs
 WHERE queue = $1 AND state IN ('queued', 'leased')
-  AND available_at <= COALESCE($2::bigint, (extract(epoch FROM now()) * 1000)::bigint)
-  AND (attempts >= max_attempts OR deadline_at <= COALESCE($2::bigint, (extract(epoch FROM now()) * 1000)::bigint))
+  AND available_at <= {now $2}
+  AND (attempts >= max_attempts OR deadline_at <= {now $2})
 ORDER BY available_at
 LIMIT $3
-FOR UPDATE SKIP LOCKED
+{pg:FOR UPDATE SKIP LOCKED}
 
 -- name: expire_job
 -- Terminalizes a job found by exhausted_jobs, if it is still unchanged.
 UPDATE jobs
 SET state = 'dead', lease_owner = NULL, lease_expires_at = NULL,
-    last_error_code = CASE WHEN deadline_at <= COALESCE($4::bigint, (extract(epoch FROM now()) * 1000)::bigint) THEN 'deadline_exceeded' ELSE 'lease_expired' END,
-    updated_at = COALESCE($4::bigint, (extract(epoch FROM now()) * 1000)::bigint)
+    last_error_code = CASE WHEN deadline_at <= {now $4} THEN 'deadline_exceeded' ELSE 'lease_expired' END,
+    updated_at = {now $4}
 WHERE tenant = $1 AND run_id = $2 AND state IN ('queued', 'leased') AND lease_generation = $3
-  AND available_at <= COALESCE($4::bigint, (extract(epoch FROM now()) * 1000)::bigint)
+  AND available_at <= {now $4}
 RETURNING attempts, updated_at AS now, last_error_code
 
 -- name: list_dead
 SELECT j.tenant, j.run_id, j.queue, j.last_error_code, j.attempts, j.updated_at, r.operation
 FROM jobs j JOIN runs r ON r.tenant = j.tenant AND r.run_id = j.run_id
-WHERE j.tenant = $1 AND j.state = 'dead' AND ($2::text IS NULL OR j.last_error_code = $2)
+WHERE j.tenant = $1 AND j.state = 'dead' AND ($2{pg:::text} IS NULL OR j.last_error_code = $2)
 ORDER BY j.updated_at, j.run_id
 LIMIT $3
 
@@ -185,7 +214,7 @@ WHERE (tenant, run_id, generation) IN (
 -- name: queued_depth
 SELECT count(*) FROM jobs WHERE tenant = $1 AND state = 'queued'
 
--- name: complete_batch
+-- name: complete_batch [postgres only]
 -- PostgreSQL only: completes many leases in one statement. Each input row is
 -- fenced like finish_job; for each completed job the run is compare-and-set
 -- to succeeded, the run_succeeded event and its outbox row are written, and
@@ -195,7 +224,7 @@ WITH input AS (
     SELECT * FROM UNNEST($1::text[], $2::uuid[], $3::text[], $4::bigint[], $5::jsonb[], $6::int[])
         AS i(tenant, run_id, owner, generation, result, lane)
 ), clock AS (
-    SELECT COALESCE($7::bigint, (extract(epoch FROM now()) * 1000)::bigint) AS at
+    SELECT {now $7} AS at
 ), done AS (
     UPDATE jobs j
     SET state = 'succeeded', lease_owner = NULL, lease_expires_at = NULL, last_error_code = NULL, updated_at = clock.at

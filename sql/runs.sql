@@ -1,4 +1,4 @@
--- Runs, run events and idempotency records (SQLite).
+-- Runs, run events and idempotency records.
 -- `$now` parameters are NULL in production (the database clock) or an injected instant.
 
 -- name: claim_idempotency_key
@@ -7,8 +7,8 @@
 INSERT INTO idempotency_keys AS k
     (tenant, operation, key, request_fingerprint, fingerprint_version, run_id, created_at, expires_at)
 VALUES ($1, $2, $3, $4, $5, $6,
-        COALESCE($7, CAST(unixepoch('subsec') * 1000 AS INTEGER)),
-        COALESCE($7, CAST(unixepoch('subsec') * 1000 AS INTEGER)) + $8)
+        {now $7},
+        {now $7} + $8)
 ON CONFLICT (tenant, operation, key) DO UPDATE
     SET request_fingerprint = EXCLUDED.request_fingerprint,
         fingerprint_version = EXCLUDED.fingerprint_version,
@@ -27,7 +27,7 @@ WHERE tenant = $1 AND operation = $2 AND key = $3
 DELETE FROM idempotency_keys
 WHERE (tenant, operation, key) IN (
     SELECT tenant, operation, key FROM idempotency_keys
-    WHERE expires_at <= COALESCE($1, CAST(unixepoch('subsec') * 1000 AS INTEGER))
+    WHERE expires_at <= {now $1}
     LIMIT $2
 )
 
@@ -56,7 +56,7 @@ VALUES ($1, $2, $3, $4, $5, $6)
 -- Allocates the next event seq under the run's row lock (non-terminal events).
 UPDATE runs
 SET last_event_seq = last_event_seq + 1,
-    updated_at = MAX(updated_at, COALESCE($3, CAST(unixepoch('subsec') * 1000 AS INTEGER)))
+    updated_at = {greatest}(updated_at, {now $3})
 WHERE tenant = $1 AND run_id = $2
 RETURNING last_event_seq, updated_at
 
@@ -67,13 +67,13 @@ UPDATE runs
 SET state = $3,
     version = version + 1,
     last_event_seq = last_event_seq + 1,
-    updated_at = MAX(updated_at, COALESCE($4, CAST(unixepoch('subsec') * 1000 AS INTEGER)))
+    updated_at = {greatest}(updated_at, {now $4})
 WHERE tenant = $1 AND run_id = $2 AND state = 'queued'
-  AND ($5 IS NULL OR version = $5)
+  AND ($5{pg:::bigint} IS NULL OR version = $5)
 RETURNING last_event_seq, version, updated_at
 
 -- name: find_replay
 SELECT run_id FROM runs WHERE tenant = $1 AND replay_of = $2 ORDER BY created_at LIMIT 1
 
 -- name: lock_run
-SELECT state, version FROM runs WHERE tenant = $1 AND run_id = $2
+SELECT state, version FROM runs WHERE tenant = $1 AND run_id = $2 {pg:FOR UPDATE}

@@ -1,10 +1,10 @@
--- Consumer partition leases and the dedupe ledger (SQLite).
+-- Consumer partition leases and the dedupe ledger.
 
 -- name: acquire_partition
 -- Kafka assigned the partition to $4: take the lease at a higher generation,
 -- whoever held it. Returns the generation and the offset stored with effects.
 INSERT INTO consumer_partitions AS p (group_id, topic, partition, owner, generation, lease_expires_at)
-VALUES ($1, $2, $3, $4, 1, COALESCE($5, CAST(unixepoch('subsec') * 1000 AS INTEGER)) + $6)
+VALUES ($1, $2, $3, $4, 1, {now $5} + $6)
 ON CONFLICT (group_id, topic, partition) DO UPDATE
     SET owner = EXCLUDED.owner, generation = p.generation + 1, lease_expires_at = EXCLUDED.lease_expires_at
 RETURNING generation, next_offset
@@ -15,11 +15,11 @@ RETURNING generation, next_offset
 -- `acquire_partition` belongs to the rebalance callback alone, where Kafka's
 -- assignment is current; a member's local view may be stale. No row: held.
 INSERT INTO consumer_partitions AS p (group_id, topic, partition, owner, generation, lease_expires_at)
-VALUES ($1, $2, $3, $4, 1, COALESCE($5, CAST(unixepoch('subsec') * 1000 AS INTEGER)) + $6)
+VALUES ($1, $2, $3, $4, 1, {now $5} + $6)
 ON CONFLICT (group_id, topic, partition) DO UPDATE
     SET owner = EXCLUDED.owner, generation = p.generation + 1, lease_expires_at = EXCLUDED.lease_expires_at
     WHERE p.owner IS NULL OR p.owner = EXCLUDED.owner OR p.lease_expires_at IS NULL
-        OR p.lease_expires_at <= COALESCE($5, CAST(unixepoch('subsec') * 1000 AS INTEGER))
+        OR p.lease_expires_at <= {now $5}
 RETURNING generation, next_offset
 
 -- name: release_partition
@@ -28,24 +28,25 @@ WHERE group_id = $1 AND topic = $2 AND partition = $3 AND owner = $4 AND generat
 
 -- name: renew_partitions
 UPDATE consumer_partitions
-SET lease_expires_at = COALESCE($3, CAST(unixepoch('subsec') * 1000 AS INTEGER)) + $4
+SET lease_expires_at = {now $3} + $4
 WHERE group_id = $1 AND owner = $2
 
 -- name: renew_partition
 -- Extends one lease, only at its generation: a member renews what it holds,
 -- never a row it released or lost. No row: the lease is gone.
 UPDATE consumer_partitions
-SET lease_expires_at = COALESCE($6, CAST(unixepoch('subsec') * 1000 AS INTEGER)) + $7
+SET lease_expires_at = {now $6} + $7
 WHERE group_id = $1 AND topic = $2 AND partition = $3 AND owner = $4 AND generation = $5
 
 -- name: lock_partition
--- BEGIN IMMEDIATE holds the write lock until commit: no takeover interleaves with the effects.
+-- Holds the partition row until commit: no takeover interleaves with the effects.
 SELECT next_offset FROM consumer_partitions
 WHERE group_id = $1 AND topic = $2 AND partition = $3 AND owner = $4 AND generation = $5
+{pg:FOR UPDATE}
 
 -- name: insert_ledger
 INSERT INTO consumer_ledger (group_id, effect_key, topic, partition, "offset", outcome, processed_at)
-VALUES ($1, $2, $3, $4, $5, $6, COALESCE($7, CAST(unixepoch('subsec') * 1000 AS INTEGER)))
+VALUES ($1, $2, $3, $4, $5, $6, {now $7})
 ON CONFLICT (group_id, effect_key) DO NOTHING
 RETURNING effect_key
 
@@ -57,7 +58,7 @@ WHERE group_id = $1 AND topic = $2 AND partition = $3 AND owner = $4 AND generat
 DELETE FROM consumer_ledger
 WHERE (group_id, effect_key) IN (
     SELECT group_id, effect_key FROM consumer_ledger
-    WHERE group_id = $1 AND processed_at <= COALESCE($2, CAST(unixepoch('subsec') * 1000 AS INTEGER)) - $3
+    WHERE group_id = $1 AND processed_at <= {now $2} - $3
     LIMIT $4
 )
 

@@ -1,17 +1,17 @@
--- The relay's side of the outbox: lane leases, batches, fenced marks, retention (SQLite).
+-- The relay's side of the outbox: lane leases, batches, fenced marks, retention.
 
 -- name: relay_heartbeat
 INSERT INTO relay_instances (owner, expires_at, max_lanes)
-VALUES ($1, COALESCE($2, CAST(unixepoch('subsec') * 1000 AS INTEGER)) + $3, $4)
+VALUES ($1, {now $2} + $3, $4)
 ON CONFLICT (owner) DO UPDATE SET expires_at = EXCLUDED.expires_at, max_lanes = EXCLUDED.max_lanes
 
 -- name: sweep_relay_instances
 -- Instances whose heartbeat expired are gone (a restarted one re-inserts itself).
-DELETE FROM relay_instances WHERE expires_at <= COALESCE($1, CAST(unixepoch('subsec') * 1000 AS INTEGER))
+DELETE FROM relay_instances WHERE expires_at <= {now $1}
 
 -- name: live_relays
 SELECT owner, CAST(max_lanes AS BIGINT) AS max_lanes FROM relay_instances
-WHERE expires_at > COALESCE($1, CAST(unixepoch('subsec') * 1000 AS INTEGER))
+WHERE expires_at > {now $1}
 ORDER BY owner
 
 -- name: relay_leave
@@ -20,8 +20,8 @@ DELETE FROM relay_instances WHERE owner = $1
 -- name: renew_lanes
 -- Extends every lane this relay still holds; lanes missing from the answer are lost.
 UPDATE relay_lanes
-SET lease_expires_at = COALESCE($2, CAST(unixepoch('subsec') * 1000 AS INTEGER)) + $3
-WHERE owner = $1 AND lease_expires_at > COALESCE($2, CAST(unixepoch('subsec') * 1000 AS INTEGER))
+SET lease_expires_at = {now $2} + $3
+WHERE owner = $1 AND lease_expires_at > {now $2}
 RETURNING lane, generation
 
 -- name: acquire_lanes
@@ -29,13 +29,14 @@ RETURNING lane, generation
 UPDATE relay_lanes
 SET owner = $1,
     generation = generation + 1,
-    lease_expires_at = COALESCE($2, CAST(unixepoch('subsec') * 1000 AS INTEGER)) + $3
+    lease_expires_at = {now $2} + $3
 WHERE lane IN (
     SELECT lane FROM relay_lanes
     WHERE lane < $5
-      AND (owner IS NULL OR lease_expires_at <= COALESCE($2, CAST(unixepoch('subsec') * 1000 AS INTEGER)))
+      AND (owner IS NULL OR lease_expires_at <= {now $2})
     ORDER BY lane
     LIMIT $4
+    {pg:FOR UPDATE SKIP LOCKED}
 )
 RETURNING lane, generation
 
@@ -44,10 +45,11 @@ UPDATE relay_lanes SET owner = NULL, lease_expires_at = NULL
 WHERE lane = $1 AND owner = $2 AND generation = $3
 
 -- name: lock_lane
--- BEGIN IMMEDIATE holds the write lock until commit, so no takeover can interleave with a mark.
+-- Holds the lane row until commit, so no takeover can interleave with a mark.
 SELECT lane FROM relay_lanes
 WHERE lane = $1 AND owner = $2 AND generation = $3
-  AND lease_expires_at > COALESCE($4, CAST(unixepoch('subsec') * 1000 AS INTEGER))
+  AND lease_expires_at > {now $4}
+{pg:FOR SHARE}
 
 -- name: pending_batch
 SELECT id, tenant, topic, key, payload, headers, effect_key, traceparent, created_at
@@ -58,12 +60,12 @@ LIMIT $2
 
 -- name: mark_delivered
 UPDATE outbox
-SET state = 'delivered', delivered_at = COALESCE($3, CAST(unixepoch('subsec') * 1000 AS INTEGER)),
+SET state = 'delivered', delivered_at = {now $3},
     publish_attempts = publish_attempts + 1
-WHERE lane = $1 AND state = 'pending' AND id IN (SELECT value FROM json_each($2))
+WHERE lane = $1 AND state = 'pending' AND id {ids $2}
 
 -- name: delete_delivered
-DELETE FROM outbox WHERE lane = $1 AND state = 'pending' AND id IN (SELECT value FROM json_each($2))
+DELETE FROM outbox WHERE lane = $1 AND state = 'pending' AND id {ids $2}
 
 -- name: mark_dead
 UPDATE outbox
@@ -80,14 +82,14 @@ WHERE lane = $1 AND id = $2 AND state = 'pending'
 DELETE FROM outbox
 WHERE id IN (
     SELECT id FROM outbox
-    WHERE state = 'delivered' AND delivered_at <= COALESCE($1, CAST(unixepoch('subsec') * 1000 AS INTEGER)) - $2
+    WHERE state = 'delivered' AND delivered_at <= {now $1} - $2
     LIMIT $3
 )
 
 -- name: outbox_backlog
 SELECT count(*) AS pending,
        COALESCE(min(created_at), 0) AS oldest,
-       COALESCE($1, CAST(unixepoch('subsec') * 1000 AS INTEGER)) AS now
+       {now $1} AS now
 FROM outbox WHERE state = 'pending'
 
 -- name: outbox_dead_count
@@ -100,12 +102,12 @@ FROM outbox WHERE state = 'dead' ORDER BY id LIMIT $1
 -- name: replay_dead_outbox
 -- Back to pending: every dead row, or only id $1.
 UPDATE outbox SET state = 'pending', last_error = NULL
-WHERE state = 'dead' AND ($1 IS NULL OR id = $1)
+WHERE state = 'dead' AND ($1{pg:::bigint} IS NULL OR id = $1)
 RETURNING id
 
 -- name: insert_audit
 INSERT INTO ferry_audit (at, actor, action, subject, reason)
-VALUES (COALESCE($1, CAST(unixepoch('subsec') * 1000 AS INTEGER)), $2, $3, $4, $5)
+VALUES ({now $1}, $2, $3, $4, $5)
 
 -- name: lane_owners
 SELECT lane, owner, generation, lease_expires_at FROM relay_lanes ORDER BY lane

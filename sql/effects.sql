@@ -1,4 +1,4 @@
--- The effect ledger: reserve before an external call, close it after (SQLite).
+-- The effect ledger: reserve before an external call, close it after.
 
 -- name: reserve_effect
 INSERT INTO effects (tenant, run_id, step, operation, state, generation, created_at, updated_at)

@@ -1,14 +1,14 @@
--- The transactional outbox, written by services (PostgreSQL).
+-- The transactional outbox, written by services.
 
 -- name: outbox_lanes
 SELECT value FROM ferry_settings WHERE name = 'outbox_lanes'
 
 -- name: insert_outbox
 INSERT INTO outbox (tenant, topic, key, lane, payload, headers, effect_key, traceparent, created_at)
-VALUES ($1, $2, $3, $4, $5, $6, $7, $8, COALESCE($9::bigint, (extract(epoch FROM now()) * 1000)::bigint))
+VALUES ($1, $2, $3, $4, $5, $6, $7, $8, {now $9})
 RETURNING id
 
--- name: insert_outbox_key_locked
+-- name: insert_outbox_key_locked [postgres]
 -- insert_outbox behind a transaction-scoped advisory lock on (topic, key),
 -- taken before the id is drawn: a second writer of the key waits here, before
 -- nextval, until the first commits or rolls back, so one key's ids follow
@@ -18,9 +18,17 @@ WITH key_lock AS MATERIALIZED (
     SELECT pg_advisory_xact_lock(hashtextextended($2::text || '/' || $3::text, 0))
 )
 INSERT INTO outbox (tenant, topic, key, lane, payload, headers, effect_key, traceparent, created_at)
-SELECT $1, $2, $3, $4, $5, $6, $7, $8, COALESCE($9::bigint, (extract(epoch FROM now()) * 1000)::bigint)
+SELECT $1, $2, $3, $4, $5, $6, $7, $8, {now $9}
 FROM key_lock
 RETURNING id
 
--- name: notify_work
+-- name: insert_outbox_key_locked [sqlite]
+-- The same as insert_outbox: SQLite writers already serialize (every write
+-- transaction begins IMMEDIATE and holds the database's write lock until it
+-- commits), so ids of one key always follow commit order.
+INSERT INTO outbox (tenant, topic, key, lane, payload, headers, effect_key, traceparent, created_at)
+VALUES ($1, $2, $3, $4, $5, $6, $7, $8, {now $9})
+RETURNING id
+
+-- name: notify_work [postgres only]
 SELECT pg_notify($1, $2)
