@@ -260,3 +260,10 @@ WITH input AS (
 )
 SELECT d.run_id, EXISTS (SELECT 1 FROM finished f WHERE f.tenant = d.tenant AND f.run_id = d.run_id) AS moved
 FROM done d
+
+-- name: list_jobs
+SELECT j.tenant, j.run_id, j.queue, j.state, j.attempts, j.max_attempts, j.lease_owner, j.last_error_code, j.updated_at
+FROM jobs j
+WHERE j.tenant = $1 AND ($2{pg:::text} IS NULL OR j.state = $2)
+ORDER BY j.updated_at DESC
+LIMIT $3

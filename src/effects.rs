@@ -153,7 +153,7 @@ impl Ferry {
             })
         }
         .await;
-        crate::finish(tx, r).await
+        tx.finish(r).await
     }
 
     /// Records that the external call succeeded with `provider_ref`.
@@ -265,7 +265,7 @@ impl Ferry {
             get_effect(tx.conn(), &lease.tenant, lease.run_id, step, operation).await
         }
         .await;
-        crate::finish(tx, r).await
+        tx.finish(r).await
     }
 }
 

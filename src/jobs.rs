@@ -280,7 +280,7 @@ impl Ferry {
         }
         let mut tx = self.begin().await?;
         let result = self.claim_in(tx.conn(), queue, owner, lease_ms, limit).await;
-        crate::finish(tx, result).await
+        tx.finish(result).await
     }
 
     async fn claim_in(
@@ -387,7 +387,7 @@ impl Ferry {
         self.limits().json("result", result)?;
         let mut tx = self.begin().await?;
         let r = self.complete_in(tx.conn(), lease, result).await;
-        crate::finish(tx, r).await
+        tx.finish(r).await
     }
 
     /// Completes many leases in one transaction (one commit): each is fenced
@@ -416,7 +416,7 @@ impl Ferry {
                 Ok(out)
             }
         };
-        crate::finish(tx, r).await
+        tx.finish(r).await
     }
 
     async fn complete_batch_pg(&self, c: &mut sqlx::PgConnection, items: &[(Lease, Value)]) -> Result<Vec<Result<()>>> {
@@ -485,7 +485,7 @@ impl Ferry {
         self.limits().name("error code", &error.code)?;
         let mut tx = self.begin().await?;
         let r = self.fail_in(tx.conn(), lease, error, policy, rng).await;
-        crate::finish(tx, r).await
+        tx.finish(r).await
     }
 
     async fn fail_in(
@@ -591,7 +591,7 @@ impl Ferry {
             }
         }
         .await;
-        crate::finish(tx, r).await
+        tx.finish(r).await
     }
 
     /// Cancels a run: the job becomes unclaimable, the run `cancelled`, and
@@ -611,7 +611,7 @@ impl Ferry {
         let r = self
             .cancel_in(tx.conn(), tenant, run_id, expected_version, actor, reason)
             .await;
-        crate::finish(tx, r).await
+        tx.finish(r).await
     }
 
     /// [`Ferry::cancel`] inside the caller's transaction.
@@ -713,7 +713,7 @@ impl Ferry {
             Ok(n)
         }
         .await;
-        crate::finish(tx, r).await
+        tx.finish(r).await
     }
 
     /// Dead jobs of `tenant`, optionally only those with `error_code`, with
@@ -794,7 +794,7 @@ impl Ferry {
         let r = self
             .replay_dead_in(tx.conn(), tenant, run_id, actor, reason, force)
             .await;
-        crate::finish(tx, r).await
+        tx.finish(r).await
     }
 
     /// [`Ferry::replay_dead`] inside the caller's transaction.

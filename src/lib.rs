@@ -21,7 +21,7 @@
 #![deny(clippy::print_stdout)]
 
 pub mod consumer;
-pub mod doctor;
+mod audit;
 pub mod effects;
 pub mod error;
 pub mod fingerprint;
@@ -29,12 +29,10 @@ pub mod jobs;
 pub mod limits;
 mod notify;
 pub mod outbox;
-pub mod relay;
 pub mod retry;
 pub mod runs;
 pub mod store;
 pub mod telemetry;
-pub mod testing;
 pub mod time;
 pub mod worker;
 
@@ -210,21 +208,5 @@ impl Ferry {
 
     pub(crate) fn now(&self) -> Option<i64> {
         self.inner.clock.param()
-    }
-}
-
-/// Ends a transaction by the result of the work done in it: commits on `Ok`,
-/// rolls back on `Err` (a failed rollback only means the connection is gone,
-/// and the database rolls back for us).
-pub(crate) async fn finish<T>(tx: Tx, result: Result<T>) -> Result<T> {
-    match result {
-        Ok(v) => {
-            tx.commit().await?;
-            Ok(v)
-        }
-        Err(e) => {
-            let _ = tx.rollback().await;
-            Err(e)
-        }
     }
 }

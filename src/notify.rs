@@ -11,8 +11,7 @@ use std::time::{Duration, Instant};
 use crate::error::Result;
 use crate::store::{on_conn, Conn};
 
-/// The channel workers and the relay listen on.
-pub const CHANNEL: &str = "ferry_wakeup";
+pub use crate::store::WAKEUP_CHANNEL as CHANNEL;
 
 /// Payload used when only the outbox has new rows.
 pub const OUTBOX_PAYLOAD: &str = "";

@@ -298,7 +298,7 @@ impl Ferry {
         msg.validate(self.limits())?;
         let mut tx = self.begin().await?;
         let result = self.enqueue_in(tx.conn(), msg).await;
-        crate::finish(tx, result).await
+        tx.finish(result).await
     }
 }
 

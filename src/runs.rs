@@ -270,7 +270,7 @@ impl Ferry {
         run.validate(self)?;
         let mut tx = self.begin().await?;
         let result = self.create_run_idempotent_in(tx.conn(), run).await;
-        crate::finish(tx, result).await
+        tx.finish(result).await
     }
 
     /// Accepts a run inside the caller's transaction, beside its own domain
@@ -458,7 +458,7 @@ impl Ferry {
     pub async fn append_event(&self, tenant: &str, run_id: Uuid, kind: &str, body: &Value) -> Result<i64> {
         let mut tx = self.begin().await?;
         let result = self.append_event_in(tx.conn(), tenant, run_id, kind, body).await;
-        crate::finish(tx, result).await
+        tx.finish(result).await
     }
 
     /// Deletes up to `batch` expired idempotency records; returns how many.

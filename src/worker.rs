@@ -313,7 +313,7 @@ impl<H: Handler> Worker<H> {
             Some(seed) => StdRng::seed_from_u64(seed),
             None => StdRng::from_os_rng(),
         }));
-        let mut wake = Wakeup::connect(&self.ferry).await;
+        let mut wake = crate::store::Wakeup::connect(self.ferry.db()).await;
         let (completions, completed) = mpsc::channel(cfg.concurrency.max(1));
         let completer = tokio::spawn(completer(self.ferry.clone(), completed, cfg.concurrency.clamp(1, 500)));
         let mut tasks = JoinSet::new();
@@ -633,47 +633,6 @@ impl Attempt {
             }
             // Never "release" a lease that is already gone: expiry recovers it.
             Err(e) => tracing::info!(run_id = %lease.run_id, code = e.code(), "job not released"),
-        }
-    }
-}
-
-/// Idle wake-ups: `LISTEN ferry_wakeup` on PostgreSQL, plain polling otherwise
-/// or when the listener connection is down.
-struct Wakeup {
-    listener: Option<sqlx::postgres::PgListener>,
-}
-
-impl Wakeup {
-    async fn connect(ferry: &Ferry) -> Wakeup {
-        let Some(pool) = ferry.db().as_postgres() else {
-            return Wakeup { listener: None };
-        };
-        let listener = async {
-            let mut l = sqlx::postgres::PgListener::connect_with(pool).await?;
-            l.listen(crate::notify::CHANNEL).await?;
-            Ok::<_, sqlx::Error>(l)
-        }
-        .await;
-        match listener {
-            Ok(l) => Wakeup { listener: Some(l) },
-            Err(e) => {
-                tracing::warn!(error = %e, "LISTEN unavailable; polling only");
-                Wakeup { listener: None }
-            }
-        }
-    }
-
-    /// Waits for a notification or `timeout`, whichever comes first.
-    async fn wait(&mut self, timeout: Duration) {
-        match self.listener.as_mut() {
-            Some(l) => {
-                if let Ok(Err(e)) = tokio::time::timeout(timeout, l.recv()).await {
-                    // PgListener reconnects by itself; if it cannot, poll.
-                    tracing::warn!(error = %e, "LISTEN connection failed; polling only");
-                    self.listener = None;
-                }
-            }
-            None => tokio::time::sleep(timeout).await,
         }
     }
 }

@@ -82,7 +82,7 @@ async fn main() -> Res<()> {
 }
 
 async fn fresh() -> Res<Ferry> {
-    let url = ferry::testing::fresh_database_url(Engine::Postgres).await?;
+    let url = ferry_testkit::fresh_database_url(Engine::Postgres).await?;
     let ferry = Ferry::builder(&url).migrate(true).connect().await?;
     sqlx::query("CREATE TABLE bench_effects (k TEXT PRIMARY KEY, n BIGINT NOT NULL)")
         .execute(ferry.db().as_postgres().ok_or("pg")?)

@@ -178,7 +178,7 @@ async fn run(a: &Args, bin: &PathBuf, strategy: &str, n: usize) -> Res<Outcome> 
     let broker = ferry_testkit::Kafka::start();
     let brokers = broker.brokers();
     broker.create_topic("soak", a.partitions);
-    let url = ferry::testing::fresh_database_url(Engine::Postgres).await?;
+    let url = ferry_testkit::fresh_database_url(Engine::Postgres).await?;
     let ferry = Ferry::builder(&url).migrate(true).connect().await?;
     let group = format!("soak-{n}");
     let log = std::env::temp_dir().join(format!("ferry-soak-{}-{n}.log", std::process::id()));

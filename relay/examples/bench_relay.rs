@@ -87,7 +87,7 @@ async fn main() -> Res<()> {
 }
 
 async fn fresh() -> Res<(Ferry, String)> {
-    let url = ferry::testing::fresh_database_url(Engine::Postgres).await?;
+    let url = ferry_testkit::fresh_database_url(Engine::Postgres).await?;
     let ferry = Ferry::builder(&url).migrate(true).connect().await?;
     Ok((ferry, url))
 }

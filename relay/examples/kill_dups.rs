@@ -41,7 +41,7 @@ async fn main() -> Res<()> {
     };
     let broker = ferry_testkit::Kafka::start();
     broker.create_topic("orders", 6);
-    let url = ferry::testing::fresh_database_url(Engine::Postgres).await?;
+    let url = ferry_testkit::fresh_database_url(Engine::Postgres).await?;
     let ferry = Ferry::builder(&url).migrate(true).connect().await?;
     // A backlog first, so every restarted relay has full batches in flight
     // when it is killed; then a steady 400 rows/s.

@@ -16,7 +16,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use backon::{BackoffBuilder, ExponentialBuilder};
-use ferry::relay::{LaneLease, PendingRow};
+use crate::store::{LaneLease, PendingRow};
 use futures::FutureExt;
 use rdkafka::error::KafkaError;
 use rdkafka::producer::{DeliveryFuture, FutureProducer, FutureRecord, Producer};
@@ -112,7 +112,7 @@ pub async fn run(
                 }
             }
         }
-        let rows = match state.ferry.pending_batch(lease.lane, batch_size).await {
+        let rows = match state.store.pending_batch(lease.lane, batch_size).await {
             Ok(mut r) => {
                 if r.first().is_some_and(|f| f.id <= isolate_through) {
                     r.truncate(1);
@@ -198,7 +198,7 @@ pub async fn run(
                     batch_size = (batch_size / 2).max(1);
                 }
                 if let Err(ferry::Error::LostLane { .. }) =
-                    state.ferry.note_publish_error(&state.owner, lease, id, code).await
+                    state.store.note_publish_error(&state.owner, lease, id, code).await
                 {
                     break;
                 }
@@ -361,7 +361,7 @@ async fn settle(
 /// Marks a poison row dead (logged without its payload); `Some` stops.
 async fn poison_dead(state: &RelayState, lease: LaneLease, row: &PendingRow, code: &'static str) -> Option<BatchEnd> {
     tracing::error!(lane = lease.lane, id = row.id, tenant = %row.tenant, topic = %row.topic, code, "record refused by Kafka; marked dead");
-    match state.ferry.mark_dead(&state.owner, lease, row.id, code).await {
+    match state.store.mark_dead(&state.owner, lease, row.id, code).await {
         Ok(()) => {
             state.metrics.dead.inc();
             None
@@ -412,7 +412,7 @@ impl Marker {
         }
         let first = self.ids[0];
         match state
-            .ferry
+            .store
             .mark_delivered(&state.owner, self.lease, &self.ids, cfg.delete_on_delivery)
             .await
         {
@@ -470,7 +470,7 @@ async fn take_over(
     };
     if let Some(p) = progress {
         match state
-            .ferry
+            .store
             .mark_delivered(&state.owner, lease, &p.ids, cfg.delete_on_delivery)
             .await
         {
@@ -617,7 +617,7 @@ async fn transactional_batch(
     let mut backoff = retry_backoff();
     loop {
         match state
-            .ferry
+            .store
             .mark_delivered(&state.owner, lease, &ids, cfg.delete_on_delivery)
             .await
         {

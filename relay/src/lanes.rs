@@ -4,8 +4,8 @@
 
 use std::collections::BTreeMap;
 
-use ferry::relay::{LaneLease, LiveRelay};
-use ferry::Ferry;
+use crate::store::{LaneLease, LiveRelay};
+use crate::store::RelayStore;
 
 use crate::config::RelayConfig;
 use crate::error::RelayError;
@@ -58,19 +58,19 @@ pub fn fair_share(lanes: i32, live: &[LiveRelay], me: &str, my_cap: u32) -> usiz
 /// task; `draining` the surplus lanes still finishing their last batch before
 /// their release (ours, but neither kept nor orphaned).
 pub async fn tick(
-    ferry: &Ferry,
+    store: &RelayStore,
     cfg: &RelayConfig,
     owner: &str,
     held: &BTreeMap<i32, LaneLease>,
     draining: &BTreeMap<i32, LaneLease>,
 ) -> Result<LanePlan, RelayError> {
-    let live = ferry.relay_heartbeat(owner, cfg.lease, cfg.max_lanes).await?;
-    let renewed = ferry.renew_lanes(owner, cfg.lease).await?;
+    let live = store.relay_heartbeat(owner, cfg.lease, cfg.max_lanes).await?;
+    let renewed = store.renew_lanes(owner, cfg.lease).await?;
     let mut plan = LanePlan::default();
     for lease in &renewed {
         if held.get(&lease.lane) != Some(lease) && draining.get(&lease.lane) != Some(lease) {
             // Fenced by the generation: a newer holder is never disturbed.
-            ferry.release_lane(owner, *lease).await?;
+            store.release_lane(owner, *lease).await?;
             plan.orphans.push(*lease);
         }
     }
@@ -80,9 +80,9 @@ pub async fn tick(
         }
     }
     plan.kept = renewed.into_iter().filter(|r| held.get(&r.lane) == Some(r)).collect();
-    let share = fair_share(ferry.lanes(), &live, owner, cfg.max_lanes);
+    let share = fair_share(store.ferry().lanes(), &live, owner, cfg.max_lanes);
     if plan.kept.len() < share {
-        plan.acquired = ferry
+        plan.acquired = store
             .acquire_lanes(owner, cfg.lease, (share - plan.kept.len()) as u32)
             .await?;
     } else if plan.kept.len() > share {

@@ -1,5 +1,5 @@
 //! `ferry-relay`: the sidecar that publishes Ferry's transactional outbox to
-//! Kafka, and the operator CLI (`run`, `migrate`, `status`, `dead`, `demo`).
+//! Kafka (`run`, with `migrate` and `status` for the deployment files).
 //!
 //! Outbox rows carry `lane = murmur2(key) mod lanes`. Relay instances lease
 //! lanes with generations that only go up and split them fairly; each held
@@ -11,7 +11,6 @@
 
 pub mod cli;
 pub mod config;
-pub mod demo;
 pub mod error;
 pub mod exactly_once;
 pub mod http;
@@ -20,6 +19,8 @@ pub mod lanes;
 pub mod metrics;
 pub mod publish;
 pub mod service;
+pub mod status;
+pub mod store;
 
 pub use config::{OnPoison, RelayConfig};
 pub use error::RelayError;

@@ -5,13 +5,7 @@ use clap::Parser;
 #[tokio::main]
 async fn main() -> std::process::ExitCode {
     let cli = ferry_relay::cli::Cli::parse();
-    // The demo prints a summary; only warnings would interrupt it.
-    let level = if matches!(cli.command, ferry_relay::cli::Command::Demo(_)) {
-        "warn"
-    } else {
-        "info"
-    };
-    let _telemetry = ferry::telemetry::init("ferry-relay", level);
+    let _telemetry = ferry::telemetry::init("ferry-relay", "info");
     match ferry_relay::cli::run(cli, ferry_relay::cli::shutdown_signal()).await {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(e) => {

@@ -2,7 +2,7 @@
 //! explicitly: transient errors back off and retry from the first
 //! unacknowledged row; a record Kafka will never accept is poison.
 
-use ferry::relay::PendingRow;
+use crate::store::PendingRow;
 use rdkafka::error::{KafkaError, RDKafkaErrorCode};
 use rdkafka::message::{Header, OwnedHeaders};
 use rdkafka::producer::{FutureProducer, FutureRecord};

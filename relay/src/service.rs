@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use ferry::relay::LaneLease;
+use crate::store::{LaneLease, RelayStore};
 use ferry::Ferry;
 use rdkafka::producer::{FutureProducer, Producer};
 use tokio::sync::Notify;
@@ -24,8 +24,8 @@ use crate::publish;
 /// A running relay's shared parts, for the HTTP endpoints and tests.
 #[derive(Debug)]
 pub struct RelayState {
-    /// The store.
-    pub ferry: Ferry,
+    /// The relay's database side (pool, clock, its queries).
+    pub store: RelayStore,
     /// Metrics.
     pub metrics: Metrics,
     /// This relay's lease identity.
@@ -49,11 +49,11 @@ impl RelayState {
     /// Refreshes the gauges that come from the table (backlog, oldest
     /// pending age, dead rows); done every lane tick and at each scrape.
     pub async fn refresh_gauges(&self) {
-        if let Ok(b) = self.ferry.outbox_backlog().await {
+        if let Ok(b) = self.store.outbox_backlog().await {
             self.metrics.backlog.set(b.pending);
             self.metrics.oldest_pending_age.set(b.oldest_age_ms() as f64 / 1000.0);
         }
-        if let Ok(n) = self.ferry.outbox_dead_count().await {
+        if let Ok(n) = self.store.outbox_dead_count().await {
             self.metrics.dead_rows.set(n);
         }
     }
@@ -90,7 +90,7 @@ impl Relay {
             .clone()
             .unwrap_or_else(|| format!("relay-{}", uuid::Uuid::now_v7().simple()));
         let state = Arc::new(RelayState {
-            ferry,
+            store: RelayStore::new(ferry),
             metrics: Metrics::new(),
             owner,
             ready: AtomicBool::new(false),
@@ -113,14 +113,14 @@ impl Relay {
         shutdown: impl Future<Output = ()>,
     ) -> Result<(), RelayError> {
         let Relay { cfg, state, producer } = self;
-        let ferry = state.ferry.clone();
+        let store = state.store.clone();
         // Loaded once: it scopes the default effect key of every record.
-        let database_id: Arc<str> = ferry.database_id().await?.into();
+        let database_id: Arc<str> = store.ferry().database_id().await?.into();
         let owner = state.owner.clone();
         let sink = match &producer {
             Some(p) => lane::Sink::Shared(p.clone()),
             None => {
-                let reader = crate::exactly_once::ensure_progress_topic(&cfg, ferry.lanes()).await?;
+                let reader = crate::exactly_once::ensure_progress_topic(&cfg, store.ferry().lanes()).await?;
                 lane::Sink::Transactional(Arc::new(reader))
             }
         };
@@ -129,7 +129,7 @@ impl Relay {
         let http = tokio::spawn(crate::http::serve(listener, state.clone(), http_stop.clone()));
         let wake = Arc::new(Notify::new());
         let listen_stop = CancellationToken::new();
-        tokio::spawn(listen_for_wakeups(ferry.clone(), wake.clone(), listen_stop.clone()));
+        tokio::spawn(listen_for_wakeups(store.clone(), wake.clone(), listen_stop.clone()));
 
         let mut held: BTreeMap<i32, LaneTask> = BTreeMap::new();
         // Surplus lanes finishing their in-flight batch before release: still
@@ -141,7 +141,7 @@ impl Relay {
         // lane ticks that renew the leases.
         let sweep_stop = CancellationToken::new();
         if !cfg.delete_on_delivery {
-            tokio::spawn(sweep_delivered(ferry.clone(), cfg.retention, sweep_stop.clone()));
+            tokio::spawn(sweep_delivered(store.clone(), cfg.retention, sweep_stop.clone()));
         }
         tokio::pin!(shutdown);
         loop {
@@ -161,11 +161,11 @@ impl Relay {
                     let ended: Vec<i32> = held.iter().filter(|(_, t)| t.abort.is_cancelled()).map(|(l, _)| *l).collect();
                     for lane in ended {
                         if let Some(t) = held.remove(&lane) {
-                            let _ = ferry.release_lane(&owner, t.lease).await;
+                            let _ = store.release_lane(&owner, t.lease).await;
                         }
                     }
                     let busy: BTreeMap<i32, LaneLease> = draining.iter().map(|(l, (lease, _))| (*l, *lease)).collect();
-                    let plan = match lanes::tick(&ferry, &cfg, &owner, &leases, &busy).await {
+                    let plan = match lanes::tick(&store, &cfg, &owner, &leases, &busy).await {
                         Ok(p) => p,
                         Err(e) => {
                             tracing::warn!(error = %e, code = e.code(), "lane tick failed");
@@ -183,13 +183,13 @@ impl Relay {
                     for extra in plan.surplus {
                         if let Some(t) = held.remove(&extra.lane) {
                             t.finish.cancel();
-                            let (ferry, owner) = (ferry.clone(), owner.clone());
+                            let (store, owner) = (store.clone(), owner.clone());
                             // Release after the lane's in-flight batch is marked.
                             let done = t.abort.clone();
                             draining.insert(extra.lane, (extra, done.clone()));
                             tasks.spawn(async move {
                                 done.cancelled().await;
-                                let _ = ferry.release_lane(&owner, extra).await;
+                                let _ = store.release_lane(&owner, extra).await;
                             });
                         }
                     }
@@ -217,7 +217,7 @@ impl Relay {
             tokio::select! {
                 joined = tasks.join_next() => if joined.is_none() { break },
                 _ = tick.tick() => {
-                    if let Err(e) = ferry.renew_lanes(&owner, cfg.lease).await {
+                    if let Err(e) = store.renew_lanes(&owner, cfg.lease).await {
                         tracing::warn!(error = %e, "renewing lanes during shutdown failed");
                     }
                 }
@@ -229,9 +229,9 @@ impl Relay {
             }
         }
         for t in held.values() {
-            let _ = ferry.release_lane(&owner, t.lease).await;
+            let _ = store.release_lane(&owner, t.lease).await;
         }
-        let _ = ferry.relay_leave(&owner).await;
+        let _ = store.relay_leave(&owner).await;
         if let Some(p) = &producer {
             let _ = p.flush(Duration::from_secs(1));
         }
@@ -254,7 +254,7 @@ impl Relay {
 
 /// Deletes delivered rows older than `retention`, 1000 per statement, every
 /// 30 s until `stop`.
-async fn sweep_delivered(ferry: Ferry, retention: Duration, stop: CancellationToken) {
+async fn sweep_delivered(store: RelayStore, retention: Duration, stop: CancellationToken) {
     let mut every = tokio::time::interval(Duration::from_secs(30));
     loop {
         tokio::select! {
@@ -262,7 +262,7 @@ async fn sweep_delivered(ferry: Ferry, retention: Duration, stop: CancellationTo
             _ = stop.cancelled() => return,
         }
         loop {
-            match ferry.sweep_delivered(retention, 1000).await {
+            match store.sweep_delivered(retention, 1000).await {
                 Ok(1000) if !stop.is_cancelled() => continue,
                 Ok(_) => break,
                 Err(e) => {
@@ -274,39 +274,14 @@ async fn sweep_delivered(ferry: Ferry, retention: Duration, stop: CancellationTo
     }
 }
 
-/// `LISTEN ferry_wakeup` on PostgreSQL; SQLite relies on the poll interval.
-async fn listen_for_wakeups(ferry: Ferry, wake: Arc<Notify>, stop: CancellationToken) {
-    let Some(pool) = ferry.db().as_postgres() else {
-        return;
-    };
-    let mut backoff = lane::retry_backoff();
+/// Wakes the lanes on each `NOTIFY ferry_wakeup` (PostgreSQL); SQLite and a
+/// lost listener rely on the poll interval.
+async fn listen_for_wakeups(store: RelayStore, wake: Arc<Notify>, stop: CancellationToken) {
+    let mut wakeup = ferry::store::Wakeup::connect(store.ferry().db()).await;
     loop {
-        let listener = async {
-            let mut l = sqlx::postgres::PgListener::connect_with(pool).await?;
-            l.listen(ferry::NOTIFY_CHANNEL).await?;
-            Ok::<_, sqlx::Error>(l)
-        };
-        let mut l = tokio::select! {
-            l = listener => match l {
-                Ok(l) => l,
-                Err(e) => {
-                    tracing::warn!(error = %e, "LISTEN failed; polling");
-                    tokio::select! { _ = tokio::time::sleep(backoff.next().unwrap_or(Duration::from_secs(10))) => continue, _ = stop.cancelled() => return }
-                }
-            },
+        tokio::select! {
+            notified = wakeup.wait(Duration::from_secs(1)) => if notified { wake.notify_waiters() },
             _ = stop.cancelled() => return,
-        };
-        loop {
-            tokio::select! {
-                n = l.recv() => match n {
-                    Ok(_) => wake.notify_waiters(),
-                    Err(e) => {
-                        tracing::warn!(error = %e, "LISTEN connection lost");
-                        break;
-                    }
-                },
-                _ = stop.cancelled() => return,
-            }
         }
     }
 }

@@ -22,7 +22,8 @@
 //!
 //! [`generate`] writes `$OUT_DIR/queries.rs`: a `Queries` struct with one
 //! `&'static str` field per query, the static `QUERIES` (a `PerEngine`
-//! pair), and `PostgresOnly`/`POSTGRES_ONLY` for the PostgreSQL-only ones. A
+//! pair), and, when there are any, `PostgresOnly`/`POSTGRES_ONLY` for the
+//! PostgreSQL-only ones. A
 //! query the code names but the SQL lacks is therefore a compile error.
 
 use std::collections::BTreeMap;
@@ -291,6 +292,9 @@ pub fn emit(rendered: &Rendered, per_engine: &str) -> String {
         s.push_str("    },\n");
     }
     s.push_str("};\n\n");
+    if rendered.postgres_only.is_empty() {
+        return s;
+    }
     s.push_str(
         "/// Queries only PostgreSQL has (data-modifying CTEs, NOTIFY); SQLite runs the equivalent step by step.\n",
     );

@@ -2,11 +2,10 @@
 //! PostgreSQL and SQLite, plus PostgreSQL-only concurrency and chaos tests.
 
 mod accept;
-mod doctor;
+
 mod fingerprint;
 mod jobs;
 mod outbox;
 mod pg;
-mod roles;
 mod support;
 mod worker;

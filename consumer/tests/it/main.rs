@@ -19,7 +19,7 @@ use rdkafka::ClientConfig;
 use tokio_util::sync::CancellationToken;
 
 async fn pg() -> (Ferry, String) {
-    let url = ferry::testing::fresh_database_url(Engine::Postgres)
+    let url = ferry_testkit::fresh_database_url(Engine::Postgres)
         .await
         .unwrap_or_else(|e| panic!("{e}"));
     let ferry = Ferry::builder(&url).migrate(true).connect().await.unwrap();

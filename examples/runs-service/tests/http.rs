@@ -14,7 +14,7 @@ struct Service {
 }
 
 async fn start(max_queued: i64, with_worker: bool) -> Service {
-    let url = ferry::testing::fresh_database_url(Engine::Postgres)
+    let url = ferry_testkit::fresh_database_url(Engine::Postgres)
         .await
         .unwrap_or_else(|e| panic!("{e}"));
     let ferry = Ferry::builder(&url).migrate(true).connect().await.unwrap();

@@ -19,7 +19,7 @@ pub async fn pg_ferry() -> (Ferry, String) {
             .with_test_writer()
             .try_init();
     }
-    let url = ferry::testing::fresh_database_url(Engine::Postgres)
+    let url = ferry_testkit::fresh_database_url(Engine::Postgres)
         .await
         .unwrap_or_else(|e| panic!("{e}"));
     let ferry = Ferry::builder(&url).migrate(true).connect().await.unwrap();

@@ -1,17 +1,22 @@
-//! The relay's side of the outbox, without Kafka: lane leases with
-//! generations that only go up, batches in `id` order, marks fenced by the
-//! lane generation, poison rows, retention and status. `ferry-relay` drives
-//! these; the `ferry` library itself never links rdkafka.
+//! The relay's database side, without Kafka: lane leases with generations
+//! that only go up, batches in `id` order, marks fenced by the lane
+//! generation, poison rows, retention and status. Its SQL is `relay/sql/`,
+//! rendered for both engines at build time; this module is the only place in
+//! the relay that talks to the database.
 
 use std::collections::BTreeMap;
 use std::time::Duration;
 
 use sqlx::types::Json;
 
-use crate::error::{Error, Result};
-use crate::store::{on_conn, on_pool, Conn};
-use crate::time::duration_ms;
-use crate::Ferry;
+use ferry::store::{on_conn, on_pool, Conn};
+use ferry::time::duration_ms;
+use ferry::{Error, Ferry, Result};
+
+mod queries {
+    include!(concat!(env!("OUT_DIR"), "/queries.rs"));
+}
+use queries::QUERIES;
 
 /// A live relay instance and its `--max-lanes`.
 #[derive(Debug, Clone, PartialEq, Eq, sqlx::FromRow)]
@@ -122,14 +127,52 @@ impl Backlog {
     }
 }
 
-impl Ferry {
+/// The relay's handle on the outbox tables: a [`Ferry`] (pool, clock,
+/// limits) and the relay's own queries. Cheap to clone.
+#[derive(Debug, Clone)]
+pub struct RelayStore {
+    ferry: Ferry,
+}
+
+impl RelayStore {
+    /// The relay's store over `ferry`'s pool and clock.
+    pub fn new(ferry: Ferry) -> Self {
+        RelayStore { ferry }
+    }
+
+    /// The core handle (limits, lanes, database id).
+    pub fn ferry(&self) -> &Ferry {
+        &self.ferry
+    }
+
+    fn now(&self) -> Option<i64> {
+        self.ferry.clock().param()
+    }
+
+    async fn begin(&self) -> Result<ferry::Tx> {
+        self.ferry.begin().await
+    }
+
+    fn db(&self) -> &ferry::Db {
+        self.ferry.db()
+    }
+
+    fn limits(&self) -> &ferry::Limits {
+        self.ferry.limits()
+    }
+
+    /// Prepares every relay query on this database (the conformance check).
+    pub async fn check_queries(&self) -> Result<()> {
+        ferry::store::check_queries(self.db(), QUERIES.get(self.db().engine()).all()).await
+    }
+
     /// Announces relay `owner` alive for `ttl` with its lane cap, sweeps
     /// instances whose heartbeat expired, and returns the live relays (this
     /// one included) with their caps, ordered by owner.
     pub async fn relay_heartbeat(&self, owner: &str, ttl: Duration, max_lanes: u32) -> Result<Vec<LiveRelay>> {
         let ttl = duration_ms(ttl)?;
         let cap = i64::from(max_lanes);
-        Ok(on_pool!(self.db(), |p, q| {
+        Ok(on_pool!(self.db(), QUERIES, |p, q| {
             sqlx::query(q.relay_heartbeat)
                 .bind(owner)
                 .bind(self.now())
@@ -144,7 +187,7 @@ impl Ferry {
 
     /// Removes relay `owner` from the membership (clean shutdown).
     pub async fn relay_leave(&self, owner: &str) -> Result<()> {
-        on_pool!(self.db(), |p, q| {
+        on_pool!(self.db(), QUERIES, |p, q| {
             sqlx::query(q.relay_leave).bind(owner).execute(p).await?;
         });
         Ok(())
@@ -154,7 +197,7 @@ impl Ferry {
     /// the answer were lost.
     pub async fn renew_lanes(&self, owner: &str, lease: Duration) -> Result<Vec<LaneLease>> {
         let ms = duration_ms(lease)?;
-        Ok(on_pool!(self.db(), |p, q| {
+        Ok(on_pool!(self.db(), QUERIES, |p, q| {
             sqlx::query_as(q.renew_lanes)
                 .bind(owner)
                 .bind(self.now())
@@ -172,24 +215,24 @@ impl Ferry {
         }
         let mut tx = self.begin().await?;
         let r = async {
-            Ok(on_conn!(tx.conn(), |c, q| {
+            Ok(on_conn!(tx.conn(), QUERIES, |c, q| {
                 sqlx::query_as(q.acquire_lanes)
                     .bind(owner)
                     .bind(self.now())
                     .bind(ms)
                     .bind(i64::from(max))
-                    .bind(self.lanes())
+                    .bind(self.ferry.lanes())
                     .fetch_all(&mut *c)
                     .await?
             }))
         }
         .await;
-        crate::finish(tx, r).await
+        tx.finish(r).await
     }
 
     /// Gives a lane back, only if `owner` still holds it at that generation.
     pub async fn release_lane(&self, owner: &str, lane: LaneLease) -> Result<bool> {
-        let n = on_pool!(self.db(), |p, q| {
+        let n = on_pool!(self.db(), QUERIES, |p, q| {
             sqlx::query(q.release_lane)
                 .bind(lane.lane)
                 .bind(owner)
@@ -203,7 +246,7 @@ impl Ferry {
 
     /// The next `limit` pending rows of `lane`, in `id` order.
     pub async fn pending_batch(&self, lane: i32, limit: u32) -> Result<Vec<PendingRow>> {
-        let rows: Vec<PendingSqlRow> = on_pool!(self.db(), |p, q| {
+        let rows: Vec<PendingSqlRow> = on_pool!(self.db(), QUERIES, |p, q| {
             sqlx::query_as(q.pending_batch)
                 .bind(lane)
                 .bind(i64::from(limit))
@@ -236,10 +279,10 @@ impl Ferry {
         let mut tx = self.begin().await?;
         let r = async {
             self.lock_lane(tx.conn(), owner, lane).await?;
-            Ok(on_conn!(tx.conn(), |c, q| {
+            Ok(on_conn!(tx.conn(), QUERIES, |c, q| {
                 sqlx::query(if delete { q.delete_delivered } else { q.mark_delivered })
                     .bind(lane.lane)
-                    .bind(crate::store::Ids(ids))
+                    .bind(ferry::store::Ids(ids))
                     .bind(self.now())
                     .execute(&mut *c)
                     .await?
@@ -247,7 +290,7 @@ impl Ferry {
             }))
         }
         .await;
-        crate::finish(tx, r).await
+        tx.finish(r).await
     }
 
     /// Marks a row Kafka will never accept `dead` with its error code, fenced
@@ -256,7 +299,7 @@ impl Ferry {
         let mut tx = self.begin().await?;
         let r = async {
             self.lock_lane(tx.conn(), owner, lane).await?;
-            on_conn!(tx.conn(), |c, q| {
+            on_conn!(tx.conn(), QUERIES, |c, q| {
                 sqlx::query(q.mark_dead)
                     .bind(lane.lane)
                     .bind(id)
@@ -267,7 +310,7 @@ impl Ferry {
             Ok(())
         }
         .await;
-        crate::finish(tx, r).await
+        tx.finish(r).await
     }
 
     /// Records a transient publish failure on a row (attempt count and code),
@@ -277,7 +320,7 @@ impl Ferry {
         let mut tx = self.begin().await?;
         let r = async {
             self.lock_lane(tx.conn(), owner, lane).await?;
-            on_conn!(tx.conn(), |c, q| {
+            on_conn!(tx.conn(), QUERIES, |c, q| {
                 sqlx::query(q.note_publish_error)
                     .bind(lane.lane)
                     .bind(id)
@@ -290,13 +333,13 @@ impl Ferry {
             Ok(())
         }
         .await;
-        crate::finish(tx, r).await
+        tx.finish(r).await
     }
 
     /// Deletes up to `batch` rows delivered more than `retention` ago.
     pub async fn sweep_delivered(&self, retention: Duration, batch: u32) -> Result<u64> {
         let ms = duration_ms(retention)?;
-        Ok(on_pool!(self.db(), |p, q| {
+        Ok(on_pool!(self.db(), QUERIES, |p, q| {
             sqlx::query(q.sweep_delivered)
                 .bind(self.now())
                 .bind(ms)
@@ -309,21 +352,21 @@ impl Ferry {
 
     /// The pending backlog and the age of its oldest row.
     pub async fn outbox_backlog(&self) -> Result<Backlog> {
-        Ok(on_pool!(self.db(), |p, q| {
+        Ok(on_pool!(self.db(), QUERIES, |p, q| {
             sqlx::query_as(q.outbox_backlog).bind(self.now()).fetch_one(p).await?
         }))
     }
 
     /// How many rows are dead.
     pub async fn outbox_dead_count(&self) -> Result<i64> {
-        Ok(on_pool!(self.db(), |p, q| {
+        Ok(on_pool!(self.db(), QUERIES, |p, q| {
             sqlx::query_scalar(q.outbox_dead_count).fetch_one(p).await?
         }))
     }
 
     /// Dead rows, oldest first, without payloads.
     pub async fn list_dead_outbox(&self, limit: u32) -> Result<Vec<DeadRow>> {
-        Ok(on_pool!(self.db(), |p, q| {
+        Ok(on_pool!(self.db(), QUERIES, |p, q| {
             sqlx::query_as(q.list_dead_outbox)
                 .bind(i64::from(limit))
                 .fetch_all(p)
@@ -338,45 +381,30 @@ impl Ferry {
         self.limits().text("reason", reason, 4096)?;
         let mut tx = self.begin().await?;
         let r = async {
-            let ids: Vec<i64> = on_conn!(tx.conn(), |c, q| {
+            let ids: Vec<i64> = on_conn!(tx.conn(), QUERIES, |c, q| {
                 sqlx::query_scalar(q.replay_dead_outbox)
                     .bind(id)
                     .fetch_all(&mut *c)
                     .await?
             });
             let subject = format!("outbox:{}", serde_json::to_string(&ids).unwrap_or_default());
-            self.audit_in(tx.conn(), actor, "outbox.replay_dead", &subject, reason)
+            self.ferry.audit_in(tx.conn(), actor, "outbox.replay_dead", &subject, reason)
                 .await?;
             Ok(ids)
         }
         .await;
-        crate::finish(tx, r).await
+        tx.finish(r).await
     }
 
     /// Who holds each lane.
     pub async fn lane_owners(&self) -> Result<Vec<LaneOwner>> {
-        Ok(on_pool!(self.db(), |p, q| {
+        Ok(on_pool!(self.db(), QUERIES, |p, q| {
             sqlx::query_as(q.lane_owners).fetch_all(p).await?
         }))
     }
 
-    /// Appends an operator action to `ferry_audit`.
-    pub async fn audit_in(&self, conn: Conn<'_>, actor: &str, action: &str, subject: &str, reason: &str) -> Result<()> {
-        on_conn!(conn, |c, q| {
-            sqlx::query(q.insert_audit)
-                .bind(self.now())
-                .bind(actor)
-                .bind(action)
-                .bind(subject)
-                .bind(reason)
-                .execute(&mut *c)
-                .await?;
-        });
-        Ok(())
-    }
-
     async fn lock_lane(&self, conn: Conn<'_>, owner: &str, lane: LaneLease) -> Result<()> {
-        let held: Option<i32> = on_conn!(conn, |c, q| {
+        let held: Option<i32> = on_conn!(conn, QUERIES, |c, q| {
             sqlx::query_scalar(q.lock_lane)
                 .bind(lane.lane)
                 .bind(owner)

@@ -1,8 +1,7 @@
-//! Helpers for tests of Ferry and of services built on it: a brand-new
-//! PostgreSQL schema or SQLite file per test, so tests run in parallel against
-//! real databases. PostgreSQL must be reachable; when it is not, the helper
-//! fails with a message naming what is missing (tests never skip). The Kafka broker for tests is in the `ferry-testkit`
-//! crate.
+//! A brand-new PostgreSQL schema or SQLite file per test, so tests run in
+//! parallel against real databases. PostgreSQL must be reachable; when it is
+//! not, the helper fails with a message naming what is missing (tests never
+//! skip).
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
@@ -10,8 +9,14 @@ use std::time::Duration;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::ConnectOptions as _;
 
-use crate::error::{Error, Result};
-use crate::store::Engine;
+use ferry::Engine;
+
+/// Why a test database could not be made; the message names what is missing.
+#[derive(Debug, thiserror::Error)]
+#[error("test database: {0}")]
+pub struct TestDbError(String);
+
+type Result<T> = std::result::Result<T, TestDbError>;
 
 /// The test PostgreSQL: `DATABASE_URL`, or the local server.
 pub fn postgres_url() -> String {
@@ -29,7 +34,7 @@ pub async fn fresh_database_url(engine: Engine) -> Result<String> {
     match engine {
         Engine::Sqlite => {
             let dir = std::env::temp_dir().join("ferry-tests");
-            std::fs::create_dir_all(&dir).map_err(|e| Error::Config(format!("temp dir: {e}")))?;
+            std::fs::create_dir_all(&dir).map_err(|e| TestDbError(format!("temp dir: {e}")))?;
             let path = dir.join(format!("t{pid}_{n}_{}.db", uuid::Uuid::now_v7().simple()));
             Ok(format!("sqlite://{}", path.display()))
         }
@@ -40,21 +45,24 @@ pub async fn fresh_database_url(engine: Engine) -> Result<String> {
                 .map(|d| d.as_secs())
                 .unwrap_or(0);
             let schema = format!("ferry_t_{born}_{pid}_{n}");
-            let opts: PgConnectOptions = base.parse().map_err(|e| Error::Config(format!("DATABASE_URL: {e}")))?;
+            let opts: PgConnectOptions = base.parse().map_err(|e| TestDbError(format!("DATABASE_URL: {e}")))?;
             let admin = PgPoolOptions::new()
                 .max_connections(1)
                 .acquire_timeout(Duration::from_secs(5))
                 .connect_with(opts.disable_statement_logging())
                 .await
                 .map_err(|e| {
-                    Error::Config(format!(
+                    TestDbError(format!(
                         "PostgreSQL is required and unreachable at {base} ({e}); start it or set DATABASE_URL"
                     ))
                 })?;
             if n == 0 {
                 drop_stale_schemas(&admin, born).await;
             }
-            sqlx::query(&format!("CREATE SCHEMA {schema}")).execute(&admin).await?;
+            sqlx::query(&format!("CREATE SCHEMA {schema}"))
+                .execute(&admin)
+                .await
+                .map_err(|e| TestDbError(format!("CREATE SCHEMA {schema}: {e}")))?;
             admin.close().await;
             let sep = if base.contains('?') { '&' } else { '?' };
             Ok(format!("{base}{sep}options=-csearch_path%3D{schema}"))

@@ -105,9 +105,5 @@ UPDATE outbox SET state = 'pending', last_error = NULL
 WHERE state = 'dead' AND ($1{pg:::bigint} IS NULL OR id = $1)
 RETURNING id
 
--- name: insert_audit
-INSERT INTO ferry_audit (at, actor, action, subject, reason)
-VALUES ({now $1}, $2, $3, $4, $5)
-
 -- name: lane_owners
 SELECT lane, owner, generation, lease_expires_at FROM relay_lanes ORDER BY lane

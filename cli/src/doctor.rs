@@ -5,10 +5,14 @@
 
 use std::time::Duration;
 
-use crate::error::Result;
-use crate::store::on_pool;
-use crate::time::duration_ms;
-use crate::Ferry;
+use ferry::store::on_pool;
+use ferry::time::duration_ms;
+use ferry::{Ferry, Result};
+
+mod queries {
+    include!(concat!(env!("OUT_DIR"), "/queries.rs"));
+}
+use queries::{Queries, QUERIES};
 
 /// How bad a finding is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
@@ -37,7 +41,7 @@ pub struct Finding {
 
 struct Check {
     name: &'static str,
-    query: fn(&crate::store::queries::Queries) -> &'static str,
+    query: fn(&Queries) -> &'static str,
     severity: Severity,
     action: &'static str,
 }
@@ -69,21 +73,28 @@ const CHECKS: [Check; 4] = [
     },
 ];
 
-impl Ferry {
-    /// Runs every investigation; `stuck_after` is how long past expiry a
-    /// lease may sit before it counts as not being reclaimed.
-    pub async fn doctor(&self, stuck_after: Duration, limit: u32) -> Result<Vec<Finding>> {
+/// Prepares every doctor query on `ferry`'s database (the conformance check).
+pub async fn check_queries(ferry: &Ferry) -> Result<()> {
+    ferry::store::check_queries(ferry.db(), QUERIES.get(ferry.db().engine()).all()).await
+}
+
+/// Runs every investigation, listing at most `limit` items each;
+/// `stuck_after` is how long past expiry a lease may sit before it counts as
+/// not being reclaimed.
+pub async fn run(ferry: &Ferry, stuck_after: Duration, limit: u32) -> Result<Vec<Finding>> {
+    let now = ferry.clock().param();
+    {
         let limit = i64::from(limit);
         let mut out = Vec::new();
         for c in &CHECKS {
-            let rows: Vec<(String, String)> = on_pool!(self.db(), |p, q| {
+            let rows: Vec<(String, String)> = on_pool!(ferry.db(), QUERIES, |p, q| {
                 sqlx::query_as((c.query)(q)).bind(limit).fetch_all(p).await?
             });
             out.push(finding(c.name, c.severity, rows, c.action));
         }
-        let expiry: Vec<(String, String)> = on_pool!(self.db(), |p, q| {
+        let expiry: Vec<(String, String)> = on_pool!(ferry.db(), QUERIES, |p, q| {
             sqlx::query_as(q.doctor_lease_expiry)
-                .bind(self.now())
+                .bind(now)
                 .fetch_all(p)
                 .await?
         });
@@ -94,9 +105,9 @@ impl Ferry {
             "leases far in the future point at clock skew between workers and the database",
         ));
         let stuck_ms = duration_ms(stuck_after)?;
-        let stuck: Vec<(String, String)> = on_pool!(self.db(), |p, q| {
+        let stuck: Vec<(String, String)> = on_pool!(ferry.db(), QUERIES, |p, q| {
             sqlx::query_as(q.doctor_unreclaimed_leases)
-                .bind(self.now())
+                .bind(now)
                 .bind(stuck_ms)
                 .bind(limit)
                 .fetch_all(p)
@@ -108,9 +119,9 @@ impl Ferry {
             stuck,
             "expired leases nobody reclaims: start workers for these queues, or check that they can reach the database",
         ));
-        let exhausted: Vec<(String, String)> = on_pool!(self.db(), |p, q| {
+        let exhausted: Vec<(String, String)> = on_pool!(ferry.db(), QUERIES, |p, q| {
             sqlx::query_as(q.doctor_exhausted_unterminated)
-                .bind(self.now())
+                .bind(now)
                 .bind(limit)
                 .fetch_all(p)
                 .await?

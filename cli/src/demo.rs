@@ -21,8 +21,8 @@ use serde_json::json;
 use ferry_consumer::{Handler, HandlerError, Record};
 use futures::future::BoxFuture;
 
-use crate::config::RelayConfig;
-use crate::error::RelayError;
+use ferry_relay::config::RelayConfig;
+use ferry_relay::error::RelayError;
 
 /// Demo settings.
 #[derive(Debug, Clone, clap::Args)]
@@ -37,7 +37,7 @@ pub struct DemoArgs {
     #[arg(long, default_value_t = 2000)]
     pub runs: usize,
     /// How long to wait for every record to come back.
-    #[arg(long, value_parser = crate::config::parse_duration, default_value = "60s")]
+    #[arg(long, value_parser = ferry_relay::config::parse_duration, default_value = "60s")]
     pub timeout: Duration,
 }
 
@@ -116,7 +116,7 @@ pub async fn run(args: DemoArgs) -> Result<(), RelayError> {
     let mut cfg = RelayConfig::new(&url, &brokers);
     cfg.poll_interval = Duration::from_millis(50);
     cfg.lease = Duration::from_secs(3);
-    let relay = crate::service::Relay::new(cfg, ferry.clone())?;
+    let relay = ferry_relay::service::Relay::new(cfg, ferry.clone())?;
     let state = relay.state();
     let stop = tokio_util::sync::CancellationToken::new();
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;

@@ -3,11 +3,12 @@
 
 use std::time::Duration;
 
-use ferry::doctor::Finding;
+use ferry_cli::doctor::Finding;
 use ferry::{NewRun, Reservation};
 use serde_json::json;
 
-use crate::support::{manual_clock, on_both_engines, Kind, TestDb};
+use ferry::Engine as Kind;
+use ferry_testkit::{manual_clock, on_both_engines, TestDb};
 
 fn items<'a>(findings: &'a [Finding], check: &str) -> &'a [String] {
     &findings
@@ -28,7 +29,7 @@ async fn doctor_finds_seeded_faults(kind: Kind) {
         .unwrap();
     let c = t.ferry.claim("default", "w", lease, 1).await.unwrap().pop().unwrap();
     t.ferry.complete(&c.lease, &json!({})).await.unwrap();
-    let clean = t.ferry.doctor(Duration::from_secs(300), 20).await.unwrap();
+    let clean = ferry_cli::doctor::run(&t.ferry, Duration::from_secs(300), 20).await.unwrap();
     assert!(
         clean
             .iter()
@@ -84,7 +85,7 @@ async fn doctor_finds_seeded_faults(kind: Kind) {
     t.ferry.claim("mail", "gone-2", lease, 1).await.unwrap();
     clock.advance(Duration::from_secs(3600)).unwrap();
 
-    let f = t.ferry.doctor(Duration::from_secs(300), 20).await.unwrap();
+    let f = ferry_cli::doctor::run(&t.ferry, Duration::from_secs(300), 20).await.unwrap();
     assert_eq!(items(&f, "duplicate_acceptances").len(), 1);
     assert!(
         items(&f, "duplicate_acceptances")[0].contains("2 runs"),
@@ -104,4 +105,11 @@ async fn doctor_finds_seeded_faults(kind: Kind) {
     assert!(f.iter().all(|x| !x.action.is_empty()));
 }
 
-on_both_engines!(doctor_finds_seeded_faults);
+
+
+async fn every_doctor_query_prepares(kind: Kind) {
+    let t = TestDb::new(kind).await;
+    ferry_cli::doctor::check_queries(&t.ferry).await.unwrap();
+}
+
+on_both_engines!(doctor_finds_seeded_faults, every_doctor_query_prepares);

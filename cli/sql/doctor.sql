@@ -128,10 +128,3 @@ FROM jobs
 WHERE state IN ('queued', 'leased') AND attempts >= max_attempts
   AND available_at <= {now $1}
 LIMIT $2
-
--- name: list_jobs
-SELECT j.tenant, j.run_id, j.queue, j.state, j.attempts, j.max_attempts, j.lease_owner, j.last_error_code, j.updated_at
-FROM jobs j
-WHERE j.tenant = $1 AND ($2{pg:::text} IS NULL OR j.state = $2)
-ORDER BY j.updated_at DESC
-LIMIT $3

@@ -1,0 +1,345 @@
+//! The `ferry` command line: `migrate`, `status`, `dead list|replay`,
+//! `doctor`, `jobs list|inspect|cancel|replay-dead` and `demo`.
+#![allow(clippy::print_stdout)]
+
+use ferry::Ferry;
+use ferry_relay::store::RelayStore;
+
+use crate::error::CliError;
+
+/// `ferry-relay`.
+#[derive(Debug, clap::Parser)]
+#[command(
+    name = "ferry",
+    version,
+    about = "Operates Ferry: migrations, outbox status and dead rows, jobs, the doctor, the demo"
+)]
+pub struct Cli {
+    /// What to do.
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+/// Subcommands.
+#[derive(Debug, clap::Subcommand)]
+pub enum Command {
+    /// Apply the embedded migrations.
+    Migrate(DbArgs),
+    /// Print the backlog, dead rows and lane owners.
+    Status(DbArgs),
+    /// Dead (poison) rows.
+    Dead {
+        /// What to do with them.
+        #[command(subcommand)]
+        command: DeadCommand,
+    },
+    /// Run the whole pipeline on embedded defaults and print a summary.
+    Demo(crate::demo::DemoArgs),
+    /// Run the failure investigations and print findings with actions.
+    Doctor {
+        /// Database.
+        #[command(flatten)]
+        db: DbArgs,
+        /// How long past expiry a lease may sit before it counts as stuck.
+        #[arg(long, value_parser = ferry_relay::config::parse_duration, default_value = "5m")]
+        stuck_after: std::time::Duration,
+        /// Exit non-zero when a warning or critical finding has items.
+        #[arg(long)]
+        strict: bool,
+    },
+    /// Inspect and repair jobs (every change is audited).
+    Jobs {
+        /// What to do.
+        #[command(subcommand)]
+        command: JobsCommand,
+    },
+}
+
+/// `jobs` subcommands.
+#[derive(Debug, clap::Subcommand)]
+pub enum JobsCommand {
+    /// List a tenant's jobs, newest first.
+    List {
+        /// Database.
+        #[command(flatten)]
+        db: DbArgs,
+        /// Tenant.
+        #[arg(long)]
+        tenant: String,
+        /// Only this state.
+        #[arg(long)]
+        state: Option<String>,
+        /// How many.
+        #[arg(long, default_value_t = 50)]
+        limit: u32,
+    },
+    /// Show a run with its events, attempts and job.
+    Inspect {
+        /// Database.
+        #[command(flatten)]
+        db: DbArgs,
+        /// Tenant.
+        #[arg(long)]
+        tenant: String,
+        /// Run id.
+        #[arg(long)]
+        run: uuid::Uuid,
+    },
+    /// Cancel a run (compare-and-set; refused if it already ended).
+    Cancel {
+        /// Database.
+        #[command(flatten)]
+        db: DbArgs,
+        /// Tenant.
+        #[arg(long)]
+        tenant: String,
+        /// Run id.
+        #[arg(long)]
+        run: uuid::Uuid,
+        /// Who asks.
+        #[arg(long, env = "USER")]
+        actor: String,
+        /// Why.
+        #[arg(long)]
+        reason: String,
+    },
+    /// Replay a dead run as a new linked run.
+    ReplayDead {
+        /// Database.
+        #[command(flatten)]
+        db: DbArgs,
+        /// Tenant.
+        #[arg(long)]
+        tenant: String,
+        /// The dead run.
+        #[arg(long)]
+        run: uuid::Uuid,
+        /// Who asks.
+        #[arg(long, env = "USER")]
+        actor: String,
+        /// Why.
+        #[arg(long)]
+        reason: String,
+        /// Replay even if it was replayed before.
+        #[arg(long)]
+        force: bool,
+    },
+}
+
+/// Just a database.
+#[derive(Debug, clap::Args)]
+pub struct DbArgs {
+    /// Database URL.
+    #[arg(long, env = "DATABASE_URL")]
+    pub database_url: String,
+}
+
+/// `dead` subcommands.
+#[derive(Debug, clap::Subcommand)]
+pub enum DeadCommand {
+    /// List dead rows (no payloads).
+    List {
+        /// Database.
+        #[command(flatten)]
+        db: DbArgs,
+        /// How many.
+        #[arg(long, default_value_t = 100)]
+        limit: u32,
+    },
+    /// Put dead rows back to pending, with an audit entry.
+    Replay {
+        /// Database.
+        #[command(flatten)]
+        db: DbArgs,
+        /// Only this outbox id (default: every dead row).
+        #[arg(long)]
+        id: Option<i64>,
+        /// Who asks.
+        #[arg(long, env = "USER")]
+        actor: String,
+        /// Why.
+        #[arg(long)]
+        reason: String,
+    },
+}
+
+/// Runs a parsed command.
+pub async fn run(cli: Cli) -> Result<(), CliError> {
+    match cli.command {
+        Command::Migrate(db) => {
+            let pool = ferry::connect(&db.database_url).await?;
+            ferry::migrate(&pool).await?;
+            println!("migrations applied");
+            Ok(())
+        }
+        Command::Status(db) => {
+            let ferry = Ferry::builder(&db.database_url).connect().await?;
+            print!("{}", ferry_relay::status::report(&RelayStore::new(ferry)).await?);
+            Ok(())
+        }
+        Command::Dead { command } => match command {
+            DeadCommand::List { db, limit } => {
+                let store = RelayStore::new(Ferry::builder(&db.database_url).connect().await?);
+                for r in store.list_dead_outbox(limit).await? {
+                    println!(
+                        "{:>10}  {:<12} {:<24} {:<24} {}  attempts={}",
+                        r.id,
+                        r.tenant,
+                        r.topic,
+                        r.key,
+                        r.last_error.as_deref().unwrap_or("-"),
+                        r.publish_attempts
+                    );
+                }
+                Ok(())
+            }
+            DeadCommand::Replay { db, id, actor, reason } => {
+                let store = RelayStore::new(Ferry::builder(&db.database_url).connect().await?);
+                let ids = store.replay_dead_outbox(id, &actor, &reason).await?;
+                println!("{} rows back to pending", ids.len());
+                Ok(())
+            }
+        },
+        Command::Demo(args) => Ok(crate::demo::run(args).await?),
+        Command::Doctor {
+            db,
+            stuck_after,
+            strict,
+        } => {
+            let ferry = Ferry::builder(&db.database_url).connect().await?;
+            let findings = crate::doctor::run(&ferry, stuck_after, 20).await?;
+            let mut bad = 0;
+            for f in &findings {
+                let status = if f.items.is_empty() {
+                    "ok".to_owned()
+                } else {
+                    format!("{:?}", f.severity).to_lowercase()
+                };
+                println!("[{status}] {}", f.check);
+                for item in &f.items {
+                    println!("    {item}");
+                }
+                if !f.items.is_empty() && f.severity != crate::doctor::Severity::Info {
+                    bad += 1;
+                    println!("    action: {}", f.action);
+                }
+            }
+            if strict && bad > 0 {
+                return Err(CliError::DoctorFindings(bad));
+            }
+            Ok(())
+        }
+        Command::Jobs { command } => jobs(command).await,
+    }
+}
+
+async fn jobs(command: JobsCommand) -> Result<(), CliError> {
+    match command {
+        JobsCommand::List {
+            db,
+            tenant,
+            state,
+            limit,
+        } => {
+            let ferry = Ferry::builder(&db.database_url).connect().await?;
+            for j in ferry.list_jobs(&tenant, state.as_deref(), limit).await? {
+                println!(
+                    "{}  {:<10} {:<12} attempts {}/{}  {}",
+                    j.run_id,
+                    j.queue,
+                    j.state,
+                    j.attempts,
+                    j.max_attempts,
+                    j.last_error_code.as_deref().unwrap_or("")
+                );
+            }
+        }
+        JobsCommand::Inspect { db, tenant, run } => {
+            let ferry = Ferry::builder(&db.database_url).connect().await?;
+            let r = ferry.get_run(&tenant, run).await?;
+            println!(
+                "run {} {} {} version {}",
+                r.run_id,
+                r.operation,
+                r.state.as_str(),
+                r.version
+            );
+            for e in ferry.list_events(&tenant, run).await? {
+                println!("  event {:>3} {:<18} {}", e.seq, e.kind, e.body);
+            }
+            for a in ferry.list_attempts(&tenant, run).await? {
+                println!(
+                    "  attempt {} gen {} {} {} {}",
+                    a.attempt,
+                    a.generation,
+                    a.worker,
+                    a.outcome.as_deref().unwrap_or("running"),
+                    a.error_code.as_deref().unwrap_or("")
+                );
+            }
+        }
+        JobsCommand::Cancel {
+            db,
+            tenant,
+            run,
+            actor,
+            reason,
+        } => {
+            let ferry = Ferry::builder(&db.database_url).connect().await?;
+            let mut tx = ferry.begin().await?;
+            let done = async {
+                ferry.cancel_in(tx.conn(), &tenant, run, None, &actor, &reason).await?;
+                ferry
+                    .audit_in(tx.conn(), &actor, "jobs.cancel", &format!("{tenant}/{run}"), &reason)
+                    .await
+            }
+            .await;
+            match done {
+                Ok(()) => tx.commit().await?,
+                Err(e) => {
+                    tx.rollback().await?;
+                    return Err(e.into());
+                }
+            }
+            println!("cancelled {run}");
+        }
+        JobsCommand::ReplayDead {
+            db,
+            tenant,
+            run,
+            actor,
+            reason,
+            force,
+        } => {
+            let ferry = Ferry::builder(&db.database_url).connect().await?;
+            let mut tx = ferry.begin().await?;
+            let done = async {
+                let a = ferry
+                    .replay_dead_in(tx.conn(), &tenant, run, &actor, &reason, force)
+                    .await?;
+                ferry
+                    .audit_in(
+                        tx.conn(),
+                        &actor,
+                        "jobs.replay_dead",
+                        &format!("{tenant}/{run}"),
+                        &reason,
+                    )
+                    .await?;
+                Ok::<_, ferry::Error>(a)
+            }
+            .await;
+            match done {
+                Ok(a) => {
+                    tx.commit().await?;
+                    println!("replayed {run} as {}", a.run.run_id);
+                }
+                Err(e) => {
+                    tx.rollback().await?;
+                    return Err(e.into());
+                }
+            }
+        }
+    }
+    Ok(())
+}

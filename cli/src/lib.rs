@@ -1,0 +1,10 @@
+//! The `ferry` operator binary's library: the command line
+//! ([`commands`]), the failure investigations ([`doctor`]) and the end-to-end
+//! [`demo`]. The sidecar (`ferry-relay`) links none of it.
+
+pub mod commands;
+pub mod demo;
+pub mod doctor;
+pub mod error;
+
+pub use error::CliError;

@@ -1,0 +1,24 @@
+//! The operator audit trail (`ferry_audit`): every operator action (cancel,
+//! replay, pause) is written in the same transaction as the action itself.
+
+use crate::store::{on_conn, Conn};
+use crate::{Ferry, Result};
+
+impl Ferry {
+    /// Appends an operator action to `ferry_audit` inside the caller's
+    /// transaction, naming the actor, the action, its subject and the reason.
+    pub async fn audit_in(&self, conn: Conn<'_>, actor: &str, action: &str, subject: &str, reason: &str) -> Result<()> {
+        on_conn!(conn, |c, q| {
+            sqlx::query(q.insert_audit)
+                .bind(self.now())
+                .bind(actor)
+                .bind(action)
+                .bind(subject)
+                .bind(reason)
+                .execute(&mut *c)
+                .await?;
+        });
+        Ok(())
+    }
+
+}
