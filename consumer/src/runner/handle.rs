@@ -1,0 +1,299 @@
+//! Processing a partition's polled records: a micro-batch transaction when it
+//! can, else one record at a time (first attempt or retry), and what follows
+//! each attempt (done, a retry with the partition paused, a dead letter, or
+//! stop on a lost lease).
+
+use std::time::Instant;
+
+use ferry::consumer::PartitionLease;
+use rdkafka::consumer::{BaseConsumer, CommitMode, Consumer as _};
+use rdkafka::producer::FutureProducer;
+use rdkafka::topic_partition_list::{Offset, TopicPartitionList};
+use tracing::Instrument;
+
+use super::dead_letter::{unkeyed_ledger_key, PendingDeadLetter};
+use super::leases::{current_lease, pause};
+use super::rebalance::LeaseContext;
+use super::retry::{Retry, Step};
+use super::{Consumer, Leases, TopicPartition};
+use crate::error::{HandlerClass, HandlerError};
+use crate::process::{process_batch, process_record, ProcessError, Processed};
+use crate::record::Record;
+
+impl Consumer {
+    /// Processes a partition's records: as one micro-batch transaction when
+    /// they all carry effect keys and it commits, otherwise one by one.
+    /// Returns a retry to schedule if a record must wait.
+    pub(super) async fn handle_group(
+        &self,
+        consumer: &BaseConsumer<LeaseContext>,
+        leases: &Leases,
+        dlq: Option<&FutureProducer>,
+        generation: i64,
+        records: Vec<Record>,
+    ) -> Option<Retry> {
+        let tp = (records[0].topic.clone(), records[0].partition);
+        let lease = current_lease(leases, &tp, generation);
+        if let (Some(lease), true) = (lease, records.len() > 1) {
+            if self.try_batch(consumer, &lease, &tp, &records).await {
+                return None;
+            }
+        }
+        for record in records {
+            if let Some(retry) = self.handle(consumer, leases, dlq, generation, record, None).await {
+                // Later records of this partition are fetched again after the retry.
+                return Some(retry);
+            }
+        }
+        None
+    }
+
+    /// Commits `records` in one micro-batch transaction when they all carry
+    /// effect keys, then tells Kafka. Returns whether it committed (if not,
+    /// nothing of it was written and the caller goes one by one).
+    async fn try_batch(
+        &self,
+        consumer: &BaseConsumer<LeaseContext>,
+        lease: &PartitionLease,
+        tp: &TopicPartition,
+        records: &[Record],
+    ) -> bool {
+        let keyed: Option<Vec<(Record, String)>> = records
+            .iter()
+            .map(|r| {
+                r.effect_key()
+                    .or_else(|| self.b.effect_key_fn.as_ref().and_then(|f| f(r)))
+                    .map(|k| (r.clone(), k))
+            })
+            .collect();
+        let Some(keyed) = keyed else {
+            return false;
+        };
+        let started = Instant::now();
+        let Ok(done) = process_batch(&self.b.ferry, lease, &keyed, self.handler.as_ref()).await else {
+            return false;
+        };
+        self.metrics.observe_handler(started.elapsed().as_secs_f64());
+        for p in done {
+            match p {
+                Processed::Applied => self.metrics.processed.inc(),
+                _ => self.metrics.duplicates.inc(),
+            };
+        }
+        let last = records.last().map(|r| r.offset).unwrap_or_default();
+        let mut tpl = TopicPartitionList::new();
+        let _ = tpl.add_partition_offset(&tp.0, tp.1, Offset::Offset(last + 1));
+        let _ = consumer.commit(&tpl, CommitMode::Async);
+        true
+    }
+
+    /// Processes one record (first attempt or retry). Returns a retry to
+    /// schedule when a retryable failure leaves budget, or when the record
+    /// must be dead-lettered and that failed (its partition stays paused and
+    /// nothing moves past it, neither the stored offset nor Kafka's).
+    pub(super) async fn handle(
+        &self,
+        consumer: &BaseConsumer<LeaseContext>,
+        leases: &Leases,
+        dlq: Option<&FutureProducer>,
+        generation: i64,
+        record: Record,
+        retry: Option<Retry>,
+    ) -> Option<Retry> {
+        let tp = (record.topic.clone(), record.partition);
+        let Some(lease) = current_lease(leases, &tp, generation) else {
+            // Not ours any more (revoked or lost: its new owner processes it),
+            // or leased again since (positioned at the stored offset then).
+            return None;
+        };
+        let was_paused = retry.is_some();
+        let step = self.attempt(consumer, leases, dlq, &lease, &record, retry).await;
+        match step {
+            Step::Stop => None,
+            Step::Retry(r) => Some(self.schedule_retry(consumer, &tp, was_paused, r)),
+            Step::Done => {
+                self.record_progress(consumer, leases, &lease, &record, was_paused);
+                None
+            }
+        }
+    }
+
+    /// One attempt at `record`: finishes a dead letter that failed before
+    /// (never running the handler again), dead-letters a record without an
+    /// effect key, or runs the record's transaction.
+    async fn attempt(
+        &self,
+        consumer: &BaseConsumer<LeaseContext>,
+        leases: &Leases,
+        dlq: Option<&FutureProducer>,
+        lease: &PartitionLease,
+        record: &Record,
+        retry: Option<Retry>,
+    ) -> Step {
+        let b = &self.b;
+        if let Some(pending) = retry.as_ref().and_then(|r| r.dead_letter.clone()) {
+            // A dead letter that failed before: finish it, never run the handler again.
+            let key = retry.as_ref().map(|r| r.effect_key.clone()).unwrap_or_default();
+            self.try_dead_letter(consumer, leases, dlq, lease, record, &key, &pending, retry)
+                .await
+        } else {
+            let effect_key = match &retry {
+                Some(r) => Some(r.effect_key.clone()),
+                None => record
+                    .effect_key()
+                    .or_else(|| b.effect_key_fn.as_ref().and_then(|f| f(record))),
+            };
+            match effect_key {
+                None => {
+                    let key = unkeyed_ledger_key(record);
+                    let pending = PendingDeadLetter {
+                        code: "missing_effect_key".into(),
+                        published: false,
+                    };
+                    self.try_dead_letter(consumer, leases, dlq, lease, record, &key, &pending, retry)
+                        .await
+                }
+                Some(effect_key) => {
+                    self.process(consumer, leases, dlq, lease, record, effect_key, retry)
+                        .await
+                }
+            }
+        }
+    }
+
+    /// Sets when `r` is next due and pauses its partition unless it already
+    /// is (a retry of a retry).
+    fn schedule_retry(
+        &self,
+        consumer: &BaseConsumer<LeaseContext>,
+        tp: &TopicPartition,
+        was_paused: bool,
+        mut r: Retry,
+    ) -> Retry {
+        let delay = r.backoff.next().unwrap_or(self.b.retry_cap);
+        r.due = Instant::now() + delay;
+        if !was_paused {
+            let _ = pause(consumer, tp, true);
+        }
+        r
+    }
+
+    /// After `record` is done: commits the offset after it to Kafka and, if
+    /// its partition was paused for a retry, seeks to that offset and resumes.
+    fn record_progress(
+        &self,
+        consumer: &BaseConsumer<LeaseContext>,
+        leases: &Leases,
+        lease: &PartitionLease,
+        record: &Record,
+        was_paused: bool,
+    ) {
+        let tp = (record.topic.clone(), record.partition);
+        // Progress: tell Kafka too, so standard lag tools see it.
+        let mut tpl = TopicPartitionList::new();
+        let _ = tpl.add_partition_offset(&tp.0, tp.1, Offset::Offset(record.offset + 1));
+        let _ = consumer.commit(&tpl, CommitMode::Async);
+        if was_paused {
+            // Fetch again from the next record, then resume the partition.
+            self.seeks
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .insert(tp, (lease.generation, Offset::Offset(record.offset + 1)));
+            self.apply_seeks(consumer, leases);
+        }
+    }
+
+    /// Runs the record's transaction and decides what follows: done, a
+    /// retry, a dead letter (itself retried if it fails), or stop.
+    #[allow(clippy::too_many_arguments)]
+    async fn process(
+        &self,
+        consumer: &BaseConsumer<LeaseContext>,
+        leases: &Leases,
+        dlq: Option<&FutureProducer>,
+        lease: &PartitionLease,
+        record: &Record,
+        effect_key: String,
+        retry: Option<Retry>,
+    ) -> Step {
+        let m = &self.metrics;
+        let tp = (record.topic.clone(), record.partition);
+        match self.transact(lease, record, &effect_key).await {
+            Ok(Processed::Applied) => {
+                m.processed.inc();
+                Step::Done
+            }
+            Ok(_) => {
+                m.duplicates.inc();
+                Step::Done
+            }
+            Err(ProcessError::LostLease(e)) => {
+                tracing::warn!(topic = %tp.0, partition = tp.1, error = %e, "partition lease lost; pausing it");
+                self.lost(consumer, leases, lease);
+                Step::Stop
+            }
+            Err(ProcessError::Handler(HandlerError {
+                class: HandlerClass::Terminal,
+                code,
+            })) => {
+                let pending = PendingDeadLetter { code, published: false };
+                self.try_dead_letter(consumer, leases, dlq, lease, record, &effect_key, &pending, retry)
+                    .await
+            }
+            Err(e) => {
+                self.retry_or_dead_letter(consumer, leases, dlq, lease, record, &effect_key, retry, e)
+                    .await
+            }
+        }
+    }
+
+    /// The record's transaction, in a span continuing the producer's trace,
+    /// timed into the handler latency.
+    async fn transact(
+        &self,
+        lease: &PartitionLease,
+        record: &Record,
+        effect_key: &str,
+    ) -> Result<Processed, ProcessError> {
+        let span = tracing::info_span!("ferry.consume", topic = %record.topic, partition = record.partition, offset = record.offset);
+        // Continue the producer's trace: child of its context, linked to its span.
+        ferry::telemetry::continue_trace(&span, record.traceparent());
+        let started = Instant::now();
+        let outcome = process_record(&self.b.ferry, lease, record, effect_key, self.handler.as_ref())
+            .instrument(span)
+            .await;
+        self.metrics.observe_handler(started.elapsed().as_secs_f64());
+        outcome
+    }
+
+    /// A retryable failure `e`: retries in place while the budget lasts,
+    /// then dead-letters the record.
+    #[allow(clippy::too_many_arguments)]
+    async fn retry_or_dead_letter(
+        &self,
+        consumer: &BaseConsumer<LeaseContext>,
+        leases: &Leases,
+        dlq: Option<&FutureProducer>,
+        lease: &PartitionLease,
+        record: &Record,
+        effect_key: &str,
+        retry: Option<Retry>,
+        e: ProcessError,
+    ) -> Step {
+        let tp = (record.topic.clone(), record.partition);
+        let code = match &e {
+            ProcessError::Handler(h) => h.code.clone(),
+            other => other.to_string(),
+        };
+        let r = retry.unwrap_or_else(|| self.new_retry(lease, record, effect_key));
+        if r.attempts >= self.b.retry_budget {
+            tracing::warn!(topic = %tp.0, partition = tp.1, offset = record.offset, %code, "retry budget spent; dead-lettering");
+            let pending = PendingDeadLetter { code, published: false };
+            self.try_dead_letter(consumer, leases, dlq, lease, record, effect_key, &pending, Some(r))
+                .await
+        } else {
+            tracing::info!(topic = %tp.0, partition = tp.1, offset = record.offset, %code, "retrying in place");
+            Step::Retry(r)
+        }
+    }
+}
