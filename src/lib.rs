@@ -20,7 +20,6 @@
 #![forbid(unsafe_code)]
 #![deny(clippy::print_stdout)]
 
-pub mod consumer;
 mod audit;
 pub mod effects;
 pub mod error;

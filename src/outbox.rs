@@ -302,6 +302,23 @@ impl Ferry {
     }
 }
 
+impl Ferry {
+    /// This database's identity: a UUID generated once by the migration
+    /// (`ferry_settings.database_id`). The relay loads it at startup and
+    /// publishes default effect keys as `<database_id>:<outbox id>`, so
+    /// outbox ids reused by another database never collide in a consumer
+    /// group's ledger. [`Error::NotMigrated`] when the migration that creates it
+    /// has not run.
+    pub async fn database_id(&self) -> Result<String> {
+        let value: Option<String> = on_pool!(self.db(), |p, q| {
+            sqlx::query_scalar(q.database_id).fetch_optional(p).await?
+        });
+        value
+            .filter(|v| !v.is_empty())
+            .ok_or_else(|| Error::NotMigrated("ferry_settings.database_id is missing".into()))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -93,10 +93,7 @@ pub async fn run(ferry: &Ferry, stuck_after: Duration, limit: u32) -> Result<Vec
             out.push(finding(c.name, c.severity, rows, c.action));
         }
         let expiry: Vec<(String, String)> = on_pool!(ferry.db(), QUERIES, |p, q| {
-            sqlx::query_as(q.doctor_lease_expiry)
-                .bind(now)
-                .fetch_all(p)
-                .await?
+            sqlx::query_as(q.doctor_lease_expiry).bind(now).fetch_all(p).await?
         });
         out.push(finding(
             "lease_expiry",

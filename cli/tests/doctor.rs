@@ -3,8 +3,8 @@
 
 use std::time::Duration;
 
-use ferry_cli::doctor::Finding;
 use ferry::{NewRun, Reservation};
+use ferry_cli::doctor::Finding;
 use serde_json::json;
 
 use ferry::Engine as Kind;
@@ -29,7 +29,9 @@ async fn doctor_finds_seeded_faults(kind: Kind) {
         .unwrap();
     let c = t.ferry.claim("default", "w", lease, 1).await.unwrap().pop().unwrap();
     t.ferry.complete(&c.lease, &json!({})).await.unwrap();
-    let clean = ferry_cli::doctor::run(&t.ferry, Duration::from_secs(300), 20).await.unwrap();
+    let clean = ferry_cli::doctor::run(&t.ferry, Duration::from_secs(300), 20)
+        .await
+        .unwrap();
     assert!(
         clean
             .iter()
@@ -85,7 +87,9 @@ async fn doctor_finds_seeded_faults(kind: Kind) {
     t.ferry.claim("mail", "gone-2", lease, 1).await.unwrap();
     clock.advance(Duration::from_secs(3600)).unwrap();
 
-    let f = ferry_cli::doctor::run(&t.ferry, Duration::from_secs(300), 20).await.unwrap();
+    let f = ferry_cli::doctor::run(&t.ferry, Duration::from_secs(300), 20)
+        .await
+        .unwrap();
     assert_eq!(items(&f, "duplicate_acceptances").len(), 1);
     assert!(
         items(&f, "duplicate_acceptances")[0].contains("2 runs"),
@@ -104,8 +108,6 @@ async fn doctor_finds_seeded_faults(kind: Kind) {
     assert!(items(&f, "exhausted_unterminated")[0].contains("mail"));
     assert!(f.iter().all(|x| !x.action.is_empty()));
 }
-
-
 
 async fn every_doctor_query_prepares(kind: Kind) {
     let t = TestDb::new(kind).await;

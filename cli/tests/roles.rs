@@ -6,7 +6,10 @@ use std::time::Duration;
 use ferry::{Ferry, NewRun, OutboxMessage};
 use serde_json::json;
 
-use crate::support::{Kind, TestDb};
+use ferry::Engine as Kind;
+use ferry_consumer::store::ConsumerStore;
+use ferry_relay::store::RelayStore;
+use ferry_testkit::TestDb;
 
 /// The same database, connected as `role`.
 async fn as_role(t: &TestDb, role: &str) -> Ferry {
@@ -84,7 +87,8 @@ async fn each_role_is_refused_outside_its_grant() {
     refused(&service, "CREATE TABLE public.ferry_squat (x int)").await;
 
     // The relay reads and marks the outbox and holds lanes...
-    let relay = as_role(&t, "ferry_relay").await;
+    let relay_db = as_role(&t, "ferry_relay").await;
+    let relay = RelayStore::new(relay_db.clone());
     let lanes = relay
         .acquire_lanes("relay-1", Duration::from_secs(30), 64)
         .await
@@ -106,14 +110,15 @@ async fn each_role_is_refused_outside_its_grant() {
     }
     assert_eq!(marked, 3, "run_queued, the order, run_succeeded");
     // ...and nothing else.
-    refused(&relay, "SELECT * FROM runs").await;
-    refused(&relay, "INSERT INTO outbox (tenant, topic, key, lane, payload, headers, created_at) VALUES ('x', 't', 'k', 0, '', '{}', 0)").await;
-    refused(&relay, "UPDATE outbox SET payload = 'x'").await;
-    refused(&relay, "UPDATE jobs SET state = 'queued'").await;
-    refused(&relay, "SELECT * FROM consumer_ledger").await;
+    refused(&relay_db, "SELECT * FROM runs").await;
+    refused(&relay_db, "INSERT INTO outbox (tenant, topic, key, lane, payload, headers, created_at) VALUES ('x', 't', 'k', 0, '', '{}', 0)").await;
+    refused(&relay_db, "UPDATE outbox SET payload = 'x'").await;
+    refused(&relay_db, "UPDATE jobs SET state = 'queued'").await;
+    refused(&relay_db, "SELECT * FROM consumer_ledger").await;
 
     // The consumer keeps its partitions and ledger...
-    let consumer = as_role(&t, "ferry_consumer").await;
+    let consumer_db = as_role(&t, "ferry_consumer").await;
+    let consumer = ConsumerStore::new(consumer_db.clone());
     let (lease, _) = consumer
         .acquire_partition("g", "orders", 0, "m", Duration::from_secs(30))
         .await
@@ -126,9 +131,9 @@ async fn each_role_is_refused_outside_its_grant() {
     consumer.advance_offset(tx.conn(), &lease, 1).await.unwrap();
     tx.commit().await.unwrap();
     // ...and reads nothing of the runs or the outbox.
-    refused(&consumer, "SELECT * FROM runs").await;
-    refused(&consumer, "SELECT * FROM outbox").await;
-    refused(&consumer, "UPDATE relay_lanes SET owner = 'me'").await;
+    refused(&consumer_db, "SELECT * FROM runs").await;
+    refused(&consumer_db, "SELECT * FROM outbox").await;
+    refused(&consumer_db, "UPDATE relay_lanes SET owner = 'me'").await;
     assert_eq!(
         t.ferry.get_run("acme", run.run_id).await.unwrap().state,
         ferry::RunState::Succeeded
@@ -181,9 +186,20 @@ async fn each_role_is_refused_outside_its_grant() {
     t.exec("UPDATE outbox SET state = 'dead' WHERE id = (SELECT min(id) FROM outbox)")
         .await
         .unwrap();
-    assert_eq!(operator.list_dead_outbox(10).await.unwrap().len(), 1);
     assert_eq!(
-        operator.replay_dead_outbox(None, "alice", "test").await.unwrap().len(),
+        RelayStore::new(operator.clone())
+            .list_dead_outbox(10)
+            .await
+            .unwrap()
+            .len(),
+        1
+    );
+    assert_eq!(
+        RelayStore::new(operator.clone())
+            .replay_dead_outbox(None, "alice", "test")
+            .await
+            .unwrap()
+            .len(),
         1
     );
     // ...and nothing else: no deletes, no publishing marks, no lanes or ledgers.

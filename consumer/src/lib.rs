@@ -42,6 +42,7 @@ pub mod metrics;
 pub mod process;
 pub mod record;
 pub mod runner;
+pub mod store;
 
 pub use error::{ConsumerError, HandlerClass, HandlerError};
 pub use process::{process_batch, process_record, ProcessError, Processed};

@@ -2,8 +2,8 @@
 //! insert the ledger row (a duplicate skips the handler), run the handler's
 //! writes, store `next_offset = offset + 1`, commit.
 
-use ferry::consumer::{LedgerEntry, PartitionLease};
-use ferry::Ferry;
+use crate::store::ConsumerStore;
+use crate::store::{LedgerEntry, PartitionLease};
 
 use crate::error::HandlerError;
 use crate::record::{Handler, Record};
@@ -48,14 +48,14 @@ impl From<ferry::Error> for ProcessError {
 
 /// Processes `record` under `lease` in one transaction.
 pub async fn process_record(
-    ferry: &Ferry,
+    store: &ConsumerStore,
     lease: &PartitionLease,
     record: &Record,
     effect_key: &str,
     handler: &dyn Handler,
 ) -> Result<Processed, ProcessError> {
-    let mut tx = ferry.begin().await?;
-    let entry = match ferry
+    let mut tx = store.begin().await?;
+    let entry = match store
         .begin_record(tx.conn(), lease, effect_key, record.offset, "applied")
         .await
     {
@@ -75,7 +75,7 @@ pub async fn process_record(
             Processed::Applied
         }
     };
-    if let Err(e) = ferry.advance_offset(tx.conn(), lease, record.offset + 1).await {
+    if let Err(e) = store.advance_offset(tx.conn(), lease, record.offset + 1).await {
         let _ = tx.rollback().await;
         return Err(e.into());
     }
@@ -85,17 +85,17 @@ pub async fn process_record(
 
 /// Records a dead-lettered record in the ledger and moves the offset, under the lease.
 pub async fn record_dead_letter(
-    ferry: &Ferry,
+    store: &ConsumerStore,
     lease: &PartitionLease,
     record: &Record,
     effect_key: &str,
 ) -> Result<Processed, ProcessError> {
-    let mut tx = ferry.begin().await?;
+    let mut tx = store.begin().await?;
     let r = async {
-        ferry
+        store
             .begin_record(tx.conn(), lease, effect_key, record.offset, "dead_lettered")
             .await?;
-        ferry.advance_offset(tx.conn(), lease, record.offset + 1).await
+        store.advance_offset(tx.conn(), lease, record.offset + 1).await
     }
     .await;
     match r {
@@ -117,7 +117,7 @@ pub async fn record_dead_letter(
 /// (nothing of it is written); the caller then processes the records one by
 /// one to isolate the failing record.
 pub async fn process_batch(
-    ferry: &Ferry,
+    store: &ConsumerStore,
     lease: &PartitionLease,
     records: &[(Record, String)],
     handler: &dyn Handler,
@@ -125,11 +125,11 @@ pub async fn process_batch(
     let Some((last, _)) = records.last() else {
         return Ok(Vec::new());
     };
-    let mut tx = ferry.begin().await?;
+    let mut tx = store.begin().await?;
     let mut out = Vec::with_capacity(records.len());
     let result: Result<(), ProcessError> = async {
         for (record, key) in records {
-            match ferry
+            match store
                 .begin_record(tx.conn(), lease, key, record.offset, "applied")
                 .await?
             {
@@ -140,7 +140,7 @@ pub async fn process_batch(
                 }
             }
         }
-        ferry.advance_offset(tx.conn(), lease, last.offset + 1).await?;
+        store.advance_offset(tx.conn(), lease, last.offset + 1).await?;
         Ok(())
     }
     .await;

@@ -13,7 +13,11 @@ use crate::store::RelayStore;
 
 /// `ferry-relay`.
 #[derive(Debug, clap::Parser)]
-#[command(name = "ferry-relay", version, about = "Publishes Ferry's transactional outbox to Kafka")]
+#[command(
+    name = "ferry-relay",
+    version,
+    about = "Publishes Ferry's transactional outbox to Kafka"
+)]
 pub struct Cli {
     /// What to do.
     #[command(subcommand)]
@@ -24,7 +28,7 @@ pub struct Cli {
 #[derive(Debug, clap::Subcommand)]
 pub enum Command {
     /// Publish the outbox until SIGTERM.
-    Run(RelayConfig),
+    Run(Box<RelayConfig>),
     /// Apply the database migrations (the same as `ferry migrate`).
     Migrate(DbArgs),
     /// Backlog, dead rows and lane owners (the same as `ferry status`).
@@ -61,7 +65,7 @@ pub async fn run(cli: Cli, shutdown: impl Future<Output = ()>) -> Result<(), Rel
         Command::Run(cfg) => {
             cfg.validate()?;
             let ferry = Ferry::builder(&cfg.database_url).connect().await?;
-            crate::service::run(cfg, ferry, shutdown).await
+            crate::service::run(*cfg, ferry, shutdown).await
         }
         Command::Migrate(db) => {
             let pool = ferry::connect(&db.database_url).await?;

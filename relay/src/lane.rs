@@ -15,8 +15,8 @@ use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use backon::{BackoffBuilder, ExponentialBuilder};
 use crate::store::{LaneLease, PendingRow};
+use backon::{BackoffBuilder, ExponentialBuilder};
 use futures::FutureExt;
 use rdkafka::error::KafkaError;
 use rdkafka::producer::{DeliveryFuture, FutureProducer, FutureRecord, Producer};

@@ -4,8 +4,8 @@
 
 use std::collections::BTreeMap;
 
-use crate::store::{LaneLease, LiveRelay};
 use crate::store::RelayStore;
+use crate::store::{LaneLease, LiveRelay};
 
 use crate::config::RelayConfig;
 use crate::error::RelayError;

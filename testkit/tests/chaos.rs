@@ -37,8 +37,7 @@ async fn a_sigkilled_worker_loses_nothing() {
     child.kill().unwrap(); // SIGKILL
     child.wait().unwrap();
     // Nobody can take it while the dead worker's lease lasts...
-    assert!(t
-        .ferry
+    assert!(ferry
         .claim("chaos", "rescuer", Duration::from_secs(30), 1)
         .await
         .unwrap()
@@ -64,8 +63,7 @@ async fn a_sigkilled_worker_loses_nothing() {
     let attempts = ferry.list_attempts("acme", id).await.unwrap();
     assert_eq!(attempts[0].outcome.as_deref(), Some("lost"));
     assert_eq!(attempts[1].outcome.as_deref(), Some("succeeded"));
-    let kinds: Vec<_> = t
-        .ferry
+    let kinds: Vec<_> = ferry
         .list_events("acme", id)
         .await
         .unwrap()
@@ -74,4 +72,3 @@ async fn a_sigkilled_worker_loses_nothing() {
         .collect();
     assert_eq!(kinds, ["run_queued", "run_succeeded"]);
 }
-

@@ -4,7 +4,6 @@
 
 use std::collections::HashSet;
 
-
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;

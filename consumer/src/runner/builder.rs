@@ -25,7 +25,7 @@ impl Consumer {
         topics: &[&str],
     ) -> ConsumerBuilder {
         ConsumerBuilder {
-            ferry,
+            store: crate::store::ConsumerStore::new(ferry),
             brokers: brokers.into(),
             group: group.into(),
             topics: topics.iter().map(|t| (*t).to_owned()).collect(),

@@ -4,7 +4,7 @@
 
 use std::time::Duration;
 
-use ferry::consumer::PartitionLease;
+use crate::store::PartitionLease;
 use rdkafka::consumer::BaseConsumer;
 use rdkafka::error::KafkaError;
 use rdkafka::message::{Header, OwnedHeaders};
@@ -121,7 +121,7 @@ impl Consumer {
             tracing::error!(topic = %record.topic, partition = record.partition, offset = record.offset, code, "no dead-letter topic configured; recording and skipping");
         }
         let published = dlq.is_some() && b.dead_letter_topic.is_some();
-        match record_dead_letter(&b.ferry, lease, record, effect_key).await {
+        match record_dead_letter(&b.store, lease, record, effect_key).await {
             Ok(_) => {
                 self.metrics.dead_lettered.inc();
                 Ok(())

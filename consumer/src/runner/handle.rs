@@ -5,7 +5,7 @@
 
 use std::time::Instant;
 
-use ferry::consumer::PartitionLease;
+use crate::store::PartitionLease;
 use rdkafka::consumer::{BaseConsumer, CommitMode, Consumer as _};
 use rdkafka::producer::FutureProducer;
 use rdkafka::topic_partition_list::{Offset, TopicPartitionList};
@@ -70,7 +70,7 @@ impl Consumer {
             return false;
         };
         let started = Instant::now();
-        let Ok(done) = process_batch(&self.b.ferry, lease, &keyed, self.handler.as_ref()).await else {
+        let Ok(done) = process_batch(&self.b.store, lease, &keyed, self.handler.as_ref()).await else {
             return false;
         };
         self.metrics.observe_handler(started.elapsed().as_secs_f64());
@@ -259,7 +259,7 @@ impl Consumer {
         // Continue the producer's trace: child of its context, linked to its span.
         ferry::telemetry::continue_trace(&span, record.traceparent());
         let started = Instant::now();
-        let outcome = process_record(&self.b.ferry, lease, record, effect_key, self.handler.as_ref())
+        let outcome = process_record(&self.b.store, lease, record, effect_key, self.handler.as_ref())
             .instrument(span)
             .await;
         self.metrics.observe_handler(started.elapsed().as_secs_f64());

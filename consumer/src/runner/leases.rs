@@ -5,7 +5,7 @@
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
-use ferry::consumer::PartitionLease;
+use crate::store::PartitionLease;
 use rdkafka::consumer::{BaseConsumer, CommitMode, Consumer as _};
 use rdkafka::error::KafkaResult;
 use rdkafka::topic_partition_list::{Offset, TopicPartitionList};
@@ -93,7 +93,7 @@ impl Consumer {
                 .insert(tp.clone(), Instant::now() + RECLAIM_AFTER);
         };
         match b
-            .ferry
+            .store
             .acquire_free_partition(&b.group, &tp.0, tp.1, &b.owner, b.lease)
             .await
         {
@@ -191,7 +191,7 @@ impl Consumer {
             .cloned()
             .collect();
         for lease in held {
-            match b.ferry.renew_partition(&lease, b.lease).await {
+            match b.store.renew_partition(&lease, b.lease).await {
                 Ok(true) => {}
                 Ok(false) => {
                     tracing::warn!(topic = %lease.topic, partition = lease.partition, "partition lease lost at renewal; pausing it");
@@ -204,7 +204,7 @@ impl Consumer {
         // asynchronous commit can be lost (a rebalance in progress, a member
         // killed before it reached the broker), and a partition with nothing
         // left to process would otherwise never be committed again.
-        if let Ok(stored) = b.ferry.stored_offsets(&b.group).await {
+        if let Ok(stored) = b.store.stored_offsets(&b.group).await {
             let mut tpl = TopicPartitionList::new();
             for s in stored {
                 if let Some(next) = s.next_offset {
@@ -218,7 +218,7 @@ impl Consumer {
                 let _ = consumer.commit(&tpl, CommitMode::Async);
             }
         }
-        let _ = b.ferry.sweep_ledger(&b.group, b.ledger_retention, 1000).await;
+        let _ = b.store.sweep_ledger(&b.group, b.ledger_retention, 1000).await;
     }
 
     /// Lag per held partition: high watermark minus the offset stored with
@@ -233,7 +233,7 @@ impl Consumer {
             .cloned()
             .collect();
         let stored: HashMap<TopicPartition, i64> = b
-            .ferry
+            .store
             .stored_offsets(&b.group)
             .await
             .unwrap_or_default()

@@ -21,8 +21,8 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use ferry::consumer::PartitionLease;
-use ferry::Ferry;
+use crate::store::ConsumerStore;
+use crate::store::PartitionLease;
 use rdkafka::topic_partition_list::Offset;
 
 use crate::metrics::Metrics;
@@ -59,9 +59,9 @@ type Commits = Arc<Mutex<Vec<(TopicPartition, i64)>>>;
 /// How often lag is measured (it costs a broker round trip per partition).
 const LAG_EVERY: Duration = Duration::from_secs(15);
 
-/// Builds a [`Consumer`]: `Consumer::builder(ferry, brokers, group, topics).handler(h).run(shutdown)`.
+/// Builds a [`Consumer`]: `Consumer::builder(store, brokers, group, topics).handler(h).run(shutdown)`.
 pub struct ConsumerBuilder {
-    ferry: Ferry,
+    store: ConsumerStore,
     brokers: String,
     group: String,
     topics: Vec<String>,

@@ -4,8 +4,8 @@
 
 use std::time::Duration;
 
-use ferry::consumer::PartitionLease;
-use ferry::Ferry;
+use crate::store::ConsumerStore;
+use crate::store::PartitionLease;
 use rdkafka::consumer::{BaseConsumer, Consumer as _, ConsumerContext, RebalanceProtocol};
 use rdkafka::topic_partition_list::{Offset, TopicPartitionList};
 use rdkafka::types::RDKafkaRespErr;
@@ -17,7 +17,7 @@ use super::{Commits, Leases, TopicPartition};
 /// `poll`, which the loop calls from `block_in_place`, so they may block on
 /// the database.
 pub(super) struct LeaseContext {
-    pub(super) ferry: Ferry,
+    pub(super) store: ConsumerStore,
     pub(super) group: String,
     pub(super) owner: String,
     pub(super) lease: Duration,
@@ -74,7 +74,7 @@ impl LeaseContext {
     fn lease_assigned(&self, tpl: &mut TopicPartitionList) -> TopicPartitionList {
         let mut unleased = TopicPartitionList::new();
         for (topic, partition) in partitions(tpl) {
-            let acquired = self.handle.block_on(self.ferry.acquire_partition(
+            let acquired = self.handle.block_on(self.store.acquire_partition(
                 &self.group,
                 &topic,
                 partition,
@@ -129,7 +129,7 @@ impl LeaseContext {
             let lease = self.leases.lock().unwrap_or_else(|p| p.into_inner()).remove(&tp);
             if let Some(lease) = lease {
                 // Only if still ours: a newer generation is left alone.
-                let _ = self.handle.block_on(self.ferry.release_partition(&lease));
+                let _ = self.handle.block_on(self.store.release_partition(&lease));
                 tracing::info!(topic = %tp.0, partition = tp.1, "partition revoked");
             }
         }

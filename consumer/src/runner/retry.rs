@@ -3,8 +3,8 @@
 
 use std::time::{Duration, Instant};
 
+use crate::store::PartitionLease;
 use backon::{BackoffBuilder, ExponentialBuilder};
-use ferry::consumer::PartitionLease;
 
 use super::dead_letter::PendingDeadLetter;
 use super::Consumer;

@@ -8,7 +8,7 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use ferry::consumer::PartitionLease;
+use crate::store::PartitionLease;
 use rdkafka::consumer::{BaseConsumer, Consumer as _};
 use rdkafka::producer::FutureProducer;
 use rdkafka::ClientConfig;
@@ -77,7 +77,7 @@ impl Consumer {
         let b = &self.b;
         let ctx = LeaseContext {
             commits: commits.clone(),
-            ferry: b.ferry.clone(),
+            store: b.store.clone(),
             group: b.group.clone(),
             owner: b.owner.clone(),
             lease: b.lease,
@@ -235,7 +235,7 @@ impl Consumer {
             .map(|(_, l)| l)
             .collect();
         for lease in remaining {
-            let _ = self.b.ferry.release_partition(&lease).await;
+            let _ = self.b.store.release_partition(&lease).await;
         }
     }
 }

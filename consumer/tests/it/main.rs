@@ -7,8 +7,8 @@ use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use ferry::consumer::PartitionLease;
 use ferry::{Engine, Ferry};
+use ferry_consumer::store::PartitionLease;
 use ferry_consumer::{Assignment, Consumer, Handler, HandlerError, Record};
 use ferry_testkit::Kafka;
 use futures::future::BoxFuture;
@@ -192,7 +192,7 @@ async fn a_stale_member_cannot_commit() {
     let p = producer(&broker.brokers());
     produce(&p, "events", "k", Some("7")).await;
     // Member A leases the partition and reads the record, then pauses.
-    let (lease_a, _) = ferry
+    let (lease_a, _) = ferry_consumer::store::ConsumerStore::new(ferry.clone())
         .acquire_partition("g", "events", 0, "member-a", Duration::from_secs(30))
         .await
         .unwrap();
@@ -226,7 +226,7 @@ async fn a_stale_member_cannot_commit() {
     .await;
     // A resumes: its commit is refused, and nothing of it is written.
     let err = ferry_consumer::process_record(
-        &ferry,
+        &ferry_consumer::store::ConsumerStore::new(ferry.clone()),
         &lease_a,
         &record,
         "7",
@@ -545,7 +545,7 @@ async fn a_lost_lease_is_not_taken_back_from_a_live_holder() {
     until_at_least(&ferry, stored, 1, Duration::from_secs(60)).await;
     // Another member takes the partition at a higher generation, as the
     // rebalance callback of the partition's new assignee does.
-    let (lease_b, _) = ferry
+    let (lease_b, _) = ferry_consumer::store::ConsumerStore::new(ferry.clone())
         .acquire_partition("gr", "reclaim", 0, "member-b", Duration::from_secs(120))
         .await
         .unwrap();
@@ -575,7 +575,10 @@ async fn a_lost_lease_is_not_taken_back_from_a_live_holder() {
     );
     assert_eq!(scalar(&ferry, "SELECT count(*) FROM effects_applied").await, 1);
     // The holder gives it back: A takes it and resumes from the stored offset.
-    assert!(ferry.release_partition(&lease_b).await.unwrap());
+    assert!(ferry_consumer::store::ConsumerStore::new(ferry.clone())
+        .release_partition(&lease_b)
+        .await
+        .unwrap());
     until_at_least(&ferry, stored, 3, Duration::from_secs(60)).await;
     until_at_least(
         &ferry,

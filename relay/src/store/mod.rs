@@ -388,7 +388,8 @@ impl RelayStore {
                     .await?
             });
             let subject = format!("outbox:{}", serde_json::to_string(&ids).unwrap_or_default());
-            self.ferry.audit_in(tx.conn(), actor, "outbox.replay_dead", &subject, reason)
+            self.ferry
+                .audit_in(tx.conn(), actor, "outbox.replay_dead", &subject, reason)
                 .await?;
             Ok(ids)
         }

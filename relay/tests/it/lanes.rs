@@ -56,7 +56,10 @@ async fn lanes_owned_without_a_task_are_published() {
 
     // A lost acquire reply (or a failed release): the database holds lanes
     // for pod-0 that no running relay knows about.
-    let taken = ferry.acquire_lanes("pod-0", cfg.lease, 64).await.unwrap();
+    let taken = ferry_relay::store::RelayStore::new(ferry.clone())
+        .acquire_lanes("pod-0", cfg.lease, 64)
+        .await
+        .unwrap();
     assert_eq!(taken.len(), 64);
     let c = start_relay(cfg, ferry.clone()).await;
     write_orders(&ferry, 50, 10).await;
@@ -105,11 +108,23 @@ async fn publish_errors_are_fenced_and_dead_instances_swept() {
     let id = scalar(&ferry, "SELECT max(id) FROM outbox").await;
     let lane = scalar(&ferry, "SELECT CAST(max(lane) AS BIGINT) FROM outbox").await as i32;
     let lease = Duration::from_secs(30);
-    let a = ferry.acquire_lanes("a", lease, 64).await.unwrap();
+    let a = ferry_relay::store::RelayStore::new(ferry.clone())
+        .acquire_lanes("a", lease, 64)
+        .await
+        .unwrap();
     let a_lane = *a.iter().find(|l| l.lane == lane).unwrap();
-    ferry.release_lane("a", a_lane).await.unwrap();
-    let b = ferry.acquire_lanes("b", lease, 64).await.unwrap();
-    let err = ferry.note_publish_error("a", a_lane, id, "timeout").await.unwrap_err();
+    ferry_relay::store::RelayStore::new(ferry.clone())
+        .release_lane("a", a_lane)
+        .await
+        .unwrap();
+    let b = ferry_relay::store::RelayStore::new(ferry.clone())
+        .acquire_lanes("b", lease, 64)
+        .await
+        .unwrap();
+    let err = ferry_relay::store::RelayStore::new(ferry.clone())
+        .note_publish_error("a", a_lane, id, "timeout")
+        .await
+        .unwrap_err();
     assert_eq!(err.code(), "lost_lease");
     assert_eq!(
         scalar(
@@ -121,7 +136,10 @@ async fn publish_errors_are_fenced_and_dead_instances_swept() {
         "a relay that lost the lane counted an attempt"
     );
     let b_lane = *b.iter().find(|l| l.lane == lane).unwrap();
-    ferry.note_publish_error("b", b_lane, id, "timeout").await.unwrap();
+    ferry_relay::store::RelayStore::new(ferry.clone())
+        .note_publish_error("b", b_lane, id, "timeout")
+        .await
+        .unwrap();
     assert_eq!(
         scalar(
             &ferry,
@@ -136,7 +154,10 @@ async fn publish_errors_are_fenced_and_dead_instances_swept() {
         .execute(ferry.db().as_postgres().unwrap())
         .await
         .unwrap();
-    let live = ferry.relay_heartbeat("me", lease, 64).await.unwrap();
+    let live = ferry_relay::store::RelayStore::new(ferry.clone())
+        .relay_heartbeat("me", lease, 64)
+        .await
+        .unwrap();
     assert_eq!(live.len(), 1);
     assert_eq!(scalar(&ferry, "SELECT count(*) FROM relay_instances").await, 1);
 }

@@ -3,6 +3,7 @@
 mod effect_keys;
 mod exactly_once;
 mod lanes;
+mod queries;
 mod relay;
 mod support;
 mod trace;

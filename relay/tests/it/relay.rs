@@ -325,7 +325,10 @@ async fn a_relay_that_lost_its_lane_cannot_mark() {
     let clock = Clock::manual(Millis::new(1_800_000_000_000).unwrap());
     let ferry = Ferry::builder(&url).clock(clock.clone()).connect().await.unwrap();
     let lease = Duration::from_secs(10);
-    let held_a = ferry.acquire_lanes("relay-a", lease, 64).await.unwrap();
+    let held_a = ferry_relay::store::RelayStore::new(ferry.clone())
+        .acquire_lanes("relay-a", lease, 64)
+        .await
+        .unwrap();
     assert_eq!(held_a.len(), 64);
     for i in 0..5 {
         ferry
@@ -335,31 +338,69 @@ async fn a_relay_that_lost_its_lane_cannot_mark() {
     }
     let lane = ferry::outbox::lane_for("one-key", ferry.lanes());
     let a = *held_a.iter().find(|l| l.lane == lane).unwrap();
-    let batch = ferry.pending_batch(lane, 100).await.unwrap();
+    let batch = ferry_relay::store::RelayStore::new(ferry.clone())
+        .pending_batch(lane, 100)
+        .await
+        .unwrap();
     assert_eq!(batch.len(), 5);
     // A pauses past its lease; B takes the lane at a higher generation.
     assert!(
-        ferry.acquire_lanes("relay-b", lease, 64).await.unwrap().is_empty(),
+        ferry_relay::store::RelayStore::new(ferry.clone())
+            .acquire_lanes("relay-b", lease, 64)
+            .await
+            .unwrap()
+            .is_empty(),
         "live leases are not taken"
     );
     clock.advance(lease + Duration::from_millis(1)).unwrap();
-    let held_b = ferry.acquire_lanes("relay-b", lease, 64).await.unwrap();
+    let held_b = ferry_relay::store::RelayStore::new(ferry.clone())
+        .acquire_lanes("relay-b", lease, 64)
+        .await
+        .unwrap();
     let b = *held_b.iter().find(|l| l.lane == lane).unwrap();
     assert!(b.generation > a.generation);
     let ids: Vec<i64> = batch.iter().map(|r| r.id).collect();
-    let err = ferry.mark_delivered("relay-a", a, &ids, false).await.unwrap_err();
+    let err = ferry_relay::store::RelayStore::new(ferry.clone())
+        .mark_delivered("relay-a", a, &ids, false)
+        .await
+        .unwrap_err();
     assert_eq!(err.code(), "lost_lease");
     assert_eq!(
-        ferry.mark_dead("relay-a", a, ids[0], "x").await.unwrap_err().code(),
+        ferry_relay::store::RelayStore::new(ferry.clone())
+            .mark_dead("relay-a", a, ids[0], "x")
+            .await
+            .unwrap_err()
+            .code(),
         "lost_lease"
     );
     assert!(
-        !ferry.release_lane("relay-a", a).await.unwrap(),
+        !ferry_relay::store::RelayStore::new(ferry.clone())
+            .release_lane("relay-a", a)
+            .await
+            .unwrap(),
         "never releases a lane it lost"
     );
-    assert!(ferry.renew_lanes("relay-a", lease).await.unwrap().is_empty());
-    assert_eq!(ferry.outbox_backlog().await.unwrap().pending, 5, "A changed nothing");
-    assert_eq!(ferry.mark_delivered("relay-b", b, &ids, false).await.unwrap(), 5);
+    assert!(ferry_relay::store::RelayStore::new(ferry.clone())
+        .renew_lanes("relay-a", lease)
+        .await
+        .unwrap()
+        .is_empty());
+    assert_eq!(
+        ferry_relay::store::RelayStore::new(ferry.clone())
+            .outbox_backlog()
+            .await
+            .unwrap()
+            .pending,
+        5,
+        "A changed nothing"
+    );
+    assert_eq!(
+        ferry_relay::store::RelayStore::new(ferry.clone())
+            .mark_delivered("relay-b", b, &ids, false)
+            .await
+            .unwrap(),
+        5
+    );
 }
 
 fn noise(n: usize) -> Vec<u8> {
@@ -407,7 +448,10 @@ async fn a_poison_record_goes_dead_and_the_lane_flows() {
     let c = consumer(&broker.brokers(), &["orders"]);
     let recs = read_until(&c, Duration::from_secs(60), |r| distinct(r) >= 6).await;
     assert!(recs.iter().all(|r| r.outbox_id() != poison));
-    let dead = ferry.list_dead_outbox(10).await.unwrap();
+    let dead = ferry_relay::store::RelayStore::new(ferry.clone())
+        .list_dead_outbox(10)
+        .await
+        .unwrap();
     assert_eq!(dead.len(), 1);
     assert_eq!(
         (dead[0].id, dead[0].last_error.as_deref()),
@@ -420,7 +464,7 @@ async fn a_poison_record_goes_dead_and_the_lane_flows() {
     );
     // An operator puts it back (audited).
     assert_eq!(
-        ferry
+        ferry_relay::store::RelayStore::new(ferry.clone())
             .replay_dead_outbox(Some(poison), "ops", "raised the broker limit")
             .await
             .unwrap(),

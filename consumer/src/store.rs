@@ -1,14 +1,19 @@
-//! The consumer's side of the database, without Kafka: partition leases whose
+//! The consumer's database side, without Kafka: partition leases whose
 //! generation only goes up, the dedupe ledger, and offsets stored in the same
-//! transaction as a handler's effects (invariant 10). `ferry-consumer`
-//! drives these from a Kafka consumer group.
+//! transaction as a handler's effects (invariant 10). Its SQL is
+//! `consumer/sql/`, rendered for both engines at build time; this module is
+//! the only place in the consumer that talks to the database.
 
 use std::time::Duration;
 
-use crate::error::{Error, Result};
-use crate::store::{on_conn, on_pool, Conn};
-use crate::time::duration_ms;
-use crate::Ferry;
+use ferry::store::{on_conn, on_pool, Conn};
+use ferry::time::duration_ms;
+use ferry::{Error, Ferry, Result};
+
+mod queries {
+    include!(concat!(env!("OUT_DIR"), "/queries.rs"));
+}
+use queries::QUERIES;
 
 /// A consumer's lease on `(group, topic, partition)`.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -50,7 +55,7 @@ pub struct StoredOffset {
     pub generation: i64,
 }
 
-/// What [`Ferry::begin_record`] found in the ledger.
+/// What [`ConsumerStore::begin_record`] found in the ledger.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum LedgerEntry {
     /// First time: run the handler's effects in this transaction.
@@ -59,7 +64,43 @@ pub enum LedgerEntry {
     Duplicate,
 }
 
-impl Ferry {
+/// The consumer's handle on its tables: a [`Ferry`] (pool, clock) and the
+/// consumer's own queries. Cheap to clone.
+#[derive(Debug, Clone)]
+pub struct ConsumerStore {
+    ferry: Ferry,
+}
+
+impl ConsumerStore {
+    /// The consumer's store over `ferry`'s pool and clock.
+    pub fn new(ferry: Ferry) -> Self {
+        ConsumerStore { ferry }
+    }
+
+    /// The core handle.
+    pub fn ferry(&self) -> &Ferry {
+        &self.ferry
+    }
+
+    /// Starts the transaction a record's effects, ledger row and offset
+    /// commit in.
+    pub async fn begin(&self) -> Result<ferry::Tx> {
+        self.ferry.begin().await
+    }
+
+    fn now(&self) -> Option<i64> {
+        self.ferry.clock().param()
+    }
+
+    fn db(&self) -> &ferry::Db {
+        self.ferry.db()
+    }
+
+    /// Prepares every consumer query on this database (the conformance check).
+    pub async fn check_queries(&self) -> Result<()> {
+        ferry::store::check_queries(self.db(), QUERIES.get(self.db().engine()).all()).await
+    }
+
     /// Takes the lease on a partition Kafka assigned to `owner`, raising its
     /// generation. Returns the lease and the offset stored with the effects.
     pub async fn acquire_partition(
@@ -71,7 +112,7 @@ impl Ferry {
         lease: Duration,
     ) -> Result<(PartitionLease, Option<i64>)> {
         let ms = duration_ms(lease)?;
-        let (generation, next): (i64, Option<i64>) = on_pool!(self.db(), |p, q| {
+        let (generation, next): (i64, Option<i64>) = on_pool!(self.db(), QUERIES, |p, q| {
             sqlx::query_as(q.acquire_partition)
                 .bind(group)
                 .bind(topic)
@@ -108,7 +149,7 @@ impl Ferry {
         lease: Duration,
     ) -> Result<Option<(PartitionLease, Option<i64>)>> {
         let ms = duration_ms(lease)?;
-        let row: Option<(i64, Option<i64>)> = on_pool!(self.db(), |p, q| {
+        let row: Option<(i64, Option<i64>)> = on_pool!(self.db(), QUERIES, |p, q| {
             sqlx::query_as(q.acquire_free_partition)
                 .bind(group)
                 .bind(topic)
@@ -135,7 +176,7 @@ impl Ferry {
     /// longer current (taken over or released).
     pub async fn renew_partition(&self, lease: &PartitionLease, duration: Duration) -> Result<bool> {
         let ms = duration_ms(duration)?;
-        let n = on_pool!(self.db(), |p, q| {
+        let n = on_pool!(self.db(), QUERIES, |p, q| {
             sqlx::query(q.renew_partition)
                 .bind(&lease.group)
                 .bind(&lease.topic)
@@ -153,7 +194,7 @@ impl Ferry {
 
     /// Gives a partition back, only if the lease is still current.
     pub async fn release_partition(&self, lease: &PartitionLease) -> Result<bool> {
-        let n = on_pool!(self.db(), |p, q| {
+        let n = on_pool!(self.db(), QUERIES, |p, q| {
             sqlx::query(q.release_partition)
                 .bind(&lease.group)
                 .bind(&lease.topic)
@@ -170,7 +211,7 @@ impl Ferry {
     /// Extends every partition lease `owner` holds in `group`.
     pub async fn renew_partitions(&self, group: &str, owner: &str, lease: Duration) -> Result<u64> {
         let ms = duration_ms(lease)?;
-        Ok(on_pool!(self.db(), |p, q| {
+        Ok(on_pool!(self.db(), QUERIES, |p, q| {
             sqlx::query(q.renew_partitions)
                 .bind(group)
                 .bind(owner)
@@ -194,7 +235,7 @@ impl Ferry {
         offset: i64,
         outcome: &str,
     ) -> Result<LedgerEntry> {
-        let held: Option<Option<i64>> = on_conn!(conn.reborrow(), |c, q| {
+        let held: Option<Option<i64>> = on_conn!(conn.reborrow(), QUERIES, |c, q| {
             sqlx::query_scalar(q.lock_partition)
                 .bind(&lease.group)
                 .bind(&lease.topic)
@@ -207,7 +248,7 @@ impl Ferry {
         if held.is_none() {
             return Err(lease.lost());
         }
-        let inserted: Option<String> = on_conn!(conn, |c, q| {
+        let inserted: Option<String> = on_conn!(conn, QUERIES, |c, q| {
             sqlx::query_scalar(q.insert_ledger)
                 .bind(&lease.group)
                 .bind(effect_key)
@@ -228,7 +269,7 @@ impl Ferry {
 
     /// Step 4: stores `next_offset` with the effects, under the lease.
     pub async fn advance_offset(&self, conn: Conn<'_>, lease: &PartitionLease, next_offset: i64) -> Result<()> {
-        let n = on_conn!(conn, |c, q| {
+        let n = on_conn!(conn, QUERIES, |c, q| {
             sqlx::query(q.advance_offset)
                 .bind(&lease.group)
                 .bind(&lease.topic)
@@ -249,7 +290,7 @@ impl Ferry {
     /// Deletes up to `batch` ledger rows of `group` older than `retention`.
     pub async fn sweep_ledger(&self, group: &str, retention: Duration, batch: u32) -> Result<u64> {
         let ms = duration_ms(retention)?;
-        Ok(on_pool!(self.db(), |p, q| {
+        Ok(on_pool!(self.db(), QUERIES, |p, q| {
             sqlx::query(q.sweep_ledger)
                 .bind(group)
                 .bind(self.now())
@@ -261,24 +302,9 @@ impl Ferry {
         }))
     }
 
-    /// This database's identity: a UUID generated once by the migration
-    /// (`ferry_settings.database_id`). The relay loads it at startup and
-    /// publishes default effect keys as `<database_id>:<outbox id>`, so
-    /// outbox ids reused by another database never collide in a consumer
-    /// group's ledger. [`Error::Config`] when the migration that creates it
-    /// has not run.
-    pub async fn database_id(&self) -> Result<String> {
-        let value: Option<String> = on_pool!(self.db(), |p, q| {
-            sqlx::query_scalar(q.database_id).fetch_optional(p).await?
-        });
-        value
-            .filter(|v| !v.is_empty())
-            .ok_or_else(|| Error::NotMigrated("ferry_settings.database_id is missing".into()))
-    }
-
     /// Every partition's stored offset for `group`.
     pub async fn stored_offsets(&self, group: &str) -> Result<Vec<StoredOffset>> {
-        Ok(on_pool!(self.db(), |p, q| {
+        Ok(on_pool!(self.db(), QUERIES, |p, q| {
             sqlx::query_as(q.stored_offsets).bind(group).fetch_all(p).await?
         }))
     }

@@ -65,8 +65,3 @@ WHERE (group_id, effect_key) IN (
 -- name: stored_offsets
 SELECT topic, partition, next_offset, owner, generation FROM consumer_partitions
 WHERE group_id = $1 ORDER BY topic, partition
-
--- name: database_id
--- This database's identity (a UUID generated at migration): the scope of
--- default effect keys, `<database_id>:<outbox id>`.
-SELECT value FROM ferry_settings WHERE name = 'database_id'
