@@ -1,12 +1,28 @@
 #!/usr/bin/env python3
 """Parse-and-check of deploy/: the compose file and the Dockerfile (no Docker
 engine runs here), and Ferry's own rules for the Kubernetes manifests, which
-kubernetes-validate checks against the Kubernetes schemas separately."""
+kubernetes-validate checks against the Kubernetes schemas separately.
+
+deploy/Dockerfile builds three images, one binary each; the sidecar image
+holds only the relay. IMAGES maps an image's name (the last path segment,
+without the tag) to its Dockerfile target, the binary it ships and the
+package that builds it."""
 import glob
+import os
 import re
+import shlex
 import sys
 
 import yaml
+
+IMAGES = {
+    "ferry-relay": {"target": "relay", "binary": "ferry-relay", "package": "ferry-relay"},
+    "ferry-projection": {"target": "projection", "binary": "ferry-projection", "package": "ferry-consumer"},
+    "ferry": {"target": "ferry", "binary": "ferry", "package": "ferry-cli"},
+}
+BY_TARGET = {v["target"]: dict(v, image=k) for k, v in IMAGES.items()}
+RUNTIME_BASE = "debian:bookworm-slim"
+RUNTIME_UID = "10001"
 
 
 def fail(msg):
@@ -22,9 +38,174 @@ def seconds(v):
     return n / 1000 if unit == "ms" else n * 60 if unit == "m" else n
 
 
+def image_name(ref):
+    """ghcr.io/example/ferry-relay:0.1.0 -> ferry-relay"""
+    last = str(ref).rsplit("/", 1)[-1]
+    return last.split("@", 1)[0].split(":", 1)[0]
+
+
+# --- Dockerfile ------------------------------------------------------------
+
+def parse_dockerfile(text):
+    """Stages in order: {name, base, instrs: [(INSTR, args)]}."""
+    lines, cur = [], ""
+    for raw in text.splitlines():
+        if not cur and raw.strip().startswith("#"):
+            continue
+        if raw.rstrip().endswith("\\"):
+            cur += raw.rstrip()[:-1] + " "
+            continue
+        cur += raw
+        if cur.strip():
+            lines.append(cur.strip())
+        cur = ""
+    if cur.strip():
+        lines.append(cur.strip())
+    stages = []
+    for line in lines:
+        instr, _, args = line.partition(" ")
+        instr = instr.upper()
+        if instr == "FROM":
+            words = [w for w in args.split() if not w.startswith("--")]
+            name = words[2] if len(words) >= 3 and words[1].lower() == "as" else None
+            stages.append({"name": name, "base": words[0], "instrs": []})
+        elif not stages:
+            if instr != "ARG":
+                fail(f"Dockerfile: {instr} before the first FROM")
+        else:
+            stages[-1]["instrs"].append((instr, args.strip()))
+    return stages
+
+
+def exec_form(args):
+    try:
+        v = yaml.safe_load(args)
+    except yaml.YAMLError:
+        v = None
+    if not isinstance(v, list):
+        fail(f"Dockerfile: use the exec form (JSON array), not `{args}`")
+    return v
+
+
+def chain(stages, name):
+    """The stage called name and the stages it builds on, nearest first; the
+    external base image it ends on."""
+    named = {s["name"]: s for s in stages if s["name"]}
+    out, seen = [], set()
+    s = named.get(name) or fail(f"Dockerfile: no stage {name}")
+    while True:
+        if s["name"] in seen:
+            fail(f"Dockerfile: stage {name} builds on itself")
+        seen.add(s["name"])
+        out.append(s)
+        if s["base"] in named:
+            s = named[s["base"]]
+        else:
+            return out, s["base"]
+
+
+def cargo_builds(stages, name):
+    """The `cargo build` commands run in stage name and the stages under it."""
+    cmds = []
+    for s in chain(stages, name)[0]:
+        for instr, args in s["instrs"]:
+            if instr == "RUN":
+                for part in re.split(r"&&|;|\|\|", args):
+                    words = shlex.split(part)
+                    if words[:2] == ["cargo", "build"]:
+                        cmds.append(words)
+    return cmds
+
+
+def option_values(words, opt):
+    vals = []
+    for i, w in enumerate(words):
+        if w == opt and i + 1 < len(words):
+            vals.append(words[i + 1])
+        elif w.startswith(opt + "="):
+            vals.append(w.split("=", 1)[1])
+    return vals
+
+
+def check_image(stages, target):
+    spec = BY_TARGET[target]
+    binary, package = spec["binary"], spec["package"]
+    stage_chain, base = chain(stages, target)
+    if base != RUNTIME_BASE:
+        fail(f"Dockerfile: target {target} must run on {RUNTIME_BASE}, not {base}")
+    shipped, entrypoint, user, useradd = set(), None, None, False
+    build_stages = set()
+    for s in reversed(stage_chain):  # the base stage first
+        for instr, args in s["instrs"]:
+            if instr == "ADD":
+                fail(f"Dockerfile: target {target} uses ADD; COPY --from a build stage instead")
+            if instr == "COPY":
+                words = args.split()
+                src_stage = next((w.split("=", 1)[1] for w in words if w.startswith("--from=")), None)
+                if src_stage is None:
+                    fail(f"Dockerfile: target {target} copies from the build context: `COPY {args}`")
+                build_stages.add(src_stage)
+                paths = [w for w in words if not w.startswith("--")]
+                shipped.update(os.path.basename(p.rstrip("/")) for p in paths[:-1])
+            if instr == "RUN":
+                if "cargo" in args.split() or "rustup" in args:
+                    fail(f"Dockerfile: target {target} compiles in the runtime stage")
+                for part in re.split(r"&&|;", args):
+                    words = shlex.split(part)
+                    if words[:2] in (["apt-get", "install"], ["apt", "install"]):
+                        pkgs = {w for w in words[2:] if not w.startswith("-")}
+                        if pkgs != {"ca-certificates"}:
+                            fail(f"Dockerfile: target {target} installs {sorted(pkgs)}; only ca-certificates belongs in the runtime")
+                    if words[:1] == ["useradd"] and option_values(words, "--uid") == [RUNTIME_UID]:
+                        useradd = True
+            if instr == "USER":
+                user = args.split(":")[0]
+            if instr == "ENTRYPOINT":
+                entrypoint = exec_form(args)
+    if shipped != {binary}:
+        fail(f"Dockerfile: target {target} must ship only {binary}, ships {sorted(shipped) or 'nothing'}")
+    if entrypoint != [binary]:
+        fail(f"Dockerfile: target {target} needs ENTRYPOINT [\"{binary}\"], has {entrypoint}")
+    if user != RUNTIME_UID or not useradd:
+        fail(f"Dockerfile: target {target} must run as the non-root user uid {RUNTIME_UID}")
+    for src in build_stages:
+        builds = cargo_builds(stages, src)
+        if not any(package in option_values(c, "-p") + option_values(c, "--package")
+                   and binary in option_values(c, "--bin")
+                   and "--release" in c and "--locked" in c for c in builds):
+            fail(f"Dockerfile: stage {src} never runs `cargo build --release --locked -p {package} --bin {binary}`")
+    return build_stages
+
+
+docker_text = open("deploy/Dockerfile").read()
+stages = parse_dockerfile(docker_text)
+if len(stages) < 2:
+    fail("Dockerfile must be multi-stage")
+for target in BY_TARGET:
+    check_image(stages, target)
+# The sidecar's build compiles the relay and nothing else: no consumer, no
+# operator binary (neither links into the relay, and neither is needed).
+for src in check_image(stages, "relay"):
+    for c in cargo_builds(stages, src):
+        pkgs = option_values(c, "-p") + option_values(c, "--package")
+        bins = option_values(c, "--bin")
+        if pkgs != ["ferry-relay"] or bins != ["ferry-relay"] or {"--bins", "--workspace", "--all"} & set(c):
+            fail(f"Dockerfile: the relay's build stage {src} builds more than ferry-relay: `{' '.join(c)}`")
+if stages[-1]["name"] != "relay":
+    fail("Dockerfile: the last stage (the default target) must be the relay sidecar")
+relay_instrs = dict(stages[-1]["instrs"])
+if exec_form(relay_instrs.get("CMD", "[]"))[:1] != ["run"] or "9464" not in relay_instrs.get("EXPOSE", ""):
+    fail("Dockerfile: the relay image must default to `run` and expose 9464")
+ignore = "deploy/Dockerfile.dockerignore"
+if not os.path.exists(ignore) or not any(
+        line.strip().strip("/") == "target" for line in open(ignore)):
+    fail(f"{ignore} must keep the host's target/ out of the build context")
+
+# --- compose ---------------------------------------------------------------
+
 compose = yaml.safe_load(open("deploy/compose.yaml"))
 services = compose.get("services") or fail("compose: no services")
-for name in ["postgres", "kafka", "relay", "consumer", "otel-collector"]:
+for name in ["postgres", "kafka", "migrate", "relay", "consumer", "otel-collector"]:
     if name not in services:
         fail(f"compose: missing service {name}")
 for name, svc in services.items():
@@ -37,15 +218,59 @@ for name, svc in services.items():
 kafka_env = services["kafka"].get("environment", {})
 if "controller" not in str(kafka_env.get("KAFKA_PROCESS_ROLES", "")):
     fail("compose: kafka must run in KRaft mode (KAFKA_PROCESS_ROLES with controller)")
-if services["relay"].get("command", [None])[0] != "run":
+if (services["relay"].get("command") or [None])[0] != "run":
     fail("compose: the relay must run `ferry-relay run`")
 
-docker = open("deploy/Dockerfile").read()
-if len(re.findall(r"^FROM ", docker, re.M)) < 2:
-    fail("Dockerfile must be multi-stage")
-for binary in ["ferry-relay", "ferry-projection"]:
-    if binary not in docker:
-        fail(f"Dockerfile does not ship {binary}")
+built = {}  # image -> target, for every service built from deploy/Dockerfile
+for name, svc in services.items():
+    build = svc.get("build")
+    if build is None:
+        continue
+    if not isinstance(build, dict):
+        build = {"context": build}
+    context = os.path.normpath(os.path.join("deploy", build.get("context", ".")))
+    dockerfile = os.path.normpath(os.path.join(context, build.get("dockerfile", "Dockerfile")))
+    if not os.path.isfile(dockerfile):
+        fail(f"compose: {name} builds from {dockerfile}, which does not exist")
+    if dockerfile != os.path.normpath("deploy/Dockerfile"):
+        continue
+    if context != ".":
+        fail(f"compose: {name} must build deploy/Dockerfile from the repository root")
+    target = build.get("target") or fail(f"compose: {name} builds deploy/Dockerfile without a target")
+    if target not in BY_TARGET:
+        fail(f"compose: {name} builds target {target}, not one of {sorted(BY_TARGET)}")
+    image = svc.get("image") or fail(f"compose: {name} builds an image without naming it")
+    if image_name(image) != BY_TARGET[target]["image"]:
+        fail(f"compose: {name} tags target {target} as {image}; name it {BY_TARGET[target]['image']}:…")
+    if built.get(image, target) != target:
+        fail(f"compose: image {image} is built from two targets")
+    built[image] = target
+
+
+def compose_binary(name):
+    svc = services[name]
+    image = svc.get("image")
+    target = built.get(image) or fail(f"compose: {name} runs {image}, which no service builds from deploy/Dockerfile")
+    binary = BY_TARGET[target]["binary"]
+    entrypoint = svc.get("entrypoint")
+    if entrypoint not in (None, [binary], binary):
+        fail(f"compose: {name} overrides the entrypoint of {image} ({binary}) with {entrypoint}")
+    return binary
+
+
+if compose_binary("relay") != "ferry-relay":
+    fail("compose: the relay must run the relay image (target relay)")
+if compose_binary("consumer") != "ferry-projection":
+    fail("compose: the consumer must run the projection image (target projection)")
+if compose_binary("migrate") not in ("ferry", "ferry-relay") or (services["migrate"].get("command") or [None])[0] != "migrate":
+    fail("compose: migrate must run `ferry migrate` (or `ferry-relay migrate`)")
+if (services["relay"].get("depends_on") or {}).get("migrate", {}).get("condition") != "service_completed_successfully":
+    fail("compose: the relay must wait for the migrations")
+for target in BY_TARGET:
+    if target not in built.values():
+        fail(f"compose: no service builds the {target} image")
+
+# --- Kubernetes ------------------------------------------------------------
 
 docs = []
 for path in sorted(glob.glob("deploy/k8s/*.yaml")):
@@ -56,15 +281,48 @@ for d in docs:
 for kind in ["Deployment", "Job", "ConfigMap", "Secret", "PodDisruptionBudget", "NetworkPolicy", "HorizontalPodAutoscaler"]:
     if kind not in by_kind:
         fail(f"k8s: no {kind}")
+
+
+def k8s_binary(where, c):
+    """The binary a container runs, checked against its image."""
+    name = image_name(c["image"])
+    if name not in IMAGES:
+        if name.startswith("ferry"):
+            fail(f"k8s: {where} runs {c['image']}, which deploy/Dockerfile does not build")
+        return None
+    binary = IMAGES[name]["binary"]
+    if c.get("command") not in (None, [binary]):
+        fail(f"k8s: {where} runs {c['command']} in the {name} image, which ships only {binary}")
+    return binary
+
+
+for d in by_kind["Deployment"] + by_kind["Job"]:
+    for c in d["spec"]["template"]["spec"]["containers"]:
+        k8s_binary(f"{d['kind']} {d['metadata']['name']}/{c['name']}", c)
+
 config = by_kind["ConfigMap"][0]["data"]
 relay_grace = seconds(config["FERRY_GRACE"])
 service = next(d for d in by_kind["Deployment"] if d["metadata"]["name"] == "runs-service")
 pod = service["spec"]["template"]["spec"]
 sidecar = next((c for c in pod["containers"] if c["name"] == "ferry-relay"), None) or fail("k8s: no ferry-relay sidecar")
+if k8s_binary("the relay sidecar", sidecar) != "ferry-relay":
+    fail(f"k8s: the relay sidecar must run the relay image (ferry-relay), not {sidecar['image']}")
+if (sidecar.get("args") or [None])[0] != "run":
+    fail("k8s: the relay sidecar must run `ferry-relay run`")
 if sidecar["livenessProbe"]["httpGet"]["path"] != "/healthz" or sidecar["readinessProbe"]["httpGet"]["path"] != "/readyz":
     fail("k8s: the relay sidecar needs /healthz liveness and /readyz readiness probes")
 if pod["terminationGracePeriodSeconds"] <= relay_grace:
     fail("k8s: the pod's termination grace must exceed the relay's --grace")
+consumer = next((d for d in by_kind["Deployment"] if d["metadata"]["name"] == "ferry-projection"), None) \
+    or fail("k8s: no ferry-projection deployment")
+for c in consumer["spec"]["template"]["spec"]["containers"]:
+    if k8s_binary("the consumer", c) != "ferry-projection":
+        fail(f"k8s: the consumer must run the projection image (ferry-projection), not {c['image']}")
+migrate = next((j for j in by_kind["Job"] if j["metadata"]["name"] == "ferry-migrate"), None) \
+    or fail("k8s: no ferry-migrate job")
+for c in migrate["spec"]["template"]["spec"]["containers"]:
+    if k8s_binary("the migrate job", c) not in ("ferry", "ferry-relay") or (c.get("args") or [None])[0] != "migrate":
+        fail(f"k8s: the migrate job must run `ferry migrate` from the operator image, not {c['image']} {c.get('args')}")
 hpa = by_kind["HorizontalPodAutoscaler"][0]
 if hpa["spec"]["scaleTargetRef"]["name"] not in [d["metadata"]["name"] for d in by_kind["Deployment"]]:
     fail("k8s: the HPA targets no deployment here")
@@ -74,4 +332,4 @@ secret = by_kind["Secret"][0]["stringData"]
 for key in ["service-url", "relay-url", "consumer-url", "migrate-url"]:
     if key not in secret:
         fail(f"k8s: secret lacks {key}")
-print(f"deploy check: compose ({len(services)} services), Dockerfile, {len(docs)} manifests ok")
+print(f"deploy check: compose ({len(services)} services), Dockerfile (targets {', '.join(BY_TARGET)}), {len(docs)} manifests ok")

@@ -65,8 +65,8 @@ GRANT USAGE ON SEQUENCE ferry_audit_id_seq TO ferry_relay;
 GRANT SELECT, INSERT, UPDATE ON consumer_partitions TO ferry_consumer;
 GRANT SELECT, INSERT, DELETE ON consumer_ledger TO ferry_consumer;
 
--- An operator runs `ferry-relay jobs list|inspect|cancel|replay-dead` and
--- `ferry-relay dead list|replay`: cancel terminates a run (job, run, event,
+-- An operator runs `ferry jobs list|inspect|cancel|replay-dead` and
+-- `ferry dead list|replay`: cancel terminates a run (job, run, event,
 -- attempt, outbox row), replay-dead accepts a linked run and appends
 -- `replay_requested` to the dead one, dead replay sets dead outbox rows back
 -- to pending; each writes a ferry_audit entry. No DELETE anywhere, no lanes,
