@@ -41,7 +41,7 @@ use std::time::Duration;
 pub use effects::{EffectRecord, EffectState, Reservation, Resolution};
 pub use error::{Error, Result};
 pub use fingerprint::{fingerprint, redact, Fingerprint, FINGERPRINT_VERSION};
-pub use jobs::{Claimed, DeadJob, ErrorClass, JobAttempt, JobError, Lease};
+pub use jobs::{AttemptOutcome, Claimed, DeadJob, ErrorClass, JobAttempt, JobError, JobState, Lease};
 pub use limits::Limits;
 pub use notify::CHANNEL as NOTIFY_CHANNEL;
 pub use outbox::OutboxMessage;

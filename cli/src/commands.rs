@@ -68,7 +68,7 @@ pub enum JobsCommand {
         tenant: String,
         /// Only this state.
         #[arg(long)]
-        state: Option<String>,
+        state: Option<ferry::JobState>,
         /// How many.
         #[arg(long, default_value_t = 50)]
         limit: u32,
@@ -242,7 +242,7 @@ async fn jobs(command: JobsCommand) -> Result<(), CliError> {
             limit,
         } => {
             let ferry = Ferry::builder(&db.database_url).connect().await?;
-            for j in ferry.list_jobs(&tenant, state.as_deref(), limit).await? {
+            for j in ferry.list_jobs(&tenant, state, limit).await? {
                 println!(
                     "{}  {:<10} {:<12} attempts {}/{}  {}",
                     j.run_id,
@@ -273,7 +273,7 @@ async fn jobs(command: JobsCommand) -> Result<(), CliError> {
                     a.attempt,
                     a.generation,
                     a.worker,
-                    a.outcome.as_deref().unwrap_or("running"),
+                    a.outcome.map_or("running", |o| o.as_str()),
                     a.error_code.as_deref().unwrap_or("")
                 );
             }

@@ -273,6 +273,9 @@ impl Conn<'_> {
     }
 }
 
+mod engine;
+mod text_enum;
+pub(crate) use text_enum::text_enum;
 mod wakeup;
 pub use wakeup::{Wakeup, CHANNEL as WAKEUP_CHANNEL};
 

@@ -90,11 +90,11 @@ async fn expired_lease_recovery_and_stale_fencing(kind: Kind) {
     let history = t.ferry.list_attempts("acme", run.run_id).await.unwrap();
     assert_eq!(history.len(), 2);
     assert_eq!(
-        (history[0].outcome.as_deref(), history[0].worker.as_str()),
+        (history[0].outcome.map(|o| o.as_str()), history[0].worker.as_str()),
         (Some("lost"), "worker-a")
     );
     assert_eq!(
-        (history[1].outcome.as_deref(), history[1].generation),
+        (history[1].outcome.map(|o| o.as_str()), history[1].generation),
         (Some("succeeded"), 2)
     );
     assert_eq!(
@@ -214,7 +214,7 @@ async fn retry_schedule_is_exact_and_the_budget_terminalizes(kind: Kind) {
         .await
         .unwrap()
         .into_iter()
-        .map(|a| a.outcome.unwrap())
+        .map(|a| a.outcome.unwrap().as_str().to_owned())
         .collect();
     assert_eq!(outcomes, ["retried", "retried", "dead"]);
     assert_eq!(
@@ -595,7 +595,9 @@ async fn batch_completion_fences_each_lease(kind: Kind) {
         let last = t.ferry.list_events("acme", id).await.unwrap().pop().unwrap();
         assert_eq!(last.body, json!({"result": {"run": id}}));
         assert_eq!(
-            t.ferry.list_attempts("acme", id).await.unwrap()[0].outcome.as_deref(),
+            t.ferry.list_attempts("acme", id).await.unwrap()[0]
+                .outcome
+                .map(|o| o.as_str()),
             Some("succeeded")
         );
         let lane = ferry::outbox::lane_for(&id.to_string(), t.ferry.lanes());
@@ -647,7 +649,14 @@ async fn release_then_claim_again_completes(kind: Kind) {
         .await
         .unwrap()
         .into_iter()
-        .map(|a| (a.attempt, a.generation, a.worker, a.outcome.unwrap()))
+        .map(|a| {
+            (
+                a.attempt,
+                a.generation,
+                a.worker,
+                a.outcome.unwrap().as_str().to_owned(),
+            )
+        })
         .collect();
     assert_eq!(
         history,

@@ -1,0 +1,169 @@
+//! Operator queries and actions on jobs: dead jobs with their history,
+//! attempts, depth, replaying a dead run, listing.
+
+use serde_json::json;
+use uuid::Uuid;
+
+use super::*;
+use crate::error::{Error, Result};
+use crate::runs::{get_run_in, Accepted, NewRun};
+use crate::store::{on_conn, on_pool, Conn};
+use crate::Ferry;
+
+impl Ferry {
+    /// Dead jobs of `tenant`, optionally only those with `error_code`, with
+    /// their attempt history.
+    pub async fn list_dead(&self, tenant: &str, error_code: Option<&str>, limit: u32) -> Result<Vec<DeadJob>> {
+        let rows: Vec<DeadRow> = on_pool!(self.db(), |p, q| {
+            sqlx::query_as(q.list_dead)
+                .bind(tenant)
+                .bind(error_code)
+                .bind(i64::from(limit))
+                .fetch_all(p)
+                .await?
+        });
+        let mut out = Vec::with_capacity(rows.len());
+        for row in rows {
+            let history = self.list_attempts(&row.tenant, row.run_id).await?;
+            out.push(DeadJob {
+                tenant: row.tenant,
+                run_id: row.run_id,
+                queue: row.queue,
+                operation: row.operation,
+                error_code: row.last_error_code,
+                attempts: row.attempts,
+                died_at: row.updated_at,
+                history,
+            });
+        }
+        Ok(out)
+    }
+
+    /// The attempt history of a run's job, one row per claim, in claim
+    /// (generation) order.
+    pub async fn list_attempts(&self, tenant: &str, run_id: Uuid) -> Result<Vec<JobAttempt>> {
+        Ok(on_pool!(self.db(), |p, q| {
+            sqlx::query_as(q.list_attempts)
+                .bind(tenant)
+                .bind(run_id)
+                .fetch_all(p)
+                .await?
+        }))
+    }
+
+    /// Deletes up to `batch` finished attempt rows older than `before`
+    /// (retention of attempt history). Returns how many.
+    pub async fn sweep_attempts(&self, before: crate::Millis, batch: u32) -> Result<u64> {
+        let done = on_pool!(self.db(), |p, q| {
+            sqlx::query(q.sweep_attempts)
+                .bind(before.get())
+                .bind(i64::from(batch))
+                .execute(p)
+                .await?
+                .rows_affected()
+        });
+        Ok(done)
+    }
+
+    /// Jobs of `tenant` waiting to be claimed (for backpressure).
+    pub async fn queued_depth(&self, tenant: &str) -> Result<i64> {
+        Ok(on_pool!(self.db(), |p, q| {
+            sqlx::query_scalar(q.queued_depth).bind(tenant).fetch_one(p).await?
+        }))
+    }
+
+    /// Replays a dead run as a **new** run under a new operation identity
+    /// (`<operation>.replay`, keyed by the dead run id), linked through
+    /// `replay_of`. The dead run gets a `replay_requested` audit event naming
+    /// `actor` and `reason`. A second replay of the same run is refused with
+    /// [`Error::AlreadyReplayed`] unless `force`.
+    pub async fn replay_dead(
+        &self,
+        tenant: &str,
+        run_id: Uuid,
+        actor: &str,
+        reason: &str,
+        force: bool,
+    ) -> Result<Accepted> {
+        let mut tx = self.begin().await?;
+        let r = self
+            .replay_dead_in(tx.conn(), tenant, run_id, actor, reason, force)
+            .await;
+        tx.finish(r).await
+    }
+
+    /// [`Ferry::replay_dead`] inside the caller's transaction.
+    pub async fn replay_dead_in(
+        &self,
+        mut conn: Conn<'_>,
+        tenant: &str,
+        run_id: Uuid,
+        actor: &str,
+        reason: &str,
+        force: bool,
+    ) -> Result<Accepted> {
+        self.limits().tenant(tenant)?;
+        self.limits().text("actor", actor, 255)?;
+        self.limits().text("reason", reason, 4096)?;
+        let locked: Option<(String, i64)> = on_conn!(conn.reborrow(), |c, q| {
+            sqlx::query_as(q.lock_run)
+                .bind(tenant)
+                .bind(run_id)
+                .fetch_optional(&mut *c)
+                .await?
+        });
+        let (state, _) = locked.ok_or(Error::NotFound { what: "run" })?;
+        if state != "failed" {
+            return Err(Error::InvalidState {
+                run_id,
+                state,
+                reason: "only failed runs can be replayed",
+            });
+        }
+        let earlier: Option<Uuid> = on_conn!(conn.reborrow(), |c, q| {
+            sqlx::query_scalar(q.find_replay)
+                .bind(tenant)
+                .bind(run_id)
+                .fetch_optional(&mut *c)
+                .await?
+        });
+        if let (Some(replayed_as), false) = (earlier, force) {
+            return Err(Error::AlreadyReplayed { run_id, replayed_as });
+        }
+        let dead = get_run_in(conn.reborrow(), tenant, run_id).await?;
+        let job: JobRow = on_conn!(conn.reborrow(), |c, q| {
+            sqlx::query_as(q.get_job)
+                .bind(tenant)
+                .bind(run_id)
+                .fetch_one(&mut *c)
+                .await?
+        });
+        let nth = dead.last_event_seq; // distinct per replay: every replay appends an event
+        let mut new = NewRun::new(
+            tenant,
+            format!("{}.replay", dead.operation),
+            format!("{run_id}.{nth}"),
+            dead.request.clone(),
+        )
+        .queue(job.queue)
+        .max_attempts(job.max_attempts as u32);
+        new.replay_of = Some(run_id);
+        let accepted = self.create_run_idempotent_in(conn.reborrow(), new).await?;
+        let body = json!({ "actor": actor, "reason": reason, "new_run_id": accepted.run.run_id });
+        self.append_event_in(conn, tenant, run_id, "replay_requested", &body)
+            .await?;
+        Ok(accepted)
+    }
+
+    /// Jobs of `tenant`, newest first, optionally only in `state`.
+    pub async fn list_jobs(&self, tenant: &str, state: Option<JobState>, limit: u32) -> Result<Vec<JobSummary>> {
+        Ok(on_pool!(self.db(), |p, q| {
+            sqlx::query_as(q.list_jobs)
+                .bind(tenant)
+                .bind(state)
+                .bind(i64::from(limit))
+                .fetch_all(p)
+                .await?
+        }))
+    }
+}

@@ -1,0 +1,138 @@
+//! What really differs between the engines in the job path, and nothing
+//! else: the claim (one `FOR UPDATE SKIP LOCKED` statement with its attempt
+//! rows on PostgreSQL; the same steps one by one under SQLite's single
+//! writer) and batch completion (one set-based statement on PostgreSQL; a
+//! savepoint per lease on SQLite).
+
+use serde_json::Value;
+use sqlx::types::Json;
+use uuid::Uuid;
+
+use crate::error::{Error, Result};
+use crate::jobs::{ClaimRow, Claimed, Lease, Transition};
+use crate::runs::get_run_in;
+use crate::store::Conn;
+use crate::Ferry;
+
+impl Ferry {
+    pub(crate) async fn claim_in(
+        &self,
+        conn: Conn<'_>,
+        queue: &str,
+        owner: &str,
+        lease_ms: i64,
+        limit: u32,
+    ) -> Result<Vec<Claimed>> {
+        match conn {
+            Conn::Postgres(c) => {
+                let q = &crate::store::queries::QUERIES.postgres;
+                let rows = sqlx::query(q.claim_jobs)
+                    .bind(queue)
+                    .bind(self.now())
+                    .bind(i64::from(limit))
+                    .bind(owner)
+                    .bind(lease_ms)
+                    .fetch_all(&mut *c)
+                    .await?;
+                rows.iter()
+                    .map(|row| {
+                        use sqlx::{FromRow, Row};
+                        let base = ClaimRow::from_row(row)?;
+                        let request: Json<Value> = row.try_get("request")?;
+                        Ok(base.into_claimed(row.try_get("operation")?, request.0, row.try_get("replay_of")?))
+                    })
+                    .collect()
+            }
+            Conn::Sqlite(c) => {
+                let q = &crate::store::queries::QUERIES.sqlite;
+                let rows: Vec<ClaimRow> = sqlx::query_as(q.claim_jobs)
+                    .bind(queue)
+                    .bind(self.now())
+                    .bind(i64::from(limit))
+                    .bind(owner)
+                    .bind(lease_ms)
+                    .fetch_all(&mut *c)
+                    .await?;
+                let mut out = Vec::with_capacity(rows.len());
+                for row in rows {
+                    sqlx::query(q.close_lost_attempts)
+                        .bind(&row.tenant)
+                        .bind(row.run_id)
+                        .bind(row.lease_generation)
+                        .bind(row.claimed_at)
+                        .execute(&mut *c)
+                        .await?;
+                    sqlx::query(q.insert_attempt)
+                        .bind(&row.tenant)
+                        .bind(row.run_id)
+                        .bind(row.attempts)
+                        .bind(row.lease_generation)
+                        .bind(&row.lease_owner)
+                        .bind(row.claimed_at)
+                        .execute(&mut *c)
+                        .await?;
+                    let run = get_run_in(Conn::Sqlite(&mut *c), &row.tenant, row.run_id).await?;
+                    out.push(row.into_claimed(run.operation, run.request, run.replay_of));
+                }
+                Ok(out)
+            }
+        }
+    }
+
+    /// [`Ferry::complete_batch`] inside `conn`'s transaction: one set-based
+    /// statement on PostgreSQL, a savepoint per lease on SQLite.
+    pub(crate) async fn complete_batch_in(&self, conn: Conn<'_>, items: &[(Lease, Value)]) -> Result<Vec<Result<()>>> {
+        match conn {
+            Conn::Postgres(c) => self.complete_batch_pg(c, items).await,
+            Conn::Sqlite(c) => {
+                let mut out = Vec::with_capacity(items.len());
+                for (lease, result) in items {
+                    // A savepoint per lease keeps a refused one from leaving half its writes.
+                    let mut sp = sqlx::Connection::begin(&mut *c).await?;
+                    let one = self.complete_in(Conn::Sqlite(&mut sp), lease, result).await;
+                    if one.is_ok() {
+                        sp.commit().await?;
+                    } else {
+                        sp.rollback().await?;
+                    }
+                    out.push(one);
+                }
+                Ok(out)
+            }
+        }
+    }
+
+    async fn complete_batch_pg(&self, c: &mut sqlx::PgConnection, items: &[(Lease, Value)]) -> Result<Vec<Result<()>>> {
+        let rows: Vec<(Uuid, bool)> = sqlx::query_as(crate::store::queries::POSTGRES_ONLY.complete_batch)
+            .bind(items.iter().map(|(l, _)| l.tenant.as_str()).collect::<Vec<_>>())
+            .bind(items.iter().map(|(l, _)| l.run_id).collect::<Vec<_>>())
+            .bind(items.iter().map(|(l, _)| l.owner.as_str()).collect::<Vec<_>>())
+            .bind(items.iter().map(|(l, _)| l.generation).collect::<Vec<_>>())
+            .bind(items.iter().map(|(_, v)| Json(v)).collect::<Vec<_>>())
+            .bind(
+                items
+                    .iter()
+                    .map(|(l, _)| crate::outbox::lane_for(&l.run_id.to_string(), self.lanes()))
+                    .collect::<Vec<_>>(),
+            )
+            .bind(self.now())
+            .bind(&self.inner.events_topic)
+            .fetch_all(&mut *c)
+            .await?;
+        if rows.iter().any(|(_, moved)| !moved) {
+            return Err(Error::Invariant(
+                "a leased job's run was already terminal; the batch was rolled back".into(),
+            ));
+        }
+        let done: std::collections::HashSet<Uuid> = rows.into_iter().map(|(id, _)| id).collect();
+        let mut out = Vec::with_capacity(items.len());
+        for (lease, _) in items {
+            out.push(if done.contains(&lease.run_id) {
+                Ok(())
+            } else {
+                Err(self.refusal(Conn::Postgres(&mut *c), lease, Transition::Finish).await)
+            });
+        }
+        Ok(out)
+    }
+}
