@@ -1,11 +1,12 @@
 //! Request fingerprints: SHA-256 over a versioned canonical form of the
 //! validated command (invariant 3).
 //!
-//! The canonical form is JSON with object keys sorted, no insignificant
-//! whitespace, and numbers normalized (`1`, `1.0` and `1e0` are the same
-//! number). It covers the operation, the schema version, the tenant and the
-//! command after defaults, never a server-generated id. The version of this
-//! scheme, [`FINGERPRINT_VERSION`], is stored beside every fingerprint.
+//! The canonical form is JSON with object keys sorted by their UTF-8 bytes,
+//! no insignificant whitespace, and numbers normalized (`1`, `1.0` and `1e0`
+//! are the same number). It covers the operation, the schema version, the
+//! tenant and the command after defaults, never a server-generated id. The
+//! version of this scheme, [`FINGERPRINT_VERSION`], is stored beside every
+//! fingerprint.
 
 use serde_json::Value;
 use sha2::{Digest, Sha256};
@@ -63,25 +64,41 @@ fn write_canonical(value: &Value, out: &mut String) {
             out.push(']');
         }
         Value::Object(map) => {
-            let mut keys: Vec<&String> = map.keys().collect();
-            keys.sort();
+            // Sorted here, by the UTF-8 bytes of the key, whatever order the
+            // map iterates in: serde_json's `preserve_order` feature (which any
+            // crate in the build can switch on) makes it insertion order. Byte
+            // order is the order of the default BTreeMap, so it is what v1
+            // fingerprints were computed with. Keys are unique: the sort is total.
+            let mut entries: Vec<(&String, &Value)> = map.iter().collect();
+            entries.sort_unstable_by(|(a, _), (b, _)| a.as_bytes().cmp(b.as_bytes()));
             out.push('{');
-            for (i, k) in keys.into_iter().enumerate() {
+            for (i, (k, v)) in entries.into_iter().enumerate() {
                 if i > 0 {
                     out.push(',');
                 }
                 out.push_str(&Value::String(k.clone()).to_string());
                 out.push(':');
-                write_canonical(&map[k], out);
+                write_canonical(v, out);
             }
             out.push('}');
         }
     }
 }
 
-/// Integers print as integers; a float with an integral value that is exact in
-/// an `f64` prints as that integer; other floats print in Rust's shortest
-/// round-trip form. `-0` is `0`.
+/// Integers print as integers; a float with an integral value of magnitude at
+/// most 2^53 prints as that integer; other floats print in Rust's shortest
+/// round-trip exponent form (`5e-1`, `1.5e0`, `1e16`). `-0`, `-0.0` and `0.0`
+/// are `0`.
+///
+/// So `1`, `1.0`, `1e0` and `10e-1` agree, and integers beyond 2^53 keep every
+/// digit (`18446744073709551615` and `18446744073709551614` differ). A float
+/// with an integral value above 2^53 stays in exponent form even when it is
+/// exact: `1e16` and `1.0e16` are `1e16`, while the integer `10000000000000000`
+/// is itself. That is the v1 form; changing it changes fingerprints and needs a
+/// new [`FINGERPRINT_VERSION`].
+///
+/// The form is defined on the parsed [`Value`]: a float is whatever `f64` the
+/// caller's JSON parser produced from the text.
 fn write_number(n: &serde_json::Number, out: &mut String) {
     use std::fmt::Write;
     if let Some(i) = n.as_i64() {
