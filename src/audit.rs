@@ -7,7 +7,15 @@ use crate::{Ferry, Result};
 impl Ferry {
     /// Appends an operator action to `ferry_audit` inside the caller's
     /// transaction, naming the actor, the action, its subject and the reason.
-    pub async fn audit_in(&self, conn: Conn<'_>, actor: &str, action: &str, subject: &str, reason: &str) -> Result<()> {
+    pub async fn audit_in<'c>(
+        &self,
+        conn: impl Into<Conn<'c>>,
+        actor: &str,
+        action: &str,
+        subject: &str,
+        reason: &str,
+    ) -> Result<()> {
+        let conn: Conn<'c> = conn.into();
         on_conn!(conn, |c, q| {
             sqlx::query(q.insert_audit)
                 .bind(self.now())

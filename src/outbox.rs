@@ -274,7 +274,8 @@ impl Ferry {
     /// several keys while another enqueues them in another order can
     /// deadlock (PostgreSQL aborts one with `40P01`): enqueue keys in a
     /// consistent order, or retry.
-    pub async fn enqueue_in(&self, mut conn: Conn<'_>, msg: &OutboxMessage) -> Result<i64> {
+    pub async fn enqueue_in<'c>(&self, conn: impl Into<Conn<'c>>, msg: &OutboxMessage) -> Result<i64> {
+        let mut conn: Conn<'c> = conn.into();
         msg.validate(self.limits())?;
         // Carry the caller's trace to consumers unless the message has its own.
         let traced;

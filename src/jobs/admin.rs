@@ -93,15 +93,16 @@ impl Ferry {
     }
 
     /// [`Ferry::replay_dead`] inside the caller's transaction.
-    pub async fn replay_dead_in(
+    pub async fn replay_dead_in<'c>(
         &self,
-        mut conn: Conn<'_>,
+        conn: impl Into<Conn<'c>>,
         tenant: &str,
         run_id: Uuid,
         actor: &str,
         reason: &str,
         force: bool,
     ) -> Result<Accepted> {
+        let mut conn: Conn<'c> = conn.into();
         self.limits().tenant(tenant)?;
         self.limits().text("actor", actor, 255)?;
         self.limits().text("reason", reason, 4096)?;

@@ -236,6 +236,22 @@ impl std::fmt::Display for JobError {
 
 impl std::error::Error for JobError {}
 
+/// A library error inside a handler keeps its retry classification, so `?`
+/// works on Ferry calls in a handler: transient errors (database
+/// unreachable, serialization failure, a part shutting down) are retryable;
+/// a lost lease, a cancelled or finished run, and every other refusal are
+/// terminal for this attempt, with the error's stable code (a lost lease's
+/// attempt is already over, and the worker does not publish it).
+impl From<crate::Error> for JobError {
+    fn from(e: crate::Error) -> Self {
+        if e.is_transient() {
+            JobError::retryable(e.code())
+        } else {
+            JobError::terminal(e.code())
+        }
+    }
+}
+
 /// What [`Ferry::fail`] did with the attempt.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum FailOutcome {

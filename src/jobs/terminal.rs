@@ -192,15 +192,16 @@ impl Ferry {
     }
 
     /// [`Ferry::cancel`] inside the caller's transaction.
-    pub async fn cancel_in(
+    pub async fn cancel_in<'c>(
         &self,
-        mut conn: Conn<'_>,
+        conn: impl Into<Conn<'c>>,
         tenant: &str,
         run_id: Uuid,
         expected_version: Option<i64>,
         actor: &str,
         reason: &str,
     ) -> Result<()> {
+        let mut conn: Conn<'c> = conn.into();
         self.limits().tenant(tenant)?;
         self.limits().text("actor", actor, 255)?;
         self.limits().text("reason", reason, 4096)?;

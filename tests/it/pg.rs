@@ -279,3 +279,80 @@ async fn a_renewal_never_stalls_a_handler_holding_the_job_row() {
         ferry::RunState::Succeeded
     );
 }
+
+/// A service passes its own `sqlx::Transaction` (as `&mut PgConnection`) to
+/// the `*_in` calls: acceptance and completion commit or roll back together
+/// with its domain writes, and completion stays fenced.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_service_passes_its_own_sqlx_transaction() {
+    let t = TestDb::new(Kind::Postgres).await;
+    let pool = t.ferry.db().as_postgres().unwrap().clone();
+    sqlx::query("CREATE TABLE orders (id TEXT PRIMARY KEY, paid BOOLEAN NOT NULL DEFAULT false)")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let order = || NewRun::new("acme", "charge", "order-1", json!({"order": "o-1"}));
+
+    // Rolled back: neither the order nor the run.
+    let mut tx = pool.begin().await.unwrap();
+    sqlx::query("INSERT INTO orders (id) VALUES ('o-1')")
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+    t.ferry.create_run_idempotent_in(&mut *tx, order()).await.unwrap();
+    tx.rollback().await.unwrap();
+    assert_eq!(t.scalar("SELECT count(*) FROM orders").await, 0);
+    assert_eq!(t.scalar("SELECT count(*) FROM runs").await, 0);
+
+    // Committed: both.
+    let mut tx = pool.begin().await.unwrap();
+    sqlx::query("INSERT INTO orders (id) VALUES ('o-1')")
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+    let accepted = t.ferry.create_run_idempotent_in(&mut *tx, order()).await.unwrap();
+    tx.commit().await.unwrap();
+    assert_eq!(t.scalar("SELECT count(*) FROM runs").await, 1);
+
+    // The handler's domain write and the completion: a rollback undoes both...
+    let c = t
+        .ferry
+        .claim("default", "w1", Duration::from_secs(30), 1)
+        .await
+        .unwrap()
+        .pop()
+        .unwrap();
+    assert_eq!(c.lease.run_id, accepted.run.run_id);
+    let mut tx = pool.begin().await.unwrap();
+    sqlx::query("UPDATE orders SET paid = true")
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+    t.ferry
+        .complete_in(&mut *tx, &c.lease, &json!({"paid": true}))
+        .await
+        .unwrap();
+    tx.rollback().await.unwrap();
+    assert_eq!(t.scalar("SELECT count(*) FROM orders WHERE paid").await, 0);
+    assert_eq!(t.scalar("SELECT count(*) FROM runs WHERE state = 'queued'").await, 1);
+
+    // ...a commit keeps both...
+    let mut tx = pool.begin().await.unwrap();
+    sqlx::query("UPDATE orders SET paid = true")
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+    t.ferry
+        .complete_in(&mut *tx, &c.lease, &json!({"paid": true}))
+        .await
+        .unwrap();
+    tx.commit().await.unwrap();
+    assert_eq!(t.scalar("SELECT count(*) FROM orders WHERE paid").await, 1);
+    assert_eq!(t.scalar("SELECT count(*) FROM runs WHERE state = 'succeeded'").await, 1);
+
+    // ...and a stale lease is refused inside the caller's transaction too.
+    let mut tx = pool.begin().await.unwrap();
+    let stale = t.ferry.complete_in(&mut *tx, &c.lease, &json!({})).await.unwrap_err();
+    assert!(matches!(stale, ferry::Error::RunTerminal { .. }), "{stale:?}");
+    tx.rollback().await.unwrap();
+}

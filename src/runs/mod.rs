@@ -1,0 +1,271 @@
+//! Runs, their events, and the acceptance transaction (invariants 1–3).
+//!
+//! [`Ferry::create_run_idempotent`] commits the run, `run_queued` at seq 1,
+//! the claimable job, the idempotency record and the event's outbox row
+//! together. The idempotency key is claimed first, through the primary key
+//! (`ON CONFLICT`), so two racing requests produce one run and the loser
+//! reads the winner's record once it commits.
+//!
+//! The types are here; [`accept`] holds the acceptance transaction and
+//! [`events`] reading runs and appending events.
+
+mod accept;
+mod events;
+
+pub(crate) use accept::queued_body;
+pub(crate) use events::{event_payload, get_run_in, write_event};
+
+use std::time::Duration;
+
+use serde_json::Value;
+use sqlx::types::Json;
+use uuid::Uuid;
+
+use crate::error::{Error, Result};
+use crate::outbox::{self};
+use crate::time::duration_ms;
+use crate::Ferry;
+
+/// Event kinds that end a run; exactly one of them per run (invariant 6).
+pub const TERMINAL_KINDS: [&str; 3] = ["run_succeeded", "run_failed", "run_cancelled"];
+
+/// A request to accept a run. Build with [`NewRun::new`] and the setters.
+#[derive(Debug, Clone)]
+pub struct NewRun {
+    /// Tenant of the authenticated caller.
+    pub tenant: String,
+    /// The operation, which also scopes the idempotency key.
+    pub operation: String,
+    /// Version of the command's schema, part of the fingerprint.
+    pub schema_version: u32,
+    /// The client's idempotency key.
+    pub idempotency_key: String,
+    /// The validated command, defaults applied.
+    pub command: Value,
+    /// A proposed run id (a fresh UUIDv7 when `None`). Never fingerprinted.
+    pub run_id: Option<Uuid>,
+    /// Queue the job goes to (default `default`).
+    pub queue: String,
+    /// Attempt budget (default 5).
+    pub max_attempts: u32,
+    /// Time the run has to finish, from acceptance. Leases never extend past it.
+    pub deadline: Option<Duration>,
+    /// W3C trace context of the accepting request.
+    pub traceparent: Option<String>,
+    pub(crate) replay_of: Option<Uuid>,
+}
+
+impl NewRun {
+    /// A run of `operation` for `tenant` with `command`, under `idempotency_key`.
+    pub fn new(
+        tenant: impl Into<String>,
+        operation: impl Into<String>,
+        idempotency_key: impl Into<String>,
+        command: Value,
+    ) -> Self {
+        NewRun {
+            tenant: tenant.into(),
+            operation: operation.into(),
+            schema_version: 1,
+            idempotency_key: idempotency_key.into(),
+            command,
+            run_id: None,
+            queue: "default".into(),
+            max_attempts: 5,
+            deadline: None,
+            traceparent: None,
+            replay_of: None,
+        }
+    }
+
+    /// Sets the command schema version.
+    pub fn schema_version(mut self, v: u32) -> Self {
+        self.schema_version = v;
+        self
+    }
+
+    /// Proposes the run id.
+    pub fn run_id(mut self, id: Uuid) -> Self {
+        self.run_id = Some(id);
+        self
+    }
+
+    /// Sets the queue.
+    pub fn queue(mut self, q: impl Into<String>) -> Self {
+        self.queue = q.into();
+        self
+    }
+
+    /// Sets the attempt budget.
+    pub fn max_attempts(mut self, n: u32) -> Self {
+        self.max_attempts = n;
+        self
+    }
+
+    /// Sets the deadline, relative to acceptance.
+    pub fn deadline(mut self, d: Duration) -> Self {
+        self.deadline = Some(d);
+        self
+    }
+
+    /// Carries a W3C trace context into the outbox.
+    pub fn traceparent(mut self, tp: impl Into<String>) -> Self {
+        self.traceparent = Some(tp.into());
+        self
+    }
+
+    fn validate(&self, ferry: &Ferry) -> Result<()> {
+        let l = ferry.limits();
+        l.tenant(&self.tenant)?;
+        l.name("operation", &self.operation)?;
+        l.name("queue", &self.queue)?;
+        l.idempotency_key(&self.idempotency_key)?;
+        if !(1..=1000).contains(&self.max_attempts) {
+            return Err(Error::invalid("max_attempts", "must be 1 to 1000"));
+        }
+        if !self.command.is_object() {
+            return Err(Error::invalid("command", "must be a JSON object"));
+        }
+        l.json("command", &self.command)?;
+        if let Some(d) = self.deadline {
+            if duration_ms(d)? <= 0 {
+                return Err(Error::invalid("deadline", "must be positive"));
+            }
+        }
+        if let Some(tp) = &self.traceparent {
+            outbox::validate_traceparent(tp)?;
+        }
+        Ok(())
+    }
+}
+
+/// Where a run is. `queued` covers waiting, leased and retrying; the job row
+/// has the detail.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum RunState {
+    /// Accepted and not finished.
+    Queued,
+    /// Completed by a worker.
+    Succeeded,
+    /// Dead: terminal error or attempt budget spent.
+    Failed,
+    /// Cancelled before completion.
+    Cancelled,
+}
+
+impl RunState {
+    /// The stored text.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            RunState::Queued => "queued",
+            RunState::Succeeded => "succeeded",
+            RunState::Failed => "failed",
+            RunState::Cancelled => "cancelled",
+        }
+    }
+
+    pub(crate) fn parse(s: &str) -> Result<Self> {
+        Ok(match s {
+            "queued" => RunState::Queued,
+            "succeeded" => RunState::Succeeded,
+            "failed" => RunState::Failed,
+            "cancelled" => RunState::Cancelled,
+            other => {
+                return Err(Error::CorruptRow {
+                    what: "runs.state",
+                    value: other.into(),
+                })
+            }
+        })
+    }
+
+    /// True for succeeded, failed and cancelled.
+    pub fn is_terminal(self) -> bool {
+        self != RunState::Queued
+    }
+}
+
+/// A run as stored.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct Run {
+    /// Owner.
+    pub tenant: String,
+    /// Id.
+    pub run_id: Uuid,
+    /// Operation.
+    pub operation: String,
+    /// State.
+    pub state: RunState,
+    /// Bumped by every state change; cancel can compare-and-set on it.
+    pub version: i64,
+    /// The accepted command.
+    pub request: Value,
+    /// Instant the run must finish by.
+    pub deadline_at: Option<i64>,
+    /// The dead run this one replays.
+    pub replay_of: Option<Uuid>,
+    /// Accepted at.
+    pub created_at: i64,
+    /// Last changed at.
+    pub updated_at: i64,
+    /// Seq of the newest event.
+    pub last_event_seq: i64,
+}
+
+#[derive(sqlx::FromRow)]
+struct RunRow {
+    tenant: String,
+    run_id: Uuid,
+    operation: String,
+    state: String,
+    version: i64,
+    request: Json<Value>,
+    deadline_at: Option<i64>,
+    replay_of: Option<Uuid>,
+    created_at: i64,
+    updated_at: i64,
+    last_event_seq: i64,
+}
+
+impl TryFrom<RunRow> for Run {
+    type Error = Error;
+    fn try_from(r: RunRow) -> Result<Run> {
+        Ok(Run {
+            tenant: r.tenant,
+            run_id: r.run_id,
+            operation: r.operation,
+            state: RunState::parse(&r.state)?,
+            version: r.version,
+            request: r.request.0,
+            deadline_at: r.deadline_at,
+            replay_of: r.replay_of,
+            created_at: r.created_at,
+            updated_at: r.updated_at,
+            last_event_seq: r.last_event_seq,
+        })
+    }
+}
+
+/// One entry of a run's history.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, sqlx::FromRow)]
+pub struct RunEvent {
+    /// Position in the run's history, from 1, without gaps.
+    pub seq: i64,
+    /// `run_queued`, `run_succeeded`, `run_failed`, `run_cancelled`, or a service's own kind.
+    pub kind: String,
+    /// Event data.
+    #[sqlx(json)]
+    pub body: Value,
+    /// Written at.
+    pub created_at: i64,
+}
+
+/// The answer to an acceptance.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Accepted {
+    /// The run: new, or the original one for a replay.
+    pub run: Run,
+    /// True when the key was seen before with an equivalent request: nothing was written.
+    pub replay: bool,
+}
