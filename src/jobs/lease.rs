@@ -13,6 +13,7 @@ impl Ferry {
     /// lease of `lease`, never past the run's deadline (like [`Ferry::renew`]). Eligible: due, under the attempt budget, not
     /// cancelled, and queued or leased past expiry. On PostgreSQL this is one
     /// `FOR UPDATE SKIP LOCKED` statement that also writes the attempt rows.
+    #[tracing::instrument(name = "ferry.claim", skip_all, fields(queue, owner, limit, claimed))]
     pub async fn claim(&self, queue: &str, owner: &str, lease: Duration, limit: u32) -> Result<Vec<Claimed>> {
         self.limits().name("queue", queue)?;
         self.limits().name("owner", owner)?;
@@ -20,9 +21,15 @@ impl Ferry {
         if limit == 0 {
             return Ok(Vec::new());
         }
+        let span = tracing::Span::current();
+        span.record("queue", queue)
+            .record("owner", owner)
+            .record("limit", limit);
         let mut tx = self.begin().await?;
         let result = self.claim_in(tx.conn(), queue, owner, lease_ms, limit).await;
-        tx.finish(result).await
+        let claimed = tx.finish(result).await?;
+        span.record("claimed", claimed.len());
+        Ok(claimed)
     }
 
     /// Extends the lease by `lease` from now, never past the run's deadline.

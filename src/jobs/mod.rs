@@ -175,7 +175,8 @@ pub enum ErrorClass {
 }
 
 impl ErrorClass {
-    fn as_str(self) -> &'static str {
+    /// The stored text: `retryable`, `terminal` or `ambiguous`.
+    pub fn as_str(self) -> &'static str {
         match self {
             ErrorClass::Retryable => "retryable",
             ErrorClass::Terminal => "terminal",

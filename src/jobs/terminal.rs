@@ -15,6 +15,7 @@ impl Ferry {
     /// Completes many leases in one transaction (one commit): each is fenced
     /// and terminalized exactly like [`Ferry::complete`]. Returns one result
     /// per lease, in order; a refused lease does not affect the others.
+    #[tracing::instrument(name = "ferry.complete_batch", skip_all, fields(count = items.len()))]
     pub async fn complete_batch(&self, items: &[(Lease, Value)]) -> Result<Vec<Result<()>>> {
         for (_, result) in items {
             self.limits().json("result", result)?;
@@ -27,6 +28,7 @@ impl Ferry {
     /// Completes the job: job `succeeded`, run `succeeded`, the
     /// `run_succeeded` event carrying `result` and its outbox row, and the
     /// attempt closed, in one transaction.
+    #[tracing::instrument(name = "ferry.complete", skip_all, fields(tenant = %lease.tenant, run_id = %lease.run_id, generation = lease.generation))]
     pub async fn complete(&self, lease: &Lease, result: &Value) -> Result<()> {
         let mut tx = self.begin().await?;
         let r = self.complete_in(tx.conn(), lease, result).await;
@@ -63,6 +65,11 @@ impl Ferry {
     /// errors and spent budgets make the job dead and the run failed, with the
     /// `run_failed` event and its outbox row, atomically. Ambiguous errors
     /// also mark the attempt's reserved effects `unknown`.
+    #[tracing::instrument(
+        name = "ferry.fail",
+        skip_all,
+        fields(tenant = %lease.tenant, run_id = %lease.run_id, generation = lease.generation, error_code = %error.code, error_class = error.class.as_str(), outcome)
+    )]
     pub async fn fail(
         &self,
         lease: &Lease,
@@ -73,7 +80,15 @@ impl Ferry {
         self.limits().name("error code", &error.code)?;
         let mut tx = self.begin().await?;
         let r = self.fail_in(tx.conn(), lease, error, policy, rng).await;
-        tx.finish(r).await
+        let outcome = tx.finish(r).await?;
+        tracing::Span::current().record(
+            "outcome",
+            match &outcome {
+                FailOutcome::Retried { .. } => "retried",
+                FailOutcome::Dead { .. } => "dead",
+            },
+        );
+        Ok(outcome)
     }
 
     async fn fail_in(

@@ -7,5 +7,6 @@ mod fingerprint;
 mod jobs;
 mod outbox;
 mod pg;
+mod spans;
 mod support;
 mod worker;
