@@ -15,9 +15,12 @@ use tracing_subscriber::Layer;
 
 use crate::support::{Kind, TestDb};
 
-/// Every span's name and every field recorded on it, as text.
+/// A span's name and every field recorded on it, as text.
+type SpanRecord = (String, Vec<(String, String)>);
+
+/// Every span opened while the layer is installed.
 #[derive(Clone, Default)]
-struct Spans(Arc<Mutex<Vec<(String, Vec<(String, String)>)>>>);
+struct Spans(Arc<Mutex<Vec<SpanRecord>>>);
 
 struct Fields<'a>(&'a mut Vec<(String, String)>);
 
