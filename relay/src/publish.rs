@@ -16,9 +16,9 @@ use crate::error::RelayError;
 pub enum Outcome {
     /// Acknowledged (`acks=all`) at this partition and offset.
     Acked {
-        /// Partition.
+        /// The partition of the topic the record was written to.
         partition: i32,
-        /// Offset.
+        /// The record's offset in that partition.
         offset: i64,
     },
     /// Kafka will never accept this record.

@@ -26,7 +26,8 @@ use crate::publish;
 pub struct RelayState {
     /// The relay's database side (pool, clock, its queries).
     pub store: RelayStore,
-    /// Metrics.
+    /// The relay's metrics, rendered on `/metrics` and mirrored to
+    /// OpenTelemetry; the lane tasks count into them.
     pub metrics: Metrics,
     /// This relay's lease identity.
     pub owner: String,

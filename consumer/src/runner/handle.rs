@@ -50,7 +50,9 @@ impl Consumer {
 
     /// Commits `records` in one micro-batch transaction when they all carry
     /// effect keys, then tells Kafka. Returns whether it committed (if not,
-    /// nothing of it was written and the caller goes one by one).
+    /// nothing of it was written and the caller goes one by one). Runs in a
+    /// `ferry.consume.batch` span (group, topic, partition, lease generation,
+    /// first and last offset, count, outcome; never keys or payloads).
     async fn try_batch(
         &self,
         consumer: &BaseConsumer<LeaseContext>,
@@ -58,6 +60,34 @@ impl Consumer {
         tp: &TopicPartition,
         records: &[Record],
     ) -> bool {
+        let span = tracing::info_span!(
+            "ferry.consume.batch",
+            group = %lease.group,
+            topic = %tp.0,
+            partition = tp.1,
+            generation = lease.generation,
+            first_offset = records.first().map(|r| r.offset).unwrap_or_default(),
+            last_offset = records.last().map(|r| r.offset).unwrap_or_default(),
+            count = records.len(),
+            outcome = tracing::field::Empty,
+        );
+        let outcome = self
+            .commit_batch(consumer, lease, tp, records)
+            .instrument(span.clone())
+            .await;
+        span.record("outcome", outcome.as_str());
+        outcome == BatchOutcome::Committed
+    }
+
+    /// The micro-batch itself: effect keys, the transaction, the metrics and
+    /// the Kafka commit.
+    async fn commit_batch(
+        &self,
+        consumer: &BaseConsumer<LeaseContext>,
+        lease: &PartitionLease,
+        tp: &TopicPartition,
+        records: &[Record],
+    ) -> BatchOutcome {
         let keyed: Option<Vec<(Record, String)>> = records
             .iter()
             .map(|r| {
@@ -67,11 +97,11 @@ impl Consumer {
             })
             .collect();
         let Some(keyed) = keyed else {
-            return false;
+            return BatchOutcome::Unkeyed;
         };
         let started = Instant::now();
         let Ok(done) = process_batch(&self.b.store, lease, &keyed, self.handler.as_ref()).await else {
-            return false;
+            return BatchOutcome::RolledBack;
         };
         self.metrics.observe_handler(started.elapsed().as_secs_f64());
         for p in done {
@@ -84,7 +114,7 @@ impl Consumer {
         let mut tpl = TopicPartitionList::new();
         let _ = tpl.add_partition_offset(&tp.0, tp.1, Offset::Offset(last + 1));
         let _ = consumer.commit(&tpl, CommitMode::Async);
-        true
+        BatchOutcome::Committed
     }
 
     /// Processes one record (first attempt or retry). Returns a retry to
@@ -294,6 +324,27 @@ impl Consumer {
         } else {
             tracing::info!(topic = %tp.0, partition = tp.1, offset = record.offset, %code, "retrying in place");
             Step::Retry(r)
+        }
+    }
+}
+
+/// How a micro-batch attempt ended (the `outcome` of its span).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum BatchOutcome {
+    /// Committed, and the offset after it sent to Kafka.
+    Committed,
+    /// A record had no effect key: nothing was tried.
+    Unkeyed,
+    /// The transaction failed and was rolled back: nothing was written.
+    RolledBack,
+}
+
+impl BatchOutcome {
+    fn as_str(self) -> &'static str {
+        match self {
+            BatchOutcome::Committed => "committed",
+            BatchOutcome::Unkeyed => "unkeyed",
+            BatchOutcome::RolledBack => "rolled_back",
         }
     }
 }

@@ -94,6 +94,12 @@ async fn one_trace_from_request_to_consumer() {
         "acceptance captured the request's context"
     );
 
+    let (lane, key, payload): (i32, String, Vec<u8>) = sqlx::query_as("SELECT lane, key, payload FROM outbox")
+        .fetch_one(ferry.db().as_postgres().unwrap())
+        .await
+        .unwrap();
+    let payload = String::from_utf8(payload).unwrap();
+
     let relay = start_relay(relay_config(&url, &broker.brokers()), ferry.clone()).await;
     let consumer = Consumer::builder(ferry.clone(), broker.brokers(), "traced-group", &["ferry.run-events"])
         .handler(Noop)
@@ -165,4 +171,30 @@ async fn one_trace_from_request_to_consumer() {
             .any(|l| l.span_context.span_id() == request_cx.span_id()),
         "and links to the producer's span"
     );
+
+    // The relay's batch span names the lane, never the key or the payload.
+    // Other tests share the exporter: every batch span is checked, and one
+    // must be of this row's lane.
+    let batches: Vec<_> = spans.iter().filter(|s| s.name == "ferry.relay.batch").collect();
+    assert!(
+        batches.iter().any(|s| s
+            .attributes
+            .iter()
+            .any(|a| a.key.as_str() == "lane" && a.value == opentelemetry::Value::I64(i64::from(lane)))),
+        "no ferry.relay.batch span with lane {lane}"
+    );
+    for batch in &batches {
+        let keys: Vec<&str> = batch.attributes.iter().map(|a| a.key.as_str()).collect();
+        for field in ["lane", "generation", "first_id", "last_id", "count", "mode", "outcome"] {
+            assert!(keys.contains(&field), "batch span without {field}: {keys:?}");
+        }
+        for a in &batch.attributes {
+            let value = a.value.as_str();
+            assert!(
+                !matches!(a.key.as_str(), "key" | "payload") && !value.contains(&payload) && !value.contains(&key),
+                "the batch span carries a key or a payload: {} = {value}",
+                a.key
+            );
+        }
+    }
 }

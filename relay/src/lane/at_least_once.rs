@@ -1,0 +1,185 @@
+//! At least once: a batch streams through the shared idempotent producer,
+//! acknowledged rows are marked progressively (see [`Marker`]), and at the
+//! first failed row nothing more is produced: what is in flight is awaited,
+//! only the acknowledged prefix is marked.
+
+use std::collections::VecDeque;
+
+use futures::FutureExt;
+use rdkafka::error::KafkaError;
+use rdkafka::producer::{DeliveryFuture, FutureProducer};
+use rdkafka::types::RDKafkaErrorCode;
+
+use super::marker::Marker;
+use super::{now_ms, poison, BatchEnd};
+use crate::config::RelayConfig;
+use crate::publish::{self, Outcome};
+use crate::service::RelayState;
+use crate::store::{LaneLease, PendingRow};
+
+/// At least once: streams the batch, marks acknowledged rows progressively,
+/// and stops producing at the first failed row.
+pub(super) async fn at_least_once(
+    state: &RelayState,
+    cfg: &RelayConfig,
+    producer: &FutureProducer,
+    database_id: &str,
+    lease: LaneLease,
+    rows: &[PendingRow],
+) -> BatchEnd {
+    let mut stream = Stream {
+        state,
+        cfg,
+        rows,
+        marker: Marker::new(lease),
+        inflight: VecDeque::new(),
+    };
+    let end = stream.produce(producer, database_id).await;
+    let end = stream.drain(end).await;
+    let end = match end {
+        BatchEnd::Isolate { code, .. } => BatchEnd::Isolate {
+            through: rows.last().map(|r| r.id).unwrap_or(0),
+            code,
+        },
+        other => other,
+    };
+    match stream.marker.flush(state, cfg).await {
+        Some(BatchEnd::Lost) => BatchEnd::Lost,
+        Some(stop) if end == BatchEnd::Done => stop,
+        _ => end,
+    }
+}
+
+/// One batch being streamed: its rows, the deliveries in flight (by row
+/// index, oldest first) and the acknowledged ids not yet marked.
+struct Stream<'a> {
+    state: &'a RelayState,
+    cfg: &'a RelayConfig,
+    rows: &'a [PendingRow],
+    marker: Marker,
+    inflight: VecDeque<(usize, DeliveryFuture)>,
+}
+
+impl Stream<'_> {
+    /// Produces the rows in order until one fails; the end so far.
+    async fn produce(&mut self, producer: &FutureProducer, database_id: &str) -> BatchEnd {
+        let rows = self.rows;
+        for (i, row) in rows.iter().enumerate() {
+            if let Some(stop) = self.settle_arrived().await {
+                return stop;
+            }
+            if let Some(stop) = self.send(producer, database_id, i, row).await {
+                return stop;
+            }
+        }
+        BatchEnd::Done
+    }
+
+    /// Settles acknowledgements that already arrived, so a failure stops the
+    /// lane before anything more is produced.
+    async fn settle_arrived(&mut self) -> Option<BatchEnd> {
+        while let Some(Some(r)) = self.inflight.front_mut().map(|(_, f)| f.now_or_never()) {
+            let (j, _) = self.inflight.pop_front().expect("front exists");
+            if let Some(stop) = self.settle_delivery(j, publish::delivered(r)).await {
+                return Some(stop);
+            }
+        }
+        None
+    }
+
+    /// Hands row `i` to the producer, waiting for the oldest delivery while
+    /// its queue is full. `Some` stops the batch.
+    async fn send(
+        &mut self,
+        producer: &FutureProducer,
+        database_id: &str,
+        i: usize,
+        row: &PendingRow,
+    ) -> Option<BatchEnd> {
+        let topic = self.cfg.route(&row.topic, &row.tenant);
+        loop {
+            match producer.send_result(publish::record(&topic, row, database_id)) {
+                Ok(fut) => {
+                    self.inflight.push_back((i, fut));
+                    return None;
+                }
+                Err((KafkaError::MessageProduction(RDKafkaErrorCode::QueueFull), _)) => {
+                    let Some((j, fut)) = self.inflight.pop_front() else {
+                        return Some(BatchEnd::Stalled {
+                            id: row.id,
+                            code: "queue_full",
+                        });
+                    };
+                    // Make room by waiting for the oldest delivery.
+                    let outcome = publish::delivered(fut.await);
+                    if let Some(stop) = self.settle_delivery(j, outcome).await {
+                        return Some(stop);
+                    }
+                }
+                // Refused by the client before sending: certainly this row's.
+                Err((e, _)) => {
+                    return settle(self.state, self.cfg, &mut self.marker, row, publish::classify(&e), true).await;
+                }
+            }
+        }
+    }
+
+    /// Awaits what is still in flight, settling it only while the batch has
+    /// not stopped; the batch's end.
+    async fn drain(&mut self, mut end: BatchEnd) -> BatchEnd {
+        for (j, fut) in std::mem::take(&mut self.inflight) {
+            let outcome = publish::delivered(fut.await);
+            // After a stop, what was still in flight is awaited but not marked:
+            // only the acknowledged prefix counts.
+            if end == BatchEnd::Done {
+                if let Some(stop) = self.settle_delivery(j, outcome).await {
+                    end = stop;
+                }
+            }
+        }
+        end
+    }
+
+    /// Settles the delivery of row `j`: its outcome is the row's own only
+    /// when the batch holds this one row (else it may be its request's).
+    async fn settle_delivery(&mut self, j: usize, outcome: Outcome) -> Option<BatchEnd> {
+        let alone = self.rows.len() == 1;
+        settle(self.state, self.cfg, &mut self.marker, &self.rows[j], outcome, alone).await
+    }
+}
+
+/// Applies one row's outcome in order; `Some` stops the batch. `alone`:
+/// the outcome is certainly this row's (refused by the client before
+/// sending, or the only row in flight), not its produce request's.
+async fn settle(
+    state: &RelayState,
+    cfg: &RelayConfig,
+    marker: &mut Marker,
+    row: &PendingRow,
+    outcome: Outcome,
+    alone: bool,
+) -> Option<BatchEnd> {
+    let m = &state.metrics;
+    match outcome {
+        Outcome::Acked { .. } => {
+            m.observe_latency(now_ms() - row.created_at);
+            marker.push(row.id);
+            if marker.due() {
+                return marker.flush(state, cfg).await;
+            }
+            None
+        }
+        Outcome::Poison(code) => {
+            m.publish_error(code);
+            poison::refused(state, cfg, marker.lease, row, code, alone).await
+        }
+        Outcome::Transient(code) => {
+            m.publish_error(code);
+            Some(BatchEnd::Stalled { id: row.id, code })
+        }
+        Outcome::Fatal => {
+            m.publish_error("fatal");
+            Some(BatchEnd::Fatal)
+        }
+    }
+}

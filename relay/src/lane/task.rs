@@ -1,0 +1,306 @@
+//! The lane loop: take the lane over (exactly once), read its next batch,
+//! publish it in a `ferry.relay.batch` span, and act on how it ended (back
+//! off, isolate a poison row, retry smaller, give the lane up).
+
+use std::sync::Arc;
+
+use backon::ExponentialBackoff;
+use rdkafka::producer::FutureProducer;
+use tokio::sync::Notify;
+use tokio_util::sync::CancellationToken;
+use tracing::Instrument;
+
+use super::at_least_once::at_least_once;
+use super::take_over::take_over;
+use super::transactional::transactional_batch;
+use super::{pause, retry_backoff, BatchEnd, Sink};
+use crate::config::RelayConfig;
+use crate::exactly_once::ProgressReader;
+use crate::service::RelayState;
+use crate::store::{LaneLease, PendingRow};
+
+/// Publishes one lane until told to finish (after its in-flight batch) or
+/// abort (lease lost: publish and mark nothing more). In exactly-once mode
+/// the lane's transactional producer is created here, fencing its
+/// predecessors, before anything is published. Each batch runs in a
+/// `ferry.relay.batch` span (lane, generation, first and last outbox id,
+/// row count, mode, outcome; never keys or payloads). When the task ends,
+/// however it ends, `abort` is cancelled.
+#[allow(clippy::too_many_arguments)] // one lane task's whole context, spawned once
+pub async fn run(
+    state: Arc<RelayState>,
+    cfg: Arc<RelayConfig>,
+    sink: Sink,
+    database_id: Arc<str>,
+    wake: Arc<Notify>,
+    lease: LaneLease,
+    finish: CancellationToken,
+    abort: CancellationToken,
+) {
+    // However the task ends (including a panic), tell whoever waits to
+    // release this lane, and the main loop, that nothing is in flight.
+    let _done = abort.clone().drop_guard();
+    let (producer, reader) = match sink {
+        Sink::Shared(p) => (Some(p), None),
+        Sink::Transactional(r) => (None, Some(r)),
+    };
+    let mut lane = Lane {
+        backoff: retry_backoff(),
+        producer,
+        reader,
+        txn: None,
+        isolate_through: 0,
+        batch_size: cfg.batch_size,
+        state,
+        cfg,
+        database_id,
+        wake,
+        lease,
+        finish,
+        abort,
+    };
+    lane.publish().await;
+}
+
+/// What the lane loop does after a step.
+enum Flow {
+    /// Go on with the next step.
+    Next,
+    /// Start over from the top of the loop.
+    Retry,
+    /// End the lane task.
+    Stop,
+}
+
+/// One lane task's context and the state its loop carries between batches.
+struct Lane {
+    state: Arc<RelayState>,
+    cfg: Arc<RelayConfig>,
+    database_id: Arc<str>,
+    wake: Arc<Notify>,
+    lease: LaneLease,
+    finish: CancellationToken,
+    abort: CancellationToken,
+    backoff: ExponentialBackoff,
+    /// The shared producer (at least once).
+    producer: Option<FutureProducer>,
+    /// The progress reader (exactly once).
+    reader: Option<Arc<ProgressReader>>,
+    /// The lane's transactional producer, once taken over.
+    txn: Option<FutureProducer>,
+    /// Rows up to this id are published one at a time (see BatchEnd::Isolate).
+    isolate_through: i64,
+    /// Halved when the producer queue cannot hold a batch, reset on success.
+    batch_size: u32,
+}
+
+impl Lane {
+    /// The loop: one batch per turn until finished, aborted or lost.
+    async fn publish(&mut self) {
+        loop {
+            if self.finish.is_cancelled() || self.abort.is_cancelled() {
+                break;
+            }
+            match self.ensure_producer().await {
+                Flow::Next => {}
+                Flow::Retry => continue,
+                Flow::Stop => break,
+            }
+            let rows = match self.next_rows().await {
+                Ok(rows) => rows,
+                Err(Flow::Stop) => break,
+                Err(_) => continue,
+            };
+            if rows.is_empty() {
+                match self.idle().await {
+                    Flow::Stop => break,
+                    _ => continue,
+                }
+            }
+            let Some(end) = self.batch(&rows).await else {
+                // Lost mid-batch: whatever was acknowledged is republished by
+                // the new owner (at least once), or fenced by it (exactly once).
+                break;
+            };
+            if let Flow::Stop = self.after(end).await {
+                break;
+            }
+        }
+    }
+
+    /// Exactly once, without a producer yet: takes the lane over.
+    async fn ensure_producer(&mut self) -> Flow {
+        let (Some(reader), None) = (&self.reader, &self.txn) else {
+            return Flow::Next;
+        };
+        match take_over(
+            &self.state,
+            &self.cfg,
+            reader,
+            &self.database_id,
+            self.lease,
+            &self.abort,
+        )
+        .await
+        {
+            Ok(p) => {
+                self.txn = Some(p);
+                Flow::Next
+            }
+            Err(BatchEnd::Lost) => Flow::Stop,
+            Err(_) => self.back_off().await,
+        }
+    }
+
+    /// The lane's next pending rows: only the first while a poison row is
+    /// being isolated. `Err` when reading failed (after backing off).
+    async fn next_rows(&mut self) -> Result<Vec<PendingRow>, Flow> {
+        match self.state.store.pending_batch(self.lease.lane, self.batch_size).await {
+            Ok(mut r) => {
+                if r.first().is_some_and(|f| f.id <= self.isolate_through) {
+                    r.truncate(1);
+                }
+                Ok(r)
+            }
+            Err(e) => {
+                tracing::warn!(lane = self.lease.lane, error = %e, "reading the lane failed");
+                Err(self.back_off().await)
+            }
+        }
+    }
+
+    /// Nothing pending: waits for a wake-up or the poll interval.
+    async fn idle(&self) -> Flow {
+        let notified = self.wake.notified();
+        tokio::select! {
+            _ = notified => {}
+            _ = tokio::time::sleep(self.cfg.poll_interval) => {}
+            _ = self.finish.cancelled() => return Flow::Stop,
+            _ = self.abort.cancelled() => return Flow::Stop,
+        }
+        Flow::Retry
+    }
+
+    /// Publishes `rows` (non-empty) in the mode of the sink, in a
+    /// `ferry.relay.batch` span; `None` when the lane was aborted mid-batch.
+    async fn batch(&self, rows: &[PendingRow]) -> Option<BatchEnd> {
+        let span = batch_span(self.lease, rows, self.producer.is_some());
+        let batch = async {
+            match (&self.producer, &self.txn) {
+                (Some(p), _) => at_least_once(&self.state, &self.cfg, p, &self.database_id, self.lease, rows).await,
+                (None, Some(p)) => {
+                    transactional_batch(
+                        &self.state,
+                        &self.cfg,
+                        p,
+                        &self.database_id,
+                        self.lease,
+                        rows,
+                        &self.abort,
+                    )
+                    .await
+                }
+                (None, None) => BatchEnd::Stalled {
+                    id: rows[0].id,
+                    code: "no_producer",
+                },
+            }
+        }
+        .instrument(span.clone());
+        let end = tokio::select! {
+            end = batch => end,
+            _ = self.abort.cancelled() => {
+                span.record("outcome", "aborted");
+                return None;
+            }
+        };
+        span.record("outcome", end.outcome());
+        if let Some(code) = end.code() {
+            span.record("code", code);
+        }
+        Some(end)
+    }
+
+    /// Acts on how a batch ended.
+    async fn after(&mut self, end: BatchEnd) -> Flow {
+        let lane = self.lease.lane;
+        match end {
+            BatchEnd::Done => {
+                self.backoff = retry_backoff();
+                self.batch_size = self.cfg.batch_size;
+                Flow::Next
+            }
+            // Taken over, or the producer fenced: the relay's next tick
+            // releases the lane (fenced by its generation), so it is taken
+            // again with a new task and producer if it is still free.
+            BatchEnd::Lost => Flow::Stop,
+            BatchEnd::Fatal => {
+                tracing::error!(lane, "fatal producer error; the relay stops and exits to be restarted");
+                self.state.fatal.cancel();
+                Flow::Stop
+            }
+            BatchEnd::Reinit { id, code } => {
+                tracing::warn!(lane, id, code, "transaction state unknown; taking the lane over again");
+                self.txn = None;
+                self.back_off().await
+            }
+            BatchEnd::Isolate { through, code } => {
+                tracing::warn!(
+                    lane,
+                    through,
+                    code,
+                    "a produce request was refused whole; publishing one row at a time to find the poison row"
+                );
+                self.isolate_through = through;
+                Flow::Next
+            }
+            BatchEnd::Stalled { id, code } => self.stalled(id, code).await,
+        }
+    }
+
+    /// Stopped at row `id`: notes the error on the lane (fenced by its
+    /// generation), then backs off.
+    async fn stalled(&mut self, id: i64, code: &'static str) -> Flow {
+        if code == "queue_full" {
+            // The producer queue cannot hold a whole batch (a
+            // transaction cannot wait for room): retry smaller.
+            self.batch_size = (self.batch_size / 2).max(1);
+        }
+        if let Err(ferry::Error::LostLane { .. }) = self
+            .state
+            .store
+            .note_publish_error(&self.state.owner, self.lease, id, code)
+            .await
+        {
+            return Flow::Stop;
+        }
+        tracing::warn!(lane = self.lease.lane, id, code, "publish failed; backing off");
+        self.back_off().await
+    }
+
+    /// Sleeps the next backoff step: `Stop` when told to stop meanwhile.
+    async fn back_off(&mut self) -> Flow {
+        if pause(&mut self.backoff, &self.finish, &self.abort).await {
+            Flow::Stop
+        } else {
+            Flow::Retry
+        }
+    }
+}
+
+/// The span of one batch: which rows of which lane lease, in which mode.
+/// `outcome` (and `code`, when it stopped on one) are recorded when it ends.
+/// Never a key or a payload.
+fn batch_span(lease: LaneLease, rows: &[PendingRow], at_least_once: bool) -> tracing::Span {
+    tracing::info_span!(
+        "ferry.relay.batch",
+        lane = lease.lane,
+        generation = lease.generation,
+        first_id = rows.first().map(|r| r.id).unwrap_or(0),
+        last_id = rows.last().map(|r| r.id).unwrap_or(0),
+        count = rows.len(),
+        mode = if at_least_once { "at_least_once" } else { "exactly_once" },
+        outcome = tracing::field::Empty,
+        code = tracing::field::Empty,
+    )
+}
