@@ -1,12 +1,14 @@
 //! The worker runtime on both engines: retries, lease loss, cancellation at
-//! renew, and graceful shutdown that releases only jobs it still owns.
+//! renew, graceful shutdown that releases only jobs it still owns, and
+//! dispatch by operation with typed commands (`Router`).
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use ferry::worker::{JobContext, Worker, WorkerConfig};
-use ferry::{Claimed, JobError, NewRun, RetryPolicy};
+use ferry::worker::{JobContext, Router, Worker, WorkerConfig, WorkerStats};
+use ferry::{Claimed, JobError, NewRun, RetryPolicy, RunState};
+use serde::Deserialize;
 use serde_json::json;
 use tokio::sync::mpsc;
 
@@ -439,10 +441,141 @@ async fn failing_renewals_cancel_the_handler_at_the_known_expiry(kind: Kind) {
     );
 }
 
+#[derive(Debug, Deserialize)]
+struct ChargeCommand {
+    amount: u64,
+    currency: String,
+}
+
+#[derive(Debug, Deserialize)]
+struct RefundCommand {
+    charge_id: String,
+}
+
+/// Accepts one run of `operation` on queue `q`.
+async fn accept_op(t: &TestDb, operation: &str, key: &str, request: serde_json::Value) -> uuid::Uuid {
+    let run = NewRun::new("acme", operation, key, request).queue("q");
+    t.ferry.create_run_idempotent(run).await.unwrap().run.run_id
+}
+
+/// A router for `charge` and `refund` that counts its handler calls.
+fn payments_router(calls: Arc<AtomicUsize>) -> Router {
+    let refunds = calls.clone();
+    Router::new()
+        .route("charge", move |cmd: ChargeCommand, ctx: JobContext| {
+            let calls = calls.clone();
+            async move {
+                calls.fetch_add(1, Ordering::SeqCst);
+                Ok(json!({
+                    "charged": cmd.amount * 100,
+                    "currency": cmd.currency,
+                    "run": ctx.run_id(),
+                    "attempt": ctx.attempt(),
+                    "operation": ctx.operation(),
+                }))
+            }
+        })
+        .route("refund", move |cmd: RefundCommand, ctx: JobContext| {
+            let calls = refunds.clone();
+            async move {
+                calls.fetch_add(1, Ordering::SeqCst);
+                Ok(json!({"refunded": cmd.charge_id, "generation": ctx.lease().generation}))
+            }
+        })
+}
+
+/// Runs a worker with `router` until every run of `ids` is terminal
+/// (bounded), then shuts it down; returns its counters.
+async fn run_router_until_terminal(t: &TestDb, router: Router, ids: &[uuid::Uuid]) -> Arc<WorkerStats> {
+    let worker = Worker::new(t.ferry.clone(), fast_config("router"), router);
+    let stats = worker.stats();
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let running = tokio::spawn(worker.run(async move {
+        let _ = stop_rx.await;
+    }));
+    tokio::time::timeout(Duration::from_secs(30), async {
+        for id in ids {
+            while t.ferry.get_run("acme", *id).await.unwrap().state == RunState::Queued {
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        }
+    })
+    .await
+    .expect("every routed run ends");
+    stop_tx.send(()).unwrap();
+    running.await.unwrap().unwrap();
+    stats
+}
+
+/// The body of the run's last event, which must be of `kind`.
+async fn last_event(t: &TestDb, id: uuid::Uuid, kind: &str) -> serde_json::Value {
+    let events = t.ferry.list_events("acme", id).await.unwrap();
+    let last = events.last().expect("the run has events");
+    assert_eq!(last.kind, kind, "{events:?}");
+    last.body.clone()
+}
+
+async fn router_runs_typed_commands_by_operation(kind: Kind) {
+    let t = TestDb::new(kind).await;
+    let charge = accept_op(&t, "charge", "k-charge", json!({"amount": 7, "currency": "EUR"})).await;
+    let refund = accept_op(&t, "refund", "k-refund", json!({"charge_id": "ch_1"})).await;
+    let calls = Arc::new(AtomicUsize::new(0));
+    let stats = run_router_until_terminal(&t, payments_router(calls.clone()), &[charge, refund]).await;
+    assert_eq!(calls.load(Ordering::SeqCst), 2);
+    assert_eq!(stats.completed.load(Ordering::SeqCst), 2);
+    assert_eq!(
+        last_event(&t, charge, "run_succeeded").await["result"],
+        json!({"charged": 700, "currency": "EUR", "run": charge, "attempt": 1, "operation": "charge"}),
+        "the charge handler got its typed command and the job's facts"
+    );
+    assert_eq!(
+        last_event(&t, refund, "run_succeeded").await["result"],
+        json!({"refunded": "ch_1", "generation": 1})
+    );
+}
+
+/// Runs one job through the payments router and checks that it died on its
+/// first attempt with the terminal `code`, without calling a handler or
+/// leaking the request into the stored failure.
+async fn assert_dies_at_once(kind: Kind, operation: &str, request: serde_json::Value, code: &str) {
+    let t = TestDb::new(kind).await;
+    let id = accept_op(&t, operation, "k-bad", request).await;
+    let calls = Arc::new(AtomicUsize::new(0));
+    let stats = run_router_until_terminal(&t, payments_router(calls.clone()), &[id]).await;
+    assert_eq!(calls.load(Ordering::SeqCst), 0, "no handler ran");
+    assert_eq!(t.ferry.get_run("acme", id).await.unwrap().state, RunState::Failed);
+    assert_eq!(stats.dead.load(Ordering::SeqCst), 1);
+    assert_eq!(stats.retried.load(Ordering::SeqCst), 0, "retrying cannot help");
+    let attempts = t.ferry.list_attempts("acme", id).await.unwrap();
+    assert_eq!(attempts.len(), 1, "one attempt only: {attempts:?}");
+    assert_eq!(attempts[0].outcome.map(|o| o.as_str()), Some("dead"));
+    assert_eq!(attempts[0].error_class.as_deref(), Some("terminal"));
+    assert_eq!(attempts[0].error_code.as_deref(), Some(code));
+    let body = last_event(&t, id, "run_failed").await;
+    assert_eq!(body["error_code"], code, "{body}");
+    assert_eq!(body["error_class"], "terminal", "{body}");
+    assert_eq!(body["attempts"], 1, "{body}");
+    assert!(!body.to_string().contains("4111"), "the payload leaked: {body}");
+}
+
+async fn router_kills_a_bad_command_after_one_attempt(kind: Kind) {
+    // `amount` must be a number: the command does not deserialize.
+    let request = json!({"amount": "4111-1111", "currency": "EUR"});
+    assert_dies_at_once(kind, "charge", request, "invalid_command").await;
+}
+
+async fn router_kills_an_unknown_operation(kind: Kind) {
+    let request = json!({"amount": 4111, "currency": "EUR"});
+    assert_dies_at_once(kind, "chargeback", request, "unknown_operation").await;
+}
+
 on_both_engines!(
     worker_completes_and_retries,
     lost_lease_and_cancellation_stop_the_handler,
     shutdown_releases_only_owned_jobs,
     released_jobs_are_drained_by_the_next_worker,
     failing_renewals_cancel_the_handler_at_the_known_expiry,
+    router_runs_typed_commands_by_operation,
+    router_kills_a_bad_command_after_one_attempt,
+    router_kills_an_unknown_operation,
 );

@@ -1,0 +1,240 @@
+//! One attempt: the handler runs beside its lease renewals, is stopped once
+//! the lease is lost or its known expiry passes, and its outcome is recorded.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use backon::{ExponentialBuilder, Retryable};
+use rand::rngs::StdRng;
+use serde_json::Value;
+use tokio::sync::{mpsc, oneshot, OwnedSemaphorePermit};
+use tokio_util::sync::CancellationToken;
+
+use super::completer::Completion;
+use super::lease_watch::{sleep_until_some, LeaseWatch};
+use super::{Handler, JobContext, WorkerConfig, WorkerStats};
+use crate::error::{Error, Result};
+use crate::jobs::{Claimed, ErrorClass, FailOutcome, JobError, Lease};
+use crate::Ferry;
+
+/// Everything one attempt's task needs.
+pub(super) struct Attempt {
+    pub(super) completions: mpsc::Sender<Completion>,
+    pub(super) ferry: Ferry,
+    pub(super) cfg: Arc<WorkerConfig>,
+    pub(super) stats: Arc<WorkerStats>,
+    pub(super) rng: Arc<Mutex<StdRng>>,
+    pub(super) soft: CancellationToken,
+    pub(super) hard: CancellationToken,
+    /// When the claim was sent: the start of the lease on the worker's clock.
+    pub(super) claim_sent: tokio::time::Instant,
+}
+
+/// How the handler's run under the lease ended.
+enum Ended {
+    /// The handler returned; `signalled` if shutdown had been signalled.
+    Done {
+        outcome: std::result::Result<Value, JobError>,
+        signalled: bool,
+    },
+    /// The grace period ran out: the handler is to be dropped and the job released.
+    Stopped,
+    /// The attempt was given up ([`Attempt::abandon`]); nothing more is published.
+    Abandoned,
+}
+
+/// A renewal's answer (`None`: it outlived the known expiry) and when it was sent.
+type Renewed = (Option<Result<(i64, i64)>>, tokio::time::Instant);
+
+impl Attempt {
+    /// Works one attempt. The slot is given back as soon as the handler is
+    /// done, so the next claim overlaps this attempt's completion commit.
+    pub(super) async fn run<H: Handler>(self, handler: Arc<H>, job: Claimed, slot: OwnedSemaphorePermit) {
+        let lease = job.lease.clone();
+        let watch = Arc::new(LeaseWatch::new(
+            self.ferry.clock().clone(),
+            job.lease_expires_at,
+            job.claimed_at,
+            self.claim_sent,
+        ));
+        let ctx = JobContext::new(self.ferry.clone(), &job, watch.clone());
+        let cancel = ctx.cancel.clone();
+        // Boxed so it can be dropped before a hard release: a handler stopped
+        // inside a transaction gives its connection back, and the pool rolls
+        // it back (in the background) so the release gets the job row.
+        let mut work = Box::pin(handler.handle(job, ctx));
+        let (outcome, signalled) = match self.supervise(&mut work, &watch, &cancel, &lease).await {
+            Ended::Done { outcome, signalled } => (outcome, signalled),
+            Ended::Stopped => {
+                drop(work);
+                self.release(&lease).await;
+                return;
+            }
+            // Returning drops the handler's future.
+            Ended::Abandoned => return,
+        };
+        drop(slot);
+        match outcome {
+            Ok(result) => self.complete(&lease, result).await,
+            Err(err) if signalled && err.class == ErrorClass::Retryable => self.release(&lease).await,
+            Err(err) => self.record_failure(&lease, &err).await,
+        }
+    }
+
+    /// Polls the handler until it returns, renewing the lease beside it;
+    /// signals it at shutdown, and gives the attempt up when the lease is
+    /// lost or its known expiry passes.
+    async fn supervise<F>(
+        &self,
+        work: &mut Pin<Box<F>>,
+        watch: &LeaseWatch,
+        cancel: &CancellationToken,
+        lease: &Lease,
+    ) -> Ended
+    where
+        F: Future<Output = std::result::Result<Value, JobError>>,
+    {
+        let every = self.renew_period();
+        let mut renew = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
+        // The renewal in flight runs beside the handler, never instead of it:
+        // a handler paused inside a transaction that holds the job row would
+        // otherwise block the very renewal that waits for it.
+        let mut renewing = None;
+        let mut signalled = false;
+        let outcome = loop {
+            tokio::select! {
+                out = work.as_mut() => break Some(out),
+                // The known expiry passed on the worker's clock while no
+                // renewal succeeded: the lease may already be someone else's.
+                _ = sleep_until_some(watch.local_deadline()) => {
+                    return self.abandon(watch, cancel, lease, "lease_expired");
+                }
+                _ = renew.tick(), if renewing.is_none() => {
+                    if watch.expired() {
+                        return self.abandon(watch, cancel, lease, "lease_expired");
+                    }
+                    renewing = Some(Box::pin(self.renewal(lease, watch)));
+                }
+                (renewed, sent) = async { renewing.as_mut().expect("guarded by is_some").await }, if renewing.is_some() => {
+                    renewing = None;
+                    match renewed {
+                        Some(Ok((expires_at, now))) => watch.learn(expires_at, now, sent),
+                        Some(Err(e)) if e.is_transient() => {
+                            if watch.expired() {
+                                return self.abandon(watch, cancel, lease, "lease_expired");
+                            }
+                            tracing::warn!(error = %e, "lease renewal failed; retrying at the next tick");
+                        }
+                        // Lost, cancelled or past the deadline: stop the
+                        // handler and publish nothing more for this attempt.
+                        Some(Err(e)) => return self.abandon(watch, cancel, lease, e.code()),
+                        None => return self.abandon(watch, cancel, lease, "lease_expired"),
+                    }
+                }
+                _ = self.soft.cancelled(), if !signalled => {
+                    signalled = true;
+                    cancel.cancel();
+                }
+                _ = self.hard.cancelled() => {
+                    cancel.cancel();
+                    break None;
+                }
+            }
+        };
+        // A renewal still in flight is abandoned with the loop, so its
+        // connection goes back to the pool before the completion needs one.
+        drop(renewing);
+        match outcome {
+            Some(outcome) => Ended::Done { outcome, signalled },
+            None => Ended::Stopped,
+        }
+    }
+
+    /// How often the lease is renewed: `renew_every`, or a third of the
+    /// lease, at least 1 ms.
+    fn renew_period(&self) -> Duration {
+        self.cfg
+            .renew_every
+            .unwrap_or(self.cfg.lease / 3)
+            .max(Duration::from_millis(1))
+    }
+
+    /// One renewal of `lease`, sent now; it resolves to `None` if it is
+    /// still pending when the known expiry passes.
+    fn renewal<'a>(&'a self, lease: &'a Lease, watch: &LeaseWatch) -> impl Future<Output = Renewed> + 'a {
+        let sent = tokio::time::Instant::now();
+        let renewal = self.ferry.renew_at(lease, self.cfg.lease);
+        let deadline = watch.local_deadline();
+        async move {
+            // A renewal that hangs past the known expiry is as good as failed.
+            let renewed = match deadline {
+                Some(at) => tokio::time::timeout_at(at, renewal).await.ok(),
+                None => Some(renewal.await),
+            };
+            (renewed, sent)
+        }
+    }
+
+    /// Hands the handler's result to the completer and counts the answer.
+    async fn complete(&self, lease: &Lease, result: Value) {
+        let (reply, answer) = oneshot::channel();
+        let done = match self.completions.send((lease.clone(), result, reply)).await {
+            Ok(()) => answer
+                .await
+                .unwrap_or_else(|_| Err(Error::ShuttingDown("completer stopped"))),
+            Err(_) => Err(Error::ShuttingDown("completer stopped")),
+        };
+        match done {
+            Ok(()) => {
+                self.stats.completed.fetch_add(1, Ordering::Relaxed);
+            }
+            // A retried complete whose first commit landed.
+            Err(Error::RunTerminal { state, .. }) if state == "succeeded" => {
+                self.stats.completed.fetch_add(1, Ordering::Relaxed);
+            }
+            Err(e) => {
+                self.stats.lost.fetch_add(1, Ordering::Relaxed);
+                tracing::info!(run_id = %lease.run_id, code = e.code(), "completion refused");
+            }
+        }
+    }
+
+    /// Records the handler's error: requeued or dead, by its class and the
+    /// attempt budget.
+    async fn record_failure(&self, lease: &Lease, err: &JobError) {
+        let failed = (|| async {
+            let mut rng = self.rng.lock().unwrap_or_else(|p| p.into_inner()).clone();
+            let out = self.ferry.fail(lease, err, &self.cfg.retry, &mut rng).await;
+            *self.rng.lock().unwrap_or_else(|p| p.into_inner()) = rng;
+            out
+        })
+        .retry(ExponentialBuilder::default().with_max_times(5))
+        .when(Error::is_transient)
+        .await;
+        match failed {
+            Ok(FailOutcome::Retried { .. }) => {
+                self.stats.retried.fetch_add(1, Ordering::Relaxed);
+            }
+            Ok(FailOutcome::Dead { .. }) => {
+                self.stats.dead.fetch_add(1, Ordering::Relaxed);
+            }
+            Err(e) => {
+                self.stats.lost.fetch_add(1, Ordering::Relaxed);
+                tracing::info!(run_id = %lease.run_id, code = e.code(), "failure not recorded");
+            }
+        }
+    }
+
+    /// Gives the attempt up: the handler's token is cancelled, its context
+    /// refuses further writes, and returning drops its future.
+    fn abandon(&self, watch: &LeaseWatch, cancel: &CancellationToken, lease: &Lease, code: &str) -> Ended {
+        watch.revoke();
+        cancel.cancel();
+        self.stats.lost.fetch_add(1, Ordering::Relaxed);
+        tracing::info!(run_id = %lease.run_id, code, "attempt abandoned");
+        Ended::Abandoned
+    }
+}

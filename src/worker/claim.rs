@@ -1,0 +1,220 @@
+//! The claim loop: gathers free slots, claims a batch from the next queue,
+//! backs off on errors, waits for wake-ups when idle, and spawns one task
+//! per claimed job.
+
+use std::future::Future;
+use std::ops::ControlFlow;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use backon::{BackoffBuilder, ExponentialBackoff, ExponentialBuilder};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use tokio::sync::{mpsc, OwnedSemaphorePermit, Semaphore};
+use tokio::task::{JoinHandle, JoinSet};
+use tokio_util::sync::CancellationToken;
+
+use super::attempt::Attempt;
+use super::completer::{completer, Completion};
+use super::{Handler, WorkerConfig, WorkerStats};
+use crate::error::{Error, Result};
+use crate::jobs::Claimed;
+use crate::store::Wakeup;
+use crate::Ferry;
+
+/// A running worker's state between claims. Shutdown (`shut_down`) consumes it.
+pub(super) struct ClaimLoop<H> {
+    pub(super) ferry: Ferry,
+    pub(super) cfg: Arc<WorkerConfig>,
+    handler: Arc<H>,
+    stats: Arc<WorkerStats>,
+    /// Cancelled at shutdown: handlers are signalled and may finish.
+    pub(super) soft: CancellationToken,
+    /// Cancelled after the grace period: handlers are dropped and released.
+    pub(super) hard: CancellationToken,
+    slots: Arc<Semaphore>,
+    rng: Arc<Mutex<StdRng>>,
+    wake: Wakeup,
+    pub(super) completions: mpsc::Sender<Completion>,
+    pub(super) tasks: JoinSet<()>,
+    backoff: ExponentialBackoff,
+    next_queue: usize,
+    idle_queues: usize,
+    claims_since_reap: u32,
+}
+
+impl<H: Handler> ClaimLoop<H> {
+    /// Sets up the slots, the jitter RNG, the wake-up listener and the
+    /// completer task.
+    pub(super) async fn start(
+        ferry: Ferry,
+        cfg: Arc<WorkerConfig>,
+        handler: Arc<H>,
+        stats: Arc<WorkerStats>,
+    ) -> (Self, JoinHandle<()>) {
+        let soft = CancellationToken::new();
+        let hard = CancellationToken::new();
+        let slots = Arc::new(Semaphore::new(cfg.concurrency));
+        let rng = Arc::new(Mutex::new(match cfg.rng_seed {
+            Some(seed) => StdRng::seed_from_u64(seed),
+            None => StdRng::from_os_rng(),
+        }));
+        let wake = Wakeup::connect(ferry.db()).await;
+        let (completions, completed) = mpsc::channel(cfg.concurrency.max(1));
+        let completer = tokio::spawn(completer(ferry.clone(), completed, cfg.concurrency.clamp(1, 500)));
+        let claims = ClaimLoop {
+            ferry,
+            cfg,
+            handler,
+            stats,
+            soft,
+            hard,
+            slots,
+            rng,
+            wake,
+            completions,
+            tasks: JoinSet::new(),
+            backoff: reconnect_backoff(),
+            next_queue: 0,
+            idle_queues: 0,
+            claims_since_reap: 0,
+        };
+        (claims, completer)
+    }
+
+    /// Claims and spawns until `shutdown` resolves. Fails only if the slots
+    /// are closed.
+    pub(super) async fn serve<S: Future<Output = ()>>(&mut self, mut shutdown: Pin<&mut S>) -> Result<()> {
+        loop {
+            while self.tasks.try_join_next().is_some() {}
+            let permit = tokio::select! {
+                _ = &mut shutdown => return Ok(()),
+                p = self.slots.clone().acquire_owned() => p.map_err(|_| Error::ShuttingDown("worker slots closed"))?,
+            };
+            let queue = self.next_queue();
+            self.reap_now_and_then(&queue).await;
+            let permits = self.gather(permit).await;
+            let want = permits.len() as u32;
+            let claim_sent = tokio::time::Instant::now();
+            let claimed = match self.ferry.claim(&queue, &self.cfg.owner, self.cfg.lease, want).await {
+                Ok(c) => {
+                    self.backoff = reconnect_backoff();
+                    c
+                }
+                Err(e) => {
+                    drop(permits);
+                    match self.back_off(e, shutdown.as_mut()).await {
+                        ControlFlow::Break(()) => return Ok(()),
+                        ControlFlow::Continue(()) => continue,
+                    }
+                }
+            };
+            if claimed.is_empty() {
+                drop(permits);
+                if self.idle(shutdown.as_mut()).await.is_break() {
+                    return Ok(());
+                }
+                continue;
+            }
+            self.idle_queues = 0;
+            self.spawn(claimed, permits, claim_sent);
+        }
+    }
+
+    /// The next queue, round-robin.
+    fn next_queue(&mut self) -> String {
+        let queue = self.cfg.queues[self.next_queue % self.cfg.queues.len()].clone();
+        self.next_queue = self.next_queue.wrapping_add(1);
+        queue
+    }
+
+    /// Terminalizes `queue`'s exhausted jobs before every 64th claim.
+    async fn reap_now_and_then(&mut self, queue: &str) {
+        if self.claims_since_reap == 0 {
+            if let Err(e) = self.ferry.reap_exhausted(queue, 100).await {
+                tracing::warn!(error = %e, code = e.code(), "reaping exhausted jobs failed");
+            }
+        }
+        self.claims_since_reap = (self.claims_since_reap + 1) % 64;
+    }
+
+    /// Gathers free slots for a moment, so claims (and the completions
+    /// that follow) come in batches instead of one job per transaction.
+    async fn gather(&self, permit: OwnedSemaphorePermit) -> Vec<OwnedSemaphorePermit> {
+        let mut permits = vec![permit];
+        let target = (self.cfg.batch.max(1) as usize).min(self.cfg.concurrency);
+        let deadline = tokio::time::Instant::now() + self.cfg.claim_window;
+        while permits.len() < target {
+            match self.slots.clone().try_acquire_owned() {
+                Ok(p) => permits.push(p),
+                Err(_) => match tokio::time::timeout_at(deadline, self.slots.clone().acquire_owned()).await {
+                    Ok(Ok(p)) => permits.push(p),
+                    _ => break,
+                },
+            }
+        }
+        permits
+    }
+
+    /// Waits out a failed claim; breaks when `shutdown` resolves first.
+    async fn back_off<S: Future<Output = ()>>(&mut self, e: Error, shutdown: Pin<&mut S>) -> ControlFlow<()> {
+        let delay = self.backoff.next().unwrap_or(Duration::from_secs(5));
+        tracing::warn!(error = %e, code = e.code(), ?delay, "claim failed; backing off");
+        tokio::select! {
+            _ = shutdown => ControlFlow::Break(()),
+            _ = tokio::time::sleep(delay) => ControlFlow::Continue(()),
+        }
+    }
+
+    /// After an empty claim: once every queue came back empty in a row,
+    /// waits for a wake-up or the jittered poll interval; breaks when
+    /// `shutdown` resolves first.
+    async fn idle<S: Future<Output = ()>>(&mut self, shutdown: Pin<&mut S>) -> ControlFlow<()> {
+        self.idle_queues += 1;
+        if self.idle_queues >= self.cfg.queues.len() {
+            self.idle_queues = 0;
+            let jitter = self
+                .rng
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .random_range(0.8..1.2);
+            let wait = self.cfg.poll_interval.mul_f64(jitter);
+            tokio::select! {
+                _ = shutdown => return ControlFlow::Break(()),
+                _ = self.wake.wait(wait) => {}
+            }
+        }
+        ControlFlow::Continue(())
+    }
+
+    /// Spawns one task per claimed job, each holding one slot.
+    fn spawn(&mut self, claimed: Vec<Claimed>, permits: Vec<OwnedSemaphorePermit>, claim_sent: tokio::time::Instant) {
+        // Fewer jobs than slots: the extra permits drop here.
+        for (job, slot) in claimed.into_iter().zip(permits) {
+            let attempt = Attempt {
+                completions: self.completions.clone(),
+                ferry: self.ferry.clone(),
+                cfg: self.cfg.clone(),
+                stats: self.stats.clone(),
+                rng: self.rng.clone(),
+                soft: self.soft.clone(),
+                hard: self.hard.clone(),
+                claim_sent,
+            };
+            let handler = self.handler.clone();
+            self.tasks.spawn(async move {
+                attempt.run(handler, job, slot).await;
+            });
+        }
+    }
+}
+
+fn reconnect_backoff() -> ExponentialBackoff {
+    ExponentialBuilder::default()
+        .with_min_delay(Duration::from_millis(50))
+        .with_max_delay(Duration::from_secs(5))
+        .with_jitter()
+        .without_max_times()
+        .build()
+}

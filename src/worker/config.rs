@@ -1,0 +1,74 @@
+//! Worker settings and counters.
+
+use std::sync::atomic::AtomicU64;
+use std::time::Duration;
+
+use crate::retry::RetryPolicy;
+
+/// How a [`Worker`](super::Worker) claims, leases, polls and shuts down.
+/// [`WorkerConfig::default`] serves queue `default` with 100 slots, 30 s
+/// leases and a random owner name.
+#[derive(Debug, Clone)]
+pub struct WorkerConfig {
+    /// Queues served, claimed round-robin.
+    pub queues: Vec<String>,
+    /// Handlers running at once.
+    pub concurrency: usize,
+    /// Most jobs taken per claim statement.
+    pub batch: u32,
+    /// How long the loop waits for more free slots before a claim, so claims
+    /// and completions batch under load (default 2 ms).
+    pub claim_window: Duration,
+    /// Lease duration: how long a claim (and each renewal) holds the job
+    /// before another worker may take it over.
+    pub lease: Duration,
+    /// Renewal period (default lease/3).
+    pub renew_every: Option<Duration>,
+    /// Longest idle wait before polling again (a lost NOTIFY costs at most this).
+    pub poll_interval: Duration,
+    /// How long shutdown waits for running handlers before releasing their jobs.
+    pub grace: Duration,
+    /// Retry schedule for retryable and ambiguous failures (backoff, jitter,
+    /// `Retry-After` bound).
+    pub retry: RetryPolicy,
+    /// This worker's identity in leases and attempt history.
+    pub owner: String,
+    /// Seed of the jitter RNG (random when `None`).
+    pub rng_seed: Option<u64>,
+}
+
+impl Default for WorkerConfig {
+    fn default() -> Self {
+        WorkerConfig {
+            queues: vec!["default".into()],
+            concurrency: 100,
+            batch: 50,
+            claim_window: Duration::from_millis(2),
+            lease: Duration::from_secs(30),
+            renew_every: None,
+            poll_interval: Duration::from_millis(500),
+            grace: Duration::from_secs(10),
+            retry: RetryPolicy::default(),
+            owner: format!("worker-{}", uuid::Uuid::now_v7().simple()),
+            rng_seed: None,
+        }
+    }
+}
+
+/// Counts of what a worker did, live while it runs and final after
+/// [`Worker::run`](super::Worker::run) returns.
+#[derive(Debug, Default)]
+pub struct WorkerStats {
+    /// Attempts whose completion committed: their runs succeeded.
+    pub completed: AtomicU64,
+    /// Attempts requeued for retry.
+    pub retried: AtomicU64,
+    /// Jobs made dead (terminal error or attempt budget spent).
+    pub dead: AtomicU64,
+    /// Attempts abandoned because the lease was lost, the run cancelled, or
+    /// the lease expiry the worker last learned passed without a renewal;
+    /// also attempts whose completion or failure the database refused.
+    pub lost: AtomicU64,
+    /// Jobs given back at shutdown without spending an attempt.
+    pub released: AtomicU64,
+}

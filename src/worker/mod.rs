@@ -1,0 +1,120 @@
+//! The worker runtime: serves named queues with `concurrency` slots, renews
+//! leases every ~lease/3, cancels a handler whose lease is lost (it publishes
+//! nothing more), and shuts down gracefully from a shutdown future.
+//!
+//! A worker also stops a handler on its own once the lease expiry it last
+//! learned has passed by its clock, even while renewals only fail
+//! transiently: the handler's future is dropped, and its [`JobContext`]
+//! refuses every later effect write with [`Error::LostLease`].
+//!
+//! No transaction is ever held open while a handler runs: a claim, each
+//! renewal and the final transition are separate short transactions.
+//!
+//! The module is split by role: settings and counters (`config`), the
+//! handler's context (`context`) and what it knows of its lease
+//! (`lease_watch`), the claim loop (`claim`), one attempt with its renewals
+//! (`attempt`), batched completions (`completer`), shutdown and release
+//! (`shutdown`), and dispatch by operation ([`Router`]).
+
+mod attempt;
+mod claim;
+mod completer;
+mod config;
+mod context;
+mod lease_watch;
+mod router;
+mod shutdown;
+
+use std::future::Future;
+use std::sync::Arc;
+
+use serde_json::Value;
+
+use crate::error::{Error, Result};
+use crate::jobs::{Claimed, JobError};
+use crate::Ferry;
+
+pub use config::{WorkerConfig, WorkerStats};
+pub use context::JobContext;
+pub use router::{Router, INVALID_COMMAND, UNKNOWN_OPERATION};
+
+/// A job handler: an async function of the claimed job and its context.
+/// Closures `Fn(Claimed, JobContext) -> impl Future<Output = Result<Value, JobError>>` are handlers,
+/// and so is a [`Router`], which dispatches on [`Claimed::operation`] to
+/// handlers of typed commands.
+pub trait Handler: Send + Sync + 'static {
+    /// Works one attempt. `Ok(result)` completes the run with `result`;
+    /// `Err` is recorded by its [`ErrorClass`](crate::ErrorClass) (retried,
+    /// dead, or reconciled first when ambiguous).
+    fn handle(
+        &self,
+        job: Claimed,
+        ctx: JobContext,
+    ) -> impl Future<Output = std::result::Result<Value, JobError>> + Send;
+}
+
+impl<F, Fut> Handler for F
+where
+    F: Fn(Claimed, JobContext) -> Fut + Send + Sync + 'static,
+    Fut: Future<Output = std::result::Result<Value, JobError>> + Send,
+{
+    fn handle(
+        &self,
+        job: Claimed,
+        ctx: JobContext,
+    ) -> impl Future<Output = std::result::Result<Value, JobError>> + Send {
+        self(job, ctx)
+    }
+}
+
+/// Serves queues with a [`Handler`]: claims jobs under fenced leases, runs
+/// each attempt beside its lease renewals, and records the outcome.
+/// Build it with [`Worker::new`], read its counters with [`Worker::stats`],
+/// and run it with [`Worker::run`].
+pub struct Worker<H> {
+    ferry: Ferry,
+    config: WorkerConfig,
+    handler: Arc<H>,
+    stats: Arc<WorkerStats>,
+}
+
+impl<H: Handler> Worker<H> {
+    /// A worker with `config` running `handler`: a closure of
+    /// `(Claimed, JobContext)` or a [`Router`]. Nothing is claimed until
+    /// [`Worker::run`].
+    pub fn new(ferry: Ferry, config: WorkerConfig, handler: H) -> Self {
+        Worker {
+            ferry,
+            config,
+            handler: Arc::new(handler),
+            stats: Arc::new(WorkerStats::default()),
+        }
+    }
+
+    /// Live counters, shared with the running worker: clone the `Arc` before
+    /// [`Worker::run`] consumes the worker, and read it any time.
+    pub fn stats(&self) -> Arc<WorkerStats> {
+        self.stats.clone()
+    }
+
+    /// Runs until `shutdown` resolves, then stops claiming, signals running
+    /// attempts, waits up to the grace period, and releases (compare-and-set)
+    /// only the jobs it still owns. Anything else is recovered by lease expiry.
+    ///
+    /// Fails at once with [`Error::Config`] without a queue or a slot, or
+    /// when a queue name breaks the limits.
+    pub async fn run(self, shutdown: impl Future<Output = ()> + Send) -> Result<()> {
+        let cfg = Arc::new(self.config);
+        if cfg.queues.is_empty() || cfg.concurrency == 0 {
+            return Err(Error::Config("a worker needs at least one queue and one slot".into()));
+        }
+        for q in &cfg.queues {
+            self.ferry.limits().name("queue", q)?;
+        }
+        let (mut claims, completer) = claim::ClaimLoop::start(self.ferry, cfg, self.handler, self.stats).await;
+        tokio::pin!(shutdown);
+        claims.serve(shutdown.as_mut()).await?;
+        claims.shut_down(completer).await;
+        Ok(())
+    }
+}
