@@ -136,7 +136,7 @@ impl ConsumerStore {
     /// Takes the lease on a partition only if nobody holds it (never leased,
     /// released, already `owner`'s, or expired), raising its generation.
     /// `None` when another member holds a live lease. This is the reclaim of a
-    /// member that lost a lease: unlike [`Ferry::acquire_partition`], which
+    /// member that lost a lease: unlike [`ConsumerStore::acquire_partition`], which
     /// the rebalance callback uses because Kafka's assignment is current
     /// there, it never takes a partition from a live holder on the strength
     /// of a possibly stale local view.

@@ -229,7 +229,7 @@ mod tests {
             headers: Default::default(),
             effect_key: None,
             traceparent: None,
-            created_at: 0,
+            created_at: ferry::Millis::new(0).unwrap(),
         };
         assert_eq!(effect_key(&row, Some("db-1")).as_deref(), Some("db-1:7"));
         assert_eq!(effect_key(&row, None), None);

@@ -35,8 +35,8 @@ impl Ferry {
     /// Extends the lease by `lease` from now, never past the run's deadline.
     /// Reports cancellation ([`Error::Cancelled`]) so the worker stops.
     /// Returns the new expiry.
-    pub async fn renew(&self, lease: &Lease, duration: Duration) -> Result<i64> {
-        Ok(self.renew_at(lease, duration).await?.0)
+    pub async fn renew(&self, lease: &Lease, duration: Duration) -> Result<crate::Millis> {
+        crate::Millis::new(self.renew_at(lease, duration).await?.0)
     }
 
     /// [`Ferry::renew`], also returning the instant the new expiry was

@@ -8,9 +8,9 @@
 //! Terminal transitions write the job, the run, the terminal event and its
 //! outbox row in one transaction.
 //!
-//! The module is split by role: the types here, [`lease`] (claim, renew,
-//! release, the fence), [`terminal`] (complete, fail, cancel, reap) and
-//! [`admin`] (operator queries and replay). The claim and batch completion,
+//! The module is split by role: the types here, `lease` (claim, renew,
+//! release, the fence), `terminal` (complete, fail, cancel, reap) and
+//! `admin` (operator queries and replay). The claim and batch completion,
 //! which differ per engine, are in the store.
 
 mod admin;
@@ -22,6 +22,8 @@ use std::time::Duration;
 use rand::RngCore;
 use serde_json::Value;
 use uuid::Uuid;
+
+use crate::time::Millis;
 
 use crate::error::{Error, Result};
 use crate::retry::RetryPolicy;
@@ -54,13 +56,13 @@ pub struct Claimed {
     /// Attempt budget.
     pub max_attempts: i32,
     /// When the lease expires unless renewed.
-    pub lease_expires_at: i64,
+    pub lease_expires_at: Millis,
     /// The run's deadline.
-    pub deadline_at: Option<i64>,
+    pub deadline_at: Option<Millis>,
     /// When this claim happened.
-    pub claimed_at: i64,
+    pub claimed_at: Millis,
     /// When the run was accepted.
-    pub created_at: i64,
+    pub created_at: Millis,
     /// The run's operation.
     pub operation: String,
     /// The run's accepted command.
@@ -79,10 +81,10 @@ pub(crate) struct ClaimRow {
     pub(crate) lease_generation: i64,
     pub(crate) attempts: i32,
     pub(crate) max_attempts: i32,
-    pub(crate) lease_expires_at: i64,
-    pub(crate) deadline_at: Option<i64>,
-    pub(crate) created_at: i64,
-    pub(crate) claimed_at: i64,
+    pub(crate) lease_expires_at: Millis,
+    pub(crate) deadline_at: Option<Millis>,
+    pub(crate) created_at: Millis,
+    pub(crate) claimed_at: Millis,
 }
 
 crate::store::text_enum! {
@@ -253,13 +255,13 @@ impl From<crate::Error> for JobError {
     }
 }
 
-/// What [`Ferry::fail`] did with the attempt.
+/// What [`crate::Ferry::fail`] did with the attempt.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum FailOutcome {
     /// Requeued, claimable again at `available_at`.
     Retried {
         /// Persisted instant of the next attempt.
-        available_at: i64,
+        available_at: Millis,
     },
     /// The job is dead and the run failed with `code`.
     Dead {
@@ -280,9 +282,9 @@ pub struct JobAttempt {
     /// Worker that claimed it.
     pub worker: String,
     /// Claimed at.
-    pub claimed_at: i64,
+    pub claimed_at: Millis,
     /// Finished at (`None` while running or when the worker vanished).
-    pub finished_at: Option<i64>,
+    pub finished_at: Option<Millis>,
     /// How it ended; `None` while it runs.
     pub outcome: Option<AttemptOutcome>,
     /// `retryable`, `terminal` or `ambiguous`.
@@ -311,7 +313,7 @@ pub struct JobSummary {
     /// Last safe error code.
     pub last_error_code: Option<String>,
     /// Last change.
-    pub updated_at: i64,
+    pub updated_at: Millis,
 }
 
 /// A dead job with its preserved evidence.
@@ -330,7 +332,7 @@ pub struct DeadJob {
     /// Attempts spent.
     pub attempts: i32,
     /// When it died.
-    pub died_at: i64,
+    pub died_at: Millis,
     /// Every recorded attempt.
     pub history: Vec<JobAttempt>,
 }
@@ -342,7 +344,7 @@ struct DeadRow {
     queue: String,
     last_error_code: Option<String>,
     attempts: i32,
-    updated_at: i64,
+    updated_at: Millis,
     operation: String,
 }
 

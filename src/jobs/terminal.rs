@@ -121,12 +121,12 @@ impl Ferry {
             let delay = policy.delay(attempt as u32, error.retry_after, rng);
             let at = crate::Millis::new(now)?.checked_add(delay)?.get();
             let past_total = match policy.max_elapsed {
-                Some(max) => at > crate::Millis::new(run.created_at)?.checked_add(max)?.get(),
+                Some(max) => at > run.created_at.checked_add(max)?.get(),
                 None => false,
             };
             if past_total {
                 dead_code = Some("retry_deadline_exceeded".into());
-            } else if run.deadline_at.is_some_and(|d| at >= d) {
+            } else if run.deadline_at.is_some_and(|d| at >= d.get()) {
                 dead_code = Some("deadline_exceeded".into());
             } else {
                 available_at = Some(at);
@@ -163,7 +163,7 @@ impl Ferry {
                 )
                 .await?;
                 Ok(FailOutcome::Retried {
-                    available_at: available_at.unwrap_or(now),
+                    available_at: crate::Millis::new(available_at.unwrap_or(now))?,
                 })
             }
             Some(code) => {

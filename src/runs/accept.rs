@@ -10,6 +10,7 @@ use super::*;
 use crate::error::{violated_constraint, Error, Result};
 use crate::fingerprint::{fingerprint, redact};
 use crate::store::{on_conn, Conn};
+use crate::time::Millis;
 use crate::Ferry;
 
 impl Ferry {
@@ -111,10 +112,10 @@ impl Ferry {
                 state: RunState::Queued,
                 version: 1,
                 request: run.command,
-                deadline_at,
+                deadline_at: deadline_at.map(Millis::new).transpose()?,
                 replay_of: run.replay_of,
-                created_at: now,
-                updated_at: now,
+                created_at: Millis::new(now)?,
+                updated_at: Millis::new(now)?,
                 last_event_seq: 1,
             },
             replay: false,

@@ -6,8 +6,8 @@
 //! (`ON CONFLICT`), so two racing requests produce one run and the loser
 //! reads the winner's record once it commits.
 //!
-//! The types are here; [`accept`] holds the acceptance transaction and
-//! [`events`] reading runs and appending events.
+//! The types are here; `accept` holds the acceptance transaction and
+//! `events` reading runs and appending events.
 
 mod accept;
 mod events;
@@ -20,6 +20,8 @@ use std::time::Duration;
 use serde_json::Value;
 use sqlx::types::Json;
 use uuid::Uuid;
+
+use crate::time::Millis;
 
 use crate::error::{Error, Result};
 use crate::outbox::{self};
@@ -202,13 +204,13 @@ pub struct Run {
     /// The accepted command.
     pub request: Value,
     /// Instant the run must finish by.
-    pub deadline_at: Option<i64>,
+    pub deadline_at: Option<Millis>,
     /// The dead run this one replays.
     pub replay_of: Option<Uuid>,
     /// Accepted at.
-    pub created_at: i64,
+    pub created_at: Millis,
     /// Last changed at.
-    pub updated_at: i64,
+    pub updated_at: Millis,
     /// Seq of the newest event.
     pub last_event_seq: i64,
 }
@@ -221,10 +223,10 @@ struct RunRow {
     state: String,
     version: i64,
     request: Json<Value>,
-    deadline_at: Option<i64>,
+    deadline_at: Option<Millis>,
     replay_of: Option<Uuid>,
-    created_at: i64,
-    updated_at: i64,
+    created_at: Millis,
+    updated_at: Millis,
     last_event_seq: i64,
 }
 
@@ -258,7 +260,7 @@ pub struct RunEvent {
     #[sqlx(json)]
     pub body: Value,
     /// Written at.
-    pub created_at: i64,
+    pub created_at: Millis,
 }
 
 /// The answer to an acceptance.

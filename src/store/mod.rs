@@ -274,6 +274,7 @@ impl Conn<'_> {
 }
 
 mod engine;
+mod millis;
 mod text_enum;
 pub(crate) use text_enum::text_enum;
 mod wakeup;

@@ -56,8 +56,8 @@ impl Attempt {
         let lease = job.lease.clone();
         let watch = Arc::new(LeaseWatch::new(
             self.ferry.clock().clone(),
-            job.lease_expires_at,
-            job.claimed_at,
+            job.lease_expires_at.get(),
+            job.claimed_at.get(),
             self.claim_sent,
         ));
         let ctx = JobContext::new(self.ferry.clone(), &job, watch.clone());

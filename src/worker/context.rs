@@ -36,7 +36,7 @@ struct JobFacts {
     queue: String,
     attempt: i32,
     max_attempts: i32,
-    deadline_at: Option<i64>,
+    deadline_at: Option<crate::Millis>,
     operation: String,
     replay_of: Option<Uuid>,
 }
@@ -92,7 +92,7 @@ impl JobContext {
 
     /// The instant (clock milliseconds) the run must finish by: no lease
     /// of it is renewed past this.
-    pub fn deadline_at(&self) -> Option<i64> {
+    pub fn deadline_at(&self) -> Option<crate::Millis> {
         self.job.deadline_at
     }
 

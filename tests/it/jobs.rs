@@ -108,9 +108,9 @@ async fn renewal_extends_only_a_live_lease(kind: Kind) {
     let t = TestDb::with_clock(kind, clock.clone()).await;
     t.ferry.create_run_idempotent(job("k")).await.unwrap();
     let c = t.ferry.claim("payments", "w", LEASE, 1).await.unwrap().pop().unwrap();
-    assert_eq!(c.lease_expires_at, T0 + 30_000);
+    assert_eq!(c.lease_expires_at.get(), T0 + 30_000);
     clock.advance(Duration::from_secs(20)).unwrap();
-    assert_eq!(t.ferry.renew(&c.lease, LEASE).await.unwrap(), T0 + 50_000);
+    assert_eq!(t.ferry.renew(&c.lease, LEASE).await.unwrap().get(), T0 + 50_000);
     clock.advance(Duration::from_secs(29)).unwrap();
     assert!(
         t.ferry.claim("payments", "other", LEASE, 1).await.unwrap().is_empty(),
@@ -178,7 +178,12 @@ async fn retry_schedule_is_exact_and_the_budget_terminalizes(kind: Kind) {
         if attempt < 3 {
             let delay = policy.delay(attempt, None, &mut expected_rng);
             let at = now + delay.as_millis() as i64;
-            assert_eq!(out, FailOutcome::Retried { available_at: at });
+            assert_eq!(
+                out,
+                FailOutcome::Retried {
+                    available_at: ferry::Millis::new(at).unwrap()
+                }
+            );
             assert_eq!(
                 t.scalar("SELECT available_at FROM jobs").await,
                 at,
@@ -249,7 +254,7 @@ async fn retry_schedule_is_exact_and_the_budget_terminalizes(kind: Kind) {
     let c = t.ferry.claim("payments", "w", LEASE, 1).await.unwrap().pop().unwrap();
     let hint = JobError::retryable("rate_limited").retry_after(Duration::from_secs(600));
     match t.ferry.fail(&c.lease, &hint, &policy, &mut rng).await.unwrap() {
-        FailOutcome::Retried { available_at } => assert!(available_at >= c.claimed_at + 600_000),
+        FailOutcome::Retried { available_at } => assert!(available_at.get() >= c.claimed_at.get() + 600_000),
         other => panic!("unexpected {other:?}"),
     }
     assert_eq!(terminal_events(&t).await, vec!["run_failed", "run_failed"]);
@@ -780,7 +785,7 @@ async fn claim_never_leases_past_the_deadline(kind: Kind) {
         .await
         .unwrap()
         .run;
-    let deadline = run.deadline_at.unwrap();
+    let deadline = run.deadline_at.unwrap().get();
     assert_eq!(deadline, T0 + 45_000);
     let c = t
         .ferry
@@ -789,7 +794,11 @@ async fn claim_never_leases_past_the_deadline(kind: Kind) {
         .unwrap()
         .pop()
         .unwrap();
-    assert_eq!(c.lease_expires_at, deadline, "the claim caps the lease at the deadline");
+    assert_eq!(
+        c.lease_expires_at.get(),
+        deadline,
+        "the claim caps the lease at the deadline"
+    );
     assert_eq!(
         t.scalar("SELECT lease_expires_at FROM jobs").await,
         deadline,
@@ -806,7 +815,7 @@ async fn claim_never_leases_past_the_deadline(kind: Kind) {
         .await
         .unwrap();
     let short = t.ferry.claim("payments", "w", LEASE, 1).await.unwrap().pop().unwrap();
-    assert_eq!(short.lease_expires_at, T0 + 30_000);
+    assert_eq!(short.lease_expires_at.get(), T0 + 30_000);
     // At the deadline the capped lease is over: nothing can be written under it.
     clock.advance(Duration::from_secs(45)).unwrap();
     assert_eq!(

@@ -162,7 +162,7 @@ async fn settle(
     let m = &state.metrics;
     match outcome {
         Outcome::Acked { .. } => {
-            m.observe_latency(now_ms() - row.created_at);
+            m.observe_latency(now_ms() - row.created_at.get());
             marker.push(row.id);
             if marker.due() {
                 return marker.flush(state, cfg).await;

@@ -42,7 +42,7 @@ pub(super) async fn transactional_batch(
     let mut sent = txn.send_rows();
     let ids: Vec<i64> = sent.inflight.iter().map(|(i, _)| rows[*i].id).collect();
     let progress_fut = txn.send_progress(&ids, &mut sent.failed);
-    let created: Vec<i64> = sent.inflight.iter().map(|(i, _)| rows[*i].created_at).collect();
+    let created: Vec<i64> = sent.inflight.iter().map(|(i, _)| rows[*i].created_at.get()).collect();
     await_deliveries(sent.inflight, progress_fut, &mut sent.failed).await;
     if let Some((i, outcome)) = sent.failed {
         return txn.abort_failed(i, outcome, sent.sync_failure).await;

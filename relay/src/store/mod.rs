@@ -11,7 +11,7 @@ use sqlx::types::Json;
 
 use ferry::store::{on_conn, on_pool, Conn};
 use ferry::time::duration_ms;
-use ferry::{Error, Ferry, Result};
+use ferry::{Error, Ferry, Millis, Result};
 
 mod queries {
     include!(concat!(env!("OUT_DIR"), "/queries.rs"));
@@ -57,7 +57,7 @@ pub struct PendingRow {
     /// W3C trace context captured at enqueue.
     pub traceparent: Option<String>,
     /// Commit-side timestamp (ms), for commit-to-ack latency.
-    pub created_at: i64,
+    pub created_at: Millis,
 }
 
 #[derive(sqlx::FromRow)]
@@ -70,7 +70,7 @@ struct PendingSqlRow {
     headers: Json<BTreeMap<String, String>>,
     effect_key: Option<String>,
     traceparent: Option<String>,
-    created_at: i64,
+    created_at: Millis,
 }
 
 /// A dead (poison) outbox row, without its payload.
@@ -89,7 +89,7 @@ pub struct DeadRow {
     /// Publish attempts.
     pub publish_attempts: i32,
     /// Enqueued at.
-    pub created_at: i64,
+    pub created_at: Millis,
 }
 
 /// Who holds a lane.
@@ -102,7 +102,7 @@ pub struct LaneOwner {
     /// Current generation.
     pub generation: i64,
     /// Lease expiry.
-    pub lease_expires_at: Option<i64>,
+    pub lease_expires_at: Option<Millis>,
 }
 
 /// Pending backlog.
@@ -111,9 +111,9 @@ pub struct Backlog {
     /// Pending rows.
     pub pending: i64,
     /// `created_at` of the oldest pending row (0 when none).
-    pub oldest: i64,
+    pub oldest: Millis,
     /// The clock's now.
-    pub now: i64,
+    pub now: Millis,
 }
 
 impl Backlog {
@@ -122,7 +122,7 @@ impl Backlog {
         if self.pending == 0 {
             0
         } else {
-            (self.now - self.oldest).max(0)
+            (self.now.get() - self.oldest.get()).max(0)
         }
     }
 }
