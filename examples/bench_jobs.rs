@@ -64,7 +64,7 @@ async fn enqueue_and_claim(base: &str, n: usize) -> Res<()> {
         let (_, pool) = fresh(base, "notify").await?;
         let f = Ferry::builder(url_of(base, "notify"))
             .notify_interval(interval)
-            .build(ferry::Db::Postgres(pool))
+            .build(pool.into())
             .await?;
         rates.push(
             rate(n, 16, move |i| {
@@ -226,7 +226,7 @@ async fn key_lock_cost(base: &str, n: usize) -> Res<()> {
             let (_, pool) = fresh(base, "keylock").await?;
             let f = Ferry::builder(url_of(base, "keylock"))
                 .outbox_key_locks(locks)
-                .build(ferry::Db::Postgres(pool))
+                .build(pool.into())
                 .await?;
             rates.push(
                 rate(n, 16, move |i| {

@@ -7,7 +7,7 @@ use uuid::Uuid;
 
 use crate::error::{Error, Result};
 use crate::jobs::Lease;
-use crate::store::{on_conn, Conn, Db};
+use crate::store::{on_conn, Conn};
 use crate::Ferry;
 
 /// Where an effect stands.
@@ -222,19 +222,8 @@ impl Ferry {
 
     /// Reads a record (no fence: reads are harmless).
     pub async fn get_effect(&self, tenant: &str, run_id: Uuid, step: &str, operation: &str) -> Result<EffectRecord> {
-        match self.db() {
-            Db::Postgres(p) => {
-                get_effect(
-                    Conn::Postgres(&mut *p.acquire().await?),
-                    tenant,
-                    run_id,
-                    step,
-                    operation,
-                )
-                .await
-            }
-            Db::Sqlite(p) => get_effect(Conn::Sqlite(&mut *p.acquire().await?), tenant, run_id, step, operation).await,
-        }
+        let mut c = self.db().acquire().await?;
+        get_effect(c.conn(), tenant, run_id, step, operation).await
     }
 
     async fn close_effect(

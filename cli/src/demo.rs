@@ -55,29 +55,14 @@ impl Handler for Projection {
     fn handle<'a>(&'a self, r: &'a Record, tx: &'a mut ferry::Tx) -> BoxFuture<'a, Result<(), HandlerError>> {
         Box::pin(async move {
             let key = String::from_utf8_lossy(r.key.as_deref().unwrap_or_default()).into_owned();
-            match tx {
-                ferry::Tx::Postgres(_) => sqlx::query(PROJECT)
-                    .bind(key)
-                    .execute(tx.postgres().expect("postgres"))
-                    .await
-                    .map(|_| ())?,
-                ferry::Tx::Sqlite(_) => sqlx::query(PROJECT)
-                    .bind(key)
-                    .execute(tx.sqlite().expect("sqlite"))
-                    .await
-                    .map(|_| ())?,
-            }
+            tx.execute(PROJECT, &[ferry::store::Arg::from(&key)]).await?;
             Ok(())
         })
     }
 }
 
 async fn exec(ferry: &Ferry, sql: &str) -> Result<(), RelayError> {
-    match ferry.db() {
-        ferry::Db::Postgres(p) => sqlx::query(sql).execute(p).await.map(|_| ()),
-        ferry::Db::Sqlite(p) => sqlx::query(sql).execute(p).await.map(|_| ()),
-    }
-    .map_err(|e| RelayError::Ferry(e.into()))
+    ferry.db().execute_raw(sql).await.map(drop).map_err(RelayError::Ferry)
 }
 
 /// Runs the demo.

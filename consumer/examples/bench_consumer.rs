@@ -27,10 +27,7 @@ impl Handler for Apply {
     fn handle<'a>(&'a self, r: &'a Record, tx: &'a mut ferry::Tx) -> BoxFuture<'a, Result<(), HandlerError>> {
         Box::pin(async move {
             let key = String::from_utf8_lossy(r.key.as_deref().unwrap_or_default()).into_owned();
-            sqlx::query(EFFECT)
-                .bind(key)
-                .execute(tx.postgres().expect("postgres"))
-                .await?;
+            tx.execute(EFFECT, &[ferry::store::Arg::from(&key)]).await?;
             Ok(())
         })
     }

@@ -18,10 +18,10 @@
 //!     fn handle<'a>(&'a self, r: &'a Record, tx: &'a mut ferry::Tx) -> BoxFuture<'a, Result<(), HandlerError>> {
 //!         Box::pin(async move {
 //!             let key = String::from_utf8_lossy(r.key.as_deref().unwrap_or_default()).into_owned();
-//!             sqlx::query("INSERT INTO order_counts (key, n) VALUES ($1, 1) ON CONFLICT (key) DO UPDATE SET n = order_counts.n + 1")
-//!                 .bind(key)
-//!                 .execute(tx.postgres().expect("PostgreSQL"))
-//!                 .await?;
+//!             // A portable statement in the record's transaction (both engines);
+//!             // engine-specific SQL can use `tx.conn()` with sqlx instead.
+//!             let sql = "INSERT INTO order_counts (key, n) VALUES ($1, 1) ON CONFLICT (key) DO UPDATE SET n = order_counts.n + 1";
+//!             tx.execute(sql, &[ferry::store::Arg::from(&key)]).await?;
 //!             Ok(())
 //!         })
 //!     }

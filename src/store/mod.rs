@@ -275,6 +275,8 @@ impl Conn<'_> {
 
 mod engine;
 mod millis;
+mod portable;
+pub use portable::{Arg, PooledConn};
 mod text_enum;
 pub(crate) use text_enum::text_enum;
 mod wakeup;

@@ -314,19 +314,7 @@ async fn acceptance_inside_the_callers_transaction(kind: Kind) {
         .unwrap();
     async fn own_write(tx: &mut ferry::Tx, id: &str) {
         let sql = "INSERT INTO orders (id, total) VALUES ($1, 42)";
-        match tx {
-            ferry::Tx::Postgres(_) => sqlx::query(sql)
-                .bind(id)
-                .execute(tx.postgres().unwrap())
-                .await
-                .map(|_| ()),
-            ferry::Tx::Sqlite(_) => sqlx::query(sql)
-                .bind(id)
-                .execute(tx.sqlite().unwrap())
-                .await
-                .map(|_| ()),
-        }
-        .unwrap();
+        tx.execute(sql, &[ferry::store::Arg::from(id)]).await.unwrap();
     }
     // Rolled back: nothing, neither ours nor Ferry's.
     let mut tx = t.ferry.begin().await.unwrap();

@@ -11,6 +11,7 @@
 
 use std::time::Duration;
 
+use ferry::store::Arg;
 use ferry::Ferry;
 use ferry_consumer::{Assignment, Consumer, Handler, HandlerError, Record};
 use futures::future::BoxFuture;
@@ -34,18 +35,8 @@ impl Handler for Projection {
                 return Err(HandlerError::terminal("poison_key"));
             }
             let effect = r.effect_key().unwrap_or_default();
-            match tx {
-                ferry::Tx::Postgres(_) => {
-                    let c = tx.postgres().expect("postgres");
-                    sqlx::query(UPSERT).bind(&key).bind(r.offset).execute(&mut *c).await?;
-                    sqlx::query(APPLIED).bind(&effect).execute(&mut *c).await?;
-                }
-                ferry::Tx::Sqlite(_) => {
-                    let c = tx.sqlite().expect("sqlite");
-                    sqlx::query(UPSERT).bind(&key).bind(r.offset).execute(&mut *c).await?;
-                    sqlx::query(APPLIED).bind(&effect).execute(&mut *c).await?;
-                }
-            }
+            tx.execute(UPSERT, &[Arg::from(&key), Arg::Int(r.offset)]).await?;
+            tx.execute(APPLIED, &[Arg::from(&effect)]).await?;
             if self.crash_at.as_deref() == Some(effect.as_str()) && !self.marker.exists() {
                 let _ = std::fs::write(&self.marker, b"crashed");
                 // Between the handler's writes and the commit.
@@ -75,10 +66,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         "CREATE TABLE IF NOT EXISTS ferry_projection (key TEXT PRIMARY KEY, events BIGINT NOT NULL, last_offset BIGINT NOT NULL)",
         "CREATE TABLE IF NOT EXISTS ferry_projection_applied (effect_key TEXT PRIMARY KEY, applied BIGINT NOT NULL)",
     ] {
-        match ferry.db() {
-            ferry::Db::Postgres(p) => sqlx::query(ddl).execute(p).await.map(|_| ()),
-            ferry::Db::Sqlite(p) => sqlx::query(ddl).execute(p).await.map(|_| ()),
-        }?;
+        ferry.db().execute_raw(ddl).await?;
     }
     let topics = env("FERRY_TOPICS", "ferry.run-events");
     let topics: Vec<&str> = topics.split(',').collect();

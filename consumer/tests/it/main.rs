@@ -2,6 +2,7 @@
 //! (invariant 10): effects once per group under duplicates, rebalances and
 //! crashes; stale members refused; poison records dead-lettered.
 
+use ferry::store::Arg;
 use std::collections::HashMap;
 use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
@@ -66,13 +67,11 @@ impl Handler for Apply {
             let key = r
                 .effect_key()
                 .unwrap_or_else(|| format!("{}/{}/{}", r.topic, r.partition, r.offset));
-            sqlx::query(
+            tx.execute(
                 "INSERT INTO effects_applied (effect_key, applied, written_by) VALUES ($1, 1, $2)
                  ON CONFLICT (effect_key) DO UPDATE SET applied = effects_applied.applied + 1",
+                &[Arg::from(&key), Arg::from(&self.owner)],
             )
-            .bind(key)
-            .bind(&self.owner)
-            .execute(tx.postgres().unwrap())
             .await?;
             Ok(())
         })

@@ -4,6 +4,7 @@
 //! a duplicate for the whole ledger retention). Caller-chosen effect keys
 //! are scoped by tenant.
 
+use ferry::store::Arg;
 use std::time::{Duration, Instant};
 
 use ferry::{Ferry, OutboxMessage};
@@ -21,11 +22,13 @@ struct Applied;
 impl Handler for Applied {
     fn handle<'a>(&'a self, r: &'a Record, tx: &'a mut ferry::Tx) -> BoxFuture<'a, Result<(), HandlerError>> {
         Box::pin(async move {
-            sqlx::query("INSERT INTO applied (effect_key, payload) VALUES ($1, $2)")
-                .bind(r.effect_key().unwrap_or_default())
-                .bind(String::from_utf8_lossy(r.payload.as_deref().unwrap_or_default()).into_owned())
-                .execute(tx.postgres().unwrap())
-                .await?;
+            let key = r.effect_key().unwrap_or_default();
+            let payload = String::from_utf8_lossy(r.payload.as_deref().unwrap_or_default()).into_owned();
+            tx.execute(
+                "INSERT INTO applied (effect_key, payload) VALUES ($1, $2)",
+                &[Arg::from(&key), Arg::from(&payload)],
+            )
+            .await?;
             Ok(())
         })
     }
