@@ -8,3 +8,8 @@ pub mod doctor;
 pub mod error;
 
 pub use error::CliError;
+
+/// The README's Rust examples, compiled as doctests so they stay true.
+#[cfg(doctest)]
+#[doc = include_str!("../../README.md")]
+pub struct ReadmeDoctests;
