@@ -7,7 +7,7 @@ use uuid::Uuid;
 
 use super::*;
 use crate::error::{Error, Result};
-use crate::runs::{get_run_in, write_event};
+use crate::runs::{get_run_in, write_event, Event};
 use crate::store::{on_conn, Conn};
 use crate::Ferry;
 
@@ -48,8 +48,7 @@ impl Ferry {
             .await?;
         self.terminate(
             conn.reborrow(),
-            &lease.tenant,
-            lease.run_id,
+            (&lease.tenant, lease.run_id),
             Terminal::Succeeded,
             None,
             &json!({ "result": result }),
@@ -172,8 +171,7 @@ impl Ferry {
                 let body = json!({ "error_code": code, "error_class": class, "attempts": attempt });
                 self.terminate(
                     conn.reborrow(),
-                    &lease.tenant,
-                    lease.run_id,
+                    (&lease.tenant, lease.run_id),
                     Terminal::Failed,
                     None,
                     &body,
@@ -238,8 +236,7 @@ impl Ferry {
         let body = json!({ "actor": actor, "reason": reason });
         self.terminate(
             conn.reborrow(),
-            tenant,
-            run_id,
+            (tenant, run_id),
             Terminal::Cancelled,
             expected_version,
             &body,
@@ -291,7 +288,7 @@ impl Ferry {
                     continue;
                 };
                 let body = json!({ "error_code": code, "error_class": "retryable", "attempts": attempt });
-                self.terminate(tx.conn(), &tenant, run_id, Terminal::Failed, None, &body, now)
+                self.terminate(tx.conn(), (&tenant, run_id), Terminal::Failed, None, &body, now)
                     .await?;
                 let lease = Lease {
                     tenant,
@@ -344,13 +341,12 @@ impl Ferry {
         }
     }
 
-    /// Compare-and-set of the run to a terminal state plus the terminal event.
-    #[allow(clippy::too_many_arguments)]
+    /// Compare-and-set of the run `(tenant, run_id)` to a terminal state plus
+    /// the terminal event.
     async fn terminate(
         &self,
         mut conn: Conn<'_>,
-        tenant: &str,
-        run_id: Uuid,
+        (tenant, run_id): (&str, Uuid),
         to: Terminal,
         expected_version: Option<i64>,
         body: &Value,
@@ -381,6 +377,15 @@ impl Ferry {
                 }
             });
         };
-        write_event(self, conn, tenant, run_id, seq, to.event_kind(), body, at, None).await
+        let event = Event {
+            tenant,
+            run_id,
+            seq,
+            kind: to.event_kind(),
+            body,
+            at,
+            traceparent: None,
+        };
+        write_event(self, conn, event).await
     }
 }

@@ -78,18 +78,16 @@ impl Ferry {
             &run.command,
             run.replay_of,
         );
-        write_event(
-            self,
-            conn.reborrow(),
-            &run.tenant,
+        let event = Event {
+            tenant: &run.tenant,
             run_id,
-            1,
-            "run_queued",
-            &body,
-            now,
-            run.traceparent.clone().or_else(crate::telemetry::current_traceparent),
-        )
-        .await?;
+            seq: 1,
+            kind: "run_queued",
+            body: &body,
+            at: now,
+            traceparent: run.traceparent.clone().or_else(crate::telemetry::current_traceparent),
+        };
+        write_event(self, conn.reborrow(), event).await?;
         on_conn!(conn.reborrow(), |c, q| {
             sqlx::query(q.insert_job)
                 .bind(&run.tenant)

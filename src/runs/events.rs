@@ -63,7 +63,16 @@ impl Ferry {
                 .await?
         });
         let (seq, now) = next.ok_or(Error::NotFound { what: "run" })?;
-        write_event(self, conn, tenant, run_id, seq, kind, body, now, None).await?;
+        let event = Event {
+            tenant,
+            run_id,
+            seq,
+            kind,
+            body,
+            at: now,
+            traceparent: None,
+        };
+        write_event(self, conn, event).await?;
         Ok(seq)
     }
 
@@ -113,20 +122,30 @@ pub(crate) fn event_payload(tenant: &str, run_id: Uuid, seq: i64, kind: &str, at
     })
 }
 
+/// One run event to write: which run, its sequence number, kind and body,
+/// the instant, and the trace context its outbox row carries.
+pub(crate) struct Event<'a> {
+    pub(crate) tenant: &'a str,
+    pub(crate) run_id: Uuid,
+    pub(crate) seq: i64,
+    pub(crate) kind: &'a str,
+    pub(crate) body: &'a Value,
+    pub(crate) at: i64,
+    pub(crate) traceparent: Option<String>,
+}
+
 /// Writes event `seq` of a run and the outbox row that carries it. The
 /// effect key `tenant/run_id/seq` lets consumers dedupe re-published events.
-#[allow(clippy::too_many_arguments)]
-pub(crate) async fn write_event(
-    ferry: &Ferry,
-    mut conn: Conn<'_>,
-    tenant: &str,
-    run_id: Uuid,
-    seq: i64,
-    kind: &str,
-    body: &Value,
-    now: i64,
-    traceparent: Option<String>,
-) -> Result<()> {
+pub(crate) async fn write_event(ferry: &Ferry, mut conn: Conn<'_>, event: Event<'_>) -> Result<()> {
+    let Event {
+        tenant,
+        run_id,
+        seq,
+        kind,
+        body,
+        at: now,
+        traceparent,
+    } = event;
     let inserted = on_conn!(conn.reborrow(), |c, q| {
         sqlx::query(q.insert_event)
             .bind(tenant)

@@ -13,7 +13,7 @@ mod accept;
 mod events;
 
 pub(crate) use accept::queued_body;
-pub(crate) use events::{event_payload, get_run_in, write_event};
+pub(crate) use events::{event_payload, get_run_in, write_event, Event};
 
 use std::time::Duration;
 
