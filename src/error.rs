@@ -213,12 +213,21 @@ impl Error {
                 | sqlx::Error::PoolTimedOut
                 | sqlx::Error::PoolClosed
                 | sqlx::Error::WorkerCrashed => true,
-                sqlx::Error::Database(db) => matches!(
-                    db.code().as_deref(),
-                    // serialization_failure, deadlock_detected, admin_shutdown,
-                    // SQLITE_BUSY, SQLITE_LOCKED
-                    Some("40001" | "40P01" | "57P01" | "5" | "6" | "517")
-                ),
+                sqlx::Error::Database(db) => match db.code().as_deref() {
+                    // Any connection exception (class 08).
+                    Some(code) if code.starts_with("08") => true,
+                    // serialization_failure, deadlock_detected, statement
+                    // timeout (query_canceled), lock_not_available,
+                    // read_only_sql_transaction (a failover in progress),
+                    // too_many_connections, admin_shutdown, crash_shutdown,
+                    // cannot_connect_now; SQLITE_BUSY, SQLITE_LOCKED,
+                    // SQLITE_BUSY_SNAPSHOT.
+                    Some(
+                        "40001" | "40P01" | "57014" | "55P03" | "25006" | "53300" | "57P01" | "57P02" | "57P03" | "5"
+                        | "6" | "517",
+                    ) => true,
+                    _ => false,
+                },
                 _ => false,
             },
             _ => false,

@@ -1,4 +1,4 @@
-//! `ferry-relay demo`: the main job end to end on embedded defaults — a SQLite
+//! `ferry demo`: the main job end to end on embedded defaults — a SQLite
 //! file and rdkafka's in-process mock cluster — or on `--database-url` and
 //! `--brokers` when given. It accepts a stream of runs (some duplicate POSTs,
 //! one key reused with another body) and domain events, relays the outbox,

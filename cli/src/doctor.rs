@@ -51,7 +51,7 @@ const CHECKS: [Check; 4] = [
         name: "duplicate_acceptances",
         query: |q| q.doctor_duplicate_acceptances,
         severity: Severity::Warning,
-        action: "the same request was accepted as several runs: check that clients reuse one Idempotency-Key per operation and that the key TTL covers their retry window; cancel the extra runs (`ferry-relay jobs cancel`)",
+        action: "the same request was accepted as several runs: check that clients reuse one Idempotency-Key per operation and that the key TTL covers their retry window; cancel the extra runs (`ferry jobs cancel`)",
     },
     Check {
         name: "effect_provider_refs",

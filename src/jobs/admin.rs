@@ -6,7 +6,7 @@ use uuid::Uuid;
 
 use super::*;
 use crate::error::{Error, Result};
-use crate::runs::{get_run_in, Accepted, NewRun};
+use crate::runs::{get_run_in, Accepted, NewRun, RunState};
 use crate::store::{on_conn, on_pool, Conn};
 use crate::Ferry;
 
@@ -114,7 +114,7 @@ impl Ferry {
                 .await?
         });
         let (state, _) = locked.ok_or(Error::NotFound { what: "run" })?;
-        if state != "failed" {
+        if RunState::parse(&state)? != RunState::Failed {
             return Err(Error::InvalidState {
                 run_id,
                 state,

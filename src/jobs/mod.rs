@@ -240,14 +240,18 @@ impl std::fmt::Display for JobError {
 impl std::error::Error for JobError {}
 
 /// A library error inside a handler keeps its retry classification, so `?`
-/// works on Ferry calls in a handler: transient errors (database
-/// unreachable, serialization failure, a part shutting down) are retryable;
-/// a lost lease, a cancelled or finished run, and every other refusal are
-/// terminal for this attempt, with the error's stable code (a lost lease's
-/// attempt is already over, and the worker does not publish it).
+/// works on Ferry calls in a handler. Transient errors (database
+/// unreachable, timeouts, serialization failure, a part shutting down) are
+/// retryable, and so is a lost lease: the worker's own clock can see the
+/// lease end before the database does, and whether the attempt may still be
+/// recorded is the fence's decision, not the handler's (a retry requeues the
+/// job if the lease still holds; otherwise the fence refuses and the new
+/// holder goes on). Every other refusal (a cancelled or finished run, a
+/// passed deadline, invalid input) is terminal: the job dies with the
+/// error's stable code.
 impl From<crate::Error> for JobError {
     fn from(e: crate::Error) -> Self {
-        if e.is_transient() {
+        if e.is_transient() || matches!(e, crate::Error::LostLease { .. }) {
             JobError::retryable(e.code())
         } else {
             JobError::terminal(e.code())
@@ -420,4 +424,44 @@ pub(crate) fn positive_ms(field: &'static str, d: Duration) -> Result<i64> {
         return Err(Error::invalid(field, "must be at least 1 ms"));
     }
     Ok(ms)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn library_errors_keep_their_retry_classification_in_a_handler() {
+        let retried = [
+            crate::Error::Database(sqlx::Error::PoolTimedOut),
+            crate::Error::ShuttingDown("completer stopped"),
+            crate::Error::Raced("the idempotency record was swept"),
+            crate::Error::LostLease {
+                run_id: Uuid::nil(),
+                generation: 1,
+            },
+        ];
+        for e in retried {
+            let code = e.code();
+            let j = JobError::from(e);
+            assert_eq!((j.class, j.code.as_str()), (ErrorClass::Retryable, code));
+        }
+        let terminal = [
+            crate::Error::Cancelled { run_id: Uuid::nil() },
+            crate::Error::DeadlineExceeded { run_id: Uuid::nil() },
+            crate::Error::invalid("result", "too large"),
+        ];
+        for e in terminal {
+            let code = e.code();
+            let j = JobError::from(e);
+            assert_eq!((j.class, j.code.as_str()), (ErrorClass::Terminal, code));
+        }
+    }
+
+    #[test]
+    fn states_pad_like_strings_in_tables() {
+        assert_eq!(format!("[{:<8}]", JobState::Dead), "[dead    ]");
+        assert_eq!("leased".parse::<JobState>().unwrap(), JobState::Leased);
+        assert_eq!("nope".parse::<JobState>().unwrap_err().code(), "invalid_input");
+    }
 }

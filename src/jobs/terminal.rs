@@ -30,6 +30,9 @@ impl Ferry {
     /// attempt closed, in one transaction.
     #[tracing::instrument(name = "ferry.complete", skip_all, fields(tenant = %lease.tenant, run_id = %lease.run_id, generation = lease.generation))]
     pub async fn complete(&self, lease: &Lease, result: &Value) -> Result<()> {
+        // Refused input touches no database (complete_in checks again for
+        // callers that come straight to it).
+        self.limits().json("result", result)?;
         let mut tx = self.begin().await?;
         let r = self.complete_in(tx.conn(), lease, result).await;
         tx.finish(r).await

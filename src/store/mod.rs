@@ -237,6 +237,11 @@ impl Tx {
 /// A borrowed connection on either engine, usually inside a transaction the
 /// caller holds. `&mut PgConnection`, `&mut SqliteConnection` and `&mut Tx`
 /// all convert into it, so a service's own `sqlx::Transaction` works too.
+///
+/// On SQLite, begin your own transaction with `BEGIN IMMEDIATE` (sqlx:
+/// `pool.begin_with("BEGIN IMMEDIATE")`), as [`Db::begin`] does: several
+/// `*_in` calls read before they write, and a deferred transaction can then
+/// fail to upgrade its lock with `SQLITE_BUSY` instead of waiting.
 #[derive(Debug)]
 pub enum Conn<'c> {
     /// PostgreSQL.

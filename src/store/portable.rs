@@ -18,8 +18,6 @@ pub enum Arg<'a> {
     Int(i64),
     /// BOOLEAN (an INTEGER 0/1 on SQLite).
     Bool(bool),
-    /// NULL.
-    Null,
 }
 
 impl<'a> From<&'a str> for Arg<'a> {
@@ -54,7 +52,6 @@ macro_rules! bind_all {
                 Arg::Text(s) => q.bind(s),
                 Arg::Int(n) => q.bind(n),
                 Arg::Bool(b) => q.bind(b),
-                Arg::Null => q.bind(None::<i64>),
             };
         }
         q

@@ -192,7 +192,7 @@ impl Attempt {
                 self.stats.completed.fetch_add(1, Ordering::Relaxed);
             }
             // A retried complete whose first commit landed.
-            Err(Error::RunTerminal { state, .. }) if state == "succeeded" => {
+            Err(Error::RunTerminal { state, .. }) if state == crate::RunState::Succeeded.as_str() => {
                 self.stats.completed.fetch_add(1, Ordering::Relaxed);
             }
             Err(e) => {
