@@ -273,6 +273,7 @@ impl Conn<'_> {
     }
 }
 
+mod bulk;
 mod engine;
 mod text_enum;
 pub(crate) use text_enum::text_enum;
