@@ -3,8 +3,11 @@
 //! enqueue (single and batched), outbox enqueue with and without the
 //! per-key advisory lock, claim+complete with 1/4/16 workers (single
 //! and batch claims), and claim latency over a 10k and a 1M backlog.
+//! `bulk` compares bulk acceptance (`create_runs_idempotent`, batches of
+//! 1000) with per-run acceptance at 1000 per transaction and with plain
+//! multi-row INSERTs of the same five rows per run.
 //!
-//!     cargo run --release --example bench_jobs -- [--quick] [worker | keylock]
+//!     cargo run --release --example bench_jobs -- [--quick] [worker | keylock | bulk]
 #![allow(clippy::print_stdout)]
 
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -32,6 +35,10 @@ async fn main() -> Res<()> {
     // `keylock` runs just the outbox key-lock rows.
     if std::env::args().any(|a| a == "keylock") {
         return key_lock_cost(&base, n).await;
+    }
+    // `bulk` runs just the bulk acceptance rows.
+    if std::env::args().any(|a| a == "bulk") {
+        return bulk_accept(&base, quick).await;
     }
     if !only_worker {
         enqueue_and_claim(&base, n).await?;
@@ -248,6 +255,182 @@ async fn key_lock_cost(base: &str, n: usize) -> Res<()> {
         );
     }
     Ok(())
+}
+
+/// Bulk acceptance against per-run acceptance and plain multi-row INSERTs,
+/// all in batches of 1000 runs per transaction on `BULK_CLIENTS` clients.
+async fn bulk_accept(base: &str, quick: bool) -> Res<()> {
+    const BATCH: usize = 1000;
+    let clients: usize = std::env::var("BULK_CLIENTS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(4);
+    let (bulk_n, single_n) = if quick { (20_000, 4_000) } else { (100_000, 20_000) };
+
+    let (f, _) = fresh(base, "bulk").await?;
+    let cpu = cpu_seconds();
+    let bulk = rate(bulk_n / BATCH, clients, move |i| {
+        let f = f.clone();
+        async move {
+            let runs = (0..BATCH)
+                .map(|j| NewRun::new("bench", "op", format!("k{i}-{j}"), json!({"i": i, "j": j})))
+                .collect();
+            let out = f.create_runs_idempotent(runs).await?;
+            assert!(out.iter().all(|r| matches!(r, Ok(a) if !a.replay)));
+            Ok(out.len() as u64)
+        }
+    })
+    .await?;
+    let bulk_cpu = (cpu_seconds() - cpu) / bulk_n as f64;
+
+    let (f, _) = fresh(base, "bulksingle").await?;
+    let cpu = cpu_seconds();
+    let single = rate(single_n / BATCH, clients, move |i| {
+        let f = f.clone();
+        async move {
+            let mut tx = f.begin().await?;
+            for j in 0..BATCH {
+                let run = NewRun::new("bench", "op", format!("k{i}-{j}"), json!({"i": i, "j": j}));
+                f.create_run_idempotent_in(tx.conn(), run).await?;
+            }
+            tx.commit().await?;
+            Ok(BATCH as u64)
+        }
+    })
+    .await?;
+    let single_cpu = (cpu_seconds() - cpu) / single_n as f64;
+
+    let (_, pool) = fresh(base, "bulkraw").await?;
+    let cpu = cpu_seconds();
+    let raw = rate(bulk_n / BATCH, clients, move |i| {
+        raw_bulk_accept(pool.clone(), i, BATCH)
+    })
+    .await?;
+    let raw_cpu = (cpu_seconds() - cpu) / bulk_n as f64;
+
+    row(
+        &format!("accept, batches of {BATCH}, {clients} clients (runs/s)"),
+        bulk,
+        raw,
+    );
+    row(
+        &format!("accept one by one, {BATCH} per tx, {clients} clients"),
+        single,
+        raw,
+    );
+    println!(
+        "{:<44} {:>11.1}x {:>11.0}%",
+        "bulk vs one by one; bulk as % of raw",
+        bulk / single,
+        bulk / raw * 100.0
+    );
+    println!(
+        "{:<44} {:>10.1}us {:>10.1}us   (one by one: {:.1}us)",
+        "client CPU per run (this process)",
+        bulk_cpu * 1e6,
+        raw_cpu * 1e6,
+        single_cpu * 1e6
+    );
+    Ok(())
+}
+
+/// CPU time this process has used (user + system), from /proc; NaN elsewhere.
+fn cpu_seconds() -> f64 {
+    let Ok(stat) = std::fs::read_to_string("/proc/self/stat") else {
+        return f64::NAN;
+    };
+    // Fields after the parenthesized command name; utime and stime are the
+    // 14th and 15th fields overall, in clock ticks (100 per second on Linux).
+    let rest = stat.rsplit_once(')').map_or("", |(_, r)| r);
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    match (
+        f.get(11).and_then(|u| u.parse::<f64>().ok()),
+        f.get(12).and_then(|s| s.parse::<f64>().ok()),
+    ) {
+        (Some(u), Some(s)) => (u + s) / 100.0,
+        _ => f64::NAN,
+    }
+}
+
+/// The five rows of `per_tx` acceptances (key, run, `run_queued`, job,
+/// outbox row) as five multi-row INSERTs, with no idempotency logic: no
+/// conflict handling, no read-back, no fingerprint.
+async fn raw_bulk_accept(pool: PgPool, i: usize, per_tx: usize) -> Res<u64> {
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)?
+        .as_millis() as i64;
+    let ids: Vec<Uuid> = (0..per_tx).map(|_| Uuid::now_v7()).collect();
+    let keys: Vec<String> = (0..per_tx).map(|j| format!("r{i}-{j}")).collect();
+    let requests: Vec<serde_json::Value> = (0..per_tx).map(|j| json!({"i": i, "j": j})).collect();
+    let bodies: Vec<serde_json::Value> = requests
+        .iter()
+        .map(|r| json!({"operation": "op", "queue": "default", "schema_version": 1, "request": r, "replay_of": null}))
+        .collect();
+    let payloads: Vec<Vec<u8>> = ids
+        .iter()
+        .zip(&bodies)
+        .map(|(id, b)| {
+            serde_json::to_vec(
+                &json!({"tenant": "bench", "run_id": id, "seq": 1, "kind": "run_queued", "at": now, "body": b}),
+            )
+        })
+        .collect::<Result<_, _>>()?;
+    let effect_keys: Vec<String> = ids.iter().map(|id| format!("bench/{id}/1")).collect();
+    let run_keys: Vec<String> = ids.iter().map(|id| id.to_string()).collect();
+    let lanes: Vec<i32> = run_keys.iter().map(|k| ferry::outbox::lane_for(k, 64)).collect();
+    let fp = "0".repeat(64);
+    let mut tx = pool.begin().await?;
+    sqlx::query(
+        "INSERT INTO idempotency_keys (tenant, operation, key, request_fingerprint, fingerprint_version, run_id, created_at, expires_at)
+         SELECT 'bench', 'op', k, $2, 1, id, $3, $3 + 86400000 FROM UNNEST($1::text[], $4::uuid[]) AS i(k, id)",
+    )
+    .bind(&keys)
+    .bind(&fp)
+    .bind(now)
+    .bind(&ids)
+    .execute(&mut *tx)
+    .await?;
+    sqlx::query(
+        "INSERT INTO runs (tenant, run_id, operation, state, version, request, created_at, updated_at, last_event_seq)
+         SELECT 'bench', id, 'op', 'queued', 1, r, $3, $3, 1 FROM UNNEST($1::uuid[], $2::jsonb[]) AS i(id, r)",
+    )
+    .bind(&ids)
+    .bind(requests.iter().map(sqlx::types::Json).collect::<Vec<_>>())
+    .bind(now)
+    .execute(&mut *tx)
+    .await?;
+    sqlx::query(
+        "INSERT INTO run_events (tenant, run_id, seq, kind, body, created_at)
+         SELECT 'bench', id, 1, 'run_queued', b, $3 FROM UNNEST($1::uuid[], $2::jsonb[]) AS i(id, b)",
+    )
+    .bind(&ids)
+    .bind(bodies.iter().map(sqlx::types::Json).collect::<Vec<_>>())
+    .bind(now)
+    .execute(&mut *tx)
+    .await?;
+    sqlx::query(
+        "INSERT INTO jobs (tenant, run_id, queue, state, available_at, max_attempts, created_at, updated_at)
+         SELECT 'bench', id, 'default', 'queued', $2, 5, $2, $2 FROM UNNEST($1::uuid[]) AS i(id)",
+    )
+    .bind(&ids)
+    .bind(now)
+    .execute(&mut *tx)
+    .await?;
+    sqlx::query(
+        "INSERT INTO outbox (tenant, topic, key, lane, payload, headers, effect_key, created_at)
+         SELECT 'bench', 'ferry.run-events', k, l, p,
+                '{\"content-type\": \"application/json\", \"ferry-event-kind\": \"run_queued\"}', e, $5
+         FROM UNNEST($1::text[], $2::int[], $3::bytea[], $4::text[]) AS i(k, l, p, e)",
+    )
+    .bind(&run_keys)
+    .bind(&lanes)
+    .bind(&payloads)
+    .bind(&effect_keys)
+    .bind(now)
+    .execute(&mut *tx)
+    .await?;
+    tx.commit().await?;
+    Ok(per_tx as u64)
 }
 
 fn row(name: &str, ferry: f64, raw: f64) {

@@ -32,3 +32,7 @@ RETURNING id
 
 -- name: notify_work [postgres only]
 SELECT pg_notify($1, $2)
+
+-- name: notify_work_many [postgres only]
+-- notify_work for several payloads ($2) in one statement: a batch's wake-ups.
+SELECT pg_notify($1, p) FROM UNNEST($2::text[]) AS p

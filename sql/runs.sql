@@ -77,3 +77,84 @@ SELECT run_id FROM runs WHERE tenant = $1 AND replay_of = $2 ORDER BY created_at
 
 -- name: lock_run
 SELECT state, version FROM runs WHERE tenant = $1 AND run_id = $2 {pg:FOR UPDATE}
+
+-- name: existing_run_ids [postgres only]
+-- The bulk acceptance's check of proposed run ids: which of the pairs
+-- ($1 tenant, $2 run id) already exist.
+SELECT r.tenant, r.run_id
+FROM UNNEST($1::text[], $2::uuid[]) AS i(tenant, run_id)
+JOIN runs r ON r.tenant = i.tenant AND r.run_id = i.run_id
+
+-- name: claim_idempotency_keys [postgres only]
+-- claim_idempotency_key for many keys in one statement (distinct keys: the
+-- caller keeps the first of each): inserts each record, or takes over an
+-- expired one, under one instant. Rows go in key order, so two batches
+-- sharing keys wait for each other in the same order and cannot deadlock.
+-- Returns the run id and instant of every key claimed; a live record is left
+-- alone, and a racing insert of the same key waits for the other transaction.
+INSERT INTO idempotency_keys AS k
+    (tenant, operation, key, request_fingerprint, fingerprint_version, run_id, created_at, expires_at)
+SELECT i.tenant, i.operation, i.key, i.fingerprint, i.fingerprint_version, i.run_id, c.at, c.at + $8
+FROM UNNEST($1::text[], $2::text[], $3::text[], $4::text[], $5::int[], $6::uuid[])
+         AS i(tenant, operation, key, fingerprint, fingerprint_version, run_id),
+     (SELECT {now $7} AS at) c
+ORDER BY i.tenant, i.operation, i.key
+ON CONFLICT (tenant, operation, key) DO UPDATE
+    SET request_fingerprint = EXCLUDED.request_fingerprint,
+        fingerprint_version = EXCLUDED.fingerprint_version,
+        run_id = EXCLUDED.run_id,
+        created_at = EXCLUDED.created_at,
+        expires_at = EXCLUDED.expires_at
+    WHERE k.expires_at <= EXCLUDED.created_at
+RETURNING k.run_id, k.created_at
+
+-- name: find_idempotency_keys [postgres only]
+-- find_idempotency_key for many keys ($1 tenant, $2 operation, $3 key; the
+-- input position is `ord`, from 1), with whether each record is live at $4
+-- (a claim would not take it over) and the run it names, the original a
+-- replay answers with.
+SELECT i.ord, k.request_fingerprint, k.fingerprint_version, k.run_id AS key_run_id,
+       k.expires_at > {now $4} AS live,
+       r.tenant, r.run_id, r.operation, r.state, r.version, r.request, r.deadline_at, r.replay_of,
+       r.created_at, r.updated_at, r.last_event_seq
+FROM UNNEST($1::text[], $2::text[], $3::text[]) WITH ORDINALITY AS i(tenant, operation, key, ord)
+JOIN idempotency_keys k ON k.tenant = i.tenant AND k.operation = i.operation AND k.key = i.key
+LEFT JOIN runs r ON r.tenant = k.tenant AND r.run_id = k.run_id
+
+-- name: insert_accepted_runs [postgres only]
+-- The writes of many acceptances whose keys were claimed, in one statement:
+-- for each input row the run (insert_run), its run_queued event at seq 1
+-- (insert_event, the body built as queued_body builds it), its job
+-- (insert_job) and the event's outbox row (insert_outbox, no key lock: nobody
+-- else can write a brand-new run's events). $15 is the claim's instant; the
+-- outbox key, payload, effect key and lane come from the code that builds the
+-- single acceptance's row, so both write the same bytes. Rows go in input
+-- order, so outbox ids follow it. Foreign keys are checked at the end of the
+-- statement, when the runs exist.
+WITH input AS (
+    SELECT *
+    FROM UNNEST($1::text[], $2::uuid[], $3::text[], $4::jsonb[], $5::bigint[], $6::uuid[], $7::text[],
+                $8::int[], $9::bigint[], $10::text[], $11::int[], $12::bytea[], $13::text[], $14::text[])
+        WITH ORDINALITY
+        AS i(tenant, run_id, operation, request, deadline_at, replay_of, queue, max_attempts, schema_version,
+             key, lane, payload, effect_key, traceparent, ord)
+), run_rows AS (
+    INSERT INTO runs (tenant, run_id, operation, state, version, request, deadline_at, replay_of,
+                      created_at, updated_at, last_event_seq)
+    SELECT tenant, run_id, operation, 'queued', 1, request, deadline_at, replay_of, $15::bigint, $15::bigint, 1
+    FROM input ORDER BY ord
+), event_rows AS (
+    INSERT INTO run_events (tenant, run_id, seq, kind, body, created_at)
+    SELECT tenant, run_id, 1, 'run_queued',
+           jsonb_build_object('operation', operation, 'queue', queue, 'schema_version', schema_version,
+                              'request', request, 'replay_of', replay_of),
+           $15::bigint
+    FROM input ORDER BY ord
+), job_rows AS (
+    INSERT INTO jobs (tenant, run_id, queue, state, available_at, max_attempts, deadline_at, created_at, updated_at)
+    SELECT tenant, run_id, queue, 'queued', $15::bigint, max_attempts, deadline_at, $15::bigint, $15::bigint
+    FROM input ORDER BY ord
+)
+INSERT INTO outbox (tenant, topic, key, lane, payload, headers, effect_key, traceparent, created_at)
+SELECT tenant, $16::text, key, lane, payload, $17::jsonb, effect_key, traceparent, $15::bigint
+FROM input ORDER BY ord

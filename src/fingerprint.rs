@@ -25,43 +25,50 @@ pub struct Fingerprint {
 
 /// Fingerprints `command` for `(operation, schema_version, tenant)`.
 pub fn fingerprint(operation: &str, schema_version: u32, tenant: &str, command: &Value) -> Fingerprint {
-    let envelope = serde_json::json!({
-        "command": command,
-        "fingerprint_version": FINGERPRINT_VERSION,
-        "operation": operation,
-        "schema_version": schema_version,
-        "tenant": tenant,
-    });
-    let mut canonical = String::new();
-    write_canonical(&envelope, &mut canonical);
+    // The canonical form of the envelope {command, fingerprint_version,
+    // operation, schema_version, tenant}, written directly (its keys are
+    // already in byte order) instead of cloning the command into a Value.
+    let mut canonical = Vec::with_capacity(128);
+    canonical.extend_from_slice(b"{\"command\":");
+    write_canonical(command, &mut canonical);
+    canonical.extend_from_slice(b",\"fingerprint_version\":");
+    write_int(i64::from(FINGERPRINT_VERSION), &mut canonical);
+    canonical.extend_from_slice(b",\"operation\":");
+    write_str(operation, &mut canonical);
+    canonical.extend_from_slice(b",\"schema_version\":");
+    write_int(i64::from(schema_version), &mut canonical);
+    canonical.extend_from_slice(b",\"tenant\":");
+    write_str(tenant, &mut canonical);
+    canonical.push(b'}');
     Fingerprint {
-        hex: hex::encode(Sha256::digest(canonical.as_bytes())),
+        hex: hex::encode(Sha256::digest(&canonical)),
         version: FINGERPRINT_VERSION,
     }
 }
 
 /// The canonical text of `value`: sorted keys, no whitespace, normalized numbers.
 pub fn canonical_json(value: &Value) -> String {
-    let mut out = String::new();
+    let mut out = Vec::new();
     write_canonical(value, &mut out);
-    out
+    // Only JSON text and whole UTF-8 strings were written.
+    String::from_utf8_lossy(&out).into_owned()
 }
 
-fn write_canonical(value: &Value, out: &mut String) {
+fn write_canonical(value: &Value, out: &mut Vec<u8>) {
     match value {
-        Value::Null => out.push_str("null"),
-        Value::Bool(b) => out.push_str(if *b { "true" } else { "false" }),
+        Value::Null => out.extend_from_slice(b"null"),
+        Value::Bool(b) => out.extend_from_slice(if *b { b"true" } else { b"false" }),
         Value::Number(n) => write_number(n, out),
-        Value::String(s) => out.push_str(&Value::String(s.clone()).to_string()),
+        Value::String(s) => write_str(s, out),
         Value::Array(items) => {
-            out.push('[');
+            out.push(b'[');
             for (i, item) in items.iter().enumerate() {
                 if i > 0 {
-                    out.push(',');
+                    out.push(b',');
                 }
                 write_canonical(item, out);
             }
-            out.push(']');
+            out.push(b']');
         }
         Value::Object(map) => {
             // Sorted here, by the UTF-8 bytes of the key, whatever order the
@@ -71,18 +78,29 @@ fn write_canonical(value: &Value, out: &mut String) {
             // fingerprints were computed with. Keys are unique: the sort is total.
             let mut entries: Vec<(&String, &Value)> = map.iter().collect();
             entries.sort_unstable_by(|(a, _), (b, _)| a.as_bytes().cmp(b.as_bytes()));
-            out.push('{');
+            out.push(b'{');
             for (i, (k, v)) in entries.into_iter().enumerate() {
                 if i > 0 {
-                    out.push(',');
+                    out.push(b',');
                 }
-                out.push_str(&Value::String(k.clone()).to_string());
-                out.push(':');
+                write_str(k, out);
+                out.push(b':');
                 write_canonical(v, out);
             }
-            out.push('}');
+            out.push(b'}');
         }
     }
+}
+
+/// A string as serde_json writes it (quoted, with its escapes).
+fn write_str(s: &str, out: &mut Vec<u8>) {
+    // Writing a str into a Vec cannot fail.
+    let _ = serde_json::to_writer(&mut *out, s);
+}
+
+fn write_int(i: i64, out: &mut Vec<u8>) {
+    use std::io::Write;
+    let _ = write!(out, "{i}");
 }
 
 /// Integers print as integers; a float with an integral value of magnitude at
@@ -99,8 +117,8 @@ fn write_canonical(value: &Value, out: &mut String) {
 ///
 /// The form is defined on the parsed [`Value`]: a float is whatever `f64` the
 /// caller's JSON parser produced from the text.
-fn write_number(n: &serde_json::Number, out: &mut String) {
-    use std::fmt::Write;
+fn write_number(n: &serde_json::Number, out: &mut Vec<u8>) {
+    use std::io::Write;
     if let Some(i) = n.as_i64() {
         let _ = write!(out, "{i}");
     } else if let Some(u) = n.as_u64() {

@@ -65,6 +65,8 @@ struct Inner {
     db: Db,
     clock: Clock,
     limits: Limits,
+    /// `limits.max_document_bytes()`, computed once: it serializes an envelope.
+    max_document_bytes: usize,
     lanes: i32,
     events_topic: String,
     notifier: notify::Notifier,
@@ -155,6 +157,7 @@ impl FerryBuilder {
             inner: Arc::new(Inner {
                 db,
                 clock: self.clock,
+                max_document_bytes: self.limits.max_document_bytes(),
                 limits: self.limits,
                 lanes,
                 events_topic: self.events_topic,

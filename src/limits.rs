@@ -102,8 +102,25 @@ impl Limits {
     /// at most [`Limits::max_document_bytes`] when serialized, and no NUL in
     /// any string or object key at any depth (see [`Limits::no_nul`]).
     pub fn json(&self, field: &'static str, v: &serde_json::Value) -> Result<()> {
-        let size = serde_json::to_vec(v).map(|b| b.len()).unwrap_or(usize::MAX);
-        let max = self.max_document_bytes();
+        self.json_within(field, v, self.max_document_bytes())
+    }
+
+    /// [`Limits::json`] with [`Limits::max_document_bytes`] computed once by
+    /// the caller (it serializes a whole envelope).
+    pub(crate) fn json_within(&self, field: &'static str, v: &serde_json::Value, max: usize) -> Result<()> {
+        // Counted as it is written, without keeping the bytes.
+        struct Count(usize);
+        impl std::io::Write for Count {
+            fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+                self.0 += b.len();
+                Ok(b.len())
+            }
+            fn flush(&mut self) -> std::io::Result<()> {
+                Ok(())
+            }
+        }
+        let mut count = Count(0);
+        let size = serde_json::to_writer(&mut count, v).map_or(usize::MAX, |()| count.0);
         if size > max {
             return Err(Error::invalid(
                 field,
@@ -159,8 +176,9 @@ impl Limits {
         let name = "n".repeat(self.max_name_bytes);
         let run_id = uuid::Uuid::max();
         let body = crate::runs::queued_body(&name, &name, u32::MAX, &serde_json::Value::Null, Some(run_id));
-        let value = crate::runs::event_payload(&tenant, run_id, i64::MIN, &name, i64::MIN, &body);
-        let value_len = serde_json::to_vec(&value).map_or(0, |v| v.len()) - "null".len();
+        let value_len = crate::runs::event_payload(&tenant, run_id, i64::MIN, &name, i64::MIN, &body)
+            .map_or(0, |v| v.len())
+            - "null".len();
         let effect_key = tenant.len() + 1 + 36 + 1 + 20;
         RECORD_FRAMING
             + 36

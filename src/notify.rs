@@ -59,4 +59,25 @@ impl Notifier {
         });
         Ok(())
     }
+
+    /// [`Notifier::wake`] for a batch on PostgreSQL: one notification per
+    /// due payload (each queue at most once per interval, as for single
+    /// writes), all queued by one statement, and none when nothing is due.
+    pub(crate) async fn wake_many(&self, c: &mut sqlx::PgConnection, payloads: &[&str]) -> Result<()> {
+        let mut due: Vec<&str> = Vec::new();
+        for p in payloads {
+            if !due.contains(p) && self.due(p) {
+                due.push(p);
+            }
+        }
+        if due.is_empty() {
+            return Ok(());
+        }
+        sqlx::query(crate::store::queries::POSTGRES_ONLY.notify_work_many)
+            .bind(CHANNEL)
+            .bind(&due)
+            .execute(c)
+            .await?;
+        Ok(())
+    }
 }

@@ -150,7 +150,7 @@ impl OutboxMessage {
 
     /// Refuses a message whose record Kafka would refuse (see
     /// [`Limits::max_publish_bytes`]).
-    fn fits_a_record(&self, limits: &Limits) -> Result<()> {
+    pub(crate) fn fits_a_record(&self, limits: &Limits) -> Result<()> {
         let size = self.record_bytes();
         if size > limits.max_publish_bytes {
             return Err(Error::invalid(

@@ -2,7 +2,7 @@
 //! `run_queued`, the job and the outbox row; a replay reads the first run
 //! and writes nothing.
 
-use serde_json::{json, Value};
+use serde_json::Value;
 use sqlx::types::Json;
 use uuid::Uuid;
 
@@ -27,6 +27,93 @@ impl Ferry {
     /// writes: nothing is visible until the caller commits, and a rollback
     /// undoes all of it. After an error the caller must roll back.
     pub async fn create_run_idempotent_in<'c>(&self, conn: impl Into<Conn<'c>>, run: NewRun) -> Result<Accepted> {
+        self.accept_one_in(conn.into(), run, true).await
+    }
+
+    /// Accepts many runs in one transaction of their own; see
+    /// [`Ferry::create_runs_idempotent_in`] for what each item's result
+    /// means. The outer `Err` is a failure of the whole batch (the database,
+    /// a race to retry): then nothing was written. Items refused on their
+    /// own (invalid input, an idempotency conflict, a duplicate run id) do
+    /// not stop the others from committing.
+    pub async fn create_runs_idempotent(&self, runs: Vec<NewRun>) -> Result<Vec<Result<Accepted>>> {
+        if runs.is_empty() {
+            return Ok(Vec::new());
+        }
+        let mut tx = self.begin().await?;
+        let result = self.create_runs_idempotent_in(tx.conn(), runs).await;
+        tx.finish(result).await
+    }
+
+    /// Accepts many runs inside the caller's transaction, one result per
+    /// input in input order, each exactly what [`Ferry::create_run_idempotent_in`]
+    /// would have answered had the items been accepted one after another:
+    ///
+    /// - invalid input is `Err(Error::InvalidInput)` for that item, which
+    ///   writes nothing, and the rest proceed;
+    /// - a key seen before with an equivalent request is a replay
+    ///   (`Accepted { replay: true, run }` with the original run), writing nothing;
+    /// - a key seen before with another request is
+    ///   `Err(Error::IdempotencyConflict)` for that item;
+    /// - a live key wins over a proposed run id that exists; a new key whose
+    ///   proposed run id exists is `Err(Error::DuplicateRun)` for that item,
+    ///   which writes nothing (the single call fails the whole transaction);
+    /// - two items with one `(tenant, operation, key)`: the first accepted
+    ///   one wins, a later one is its replay when equivalent and a conflict
+    ///   otherwise;
+    /// - an expired key is taken over, as by the single call.
+    ///
+    /// On PostgreSQL the batch is set-based: one statement claims every key
+    /// (in key order, so concurrent batches cannot deadlock on each other's
+    /// keys), one reads the records of keys that were not claimed (only when
+    /// there are any), one writes the runs, their `run_queued` events, jobs
+    /// and outbox rows, and at most one sends the wake-up NOTIFY (coalesced
+    /// like the single call's). A batch whose items propose one run id twice
+    /// is accepted item by item under savepoints instead. On SQLite, which
+    /// has a single writer, items are accepted one by one, each under a
+    /// savepoint so a refused item leaves nothing behind.
+    ///
+    /// Nothing is visible until the caller commits. The outer `Err` fails
+    /// the whole batch: the database's errors, and [`Error::Raced`] when a
+    /// concurrent acceptance took a proposed run id after the batch checked
+    /// it (retrying the batch then answers that item `DuplicateRun`). After
+    /// an outer `Err` the caller must roll back.
+    pub async fn create_runs_idempotent_in<'c>(
+        &self,
+        conn: impl Into<Conn<'c>>,
+        runs: Vec<NewRun>,
+    ) -> Result<Vec<Result<Accepted>>> {
+        self.accept_batch_in(conn.into(), runs).await
+    }
+
+    /// The items of a batch one by one, each under a savepoint, without
+    /// wake-ups (the caller sends them once for the batch): the SQLite
+    /// path, and PostgreSQL's for batches the set-based path cannot decide.
+    /// An item's own refusal is its result; anything else fails the batch.
+    pub(crate) async fn accept_each_in(&self, mut conn: Conn<'_>, runs: Vec<NewRun>) -> Result<Vec<Result<Accepted>>> {
+        let mut out = Vec::with_capacity(runs.len());
+        for run in runs {
+            // Validation is the single call's own, before it writes anything.
+            let one = on_conn!(conn.reborrow(), |c, _q| {
+                let mut sp = sqlx::Connection::begin(&mut *c).await?;
+                let one = self.accept_one_in(&mut *sp, run, false).await;
+                if one.is_ok() {
+                    sp.commit().await?;
+                } else {
+                    sp.rollback().await?;
+                }
+                one
+            });
+            match one {
+                Err(e) if !refuses_only_its_item(&e) => return Err(e),
+                one => out.push(one),
+            }
+        }
+        Ok(out)
+    }
+
+    /// The single acceptance; `wake` sends the queue's wake-up for a new run.
+    async fn accept_one_in<'c>(&self, conn: impl Into<Conn<'c>>, run: NewRun, wake: bool) -> Result<Accepted> {
         let mut conn: Conn<'c> = conn.into();
         run.validate(self)?;
         let fp = fingerprint(&run.operation, run.schema_version, &run.tenant, &run.command);
@@ -100,7 +187,9 @@ impl Ferry {
                 .execute(&mut *c)
                 .await?;
         });
-        self.inner.notifier.wake(conn, &run.queue).await?;
+        if wake {
+            self.inner.notifier.wake(conn, &run.queue).await?;
+        }
         tracing::debug!(tenant = %run.tenant, %run_id, key = %redact(&run.idempotency_key), "run accepted");
         Ok(Accepted {
             run: Run {
@@ -132,15 +221,7 @@ impl Ferry {
         // The record was swept between our insert and this read: a retry of
         // the whole acceptance will claim the key afresh.
         let (stored_fp, stored_version, run_id) = existing.ok_or(Error::Raced("the idempotency record was swept"))?;
-        let key_hash = redact(&run.idempotency_key);
-        if stored_fp != fp || stored_version != version {
-            tracing::info!(tenant = %run.tenant, operation = %run.operation, key = %key_hash, "idempotency conflict");
-            return Err(Error::IdempotencyConflict {
-                operation: run.operation.clone(),
-                key_hash,
-                existing_run: run_id,
-            });
-        }
+        let key_hash = check_equivalent(run, fp, version, &stored_fp, stored_version, run_id)?;
         let original = get_run_in(conn, &run.tenant, run_id).await?;
         tracing::debug!(tenant = %run.tenant, %run_id, key = %key_hash, "idempotent replay");
         Ok(Accepted {
@@ -150,20 +231,68 @@ impl Ferry {
     }
 }
 
+/// Compares a request with the idempotency record its key holds: the key's
+/// redacted hash when they are equivalent (a replay), the
+/// [`Error::IdempotencyConflict`] otherwise.
+pub(crate) fn check_equivalent(
+    run: &NewRun,
+    fp: &str,
+    version: i32,
+    stored_fp: &str,
+    stored_version: i32,
+    existing_run: Uuid,
+) -> Result<String> {
+    let key_hash = redact(&run.idempotency_key);
+    if stored_fp != fp || stored_version != version {
+        tracing::info!(tenant = %run.tenant, operation = %run.operation, key = %key_hash, "idempotency conflict");
+        return Err(Error::IdempotencyConflict {
+            operation: run.operation.clone(),
+            key_hash,
+            existing_run,
+        });
+    }
+    Ok(key_hash)
+}
+
+/// Whether `e` refuses one item of a batch and leaves the others to
+/// proceed (anything else fails the whole batch).
+pub(crate) fn refuses_only_its_item(e: &Error) -> bool {
+    matches!(
+        e,
+        Error::InvalidInput { .. }
+            | Error::IdempotencyConflict { .. }
+            | Error::DuplicateRun { .. }
+            | Error::Raced(_)
+            | Error::NotFound { .. }
+    )
+}
+
 /// The body of `run_queued`: the largest wrapper Ferry puts around a
 /// caller's document (sized in [`crate::Limits::run_event_overhead`]).
-pub(crate) fn queued_body(
-    operation: &str,
-    queue: &str,
-    schema_version: u32,
-    command: &Value,
+/// Fields are declared in byte order of their names, as a JSON object map
+/// serializes them by default; it borrows the command instead of copying it.
+#[derive(serde::Serialize)]
+pub(crate) struct QueuedBody<'a> {
+    operation: &'a str,
+    queue: &'a str,
     replay_of: Option<Uuid>,
-) -> Value {
-    json!({
-        "operation": operation,
-        "queue": queue,
-        "schema_version": schema_version,
-        "request": command,
-        "replay_of": replay_of,
-    })
+    request: &'a Value,
+    schema_version: u32,
+}
+
+/// The `run_queued` body of a run of `operation` on `queue`.
+pub(crate) fn queued_body<'a>(
+    operation: &'a str,
+    queue: &'a str,
+    schema_version: u32,
+    command: &'a Value,
+    replay_of: Option<Uuid>,
+) -> QueuedBody<'a> {
+    QueuedBody {
+        operation,
+        queue,
+        replay_of,
+        request: command,
+        schema_version,
+    }
 }

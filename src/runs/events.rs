@@ -1,7 +1,7 @@
 //! Reading runs and appending events: every event is written with the
 //! outbox row that carries it, in the caller's transaction.
 
-use serde_json::{json, Value};
+use serde_json::Value;
 use sqlx::types::Json;
 use uuid::Uuid;
 
@@ -110,33 +110,87 @@ pub(crate) async fn get_run_in(conn: Conn<'_>, tenant: &str, run_id: Uuid) -> Re
 }
 
 /// The value of a run event's Kafka record: the event's envelope around its
-/// body (sized in [`crate::Limits::run_event_overhead`]).
-pub(crate) fn event_payload(tenant: &str, run_id: Uuid, seq: i64, kind: &str, at: i64, body: &Value) -> Value {
-    json!({
-        "tenant": tenant,
-        "run_id": run_id,
-        "seq": seq,
-        "kind": kind,
-        "at": at,
-        "body": body,
+/// body (sized in [`crate::Limits::run_event_overhead`]). Fields are declared
+/// in byte order of their names, the order a JSON object map serializes in
+/// by default, and written straight from borrowed data: no `Value` is built.
+#[derive(serde::Serialize)]
+struct EventEnvelope<'a, B> {
+    at: i64,
+    body: &'a B,
+    kind: &'a str,
+    run_id: Uuid,
+    seq: i64,
+    tenant: &'a str,
+}
+
+/// The serialized envelope of event `seq` (see [`EventEnvelope`]).
+pub(crate) fn event_payload<B: serde::Serialize>(
+    tenant: &str,
+    run_id: Uuid,
+    seq: i64,
+    kind: &str,
+    at: i64,
+    body: &B,
+) -> Result<Vec<u8>> {
+    let envelope = EventEnvelope {
+        at,
+        body,
+        kind,
+        run_id,
+        seq,
+        tenant,
+    };
+    serde_json::to_vec(&envelope).map_err(|e| Error::invalid("body", e.to_string()))
+}
+
+/// The outbox message that carries event `seq` of a run: its envelope as
+/// JSON, keyed by the run id, deduped on `tenant/run_id/seq`. The bulk
+/// acceptance builds its rows with this too, so both paths write the same bytes.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn run_event_message<B: serde::Serialize>(
+    ferry: &Ferry,
+    tenant: &str,
+    run_id: Uuid,
+    seq: i64,
+    kind: &str,
+    body: &B,
+    now: i64,
+    traceparent: Option<String>,
+) -> Result<OutboxMessage> {
+    Ok(OutboxMessage {
+        tenant: tenant.to_owned(),
+        topic: ferry.inner.events_topic.clone(),
+        key: run_id.to_string(),
+        payload: event_payload(tenant, run_id, seq, kind, now, body)?,
+        headers: [
+            ("content-type".to_owned(), "application/json".to_owned()),
+            ("ferry-event-kind".to_owned(), kind.to_owned()),
+        ]
+        .into(),
+        effect_key: Some(format!("{tenant}/{run_id}/{seq}")),
+        traceparent,
     })
 }
 
 /// One run event to write: which run, its sequence number, kind and body,
 /// the instant, and the trace context its outbox row carries.
-pub(crate) struct Event<'a> {
+pub(crate) struct Event<'a, B = Value> {
     pub(crate) tenant: &'a str,
     pub(crate) run_id: Uuid,
     pub(crate) seq: i64,
     pub(crate) kind: &'a str,
-    pub(crate) body: &'a Value,
+    pub(crate) body: &'a B,
     pub(crate) at: i64,
     pub(crate) traceparent: Option<String>,
 }
 
 /// Writes event `seq` of a run and the outbox row that carries it. The
 /// effect key `tenant/run_id/seq` lets consumers dedupe re-published events.
-pub(crate) async fn write_event(ferry: &Ferry, mut conn: Conn<'_>, event: Event<'_>) -> Result<()> {
+pub(crate) async fn write_event<B: serde::Serialize + Sync>(
+    ferry: &Ferry,
+    mut conn: Conn<'_>,
+    event: Event<'_, B>,
+) -> Result<()> {
     let Event {
         tenant,
         run_id,
@@ -167,20 +221,7 @@ pub(crate) async fn write_event(ferry: &Ferry, mut conn: Conn<'_>, event: Event<
             _ => e.into(),
         });
     }
-    let payload = event_payload(tenant, run_id, seq, kind, now, body);
-    let msg = OutboxMessage {
-        tenant: tenant.to_owned(),
-        topic: ferry.inner.events_topic.clone(),
-        key: run_id.to_string(),
-        payload: serde_json::to_vec(&payload).map_err(|e| Error::invalid("body", e.to_string()))?,
-        headers: [
-            ("content-type".to_owned(), "application/json".to_owned()),
-            ("ferry-event-kind".to_owned(), kind.to_owned()),
-        ]
-        .into(),
-        effect_key: Some(format!("{tenant}/{run_id}/{seq}")),
-        traceparent,
-    };
+    let msg = run_event_message(ferry, tenant, run_id, seq, kind, body, now, traceparent)?;
     // No key lock: every writer of a run's events holds the run's row.
     outbox::insert(ferry, conn, &msg, Some(now), false).await?;
     Ok(())

@@ -6,14 +6,18 @@
 //! (`ON CONFLICT`), so two racing requests produce one run and the loser
 //! reads the winner's record once it commits.
 //!
+//! [`Ferry::create_runs_idempotent`] accepts many runs in one transaction,
+//! answering each as the single call would (set-based on PostgreSQL, in
+//! `store/bulk.rs`).
+//!
 //! The types are here; `accept` holds the acceptance transaction and
 //! `events` reading runs and appending events.
 
 mod accept;
 mod events;
 
-pub(crate) use accept::queued_body;
-pub(crate) use events::{event_payload, get_run_in, write_event, Event};
+pub(crate) use accept::{check_equivalent, queued_body};
+pub(crate) use events::{event_payload, get_run_in, run_event_message, write_event, Event};
 
 use std::time::Duration;
 
@@ -116,7 +120,7 @@ impl NewRun {
         self
     }
 
-    fn validate(&self, ferry: &Ferry) -> Result<()> {
+    pub(crate) fn validate(&self, ferry: &Ferry) -> Result<()> {
         let l = ferry.limits();
         l.tenant(&self.tenant)?;
         l.name("operation", &self.operation)?;
@@ -128,7 +132,7 @@ impl NewRun {
         if !self.command.is_object() {
             return Err(Error::invalid("command", "must be a JSON object"));
         }
-        l.json("command", &self.command)?;
+        l.json_within("command", &self.command, ferry.inner.max_document_bytes)?;
         if let Some(d) = self.deadline {
             if duration_ms(d)? <= 0 {
                 return Err(Error::invalid("deadline", "must be positive"));
@@ -215,19 +219,20 @@ pub struct Run {
     pub last_event_seq: i64,
 }
 
+/// A `runs` row as read, before its state is parsed.
 #[derive(sqlx::FromRow)]
-struct RunRow {
-    tenant: String,
-    run_id: Uuid,
-    operation: String,
-    state: String,
-    version: i64,
-    request: Json<Value>,
-    deadline_at: Option<Millis>,
-    replay_of: Option<Uuid>,
-    created_at: Millis,
-    updated_at: Millis,
-    last_event_seq: i64,
+pub(crate) struct RunRow {
+    pub(crate) tenant: String,
+    pub(crate) run_id: Uuid,
+    pub(crate) operation: String,
+    pub(crate) state: String,
+    pub(crate) version: i64,
+    pub(crate) request: Json<Value>,
+    pub(crate) deadline_at: Option<Millis>,
+    pub(crate) replay_of: Option<Uuid>,
+    pub(crate) created_at: Millis,
+    pub(crate) updated_at: Millis,
+    pub(crate) last_event_seq: i64,
 }
 
 impl TryFrom<RunRow> for Run {

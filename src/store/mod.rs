@@ -278,6 +278,7 @@ impl Conn<'_> {
     }
 }
 
+mod bulk;
 mod engine;
 mod millis;
 mod portable;

@@ -2,6 +2,7 @@
 //! PostgreSQL and SQLite, plus PostgreSQL-only concurrency and chaos tests.
 
 mod accept;
+mod bulk;
 
 mod fingerprint;
 mod jobs;

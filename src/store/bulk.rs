@@ -1,0 +1,456 @@
+//! Bulk acceptance ([`Ferry::create_runs_idempotent_in`]) per engine.
+//!
+//! PostgreSQL decides a whole batch in a fixed number of statements: it
+//! claims every distinct key at once (`claim_idempotency_keys`), reads the
+//! records of the keys it could not claim (`find_idempotency_keys`, only
+//! when there are any), and writes the winners' runs, events, jobs and
+//! outbox rows in one statement (`insert_accepted_runs`). Which item wins a
+//! key, replays it or conflicts with it is worked out here, in input order,
+//! so each item gets the answer the single call would have given it.
+//!
+//! SQLite has one writer, so it accepts the items one by one under
+//! savepoints ([`Ferry::accept_each_in`]); PostgreSQL does the same for the
+//! rare batch that proposes one run id twice, where the winner of the id
+//! depends on which keys win.
+
+use std::collections::{HashMap, HashSet};
+
+use serde_json::Value;
+use sqlx::types::Json;
+use sqlx::{PgConnection, Row};
+use uuid::Uuid;
+
+use crate::error::{violated_constraint, Error, Result};
+use crate::fingerprint::{fingerprint, Fingerprint};
+use crate::outbox::{lane_for, OutboxMessage};
+use crate::runs::{check_equivalent, queued_body, run_event_message, Accepted, NewRun, Run, RunRow, RunState};
+use crate::store::queries::POSTGRES_ONLY;
+use crate::store::Conn;
+use crate::time::duration_ms;
+use crate::Ferry;
+
+/// A valid item of a batch, fingerprinted, with its run id.
+struct Item {
+    /// Position in the caller's batch.
+    pos: usize,
+    run: NewRun,
+    fp: Fingerprint,
+    run_id: Uuid,
+    /// Its proposed run id already exists: it can only replay or conflict.
+    id_taken: bool,
+}
+
+/// An idempotency record read back for a key the batch did not claim.
+struct Record {
+    fingerprint: String,
+    version: i32,
+    run_id: Uuid,
+    live: bool,
+    run: Option<Run>,
+}
+
+/// What an item comes to before the winners are written.
+enum Outcome {
+    Done(Result<Accepted>),
+    /// Wins its key: its rows are written.
+    New,
+    /// Replays the winner that is item `.0` of this batch.
+    ReplayOf(usize),
+}
+
+impl Ferry {
+    /// Dispatches a batch to its engine's path (see the module docs).
+    pub(crate) async fn accept_batch_in(&self, conn: Conn<'_>, runs: Vec<NewRun>) -> Result<Vec<Result<Accepted>>> {
+        match conn {
+            Conn::Postgres(c) => {
+                if proposes_an_id_twice(&runs) {
+                    let queues: Vec<String> = runs.iter().map(|r| r.queue.clone()).collect();
+                    let out = self.accept_each_in(Conn::Postgres(&mut *c), runs).await?;
+                    let woken: Vec<&str> = out
+                        .iter()
+                        .zip(&queues)
+                        .filter(|(r, _)| matches!(r, Ok(a) if !a.replay))
+                        .map(|(_, q)| q.as_str())
+                        .collect();
+                    self.inner.notifier.wake_many(c, &distinct(woken)).await?;
+                    return Ok(out);
+                }
+                self.accept_batch_pg(c, runs).await
+            }
+            Conn::Sqlite(c) => self.accept_each_in(Conn::Sqlite(c), runs).await,
+        }
+    }
+
+    async fn accept_batch_pg(&self, c: &mut PgConnection, runs: Vec<NewRun>) -> Result<Vec<Result<Accepted>>> {
+        let n = runs.len();
+        let mut outcomes: Vec<Option<Outcome>> = (0..n).map(|_| None).collect();
+        let mut items: Vec<Item> = Vec::with_capacity(n);
+        for (pos, run) in runs.into_iter().enumerate() {
+            if let Err(e) = run.validate(self) {
+                outcomes[pos] = Some(Outcome::Done(Err(e)));
+                continue;
+            }
+            let fp = fingerprint(&run.operation, run.schema_version, &run.tenant, &run.command);
+            let run_id = run.run_id.unwrap_or_else(Uuid::now_v7);
+            items.push(Item {
+                pos,
+                run,
+                fp,
+                run_id,
+                id_taken: false,
+            });
+        }
+        if items.is_empty() {
+            return Ok(outcomes
+                .into_iter()
+                .map(|o| match o {
+                    Some(Outcome::Done(r)) => r,
+                    _ => Err(Error::Invariant("a batch item was left undecided".into())),
+                })
+                .collect());
+        }
+        self.mark_taken_ids(c, &mut items).await?;
+
+        // Items by key, in input order; the first whose id is free is the
+        // key's candidate, the only one offered to the claim.
+        let mut group_of: HashMap<(&str, &str, &str), usize> = HashMap::with_capacity(items.len());
+        let mut groups: Vec<Vec<usize>> = Vec::new();
+        for (i, it) in items.iter().enumerate() {
+            let key = (
+                it.run.tenant.as_str(),
+                it.run.operation.as_str(),
+                it.run.idempotency_key.as_str(),
+            );
+            let g = *group_of.entry(key).or_insert_with(|| {
+                groups.push(Vec::new());
+                groups.len() - 1
+            });
+            groups[g].push(i);
+        }
+        drop(group_of);
+        let candidates: Vec<Option<usize>> = groups
+            .iter()
+            .map(|members| members.iter().copied().find(|&i| !items[i].id_taken))
+            .collect();
+
+        // Claim every candidate's key in one statement.
+        let offered: Vec<&Item> = candidates.iter().flatten().map(|&i| &items[i]).collect();
+        let ttl = duration_ms(self.limits().idempotency_ttl)?;
+        let claimed_rows: Vec<(Uuid, i64)> = if offered.is_empty() {
+            Vec::new()
+        } else {
+            sqlx::query_as(POSTGRES_ONLY.claim_idempotency_keys)
+                .bind(offered.iter().map(|i| i.run.tenant.as_str()).collect::<Vec<_>>())
+                .bind(offered.iter().map(|i| i.run.operation.as_str()).collect::<Vec<_>>())
+                .bind(
+                    offered
+                        .iter()
+                        .map(|i| i.run.idempotency_key.as_str())
+                        .collect::<Vec<_>>(),
+                )
+                .bind(offered.iter().map(|i| i.fp.hex.as_str()).collect::<Vec<_>>())
+                .bind(offered.iter().map(|i| i.fp.version).collect::<Vec<_>>())
+                .bind(offered.iter().map(|i| i.run_id).collect::<Vec<_>>())
+                .bind(self.now())
+                .bind(ttl)
+                .fetch_all(&mut *c)
+                .await?
+        };
+        let now = claimed_rows.first().map(|(_, at)| *at);
+        let claimed: HashSet<Uuid> = claimed_rows.into_iter().map(|(id, _)| id).collect();
+        let won: Vec<bool> = candidates
+            .iter()
+            .map(|cand| cand.is_some_and(|i| claimed.contains(&items[i].run_id)))
+            .collect();
+
+        // Read back the records of the keys nobody in the batch claimed.
+        let unclaimed: Vec<usize> = (0..groups.len()).filter(|&g| !won[g]).collect();
+        let records = self.find_records(c, &items, &groups, &unclaimed, now).await?;
+
+        // Decide every item in input order, as one call after another would.
+        for (g, members) in groups.iter().enumerate() {
+            let cand = candidates[g];
+            let record = records.get(&g);
+            for &i in members {
+                let it = &items[i];
+                let outcome = if won[g] && cand == Some(i) {
+                    Outcome::New
+                } else if cand.is_none_or(|c| i < c) {
+                    // Its proposed id exists; only a live record saves it
+                    // from being a duplicate run.
+                    match record {
+                        Some(r) if !won[g] && r.live => Outcome::Done(replay_of_record(it, r)),
+                        _ => Outcome::Done(Err(Error::DuplicateRun { run_id: it.run_id })),
+                    }
+                } else if won[g] {
+                    let winner = &items[cand.unwrap_or(i)];
+                    match check_equivalent(
+                        &it.run,
+                        &it.fp.hex,
+                        it.fp.version,
+                        &winner.fp.hex,
+                        winner.fp.version,
+                        winner.run_id,
+                    ) {
+                        Ok(_) => Outcome::ReplayOf(winner.pos),
+                        Err(e) => Outcome::Done(Err(e)),
+                    }
+                } else {
+                    match record {
+                        Some(r) => Outcome::Done(replay_of_record(it, r)),
+                        // Swept between the claim and the read: a retry claims it afresh.
+                        None => Outcome::Done(Err(Error::Raced("the idempotency record was swept"))),
+                    }
+                };
+                outcomes[it.pos] = Some(outcome);
+            }
+        }
+
+        // Write the winners.
+        let winners: Vec<Item> = items
+            .into_iter()
+            .filter(|it| matches!(outcomes[it.pos], Some(Outcome::New)))
+            .collect();
+        let mut runs_by_pos: HashMap<usize, Run> = HashMap::with_capacity(winners.len());
+        if let Some(now) = now {
+            let queues = self.insert_winners(c, &winners, now).await?;
+            self.inner.notifier.wake_many(c, &queues).await?;
+            for it in winners {
+                let deadline_at = deadline_at(now, &it.run)?;
+                runs_by_pos.insert(
+                    it.pos,
+                    Run {
+                        tenant: it.run.tenant,
+                        run_id: it.run_id,
+                        operation: it.run.operation,
+                        state: RunState::Queued,
+                        version: 1,
+                        request: it.run.command,
+                        deadline_at: deadline_at.map(crate::Millis::new).transpose()?,
+                        replay_of: it.run.replay_of,
+                        created_at: crate::Millis::new(now)?,
+                        updated_at: crate::Millis::new(now)?,
+                        last_event_seq: 1,
+                    },
+                );
+            }
+        }
+        let accepted = runs_by_pos.len();
+        // A winner's run moves into its answer unless a later item replays it.
+        let replayed: HashSet<usize> = outcomes
+            .iter()
+            .filter_map(|o| match o {
+                Some(Outcome::ReplayOf(w)) => Some(*w),
+                _ => None,
+            })
+            .collect();
+        let out = outcomes
+            .into_iter()
+            .enumerate()
+            .map(|(pos, o)| match o {
+                Some(Outcome::Done(r)) => r,
+                Some(Outcome::New) => if replayed.contains(&pos) {
+                    runs_by_pos.get(&pos).cloned()
+                } else {
+                    runs_by_pos.remove(&pos)
+                }
+                .map(|run| Accepted { run, replay: false })
+                .ok_or_else(|| Error::Invariant("a claimed key has no instant".into())),
+                Some(Outcome::ReplayOf(w)) => runs_by_pos
+                    .get(&w)
+                    .map(|run| Accepted {
+                        run: run.clone(),
+                        replay: true,
+                    })
+                    .ok_or_else(|| Error::Invariant("a replay's winner was not written".into())),
+                None => Err(Error::Invariant("a batch item was left undecided".into())),
+            })
+            .collect();
+        tracing::debug!(items = n, accepted, "batch accepted");
+        Ok(out)
+    }
+
+    /// Marks the items whose proposed run id already exists (one statement,
+    /// only when some item proposes one).
+    async fn mark_taken_ids(&self, c: &mut PgConnection, items: &mut [Item]) -> Result<()> {
+        let proposed: Vec<&Item> = items.iter().filter(|i| i.run.run_id.is_some()).collect();
+        if proposed.is_empty() {
+            return Ok(());
+        }
+        let taken: Vec<(String, Uuid)> = sqlx::query_as(POSTGRES_ONLY.existing_run_ids)
+            .bind(proposed.iter().map(|i| i.run.tenant.as_str()).collect::<Vec<_>>())
+            .bind(proposed.iter().map(|i| i.run_id).collect::<Vec<_>>())
+            .fetch_all(&mut *c)
+            .await?;
+        let taken: HashSet<(String, Uuid)> = taken.into_iter().collect();
+        for it in items.iter_mut().filter(|i| i.run.run_id.is_some()) {
+            it.id_taken = taken.contains(&(it.run.tenant.clone(), it.run_id));
+        }
+        Ok(())
+    }
+
+    /// The records of the keys of `groups[g]` for each `g` in `which`, by group.
+    async fn find_records(
+        &self,
+        c: &mut PgConnection,
+        items: &[Item],
+        groups: &[Vec<usize>],
+        which: &[usize],
+        now: Option<i64>,
+    ) -> Result<HashMap<usize, Record>> {
+        if which.is_empty() {
+            return Ok(HashMap::new());
+        }
+        let first = |g: &usize| &items[groups[*g][0]].run;
+        let rows = sqlx::query(POSTGRES_ONLY.find_idempotency_keys)
+            .bind(which.iter().map(|g| first(g).tenant.as_str()).collect::<Vec<_>>())
+            .bind(which.iter().map(|g| first(g).operation.as_str()).collect::<Vec<_>>())
+            .bind(
+                which
+                    .iter()
+                    .map(|g| first(g).idempotency_key.as_str())
+                    .collect::<Vec<_>>(),
+            )
+            .bind(now.or(self.now()))
+            .fetch_all(&mut *c)
+            .await?;
+        let mut records = HashMap::with_capacity(rows.len());
+        for row in rows {
+            let ord: i64 = row.try_get("ord")?;
+            let run_row: Option<Uuid> = row.try_get("run_id")?;
+            let run = match run_row {
+                Some(run_id) => Some(Run::try_from(RunRow {
+                    tenant: row.try_get("tenant")?,
+                    run_id,
+                    operation: row.try_get("operation")?,
+                    state: row.try_get("state")?,
+                    version: row.try_get("version")?,
+                    request: row.try_get("request")?,
+                    deadline_at: row.try_get("deadline_at")?,
+                    replay_of: row.try_get("replay_of")?,
+                    created_at: row.try_get("created_at")?,
+                    updated_at: row.try_get("updated_at")?,
+                    last_event_seq: row.try_get("last_event_seq")?,
+                })?),
+                None => None,
+            };
+            let g = usize::try_from(ord - 1)
+                .ok()
+                .and_then(|k| which.get(k))
+                .ok_or_else(|| Error::Invariant(format!("find_idempotency_keys returned ord {ord}")))?;
+            records.insert(
+                *g,
+                Record {
+                    fingerprint: row.try_get("request_fingerprint")?,
+                    version: row.try_get("fingerprint_version")?,
+                    run_id: row.try_get("key_run_id")?,
+                    live: row.try_get("live")?,
+                    run,
+                },
+            );
+        }
+        Ok(records)
+    }
+
+    /// Writes the winners' runs, events, jobs and outbox rows in one
+    /// statement; returns their distinct queues, for the wake-up.
+    async fn insert_winners<'a>(&self, c: &mut PgConnection, winners: &'a [Item], now: i64) -> Result<Vec<&'a str>> {
+        if winners.is_empty() {
+            return Ok(Vec::new());
+        }
+        let current_trace = crate::telemetry::current_traceparent();
+        let mut deadlines = Vec::with_capacity(winners.len());
+        let mut messages: Vec<OutboxMessage> = Vec::with_capacity(winners.len());
+        for it in winners {
+            deadlines.push(deadline_at(now, &it.run)?);
+            let body = queued_body(
+                &it.run.operation,
+                &it.run.queue,
+                it.run.schema_version,
+                &it.run.command,
+                it.run.replay_of,
+            );
+            let traceparent = it.run.traceparent.clone().or_else(|| current_trace.clone());
+            let msg = run_event_message(
+                self,
+                &it.run.tenant,
+                it.run_id,
+                1,
+                "run_queued",
+                &body,
+                now,
+                traceparent,
+            )?;
+            msg.fits_a_record(self.limits())?;
+            messages.push(msg);
+        }
+        let lanes = self.lanes();
+        let inserted = sqlx::query(POSTGRES_ONLY.insert_accepted_runs)
+            .bind(winners.iter().map(|i| i.run.tenant.as_str()).collect::<Vec<_>>())
+            .bind(winners.iter().map(|i| i.run_id).collect::<Vec<_>>())
+            .bind(winners.iter().map(|i| i.run.operation.as_str()).collect::<Vec<_>>())
+            .bind(
+                winners
+                    .iter()
+                    .map(|i| Json(&i.run.command))
+                    .collect::<Vec<Json<&Value>>>(),
+            )
+            .bind(&deadlines)
+            .bind(winners.iter().map(|i| i.run.replay_of).collect::<Vec<_>>())
+            .bind(winners.iter().map(|i| i.run.queue.as_str()).collect::<Vec<_>>())
+            .bind(winners.iter().map(|i| i.run.max_attempts as i32).collect::<Vec<_>>())
+            .bind(
+                winners
+                    .iter()
+                    .map(|i| i64::from(i.run.schema_version))
+                    .collect::<Vec<_>>(),
+            )
+            .bind(messages.iter().map(|m| m.key.as_str()).collect::<Vec<_>>())
+            .bind(messages.iter().map(|m| lane_for(&m.key, lanes)).collect::<Vec<_>>())
+            .bind(messages.iter().map(|m| m.payload.as_slice()).collect::<Vec<_>>())
+            .bind(messages.iter().map(|m| m.effect_key.as_deref()).collect::<Vec<_>>())
+            .bind(messages.iter().map(|m| m.traceparent.as_deref()).collect::<Vec<_>>())
+            .bind(now)
+            .bind(&self.inner.events_topic)
+            .bind(Json(&messages[0].headers))
+            .execute(&mut *c)
+            .await;
+        if let Err(e) = inserted {
+            return Err(match violated_constraint(&e).as_deref() {
+                // Checked before the claim; only a concurrent insert gets here.
+                Some("runs_pkey") => Error::Raced("a proposed run id was taken by a concurrent acceptance"),
+                _ => e.into(),
+            });
+        }
+        Ok(distinct(winners.iter().map(|i| i.run.queue.as_str()).collect()))
+    }
+}
+
+/// The answer to an item whose key holds `r` from before the batch.
+fn replay_of_record(it: &Item, r: &Record) -> Result<Accepted> {
+    check_equivalent(&it.run, &it.fp.hex, it.fp.version, &r.fingerprint, r.version, r.run_id)?;
+    let run = r.run.clone().ok_or(Error::NotFound { what: "run" })?;
+    Ok(Accepted { run, replay: true })
+}
+
+/// The run's deadline instant when accepted at `now`, as the single call computes it.
+fn deadline_at(now: i64, run: &NewRun) -> Result<Option<i64>> {
+    match run.deadline {
+        Some(d) => Ok(Some(crate::Millis::new(now)?.checked_add(d)?.get())),
+        None => Ok(None),
+    }
+}
+
+/// Whether two items propose the same run id for one tenant.
+fn proposes_an_id_twice(runs: &[NewRun]) -> bool {
+    let mut seen = HashSet::new();
+    runs.iter()
+        .filter_map(|r| r.run_id.map(|id| (r.tenant.as_str(), id)))
+        .any(|pair| !seen.insert(pair))
+}
+
+fn distinct(mut v: Vec<&str>) -> Vec<&str> {
+    v.sort_unstable();
+    v.dedup();
+    v
+}
