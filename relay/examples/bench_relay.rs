@@ -42,7 +42,10 @@ async fn main() -> Res<()> {
     let brokers = broker.brokers();
     let modes = ["--warm", "--latency", "--scaling", "--memory", "--bloat"];
     if modes.iter().any(|m| has(m)) {
-        println!("ferry-relay benchmarks (PostgreSQL → Apache Kafka), {}\n", args[1..].join(" "));
+        println!(
+            "ferry-relay benchmarks (PostgreSQL → Apache Kafka), {}\n",
+            args[1..].join(" ")
+        );
         println!("{:<52} {:>12} {:>14}", "measure", "ferry-relay", "baseline");
         if has("--warm") {
             warm_drain(&brokers, &broker, if quick { 100_000 } else { 200_000 }).await?;
@@ -300,7 +303,10 @@ async fn latency(brokers: &str, broker: &ferry_testkit::Kafka, quick: bool) -> R
         let q = |x| state.metrics.latency_quantile(x).unwrap_or(0);
         println!(
             "{:<52} {:>6} / {:>3} ms {:>14}",
-            format!("commit → ack p50 / p99 at {rate} rows/s (offered; achieved {:.0}/s)", sent as f64 / took),
+            format!(
+                "commit → ack p50 / p99 at {rate} rows/s (offered; achieved {:.0}/s)",
+                sent as f64 / took
+            ),
             q(0.5),
             q(0.99),
             "goal ≤10 / ≤25"
@@ -428,7 +434,11 @@ async fn scaling(brokers: &str, broker: &ferry_testkit::Kafka, quick: bool) -> R
 /// A relay process's peak RSS and throughput from a 10k to a 1M backlog.
 async fn memory(brokers: &str, broker: &ferry_testkit::Kafka, quick: bool) -> Res<()> {
     broker.create_topic("bench-memory", 6);
-    let sizes: &[usize] = if quick { &[10_000, 200_000] } else { &[10_000, 100_000, 1_000_000] };
+    let sizes: &[usize] = if quick {
+        &[10_000, 200_000]
+    } else {
+        &[10_000, 100_000, 1_000_000]
+    };
     for &n in sizes {
         let (rate, hwm) = drain_processes(brokers, "bench-memory", n, 1).await?;
         println!(
@@ -481,7 +491,9 @@ async fn bloat(brokers: &str, broker: &ferry_testkit::Kafka, quick: bool) -> Res
         let pool = ferry.db().as_postgres().ok_or("PostgreSQL only")?.clone();
         let mut snap = pool.acquire().await?;
         if held {
-            sqlx::query("BEGIN ISOLATION LEVEL REPEATABLE READ").execute(&mut *snap).await?;
+            sqlx::query("BEGIN ISOLATION LEVEL REPEATABLE READ")
+                .execute(&mut *snap)
+                .await?;
             sqlx::query("SELECT 1").execute(&mut *snap).await?;
         }
         seed(&ferry, "bench-bloat", m, 100).await?;
@@ -521,5 +533,8 @@ async fn table_stats(pool: &sqlx::PgPool) -> Res<String> {
     )
     .fetch_one(pool)
     .await?;
-    Ok(format!("n_dead_tup {dead}, n_live_tup {live}, size {:.1} MiB", size as f64 / 1048576.0))
+    Ok(format!(
+        "n_dead_tup {dead}, n_live_tup {live}, size {:.1} MiB",
+        size as f64 / 1048576.0
+    ))
 }

@@ -16,8 +16,8 @@ use super::transactional::transactional_batch;
 use super::{pause, retry_backoff, BatchEnd, Sink, Wakes, RESCAN_EVERY};
 use crate::config::RelayConfig;
 use crate::exactly_once::ProgressReader;
-use crate::service::RelayState;
 use crate::metrics::Timings;
+use crate::service::RelayState;
 use crate::store::{LaneLease, PendingRow};
 
 /// Publishes one lane until told to finish (after its in-flight batch) or
@@ -118,7 +118,11 @@ impl Lane {
             }
             let rows = match ahead.take() {
                 Some(rows) => {
-                    self.state.metrics.timings.prefetched.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    self.state
+                        .metrics
+                        .timings
+                        .prefetched
+                        .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                     rows
                 }
                 None => {
@@ -171,7 +175,8 @@ impl Lane {
         {
             Ok(r) => {
                 let t = &self.state.metrics.timings;
-                t.rows_read.fetch_add(r.len() as u64, std::sync::atomic::Ordering::Relaxed);
+                t.rows_read
+                    .fetch_add(r.len() as u64, std::sync::atomic::Ordering::Relaxed);
                 Some(r)
             }
             Err(e) => {
@@ -215,7 +220,8 @@ impl Lane {
         t.full_reads.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         match read {
             Ok(mut r) => {
-                t.rows_read.fetch_add(r.len() as u64, std::sync::atomic::Ordering::Relaxed);
+                t.rows_read
+                    .fetch_add(r.len() as u64, std::sync::atomic::Ordering::Relaxed);
                 if r.first().is_some_and(|f| f.id <= self.isolate_through) {
                     r.truncate(1);
                 }

@@ -274,13 +274,15 @@ impl RelayStore {
     /// The lanes `owner` holds that have at least one pending row.
     pub async fn lanes_with_pending(&self, owner: &str) -> Result<Vec<i32>> {
         Ok(on_pool!(self.db(), QUERIES, |p, q| {
-            sqlx::query_scalar(q.lanes_with_pending).bind(owner).fetch_all(p).await?
+            sqlx::query_scalar(q.lanes_with_pending)
+                .bind(owner)
+                .fetch_all(p)
+                .await?
         }))
     }
 
     fn pending_rows(rows: Vec<PendingSqlRow>) -> Vec<PendingRow> {
-        rows
-            .into_iter()
+        rows.into_iter()
             .map(|r| PendingRow {
                 id: r.id,
                 tenant: r.tenant,

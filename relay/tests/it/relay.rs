@@ -703,5 +703,8 @@ async fn a_lower_id_that_commits_late_is_still_published_while_the_lane_streams(
     writer.await.unwrap();
     a.shutdown().await;
     let recs = read_all(&broker.brokers(), "late", false, Duration::from_secs(10)).await;
-    assert!(recs.iter().any(|r| r.outbox_id() == late_id), "the late row reached Kafka");
+    assert!(
+        recs.iter().any(|r| r.outbox_id() == late_id),
+        "the late row reached Kafka"
+    );
 }
