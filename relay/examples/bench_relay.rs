@@ -526,15 +526,19 @@ async fn bloat(brokers: &str, broker: &ferry_testkit::Kafka, quick: bool) -> Res
 }
 
 async fn table_stats(pool: &sqlx::PgPool) -> Res<String> {
-    let _ = sqlx::query("SELECT pg_stat_force_next_flush()").execute(pool).await;
+    // Statistics reach pg_stat_user_tables when each backend flushes them
+    // (at most once a second, and at exit): flush ours, wait, read afresh.
+    let mut c = pool.acquire().await?;
+    sqlx::query("SELECT pg_stat_force_next_flush()").execute(&mut *c).await?;
+    drop(c);
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let mut c = pool.acquire().await?;
+    sqlx::query("SELECT pg_stat_clear_snapshot()").execute(&mut *c).await?;
     let (dead, live, size): (i64, i64, i64) = sqlx::query_as(
         "SELECT n_dead_tup, n_live_tup, pg_total_relation_size('outbox')
          FROM pg_stat_user_tables WHERE relname = 'outbox'",
     )
-    .fetch_one(pool)
+    .fetch_one(&mut *c)
     .await?;
-    Ok(format!(
-        "n_dead_tup {dead}, n_live_tup {live}, size {:.1} MiB",
-        size as f64 / 1048576.0
-    ))
+    Ok(format!("n_dead_tup {dead}, n_live_tup {live}, size {:.1} MiB", size as f64 / 1048576.0))
 }
