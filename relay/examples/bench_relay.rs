@@ -536,7 +536,7 @@ async fn table_stats(pool: &sqlx::PgPool) -> Res<String> {
     sqlx::query("SELECT pg_stat_clear_snapshot()").execute(&mut *c).await?;
     let (dead, live, size): (i64, i64, i64) = sqlx::query_as(
         "SELECT n_dead_tup, n_live_tup, pg_total_relation_size('outbox')
-         FROM pg_stat_user_tables WHERE relname = 'outbox'",
+         FROM pg_stat_user_tables WHERE relid = 'outbox'::regclass",
     )
     .fetch_one(&mut *c)
     .await?;
