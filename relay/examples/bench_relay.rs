@@ -529,7 +529,9 @@ async fn table_stats(pool: &sqlx::PgPool) -> Res<String> {
     // Statistics reach pg_stat_user_tables when each backend flushes them
     // (at most once a second, and at exit): flush ours, wait, read afresh.
     let mut c = pool.acquire().await?;
-    sqlx::query("SELECT pg_stat_force_next_flush()").execute(&mut *c).await?;
+    sqlx::query("SELECT pg_stat_force_next_flush()")
+        .execute(&mut *c)
+        .await?;
     drop(c);
     tokio::time::sleep(Duration::from_millis(1500)).await;
     let mut c = pool.acquire().await?;
@@ -540,5 +542,8 @@ async fn table_stats(pool: &sqlx::PgPool) -> Res<String> {
     )
     .fetch_one(&mut *c)
     .await?;
-    Ok(format!("n_dead_tup {dead}, n_live_tup {live}, size {:.1} MiB", size as f64 / 1048576.0))
+    Ok(format!(
+        "n_dead_tup {dead}, n_live_tup {live}, size {:.1} MiB",
+        size as f64 / 1048576.0
+    ))
 }
