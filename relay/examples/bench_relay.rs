@@ -6,6 +6,20 @@
 //! latency at a steady 1k rows/s, and a large pending backlog.
 //!
 //!     scripts/install-kafka && cargo run --release -p ferry-relay --example bench_relay -- [--quick]
+//!
+//! Modes for the performance issue, each instead of the default run (and
+//! each shorter with `--quick`):
+//! - `--warm`: drain with 1 relay beside a raw produce on a warm broker (the
+//!   raw run is repeated, the first only warms it), twice, with where the
+//!   relay's time went (reads, batches, marks);
+//! - `--latency`: commit → ack p50/p99 at a steady 1k and 10k rows/s, after a
+//!   3 s warm-up;
+//! - `--scaling`: 1, 2 and 4 `ferry-relay` processes (the release binary,
+//!   `cargo build --release -p ferry-relay` first) on one backlog;
+//! - `--memory`: a relay process's peak RSS (VmHWM) and throughput from a 10k
+//!   to a 1M backlog;
+//! - `--bloat`: dead tuples and table size after 1M rows, marking and
+//!   deleting, and a drain while another session holds a snapshot open.
 #![allow(clippy::print_stdout, missing_docs)]
 
 use std::time::{Duration, Instant};
@@ -20,10 +34,36 @@ type Res<T> = Result<T, Box<dyn std::error::Error + Send + Sync>>;
 
 #[tokio::main]
 async fn main() -> Res<()> {
-    let quick = std::env::args().any(|a| a == "--quick");
+    let args: Vec<String> = std::env::args().collect();
+    let has = |f: &str| args.iter().any(|a| a == f);
+    let quick = has("--quick");
     let n: usize = if quick { 20_000 } else { 100_000 };
     let broker = ferry_testkit::Kafka::start();
     let brokers = broker.brokers();
+    let modes = ["--warm", "--latency", "--scaling", "--memory", "--bloat"];
+    if modes.iter().any(|m| has(m)) {
+        println!(
+            "ferry-relay benchmarks (PostgreSQL → Apache Kafka), {}\n",
+            args[1..].join(" ")
+        );
+        println!("{:<52} {:>12} {:>14}", "measure", "ferry-relay", "baseline");
+        if has("--warm") {
+            warm_drain(&brokers, &broker, if quick { 100_000 } else { 200_000 }).await?;
+        }
+        if has("--latency") {
+            latency(&brokers, &broker, quick).await?;
+        }
+        if has("--scaling") {
+            scaling(&brokers, &broker, quick).await?;
+        }
+        if has("--memory") {
+            memory(&brokers, &broker, quick).await?;
+        }
+        if has("--bloat") {
+            bloat(&brokers, &broker, quick).await?;
+        }
+        return Ok(());
+    }
     println!("ferry-relay benchmarks (PostgreSQL → Apache Kafka, n = {n})\n");
     println!("{:<52} {:>12} {:>14}", "measure", "ferry-relay", "raw produce");
     for size in [100usize, 1024] {
@@ -211,4 +251,299 @@ async fn raw_produce(brokers: &str, topic: &str, n: usize, size: usize) -> Res<f
         f.await?.map_err(|(e, _)| e)?;
     }
     Ok(n as f64 / started.elapsed().as_secs_f64())
+}
+
+// ---- Modes added for the performance issue (#12). ----
+
+/// Drain with 1 relay against a WARM raw produce (the raw run is done twice,
+/// the first only warms the broker), with where the relay's time went.
+async fn warm_drain(brokers: &str, broker: &ferry_testkit::Kafka, n: usize) -> Res<()> {
+    broker.create_topic("bench-warm", 6);
+    let cold = raw_produce(brokers, "bench-warm", n, 100).await?;
+    for run in 1..=2 {
+        let raw = raw_produce(brokers, "bench-warm", n, 100).await?;
+        let (rate, timings) = drain_timed(brokers, "bench-warm", n, 100, Mode::Mark).await?;
+        println!(
+            "{:<52} {rate:>12.0} {raw:>14.0}   ratio {:.2} (run {run}; raw cold {cold:.0})",
+            format!("drain msgs/s, 100 B, 1 relay, warm broker"),
+            rate / raw
+        );
+        println!("    where the time went: {timings}");
+    }
+    Ok(())
+}
+
+async fn drain_timed(brokers: &str, topic: &str, n: usize, size: usize, mode: Mode) -> Res<(f64, String)> {
+    let (ferry, url) = fresh().await?;
+    seed(&ferry, topic, n, size).await?;
+    let started = Instant::now();
+    let (stop, handle, state) = start(&url, brokers, ferry.clone(), mode)?;
+    wait_delivered(&ferry).await?;
+    let rate = n as f64 / started.elapsed().as_secs_f64();
+    stop.cancel();
+    handle.await??;
+    Ok((rate, state.metrics.timings.summary()))
+}
+
+/// Commit → ack latency at a steady rate, after a warm-up.
+async fn latency(brokers: &str, broker: &ferry_testkit::Kafka, quick: bool) -> Res<()> {
+    broker.create_topic("bench-latency", 6);
+    for rate in [1_000u64, 10_000] {
+        let (ferry, url) = fresh().await?;
+        let (stop, handle, state) = start(&url, brokers, ferry.clone(), Mode::Mark)?;
+        // Warm-up: 3 s at the rate, then forget the samples.
+        steady(&url, rate, Duration::from_secs(3)).await?;
+        wait_delivered(&ferry).await?;
+        state.metrics.reset_latency();
+        let secs = if quick { 5 } else { 10 };
+        let (sent, took) = steady(&url, rate, Duration::from_secs(secs)).await?;
+        wait_delivered(&ferry).await?;
+        stop.cancel();
+        handle.await??;
+        let q = |x| state.metrics.latency_quantile(x).unwrap_or(0);
+        println!(
+            "{:<52} {:>6} / {:>3} ms {:>14}",
+            format!(
+                "commit → ack p50 / p99 at {rate} rows/s (offered; achieved {:.0}/s)",
+                sent as f64 / took
+            ),
+            q(0.5),
+            q(0.99),
+            "goal ≤10 / ≤25"
+        );
+    }
+    Ok(())
+}
+
+/// Enqueues at `rate` rows/s for `d` from 8 writers (each its own pool), one
+/// row per transaction; returns rows sent and seconds taken.
+async fn steady(url: &str, rate: u64, d: Duration) -> Res<(u64, f64)> {
+    let writers = 8u64;
+    let per = Duration::from_nanos(1_000_000_000 * writers / rate);
+    let started = Instant::now();
+    let mut tasks = Vec::new();
+    for w in 0..writers {
+        let f = Ferry::builder(url).max_connections(2).connect().await?;
+        tasks.push(tokio::spawn(async move {
+            let mut tick = tokio::time::interval(per);
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            let mut sent = 0u64;
+            let mut i = w;
+            while started.elapsed() < d {
+                tick.tick().await;
+                let m = OutboxMessage::bytes("bench", "bench-latency", format!("k{}", i % 500), vec![0u8; 100]);
+                if f.enqueue(&m).await.is_ok() {
+                    sent += 1;
+                }
+                i += writers;
+            }
+            sent
+        }));
+    }
+    let mut sent = 0;
+    for t in tasks {
+        sent += t.await?;
+    }
+    Ok((sent, started.elapsed().as_secs_f64()))
+}
+
+/// The release `ferry-relay` binary next to this example.
+fn relay_binary() -> Res<std::path::PathBuf> {
+    let exe = std::env::current_exe()?;
+    let dir = exe.parent().and_then(|p| p.parent()).ok_or("no target dir")?;
+    let bin = dir.join("ferry-relay");
+    if !bin.exists() {
+        return Err(format!("{} missing: cargo build --release -p ferry-relay first", bin.display()).into());
+    }
+    Ok(bin)
+}
+
+/// `k` relay processes on one database; returns the children.
+fn spawn_relays(url: &str, brokers: &str, k: usize, extra: &[&str]) -> Res<Vec<std::process::Child>> {
+    let bin = relay_binary()?;
+    let mut out = Vec::new();
+    for _ in 0..k {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
+        let child = std::process::Command::new(&bin)
+            .args(["run", "--database-url", url, "--brokers", brokers])
+            .args(["--poll-interval", "20ms", "--lease", "5s"])
+            .args(["--listen", &format!("127.0.0.1:{port}")])
+            .args(extra)
+            .env("RUST_LOG", "warn")
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()?;
+        out.push(child);
+    }
+    Ok(out)
+}
+
+fn stop_relays(children: Vec<std::process::Child>) {
+    for mut c in children {
+        // SIGTERM: a clean shutdown (lanes released).
+        let _ = std::process::Command::new("kill").arg(c.id().to_string()).status();
+        let _ = c.wait();
+    }
+}
+
+fn vm_hwm_kib(pid: u32) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("VmHWM:"))
+                .and_then(|l| l.split_whitespace().nth(1).and_then(|v| v.parse().ok()))
+        })
+        .unwrap_or(0)
+}
+
+/// Drains `n` seeded rows with `k` relay processes; (rows/s, VmHWM KiB of the first).
+async fn drain_processes(brokers: &str, topic: &str, n: usize, k: usize) -> Res<(f64, u64)> {
+    let (ferry, url) = fresh().await?;
+    seed(&ferry, topic, n, 100).await?;
+    let started = Instant::now();
+    let children = spawn_relays(&url, brokers, k, &[])?;
+    wait_delivered(&ferry).await?;
+    let rate = n as f64 / started.elapsed().as_secs_f64();
+    let hwm = vm_hwm_kib(children[0].id());
+    stop_relays(children);
+    Ok((rate, hwm))
+}
+
+/// 1, 2, 4 relay processes on one backlog.
+async fn scaling(brokers: &str, broker: &ferry_testkit::Kafka, quick: bool) -> Res<()> {
+    broker.create_topic("bench-scaling", 6);
+    let n = if quick { 100_000 } else { 200_000 };
+    let raw = raw_produce(brokers, "bench-scaling", n, 100).await?;
+    let raw = raw.max(raw_produce(brokers, "bench-scaling", n, 100).await?);
+    let mut one = 0.0;
+    for k in [1usize, 2, 4] {
+        let (rate, _) = drain_processes(brokers, "bench-scaling", n, k).await?;
+        if k == 1 {
+            one = rate;
+        }
+        println!(
+            "{:<52} {rate:>12.0} {raw:>14.0}   ×{:.2} vs 1 relay",
+            format!("drain {n}, 100 B, {k} relay process(es)"),
+            rate / one
+        );
+    }
+    Ok(())
+}
+
+/// A relay process's peak RSS and throughput from a 10k to a 1M backlog.
+async fn memory(brokers: &str, broker: &ferry_testkit::Kafka, quick: bool) -> Res<()> {
+    broker.create_topic("bench-memory", 6);
+    let sizes: &[usize] = if quick {
+        &[10_000, 200_000]
+    } else {
+        &[10_000, 100_000, 1_000_000]
+    };
+    for &n in sizes {
+        let (rate, hwm) = drain_processes(brokers, "bench-memory", n, 1).await?;
+        println!(
+            "{:<52} {rate:>12.0} {:>14}",
+            format!("drain with {n} pending, 1 relay process (msgs/s)"),
+            "-"
+        );
+        println!(
+            "{:<52} {:>9.1} MiB {:>14}",
+            format!("  relay VmHWM with {n} pending"),
+            hwm as f64 / 1024.0,
+            "goal ≤ 64 MiB"
+        );
+    }
+    Ok(())
+}
+
+/// Dead tuples and table size after `n` rows published, marking or
+/// deleting; then a drain while another session holds a snapshot open.
+async fn bloat(brokers: &str, broker: &ferry_testkit::Kafka, quick: bool) -> Res<()> {
+    broker.create_topic("bench-bloat", 6);
+    let n = if quick { 200_000 } else { 1_000_000 };
+    for mode in [Mode::Mark, Mode::Delete] {
+        let (ferry, url) = fresh().await?;
+        seed(&ferry, "bench-bloat", n, 100).await?;
+        let pool = ferry.db().as_postgres().ok_or("PostgreSQL only")?.clone();
+        sqlx::query("ANALYZE outbox").execute(&pool).await?;
+        let before = table_stats(&pool).await?;
+        let started = Instant::now();
+        let (stop, handle, _) = start(&url, brokers, ferry.clone(), mode)?;
+        wait_delivered(&ferry).await?;
+        let rate = n as f64 / started.elapsed().as_secs_f64();
+        stop.cancel();
+        handle.await??;
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        let after = table_stats(&pool).await?;
+        let name = if mode == Mode::Mark { "mark" } else { "delete" };
+        println!(
+            "{:<52} {rate:>12.0}   before: {} / after: {}",
+            format!("{n} rows, {name} mode: msgs/s; dead tuples, size"),
+            before,
+            after
+        );
+    }
+    // A snapshot held open (REPEATABLE READ) during the drain, vs none.
+    let hold = Duration::from_secs(60);
+    let m = if quick { 200_000 } else { 1_000_000 };
+    for held in [false, true] {
+        let (ferry, url) = fresh().await?;
+        let pool = ferry.db().as_postgres().ok_or("PostgreSQL only")?.clone();
+        let mut snap = pool.acquire().await?;
+        if held {
+            sqlx::query("BEGIN ISOLATION LEVEL REPEATABLE READ")
+                .execute(&mut *snap)
+                .await?;
+            sqlx::query("SELECT 1").execute(&mut *snap).await?;
+        }
+        seed(&ferry, "bench-bloat", m, 100).await?;
+        let started = Instant::now();
+        let (stop, handle, _) = start(&url, brokers, ferry.clone(), Mode::Mark)?;
+        // Rows delivered within the hold time (or all of them).
+        let mut left: i64 = m as i64;
+        while started.elapsed() < hold && left > 0 {
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            left = sqlx::query_scalar("SELECT count(*) FROM outbox WHERE state = 'pending'")
+                .fetch_one(&pool)
+                .await?;
+        }
+        let done = m as i64 - left;
+        let rate = done as f64 / started.elapsed().as_secs_f64();
+        let stats = table_stats(&pool).await?;
+        if held {
+            sqlx::query("ROLLBACK").execute(&mut *snap).await?;
+        }
+        drop(snap);
+        stop.cancel();
+        handle.await??;
+        println!(
+            "{:<52} {rate:>12.0}   ({done} of {m} in {:.0} s; {stats})",
+            format!("drain, snapshot held open: {held}"),
+            started.elapsed().as_secs_f64()
+        );
+    }
+    Ok(())
+}
+
+async fn table_stats(pool: &sqlx::PgPool) -> Res<String> {
+    // Statistics reach pg_stat_user_tables when each backend flushes them
+    // (at most once a second, and at exit): flush ours, wait, read afresh.
+    let mut c = pool.acquire().await?;
+    sqlx::query("SELECT pg_stat_force_next_flush()")
+        .execute(&mut *c)
+        .await?;
+    drop(c);
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let mut c = pool.acquire().await?;
+    sqlx::query("SELECT pg_stat_clear_snapshot()").execute(&mut *c).await?;
+    let (dead, live, size): (i64, i64, i64) = sqlx::query_as(
+        "SELECT n_dead_tup, n_live_tup, pg_total_relation_size('outbox')
+         FROM pg_stat_user_tables WHERE relid = 'outbox'::regclass",
+    )
+    .fetch_one(&mut *c)
+    .await?;
+    Ok(format!(
+        "n_dead_tup {dead}, n_live_tup {live}, size {:.1} MiB",
+        size as f64 / 1048576.0
+    ))
 }

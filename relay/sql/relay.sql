@@ -58,6 +58,22 @@ WHERE lane = $1 AND state = 'pending'
 ORDER BY id
 LIMIT $2
 
+-- name: pending_after
+-- The lane's next pending rows after a cursor (the last id read): the index
+-- range past it, read while the previous batch is in flight.
+SELECT id, tenant, topic, key, payload, headers, effect_key, traceparent, created_at
+FROM outbox
+WHERE lane = $1 AND state = 'pending' AND id > $3
+ORDER BY id
+LIMIT $2
+
+-- name: lanes_with_pending
+-- The lanes $1 holds that have a pending row: one index probe per lane.
+SELECT l.lane FROM relay_lanes l
+WHERE l.owner = $1
+  AND EXISTS (SELECT 1 FROM outbox o WHERE o.lane = l.lane AND o.state = 'pending')
+ORDER BY l.lane
+
 -- name: mark_delivered
 UPDATE outbox
 SET state = 'delivered', delivered_at = {now $3},
@@ -87,6 +103,8 @@ WHERE id IN (
 )
 
 -- name: outbox_backlog
+-- Read every few seconds off the lane path (not per lane tick): a count over
+-- the pending partial index.
 SELECT count(*) AS pending,
        COALESCE(min(created_at), 0) AS oldest,
        {now $1} AS now

@@ -8,6 +8,7 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 /// Label of an error counter.
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -45,8 +46,80 @@ pub struct Metrics {
     /// OpenTelemetry instruments mirroring the ones above.
     otel: Otel,
     /// The latest commit-to-ack samples (ms), for exact quantiles in the demo
-    /// and benchmarks; bounded.
+    /// and benchmarks; bounded (the newest [`LATENCY_SAMPLES`] are kept).
     pub latency_samples: std::sync::Mutex<Vec<i64>>,
+    /// Where a lane's time goes (reads, batches, marks), for benchmarks.
+    pub timings: Timings,
+    /// Where the next sample goes once the ring is full.
+    latency_next: AtomicU64,
+}
+
+/// How many commit-to-ack samples are kept (a ring: the newest win).
+pub const LATENCY_SAMPLES: usize = 100_000;
+
+/// Plain counters of where the lanes' time goes, summed over lanes (so with
+/// many lanes in parallel they add up to more than wall time). Not exported
+/// on `/metrics`; read by the benchmarks.
+#[derive(Debug, Default)]
+pub struct Timings {
+    /// Reads of a lane's pending rows, and their total time (ns).
+    pub reads: AtomicU64,
+    /// Time spent reading pending rows (ns), on the lane's path only (a read
+    /// overlapped with a batch in flight is not counted here).
+    pub read_ns: AtomicU64,
+    /// Rows returned by those reads.
+    pub rows_read: AtomicU64,
+    /// Reads that waited on nothing: the next batch was already read while the
+    /// previous one was in flight.
+    pub prefetched: AtomicU64,
+    /// Full reads from the lane's lowest pending row (not after a cursor).
+    pub full_reads: AtomicU64,
+    /// Batches and the time from the first produce to the last mark (ns),
+    /// marks included.
+    pub batches: AtomicU64,
+    /// Batch time (ns).
+    pub batch_ns: AtomicU64,
+    /// Mark statements (delivered or deleted) and their time (ns).
+    pub marks: AtomicU64,
+    /// Mark time (ns).
+    pub mark_ns: AtomicU64,
+    /// Idle waits (nothing pending) and their time (ns).
+    pub idles: AtomicU64,
+    /// Idle time (ns).
+    pub idle_ns: AtomicU64,
+}
+
+impl Timings {
+    /// Adds `d` to `ns` and one to `count`.
+    pub fn add(count: &AtomicU64, ns: &AtomicU64, d: std::time::Duration) {
+        count.fetch_add(1, Ordering::Relaxed);
+        ns.fetch_add(d.as_nanos() as u64, Ordering::Relaxed);
+    }
+
+    /// One line: counts and mean/total times.
+    pub fn summary(&self) -> String {
+        let g = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        let ms = |a: &AtomicU64| g(a) as f64 / 1e6;
+        let per = |ns: &AtomicU64, n: &AtomicU64| if g(n) == 0 { 0.0 } else { ms(ns) / g(n) as f64 };
+        format!(
+            "reads {} ({} full, {} prefetched, {} rows, {:.0} ms on the lane path, {:.2} ms each); \
+             batches {} ({:.0} ms, {:.2} ms each); marks {} ({:.0} ms, {:.2} ms each); idle waits {} ({:.0} ms)",
+            g(&self.reads),
+            g(&self.full_reads),
+            g(&self.prefetched),
+            g(&self.rows_read),
+            ms(&self.read_ns),
+            per(&self.read_ns, &self.reads),
+            g(&self.batches),
+            ms(&self.batch_ns),
+            per(&self.batch_ns, &self.batches),
+            g(&self.marks),
+            ms(&self.mark_ns),
+            per(&self.mark_ns, &self.marks),
+            g(&self.idles),
+            ms(&self.idle_ns),
+        )
+    }
 }
 
 impl Default for Metrics {
@@ -73,6 +146,8 @@ impl Metrics {
             registry: Registry::default(),
             latency_samples: std::sync::Mutex::new(Vec::new()),
             otel: Otel::default(),
+            timings: Timings::default(),
+            latency_next: AtomicU64::new(0),
         };
         registry.register(
             "published",
@@ -125,9 +200,18 @@ impl Metrics {
             h.record(ms.max(0) as f64 / 1000.0, &[]);
         }
         let mut s = self.latency_samples.lock().unwrap_or_else(|p| p.into_inner());
-        if s.len() < 1_000_000 {
+        if s.len() < LATENCY_SAMPLES {
             s.push(ms.max(0));
+        } else {
+            let at = self.latency_next.fetch_add(1, Ordering::Relaxed) as usize % LATENCY_SAMPLES;
+            s[at] = ms.max(0);
         }
+    }
+
+    /// Forgets the recorded latency samples (after a benchmark's warm-up).
+    pub fn reset_latency(&self) {
+        self.latency_samples.lock().unwrap_or_else(|p| p.into_inner()).clear();
+        self.latency_next.store(0, Ordering::Relaxed);
     }
 
     /// The `q` quantile (0..=1) of the recorded latencies, in ms.

@@ -5,12 +5,11 @@ use std::collections::BTreeMap;
 use std::future::Future;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use crate::store::{LaneLease, RelayStore};
 use ferry::Ferry;
 use rdkafka::producer::{FutureProducer, Producer};
-use tokio::sync::Notify;
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
@@ -48,7 +47,8 @@ struct LaneTask {
 
 impl RelayState {
     /// Refreshes the gauges that come from the table (backlog, oldest
-    /// pending age, dead rows); done every lane tick and at each scrape.
+    /// pending age, dead rows); done every [`GAUGES_EVERY`] off the lane
+    /// path, and at each scrape.
     pub async fn refresh_gauges(&self) {
         if let Ok(b) = self.store.outbox_backlog().await {
             self.metrics.backlog.set(b.pending);
@@ -59,6 +59,10 @@ impl RelayState {
         }
     }
 }
+
+/// How often the relay refreshes its table gauges (a count over the pending
+/// index and one over dead rows), whatever the lane tick.
+pub const GAUGES_EVERY: Duration = Duration::from_secs(5);
 
 /// A configured relay, not yet running: [`Relay::state`] gives tests and the
 /// demo its metrics before [`Relay::run`] starts it.
@@ -128,9 +132,28 @@ impl Relay {
         let cfg = Arc::new(cfg);
         let http_stop = CancellationToken::new();
         let http = tokio::spawn(crate::http::serve(listener, state.clone(), http_stop.clone()));
-        let wake = Arc::new(Notify::new());
+        let wake = Arc::new(lane::Wakes::new(store.ferry().lanes()));
         let listen_stop = CancellationToken::new();
-        tokio::spawn(listen_for_wakeups(store.clone(), wake.clone(), listen_stop.clone()));
+        tokio::spawn(listen_for_wakeups(
+            store.clone(),
+            owner.clone(),
+            wake.clone(),
+            cfg.poll_interval,
+            listen_stop.clone(),
+        ));
+        // The table gauges, on their own task at a fixed low rate.
+        {
+            let (state, stop) = (state.clone(), listen_stop.clone());
+            tokio::spawn(async move {
+                let mut every = tokio::time::interval(GAUGES_EVERY);
+                loop {
+                    tokio::select! {
+                        _ = every.tick() => state.refresh_gauges().await,
+                        _ = stop.cancelled() => return,
+                    }
+                }
+            });
+        }
 
         let mut held: BTreeMap<i32, LaneTask> = BTreeMap::new();
         // Surplus lanes finishing their in-flight batch before release: still
@@ -200,7 +223,6 @@ impl Relay {
                         held.insert(lease.lane, task);
                     }
                     state.metrics.lanes_owned.set(held.len() as i64);
-                    state.refresh_gauges().await;
                 }
                 Some(_) = tasks.join_next(), if !tasks.is_empty() => {}
             }
@@ -209,7 +231,7 @@ impl Relay {
         for t in held.values() {
             t.finish.cancel();
         }
-        wake.notify_waiters();
+        wake.all();
         // Keep the leases alive while the last batches are published and
         // marked, or their marks would be refused once the leases expire.
         let deadline = tokio::time::sleep(cfg.grace);
@@ -275,14 +297,34 @@ async fn sweep_delivered(store: RelayStore, retention: Duration, stop: Cancellat
     }
 }
 
-/// Wakes the lanes on each `NOTIFY ferry_wakeup` (PostgreSQL); SQLite and a
-/// lost listener rely on the poll interval.
-async fn listen_for_wakeups(store: RelayStore, wake: Arc<Notify>, stop: CancellationToken) {
+/// The relay's probe: on each `NOTIFY ferry_wakeup` (PostgreSQL) and every
+/// `poll` (SQLite, a lost listener, a skipped coalesced notification), one
+/// query finds which of this relay's lanes have pending rows, and only those
+/// are woken. Idle lanes do not poll the table themselves (64 lanes polling
+/// would be 64 queries per interval).
+async fn listen_for_wakeups(
+    store: RelayStore,
+    owner: String,
+    wake: Arc<lane::Wakes>,
+    poll: Duration,
+    stop: CancellationToken,
+) {
     let mut wakeup = ferry::store::Wakeup::connect(store.ferry().db()).await;
+    let mut next_poll = Instant::now() + poll;
     loop {
+        let wait = next_poll.saturating_duration_since(Instant::now());
         tokio::select! {
-            notified = wakeup.wait(Duration::from_secs(1)) => if notified { wake.notify_waiters() },
+            _ = wakeup.wait(wait) => {}
             _ = stop.cancelled() => return,
+        }
+        next_poll = Instant::now() + poll;
+        match store.lanes_with_pending(&owner).await {
+            Ok(lanes) => {
+                for l in lanes {
+                    wake.lane(l).notify_one();
+                }
+            }
+            Err(e) => tracing::debug!(error = %e, "probing lanes for pending rows failed"),
         }
     }
 }

@@ -43,11 +43,14 @@ impl Marker {
             return None;
         }
         let first = self.ids[0];
-        match state
+        let started = Instant::now();
+        let marked = state
             .store
             .mark_delivered(&state.owner, self.lease, &self.ids, cfg.delete_on_delivery)
-            .await
-        {
+            .await;
+        let t = &state.metrics.timings;
+        crate::metrics::Timings::add(&t.marks, &t.mark_ns, started.elapsed());
+        match marked {
             Ok(n) => {
                 state.metrics.published.inc_by(n);
                 self.ids.clear();

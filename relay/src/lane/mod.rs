@@ -40,6 +40,42 @@ mod transactional;
 
 pub use task::run;
 
+/// A lane reads ahead after a cursor (the last id read) while a batch is in
+/// flight; at least this often it reads from its lowest pending row instead,
+/// so a row with a lower id that committed late (concurrent writers) is not
+/// passed over for long. It also does when it catches up (an empty read).
+pub const RESCAN_EVERY: Duration = Duration::from_secs(1);
+
+/// Per-lane wake-ups: the relay's probe (on `NOTIFY` and every poll
+/// interval, one query for all its lanes) wakes only the lanes with pending
+/// rows. A wake-up sent while the lane is busy is kept (a permit) and ends
+/// its next idle wait at once, so none is lost between a read and the wait.
+#[derive(Debug)]
+pub struct Wakes {
+    lanes: Vec<tokio::sync::Notify>,
+}
+
+impl Wakes {
+    /// One wake-up per lane, `0..lanes`.
+    pub fn new(lanes: i32) -> Self {
+        Wakes {
+            lanes: (0..lanes.max(1)).map(|_| tokio::sync::Notify::new()).collect(),
+        }
+    }
+
+    /// Lane `lane`'s wake-up.
+    pub fn lane(&self, lane: i32) -> &tokio::sync::Notify {
+        &self.lanes[(lane.max(0) as usize) % self.lanes.len()]
+    }
+
+    /// Wakes every lane (shutdown).
+    pub fn all(&self) {
+        for n in &self.lanes {
+            n.notify_one();
+        }
+    }
+}
+
 /// Mark the acknowledged rows at least this often while a batch is in flight.
 pub const MARK_EVERY: Duration = Duration::from_millis(100);
 /// ... or after this many acknowledgements, whichever comes first.

@@ -3,19 +3,20 @@
 //! off, isolate a poison row, retry smaller, give the lane up).
 
 use std::sync::Arc;
+use std::time::Instant;
 
 use backon::ExponentialBackoff;
 use rdkafka::producer::FutureProducer;
-use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
 use super::at_least_once::at_least_once;
 use super::take_over::take_over;
 use super::transactional::transactional_batch;
-use super::{pause, retry_backoff, BatchEnd, Sink};
+use super::{pause, retry_backoff, BatchEnd, Sink, Wakes, RESCAN_EVERY};
 use crate::config::RelayConfig;
 use crate::exactly_once::ProgressReader;
+use crate::metrics::Timings;
 use crate::service::RelayState;
 use crate::store::{LaneLease, PendingRow};
 
@@ -32,7 +33,7 @@ pub async fn run(
     cfg: Arc<RelayConfig>,
     sink: Sink,
     database_id: Arc<str>,
-    wake: Arc<Notify>,
+    wake: Arc<Wakes>,
     lease: LaneLease,
     finish: CancellationToken,
     abort: CancellationToken,
@@ -77,7 +78,7 @@ struct Lane {
     state: Arc<RelayState>,
     cfg: Arc<RelayConfig>,
     database_id: Arc<str>,
-    wake: Arc<Notify>,
+    wake: Arc<Wakes>,
     lease: LaneLease,
     finish: CancellationToken,
     abort: CancellationToken,
@@ -95,8 +96,17 @@ struct Lane {
 }
 
 impl Lane {
-    /// The loop: one batch per turn until finished, aborted or lost.
+    /// The loop: one batch per turn until finished, aborted or lost. While
+    /// a batch is in flight the next one is read after it (a cursor: the
+    /// batch's last id, so the read is an index range past it); it is used
+    /// only if the batch ended `Done` (every row acknowledged and marked).
+    /// When the read-ahead comes back empty, at least every
+    /// [`RESCAN_EVERY`], and after anything but `Done`, the lane reads from
+    /// its lowest pending row instead, which picks up rows with lower ids
+    /// that committed after a higher one was read.
     async fn publish(&mut self) {
+        let mut ahead: Option<Vec<PendingRow>> = None;
+        let mut rescanned = Instant::now();
         loop {
             if self.finish.is_cancelled() || self.abort.is_cancelled() {
                 break;
@@ -106,10 +116,23 @@ impl Lane {
                 Flow::Retry => continue,
                 Flow::Stop => break,
             }
-            let rows = match self.next_rows().await {
-                Ok(rows) => rows,
-                Err(Flow::Stop) => break,
-                Err(_) => continue,
+            let rows = match ahead.take() {
+                Some(rows) => {
+                    self.state
+                        .metrics
+                        .timings
+                        .prefetched
+                        .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    rows
+                }
+                None => {
+                    rescanned = Instant::now();
+                    match self.next_rows().await {
+                        Ok(rows) => rows,
+                        Err(Flow::Stop) => break,
+                        Err(_) => continue,
+                    }
+                }
             };
             if rows.is_empty() {
                 match self.idle().await {
@@ -117,13 +140,48 @@ impl Lane {
                     _ => continue,
                 }
             }
-            let Some(end) = self.batch(&rows).await else {
+            // Read ahead only outside isolation (one row at a time) and
+            // until the next full read is due.
+            let last = rows.last().map(|r| r.id).unwrap_or(0);
+            let read_ahead = last > self.isolate_through && rescanned.elapsed() < RESCAN_EVERY;
+            let (end, next) = if read_ahead {
+                let (end, next) = tokio::join!(self.batch(&rows), self.read_after(last));
+                (end, next)
+            } else {
+                (self.batch(&rows).await, None)
+            };
+            let Some(end) = end else {
                 // Lost mid-batch: whatever was acknowledged is republished by
                 // the new owner (at least once), or fenced by it (exactly once).
                 break;
             };
+            if end == BatchEnd::Done {
+                ahead = next.filter(|r| !r.is_empty());
+            }
             if let Flow::Stop = self.after(end).await {
                 break;
+            }
+        }
+    }
+
+    /// The lane's pending rows after `cursor` (read ahead while a batch is in
+    /// flight); `None` when the read failed (the lane then reads in full).
+    async fn read_after(&self, cursor: i64) -> Option<Vec<PendingRow>> {
+        match self
+            .state
+            .store
+            .pending_after(self.lease.lane, self.batch_size, cursor)
+            .await
+        {
+            Ok(r) => {
+                let t = &self.state.metrics.timings;
+                t.rows_read
+                    .fetch_add(r.len() as u64, std::sync::atomic::Ordering::Relaxed);
+                Some(r)
+            }
+            Err(e) => {
+                tracing::debug!(lane = self.lease.lane, error = %e, "reading ahead failed");
+                None
             }
         }
     }
@@ -155,8 +213,15 @@ impl Lane {
     /// The lane's next pending rows: only the first while a poison row is
     /// being isolated. `Err` when reading failed (after backing off).
     async fn next_rows(&mut self) -> Result<Vec<PendingRow>, Flow> {
-        match self.state.store.pending_batch(self.lease.lane, self.batch_size).await {
+        let started = Instant::now();
+        let read = self.state.store.pending_batch(self.lease.lane, self.batch_size).await;
+        let t = &self.state.metrics.timings;
+        Timings::add(&t.reads, &t.read_ns, started.elapsed());
+        t.full_reads.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        match read {
             Ok(mut r) => {
+                t.rows_read
+                    .fetch_add(r.len() as u64, std::sync::atomic::Ordering::Relaxed);
                 if r.first().is_some_and(|f| f.id <= self.isolate_through) {
                     r.truncate(1);
                 }
@@ -169,22 +234,28 @@ impl Lane {
         }
     }
 
-    /// Nothing pending: waits for a wake-up or the poll interval.
+    /// Nothing pending: waits for this lane's wake-up (sent by the relay's
+    /// probe, on `NOTIFY` and every poll interval), or ten poll intervals
+    /// should the probe be failing.
     async fn idle(&self) -> Flow {
-        let notified = self.wake.notified();
-        tokio::select! {
-            _ = notified => {}
-            _ = tokio::time::sleep(self.cfg.poll_interval) => {}
-            _ = self.finish.cancelled() => return Flow::Stop,
-            _ = self.abort.cancelled() => return Flow::Stop,
-        }
-        Flow::Retry
+        let started = Instant::now();
+        let notified = self.wake.lane(self.lease.lane).notified();
+        let flow = tokio::select! {
+            _ = notified => Flow::Retry,
+            _ = tokio::time::sleep(self.cfg.poll_interval * 10) => Flow::Retry,
+            _ = self.finish.cancelled() => Flow::Stop,
+            _ = self.abort.cancelled() => Flow::Stop,
+        };
+        let t = &self.state.metrics.timings;
+        Timings::add(&t.idles, &t.idle_ns, started.elapsed());
+        flow
     }
 
     /// Publishes `rows` (non-empty) in the mode of the sink, in a
     /// `ferry.relay.batch` span; `None` when the lane was aborted mid-batch.
     async fn batch(&self, rows: &[PendingRow]) -> Option<BatchEnd> {
         let span = batch_span(self.lease, rows, self.producer.is_some());
+        let started = Instant::now();
         let batch = async {
             match (&self.producer, &self.txn) {
                 (Some(p), _) => at_least_once(&self.state, &self.cfg, p, &self.database_id, self.lease, rows).await,
@@ -214,6 +285,8 @@ impl Lane {
                 return None;
             }
         };
+        let t = &self.state.metrics.timings;
+        Timings::add(&t.batches, &t.batch_ns, started.elapsed());
         span.record("outcome", end.outcome());
         if let Some(code) = end.code() {
             span.record("code", code);

@@ -253,8 +253,36 @@ impl RelayStore {
                 .fetch_all(p)
                 .await?
         });
-        Ok(rows
-            .into_iter()
+        Ok(Self::pending_rows(rows))
+    }
+
+    /// The next `limit` pending rows of `lane` with an id above `after`, in
+    /// `id` order. A row with a lower id that commits late is not among them:
+    /// callers re-read with [`RelayStore::pending_batch`] regularly.
+    pub async fn pending_after(&self, lane: i32, limit: u32, after: i64) -> Result<Vec<PendingRow>> {
+        let rows: Vec<PendingSqlRow> = on_pool!(self.db(), QUERIES, |p, q| {
+            sqlx::query_as(q.pending_after)
+                .bind(lane)
+                .bind(i64::from(limit))
+                .bind(after)
+                .fetch_all(p)
+                .await?
+        });
+        Ok(Self::pending_rows(rows))
+    }
+
+    /// The lanes `owner` holds that have at least one pending row.
+    pub async fn lanes_with_pending(&self, owner: &str) -> Result<Vec<i32>> {
+        Ok(on_pool!(self.db(), QUERIES, |p, q| {
+            sqlx::query_scalar(q.lanes_with_pending)
+                .bind(owner)
+                .fetch_all(p)
+                .await?
+        }))
+    }
+
+    fn pending_rows(rows: Vec<PendingSqlRow>) -> Vec<PendingRow> {
+        rows.into_iter()
             .map(|r| PendingRow {
                 id: r.id,
                 tenant: r.tenant,
@@ -266,7 +294,7 @@ impl RelayStore {
                 traceparent: r.traceparent,
                 created_at: r.created_at,
             })
-            .collect())
+            .collect()
     }
 
     /// Marks acknowledged rows delivered (or deletes them, with `delete`), in

@@ -636,3 +636,75 @@ async fn a_fatal_producer_error_fails_readiness_and_exits_to_be_restarted() {
     }
     relay.shutdown().await;
 }
+
+/// A row whose id is lower than rows already read commits late (a writer's
+/// transaction took its id, then others committed higher ids of the same
+/// lane and the relay moved past them). It must still be published: the
+/// lane's read-ahead cursor (`id > last read`) alone would pass over it
+/// forever. A writer keeps the lane busy meanwhile, so the lane stays on its
+/// read-ahead path and only its periodic full re-read can find the row.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lower_id_that_commits_late_is_still_published_while_the_lane_streams() {
+    let broker = Kafka::start();
+    broker.create_topic("late", 3);
+    let (ferry, url) = pg_ferry().await;
+    let pool = ferry.db().as_postgres().unwrap().clone();
+    let lane = ferry::outbox::lane_for("late-key", ferry.lanes());
+    // The late row takes its id now and commits later.
+    let mut late = pool.begin().await.unwrap();
+    let late_id: i64 = sqlx::query_scalar(
+        "INSERT INTO outbox (tenant, topic, key, lane, payload, headers, created_at)
+         VALUES ('acme', 'late', 'late-key', $1, 'late', '{}'::jsonb, 0) RETURNING id",
+    )
+    .bind(lane)
+    .fetch_one(&mut *late)
+    .await
+    .unwrap();
+    let a = start_relay(relay_config(&url, &broker.brokers()), ferry.clone()).await;
+    // Rows of the same lane (same key) with higher ids, committed, published.
+    for i in 0..50 {
+        let m = OutboxMessage::json("acme", "late", "late-key", &json!({"i": i})).unwrap();
+        ferry.enqueue(&m).await.unwrap();
+    }
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while scalar(&ferry, "SELECT count(*) FROM outbox WHERE state = 'delivered'").await < 50 {
+        assert!(Instant::now() < deadline, "the committed rows were not published");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // Keep the lane streaming while the late row commits.
+    let busy = tokio_util::sync::CancellationToken::new();
+    let writer = {
+        let (f, busy) = (ferry.clone(), busy.clone());
+        tokio::spawn(async move {
+            let mut i = 0;
+            while !busy.is_cancelled() {
+                let m = OutboxMessage::json("acme", "late", "late-key", &json!({"busy": i})).unwrap();
+                f.enqueue(&m).await.unwrap();
+                i += 1;
+            }
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    late.commit().await.unwrap();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let state: String = sqlx::query_scalar("SELECT state FROM outbox WHERE id = $1")
+            .bind(late_id)
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+        if state == "delivered" {
+            break;
+        }
+        assert!(Instant::now() < deadline, "the late row (id {late_id}) was passed over");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    busy.cancel();
+    writer.await.unwrap();
+    a.shutdown().await;
+    let recs = read_all(&broker.brokers(), "late", false, Duration::from_secs(10)).await;
+    assert!(
+        recs.iter().any(|r| r.outbox_id() == late_id),
+        "the late row reached Kafka"
+    );
+}
