@@ -71,4 +71,17 @@ pub struct WorkerStats {
     pub lost: AtomicU64,
     /// Jobs given back at shutdown without spending an attempt.
     pub released: AtomicU64,
+    /// Claim statements the claim loop sent (for free slots no completion
+    /// claimed for: at start, after an idle wait, or a short claim).
+    pub claim_statements: AtomicU64,
+    /// Jobs those claim statements returned.
+    pub claimed_by_claim_loop: AtomicU64,
+    /// Complete-and-claim statements the completer sent.
+    pub completion_statements: AtomicU64,
+    /// Jobs claimed by complete-and-claim statements, with the completions
+    /// of the jobs whose slots they took.
+    pub claimed_with_completions: AtomicU64,
+    /// Times the claim loop found every queue empty and waited for a
+    /// wake-up or the poll interval.
+    pub idle_waits: AtomicU64,
 }
