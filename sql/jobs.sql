@@ -312,6 +312,12 @@ WITH input AS (
     SELECT j.tenant, j.run_id
     FROM jobs j, clock
     WHERE j.queue = $9
+      -- Completes first: `done` runs to its end (waiting for any row it
+      -- needs) before this scan locks anything. A row this scan locks and
+      -- then skips (claimed meanwhile by a commit newer than the snapshot)
+      -- stays locked until commit, so completing after it could deadlock
+      -- with another worker's statement doing the same.
+      AND (SELECT count(*) FROM done) >= 0
       AND j.state IN ('queued', 'leased')
       AND j.available_at <= clock.at
       AND j.attempts < j.max_attempts

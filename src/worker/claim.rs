@@ -40,6 +40,8 @@ pub(super) struct ClaimLoop<H> {
     pub(super) completions: mpsc::Sender<Completion>,
     /// Jobs the completer claimed with completions, to spawn on their slots.
     pub(super) handoff: mpsc::UnboundedReceiver<Handoff>,
+    /// Notified when a completion's claim came back full (the queue is not empty).
+    more_work: Arc<tokio::sync::Notify>,
     pub(super) tasks: JoinSet<()>,
     backoff: ExponentialBackoff,
     next_queue: usize,
@@ -66,14 +68,17 @@ impl<H: Handler> ClaimLoop<H> {
         let wake = Wakeup::connect(ferry.db()).await;
         let (completions, completed) = mpsc::channel(cfg.concurrency.max(1));
         let (handoff_tx, handoff) = mpsc::unbounded_channel();
+        let more_work = Arc::new(tokio::sync::Notify::new());
         let completer = Completer {
             ferry: ferry.clone(),
             cfg: cfg.clone(),
             stats: stats.clone(),
             soft: soft.clone(),
             handoff: handoff_tx,
+            more_work: more_work.clone(),
         };
-        let completer = tokio::spawn(completer.run(completed, cfg.concurrency.clamp(1, 500)));
+        let completer =
+            tokio::spawn(completer.run(completed, cfg.concurrency.clamp(1, 500), cfg.completions_in_flight));
         let claims = ClaimLoop {
             ferry,
             cfg,
@@ -86,6 +91,7 @@ impl<H: Handler> ClaimLoop<H> {
             wake,
             completions,
             handoff,
+            more_work,
             tasks: JoinSet::new(),
             backoff: reconnect_backoff(),
             next_queue: 0,
@@ -206,6 +212,9 @@ impl<H: Handler> ClaimLoop<H> {
                 _ = self.wake.wait(wait) => {}
                 // Jobs claimed with completions meanwhile are spawned at once.
                 Some((jobs, permits, sent)) = self.handoff.recv() => self.spawn(jobs, permits, sent),
+                // An empty claim can race with a full one (rows it skipped):
+                // poll again as soon as a completion found more work.
+                _ = self.more_work.notified() => {}
             }
         }
         ControlFlow::Continue(())

@@ -8,7 +8,7 @@ use std::sync::Arc;
 
 use backon::{ExponentialBuilder, Retryable};
 use serde_json::Value;
-use tokio::sync::{mpsc, oneshot, OwnedSemaphorePermit};
+use tokio::sync::{mpsc, oneshot, Notify, OwnedSemaphorePermit, Semaphore};
 use tokio_util::sync::CancellationToken;
 
 use super::{WorkerConfig, WorkerStats};
@@ -33,6 +33,9 @@ pub(super) struct Completer {
     /// Cancelled at shutdown: nothing more is claimed.
     pub(super) soft: CancellationToken,
     pub(super) handoff: mpsc::UnboundedSender<Handoff>,
+    /// Told when a completion's claim came back full: there is more work,
+    /// so an idle claim loop polls again at once.
+    pub(super) more_work: Arc<Notify>,
 }
 
 impl Completer {
@@ -40,9 +43,20 @@ impl Completer {
     /// previous commit ran goes into the next one, so completions share
     /// commits under load without delaying a lone job. Each batch claims up
     /// to one job per slot it frees, in the same commit.
-    pub(super) async fn run(self, mut rx: mpsc::Receiver<Completion>, max_batch: usize) {
+    ///
+    /// Up to `in_flight` statements run at once: a batch starts as soon as
+    /// one is free, so a worker with few slots does not wait for one commit
+    /// at a time, and one with many gathers larger batches meanwhile.
+    pub(super) async fn run(self, mut rx: mpsc::Receiver<Completion>, max_batch: usize, in_flight: usize) {
+        let this = Arc::new(self);
+        let in_flight = in_flight.max(1);
+        let free = Arc::new(Semaphore::new(in_flight));
         let mut next_queue = 0usize;
-        while let Some(first) = rx.recv().await {
+        loop {
+            let Ok(statement) = free.clone().acquire_owned().await else {
+                break;
+            };
+            let Some(first) = rx.recv().await else { break };
             let mut batch = vec![first];
             while batch.len() < max_batch {
                 match rx.try_recv() {
@@ -50,6 +64,21 @@ impl Completer {
                     Err(_) => break,
                 }
             }
+            let queue = this.cfg.queues[next_queue % this.cfg.queues.len()].clone();
+            next_queue = next_queue.wrapping_add(1);
+            let this = this.clone();
+            tokio::spawn(async move {
+                this.commit(batch, &queue).await;
+                drop(statement);
+            });
+        }
+        // Every batch handed out commits before the completer ends.
+        let _ = free.acquire_many(in_flight as u32).await;
+    }
+
+    /// Completes one batch and claims for its slots; replies to each attempt.
+    async fn commit(&self, mut batch: Vec<Completion>, queue: &str) {
+        {
             let mut slots: Vec<OwnedSemaphorePermit> = batch.iter_mut().filter_map(|c| c.3.take()).collect();
             let items: Vec<(Lease, Value)> = batch.iter().map(|(l, v, _, _)| (l.clone(), v.clone())).collect();
             let want = if self.soft.is_cancelled() {
@@ -57,8 +86,6 @@ impl Completer {
             } else {
                 slots.len().min(self.cfg.batch.max(1) as usize) as u32
             };
-            let queue = &self.cfg.queues[next_queue % self.cfg.queues.len()];
-            next_queue = next_queue.wrapping_add(1);
             let sent = tokio::time::Instant::now();
             // A retry after a commit whose answer was lost completes nothing
             // twice (the lease is gone: `run_terminal`), and the jobs that
@@ -77,6 +104,9 @@ impl Completer {
                     self.stats
                         .claimed_with_completions
                         .fetch_add(claimed.len() as u64, Ordering::Relaxed);
+                    if want > 0 && claimed.len() == want as usize {
+                        self.more_work.notify_one();
+                    }
                     if !claimed.is_empty() {
                         let rest = slots.split_off(claimed.len().min(slots.len()));
                         // Handed off before any reply: shutdown waits for
