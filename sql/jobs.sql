@@ -261,6 +261,104 @@ WITH input AS (
 SELECT d.run_id, EXISTS (SELECT 1 FROM finished f WHERE f.tenant = d.tenant AND f.run_id = d.run_id) AS moved
 FROM done d
 
+-- name: complete_and_claim [postgres only]
+-- PostgreSQL only: complete_batch and claim_jobs in ONE statement, so a
+-- worker's finished jobs and the next jobs for the freed slots commit
+-- together in one round trip. $1..$8 as complete_batch; $9 queue, $10 limit,
+-- $11 owner, $12 lease ms, as claim_jobs' $1, $3, $4, $5. One clock for
+-- both halves: a lease this statement may complete is unexpired, so the claim
+-- half (due rows only) never picks it, and a refused expired lease may be
+-- claimed but is never written twice. A run that did not move (the schema was
+-- tampered with) fails the whole statement, so nothing commits.
+-- Rows: kind 'claimed' (claim_jobs' columns), then kind 'done' (run_id).
+WITH input AS (
+    SELECT * FROM UNNEST($1::text[], $2::uuid[], $3::text[], $4::bigint[], $5::jsonb[], $6::int[])
+        AS i(tenant, run_id, owner, generation, result, lane)
+), clock AS (
+    SELECT {now $7} AS at
+), done AS (
+    UPDATE jobs j
+    SET state = 'succeeded', lease_owner = NULL, lease_expires_at = NULL, last_error_code = NULL, updated_at = clock.at
+    FROM input i, clock
+    WHERE j.tenant = i.tenant AND j.run_id = i.run_id AND j.state = 'leased' AND j.lease_owner = i.owner
+      AND j.lease_generation = i.generation AND j.lease_expires_at > clock.at
+    RETURNING j.tenant, j.run_id, j.lease_generation, i.result, i.lane
+), finished AS (
+    UPDATE runs r
+    SET state = 'succeeded', version = r.version + 1, last_event_seq = r.last_event_seq + 1,
+        updated_at = GREATEST(r.updated_at, clock.at)
+    FROM done d, clock
+    WHERE r.tenant = d.tenant AND r.run_id = d.run_id AND r.state = 'queued'
+    RETURNING r.tenant, r.run_id, r.last_event_seq AS seq, d.lease_generation, d.result, d.lane
+), events AS (
+    INSERT INTO run_events (tenant, run_id, seq, kind, body, created_at)
+    SELECT f.tenant, f.run_id, f.seq, 'run_succeeded', jsonb_build_object('result', f.result), clock.at
+    FROM finished f, clock
+), outbox_rows AS (
+    INSERT INTO outbox (tenant, topic, key, lane, payload, headers, effect_key, created_at)
+    SELECT f.tenant, $8, f.run_id::text, f.lane,
+           convert_to(jsonb_build_object('tenant', f.tenant, 'run_id', f.run_id, 'seq', f.seq, 'kind', 'run_succeeded',
+                                         'at', clock.at, 'body', jsonb_build_object('result', f.result))::text, 'UTF8'),
+           jsonb_build_object('content-type', 'application/json', 'ferry-event-kind', 'run_succeeded'),
+           f.tenant || '/' || f.run_id::text || '/' || f.seq::text,
+           clock.at
+    FROM finished f, clock
+), closed AS (
+    UPDATE job_attempts a
+    SET finished_at = clock.at, outcome = 'succeeded'
+    FROM finished f, clock
+    WHERE a.tenant = f.tenant AND a.run_id = f.run_id AND a.generation = f.lease_generation AND a.finished_at IS NULL
+), picked AS (
+    SELECT j.tenant, j.run_id
+    FROM jobs j, clock
+    WHERE j.queue = $9
+      -- Completes first: `done` runs to its end (waiting for any row it
+      -- needs) before this scan locks anything. A row this scan locks and
+      -- then skips (claimed meanwhile by a commit newer than the snapshot)
+      -- stays locked until commit, so completing after it could deadlock
+      -- with another worker's statement doing the same.
+      AND (SELECT count(*) FROM done) >= 0
+      AND j.state IN ('queued', 'leased')
+      AND j.available_at <= clock.at
+      AND j.attempts < j.max_attempts
+      AND (j.deadline_at IS NULL OR j.deadline_at > clock.at)
+    ORDER BY j.available_at
+    LIMIT $10
+    FOR UPDATE OF j SKIP LOCKED
+), claimed AS (
+    UPDATE jobs j
+    SET state = 'leased',
+        lease_owner = $11,
+        lease_expires_at = LEAST(clock.at + $12, COALESCE(j.deadline_at, 9223372036854775807)),
+        available_at = LEAST(clock.at + $12, COALESCE(j.deadline_at, 9223372036854775807)),
+        lease_generation = j.lease_generation + 1,
+        attempts = j.attempts + 1,
+        updated_at = clock.at
+    FROM picked, clock
+    WHERE j.tenant = picked.tenant AND j.run_id = picked.run_id
+    RETURNING j.tenant, j.run_id, j.queue, j.lease_owner, j.lease_generation, j.attempts, j.max_attempts,
+              j.lease_expires_at, j.deadline_at, j.created_at, j.updated_at
+), attempts AS (
+    INSERT INTO job_attempts (tenant, run_id, attempt, generation, worker, claimed_at)
+    SELECT tenant, run_id, attempts, lease_generation, lease_owner, updated_at FROM claimed
+), lost AS (
+    UPDATE job_attempts a
+    SET finished_at = c.updated_at, outcome = 'lost'
+    FROM claimed c
+    WHERE a.tenant = c.tenant AND a.run_id = c.run_id AND a.generation < c.lease_generation AND a.finished_at IS NULL
+)
+SELECT 'claimed' AS kind, c.tenant, c.run_id, c.queue, c.lease_owner, c.lease_generation, c.attempts, c.max_attempts,
+       c.lease_expires_at, c.deadline_at, c.created_at, c.updated_at AS claimed_at,
+       r.operation, r.request, r.replay_of
+FROM claimed c JOIN runs r ON r.tenant = c.tenant AND r.run_id = c.run_id
+UNION ALL
+SELECT 'done', d.tenant, d.run_id, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL,
+       -- Fails the statement (22P02) if the run did not move.
+       CASE WHEN EXISTS (SELECT 1 FROM finished f WHERE f.tenant = d.tenant AND f.run_id = d.run_id) THEN NULL
+            ELSE ('ferry invariant: the run of leased job ' || d.run_id::text || ' was already terminal')::bigint END,
+       NULL, NULL, NULL
+FROM done d
+
 -- name: list_jobs
 SELECT j.tenant, j.run_id, j.queue, j.state, j.attempts, j.max_attempts, j.lease_owner, j.last_error_code, j.updated_at
 FROM jobs j

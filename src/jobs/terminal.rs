@@ -25,6 +25,73 @@ impl Ferry {
         tx.finish(r).await
     }
 
+    /// Completes `items` and claims the next jobs for the freed slots, in one
+    /// commit: each lease is fenced and terminalized exactly like
+    /// [`Ferry::complete`] (one result per lease, in order; a refused lease
+    /// affects neither the others nor the claim), and up to `limit` jobs of
+    /// `queue` are claimed for `owner` exactly like [`Ferry::claim`]. On
+    /// PostgreSQL it is ONE statement, autocommitted: one round trip (a
+    /// refused lease costs one more read to name the refusal, after the
+    /// commit). On SQLite it is one transaction. Either both halves commit
+    /// or neither does.
+    #[tracing::instrument(name = "ferry.complete_and_claim", skip_all, fields(count = items.len(), queue, limit, claimed))]
+    pub async fn complete_and_claim(
+        &self,
+        items: &[(Lease, Value)],
+        queue: &str,
+        owner: &str,
+        lease: std::time::Duration,
+        limit: u32,
+    ) -> Result<(Vec<Result<()>>, Vec<Claimed>)> {
+        let args = self.check_complete_and_claim(items, queue, owner, lease, limit)?;
+        let span = tracing::Span::current();
+        span.record("queue", queue).record("limit", limit);
+        let out = match self.db() {
+            crate::store::Db::Postgres(p) => {
+                let mut c = p.acquire().await?;
+                self.complete_and_claim_on(Conn::Postgres(&mut c), items, args).await?
+            }
+            crate::store::Db::Sqlite(_) => {
+                let mut tx = self.begin().await?;
+                let r = self.complete_and_claim_on(tx.conn(), items, args).await;
+                tx.finish(r).await?
+            }
+        };
+        span.record("claimed", out.1.len());
+        Ok(out)
+    }
+
+    /// [`Ferry::complete_and_claim`] inside the caller's transaction: both
+    /// halves commit or roll back with it.
+    pub async fn complete_and_claim_in<'c>(
+        &self,
+        conn: impl Into<Conn<'c>>,
+        items: &[(Lease, Value)],
+        queue: &str,
+        owner: &str,
+        lease: std::time::Duration,
+        limit: u32,
+    ) -> Result<(Vec<Result<()>>, Vec<Claimed>)> {
+        let args = self.check_complete_and_claim(items, queue, owner, lease, limit)?;
+        self.complete_and_claim_on(conn.into(), items, args).await
+    }
+
+    fn check_complete_and_claim<'a>(
+        &self,
+        items: &[(Lease, Value)],
+        queue: &'a str,
+        owner: &'a str,
+        lease: std::time::Duration,
+        limit: u32,
+    ) -> Result<(&'a str, &'a str, i64, u32)> {
+        for (_, result) in items {
+            self.limits().json("result", result)?;
+        }
+        self.limits().name("queue", queue)?;
+        self.limits().name("owner", owner)?;
+        Ok((queue, owner, positive_ms("lease", lease)?, limit))
+    }
+
     /// Completes the job: job `succeeded`, run `succeeded`, the
     /// `run_succeeded` event carrying `result` and its outbox row, and the
     /// attempt closed, in one transaction.

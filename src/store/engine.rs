@@ -34,14 +34,7 @@ impl Ferry {
                     .bind(lease_ms)
                     .fetch_all(&mut *c)
                     .await?;
-                rows.iter()
-                    .map(|row| {
-                        use sqlx::{FromRow, Row};
-                        let base = ClaimRow::from_row(row)?;
-                        let request: Json<Value> = row.try_get("request")?;
-                        Ok(base.into_claimed(row.try_get("operation")?, request.0, row.try_get("replay_of")?))
-                    })
-                    .collect()
+                rows.iter().map(claimed_from_pg_row).collect()
             }
             Conn::Sqlite(c) => {
                 let q = &crate::store::queries::QUERIES.sqlite;
@@ -135,4 +128,73 @@ impl Ferry {
         }
         Ok(out)
     }
+
+    /// [`Ferry::complete_and_claim`] inside `conn`'s transaction (or, on
+    /// PostgreSQL, as one autocommitted statement when `conn` is outside
+    /// one): completes `items` exactly like [`Ferry::complete_batch`] and
+    /// claims up to `limit` jobs of `queue` exactly like [`Ferry::claim`].
+    pub(crate) async fn complete_and_claim_on(
+        &self,
+        conn: Conn<'_>,
+        items: &[(Lease, Value)],
+        (queue, owner, lease_ms, limit): (&str, &str, i64, u32),
+    ) -> Result<(Vec<Result<()>>, Vec<Claimed>)> {
+        match conn {
+            Conn::Postgres(c) => {
+                let rows = sqlx::query(crate::store::queries::POSTGRES_ONLY.complete_and_claim)
+                    .bind(items.iter().map(|(l, _)| l.tenant.as_str()).collect::<Vec<_>>())
+                    .bind(items.iter().map(|(l, _)| l.run_id).collect::<Vec<_>>())
+                    .bind(items.iter().map(|(l, _)| l.owner.as_str()).collect::<Vec<_>>())
+                    .bind(items.iter().map(|(l, _)| l.generation).collect::<Vec<_>>())
+                    .bind(items.iter().map(|(_, v)| Json(v)).collect::<Vec<_>>())
+                    .bind(
+                        items
+                            .iter()
+                            .map(|(l, _)| crate::outbox::lane_for(&l.run_id.to_string(), self.lanes()))
+                            .collect::<Vec<_>>(),
+                    )
+                    .bind(self.now())
+                    .bind(&self.inner.events_topic)
+                    .bind(queue)
+                    .bind(i64::from(limit))
+                    .bind(owner)
+                    .bind(lease_ms)
+                    .fetch_all(&mut *c)
+                    .await?;
+                let mut done = std::collections::HashSet::new();
+                let mut claimed = Vec::new();
+                for row in &rows {
+                    use sqlx::Row;
+                    let kind: &str = row.try_get("kind")?;
+                    if kind == "claimed" {
+                        claimed.push(claimed_from_pg_row(row)?);
+                    } else {
+                        done.insert(row.try_get::<Uuid, _>("run_id")?);
+                    }
+                }
+                let mut out = Vec::with_capacity(items.len());
+                for (lease, _) in items {
+                    out.push(if done.contains(&lease.run_id) {
+                        Ok(())
+                    } else {
+                        Err(self.refusal(Conn::Postgres(&mut *c), lease, Transition::Finish).await)
+                    });
+                }
+                Ok((out, claimed))
+            }
+            Conn::Sqlite(c) => {
+                let done = self.complete_batch_in(Conn::Sqlite(&mut *c), items).await?;
+                let claimed = self.claim_in(Conn::Sqlite(c), queue, owner, lease_ms, limit).await?;
+                Ok((done, claimed))
+            }
+        }
+    }
+}
+
+/// A row of `claim_jobs` (or the claimed rows of `complete_and_claim`) on PostgreSQL.
+fn claimed_from_pg_row(row: &sqlx::postgres::PgRow) -> Result<Claimed> {
+    use sqlx::{FromRow, Row};
+    let base = ClaimRow::from_row(row)?;
+    let request: Json<Value> = row.try_get("request")?;
+    Ok(base.into_claimed(row.try_get("operation")?, request.0, row.try_get("replay_of")?))
 }

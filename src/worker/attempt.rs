@@ -50,8 +50,9 @@ enum Ended {
 type Renewed = (Option<Result<(i64, i64)>>, tokio::time::Instant);
 
 impl Attempt {
-    /// Works one attempt. The slot is given back as soon as the handler is
-    /// done, so the next claim overlaps this attempt's completion commit.
+    /// Works one attempt. When the handler succeeds, its slot travels with
+    /// the completion, and the next job for it is claimed in the same
+    /// commit; otherwise the slot is given back as soon as the handler is done.
     pub(super) async fn run<H: Handler>(self, handler: Arc<H>, job: Claimed, slot: OwnedSemaphorePermit) {
         let lease = job.lease.clone();
         let watch = Arc::new(LeaseWatch::new(
@@ -76,11 +77,18 @@ impl Attempt {
             // Returning drops the handler's future.
             Ended::Abandoned => return,
         };
-        drop(slot);
         match outcome {
-            Ok(result) => self.complete(&lease, result).await,
-            Err(err) if signalled && err.class == ErrorClass::Retryable => self.release(&lease).await,
-            Err(err) => self.record_failure(&lease, &err).await,
+            // The slot goes with the completion: the completer claims the
+            // next job for it in the same commit, or gives it back.
+            Ok(result) => self.complete(&lease, result, slot).await,
+            Err(err) if signalled && err.class == ErrorClass::Retryable => {
+                drop(slot);
+                self.release(&lease).await
+            }
+            Err(err) => {
+                drop(slot);
+                self.record_failure(&lease, &err).await
+            }
         }
     }
 
@@ -178,10 +186,11 @@ impl Attempt {
         }
     }
 
-    /// Hands the handler's result to the completer and counts the answer.
-    async fn complete(&self, lease: &Lease, result: Value) {
+    /// Hands the handler's result and its slot to the completer and counts
+    /// the answer.
+    async fn complete(&self, lease: &Lease, result: Value, slot: OwnedSemaphorePermit) {
         let (reply, answer) = oneshot::channel();
-        let done = match self.completions.send((lease.clone(), result, reply)).await {
+        let done = match self.completions.send((lease.clone(), result, reply, Some(slot))).await {
             Ok(()) => answer
                 .await
                 .unwrap_or_else(|_| Err(Error::ShuttingDown("completer stopped"))),

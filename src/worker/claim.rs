@@ -5,6 +5,7 @@
 use std::future::Future;
 use std::ops::ControlFlow;
 use std::pin::Pin;
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -16,7 +17,7 @@ use tokio::task::{JoinHandle, JoinSet};
 use tokio_util::sync::CancellationToken;
 
 use super::attempt::Attempt;
-use super::completer::{completer, Completion};
+use super::completer::{Completer, Completion, Handoff};
 use super::{Handler, WorkerConfig, WorkerStats};
 use crate::error::{Error, Result};
 use crate::jobs::Claimed;
@@ -37,6 +38,10 @@ pub(super) struct ClaimLoop<H> {
     rng: Arc<Mutex<StdRng>>,
     wake: Wakeup,
     pub(super) completions: mpsc::Sender<Completion>,
+    /// Jobs the completer claimed with completions, to spawn on their slots.
+    pub(super) handoff: mpsc::UnboundedReceiver<Handoff>,
+    /// Notified when a completion's claim came back full (the queue is not empty).
+    more_work: Arc<tokio::sync::Notify>,
     pub(super) tasks: JoinSet<()>,
     backoff: ExponentialBackoff,
     next_queue: usize,
@@ -62,7 +67,18 @@ impl<H: Handler> ClaimLoop<H> {
         }));
         let wake = Wakeup::connect(ferry.db()).await;
         let (completions, completed) = mpsc::channel(cfg.concurrency.max(1));
-        let completer = tokio::spawn(completer(ferry.clone(), completed, cfg.concurrency.clamp(1, 500)));
+        let (handoff_tx, handoff) = mpsc::unbounded_channel();
+        let more_work = Arc::new(tokio::sync::Notify::new());
+        let completer = Completer {
+            ferry: ferry.clone(),
+            cfg: cfg.clone(),
+            stats: stats.clone(),
+            soft: soft.clone(),
+            handoff: handoff_tx,
+            more_work: more_work.clone(),
+        };
+        let completer =
+            tokio::spawn(completer.run(completed, cfg.concurrency.clamp(1, 500), cfg.completions_in_flight));
         let claims = ClaimLoop {
             ferry,
             cfg,
@@ -74,6 +90,8 @@ impl<H: Handler> ClaimLoop<H> {
             rng,
             wake,
             completions,
+            handoff,
+            more_work,
             tasks: JoinSet::new(),
             backoff: reconnect_backoff(),
             next_queue: 0,
@@ -90,6 +108,10 @@ impl<H: Handler> ClaimLoop<H> {
             while self.tasks.try_join_next().is_some() {}
             let permit = tokio::select! {
                 _ = &mut shutdown => return Ok(()),
+                Some((jobs, permits, sent)) = self.handoff.recv() => {
+                    self.spawn(jobs, permits, sent);
+                    continue;
+                }
                 p = self.slots.clone().acquire_owned() => p.map_err(|_| Error::ShuttingDown("worker slots closed"))?,
             };
             let queue = self.next_queue();
@@ -97,8 +119,12 @@ impl<H: Handler> ClaimLoop<H> {
             let permits = self.gather(permit).await;
             let want = permits.len() as u32;
             let claim_sent = tokio::time::Instant::now();
+            self.stats.claim_statements.fetch_add(1, Ordering::Relaxed);
             let claimed = match self.ferry.claim(&queue, &self.cfg.owner, self.cfg.lease, want).await {
                 Ok(c) => {
+                    self.stats
+                        .claimed_by_claim_loop
+                        .fetch_add(c.len() as u64, Ordering::Relaxed);
                     self.backoff = reconnect_backoff();
                     c
                 }
@@ -180,16 +206,27 @@ impl<H: Handler> ClaimLoop<H> {
                 .unwrap_or_else(|p| p.into_inner())
                 .random_range(0.8..1.2);
             let wait = self.cfg.poll_interval.mul_f64(jitter);
+            self.stats.idle_waits.fetch_add(1, Ordering::Relaxed);
             tokio::select! {
                 _ = shutdown => return ControlFlow::Break(()),
                 _ = self.wake.wait(wait) => {}
+                // Jobs claimed with completions meanwhile are spawned at once.
+                Some((jobs, permits, sent)) = self.handoff.recv() => self.spawn(jobs, permits, sent),
+                // An empty claim can race with a full one (rows it skipped):
+                // poll again as soon as a completion found more work.
+                _ = self.more_work.notified() => {}
             }
         }
         ControlFlow::Continue(())
     }
 
     /// Spawns one task per claimed job, each holding one slot.
-    fn spawn(&mut self, claimed: Vec<Claimed>, permits: Vec<OwnedSemaphorePermit>, claim_sent: tokio::time::Instant) {
+    pub(super) fn spawn(
+        &mut self,
+        claimed: Vec<Claimed>,
+        permits: Vec<OwnedSemaphorePermit>,
+        claim_sent: tokio::time::Instant,
+    ) {
         // Fewer jobs than slots: the extra permits drop here.
         for (job, slot) in claimed.into_iter().zip(permits) {
             let attempt = Attempt {

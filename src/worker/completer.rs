@@ -1,49 +1,139 @@
 //! The completer: one task that commits finished attempts' completions in
-//! batches.
+//! batches and, in the same statement, claims the next jobs for the slots
+//! those attempts free ([`Ferry::complete_and_claim`]); the claimed jobs are
+//! handed to the claim loop, which spawns them on the slots.
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
 
 use backon::{ExponentialBuilder, Retryable};
 use serde_json::Value;
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::{mpsc, oneshot, Notify, OwnedSemaphorePermit, Semaphore};
+use tokio_util::sync::CancellationToken;
 
+use super::{WorkerConfig, WorkerStats};
 use crate::error::{Error, Result};
-use crate::jobs::Lease;
+use crate::jobs::{Claimed, Lease};
 use crate::Ferry;
 
-/// A finished handler's result on its way to the completer, and where to
-/// send the outcome.
-pub(super) type Completion = (Lease, Value, oneshot::Sender<Result<()>>);
+/// A finished handler's result on its way to the completer, where to send
+/// the outcome, and the attempt's slot (given to the next job claimed with
+/// this completion, or back to the claim loop).
+pub(super) type Completion = (Lease, Value, oneshot::Sender<Result<()>>, Option<OwnedSemaphorePermit>);
 
-/// Completes finished jobs in batches: whatever queued up while the previous
-/// commit ran goes into the next one, so completions share commits under load
-/// without delaying a lone job.
-pub(super) async fn completer(ferry: Ferry, mut rx: mpsc::Receiver<Completion>, max_batch: usize) {
-    while let Some(first) = rx.recv().await {
-        let mut batch = vec![first];
-        while batch.len() < max_batch {
-            match rx.try_recv() {
-                Ok(item) => batch.push(item),
-                Err(_) => break,
+/// Jobs claimed with a batch of completions, each with its slot, and when
+/// the claim was sent.
+pub(super) type Handoff = (Vec<Claimed>, Vec<OwnedSemaphorePermit>, tokio::time::Instant);
+
+/// What the completer needs besides the channels.
+pub(super) struct Completer {
+    pub(super) ferry: Ferry,
+    pub(super) cfg: Arc<WorkerConfig>,
+    pub(super) stats: Arc<WorkerStats>,
+    /// Cancelled at shutdown: nothing more is claimed.
+    pub(super) soft: CancellationToken,
+    pub(super) handoff: mpsc::UnboundedSender<Handoff>,
+    /// Told when a completion's claim came back full: there is more work,
+    /// so an idle claim loop polls again at once.
+    pub(super) more_work: Arc<Notify>,
+}
+
+impl Completer {
+    /// Completes finished jobs in batches: whatever queued up while the
+    /// previous commit ran goes into the next one, so completions share
+    /// commits under load without delaying a lone job. Each batch claims up
+    /// to one job per slot it frees, in the same commit.
+    ///
+    /// Up to `in_flight` statements run at once: a batch starts as soon as
+    /// one is free, so a worker with few slots does not wait for one commit
+    /// at a time, and one with many gathers larger batches meanwhile.
+    pub(super) async fn run(self, mut rx: mpsc::Receiver<Completion>, max_batch: usize, in_flight: usize) {
+        let this = Arc::new(self);
+        let in_flight = in_flight.max(1);
+        let free = Arc::new(Semaphore::new(in_flight));
+        let mut next_queue = 0usize;
+        loop {
+            let Ok(statement) = free.clone().acquire_owned().await else {
+                break;
+            };
+            let Some(first) = rx.recv().await else { break };
+            let mut batch = vec![first];
+            while batch.len() < max_batch {
+                match rx.try_recv() {
+                    Ok(item) => batch.push(item),
+                    Err(_) => break,
+                }
             }
+            let queue = this.cfg.queues[next_queue % this.cfg.queues.len()].clone();
+            next_queue = next_queue.wrapping_add(1);
+            let this = this.clone();
+            tokio::spawn(async move {
+                this.commit(batch, &queue).await;
+                drop(statement);
+            });
         }
-        let items: Vec<(Lease, Value)> = batch.iter().map(|(l, v, _)| (l.clone(), v.clone())).collect();
-        let outcome = (|| async { ferry.complete_batch(&items).await })
+        // Every batch handed out commits before the completer ends.
+        let _ = free.acquire_many(in_flight as u32).await;
+    }
+
+    /// Completes one batch and claims for its slots; replies to each attempt.
+    async fn commit(&self, mut batch: Vec<Completion>, queue: &str) {
+        {
+            let mut slots: Vec<OwnedSemaphorePermit> = batch.iter_mut().filter_map(|c| c.3.take()).collect();
+            let items: Vec<(Lease, Value)> = batch.iter().map(|(l, v, _, _)| (l.clone(), v.clone())).collect();
+            let want = if self.soft.is_cancelled() {
+                0
+            } else {
+                slots.len().min(self.cfg.batch.max(1) as usize) as u32
+            };
+            let sent = tokio::time::Instant::now();
+            // A retry after a commit whose answer was lost completes nothing
+            // twice (the lease is gone: `run_terminal`), and the jobs that
+            // commit claimed come back by lease expiry.
+            let outcome = (|| async {
+                self.ferry
+                    .complete_and_claim(&items, queue, &self.cfg.owner, self.cfg.lease, want)
+                    .await
+            })
             .retry(ExponentialBuilder::default().with_max_times(5))
             .when(Error::is_transient)
             .await;
-        match outcome {
-            Ok(results) => {
-                for ((_, _, reply), r) in batch.into_iter().zip(results) {
-                    let _ = reply.send(r);
+            self.stats.completion_statements.fetch_add(1, Ordering::Relaxed);
+            match outcome {
+                Ok((results, claimed)) => {
+                    self.stats
+                        .claimed_with_completions
+                        .fetch_add(claimed.len() as u64, Ordering::Relaxed);
+                    if want > 0 && claimed.len() == want as usize {
+                        self.more_work.notify_one();
+                    }
+                    if !claimed.is_empty() {
+                        let rest = slots.split_off(claimed.len().min(slots.len()));
+                        // Handed off before any reply: shutdown waits for
+                        // the attempts that wait for these replies.
+                        if let Err(mpsc::error::SendError((jobs, _, _))) = self.handoff.send((claimed, slots, sent)) {
+                            tracing::warn!(
+                                count = jobs.len(),
+                                "worker stopped; claimed jobs come back by lease expiry"
+                            );
+                        }
+                        slots = rest;
+                    }
+                    drop(slots);
+                    for ((_, _, reply, _), r) in batch.into_iter().zip(results) {
+                        let _ = reply.send(r);
+                    }
                 }
-            }
-            Err(e) => {
-                tracing::warn!(error = %e, code = e.code(), size = items.len(), "batch completion failed; completing one by one");
-                for (lease, value, reply) in batch {
-                    let one = (|| async { ferry.complete(&lease, &value).await })
-                        .retry(ExponentialBuilder::default().with_max_times(5))
-                        .when(Error::is_transient)
-                        .await;
-                    let _ = reply.send(one);
+                Err(e) => {
+                    drop(slots);
+                    tracing::warn!(error = %e, code = e.code(), size = items.len(), "batch completion failed; completing one by one");
+                    for (lease, value, reply, _) in batch {
+                        let one = (|| async { self.ferry.complete(&lease, &value).await })
+                            .retry(ExponentialBuilder::default().with_max_times(5))
+                            .when(Error::is_transient)
+                            .await;
+                        let _ = reply.send(one);
+                    }
                 }
             }
         }

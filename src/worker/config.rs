@@ -19,6 +19,11 @@ pub struct WorkerConfig {
     /// How long the loop waits for more free slots before a claim, so claims
     /// and completions batch under load (default 2 ms).
     pub claim_window: Duration,
+    /// Complete-and-claim statements the worker runs at once (default 1;
+    /// more made small batches that competed for the CPU in the measurements):
+    /// finished jobs are completed, and the next jobs for their slots claimed,
+    /// in batches, each one commit.
+    pub completions_in_flight: usize,
     /// Lease duration: how long a claim (and each renewal) holds the job
     /// before another worker may take it over.
     pub lease: Duration,
@@ -44,6 +49,7 @@ impl Default for WorkerConfig {
             concurrency: 100,
             batch: 50,
             claim_window: Duration::from_millis(2),
+            completions_in_flight: 1,
             lease: Duration::from_secs(30),
             renew_every: None,
             poll_interval: Duration::from_millis(500),
@@ -71,4 +77,17 @@ pub struct WorkerStats {
     pub lost: AtomicU64,
     /// Jobs given back at shutdown without spending an attempt.
     pub released: AtomicU64,
+    /// Claim statements the claim loop sent (for free slots no completion
+    /// claimed for: at start, after an idle wait, or a short claim).
+    pub claim_statements: AtomicU64,
+    /// Jobs those claim statements returned.
+    pub claimed_by_claim_loop: AtomicU64,
+    /// Complete-and-claim statements the completer sent.
+    pub completion_statements: AtomicU64,
+    /// Jobs claimed by complete-and-claim statements, with the completions
+    /// of the jobs whose slots they took.
+    pub claimed_with_completions: AtomicU64,
+    /// Times the claim loop found every queue empty and waited for a
+    /// wake-up or the poll interval.
+    pub idle_waits: AtomicU64,
 }

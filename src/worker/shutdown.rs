@@ -16,14 +16,34 @@ impl<H: Handler> ClaimLoop<H> {
     /// its job), and lets the completer finish what it was handed.
     pub(super) async fn shut_down(mut self, completer: JoinHandle<()>) {
         self.soft.cancel();
-        let tasks = &mut self.tasks;
-        let drained = tokio::time::timeout(self.cfg.grace, async { while tasks.join_next().await.is_some() {} }).await;
+        let grace = self.cfg.grace;
+        let drained = tokio::time::timeout(grace, self.drain()).await;
         if drained.is_err() {
             self.hard.cancel();
-            while self.tasks.join_next().await.is_some() {}
+            self.drain().await;
         }
         drop(self.completions);
         let _ = completer.await;
+    }
+}
+
+impl<H: Handler> ClaimLoop<H> {
+    /// Waits for every attempt, spawning the jobs the completer still hands
+    /// over (claimed just before shutdown; they see it at once). The
+    /// completer hands jobs over before it replies to the attempts whose
+    /// completions claimed them, so once no attempt is left, none can come.
+    async fn drain(&mut self) {
+        loop {
+            tokio::select! {
+                biased;
+                Some((jobs, permits, sent)) = self.handoff.recv() => self.spawn(jobs, permits, sent),
+                joined = self.tasks.join_next() => {
+                    if joined.is_none() && self.handoff.is_empty() {
+                        return;
+                    }
+                }
+            }
+        }
     }
 }
 

@@ -824,7 +824,123 @@ async fn claim_never_leases_past_the_deadline(kind: Kind) {
     );
 }
 
+/// `complete_and_claim` in the caller's transaction: a rollback undoes both
+/// halves (the job stays leased, nothing is claimed); a commit keeps both.
+async fn complete_and_claim_commits_both_halves_or_neither(kind: Kind) {
+    let t = TestDb::with_clock(kind, manual_clock()).await;
+    for i in 0..3 {
+        t.ferry.create_run_idempotent(job(&format!("cc{i}"))).await.unwrap();
+    }
+    let first = t.ferry.claim("payments", "w", LEASE, 1).await.unwrap().pop().unwrap();
+    let items = [(first.lease.clone(), json!({"ok": 1}))];
+    let mut tx = t.ferry.begin().await.unwrap();
+    let (done, next) = t
+        .ferry
+        .complete_and_claim_in(&mut tx, &items, "payments", "w", LEASE, 1)
+        .await
+        .unwrap();
+    assert!(done[0].is_ok());
+    assert_eq!(next.len(), 1);
+    tx.rollback().await.unwrap();
+    assert_eq!(t.scalar("SELECT count(*) FROM jobs WHERE state = 'leased'").await, 1);
+    assert_eq!(t.scalar("SELECT count(*) FROM jobs WHERE state = 'queued'").await, 2);
+    assert_eq!(
+        t.scalar("SELECT count(*) FROM job_attempts").await,
+        1,
+        "no attempt row kept"
+    );
+    assert!(terminal_events(&t).await.is_empty());
+    assert_eq!(
+        t.scalar("SELECT count(*) FROM outbox WHERE effect_key LIKE 'acme/%/2'")
+            .await,
+        0
+    );
+    // The rolled-back completion did not spend the lease: it completes now,
+    // and the claim takes the two queued jobs in the same commit.
+    let (done, next) = t
+        .ferry
+        .complete_and_claim(&items, "payments", "w2", LEASE, 5)
+        .await
+        .unwrap();
+    assert!(done[0].is_ok());
+    assert_eq!(next.len(), 2);
+    assert!(next
+        .iter()
+        .all(|c| c.lease.owner == "w2" && c.attempt == 1 && c.lease.run_id != first.lease.run_id));
+    assert_eq!(
+        t.ferry.get_run("acme", first.lease.run_id).await.unwrap().state,
+        RunState::Succeeded
+    );
+    assert_eq!(terminal_events(&t).await, vec!["run_succeeded"]);
+    let id = first.lease.run_id;
+    assert_eq!(
+        t.scalar(&format!("SELECT count(*) FROM outbox WHERE effect_key = 'acme/{id}/2'"))
+            .await,
+        1
+    );
+    assert_eq!(t.scalar("SELECT count(*) FROM jobs WHERE state = 'leased'").await, 2);
+    for c in &next {
+        assert_eq!(c.request, json!({"amount": 5}));
+        let attempts = t.ferry.list_attempts("acme", c.lease.run_id).await.unwrap();
+        assert_eq!((attempts.len(), attempts[0].worker.as_str()), (1, "w2"));
+    }
+    assert_eq!(
+        t.ferry.list_attempts("acme", id).await.unwrap()[0]
+            .outcome
+            .map(|o| o.as_str()),
+        Some("succeeded")
+    );
+}
+
+/// A stale lease in the batch is refused and named, the others complete,
+/// and the claim for the freed slots still happens.
+async fn complete_and_claim_refuses_stale_leases_and_still_claims(kind: Kind) {
+    let t = TestDb::with_clock(kind, manual_clock()).await;
+    for i in 0..4 {
+        t.ferry.create_run_idempotent(job(&format!("s{i}"))).await.unwrap();
+    }
+    let mut claimed = t.ferry.claim("payments", "w", LEASE, 10).await.unwrap();
+    assert_eq!(claimed.len(), 4);
+    let mut fresh = Vec::new();
+    for i in 0..2 {
+        fresh.push(
+            t.ferry
+                .create_run_idempotent(job(&format!("n{i}")))
+                .await
+                .unwrap()
+                .run
+                .run_id,
+        );
+    }
+    t.ferry
+        .cancel("acme", claimed[1].lease.run_id, None, "ops", "no")
+        .await
+        .unwrap();
+    claimed[2].lease.generation += 1;
+    let items: Vec<_> = claimed.iter().map(|c| (c.lease.clone(), json!({}))).collect();
+    let (results, next) = t
+        .ferry
+        .complete_and_claim(&items, "payments", "w", LEASE, 4)
+        .await
+        .unwrap();
+    let codes: Vec<_> = results.iter().map(|r| r.as_ref().err().map(|e| e.code())).collect();
+    assert_eq!(codes, [None, Some("run_terminal"), Some("lost_lease"), None]);
+    let mut got: Vec<_> = next.iter().map(|c| c.lease.run_id).collect();
+    got.sort();
+    fresh.sort();
+    assert_eq!(got, fresh, "the claim took exactly the queued jobs");
+    assert_eq!(
+        terminal_events(&t).await,
+        vec!["run_cancelled", "run_succeeded", "run_succeeded"]
+    );
+    // The forged lease's job is still leased under its real generation.
+    claimed[2].lease.generation -= 1;
+    t.ferry.complete(&claimed[2].lease, &json!({})).await.unwrap();
+}
+
 on_both_engines!(
+    complete_and_claim_commits_both_halves_or_neither,
+    complete_and_claim_refuses_stale_leases_and_still_claims,
     batch_completion_fences_each_lease,
     expired_lease_recovery_and_stale_fencing,
     renewal_extends_only_a_live_lease,

@@ -58,6 +58,49 @@ async fn concurrent_claimers_never_share_a_job() {
     assert_eq!(all.len(), 600);
 }
 
+/// Eight loops of `complete_and_claim` (each completing what it claimed and
+/// claiming the next batch in the same statement) never claim a job twice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn eight_complete_and_claim_loops_never_share_a_job() {
+    const N: usize = 1200;
+    let t = TestDb::new(Kind::Postgres).await;
+    accept_many(&t.ferry, N, "cc").await;
+    let lease = Duration::from_secs(60);
+    let mut loops = Vec::new();
+    for w in 0..8 {
+        let f = if w % 2 == 0 { t.ferry.clone() } else { t.reopen().await };
+        loops.push(tokio::spawn(async move {
+            let owner = format!("cc-{w}");
+            let mut got = Vec::new();
+            let mut held = f.claim("cc", &owner, lease, 5).await.unwrap();
+            while !held.is_empty() {
+                got.extend(held.iter().map(|c| c.lease.run_id));
+                let items: Vec<_> = held.iter().map(|c| (c.lease.clone(), json!({}))).collect();
+                let (done, next) = f.complete_and_claim(&items, "cc", &owner, lease, 5).await.unwrap();
+                assert!(done.iter().all(|r| r.is_ok()), "every own lease completes");
+                held = next;
+            }
+            got
+        }));
+    }
+    let mut all = Vec::new();
+    let mut busy = 0;
+    for l in loops {
+        let got = l.await.unwrap();
+        busy += usize::from(!got.is_empty());
+        all.extend(got);
+    }
+    let distinct: HashSet<_> = all.iter().collect();
+    assert_eq!(distinct.len(), all.len(), "no job was claimed twice");
+    assert_eq!(all.len(), N);
+    assert!(busy >= 2, "the work was shared");
+    assert_eq!(
+        t.scalar("SELECT count(*) FROM jobs WHERE state = 'succeeded'").await,
+        N as i64
+    );
+    assert_eq!(t.scalar("SELECT count(*) FROM job_attempts").await, N as i64);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn eight_workers_complete_five_thousand_jobs_exactly_once() {
     const N: usize = 5000;
