@@ -120,7 +120,9 @@ impl FerryBuilder {
     }
 
     /// Shortest gap between two wake-up NOTIFYs for one queue from this
-    /// process (default 50 ms). NOTIFY serializes commits, so it is coalesced.
+    /// process (default 50 ms). NOTIFY serializes commits, so it is coalesced;
+    /// a wake-up skipped inside the interval is sent at its end (a trailing
+    /// notification), so a new row waits at most this long for its wake-up.
     pub fn notify_interval(mut self, d: Duration) -> Self {
         self.notify_interval = d;
         self
@@ -153,6 +155,7 @@ impl FerryBuilder {
     pub async fn build(self, db: Db) -> Result<Ferry> {
         self.limits.topic(&self.events_topic)?;
         let lanes = outbox::load_lanes(&db).await?;
+        let notifier = notify::Notifier::new(self.notify_interval, &db);
         Ok(Ferry {
             inner: Arc::new(Inner {
                 db,
@@ -161,7 +164,7 @@ impl FerryBuilder {
                 limits: self.limits,
                 lanes,
                 events_topic: self.events_topic,
-                notifier: notify::Notifier::new(self.notify_interval),
+                notifier,
                 outbox_key_locks: self.outbox_key_locks,
             }),
         })

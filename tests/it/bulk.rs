@@ -389,3 +389,35 @@ async fn postgres_a_batch_wakes_each_of_its_queues() {
     got.sort();
     assert_eq!(got, vec![qa, qb]);
 }
+
+/// PostgreSQL: a wake-up skipped inside the coalescing interval is not
+/// dropped. The second acceptance, right after the first, sends nothing at
+/// its commit, so the interval's end must carry a trailing notification;
+/// without it the second run would wait for the listeners' poll. Exactly
+/// two arrive: the trailing one does not re-arm itself.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_a_coalesced_wakeup_trails_at_the_end_of_the_interval() {
+    let t = TestDb::new(Kind::Postgres).await;
+    let interval = Duration::from_secs(1);
+    let f = Ferry::builder(&t.url).notify_interval(interval).connect().await.unwrap();
+    let mut listener = sqlx::postgres::PgListener::connect(&ferry_testkit::postgres_url())
+        .await
+        .unwrap();
+    listener.listen(ferry::NOTIFY_CHANNEL).await.unwrap();
+    let queue = format!("q{}", Uuid::now_v7().simple());
+    let started = tokio::time::Instant::now();
+    f.create_run_idempotent(charge("k-1", 1).queue(&queue)).await.unwrap();
+    f.create_run_idempotent(charge("k-2", 2).queue(&queue)).await.unwrap();
+    let mut arrivals = Vec::new();
+    let deadline = started + 3 * interval;
+    while let Ok(Ok(n)) = tokio::time::timeout_at(deadline, listener.recv()).await {
+        if n.payload() == queue {
+            arrivals.push(started.elapsed());
+        }
+    }
+    assert_eq!(arrivals.len(), 2, "one at the first commit, one trailing: {arrivals:?}");
+    assert!(
+        arrivals[1] >= interval,
+        "the trailing wake-up waits for the interval's end: {arrivals:?}"
+    );
+}
