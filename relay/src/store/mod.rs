@@ -298,27 +298,31 @@ impl RelayStore {
     }
 
     /// Marks acknowledged rows delivered (or deletes them, with `delete`), in
-    /// one statement, fenced by the lane generation: a relay that lost the
-    /// lane gets [`Error::LostLane`] and changes nothing.
+    /// one autocommitted statement that carries its own fence (the lane's
+    /// owner and generation): a relay that lost the lane gets
+    /// [`Error::LostLane`] and changes nothing. Only when fewer rows change
+    /// than `ids` does a second query tell a lost lane from rows that were no
+    /// longer pending.
     pub async fn mark_delivered(&self, owner: &str, lane: LaneLease, ids: &[i64], delete: bool) -> Result<u64> {
         if ids.is_empty() {
             return Ok(0);
         }
-        let mut tx = self.begin().await?;
-        let r = async {
-            self.lock_lane(tx.conn(), owner, lane).await?;
-            Ok(on_conn!(tx.conn(), QUERIES, |c, q| {
-                sqlx::query(if delete { q.delete_delivered } else { q.mark_delivered })
-                    .bind(lane.lane)
-                    .bind(ferry::store::Ids(ids))
-                    .bind(self.now())
-                    .execute(&mut *c)
-                    .await?
-                    .rows_affected()
-            }))
+        let marked = on_pool!(self.db(), QUERIES, |p, q| {
+            sqlx::query(if delete { q.delete_delivered } else { q.mark_delivered })
+                .bind(lane.lane)
+                .bind(ferry::store::Ids(ids))
+                .bind(self.now())
+                .bind(owner)
+                .bind(lane.generation)
+                .execute(p)
+                .await?
+                .rows_affected()
+        });
+        if marked < ids.len() as u64 {
+            let mut conn = self.db().acquire().await?;
+            self.lock_lane(conn.conn(), owner, lane).await?;
         }
-        .await;
-        tx.finish(r).await
+        Ok(marked)
     }
 
     /// Marks a row Kafka will never accept `dead` with its error code, fenced
