@@ -120,7 +120,7 @@ impl FerryBuilder {
     }
 
     /// Shortest gap between two wake-up NOTIFYs for one queue from this
-    /// process (default 50 ms). NOTIFY serializes commits, so it is coalesced;
+    /// process (default 10 ms). NOTIFY serializes commits, so it is coalesced;
     /// a wake-up skipped inside the interval is sent at its end (a trailing
     /// notification), so a new row waits at most this long for its wake-up.
     pub fn notify_interval(mut self, d: Duration) -> Self {
@@ -181,7 +181,7 @@ impl Ferry {
             limits: Limits::default(),
             events_topic: DEFAULT_EVENTS_TOPIC.into(),
             migrate: false,
-            notify_interval: Duration::from_millis(50),
+            notify_interval: Duration::from_millis(10),
             outbox_key_locks: true,
         }
     }

@@ -285,45 +285,59 @@ async fn drain_timed(brokers: &str, topic: &str, n: usize, size: usize, mode: Mo
     Ok((rate, state.metrics.timings.summary()))
 }
 
-/// Commit → ack latency at a steady rate, after a warm-up.
+/// Commit → ack latency at a steady rate, after a warm-up, with the writers'
+/// NOTIFY coalescing at its default (10 ms), at 50 ms and off (one NOTIFY per
+/// transaction): the coalescing's cost in latency, beside its cost in
+/// acceptance throughput (`bench_jobs`).
 async fn latency(brokers: &str, broker: &ferry_testkit::Kafka, quick: bool) -> Res<()> {
     broker.create_topic("bench-latency", 6);
     for rate in [1_000u64, 10_000] {
-        let (ferry, url) = fresh().await?;
-        let (stop, handle, state) = start(&url, brokers, ferry.clone(), Mode::Mark)?;
-        // Warm-up: 3 s at the rate, then forget the samples.
-        steady(&url, rate, Duration::from_secs(3)).await?;
-        wait_delivered(&ferry).await?;
-        state.metrics.reset_latency();
-        let secs = if quick { 5 } else { 10 };
-        let (sent, took) = steady(&url, rate, Duration::from_secs(secs)).await?;
-        wait_delivered(&ferry).await?;
-        stop.cancel();
-        handle.await??;
-        let q = |x| state.metrics.latency_quantile(x).unwrap_or(0);
-        println!(
-            "{:<52} {:>6} / {:>3} ms {:>14}",
-            format!(
-                "commit → ack p50 / p99 at {rate} rows/s (offered; achieved {:.0}/s)",
-                sent as f64 / took
-            ),
-            q(0.5),
-            q(0.99),
-            "goal ≤10 / ≤25"
-        );
+        for notify in [10u64, 50, 0] {
+            let (ferry, url) = fresh().await?;
+            let (stop, handle, state) = start(&url, brokers, ferry.clone(), Mode::Mark)?;
+            let writers = Ferry::builder(&url)
+                .max_connections(WRITERS as u32)
+                .notify_interval(Duration::from_millis(notify))
+                .connect()
+                .await?;
+            // Warm-up: 3 s at the rate, then forget the samples.
+            steady(&writers, rate, Duration::from_secs(3)).await?;
+            wait_delivered(&ferry).await?;
+            state.metrics.reset_latency();
+            let secs = if quick { 5 } else { 10 };
+            let (sent, took) = steady(&writers, rate, Duration::from_secs(secs)).await?;
+            wait_delivered(&ferry).await?;
+            stop.cancel();
+            handle.await??;
+            let q = |x| state.metrics.latency_quantile(x).unwrap_or(0);
+            println!(
+                "{:<64} {:>6} / {:>3} ms {:>14}",
+                format!(
+                    "commit → ack p50 / p99, {rate} rows/s offered ({:.0} achieved), NOTIFY every {notify} ms",
+                    sent as f64 / took
+                ),
+                q(0.5),
+                q(0.99),
+                "goal ≤10 / ≤25"
+            );
+        }
     }
     Ok(())
 }
 
-/// Enqueues at `rate` rows/s for `d` from 8 writers (each its own pool), one
-/// row per transaction; returns rows sent and seconds taken.
-async fn steady(url: &str, rate: u64, d: Duration) -> Res<(u64, f64)> {
-    let writers = 8u64;
-    let per = Duration::from_nanos(1_000_000_000 * writers / rate);
+/// Concurrent writers in the latency runs, each one row per transaction on
+/// its own pooled connection: enough that commit latency does not cap the
+/// offered rate.
+const WRITERS: u64 = 48;
+
+/// Enqueues at `rate` rows/s for `d` from [`WRITERS`] tasks sharing `f`'s
+/// pool, one row per transaction; returns rows sent and seconds taken.
+async fn steady(f: &Ferry, rate: u64, d: Duration) -> Res<(u64, f64)> {
+    let per = Duration::from_nanos(1_000_000_000 * WRITERS / rate);
     let started = Instant::now();
     let mut tasks = Vec::new();
-    for w in 0..writers {
-        let f = Ferry::builder(url).max_connections(2).connect().await?;
+    for w in 0..WRITERS {
+        let f = f.clone();
         tasks.push(tokio::spawn(async move {
             let mut tick = tokio::time::interval(per);
             tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -335,7 +349,7 @@ async fn steady(url: &str, rate: u64, d: Duration) -> Res<(u64, f64)> {
                 if f.enqueue(&m).await.is_ok() {
                     sent += 1;
                 }
-                i += writers;
+                i += WRITERS;
             }
             sent
         }));

@@ -58,12 +58,16 @@ WHERE lane = $1 AND state = 'pending'
 ORDER BY id
 LIMIT $2
 
--- name: pending_after
--- The lane's next pending rows after a cursor (the last id read): the index
--- range past it, read while the previous batch is in flight.
+-- name: pending_besides
+-- The lane's first pending rows other than the batch in flight ($3), read
+-- while that batch is in flight. Not "after the last id read": a row that
+-- drew a lower id but committed late must come before every later row of
+-- its key, and one statement that sees the later row also sees it (the
+-- per-key lock makes it commit first). The scan starts at the lane's lowest
+-- pending id and skips at most the in-flight batch.
 SELECT id, tenant, topic, key, payload, headers, effect_key, traceparent, created_at
 FROM outbox
-WHERE lane = $1 AND state = 'pending' AND id > $3
+WHERE lane = $1 AND state = 'pending' AND NOT (id {ids $3})
 ORDER BY id
 LIMIT $2
 

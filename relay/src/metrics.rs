@@ -72,7 +72,7 @@ pub struct Timings {
     /// Reads that waited on nothing: the next batch was already read while the
     /// previous one was in flight.
     pub prefetched: AtomicU64,
-    /// Full reads from the lane's lowest pending row (not after a cursor).
+    /// Full reads from the lane's lowest pending row (not a read-ahead).
     pub full_reads: AtomicU64,
     /// Batches and the time from the first produce to the last mark (ns),
     /// marks included.

@@ -40,10 +40,9 @@ mod transactional;
 
 pub use task::run;
 
-/// A lane reads ahead after a cursor (the last id read) while a batch is in
-/// flight; at least this often it reads from its lowest pending row instead,
-/// so a row with a lower id that committed late (concurrent writers) is not
-/// passed over for long. It also does when it catches up (an empty read).
+/// A lane reads ahead (its pending rows besides the batch in flight) while a
+/// batch is in flight; at least this often it reads in full instead, as it
+/// does when it catches up (an empty read) and after any failure.
 pub const RESCAN_EVERY: Duration = Duration::from_secs(1);
 
 /// Per-lane wake-ups: the relay's probe (on `NOTIFY` and every poll

@@ -97,13 +97,13 @@ struct Lane {
 
 impl Lane {
     /// The loop: one batch per turn until finished, aborted or lost. While
-    /// a batch is in flight the next one is read after it (a cursor: the
-    /// batch's last id, so the read is an index range past it); it is used
-    /// only if the batch ended `Done` (every row acknowledged and marked).
-    /// When the read-ahead comes back empty, at least every
-    /// [`RESCAN_EVERY`], and after anything but `Done`, the lane reads from
-    /// its lowest pending row instead, which picks up rows with lower ids
-    /// that committed after a higher one was read.
+    /// a batch is in flight the next one is read: the lane's first pending
+    /// rows other than the batch's, so a row that drew a lower id but
+    /// committed late is read before every later row of its key. The
+    /// read-ahead is used only if the batch ended `Done` (every row
+    /// acknowledged and marked). When it comes back empty, at least every
+    /// [`RESCAN_EVERY`], and after anything but `Done`, the lane reads in
+    /// full instead.
     async fn publish(&mut self) {
         let mut ahead: Option<Vec<PendingRow>> = None;
         let mut rescanned = Instant::now();
@@ -145,7 +145,8 @@ impl Lane {
             let last = rows.last().map(|r| r.id).unwrap_or(0);
             let read_ahead = last > self.isolate_through && rescanned.elapsed() < RESCAN_EVERY;
             let (end, next) = if read_ahead {
-                let (end, next) = tokio::join!(self.batch(&rows), self.read_after(last));
+                let in_flight: Vec<i64> = rows.iter().map(|r| r.id).collect();
+                let (end, next) = tokio::join!(self.batch(&rows), self.read_besides(&in_flight));
                 (end, next)
             } else {
                 (self.batch(&rows).await, None)
@@ -164,13 +165,14 @@ impl Lane {
         }
     }
 
-    /// The lane's pending rows after `cursor` (read ahead while a batch is in
-    /// flight); `None` when the read failed (the lane then reads in full).
-    async fn read_after(&self, cursor: i64) -> Option<Vec<PendingRow>> {
+    /// The lane's pending rows besides `in_flight` (read ahead while that
+    /// batch is in flight); `None` when the read failed (the lane then reads
+    /// in full).
+    async fn read_besides(&self, in_flight: &[i64]) -> Option<Vec<PendingRow>> {
         match self
             .state
             .store
-            .pending_after(self.lease.lane, self.batch_size, cursor)
+            .pending_besides(self.lease.lane, self.batch_size, in_flight)
             .await
         {
             Ok(r) => {

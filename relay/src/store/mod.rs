@@ -256,15 +256,15 @@ impl RelayStore {
         Ok(Self::pending_rows(rows))
     }
 
-    /// The next `limit` pending rows of `lane` with an id above `after`, in
-    /// `id` order. A row with a lower id that commits late is not among them:
-    /// callers re-read with [`RelayStore::pending_batch`] regularly.
-    pub async fn pending_after(&self, lane: i32, limit: u32, after: i64) -> Result<Vec<PendingRow>> {
+    /// The lane's first pending rows other than `in_flight` (the batch being
+    /// published): the read-ahead. Rows that committed late with lower ids
+    /// than the batch are included, so a key's rows keep their id order.
+    pub async fn pending_besides(&self, lane: i32, limit: u32, in_flight: &[i64]) -> Result<Vec<PendingRow>> {
         let rows: Vec<PendingSqlRow> = on_pool!(self.db(), QUERIES, |p, q| {
-            sqlx::query_as(q.pending_after)
+            sqlx::query_as(q.pending_besides)
                 .bind(lane)
                 .bind(i64::from(limit))
-                .bind(after)
+                .bind(ferry::store::Ids(in_flight))
                 .fetch_all(p)
                 .await?
         });

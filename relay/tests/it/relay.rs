@@ -639,10 +639,9 @@ async fn a_fatal_producer_error_fails_readiness_and_exits_to_be_restarted() {
 
 /// A row whose id is lower than rows already read commits late (a writer's
 /// transaction took its id, then others committed higher ids of the same
-/// lane and the relay moved past them). It must still be published: the
-/// lane's read-ahead cursor (`id > last read`) alone would pass over it
-/// forever. A writer keeps the lane busy meanwhile, so the lane stays on its
-/// read-ahead path and only its periodic full re-read can find the row.
+/// lane and the relay moved past them). It must still be published. A
+/// writer keeps the lane busy meanwhile, so the lane stays on its read-ahead
+/// path (a read-ahead "after the last id read" would pass over it).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_lower_id_that_commits_late_is_still_published_while_the_lane_streams() {
     let broker = Kafka::start();
@@ -707,4 +706,86 @@ async fn a_lower_id_that_commits_late_is_still_published_while_the_lane_streams(
         recs.iter().any(|r| r.outbox_id() == late_id),
         "the late row reached Kafka"
     );
+}
+
+/// Per-key order across a late commit (PostgreSQL: ids are drawn before
+/// commit). Key K's first row takes its id inside a transaction that commits
+/// only after the relay has published higher ids of the same lane (key J,
+/// written continuously so the lane keeps reading ahead). K's second row is
+/// written right after that commit, so its id is higher still. K's rows must
+/// reach Kafka in id order: a read-ahead that reads "after the last id read"
+/// finds the second row and publishes it before the first. Five rounds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_late_commit_keeps_its_place_before_the_same_key_s_next_row() {
+    let broker = Kafka::start();
+    broker.create_topic("order", 3);
+    let (ferry, url) = pg_ferry().await;
+    let k = "k-late";
+    let lane = ferry::outbox::lane_for(k, ferry.lanes());
+    let j = (0..)
+        .map(|i| format!("j-{i}"))
+        .find(|j| ferry::outbox::lane_for(j, ferry.lanes()) == lane)
+        .unwrap();
+    let a = start_relay(relay_config(&url, &broker.brokers()), ferry.clone()).await;
+    let busy = tokio_util::sync::CancellationToken::new();
+    let writer = {
+        let (f, busy, j) = (ferry.clone(), busy.clone(), j.clone());
+        tokio::spawn(async move {
+            let mut i = 0;
+            while !busy.is_cancelled() {
+                let m = OutboxMessage::json("acme", "order", &j, &json!({"busy": i})).unwrap();
+                f.enqueue(&m).await.unwrap();
+                i += 1;
+            }
+        })
+    };
+    let mut pairs = Vec::new();
+    for round in 0..5 {
+        let mut tx = ferry.begin().await.unwrap();
+        let first = OutboxMessage::json("acme", "order", k, &json!({"round": round, "n": 1})).unwrap();
+        let first_id = ferry.enqueue_in(tx.conn(), &first).await.unwrap();
+        // Wait until the relay has published a higher id of this lane.
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while scalar(
+            &ferry,
+            &format!("SELECT count(*) FROM outbox WHERE state = 'delivered' AND id > {first_id}"),
+        )
+        .await
+            < 3
+        {
+            assert!(Instant::now() < deadline, "the lane did not move past id {first_id}");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        tx.commit().await.unwrap();
+        let second = OutboxMessage::json("acme", "order", k, &json!({"round": round, "n": 2})).unwrap();
+        let second_id = ferry.enqueue(&second).await.unwrap();
+        assert!(second_id > first_id);
+        pairs.push((first_id, second_id));
+    }
+    let want: HashSet<i64> = pairs.iter().flat_map(|(x, y)| [*x, *y]).collect();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while scalar(
+        &ferry,
+        &format!("SELECT count(*) FROM outbox WHERE state = 'delivered' AND key = '{k}'"),
+    )
+    .await
+        < want.len() as i64
+    {
+        assert!(Instant::now() < deadline, "K's rows were not all published");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    busy.cancel();
+    writer.await.unwrap();
+    a.shutdown().await;
+    let recs = read_all(&broker.brokers(), "order", false, Duration::from_secs(10)).await;
+    let mut order = Vec::new();
+    for r in recs.iter().filter(|r| r.key == k) {
+        if !order.contains(&r.outbox_id()) {
+            order.push(r.outbox_id());
+        }
+    }
+    let mut sorted = order.clone();
+    sorted.sort();
+    assert_eq!(order, sorted, "key {k} published out of id order (pairs {pairs:?})");
+    assert_eq!(order.len(), want.len());
 }
