@@ -68,7 +68,13 @@ impl Notifier {
                 true
             }
             None => {
-                slots.insert(payload.to_owned(), Slot { last: now, trailing: false });
+                slots.insert(
+                    payload.to_owned(),
+                    Slot {
+                        last: now,
+                        trailing: false,
+                    },
+                );
                 true
             }
         }
@@ -90,7 +96,13 @@ impl Notifier {
                 tracing::debug!(error = %e, "trailing wake-up not sent; listeners fall back to their poll");
             }
             let mut slots = slots.lock().unwrap_or_else(|p| p.into_inner());
-            slots.insert(payload, Slot { last: Instant::now(), trailing: false });
+            slots.insert(
+                payload,
+                Slot {
+                    last: Instant::now(),
+                    trailing: false,
+                },
+            );
         });
     }
 

@@ -184,12 +184,18 @@ impl<H: Handler> ClaimLoop<H> {
     }
 
     /// Waits out a failed claim; breaks when `shutdown` resolves first.
-    async fn back_off<S: Future<Output = ()>>(&mut self, e: Error, shutdown: Pin<&mut S>) -> ControlFlow<()> {
+    /// Jobs the completer claims meanwhile are spawned at once: their leases
+    /// run while they wait, and nothing renews a job that has not started.
+    async fn back_off<S: Future<Output = ()>>(&mut self, e: Error, mut shutdown: Pin<&mut S>) -> ControlFlow<()> {
         let delay = self.backoff.next().unwrap_or(Duration::from_secs(5));
         tracing::warn!(error = %e, code = e.code(), ?delay, "claim failed; backing off");
-        tokio::select! {
-            _ = shutdown => ControlFlow::Break(()),
-            _ = tokio::time::sleep(delay) => ControlFlow::Continue(()),
+        let until = tokio::time::Instant::now() + delay;
+        loop {
+            tokio::select! {
+                _ = shutdown.as_mut() => return ControlFlow::Break(()),
+                _ = tokio::time::sleep_until(until) => return ControlFlow::Continue(()),
+                Some((jobs, permits, sent)) = self.handoff.recv() => self.spawn(jobs, permits, sent),
+            }
         }
     }
 

@@ -88,9 +88,17 @@ impl Completer {
             };
             let sent = tokio::time::Instant::now();
             // A retry after a commit whose answer was lost completes nothing
-            // twice (the lease is gone: `run_terminal`), and the jobs that
-            // commit claimed come back by lease expiry.
+            // twice (the lease is gone: `run_terminal`). It claims nothing:
+            // jobs that lost commit claimed would sit leased to this worker,
+            // never started, until their lease expired (an attempt spent, a
+            // run dead at `max_attempts` 1 without having run).
+            let tries = std::sync::atomic::AtomicU32::new(0);
             let outcome = (|| async {
+                let want = if tries.fetch_add(1, Ordering::Relaxed) == 0 {
+                    want
+                } else {
+                    0
+                };
                 self.ferry
                     .complete_and_claim(&items, queue, &self.cfg.owner, self.cfg.lease, want)
                     .await
