@@ -161,3 +161,67 @@ WITH input AS (
 INSERT INTO outbox (tenant, topic, key, lane, payload, headers, effect_key, traceparent, created_at)
 SELECT tenant, $16::text, key, lane, payload, $17::jsonb, effect_key, traceparent, $15::bigint
 FROM input ORDER BY ord
+
+-- Run listing (list_runs): newest first, keyset on (created_at, run_id)
+-- strictly below ($2, $3) and created_at >= $4, so every page is an index
+-- range scan whatever the page depth. Three queries, one per index, because
+-- a `($n IS NULL OR tenant = $n)` predicate cannot drive an index once
+-- PostgreSQL switches a prepared statement to its generic plan. Optional
+-- filters: $5 operation, $6 queue; $7 limit.
+
+-- name: list_runs_of_tenant
+-- One tenant, any state: runs_tenant_created_idx.
+SELECT r.tenant, r.run_id, r.operation, j.queue, r.state, j.state AS job_state, j.attempts, j.max_attempts,
+       j.last_error_code, r.scheduled_at, r.parent_run_id, r.replay_of, r.created_at, r.updated_at
+FROM runs r JOIN jobs j ON j.tenant = r.tenant AND j.run_id = r.run_id
+WHERE r.tenant = $1
+  AND (r.created_at, r.run_id) < ($2, $3)
+  AND r.created_at >= $4
+  AND ($5{pg:::text} IS NULL OR r.operation = $5)
+  AND ($6{pg:::text} IS NULL OR j.queue = $6)
+ORDER BY r.created_at DESC, r.run_id DESC
+LIMIT $7
+
+-- name: list_runs_of_tenant_in_state
+-- One tenant, one state ($8): runs_tenant_state_created_idx.
+SELECT r.tenant, r.run_id, r.operation, j.queue, r.state, j.state AS job_state, j.attempts, j.max_attempts,
+       j.last_error_code, r.scheduled_at, r.parent_run_id, r.replay_of, r.created_at, r.updated_at
+FROM runs r JOIN jobs j ON j.tenant = r.tenant AND j.run_id = r.run_id
+WHERE r.tenant = $1 AND r.state = $8
+  AND (r.created_at, r.run_id) < ($2, $3)
+  AND r.created_at >= $4
+  AND ($5{pg:::text} IS NULL OR r.operation = $5)
+  AND ($6{pg:::text} IS NULL OR j.queue = $6)
+ORDER BY r.created_at DESC, r.run_id DESC
+LIMIT $7
+
+-- name: list_runs_of_all_tenants
+-- Every tenant (operators), optionally one state ($8): runs_created_idx.
+-- Called with $1 NULL; the tenant filter only keeps the three queries'
+-- parameters alike.
+SELECT r.tenant, r.run_id, r.operation, j.queue, r.state, j.state AS job_state, j.attempts, j.max_attempts,
+       j.last_error_code, r.scheduled_at, r.parent_run_id, r.replay_of, r.created_at, r.updated_at
+FROM runs r JOIN jobs j ON j.tenant = r.tenant AND j.run_id = r.run_id
+WHERE ($1{pg:::text} IS NULL OR r.tenant = $1)
+  AND (r.created_at, r.run_id) < ($2, $3)
+  AND r.created_at >= $4
+  AND ($5{pg:::text} IS NULL OR r.operation = $5)
+  AND ($6{pg:::text} IS NULL OR j.queue = $6)
+  AND ($8{pg:::text} IS NULL OR r.state = $8)
+ORDER BY r.created_at DESC, r.run_id DESC
+LIMIT $7
+
+-- name: get_run_summary
+-- One run as list_runs shows it.
+SELECT r.tenant, r.run_id, r.operation, j.queue, r.state, j.state AS job_state, j.attempts, j.max_attempts,
+       j.last_error_code, r.scheduled_at, r.parent_run_id, r.replay_of, r.created_at, r.updated_at
+FROM runs r JOIN jobs j ON j.tenant = r.tenant AND j.run_id = r.run_id
+WHERE r.tenant = $1 AND r.run_id = $2
+
+-- name: list_child_runs
+-- The runs whose parent is ($1, $2), oldest first (runs_parent_idx).
+SELECT r.tenant, r.run_id, r.operation, j.queue, r.state, j.state AS job_state, j.attempts, j.max_attempts,
+       j.last_error_code, r.scheduled_at, r.parent_run_id, r.replay_of, r.created_at, r.updated_at
+FROM runs r JOIN jobs j ON j.tenant = r.tenant AND j.run_id = r.run_id
+WHERE r.tenant = $1 AND r.parent_run_id = $2
+ORDER BY r.created_at, r.run_id

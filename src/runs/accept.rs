@@ -30,6 +30,34 @@ impl Ferry {
         self.accept_one_in(conn.into(), run, true).await
     }
 
+    /// Accepts a follow-up run from a handler, inside the handler's
+    /// transaction: workflows as chains. The run's parent is the leased run
+    /// (`parent_run_id`), its tenant must be the lease's, and the lease is
+    /// checked and the job row held for the rest of the transaction (the
+    /// fence [`Ferry::complete_in`] takes), so a stale handler creates
+    /// nothing: [`Error::LostLease`], [`Error::RunTerminal`] and the caller
+    /// rolls back. Commit it with [`Ferry::complete_in`] in the same
+    /// transaction and the child exists if and only if the parent's job
+    /// completed. The child's idempotency key makes a retried handler replay
+    /// the child instead of creating a second one.
+    pub async fn enqueue_run_in<'c>(
+        &self,
+        conn: impl Into<Conn<'c>>,
+        lease: &crate::Lease,
+        run: NewRun,
+    ) -> Result<Accepted> {
+        let mut conn: Conn<'c> = conn.into();
+        if run.tenant != lease.tenant {
+            return Err(Error::invalid("tenant", "a follow-up run belongs to its parent's tenant"));
+        }
+        if run.parent_run_id.is_some_and(|p| p != lease.run_id) {
+            return Err(Error::invalid("parent_run_id", "a follow-up run's parent is the leased run"));
+        }
+        run.validate(self)?;
+        self.lock_fence(conn.reborrow(), lease).await?;
+        self.create_run_idempotent_in(conn, run.parent(lease.run_id)).await
+    }
+
     /// Accepts many runs in one transaction of their own; see
     /// [`Ferry::create_runs_idempotent_in`] for what each item's result
     /// means. The outer `Err` is a failure of the whole batch (the database,

@@ -10,13 +10,16 @@
 //! answering each as the single call would (set-based on PostgreSQL, in
 //! `store/bulk.rs`).
 //!
-//! The types are here; `accept` holds the acceptance transaction and
-//! `events` reading runs and appending events.
+//! The types are here; `accept` holds the acceptance transaction,
+//! `events` reading runs and appending events, and `inspect` listing runs
+//! and a run's lineage.
 
 mod accept;
 mod events;
+mod inspect;
 
 pub(crate) use accept::{check_equivalent, queued_body};
+pub use inspect::{OutboxRow, RunCursor, RunFilter, RunLineage, RunPage, RunSummary, MAX_PAGE};
 pub(crate) use events::{event_payload, get_run_in, run_event_message, write_event, Event};
 
 use std::time::Duration;
@@ -257,9 +260,26 @@ impl RunState {
         })
     }
 
+    /// Every state, in lifecycle order.
+    pub const ALL: [RunState; 4] = [RunState::Queued, RunState::Succeeded, RunState::Failed, RunState::Cancelled];
+
     /// True for succeeded, failed and cancelled.
     pub fn is_terminal(self) -> bool {
         self != RunState::Queued
+    }
+}
+
+impl std::str::FromStr for RunState {
+    type Err = Error;
+    /// Parses the stored text; anything else is [`Error::InvalidInput`].
+    fn from_str(s: &str) -> Result<Self> {
+        RunState::parse(s).map_err(|_| Error::invalid("state", "must be queued, succeeded, failed or cancelled"))
+    }
+}
+
+impl std::fmt::Display for RunState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
     }
 }
 

@@ -5,6 +5,7 @@ mod accept;
 mod bulk;
 
 mod fingerprint;
+mod inspect;
 mod jobs;
 mod outbox;
 mod pg;
