@@ -30,6 +30,7 @@ mod notify;
 pub mod outbox;
 pub mod retry;
 pub mod runs;
+pub mod schedules;
 pub mod store;
 pub mod telemetry;
 pub mod time;
@@ -46,6 +47,7 @@ pub use limits::Limits;
 pub use notify::CHANNEL as NOTIFY_CHANNEL;
 pub use outbox::OutboxMessage;
 pub use retry::RetryPolicy;
+pub use schedules::{Every, FiredTick, Missed, Schedule, ScheduleChange};
 pub use runs::{
     Accepted, NewRun, OutboxRow, Run, RunCursor, RunEvent, RunFilter, RunLineage, RunPage, RunState, RunSummary, Start,
 };

@@ -18,7 +18,7 @@ mod accept;
 mod events;
 mod inspect;
 
-pub(crate) use accept::{check_equivalent, queued_body};
+pub(crate) use accept::{check_equivalent, queued_body, refuses_only_its_item};
 pub use inspect::{OutboxRow, RunCursor, RunFilter, RunLineage, RunPage, RunSummary, MAX_PAGE};
 pub(crate) use events::{event_payload, get_run_in, run_event_message, write_event, Event};
 
