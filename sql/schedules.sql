@@ -42,7 +42,7 @@ ORDER BY tenant, name
 SELECT tenant, name, spec, template, missed, catch_up_max, anchor_at, last_tick, next_tick, version, updated_at
 FROM ferry_schedules
 WHERE next_tick <= $1
-ORDER BY next_tick
+ORDER BY next_tick, tenant, name
 LIMIT $2
 
 -- name: advance_schedule

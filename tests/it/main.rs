@@ -10,6 +10,7 @@ mod jobs;
 mod outbox;
 mod pg;
 mod scheduled;
+mod schedules;
 mod spans;
 mod support;
 mod worker;
