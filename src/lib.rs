@@ -47,10 +47,10 @@ pub use limits::Limits;
 pub use notify::CHANNEL as NOTIFY_CHANNEL;
 pub use outbox::OutboxMessage;
 pub use retry::RetryPolicy;
-pub use schedules::{Every, FiredTick, Missed, Schedule, ScheduleChange};
 pub use runs::{
     Accepted, NewRun, OutboxRow, Run, RunCursor, RunEvent, RunFilter, RunLineage, RunPage, RunState, RunSummary, Start,
 };
+pub use schedules::{Every, FiredTick, Missed, Schedule, ScheduleChange};
 pub use store::{connect, connect_with, migrate, Conn, ConnectOptions, Db, Engine, Tx};
 pub use time::{Clock, Millis};
 

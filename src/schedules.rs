@@ -624,7 +624,10 @@ mod tests {
         assert_eq!(every.next_after(T0 - 1).unwrap(), T0);
         // Thirty days down, catch up 2: the latest two only.
         let month = 30 * 86_400_000;
-        assert_eq!(every.ticks(T0, T0 + month, 2).unwrap(), [T0 + month - 300_000, T0 + month]);
+        assert_eq!(
+            every.ticks(T0, T0 + month, 2).unwrap(),
+            [T0 + month - 300_000, T0 + month]
+        );
         // A yearly tick found across a long look-back.
         let yearly = Every::cron("0 0 1 1 *").unwrap();
         let ticks = yearly.ticks(0, T0, 1).unwrap();

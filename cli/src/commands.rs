@@ -402,7 +402,13 @@ async fn runs(command: RunsCommand) -> Result<(), CliError> {
                 opt(&r.replay_of)
             );
             for e in &l.events {
-                println!("  event {:>3} {:<18} at {} {}", e.seq, e.kind, e.created_at.get(), e.body);
+                println!(
+                    "  event {:>3} {:<18} at {} {}",
+                    e.seq,
+                    e.kind,
+                    e.created_at.get(),
+                    e.body
+                );
             }
             for a in &l.attempts {
                 println!(

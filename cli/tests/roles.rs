@@ -226,7 +226,10 @@ async fn each_role_is_refused_outside_its_grant() {
         1
     );
     // ...lists runs, reads lineage (effects included) and drops schedules...
-    let page = operator.list_runs(&ferry::RunFilter::tenant("acme"), None, 100).await.unwrap();
+    let page = operator
+        .list_runs(&ferry::RunFilter::tenant("acme"), None, 100)
+        .await
+        .unwrap();
     assert!(page.runs.len() >= 4, "{page:?}");
     operator.run_lineage("acme", dead.run_id).await.unwrap();
     assert!(operator.unschedule("acme", "minutely", "alice", "test").await.unwrap());

@@ -55,15 +55,29 @@ async fn runs_list_pages_and_show_prints_the_lineage(kind: Kind) {
     t.ferry.complete_in(&mut tx, &job.lease, &json!({})).await.unwrap();
     tx.commit().await.unwrap();
 
-    let first = ferry(&t, &["runs", "list", "--tenant", "acme", "--queue", "payments", "--limit", "2"]);
+    let first = ferry(
+        &t,
+        &[
+            "runs", "list", "--tenant", "acme", "--queue", "payments", "--limit", "2",
+        ],
+    );
     let cursor = first
         .lines()
         .find_map(|l| l.strip_prefix("next page: --cursor "))
         .unwrap_or_else(|| panic!("no cursor in {first}"))
         .to_owned();
-    let second = ferry(&t, &["runs", "list", "--tenant", "acme", "--queue", "payments", "--limit", "2", "--cursor", &cursor]);
+    let second = ferry(
+        &t,
+        &[
+            "runs", "list", "--tenant", "acme", "--queue", "payments", "--limit", "2", "--cursor", &cursor,
+        ],
+    );
     assert!(second.contains("last page"), "{second}");
-    let listed: Vec<&str> = first.lines().chain(second.lines()).filter(|l| !l.starts_with(['n', '('])).collect();
+    let listed: Vec<&str> = first
+        .lines()
+        .chain(second.lines())
+        .filter(|l| !l.starts_with(['n', '(']))
+        .collect();
     let mut newest_first = ids.clone();
     newest_first.reverse();
     assert_eq!(listed.len(), 3, "{first}{second}");
@@ -74,21 +88,50 @@ async fn runs_list_pages_and_show_prints_the_lineage(kind: Kind) {
     assert!(failed.contains("(0 runs, last page)"), "{failed}");
 
     let show = ferry(&t, &["runs", "show", &job.lease.run_id.to_string(), "--tenant", "acme"]);
-    for part in ["run_queued", "run_succeeded", "attempt 1 gen 1 worker-1", "outbox", "pending"] {
+    for part in [
+        "run_queued",
+        "run_succeeded",
+        "attempt 1 gen 1 worker-1",
+        "outbox",
+        "pending",
+    ] {
         assert!(show.contains(part), "no {part} in {show}");
     }
     assert!(show.contains(&format!("child {}", child.run.run_id)), "{show}");
 
     t.ferry
-        .schedule("nightly", Every::cron("0 3 * * *").unwrap(), NewRun::new("acme", "report", "-", json!({})), Missed::Skip, "ops")
+        .schedule(
+            "nightly",
+            Every::cron("0 3 * * *").unwrap(),
+            NewRun::new("acme", "report", "-", json!({})),
+            Missed::Skip,
+            "ops",
+        )
         .await
         .unwrap();
     let listed = ferry(&t, &["schedules", "list", "--tenant", "acme"]);
-    assert!(listed.contains("nightly") && listed.contains("cron 0 3 * * *"), "{listed}");
-    let removed = ferry(&t, &["schedules", "remove", "nightly", "--tenant", "acme", "--actor", "ops", "--reason", "retired"]);
+    assert!(
+        listed.contains("nightly") && listed.contains("cron 0 3 * * *"),
+        "{listed}"
+    );
+    let removed = ferry(
+        &t,
+        &[
+            "schedules",
+            "remove",
+            "nightly",
+            "--tenant",
+            "acme",
+            "--actor",
+            "ops",
+            "--reason",
+            "retired",
+        ],
+    );
     assert!(removed.contains("removed acme/nightly"), "{removed}");
     assert_eq!(
-        t.scalar("SELECT COUNT(*) FROM ferry_audit WHERE action = 'schedule.delete' AND reason = 'retired'").await,
+        t.scalar("SELECT COUNT(*) FROM ferry_audit WHERE action = 'schedule.delete' AND reason = 'retired'")
+            .await,
         1
     );
 }

@@ -48,10 +48,16 @@ impl Ferry {
     ) -> Result<Accepted> {
         let mut conn: Conn<'c> = conn.into();
         if run.tenant != lease.tenant {
-            return Err(Error::invalid("tenant", "a follow-up run belongs to its parent's tenant"));
+            return Err(Error::invalid(
+                "tenant",
+                "a follow-up run belongs to its parent's tenant",
+            ));
         }
         if run.parent_run_id.is_some_and(|p| p != lease.run_id) {
-            return Err(Error::invalid("parent_run_id", "a follow-up run's parent is the leased run"));
+            return Err(Error::invalid(
+                "parent_run_id",
+                "a follow-up run's parent is the leased run",
+            ));
         }
         run.validate(self)?;
         self.lock_fence(conn.reborrow(), lease).await?;

@@ -296,10 +296,7 @@ impl Ferry {
                 .fetch_all(&mut *c)
                 .await?
         });
-        let runs = rows
-            .into_iter()
-            .map(RunSummary::try_from)
-            .collect::<Result<Vec<_>>>()?;
+        let runs = rows.into_iter().map(RunSummary::try_from).collect::<Result<Vec<_>>>()?;
         let next = match runs.last() {
             Some(last) if runs.len() == limit as usize => Some(RunCursor {
                 created_at: last.created_at.get(),

@@ -19,8 +19,8 @@ mod events;
 mod inspect;
 
 pub(crate) use accept::{check_equivalent, queued_body, refuses_only_its_item};
-pub use inspect::{OutboxRow, RunCursor, RunFilter, RunLineage, RunPage, RunSummary, MAX_PAGE};
 pub(crate) use events::{event_payload, get_run_in, run_event_message, write_event, Event};
+pub use inspect::{OutboxRow, RunCursor, RunFilter, RunLineage, RunPage, RunSummary, MAX_PAGE};
 
 use std::time::Duration;
 
@@ -261,7 +261,12 @@ impl RunState {
     }
 
     /// Every state, in lifecycle order.
-    pub const ALL: [RunState; 4] = [RunState::Queued, RunState::Succeeded, RunState::Failed, RunState::Cancelled];
+    pub const ALL: [RunState; 4] = [
+        RunState::Queued,
+        RunState::Succeeded,
+        RunState::Failed,
+        RunState::Cancelled,
+    ];
 
     /// True for succeeded, failed and cancelled.
     pub fn is_terminal(self) -> bool {

@@ -17,7 +17,12 @@ fn run(tenant: &str, op: &str, queue: &str, key: &str) -> NewRun {
 }
 
 /// Every page of `filter`, in order, with `between` called after each page.
-async fn all_pages(t: &TestDb, filter: &RunFilter, limit: u32, mut between: impl AsyncFnMut(usize)) -> Vec<ferry::RunSummary> {
+async fn all_pages(
+    t: &TestDb,
+    filter: &RunFilter,
+    limit: u32,
+    mut between: impl AsyncFnMut(usize),
+) -> Vec<ferry::RunSummary> {
     let mut out = Vec::new();
     let mut cursor: Option<RunCursor> = None;
     let mut pages = 0;
@@ -45,9 +50,17 @@ async fn pages_return_every_run_once_in_order_while_runs_are_accepted(kind: Kind
         if i % 3 == 0 {
             clock.advance(Duration::from_millis(1)).unwrap();
         }
-        let r = t.ferry.create_run_idempotent(run("acme", "charge", "q", &format!("k{i}"))).await.unwrap().run;
+        let r = t
+            .ferry
+            .create_run_idempotent(run("acme", "charge", "q", &format!("k{i}")))
+            .await
+            .unwrap()
+            .run;
         expected.push((r.created_at, r.run_id));
-        t.ferry.create_run_idempotent(run("other", "charge", "q", &format!("k{i}"))).await.unwrap();
+        t.ferry
+            .create_run_idempotent(run("other", "charge", "q", &format!("k{i}")))
+            .await
+            .unwrap();
     }
     expected.sort();
     expected.reverse();
@@ -69,18 +82,38 @@ async fn pages_return_every_run_once_in_order_while_runs_are_accepted(kind: Kind
     let ids: HashSet<Uuid> = everyone.iter().map(|r| r.run_id).collect();
     assert_eq!(ids.len(), everyone.len());
     assert_eq!(everyone.len() as i64, t.scalar("SELECT COUNT(*) FROM runs").await);
-    assert!(everyone.windows(2).all(|w| (w[0].created_at, w[0].run_id) > (w[1].created_at, w[1].run_id)));
+    assert!(everyone
+        .windows(2)
+        .all(|w| (w[0].created_at, w[0].run_id) > (w[1].created_at, w[1].run_id)));
 }
 
 async fn filters_narrow_by_state_queue_operation_and_time(kind: Kind) {
     let clock = manual_clock();
     let t = TestDb::with_clock(kind, clock.clone()).await;
-    let a = t.ferry.create_run_idempotent(run("acme", "charge", "payments", "a")).await.unwrap().run;
+    let a = t
+        .ferry
+        .create_run_idempotent(run("acme", "charge", "payments", "a"))
+        .await
+        .unwrap()
+        .run;
     clock.advance(Duration::from_secs(1)).unwrap();
-    let b = t.ferry.create_run_idempotent(run("acme", "refund", "payments", "b")).await.unwrap().run;
+    let b = t
+        .ferry
+        .create_run_idempotent(run("acme", "refund", "payments", "b"))
+        .await
+        .unwrap()
+        .run;
     clock.advance(Duration::from_secs(1)).unwrap();
-    let c = t.ferry.create_run_idempotent(run("acme", "charge", "mail", "c")).await.unwrap().run;
-    t.ferry.create_run_idempotent(run("other", "charge", "payments", "a")).await.unwrap();
+    let c = t
+        .ferry
+        .create_run_idempotent(run("acme", "charge", "mail", "c"))
+        .await
+        .unwrap()
+        .run;
+    t.ferry
+        .create_run_idempotent(run("other", "charge", "payments", "a"))
+        .await
+        .unwrap();
     t.ferry.cancel("acme", b.run_id, None, "ops", "test").await.unwrap();
     let ids = |f: RunFilter| {
         let ferry = t.ferry.clone();
@@ -91,11 +124,26 @@ async fn filters_narrow_by_state_queue_operation_and_time(kind: Kind) {
         }
     };
     assert_eq!(ids(RunFilter::tenant("acme")).await, vec![c.run_id, b.run_id, a.run_id]);
-    assert_eq!(ids(RunFilter::tenant("acme").state(RunState::Cancelled)).await, vec![b.run_id]);
-    assert_eq!(ids(RunFilter::tenant("acme").state(RunState::Queued)).await, vec![c.run_id, a.run_id]);
-    assert_eq!(ids(RunFilter::tenant("acme").queue("payments")).await, vec![b.run_id, a.run_id]);
-    assert_eq!(ids(RunFilter::tenant("acme").operation("charge")).await, vec![c.run_id, a.run_id]);
-    let window = RunFilter::tenant("acme").created(Some(Millis::new(T0 + 1_000).unwrap()), Some(Millis::new(T0 + 2_000).unwrap()));
+    assert_eq!(
+        ids(RunFilter::tenant("acme").state(RunState::Cancelled)).await,
+        vec![b.run_id]
+    );
+    assert_eq!(
+        ids(RunFilter::tenant("acme").state(RunState::Queued)).await,
+        vec![c.run_id, a.run_id]
+    );
+    assert_eq!(
+        ids(RunFilter::tenant("acme").queue("payments")).await,
+        vec![b.run_id, a.run_id]
+    );
+    assert_eq!(
+        ids(RunFilter::tenant("acme").operation("charge")).await,
+        vec![c.run_id, a.run_id]
+    );
+    let window = RunFilter::tenant("acme").created(
+        Some(Millis::new(T0 + 1_000).unwrap()),
+        Some(Millis::new(T0 + 2_000).unwrap()),
+    );
     assert_eq!(ids(window).await, vec![b.run_id], "[from, before)");
     let mut cancelled_anywhere = RunFilter::default().state(RunState::Cancelled);
     assert_eq!(ids(cancelled_anywhere.clone()).await, vec![b.run_id]);
@@ -103,20 +151,42 @@ async fn filters_narrow_by_state_queue_operation_and_time(kind: Kind) {
     assert!(ids(cancelled_anywhere).await.is_empty());
     let page = t.ferry.list_runs(&RunFilter::tenant("acme"), None, 1).await.unwrap();
     let summary = &page.runs[0];
-    assert_eq!((summary.queue.as_str(), summary.state, summary.job_state), ("mail", RunState::Queued, JobState::Queued));
+    assert_eq!(
+        (summary.queue.as_str(), summary.state, summary.job_state),
+        ("mail", RunState::Queued, JobState::Queued)
+    );
     assert!(page.next.is_some(), "a full page has a next cursor");
     // Bad input is a typed error.
-    assert_eq!(t.ferry.list_runs(&RunFilter::tenant("acme"), None, 0).await.unwrap_err().code(), "invalid_input");
+    assert_eq!(
+        t.ferry
+            .list_runs(&RunFilter::tenant("acme"), None, 0)
+            .await
+            .unwrap_err()
+            .code(),
+        "invalid_input"
+    );
     assert_eq!("nonsense".parse::<RunCursor>().unwrap_err().code(), "invalid_input");
     assert_eq!("r1.5.zz".parse::<RunCursor>().unwrap_err().code(), "invalid_input");
     assert_eq!(RunFilter::tenant("bad tenant!"), RunFilter::tenant("bad tenant!"));
-    assert_eq!(t.ferry.list_runs(&RunFilter::tenant("bad tenant!"), None, 5).await.unwrap_err().code(), "invalid_input");
+    assert_eq!(
+        t.ferry
+            .list_runs(&RunFilter::tenant("bad tenant!"), None, 5)
+            .await
+            .unwrap_err()
+            .code(),
+        "invalid_input"
+    );
 }
 
 async fn lineage_shows_events_attempts_effects_outbox_and_children(kind: Kind) {
     let clock = manual_clock();
     let t = TestDb::with_clock(kind, clock.clone()).await;
-    let parent = t.ferry.create_run_idempotent(run("acme", "order", "q", "p")).await.unwrap().run;
+    let parent = t
+        .ferry
+        .create_run_idempotent(run("acme", "order", "q", "p"))
+        .await
+        .unwrap()
+        .run;
     // First attempt lost, second completes with a follow-up run.
     t.ferry.claim("q", "worker-a", LEASE, 1).await.unwrap();
     clock.advance(LEASE + Duration::from_millis(1)).unwrap();
@@ -125,7 +195,10 @@ async fn lineage_shows_events_attempts_effects_outbox_and_children(kind: Kind) {
         t.ferry.reserve_effect(&job.lease, "pay", "psp.charge").await.unwrap(),
         ferry::Reservation::Proceed(_)
     ));
-    t.ferry.record_effect_success(&job.lease, "pay", "psp.charge", "ch_1").await.unwrap();
+    t.ferry
+        .record_effect_success(&job.lease, "pay", "psp.charge", "ch_1")
+        .await
+        .unwrap();
     let mut tx = t.ferry.begin().await.unwrap();
     let child = t
         .ferry
@@ -135,26 +208,41 @@ async fn lineage_shows_events_attempts_effects_outbox_and_children(kind: Kind) {
         .run;
     let msg = OutboxMessage::json("acme", "orders", parent.run_id.to_string(), &json!({"paid": true})).unwrap();
     t.ferry.enqueue_in(&mut tx, &msg).await.unwrap();
-    t.ferry.complete_in(&mut tx, &job.lease, &json!({"ok": true})).await.unwrap();
+    t.ferry
+        .complete_in(&mut tx, &job.lease, &json!({"ok": true}))
+        .await
+        .unwrap();
     tx.commit().await.unwrap();
-    t.exec("UPDATE outbox SET state = 'delivered', delivered_at = 1 WHERE topic = 'orders'").await.unwrap();
+    t.exec("UPDATE outbox SET state = 'delivered', delivered_at = 1 WHERE topic = 'orders'")
+        .await
+        .unwrap();
 
     let l = t.ferry.run_lineage("acme", parent.run_id).await.unwrap();
     assert_eq!(l.run.state, RunState::Succeeded);
     assert_eq!(l.summary.job_state, JobState::Succeeded);
-    assert_eq!(l.events.iter().map(|e| e.kind.as_str()).collect::<Vec<_>>(), ["run_queued", "run_succeeded"]);
+    assert_eq!(
+        l.events.iter().map(|e| e.kind.as_str()).collect::<Vec<_>>(),
+        ["run_queued", "run_succeeded"]
+    );
     let attempts: Vec<_> = l
         .attempts
         .iter()
         .map(|a| (a.generation, a.worker.as_str(), a.outcome.map(|o| o.as_str())))
         .collect();
-    assert_eq!(attempts, [(1, "worker-a", Some("lost")), (2, "worker-b", Some("succeeded"))]);
+    assert_eq!(
+        attempts,
+        [(1, "worker-a", Some("lost")), (2, "worker-b", Some("succeeded"))]
+    );
     assert_eq!(l.effects.len(), 1);
     assert_eq!(l.effects[0].provider_ref.as_deref(), Some("ch_1"));
     let outbox: Vec<_> = l.outbox.iter().map(|o| (o.topic.as_str(), o.state.as_str())).collect();
     assert_eq!(
         outbox,
-        [("ferry.run-events", "pending"), ("orders", "delivered"), ("ferry.run-events", "pending")],
+        [
+            ("ferry.run-events", "pending"),
+            ("orders", "delivered"),
+            ("ferry.run-events", "pending")
+        ],
         "its events' rows and the service's row keyed by it, with delivery state"
     );
     assert_eq!(l.children.iter().map(|c| c.run_id).collect::<Vec<_>>(), [child.run_id]);
@@ -171,7 +259,10 @@ async fn a_follow_up_run_exists_only_if_its_parent_completes(kind: Kind) {
     let clock = manual_clock();
     let t = TestDb::with_clock(kind, clock.clone()).await;
     let children = "SELECT COUNT(*) FROM runs WHERE parent_run_id IS NOT NULL";
-    t.ferry.create_run_idempotent(run("acme", "order", "q", "p")).await.unwrap();
+    t.ferry
+        .create_run_idempotent(run("acme", "order", "q", "p"))
+        .await
+        .unwrap();
     let a = t.ferry.claim("q", "worker-a", LEASE, 1).await.unwrap().pop().unwrap();
 
     // The lease expires inside the handler's transaction: the follow-up was
@@ -185,7 +276,11 @@ async fn a_follow_up_run_exists_only_if_its_parent_completes(kind: Kind) {
     let refused = t.ferry.complete_in(&mut tx, &a.lease, &json!({})).await.unwrap_err();
     assert_eq!(refused.code(), "lost_lease");
     tx.rollback().await.unwrap();
-    assert_eq!(t.scalar(children).await, 0, "the child is rolled back with the refused completion");
+    assert_eq!(
+        t.scalar(children).await,
+        0,
+        "the child is rolled back with the refused completion"
+    );
 
     // A stale handler (another worker holds generation 2) creates nothing.
     let b = t.ferry.claim("q", "worker-b", LEASE, 1).await.unwrap().pop().unwrap();
@@ -201,10 +296,21 @@ async fn a_follow_up_run_exists_only_if_its_parent_completes(kind: Kind) {
 
     // Wrong tenant or another parent: typed errors, nothing written.
     let mut tx = t.ferry.begin().await.unwrap();
-    let foreign = t.ferry.enqueue_run_in(&mut tx, &b.lease, run("other", "ship", "q", "x")).await.unwrap_err();
+    let foreign = t
+        .ferry
+        .enqueue_run_in(&mut tx, &b.lease, run("other", "ship", "q", "x"))
+        .await
+        .unwrap_err();
     assert_eq!(foreign.code(), "invalid_input");
     let elsewhere = run("acme", "ship", "q", "x").parent(Uuid::now_v7());
-    assert_eq!(t.ferry.enqueue_run_in(&mut tx, &b.lease, elsewhere).await.unwrap_err().code(), "invalid_input");
+    assert_eq!(
+        t.ferry
+            .enqueue_run_in(&mut tx, &b.lease, elsewhere)
+            .await
+            .unwrap_err()
+            .code(),
+        "invalid_input"
+    );
     tx.rollback().await.unwrap();
 
     // The current holder's follow-up commits with its completion, and a

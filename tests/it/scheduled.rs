@@ -37,7 +37,11 @@ async fn a_scheduled_run_is_claimable_from_run_at_and_not_before(kind: Kind) {
     assert_eq!(run.scheduled_at, Some(at(T0 + 60_000)));
     assert_eq!(t.ferry.get_run("acme", run.run_id).await.unwrap(), run);
     let queued = t.ferry.list_events("acme", run.run_id).await.unwrap();
-    assert_eq!(queued[0].body["scheduled_at"], json!(T0 + 60_000), "run_queued carries the schedule");
+    assert_eq!(
+        queued[0].body["scheduled_at"],
+        json!(T0 + 60_000),
+        "run_queued carries the schedule"
+    );
     assert_eq!(claimable(&t).await, 0, "not before run_at");
     clock.advance(Duration::from_millis(59_999)).unwrap();
     assert_eq!(claimable(&t).await, 0, "not 1 ms before run_at");
@@ -71,14 +75,24 @@ async fn a_delay_counts_from_acceptance_and_a_past_run_at_starts_at_once(kind: K
     assert_eq!(got[0].lease.run_id, past.run_id);
     clock.advance(Duration::from_secs(5)).unwrap();
     let got = t.ferry.claim("later", "w", LEASE, 10).await.unwrap();
-    assert_eq!(got.iter().map(|c| c.lease.run_id).collect::<Vec<_>>(), vec![delayed.run_id]);
+    assert_eq!(
+        got.iter().map(|c| c.lease.run_id).collect::<Vec<_>>(),
+        vec![delayed.run_id]
+    );
     let scheduled_deadline = t
         .ferry
-        .create_run_idempotent(job("s").delay(Duration::from_secs(3600)).deadline(Duration::from_secs(60)))
+        .create_run_idempotent(
+            job("s")
+                .delay(Duration::from_secs(3600))
+                .deadline(Duration::from_secs(60)),
+        )
         .await
         .unwrap()
         .run;
-    assert_eq!(scheduled_deadline.deadline_at, Some(at(T0 + 5_000 + 3_600_000 + 60_000)));
+    assert_eq!(
+        scheduled_deadline.deadline_at,
+        Some(at(T0 + 5_000 + 3_600_000 + 60_000))
+    );
 }
 
 async fn a_scheduled_run_cancels_like_any_queued_run(kind: Kind) {
@@ -90,10 +104,20 @@ async fn a_scheduled_run_cancels_like_any_queued_run(kind: Kind) {
         .await
         .unwrap()
         .run;
-    t.ferry.cancel("acme", run.run_id, Some(run.version), "ops", "not needed").await.unwrap();
-    assert_eq!(t.ferry.get_run("acme", run.run_id).await.unwrap().state, RunState::Cancelled);
+    t.ferry
+        .cancel("acme", run.run_id, Some(run.version), "ops", "not needed")
+        .await
+        .unwrap();
+    assert_eq!(
+        t.ferry.get_run("acme", run.run_id).await.unwrap().state,
+        RunState::Cancelled
+    );
     clock.advance(Duration::from_secs(120)).unwrap();
-    assert_eq!(claimable(&t).await, 0, "a cancelled scheduled run never becomes claimable");
+    assert_eq!(
+        claimable(&t).await,
+        0,
+        "a cancelled scheduled run never becomes claimable"
+    );
 }
 
 async fn a_retry_with_another_start_replays_the_first(kind: Kind) {
@@ -112,7 +136,11 @@ async fn a_retry_with_another_start_replays_the_first(kind: Kind) {
         .unwrap();
     assert!(again.replay, "the start is not part of the fingerprint");
     assert_eq!(again.run, first.run);
-    assert_eq!(again.run.scheduled_at, Some(at(T0 + 60_000)), "the first schedule stands");
+    assert_eq!(
+        again.run.scheduled_at,
+        Some(at(T0 + 60_000)),
+        "the first schedule stands"
+    );
     let unscheduled = t.ferry.create_run_idempotent(job("k")).await.unwrap();
     assert!(unscheduled.replay);
     let conflict = t
@@ -133,7 +161,10 @@ async fn a_parent_is_recorded_and_must_exist(kind: Kind) {
         .unwrap()
         .run;
     assert_eq!(child.parent_run_id, Some(parent.run_id));
-    assert_eq!(t.ferry.get_run("acme", child.run_id).await.unwrap().parent_run_id, Some(parent.run_id));
+    assert_eq!(
+        t.ferry.get_run("acme", child.run_id).await.unwrap().parent_run_id,
+        Some(parent.run_id)
+    );
     let queued = t.ferry.list_events("acme", child.run_id).await.unwrap();
     assert_eq!(queued[0].body["parent_run_id"], json!(parent.run_id));
     let runs_before = t.scalar("SELECT COUNT(*) FROM runs").await;
@@ -151,9 +182,21 @@ async fn a_parent_is_recorded_and_must_exist(kind: Kind) {
         .await
         .unwrap_err();
     assert_eq!(foreign.code(), "not_found");
-    assert_eq!(t.scalar("SELECT COUNT(*) FROM runs").await, runs_before, "nothing written");
-    assert_eq!(t.scalar("SELECT COUNT(*) FROM outbox").await, outbox_before, "nothing written");
-    assert_eq!(t.scalar("SELECT COUNT(*) FROM idempotency_keys").await, 2, "no key claimed");
+    assert_eq!(
+        t.scalar("SELECT COUNT(*) FROM runs").await,
+        runs_before,
+        "nothing written"
+    );
+    assert_eq!(
+        t.scalar("SELECT COUNT(*) FROM outbox").await,
+        outbox_before,
+        "nothing written"
+    );
+    assert_eq!(
+        t.scalar("SELECT COUNT(*) FROM idempotency_keys").await,
+        2,
+        "no key claimed"
+    );
 }
 
 /// The bulk path (set-based on PostgreSQL) stores what the single call
@@ -178,7 +221,11 @@ async fn bulk_acceptance_schedules_and_links_like_the_single_call(kind: Kind) {
         .await
         .unwrap();
     let bulk = results[0].as_ref().unwrap().run.clone();
-    assert!(matches!(results[1], Err(Error::NotFound { what: "parent run" })), "{:?}", results[1]);
+    assert!(
+        matches!(results[1], Err(Error::NotFound { what: "parent run" })),
+        "{:?}",
+        results[1]
+    );
     assert!(results[2].is_ok(), "the others proceed");
     assert_eq!(bulk.scheduled_at, Some(at(T0 + 60_000)));
     assert_eq!(bulk.parent_run_id, Some(parent.run_id));
@@ -195,7 +242,9 @@ async fn bulk_acceptance_schedules_and_links_like_the_single_call(kind: Kind) {
     // Only the unscheduled bulk item and the parent are claimable now.
     let got = t.ferry.claim("later", "w", LEASE, 10).await.unwrap();
     assert_eq!(got.len(), 2);
-    assert!(got.iter().all(|c| c.lease.run_id != bulk.run_id && c.lease.run_id != single.run_id));
+    assert!(got
+        .iter()
+        .all(|c| c.lease.run_id != bulk.run_id && c.lease.run_id != single.run_id));
     clock.advance(Duration::from_secs(60)).unwrap();
     let got: Vec<_> = t
         .ferry
