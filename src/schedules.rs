@@ -497,8 +497,9 @@ impl Ferry {
     /// compare-and-set and accepts one run per tick its [`Missed`] policy
     /// keeps. A schedule another process fired meanwhile is left alone. A
     /// schedule whose run is refused (its template no longer fits the
-    /// limits, an idempotency conflict) is logged and retried at the next
-    /// call; the others proceed. Safe to call from any number of processes.
+    /// limits, an idempotency conflict) or whose row this version cannot
+    /// read is logged and retried at the next call; the others proceed.
+    /// Safe to call from any number of processes.
     pub async fn fire_due_ticks(&self, limit: u32) -> Result<Vec<FiredTick>> {
         let mut c = self.db().acquire().await?;
         let now = clock_now(self, c.conn()).await?;
@@ -516,7 +517,7 @@ impl Ferry {
             let r = self.fire_one_in(tx.conn(), &row, now).await;
             match tx.finish(r).await {
                 Ok(ticks) => fired.extend(ticks),
-                Err(e) if crate::runs::refuses_only_its_item(&e) => {
+                Err(e) if crate::runs::refuses_only_its_item(&e) || matches!(e, Error::CorruptRow { .. }) => {
                     tracing::warn!(tenant = %row.tenant, schedule = %row.name, code = e.code(), "schedule tick refused: {e}");
                 }
                 Err(e) => return Err(e),
