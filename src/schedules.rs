@@ -31,7 +31,8 @@ use crate::time::{duration_ms, Millis};
 use crate::Ferry;
 
 /// When a schedule ticks.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
 pub enum Every {
     /// A cron expression in UTC: five fields (minute to weekday) or six
     /// (with seconds first), as `croner` parses them. Build with [`Every::cron`].
@@ -176,7 +177,8 @@ fn utc(ms: i64) -> Result<chrono::DateTime<chrono::Utc>> {
 
 /// What happens to ticks missed while no process fired (downtime), stated
 /// per schedule.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
 pub enum Missed {
     /// Only the latest missed tick runs; the earlier ones are skipped.
     Skip,
@@ -266,7 +268,7 @@ pub fn tick_key(name: &str, tick: i64) -> String {
 }
 
 /// A registered schedule ([`Ferry::list_schedules`]).
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
 pub struct Schedule {
     /// Tenant of its runs.
     pub tenant: String,
@@ -326,7 +328,8 @@ impl ScheduleRow {
 }
 
 /// What [`Ferry::schedule`] did.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
 pub enum ScheduleChange {
     /// The schedule is new (audited as `schedule.create`).
     Created,
