@@ -30,6 +30,7 @@ mod notify;
 pub mod outbox;
 pub mod retry;
 pub mod runs;
+pub mod schedules;
 pub mod store;
 pub mod telemetry;
 pub mod time;
@@ -46,7 +47,10 @@ pub use limits::Limits;
 pub use notify::CHANNEL as NOTIFY_CHANNEL;
 pub use outbox::OutboxMessage;
 pub use retry::RetryPolicy;
-pub use runs::{Accepted, NewRun, Run, RunEvent, RunState};
+pub use runs::{
+    Accepted, NewRun, OutboxRow, Run, RunCursor, RunEvent, RunFilter, RunLineage, RunPage, RunState, RunSummary, Start,
+};
+pub use schedules::{Every, FiredTick, Missed, Schedule, ScheduleChange};
 pub use store::{connect, connect_with, migrate, Conn, ConnectOptions, Db, Engine, Tx};
 pub use time::{Clock, Millis};
 

@@ -5,9 +5,12 @@ mod accept;
 mod bulk;
 
 mod fingerprint;
+mod inspect;
 mod jobs;
 mod outbox;
 mod pg;
+mod scheduled;
+mod schedules;
 mod spans;
 mod support;
 mod worker;
