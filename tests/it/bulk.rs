@@ -399,7 +399,11 @@ async fn postgres_a_batch_wakes_each_of_its_queues() {
 async fn postgres_a_coalesced_wakeup_trails_at_the_end_of_the_interval() {
     let t = TestDb::new(Kind::Postgres).await;
     let interval = Duration::from_secs(1);
-    let f = Ferry::builder(&t.url).notify_interval(interval).connect().await.unwrap();
+    let f = Ferry::builder(&t.url)
+        .notify_interval(interval)
+        .connect()
+        .await
+        .unwrap();
     let mut listener = sqlx::postgres::PgListener::connect(&ferry_testkit::postgres_url())
         .await
         .unwrap();
