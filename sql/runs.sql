@@ -90,7 +90,8 @@ JOIN runs r ON r.tenant = i.tenant AND r.run_id = i.run_id
 -- caller keeps the first of each): inserts each record, or takes over an
 -- expired one, under one instant. Rows go in key order, so two batches
 -- sharing keys wait for each other in the same order and cannot deadlock.
--- Returns the run id and instant of every key claimed; a live record is left
+-- Returns every key claimed (by the key, never by the proposed run id: two
+-- items may propose one id) and the claim's instant; a live record is left
 -- alone, and a racing insert of the same key waits for the other transaction.
 INSERT INTO idempotency_keys AS k
     (tenant, operation, key, request_fingerprint, fingerprint_version, run_id, created_at, expires_at)
@@ -106,7 +107,7 @@ ON CONFLICT (tenant, operation, key) DO UPDATE
         created_at = EXCLUDED.created_at,
         expires_at = EXCLUDED.expires_at
     WHERE k.expires_at <= EXCLUDED.created_at
-RETURNING k.run_id, k.created_at
+RETURNING k.tenant, k.operation, k.key, k.created_at
 
 -- name: find_idempotency_keys [postgres only]
 -- find_idempotency_key for many keys ($1 tenant, $2 operation, $3 key; the
@@ -129,7 +130,7 @@ LEFT JOIN runs r ON r.tenant = k.tenant AND r.run_id = k.run_id
 -- no key lock: nobody else can write a brand-new run's events). $15 is the
 -- claim's instant; the outbox key, payload, effect key and lane come from the
 -- code that builds the single acceptance's row, so both write the same bytes.
--- Rows go in input order, so outbox ids follow it. Foreign keys are checked
+-- Outbox rows go in input order, so outbox ids follow it. Foreign keys are checked
 -- at the end of the statement, when the runs exist.
 WITH input AS (
     SELECT *
@@ -144,7 +145,10 @@ WITH input AS (
                       created_at, updated_at, last_event_seq, scheduled_at, parent_run_id)
     SELECT tenant, run_id, operation, 'queued', 1, request, deadline_at, replay_of, $15::bigint, $15::bigint, 1,
            scheduled_at, parent_run_id
-    FROM input ORDER BY ord
+    -- Run rows in (tenant, run_id) order: two batches proposing the same
+    -- ids wait for each other in one order (a unique violation, answered
+    -- as a race), never deadlock.
+    FROM input ORDER BY tenant, run_id
 ), event_rows AS (
     INSERT INTO run_events (tenant, run_id, seq, kind, body, created_at)
     SELECT tenant, run_id, 1, 'run_queued',

@@ -145,7 +145,7 @@ impl Ferry {
         // Claim every candidate's key in one statement.
         let offered: Vec<&Item> = candidates.iter().flatten().map(|&i| &items[i]).collect();
         let ttl = duration_ms(self.limits().idempotency_ttl)?;
-        let claimed_rows: Vec<(Uuid, i64)> = if offered.is_empty() {
+        let claimed_rows: Vec<(String, String, String, i64)> = if offered.is_empty() {
             Vec::new()
         } else {
             sqlx::query_as(POSTGRES_ONLY.claim_idempotency_keys)
@@ -165,11 +165,19 @@ impl Ferry {
                 .fetch_all(&mut *c)
                 .await?
         };
-        let now = claimed_rows.first().map(|(_, at)| *at);
-        let claimed: HashSet<Uuid> = claimed_rows.into_iter().map(|(id, _)| id).collect();
+        let now = claimed_rows.first().map(|(.., at)| *at);
+        // By key, not by proposed run id: two items of the batch may propose
+        // one id, and only the key says which of them was claimed.
+        let claimed: HashSet<(String, String, String)> =
+            claimed_rows.into_iter().map(|(t, o, k, _)| (t, o, k)).collect();
         let won: Vec<bool> = candidates
             .iter()
-            .map(|cand| cand.is_some_and(|i| claimed.contains(&items[i].run_id)))
+            .map(|cand| {
+                cand.is_some_and(|i| {
+                    let r = &items[i].run;
+                    claimed.contains(&(r.tenant.clone(), r.operation.clone(), r.idempotency_key.clone()))
+                })
+            })
             .collect();
 
         // Read back the records of the keys nobody in the batch claimed.

@@ -322,7 +322,40 @@ on_both_engines!(
     a_replayed_batch_writes_nothing,
     a_run_id_proposed_twice_goes_to_the_first_winner,
     an_empty_or_invalid_batch_writes_nothing,
+    a_key_with_a_live_record_is_not_won_by_a_shared_run_id,
 );
+
+/// Two items of other tenants propose one run id; the first's key already
+/// has a live record (run Z). Only the second item's key is claimed, so the
+/// first is a replay of Z and the second is new: deciding "claimed" by the
+/// proposed id instead of by the key would make both new, a second run for a
+/// key whose record names Z.
+async fn a_key_with_a_live_record_is_not_won_by_a_shared_run_id(kind: Kind) {
+    let t = TestDb::new(kind).await;
+    let request = |tenant: &str, key: &str| NewRun::new(tenant, "charge", key, json!({"amount": 1}));
+    let z = t
+        .ferry
+        .create_run_idempotent(request("b", "k2"))
+        .await
+        .unwrap()
+        .run
+        .run_id;
+    let before = counts(&t).await;
+    let x = Uuid::now_v7();
+    let out = t
+        .ferry
+        .create_runs_idempotent(vec![request("b", "k2").run_id(x), request("a", "k1").run_id(x)])
+        .await
+        .unwrap();
+    let first = out[0].as_ref().unwrap();
+    assert!(first.replay, "b/k2 is a replay of its live record");
+    assert_eq!(first.run.run_id, z);
+    let second = out[1].as_ref().unwrap();
+    assert!(!second.replay);
+    assert_eq!(second.run.run_id, x);
+    let after = counts(&t).await;
+    assert_eq!(after[0], before[0] + 1, "exactly one new run (a/x)");
+}
 
 /// PostgreSQL: batches racing over the same keys, in opposite orders, make
 /// one run per key and do not deadlock (keys are claimed in key order).
