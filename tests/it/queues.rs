@@ -57,9 +57,12 @@ async fn audit_rows(t: &TestDb) -> Vec<(String, String, String, String)> {
 }
 
 async fn higher_priority_is_claimed_first(kind: Kind) {
-    let t = TestDb::with_clock(kind, manual_clock()).await;
-    for (key, p) in [("low", 0), ("high", 5), ("mid", 2), ("low2", 0)] {
+    let clock = manual_clock();
+    let t = TestDb::with_clock(kind, clock.clone()).await;
+    // Accepted in this order, a millisecond apart: first come is not first served.
+    for (key, p) in [("low", 0), ("low2", 0), ("mid", 2), ("high", 5)] {
         t.ferry.create_run_idempotent(job("acme", key).priority(p)).await.unwrap();
+        clock.advance(Duration::from_millis(1)).unwrap();
     }
     assert_eq!(claim_one_by_one(&t.ferry).await, ["high", "mid", "low", "low2"]);
 }
