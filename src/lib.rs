@@ -46,8 +46,8 @@ pub use jobs::{AttemptOutcome, Claimed, DeadJob, ErrorClass, JobAttempt, JobErro
 pub use limits::Limits;
 pub use notify::CHANNEL as NOTIFY_CHANNEL;
 pub use outbox::OutboxMessage;
-pub use retry::RetryPolicy;
 pub use queues::{QueueInfo, QueueLimits, RateLimit};
+pub use retry::RetryPolicy;
 pub use runs::{Accepted, NewRun, Run, RunEvent, RunState, MAX_PRIORITY, MIN_PRIORITY};
 pub use store::{connect, connect_with, migrate, Conn, ConnectOptions, Db, Engine, Tx};
 pub use time::{Clock, Millis};

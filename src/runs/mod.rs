@@ -156,7 +156,10 @@ impl NewRun {
             return Err(Error::invalid("max_attempts", "must be 1 to 1000"));
         }
         if !(MIN_PRIORITY..=MAX_PRIORITY).contains(&self.priority) {
-            return Err(Error::invalid("priority", format!("must be {MIN_PRIORITY} to {MAX_PRIORITY}")));
+            return Err(Error::invalid(
+                "priority",
+                format!("must be {MIN_PRIORITY} to {MAX_PRIORITY}"),
+            ));
         }
         if !self.command.is_object() {
             return Err(Error::invalid("command", "must be a JSON object"));

@@ -442,7 +442,10 @@ async fn eight_workers_under(
         }
         flights.entry(group_of(tenant)).or_default().total += jobs_per_tenant;
     }
-    t.ferry.set_queue_limits("lim", limits, "test", "limits under load").await.unwrap();
+    t.ferry
+        .set_queue_limits("lim", limits, "test", "limits under load")
+        .await
+        .unwrap();
     let total = tenants.len() * jobs_per_tenant;
     let state = Arc::new((Mutex::new(flights), tokio::sync::Notify::new()));
     let finished = Arc::new(AtomicUsize::new(0));
@@ -551,6 +554,10 @@ async fn eight_workers_never_exceed_the_tenant_cap() {
     };
     let flights = eight_workers_under(limits, &["a", "b", "c"], 30, |t| t.to_string(), 2).await;
     for (tenant, f) in &flights {
-        assert_eq!((f.max, f.max_leased, f.started), (2, 2, 30), "tenant {tenant}: {flights:?}");
+        assert_eq!(
+            (f.max, f.max_leased, f.started),
+            (2, 2, 30),
+            "tenant {tenant}: {flights:?}"
+        );
     }
 }
