@@ -241,7 +241,10 @@ async fn limits_cost(base: &str, quick: bool) -> Res<()> {
             f.set_queue_limits("default", l, "bench", "bench").await?;
         }
         let r = run_worker(f, &pool, jobs, 16, 16).await?;
-        println!("{:<44} {r:>12.0}", format!("Worker 16 slots, claim 16, {label} (jobs/s)"));
+        println!(
+            "{:<44} {r:>12.0}",
+            format!("Worker 16 slots, claim 16, {label} (jobs/s)")
+        );
         rates.push(r);
     }
     println!(

@@ -248,7 +248,11 @@ pub fn render_files(files: &[(String, String)]) -> Result<Rendered, String> {
     for s in sections.iter().filter(|s| s.scope == Scope::Fragment) {
         // The header comment documents the fragment in its file; the
         // including query does not carry it.
-        let body: Vec<&str> = s.body.lines().skip_while(|l| l.trim_start().starts_with("--")).collect();
+        let body: Vec<&str> = s
+            .body
+            .lines()
+            .skip_while(|l| l.trim_start().starts_with("--"))
+            .collect();
         if fragments.insert(s.name.clone(), body.join("\n")).is_some() {
             return Err(format!("{}: fragment {} is defined twice", s.file, s.name));
         }
