@@ -315,7 +315,7 @@ WHERE tenant = $1 AND run_id = $2
 ORDER BY generation
 
 -- name: get_job
-SELECT queue, state, max_attempts, attempts, lease_generation, last_error_code
+SELECT queue, state, max_attempts, attempts, lease_generation, last_error_code, priority
 FROM jobs WHERE tenant = $1 AND run_id = $2
 
 -- name: sweep_attempts
