@@ -134,7 +134,9 @@ SET tokens = CASE WHEN rate_burst IS NULL THEN tokens
                            THEN {greatest}(refilled_at, {now $2})
                        ELSE refilled_at + ({greatest}(0, {now $2} - refilled_at) / rate_interval_ms) * rate_interval_ms END
 WHERE queue = $1
-RETURNING paused, rate_burst IS NOT NULL AS rated, tokens
+RETURNING paused,
+          (max_leased IS NOT NULL OR max_leased_per_tenant IS NOT NULL OR rate_burst IS NOT NULL) AS limited,
+          rate_burst IS NOT NULL AS rated, tokens
 
 -- name: spend_tokens
 -- Takes $2 tokens from queue $1's bucket (inside lock_queue's transaction).
