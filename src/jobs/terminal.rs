@@ -67,7 +67,9 @@ impl Ferry {
     }
 
     /// [`Ferry::complete_and_claim`] inside the caller's transaction: both
-    /// halves commit or roll back with it.
+    /// halves commit or roll back with it. `conn` must be in a transaction:
+    /// in a limited queue the claim holds the queue's settings row until
+    /// commit, which is what keeps concurrent claims within the limits.
     pub async fn complete_and_claim_in<'c>(
         &self,
         conn: impl Into<Conn<'c>>,
