@@ -126,7 +126,7 @@ LEFT JOIN runs r ON r.tenant = k.tenant AND r.run_id = k.run_id
 -- The writes of many acceptances whose keys were claimed, in one statement:
 -- for each input row the run (insert_run), its run_queued event at seq 1
 -- (insert_event, the body built as queued_body builds it), its job
--- (insert_job, available at $19) and the event's outbox row (insert_outbox,
+-- (insert_job, available at $21) and the event's outbox row (insert_outbox,
 -- no key lock: nobody else can write a brand-new run's events). $15 is the
 -- claim's instant; the outbox key, payload, effect key and lane come from the
 -- code that builds the single acceptance's row, so both write the same bytes.
@@ -136,10 +136,11 @@ WITH input AS (
     SELECT *
     FROM UNNEST($1::text[], $2::uuid[], $3::text[], $4::jsonb[], $5::bigint[], $6::uuid[], $7::text[],
                 $8::int[], $9::bigint[], $10::text[], $11::int[], $12::bytea[], $13::text[], $14::text[],
-                $18::bigint[], $19::bigint[], $20::uuid[])
+                $18::smallint[], $19::bigint[], $20::bigint[], $21::bigint[], $22::uuid[])
         WITH ORDINALITY
         AS i(tenant, run_id, operation, request, deadline_at, replay_of, queue, max_attempts, schema_version,
-             key, lane, payload, effect_key, traceparent, scheduled_at, available_at, parent_run_id, ord)
+             key, lane, payload, effect_key, traceparent, priority, priority_lead, scheduled_at, available_at,
+             parent_run_id, ord)
 ), run_rows AS (
     INSERT INTO runs (tenant, run_id, operation, state, version, request, deadline_at, replay_of,
                       created_at, updated_at, last_event_seq, scheduled_at, parent_run_id)
@@ -158,8 +159,10 @@ WITH input AS (
            $15::bigint
     FROM input ORDER BY ord
 ), job_rows AS (
-    INSERT INTO jobs (tenant, run_id, queue, state, available_at, max_attempts, deadline_at, created_at, updated_at)
-    SELECT tenant, run_id, queue, 'queued', available_at, max_attempts, deadline_at, $15::bigint, $15::bigint
+    INSERT INTO jobs (tenant, run_id, queue, state, available_at, max_attempts, deadline_at, created_at, updated_at,
+                      priority, priority_lead)
+    SELECT tenant, run_id, queue, 'queued', available_at, max_attempts, deadline_at, $15::bigint, $15::bigint,
+           priority, priority_lead
     FROM input ORDER BY ord
 )
 INSERT INTO outbox (tenant, topic, key, lane, payload, headers, effect_key, traceparent, created_at)

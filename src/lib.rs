@@ -28,6 +28,7 @@ pub mod jobs;
 pub mod limits;
 mod notify;
 pub mod outbox;
+pub mod queues;
 pub mod retry;
 pub mod runs;
 pub mod schedules;
@@ -46,9 +47,11 @@ pub use jobs::{AttemptOutcome, Claimed, DeadJob, ErrorClass, JobAttempt, JobErro
 pub use limits::Limits;
 pub use notify::CHANNEL as NOTIFY_CHANNEL;
 pub use outbox::OutboxMessage;
+pub use queues::{QueueInfo, QueueLimits, RateLimit};
 pub use retry::RetryPolicy;
 pub use runs::{
     Accepted, NewRun, OutboxRow, Run, RunCursor, RunEvent, RunFilter, RunLineage, RunPage, RunState, RunSummary, Start,
+    MAX_PRIORITY, MIN_PRIORITY,
 };
 pub use schedules::{Every, FiredTick, Missed, Schedule, ScheduleChange};
 pub use store::{connect, connect_with, migrate, Conn, ConnectOptions, Db, Engine, Tx};
@@ -76,6 +79,11 @@ struct Inner {
     notifier: notify::Notifier,
     /// Whether `enqueue_in` serializes same-key writers (see `outbox_key_locks`).
     outbox_key_locks: bool,
+    /// What one priority level is worth in waiting, in ms (see `priority_aging`).
+    priority_aging_ms: i64,
+    /// Queues this process last found limited: their claims go to the
+    /// limited claim first. Only a hint (a stale entry costs one statement).
+    limited_queues: std::sync::Mutex<std::collections::HashSet<String>>,
 }
 
 /// Builds a [`Ferry`]: `Ferry::builder(url).migrate(true).connect()`.
@@ -89,6 +97,7 @@ pub struct FerryBuilder {
     migrate: bool,
     notify_interval: Duration,
     outbox_key_locks: bool,
+    priority_aging: Duration,
 }
 
 impl FerryBuilder {
@@ -146,6 +155,16 @@ impl FerryBuilder {
         self
     }
 
+    /// What one priority level is worth in waiting (default 1 minute, at
+    /// most 1 day): a job of priority `p` is claimed as if it had become
+    /// available `p` steps earlier, so it goes ahead of lower priorities
+    /// unless they have waited longer than the difference (linear aging).
+    /// Stored per job at acceptance, so a change applies to new jobs.
+    pub fn priority_aging(mut self, step: Duration) -> Self {
+        self.priority_aging = step;
+        self
+    }
+
     /// Connects (and migrates, if asked).
     pub async fn connect(self) -> Result<Ferry> {
         let db = connect_with(&self.url, &self.connect).await?;
@@ -158,6 +177,10 @@ impl FerryBuilder {
     /// Uses an existing pool instead of connecting.
     pub async fn build(self, db: Db) -> Result<Ferry> {
         self.limits.topic(&self.events_topic)?;
+        let priority_aging_ms = time::duration_ms(self.priority_aging)?;
+        if !(1..=86_400_000).contains(&priority_aging_ms) {
+            return Err(Error::invalid("priority_aging", "must be 1 ms to 1 day"));
+        }
         let lanes = outbox::load_lanes(&db).await?;
         let notifier = notify::Notifier::new(self.notify_interval, &db);
         Ok(Ferry {
@@ -170,6 +193,8 @@ impl FerryBuilder {
                 events_topic: self.events_topic,
                 notifier,
                 outbox_key_locks: self.outbox_key_locks,
+                priority_aging_ms,
+                limited_queues: Default::default(),
             }),
         })
     }
@@ -187,6 +212,7 @@ impl Ferry {
             migrate: false,
             notify_interval: Duration::from_millis(10),
             outbox_key_locks: true,
+            priority_aging: Duration::from_secs(60),
         }
     }
 
@@ -217,5 +243,26 @@ impl Ferry {
 
     pub(crate) fn now(&self) -> Option<i64> {
         self.inner.clock.param()
+    }
+
+    /// Whether this process last found `queue` limited (a hint).
+    pub(crate) fn limited_hint(&self, queue: &str) -> bool {
+        self.inner
+            .limited_queues
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .contains(queue)
+    }
+
+    /// Records whether `queue` was found limited.
+    pub(crate) fn set_limited_hint(&self, queue: &str, limited: bool) {
+        let mut set = self.inner.limited_queues.lock().unwrap_or_else(|p| p.into_inner());
+        if limited {
+            if !set.contains(queue) {
+                set.insert(queue.to_owned());
+            }
+        } else {
+            set.remove(queue);
+        }
     }
 }

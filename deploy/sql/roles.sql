@@ -60,6 +60,10 @@ GRANT USAGE ON SEQUENCE outbox_id_seq TO ferry_service;
 GRANT SELECT, INSERT, UPDATE, DELETE ON ferry_schedules TO ferry_service;
 GRANT INSERT ON ferry_audit TO ferry_service;
 GRANT USAGE ON SEQUENCE ferry_audit_id_seq TO ferry_service;
+-- The claim reads its queue's settings and, in a rate-limited queue, takes
+-- tokens from the bucket; pausing and limits are the operator's.
+GRANT SELECT ON ferry_queues TO ferry_service;
+GRANT UPDATE (tokens, refilled_at) ON ferry_queues TO ferry_service;
 
 -- The relay reads and marks the outbox and its lanes, nothing else.
 GRANT SELECT, DELETE ON outbox TO ferry_relay;
@@ -75,8 +79,8 @@ GRANT SELECT, INSERT, UPDATE ON consumer_partitions TO ferry_consumer;
 GRANT SELECT, INSERT, DELETE ON consumer_ledger TO ferry_consumer;
 
 -- An operator runs `ferry jobs list|inspect|cancel|replay-dead`,
--- `ferry runs list|show`, `ferry schedules list|remove` and
--- `ferry dead list|replay`: cancel terminates a run (job, run, event,
+-- `ferry runs list|show`, `ferry schedules list|remove`,
+-- `ferry queue list|pause|resume|limits` and `ferry dead list|replay`: cancel terminates a run (job, run, event,
 -- attempt, outbox row), replay-dead accepts a linked run and appends
 -- `replay_requested` to the dead one, dead replay sets dead outbox rows back
 -- to pending, schedules remove drops a schedule (its runs stay); each writes
@@ -94,3 +98,5 @@ GRANT UPDATE (state, last_error) ON outbox TO ferry_operator;
 GRANT USAGE ON SEQUENCE outbox_id_seq TO ferry_operator;
 GRANT INSERT ON ferry_audit TO ferry_operator;
 GRANT USAGE ON SEQUENCE ferry_audit_id_seq TO ferry_operator;
+-- `ferry queue pause|resume|limits|list`, audited.
+GRANT SELECT, INSERT, UPDATE ON ferry_queues TO ferry_operator;

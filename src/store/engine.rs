@@ -1,7 +1,8 @@
 //! What really differs between the engines in the job path, and nothing
 //! else: the claim (one `FOR UPDATE SKIP LOCKED` statement with its attempt
 //! rows on PostgreSQL; the same steps one by one under SQLite's single
-//! writer) and batch completion (one set-based statement on PostgreSQL; a
+//! writer; a limited queue's claim under its `ferry_queues` row lock) and
+//! batch completion (one set-based statement on PostgreSQL; a
 //! savepoint per lease on SQLite).
 
 use serde_json::Value;
@@ -11,41 +12,167 @@ use uuid::Uuid;
 use crate::error::{Error, Result};
 use crate::jobs::{ClaimRow, Claimed, Lease, Transition};
 use crate::runs::get_run_in;
-use crate::store::Conn;
+use crate::store::{on_conn, Conn};
 use crate::Ferry;
 
+/// Which claim statement runs: the plain one (open, unlimited queues) or
+/// the limited one, with how many candidates it may scan.
+#[derive(Debug, Clone, Copy)]
+enum ClaimSql {
+    Open,
+    Limited { scan: i64 },
+}
+
 impl Ferry {
+    /// Claims up to `limit` jobs of `queue` inside `conn`'s transaction.
+    ///
+    /// An open, unlimited queue is claimed by one statement (`claim_jobs`),
+    /// which claims nothing in a paused or limited queue. Only when it came
+    /// back empty is the queue's row asked whether it is limited; then the
+    /// limited claim runs ([`Ferry::claim_limited_in`]). A queue this
+    /// process last found limited goes to the limited claim first (a hint:
+    /// the limited claim says when the queue is no longer limited, and the
+    /// plain claim follows in the same transaction).
     pub(crate) async fn claim_in(
         &self,
-        conn: Conn<'_>,
+        mut conn: Conn<'_>,
         queue: &str,
         owner: &str,
         lease_ms: i64,
         limit: u32,
     ) -> Result<Vec<Claimed>> {
+        let limit = i64::from(limit);
+        if self.limited_hint(queue) {
+            if let Some(claimed) = self
+                .claim_limited_in(conn.reborrow(), queue, owner, lease_ms, limit)
+                .await?
+            {
+                return Ok(claimed);
+            }
+            self.set_limited_hint(queue, false);
+        }
+        let claimed = self
+            .run_claim(conn.reborrow(), ClaimSql::Open, queue, owner, lease_ms, limit)
+            .await?;
+        if !claimed.is_empty() {
+            return Ok(claimed);
+        }
+        let limited: Option<i32> = on_conn!(conn.reborrow(), |c, q| {
+            sqlx::query_scalar(q.queue_limited)
+                .bind(queue)
+                .fetch_optional(&mut *c)
+                .await?
+        });
+        if limited.is_none() {
+            return Ok(claimed);
+        }
+        self.set_limited_hint(queue, true);
+        Ok(self
+            .claim_limited_in(conn, queue, owner, lease_ms, limit)
+            .await?
+            .unwrap_or_default())
+    }
+
+    /// The claim of a limited queue: locks the queue's row and refills its
+    /// bucket (`lock_queue`), so the claims of a limited queue take turns
+    /// across processes and each counts the live leases exactly; then
+    /// `claim_limited` takes what the limits allow, and the tokens it used
+    /// are spent before the transaction commits. `None` when the queue has
+    /// no row or no limits (and is not paused): the plain claim applies.
+    async fn claim_limited_in(
+        &self,
+        mut conn: Conn<'_>,
+        queue: &str,
+        owner: &str,
+        lease_ms: i64,
+        limit: i64,
+    ) -> Result<Option<Vec<Claimed>>> {
+        let gate: Option<(bool, bool, bool, i64)> = on_conn!(conn.reborrow(), |c, q| {
+            sqlx::query_as(q.lock_queue)
+                .bind(queue)
+                .bind(self.now())
+                .fetch_optional(&mut *c)
+                .await?
+        });
+        let (paused, rated, tokens) = match gate {
+            None | Some((false, false, _, _)) => return Ok(None),
+            Some((paused, _, rated, tokens)) => (paused, rated, tokens),
+        };
+        let allowed = if rated { limit.min(tokens) } else { limit };
+        if paused || allowed <= 0 {
+            return Ok(Some(Vec::new()));
+        }
+        // Room for rows of tenants that reach their cap within this claim.
+        let scan = allowed.saturating_mul(8).max(64);
+        let claimed = self
+            .run_claim(
+                conn.reborrow(),
+                ClaimSql::Limited { scan },
+                queue,
+                owner,
+                lease_ms,
+                allowed,
+            )
+            .await?;
+        if rated && !claimed.is_empty() {
+            on_conn!(conn, |c, q| {
+                sqlx::query(q.spend_tokens)
+                    .bind(queue)
+                    .bind(claimed.len() as i64)
+                    .execute(&mut *c)
+                    .await?;
+            });
+        }
+        Ok(Some(claimed))
+    }
+
+    /// Runs one claim statement and, on SQLite, the steps PostgreSQL's
+    /// statement does itself (closing lost attempts, writing the new
+    /// attempt rows, reading the runs).
+    async fn run_claim(
+        &self,
+        conn: Conn<'_>,
+        which: ClaimSql,
+        queue: &str,
+        owner: &str,
+        lease_ms: i64,
+        limit: i64,
+    ) -> Result<Vec<Claimed>> {
         match conn {
             Conn::Postgres(c) => {
                 let q = &crate::store::queries::QUERIES.postgres;
-                let rows = sqlx::query(q.claim_jobs)
+                let sql = match which {
+                    ClaimSql::Open => q.claim_jobs,
+                    ClaimSql::Limited { .. } => q.claim_limited,
+                };
+                let mut query = sqlx::query(sql)
                     .bind(queue)
                     .bind(self.now())
-                    .bind(i64::from(limit))
+                    .bind(limit)
                     .bind(owner)
-                    .bind(lease_ms)
-                    .fetch_all(&mut *c)
-                    .await?;
+                    .bind(lease_ms);
+                if let ClaimSql::Limited { scan } = which {
+                    query = query.bind(scan);
+                }
+                let rows = query.fetch_all(&mut *c).await?;
                 rows.iter().map(claimed_from_pg_row).collect()
             }
             Conn::Sqlite(c) => {
                 let q = &crate::store::queries::QUERIES.sqlite;
-                let rows: Vec<ClaimRow> = sqlx::query_as(q.claim_jobs)
+                let sql = match which {
+                    ClaimSql::Open => q.claim_jobs,
+                    ClaimSql::Limited { .. } => q.claim_limited,
+                };
+                let mut query = sqlx::query_as::<_, ClaimRow>(sql)
                     .bind(queue)
                     .bind(self.now())
-                    .bind(i64::from(limit))
+                    .bind(limit)
                     .bind(owner)
-                    .bind(lease_ms)
-                    .fetch_all(&mut *c)
-                    .await?;
+                    .bind(lease_ms);
+                if let ClaimSql::Limited { scan } = which {
+                    query = query.bind(scan);
+                }
+                let rows: Vec<ClaimRow> = query.fetch_all(&mut *c).await?;
                 let mut out = Vec::with_capacity(rows.len());
                 for row in rows {
                     sqlx::query(q.close_lost_attempts)
@@ -133,13 +260,29 @@ impl Ferry {
     /// PostgreSQL, as one autocommitted statement when `conn` is outside
     /// one): completes `items` exactly like [`Ferry::complete_batch`] and
     /// claims up to `limit` jobs of `queue` exactly like [`Ferry::claim`].
+    /// `limited` (the caller's reading of the hint, with `conn` in a
+    /// transaction) completes first and then claims through [`Ferry::claim_in`],
+    /// which takes a limited queue's row lock.
     pub(crate) async fn complete_and_claim_on(
         &self,
         conn: Conn<'_>,
         items: &[(Lease, Value)],
         (queue, owner, lease_ms, limit): (&str, &str, i64, u32),
+        limited: bool,
     ) -> Result<(Vec<Result<()>>, Vec<Claimed>)> {
         match conn {
+            // A limited queue: the completions, then the limited claim, in
+            // the caller's transaction (the combined statement claims
+            // nothing there).
+            Conn::Postgres(c) if limited => {
+                let done = self.complete_batch_pg(&mut *c, items).await?;
+                let claimed = if limit == 0 {
+                    Vec::new()
+                } else {
+                    self.claim_in(Conn::Postgres(c), queue, owner, lease_ms, limit).await?
+                };
+                Ok((done, claimed))
+            }
             Conn::Postgres(c) => {
                 let rows = sqlx::query(crate::store::queries::POSTGRES_ONLY.complete_and_claim)
                     .bind(items.iter().map(|(l, _)| l.tenant.as_str()).collect::<Vec<_>>())

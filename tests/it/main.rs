@@ -11,6 +11,7 @@ mod outbox;
 mod pg;
 mod scheduled;
 mod schedules;
+mod queues;
 mod spans;
 mod support;
 mod worker;
