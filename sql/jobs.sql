@@ -331,66 +331,14 @@ WHERE (tenant, run_id, generation) IN (
 -- name: queued_depth
 SELECT count(*) FROM jobs WHERE tenant = $1 AND state = 'queued'
 
--- name: complete_batch [postgres only]
--- PostgreSQL only: completes many leases in one statement. Each input row is
--- fenced like finish_job; for each completed job the run is compare-and-set
--- to succeeded, the run_succeeded event and its outbox row are written, and
--- the attempt is closed. Returns the completed run ids and whether their run
--- moved (always, unless the schema was tampered with).
-WITH input AS (
-    SELECT * FROM UNNEST($1::text[], $2::uuid[], $3::text[], $4::bigint[], $5::jsonb[], $6::int[])
-        AS i(tenant, run_id, owner, generation, result, lane)
-), clock AS (
-    SELECT {now $7} AS at
-), done AS (
-    UPDATE jobs j
-    SET state = 'succeeded', lease_owner = NULL, lease_expires_at = NULL, last_error_code = NULL, updated_at = clock.at
-    FROM input i, clock
-    WHERE j.tenant = i.tenant AND j.run_id = i.run_id AND j.state = 'leased' AND j.lease_owner = i.owner
-      AND j.lease_generation = i.generation AND j.lease_expires_at > clock.at
-    RETURNING j.tenant, j.run_id, j.lease_generation, i.result, i.lane
-), finished AS (
-    UPDATE runs r
-    SET state = 'succeeded', version = r.version + 1, last_event_seq = r.last_event_seq + 1,
-        updated_at = GREATEST(r.updated_at, clock.at)
-    FROM done d, clock
-    WHERE r.tenant = d.tenant AND r.run_id = d.run_id AND r.state = 'queued'
-    RETURNING r.tenant, r.run_id, r.last_event_seq AS seq, d.lease_generation, d.result, d.lane
-), events AS (
-    INSERT INTO run_events (tenant, run_id, seq, kind, body, created_at)
-    SELECT f.tenant, f.run_id, f.seq, 'run_succeeded', jsonb_build_object('result', f.result), clock.at
-    FROM finished f, clock
-), outbox_rows AS (
-    INSERT INTO outbox (tenant, topic, key, lane, payload, headers, effect_key, created_at)
-    SELECT f.tenant, $8, f.run_id::text, f.lane,
-           convert_to(jsonb_build_object('tenant', f.tenant, 'run_id', f.run_id, 'seq', f.seq, 'kind', 'run_succeeded',
-                                         'at', clock.at, 'body', jsonb_build_object('result', f.result))::text, 'UTF8'),
-           jsonb_build_object('content-type', 'application/json', 'ferry-event-kind', 'run_succeeded'),
-           f.tenant || '/' || f.run_id::text || '/' || f.seq::text,
-           clock.at
-    FROM finished f, clock
-), attempts AS (
-    UPDATE job_attempts a
-    SET finished_at = clock.at, outcome = 'succeeded'
-    FROM finished f, clock
-    WHERE a.tenant = f.tenant AND a.run_id = f.run_id AND a.generation = f.lease_generation AND a.finished_at IS NULL
-)
-SELECT d.run_id, EXISTS (SELECT 1 FROM finished f WHERE f.tenant = d.tenant AND f.run_id = d.run_id) AS moved
-FROM done d
-
--- name: complete_and_claim [postgres only]
--- PostgreSQL only: complete_batch and claim_jobs in ONE statement (a paused
--- or limited queue claims nothing here; the worker's claim loop claims it
--- through claim_limited), so a
--- worker's finished jobs and the next jobs for the freed slots commit
--- together in one round trip. $1..$8 as complete_batch; $9 queue, $10 limit,
--- $11 owner, $12 lease ms, as claim_jobs' $1, $3, $4, $5. One clock for
--- both halves: a lease this statement may complete is unexpired, so the claim
--- half (due rows only) never picks it, and a refused expired lease may be
--- claimed but is never written twice. A run that did not move (the schema was
--- tampered with) fails the whole statement, so nothing commits.
--- Rows: kind 'claimed' (claim_jobs' columns), then kind 'done' (run_id).
-WITH input AS (
+-- name: complete_writes [fragment]
+-- PostgreSQL: the CTEs that complete many leases ($1 tenants, $2 run ids,
+-- $3 owners, $4 generations, $5 results, $6 outbox lanes, at {now $7}, run
+-- events to topic $8). Each input row is fenced like finish_job (`done`:
+-- tenant, run id and the generation completed); for each completed job the
+-- run is compare-and-set to succeeded (`finished`), the run_succeeded event
+-- and its outbox row are written, and the attempt is closed (`closed`).
+input AS (
     SELECT * FROM UNNEST($1::text[], $2::uuid[], $3::text[], $4::bigint[], $5::jsonb[], $6::int[])
         AS i(tenant, run_id, owner, generation, result, lane)
 ), clock AS (
@@ -427,7 +375,32 @@ WITH input AS (
     SET finished_at = clock.at, outcome = 'succeeded'
     FROM finished f, clock
     WHERE a.tenant = f.tenant AND a.run_id = f.run_id AND a.generation = f.lease_generation AND a.finished_at IS NULL
-), picked AS (
+)
+
+-- name: complete_batch [postgres only]
+-- PostgreSQL only: completes many leases in one statement (complete_writes).
+-- Returns each completed lease (tenant, run id, generation: a batch may hold
+-- two leases of one job, or one run id of two tenants) and whether its run
+-- moved (always, unless the schema was tampered with).
+WITH {use complete_writes $1 $2 $3 $4 $5 $6 $7 $8}
+SELECT d.tenant, d.run_id, d.lease_generation,
+       EXISTS (SELECT 1 FROM finished f WHERE f.tenant = d.tenant AND f.run_id = d.run_id) AS moved
+FROM done d
+
+-- name: complete_and_claim [postgres only]
+-- PostgreSQL only: complete_batch and claim_jobs in ONE statement (a paused
+-- or limited queue claims nothing here; the worker's claim loop claims it
+-- through claim_limited), so a
+-- worker's finished jobs and the next jobs for the freed slots commit
+-- together in one round trip. $1..$8 as complete_batch; $9 queue, $10 limit,
+-- $11 owner, $12 lease ms, as claim_jobs' $1, $3, $4, $5. One clock for
+-- both halves: a lease this statement may complete is unexpired, so the claim
+-- half (due rows only) never picks it, and a refused expired lease may be
+-- claimed but is never written twice. A run that did not move (the schema was
+-- tampered with) fails the whole statement, so nothing commits.
+-- Rows: kind 'claimed' (claim_jobs' columns), then kind 'done' (tenant,
+-- run_id, lease_generation: the lease completed).
+WITH {use complete_writes $1 $2 $3 $4 $5 $6 $7 $8}, picked AS (
     SELECT j.tenant, j.run_id
     FROM jobs j, clock
     -- Completes first: `done` runs to its end (waiting for any row it
@@ -447,7 +420,7 @@ SELECT 'claimed' AS kind, c.tenant, c.run_id, c.queue, c.lease_owner, c.lease_ge
        r.operation, r.request, r.replay_of
 FROM claimed c JOIN runs r ON r.tenant = c.tenant AND r.run_id = c.run_id
 UNION ALL
-SELECT 'done', d.tenant, d.run_id, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL,
+SELECT 'done', d.tenant, d.run_id, NULL, NULL, d.lease_generation, NULL, NULL, NULL, NULL, NULL,
        -- Fails the statement (22P02) if the run did not move.
        CASE WHEN EXISTS (SELECT 1 FROM finished f WHERE f.tenant = d.tenant AND f.run_id = d.run_id) THEN NULL
             ELSE ('ferry invariant: the run of leased job ' || d.run_id::text || ' was already terminal')::bigint END,

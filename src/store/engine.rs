@@ -222,9 +222,13 @@ impl Ferry {
         }
     }
 
-    async fn complete_batch_pg(&self, c: &mut sqlx::PgConnection, items: &[(Lease, Value)]) -> Result<Vec<Result<()>>> {
-        let rows: Vec<(Uuid, bool)> = sqlx::query_as(crate::store::queries::POSTGRES_ONLY.complete_batch)
-            .bind(items.iter().map(|(l, _)| l.tenant.as_str()).collect::<Vec<_>>())
+    /// Binds the completions of `items` as complete_writes' $1..$8.
+    fn bind_completions<'q>(
+        &'q self,
+        q: sqlx::query::Query<'q, sqlx::Postgres, sqlx::postgres::PgArguments>,
+        items: &'q [(Lease, Value)],
+    ) -> sqlx::query::Query<'q, sqlx::Postgres, sqlx::postgres::PgArguments> {
+        q.bind(items.iter().map(|(l, _)| l.tenant.as_str()).collect::<Vec<_>>())
             .bind(items.iter().map(|(l, _)| l.run_id).collect::<Vec<_>>())
             .bind(items.iter().map(|(l, _)| l.owner.as_str()).collect::<Vec<_>>())
             .bind(items.iter().map(|(l, _)| l.generation).collect::<Vec<_>>())
@@ -237,23 +241,51 @@ impl Ferry {
             )
             .bind(self.now())
             .bind(&self.inner.events_topic)
-            .fetch_all(&mut *c)
-            .await?;
-        if rows.iter().any(|(_, moved)| !moved) {
-            return Err(Error::Invariant(
-                "a leased job's run was already terminal; the batch was rolled back".into(),
-            ));
-        }
-        let done: std::collections::HashSet<Uuid> = rows.into_iter().map(|(id, _)| id).collect();
+    }
+
+    /// Each item's answer: `Ok` when its very lease (tenant, run id,
+    /// generation) is among `done`, else the typed refusal. Matching on the
+    /// run id alone would answer `Ok` for a stale lease batched beside the
+    /// current lease of the same job, or for another tenant's run id.
+    async fn answer_completions(
+        &self,
+        c: &mut sqlx::PgConnection,
+        items: &[(Lease, Value)],
+        done: &std::collections::HashSet<(String, Uuid, i64)>,
+    ) -> Vec<Result<()>> {
         let mut out = Vec::with_capacity(items.len());
         for (lease, _) in items {
-            out.push(if done.contains(&lease.run_id) {
-                Ok(())
-            } else {
-                Err(self.refusal(Conn::Postgres(&mut *c), lease, Transition::Finish).await)
-            });
+            out.push(
+                if done.contains(&(lease.tenant.clone(), lease.run_id, lease.generation)) {
+                    Ok(())
+                } else {
+                    Err(self.refusal(Conn::Postgres(&mut *c), lease, Transition::Finish).await)
+                },
+            );
         }
-        Ok(out)
+        out
+    }
+
+    async fn complete_batch_pg(&self, c: &mut sqlx::PgConnection, items: &[(Lease, Value)]) -> Result<Vec<Result<()>>> {
+        let rows = self
+            .bind_completions(sqlx::query(crate::store::queries::POSTGRES_ONLY.complete_batch), items)
+            .fetch_all(&mut *c)
+            .await?;
+        let mut done = std::collections::HashSet::with_capacity(rows.len());
+        for row in &rows {
+            use sqlx::Row;
+            if !row.try_get::<bool, _>("moved")? {
+                return Err(Error::Invariant(
+                    "a leased job's run was already terminal; the batch was rolled back".into(),
+                ));
+            }
+            done.insert((
+                row.try_get::<String, _>("tenant")?,
+                row.try_get::<Uuid, _>("run_id")?,
+                row.try_get::<i64, _>("lease_generation")?,
+            ));
+        }
+        Ok(self.answer_completions(c, items, &done).await)
     }
 
     /// [`Ferry::complete_and_claim`] inside `conn`'s transaction (or, on
@@ -284,20 +316,11 @@ impl Ferry {
                 Ok((done, claimed))
             }
             Conn::Postgres(c) => {
-                let rows = sqlx::query(crate::store::queries::POSTGRES_ONLY.complete_and_claim)
-                    .bind(items.iter().map(|(l, _)| l.tenant.as_str()).collect::<Vec<_>>())
-                    .bind(items.iter().map(|(l, _)| l.run_id).collect::<Vec<_>>())
-                    .bind(items.iter().map(|(l, _)| l.owner.as_str()).collect::<Vec<_>>())
-                    .bind(items.iter().map(|(l, _)| l.generation).collect::<Vec<_>>())
-                    .bind(items.iter().map(|(_, v)| Json(v)).collect::<Vec<_>>())
-                    .bind(
-                        items
-                            .iter()
-                            .map(|(l, _)| crate::outbox::lane_for(&l.run_id.to_string(), self.lanes()))
-                            .collect::<Vec<_>>(),
+                let rows = self
+                    .bind_completions(
+                        sqlx::query(crate::store::queries::POSTGRES_ONLY.complete_and_claim),
+                        items,
                     )
-                    .bind(self.now())
-                    .bind(&self.inner.events_topic)
                     .bind(queue)
                     .bind(i64::from(limit))
                     .bind(owner)
@@ -312,17 +335,14 @@ impl Ferry {
                     if kind == "claimed" {
                         claimed.push(claimed_from_pg_row(row)?);
                     } else {
-                        done.insert(row.try_get::<Uuid, _>("run_id")?);
+                        done.insert((
+                            row.try_get::<String, _>("tenant")?,
+                            row.try_get::<Uuid, _>("run_id")?,
+                            row.try_get::<i64, _>("lease_generation")?,
+                        ));
                     }
                 }
-                let mut out = Vec::with_capacity(items.len());
-                for (lease, _) in items {
-                    out.push(if done.contains(&lease.run_id) {
-                        Ok(())
-                    } else {
-                        Err(self.refusal(Conn::Postgres(&mut *c), lease, Transition::Finish).await)
-                    });
-                }
+                let out = self.answer_completions(c, items, &done).await;
                 Ok((out, claimed))
             }
             Conn::Sqlite(c) => {

@@ -938,7 +938,44 @@ async fn complete_and_claim_refuses_stale_leases_and_still_claims(kind: Kind) {
     t.ferry.complete(&claimed[2].lease, &json!({})).await.unwrap();
 }
 
+/// A batch holding two leases of one job (the expired one and the one that
+/// reclaimed it) completes the current one and refuses the stale one, in
+/// both batch calls: answers are matched by the whole lease (tenant, run id,
+/// generation), not by the run id.
+async fn a_stale_and_a_current_lease_of_one_job_in_one_batch(kind: Kind) {
+    let clock = manual_clock();
+    let t = TestDb::with_clock(kind, clock.clone()).await;
+    for complete_and_claim in [false, true] {
+        t.ferry
+            .create_run_idempotent(job(&format!("twice-{complete_and_claim}")))
+            .await
+            .unwrap();
+        let first = t.ferry.claim("payments", "w", LEASE, 1).await.unwrap().remove(0);
+        clock.advance(LEASE + Duration::from_millis(1)).unwrap();
+        let again = t.ferry.claim("payments", "w", LEASE, 1).await.unwrap().remove(0);
+        assert_eq!(again.lease.run_id, first.lease.run_id, "the expired lease is reclaimed");
+        assert_eq!(again.lease.generation, first.lease.generation + 1);
+        let items = vec![(first.lease.clone(), json!({})), (again.lease.clone(), json!({}))];
+        let results = if complete_and_claim {
+            t.ferry
+                .complete_and_claim(&items, "payments", "w", LEASE, 0)
+                .await
+                .unwrap()
+                .0
+        } else {
+            t.ferry.complete_batch(&items).await.unwrap()
+        };
+        let codes: Vec<_> = results.iter().map(|r| r.as_ref().err().map(|e| e.code())).collect();
+        assert_eq!(
+            codes,
+            [Some("lost_lease"), None],
+            "complete_and_claim: {complete_and_claim}"
+        );
+    }
+}
+
 on_both_engines!(
+    a_stale_and_a_current_lease_of_one_job_in_one_batch,
     complete_and_claim_commits_both_halves_or_neither,
     complete_and_claim_refuses_stale_leases_and_still_claims,
     batch_completion_fences_each_lease,
