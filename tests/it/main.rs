@@ -12,6 +12,5 @@ mod pg;
 mod queues;
 mod scheduled;
 mod schedules;
-mod spans;
 mod support;
 mod worker;

@@ -1,6 +1,11 @@
 //! Claim, complete and fail each open a span with the identifiers DESIGN
 //! names (queue, tenant, run id, lease generation, error code), and no span
 //! carries the request or the result.
+//!
+//! Its own test binary: the subscriber is installed per thread
+//! (`set_default`), and claims on other tests' threads in a shared binary
+//! made tracing's per-callsite interest cache drop these spans' fields now
+//! and then.
 
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -13,7 +18,8 @@ use tracing::{Id, Subscriber};
 use tracing_subscriber::layer::{Context, SubscriberExt};
 use tracing_subscriber::Layer;
 
-use crate::support::{Kind, TestDb};
+use ferry::Engine as Kind;
+use ferry_testkit::TestDb;
 
 /// A span's name and every field recorded on it, as text.
 type SpanRecord = (String, Vec<(String, String)>);
