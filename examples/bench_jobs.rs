@@ -8,7 +8,7 @@
 //! multi-row INSERTs of the same five rows per run. `limits` compares the
 //! claim with and without queue limits (issue #13), in the same run.
 //!
-//!     cargo run --release --example bench_jobs -- [--quick] [worker | keylock | bulk | limits]
+//!     cargo run --release --example bench_jobs -- [--quick] [worker | keylock | bulk | limits | notify]
 #![allow(clippy::print_stdout)]
 
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -41,6 +41,10 @@ async fn main() -> Res<()> {
     if std::env::args().any(|a| a == "limits") {
         return limits_cost(&base, quick).await;
     }
+    // `notify` runs just the NOTIFY cost rows.
+    if std::env::args().any(|a| a == "notify") {
+        return notify_cost(&base, n).await;
+    }
     // `bulk` runs just the bulk acceptance rows.
     if std::env::args().any(|a| a == "bulk") {
         return bulk_accept(&base, quick).await;
@@ -51,6 +55,46 @@ async fn main() -> Res<()> {
     worker_runtime(&base, quick).await?;
     if !only_worker {
         claim_latency(&base, quick).await?;
+    }
+    Ok(())
+}
+
+/// The cost of wake-up notifications: none, coalesced at 10 ms (the
+/// default) and at 50 ms, and one per transaction.
+async fn notify_cost(base: &str, n: usize) -> Res<()> {
+    let mut rates = Vec::new();
+    for interval in [
+        Duration::from_secs(3600),
+        Duration::from_millis(10),
+        Duration::from_millis(50),
+        Duration::ZERO,
+    ] {
+        let (_, pool) = fresh(base, "notify").await?;
+        let f = Ferry::builder(url_of(base, "notify"))
+            .notify_interval(interval)
+            .build(pool.into())
+            .await?;
+        rates.push(
+            rate(n, 16, move |i| {
+                let f = f.clone();
+                async move {
+                    f.create_run_idempotent(NewRun::new("bench", "op", format!("k{i}"), json!({"i": i})))
+                        .await?;
+                    Ok(1)
+                }
+            })
+            .await?,
+        );
+    }
+    row("enqueue, NOTIFY coalesced 10 ms (jobs/s) vs none", rates[1], rates[0]);
+    row("enqueue, NOTIFY coalesced 50 ms (jobs/s) vs none", rates[2], rates[0]);
+    row("enqueue, NOTIFY every tx (jobs/s) vs none", rates[3], rates[0]);
+    for (name, r) in [("10 ms", rates[1]), ("50 ms", rates[2]), ("every tx", rates[3])] {
+        println!(
+            "{:<44} {:>11.1}%",
+            format!("NOTIFY cost, {name}"),
+            (1.0 - r / rates[0]) * 100.0
+        );
     }
     Ok(())
 }
@@ -70,33 +114,7 @@ async fn enqueue_and_claim(base: &str, n: usize) -> Res<()> {
     let raw = rate(n, 16, move |i| raw_accept(pool.clone(), i, 1)).await?;
     row("enqueue, 1 per tx (jobs/s)", ferry_rate, raw);
 
-    // The cost of wake-up notifications: none, coalesced (the default), one per transaction.
-    let mut rates = Vec::new();
-    for interval in [Duration::from_secs(3600), Duration::from_millis(50), Duration::ZERO] {
-        let (_, pool) = fresh(base, "notify").await?;
-        let f = Ferry::builder(url_of(base, "notify"))
-            .notify_interval(interval)
-            .build(pool.into())
-            .await?;
-        rates.push(
-            rate(n, 16, move |i| {
-                let f = f.clone();
-                async move {
-                    f.create_run_idempotent(NewRun::new("bench", "op", format!("k{i}"), json!({"i": i})))
-                        .await?;
-                    Ok(1)
-                }
-            })
-            .await?,
-        );
-    }
-    row("enqueue, NOTIFY coalesced (jobs/s) vs none", rates[1], rates[0]);
-    row("enqueue, NOTIFY every tx (jobs/s) vs none", rates[2], rates[0]);
-    println!(
-        "{:<44} {:>11.1}%",
-        "coalesced NOTIFY cost",
-        (1.0 - rates[1] / rates[0]) * 100.0
-    );
+    notify_cost(base, n).await?;
 
     key_lock_cost(base, n).await?;
 
