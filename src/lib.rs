@@ -137,7 +137,8 @@ impl FerryBuilder {
     /// for 13–15 % of acceptance throughput at 16 clients; see BENCHMARKS.md).
     /// NOTIFY serializes commits, so it is coalesced;
     /// a wake-up skipped inside the interval is sent at its end (a trailing
-    /// notification), so a new row waits at most this long for its wake-up.
+    /// notification), so a row committed by then waits at most this long for
+    /// its wake-up (one committed later falls back to the listener's poll).
     pub fn notify_interval(mut self, d: Duration) -> Self {
         self.notify_interval = d;
         self
