@@ -565,3 +565,69 @@ async fn eight_workers_never_exceed_the_tenant_cap() {
         );
     }
 }
+
+/// Unexpired leases of a high priority stay out of the claim's index range
+/// (PostgreSQL-only: the test reads the plan). 200 leased priority-100 jobs
+/// (a 100-minute lead at the default aging step, far longer than their
+/// lease) and 5 due priority-0 jobs: the claim's scan of `jobs_claim_idx`
+/// yields only the due jobs, with no leased row fetched and filtered out.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unexpired_leases_stay_out_of_the_claim_index_range() {
+    let t = TestDb::with_clock(Kind::Postgres, crate::support::manual_clock()).await;
+    let high = (0..200)
+        .map(|i| {
+            NewRun::new("acme", "work", format!("h-{i}"), json!({}))
+                .queue("q")
+                .priority(100)
+        })
+        .collect();
+    for r in t.ferry.create_runs_idempotent(high).await.unwrap() {
+        r.unwrap();
+    }
+    let held = t.ferry.claim("q", "w", Duration::from_secs(30), 200).await.unwrap();
+    assert_eq!(held.len(), 200);
+    let low = (0..5)
+        .map(|i| NewRun::new("acme", "work", format!("l-{i}"), json!({})).queue("q"))
+        .collect();
+    for r in t.ferry.create_runs_idempotent(low).await.unwrap() {
+        r.unwrap();
+    }
+    let mut c = t.ferry.db().as_postgres().unwrap().acquire().await.unwrap();
+    // The table is small: make the planner use the index it uses at scale.
+    for set in ["SET enable_seqscan = off", "SET enable_bitmapscan = off"] {
+        sqlx::query(set).execute(&mut *c).await.unwrap();
+    }
+    sqlx::query("ANALYZE jobs").execute(&mut *c).await.unwrap();
+    // The claim's scan (the claim_due fragment) at the test clock's instant.
+    let plan: serde_json::Value = sqlx::query_scalar(&format!(
+        "EXPLAIN (ANALYZE, FORMAT JSON) SELECT j.tenant, j.run_id FROM jobs j \
+         WHERE j.queue = 'q' AND j.state IN ('queued', 'leased') AND j.claim_key <= {now} \
+           AND j.available_at <= {now} AND j.attempts < j.max_attempts \
+           AND (j.deadline_at IS NULL OR j.deadline_at > {now}) \
+         ORDER BY j.claim_key LIMIT 10 FOR UPDATE OF j SKIP LOCKED",
+        now = crate::support::T0
+    ))
+    .fetch_one(&mut *c)
+    .await
+    .unwrap();
+    fn walk(node: &serde_json::Value, out: &mut Vec<(String, String, i64, i64)>) {
+        if let Some(rel) = node.get("Index Name").or(node.get("Relation Name")) {
+            out.push((
+                node["Node Type"].as_str().unwrap_or_default().to_owned(),
+                rel.as_str().unwrap_or_default().to_owned(),
+                node["Actual Rows"].as_i64().unwrap_or_default(),
+                node.get("Rows Removed by Filter").and_then(|v| v.as_i64()).unwrap_or(0),
+            ));
+        }
+        for child in node.get("Plans").and_then(|p| p.as_array()).into_iter().flatten() {
+            walk(child, out);
+        }
+    }
+    let mut scans = Vec::new();
+    walk(&plan[0]["Plan"], &mut scans);
+    assert_eq!(
+        scans,
+        [("Index Scan".to_owned(), "jobs_claim_idx".to_owned(), 5, 0)],
+        "{plan:#}"
+    );
+}
