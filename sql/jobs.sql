@@ -139,6 +139,13 @@ RETURNING paused,
           (max_leased IS NOT NULL OR max_leased_per_tenant IS NOT NULL OR rate_burst IS NOT NULL) AS limited,
           rate_burst IS NOT NULL AS rated, tokens
 
+-- name: in_transaction [postgres only]
+-- Whether this connection is in a transaction that has taken a row lock or
+-- written: true right after lock_queue took the queue's row inside one,
+-- false under autocommit (that statement's transaction has ended, and with
+-- it the row lock the limited claim relies on).
+SELECT pg_current_xact_id_if_assigned() IS NOT NULL
+
 -- name: spend_tokens
 -- Takes $2 tokens from queue $1's bucket (inside lock_queue's transaction).
 UPDATE ferry_queues SET tokens = tokens - $2 WHERE queue = $1

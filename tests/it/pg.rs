@@ -631,3 +631,47 @@ async fn unexpired_leases_stay_out_of_the_claim_index_range() {
         "{plan:#}"
     );
 }
+
+/// A limited claim on a PostgreSQL connection outside a transaction is
+/// refused before it leases anything (PostgreSQL-only: there each statement
+/// would autocommit, dropping the queue's row lock before the claim that
+/// counts under it; SQLite's path is documented as needing a transaction).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_limited_claim_outside_a_transaction_is_refused() {
+    let t = TestDb::new(Kind::Postgres).await;
+    let runs = (0..6)
+        .map(|i| NewRun::new("acme", "work", format!("k-{i}"), json!({})).queue("q"))
+        .collect();
+    for r in t.ferry.create_runs_idempotent(runs).await.unwrap() {
+        r.unwrap();
+    }
+    let limits = ferry::QueueLimits {
+        max_leased: Some(4),
+        ..ferry::QueueLimits::default()
+    };
+    t.ferry.set_queue_limits("q", limits, "ops", "cap").await.unwrap();
+    // A claim finds the queue limited (and this process remembers it).
+    let held = t.ferry.claim("q", "w", Duration::from_secs(30), 1).await.unwrap();
+    assert_eq!(held.len(), 1);
+    let mut c = t.ferry.db().as_postgres().unwrap().acquire().await.unwrap();
+    let err = t
+        .ferry
+        .complete_and_claim_in(&mut *c, &[], "q", "w", Duration::from_secs(30), 3)
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), "unsupported", "{err}");
+    assert_eq!(
+        t.scalar("SELECT count(*) FROM jobs WHERE state = 'leased'").await,
+        1,
+        "nothing more leased"
+    );
+    // The same call in a transaction claims within the limit.
+    let mut tx = t.ferry.begin().await.unwrap();
+    let (_, got) = t
+        .ferry
+        .complete_and_claim_in(&mut tx, &[], "q", "w", Duration::from_secs(30), 10)
+        .await
+        .unwrap();
+    tx.commit().await.unwrap();
+    assert_eq!(got.len(), 3);
+}
