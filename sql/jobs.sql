@@ -12,10 +12,11 @@ VALUES ($1, $2, $3, 'queued', $4, $5, $6, $7, $7, $8, $9)
 -- Eligible (invariant 4) in queue $1 at clock.at (= {now $2}), for `jobs j`:
 -- due, under the attempt budget, before the deadline, and queued or leased
 -- past expiry (a leased job keeps available_at = lease_expires_at). Claims
--- go in claim_key order (available_at - priority_lead: priority first, aged
--- by waiting); a lead is never negative, so `claim_key <= now` bounds the
--- index scan of jobs_claim_idx, and `available_at <= now` is checked on the
--- rows it yields. The bound is written with {now $2}, not clock.at: the
+-- go in claim_key order (available_at - priority_lead for a queued job:
+-- priority first, aged by waiting; plain available_at for a leased one, so
+-- a live lease sorts beyond now); a lead is never negative, so
+-- `claim_key <= now` bounds the index scan of jobs_claim_idx, and
+-- `available_at <= now` is checked on the rows it yields. The bound is written with {now $2}, not clock.at: the
 -- planner can only make an index condition of a value it has at the scan
 -- (one statement has one clock on both engines, so it is the same instant).
 j.queue = $1
@@ -137,6 +138,13 @@ WHERE queue = $1
 RETURNING paused,
           (max_leased IS NOT NULL OR max_leased_per_tenant IS NOT NULL OR rate_burst IS NOT NULL) AS limited,
           rate_burst IS NOT NULL AS rated, tokens
+
+-- name: in_transaction [postgres only]
+-- Whether this connection is in a transaction that has taken a row lock or
+-- written: true right after lock_queue took the queue's row inside one,
+-- false under autocommit (that statement's transaction has ended, and with
+-- it the row lock the limited claim relies on).
+SELECT pg_current_xact_id_if_assigned() IS NOT NULL
 
 -- name: spend_tokens
 -- Takes $2 tokens from queue $1's bucket (inside lock_queue's transaction).

@@ -162,7 +162,10 @@ pub enum Error {
     /// nothing was written and the same call may be retried.
     #[error("raced a concurrent change: {0}; retry")]
     Raced(&'static str),
-    /// The call is not supported in this setup (advancing the database clock).
+    /// The call is not supported in this setup: advancing the database
+    /// clock, or claiming from a limited queue on a PostgreSQL connection
+    /// outside a transaction (its limits need the queue's row lock held to
+    /// commit). Nothing was written by the refused step.
     #[error("unsupported: {0}")]
     Unsupported(&'static str),
     /// The database failed or could not be reached.

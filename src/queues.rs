@@ -182,9 +182,13 @@ impl Ferry {
     }
 
     /// Replaces `queue`'s limits (all three at once; `QueueLimits::default()`
-    /// lifts them) and fills its token bucket. They hold from the next
+    /// lifts them). A queue getting a rate starts with a full token bucket;
+    /// an unchanged rate keeps the bucket as it is, and a changed one keeps
+    /// the tokens left, at most the new burst. They hold from the next
     /// claim on, in every process. Audited as `queue.limits`, the reason
-    /// followed by the new limits. Invalid limits (a zero, an interval
+    /// followed by the new limits; limits identical to the queue's current
+    /// ones write nothing and audit nothing (so every process may apply its
+    /// limits at startup). Invalid limits (a zero, an interval
     /// over a day) are `invalid_input` and write nothing.
     pub async fn set_queue_limits(&self, queue: &str, limits: QueueLimits, actor: &str, reason: &str) -> Result<()> {
         let mut tx = self.begin().await?;
@@ -205,7 +209,7 @@ impl Ferry {
         let rate = limits.validate()?;
         self.check_operator_input(queue, actor, reason)?;
         let as_i32 = |v: Option<u32>| v.map(|n| n as i32);
-        on_conn!(conn.reborrow(), |c, q| {
+        let changed = on_conn!(conn.reborrow(), |c, q| {
             sqlx::query(q.set_queue_limits)
                 .bind(queue)
                 .bind(as_i32(limits.max_leased))
@@ -213,9 +217,15 @@ impl Ferry {
                 .bind(rate.map(|r| r.0))
                 .bind(rate.map(|r| r.1))
                 .bind(self.now())
-                .execute(&mut *c)
-                .await?;
+                .fetch_optional(&mut *c)
+                .await?
+                .is_some()
         });
+        if !changed {
+            // The same limits again (every instance applying its settings
+            // at startup): nothing written, nothing to audit.
+            return Ok(());
+        }
         let reason = format!("{reason} ({})", limits.describe());
         self.audit_in(conn, actor, "queue.limits", queue, &reason).await
     }

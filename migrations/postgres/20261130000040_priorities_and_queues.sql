@@ -6,16 +6,24 @@
 -- accepting process used (FerryBuilder::priority_aging). The claim orders by
 -- claim_key = available_at - priority_lead, so a job of priority p goes
 -- ahead of lower ones unless they have waited p steps longer (linear aging).
--- claim_key is generated, so every statement that moves available_at
--- (claim, renew, retry, release) keeps it consistent without naming it.
+-- The lead applies to queued jobs only: a leased job's claim_key is its
+-- available_at (= lease_expires_at), so an unexpired lease sorts after now
+-- and stays out of the claim's index range (with the lead, a priority-10
+-- lease at the default step sorted 10 minutes early, before now, and every
+-- claim fetched and filtered it). An expired lease is reclaimed in expiry
+-- order, without its priority.
+-- claim_key is generated, so every statement that moves available_at or
+-- state (claim, renew, retry, release) keeps it consistent without naming it.
 ALTER TABLE jobs ADD COLUMN priority SMALLINT NOT NULL DEFAULT 0;
 ALTER TABLE jobs ADD COLUMN priority_lead BIGINT NOT NULL DEFAULT 0;
 ALTER TABLE jobs ADD CONSTRAINT jobs_priority_check CHECK (priority BETWEEN 0 AND 100 AND priority_lead >= 0);
-ALTER TABLE jobs ADD COLUMN claim_key BIGINT GENERATED ALWAYS AS (available_at - priority_lead) STORED;
+ALTER TABLE jobs ADD COLUMN claim_key BIGINT
+    GENERATED ALWAYS AS (available_at - CASE WHEN state = 'queued' THEN priority_lead ELSE 0 END) STORED;
 
 -- The claim index: due jobs are those with claim_key <= now (a lead is never
 -- negative) and available_at <= now; the second is checked on the rows the
--- index yields. It replaces jobs_claimable_idx (queue, available_at).
+-- index yields (only queued jobs of a priority whose lead has not run out
+-- yet: a live lease's claim_key is its expiry, beyond now). It replaces jobs_claimable_idx (queue, available_at).
 CREATE INDEX jobs_claim_idx ON jobs (queue, claim_key) WHERE state IN ('queued', 'leased');
 DROP INDEX jobs_claimable_idx;
 

@@ -6,7 +6,8 @@ ALTER TABLE jobs ADD COLUMN priority INTEGER NOT NULL DEFAULT 0
     CONSTRAINT jobs_priority_check CHECK (priority BETWEEN 0 AND 100);
 ALTER TABLE jobs ADD COLUMN priority_lead INTEGER NOT NULL DEFAULT 0
     CONSTRAINT jobs_priority_lead_check CHECK (priority_lead >= 0);
-ALTER TABLE jobs ADD COLUMN claim_key INTEGER GENERATED ALWAYS AS (available_at - priority_lead) VIRTUAL;
+ALTER TABLE jobs ADD COLUMN claim_key INTEGER
+    GENERATED ALWAYS AS (available_at - CASE WHEN state = 'queued' THEN priority_lead ELSE 0 END) VIRTUAL;
 
 CREATE INDEX jobs_claim_idx ON jobs (queue, claim_key) WHERE state IN ('queued', 'leased');
 DROP INDEX jobs_claimable_idx;

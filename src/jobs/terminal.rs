@@ -69,7 +69,11 @@ impl Ferry {
     /// [`Ferry::complete_and_claim`] inside the caller's transaction: both
     /// halves commit or roll back with it. `conn` must be in a transaction:
     /// in a limited queue the claim holds the queue's settings row until
-    /// commit, which is what keeps concurrent claims within the limits.
+    /// commit, which is what keeps concurrent claims within the limits. On
+    /// PostgreSQL a limited queue's claim on a connection outside a
+    /// transaction is refused (`unsupported`) before it leases anything;
+    /// the completions, each then its own autocommitted statement, have
+    /// already committed by then.
     pub async fn complete_and_claim_in<'c>(
         &self,
         conn: impl Into<Conn<'c>>,

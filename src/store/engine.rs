@@ -98,6 +98,19 @@ impl Ferry {
             None | Some((false, false, _, _)) => return Ok(None),
             Some((paused, _, rated, tokens)) => (paused, rated, tokens),
         };
+        // Under autocommit lock_queue's row lock is already gone, and the
+        // claim and the token spending would each commit on their own: no
+        // limit would hold. Refused before anything is leased.
+        if let Conn::Postgres(c) = conn.reborrow() {
+            let in_tx: bool = sqlx::query_scalar(crate::store::queries::POSTGRES_ONLY.in_transaction)
+                .fetch_one(&mut *c)
+                .await?;
+            if !in_tx {
+                return Err(Error::Unsupported(
+                    "a limited queue's claim needs a transaction (pass a Tx, not a bare connection)",
+                ));
+            }
+        }
         let allowed = if rated { limit.min(tokens) } else { limit };
         if paused || allowed <= 0 {
             return Ok(Some(Vec::new()));

@@ -565,3 +565,113 @@ async fn eight_workers_never_exceed_the_tenant_cap() {
         );
     }
 }
+
+/// Unexpired leases of a high priority stay out of the claim's index range
+/// (PostgreSQL-only: the test reads the plan). 200 leased priority-100 jobs
+/// (a 100-minute lead at the default aging step, far longer than their
+/// lease) and 5 due priority-0 jobs: the claim's scan of `jobs_claim_idx`
+/// yields only the due jobs, with no leased row fetched and filtered out.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unexpired_leases_stay_out_of_the_claim_index_range() {
+    let t = TestDb::with_clock(Kind::Postgres, crate::support::manual_clock()).await;
+    let high = (0..200)
+        .map(|i| {
+            NewRun::new("acme", "work", format!("h-{i}"), json!({}))
+                .queue("q")
+                .priority(100)
+        })
+        .collect();
+    for r in t.ferry.create_runs_idempotent(high).await.unwrap() {
+        r.unwrap();
+    }
+    let held = t.ferry.claim("q", "w", Duration::from_secs(30), 200).await.unwrap();
+    assert_eq!(held.len(), 200);
+    let low = (0..5)
+        .map(|i| NewRun::new("acme", "work", format!("l-{i}"), json!({})).queue("q"))
+        .collect();
+    for r in t.ferry.create_runs_idempotent(low).await.unwrap() {
+        r.unwrap();
+    }
+    let mut c = t.ferry.db().as_postgres().unwrap().acquire().await.unwrap();
+    // The table is small: make the planner use the index it uses at scale.
+    for set in ["SET enable_seqscan = off", "SET enable_bitmapscan = off"] {
+        sqlx::query(set).execute(&mut *c).await.unwrap();
+    }
+    sqlx::query("ANALYZE jobs").execute(&mut *c).await.unwrap();
+    // The claim's scan (the claim_due fragment) at the test clock's instant.
+    let plan: serde_json::Value = sqlx::query_scalar(&format!(
+        "EXPLAIN (ANALYZE, FORMAT JSON) SELECT j.tenant, j.run_id FROM jobs j \
+         WHERE j.queue = 'q' AND j.state IN ('queued', 'leased') AND j.claim_key <= {now} \
+           AND j.available_at <= {now} AND j.attempts < j.max_attempts \
+           AND (j.deadline_at IS NULL OR j.deadline_at > {now}) \
+         ORDER BY j.claim_key LIMIT 10 FOR UPDATE OF j SKIP LOCKED",
+        now = crate::support::T0
+    ))
+    .fetch_one(&mut *c)
+    .await
+    .unwrap();
+    fn walk(node: &serde_json::Value, out: &mut Vec<(String, String, i64, i64)>) {
+        if let Some(rel) = node.get("Index Name").or(node.get("Relation Name")) {
+            out.push((
+                node["Node Type"].as_str().unwrap_or_default().to_owned(),
+                rel.as_str().unwrap_or_default().to_owned(),
+                node["Actual Rows"].as_i64().unwrap_or_default(),
+                node.get("Rows Removed by Filter").and_then(|v| v.as_i64()).unwrap_or(0),
+            ));
+        }
+        for child in node.get("Plans").and_then(|p| p.as_array()).into_iter().flatten() {
+            walk(child, out);
+        }
+    }
+    let mut scans = Vec::new();
+    walk(&plan[0]["Plan"], &mut scans);
+    assert_eq!(
+        scans,
+        [("Index Scan".to_owned(), "jobs_claim_idx".to_owned(), 5, 0)],
+        "{plan:#}"
+    );
+}
+
+/// A limited claim on a PostgreSQL connection outside a transaction is
+/// refused before it leases anything (PostgreSQL-only: there each statement
+/// would autocommit, dropping the queue's row lock before the claim that
+/// counts under it; SQLite's path is documented as needing a transaction).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_limited_claim_outside_a_transaction_is_refused() {
+    let t = TestDb::new(Kind::Postgres).await;
+    let runs = (0..6)
+        .map(|i| NewRun::new("acme", "work", format!("k-{i}"), json!({})).queue("q"))
+        .collect();
+    for r in t.ferry.create_runs_idempotent(runs).await.unwrap() {
+        r.unwrap();
+    }
+    let limits = ferry::QueueLimits {
+        max_leased: Some(4),
+        ..ferry::QueueLimits::default()
+    };
+    t.ferry.set_queue_limits("q", limits, "ops", "cap").await.unwrap();
+    // A claim finds the queue limited (and this process remembers it).
+    let held = t.ferry.claim("q", "w", Duration::from_secs(30), 1).await.unwrap();
+    assert_eq!(held.len(), 1);
+    let mut c = t.ferry.db().as_postgres().unwrap().acquire().await.unwrap();
+    let err = t
+        .ferry
+        .complete_and_claim_in(&mut *c, &[], "q", "w", Duration::from_secs(30), 3)
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), "unsupported", "{err}");
+    assert_eq!(
+        t.scalar("SELECT count(*) FROM jobs WHERE state = 'leased'").await,
+        1,
+        "nothing more leased"
+    );
+    // The same call in a transaction claims within the limit.
+    let mut tx = t.ferry.begin().await.unwrap();
+    let (_, got) = t
+        .ferry
+        .complete_and_claim_in(&mut tx, &[], "q", "w", Duration::from_secs(30), 10)
+        .await
+        .unwrap();
+    tx.commit().await.unwrap();
+    assert_eq!(got.len(), 3);
+}

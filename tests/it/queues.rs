@@ -93,7 +93,10 @@ async fn the_claim_key_follows_available_at_through_retries_and_renewals(kind: K
     for (key, p) in [("a", 7), ("b", 0), ("c", 100)] {
         f.create_run_idempotent(job("acme", key).priority(p)).await.unwrap();
     }
-    let inconsistent = "SELECT count(*) FROM jobs WHERE claim_key <> available_at - priority * 1000";
+    // A lease sorts at its expiry, not ahead of it by its lead (which would
+    // put unexpired leases inside the claim's index range).
+    let inconsistent = "SELECT count(*) FROM jobs \
+                        WHERE claim_key <> available_at - CASE WHEN state = 'queued' THEN priority * 1000 ELSE 0 END";
     let claimed = f.claim("q", "w", LEASE, 2).await.unwrap();
     assert_eq!(t.scalar(inconsistent).await, 0, "after the claim");
     clock.advance(Duration::from_secs(5)).unwrap();
@@ -342,6 +345,39 @@ async fn a_rate_limit_gives_the_burst_then_one_per_interval(kind: Kind) {
     assert_eq!(t.ferry.list_queues().await.unwrap()[0].tokens, 0);
 }
 
+async fn setting_the_same_limits_again_changes_nothing(kind: Kind) {
+    let t = TestDb::with_clock(kind, manual_clock()).await;
+    for i in 0..5 {
+        t.ferry
+            .create_run_idempotent(job("acme", &format!("k{i}")))
+            .await
+            .unwrap();
+    }
+    let hourly = |burst| QueueLimits {
+        rate: Some(RateLimit {
+            burst,
+            every: Duration::from_secs(3600),
+        }),
+        ..QueueLimits::default()
+    };
+    t.ferry.set_queue_limits("q", hourly(2), "ops", "quota").await.unwrap();
+    assert_eq!(t.ferry.claim("q", "w", LEASE, 10).await.unwrap().len(), 2);
+    // Every instance applying its limits at startup: no refill, no audit row.
+    t.ferry
+        .set_queue_limits("q", hourly(2), "ops", "startup")
+        .await
+        .unwrap();
+    assert!(
+        t.ferry.claim("q", "w", LEASE, 10).await.unwrap().is_empty(),
+        "the same limits again refilled the bucket"
+    );
+    assert_eq!(audit_rows(&t).await.len(), 1, "the same limits again were audited");
+    // A new rate keeps the tokens left (none), capped at its burst.
+    t.ferry.set_queue_limits("q", hourly(3), "ops", "more").await.unwrap();
+    assert!(t.ferry.claim("q", "w", LEASE, 10).await.unwrap().is_empty());
+    assert_eq!(audit_rows(&t).await.len(), 2);
+}
+
 on_both_engines!(
     higher_priority_is_claimed_first,
     aging_lets_a_long_wait_overtake_a_higher_priority,
@@ -352,4 +388,5 @@ on_both_engines!(
     a_global_limit_caps_live_leases,
     a_tenant_at_its_cap_is_skipped_not_waited_for,
     a_rate_limit_gives_the_burst_then_one_per_interval,
+    setting_the_same_limits_again_changes_nothing,
 );
