@@ -1,5 +1,6 @@
 //! The `ferry` command line: `migrate`, `status`, `dead list|replay`,
-//! `doctor`, `jobs list|inspect|cancel|replay-dead` and `demo`.
+//! `doctor`, `jobs list|inspect|cancel|replay-dead`, `console`,
+//! `console-token` and `demo`.
 #![allow(clippy::print_stdout)]
 
 use ferry::Ferry;
@@ -53,6 +54,42 @@ pub enum Command {
         #[command(subcommand)]
         command: JobsCommand,
     },
+    /// Serve the operator web console (binds 127.0.0.1 unless told otherwise).
+    Console(ConsoleArgs),
+    /// Print a new random console token and its token-file line.
+    ConsoleToken {
+        /// The token's name (the actor in the audit trail).
+        #[arg(long)]
+        name: String,
+        /// Scope the token to this tenant (repeat for several; none: every tenant).
+        #[arg(long = "tenant")]
+        tenants: Vec<String>,
+        /// Allow the token to see payloads.
+        #[arg(long)]
+        payloads: bool,
+    },
+}
+
+/// `ferry console`.
+#[derive(Debug, clap::Args)]
+pub struct ConsoleArgs {
+    /// Database.
+    #[command(flatten)]
+    pub db: DbArgs,
+    /// Address to serve on. The default is loopback only.
+    #[arg(long, default_value = "127.0.0.1:8088")]
+    pub listen: std::net::SocketAddr,
+    /// The token file (one JSON line per token: name, sha256, tenants,
+    /// payloads). Without it the token lines are read from
+    /// `FERRY_CONSOLE_TOKENS`.
+    #[arg(long, env = "FERRY_CONSOLE_TOKEN_FILE")]
+    pub token_file: Option<std::path::PathBuf>,
+    /// How often the overview's backlog and throughput are sampled.
+    #[arg(long, value_parser = ferry_relay::config::parse_duration, default_value = "5s")]
+    pub sample_every: std::time::Duration,
+    /// Mark the session cookie `Secure` (when TLS is terminated in front).
+    #[arg(long)]
+    pub secure_cookie: bool,
 }
 
 /// `jobs` subcommands.
@@ -230,7 +267,45 @@ pub async fn run(cli: Cli) -> Result<(), CliError> {
             Ok(())
         }
         Command::Jobs { command } => jobs(command).await,
+        Command::Console(args) => console(args).await,
+        Command::ConsoleToken {
+            name,
+            tenants,
+            payloads,
+        } => {
+            let token = ferry_console::Tokens::generate_token();
+            let scope = (!tenants.is_empty()).then_some(tenants.as_slice());
+            let line = ferry_console::Tokens::line_for(&name, &token, scope, payloads);
+            ferry_console::Tokens::parse(&line)?;
+            println!("token (give it to {name}; it is not stored): {token}");
+            println!("token file line: {line}");
+            Ok(())
+        }
     }
+}
+
+async fn console(args: ConsoleArgs) -> Result<(), CliError> {
+    let text = match &args.token_file {
+        Some(path) => std::fs::read_to_string(path).map_err(ferry_console::ConsoleError::from)?,
+        None => std::env::var("FERRY_CONSOLE_TOKENS").map_err(|_| {
+            ferry_console::ConsoleError::TokenFile("give --token-file or set FERRY_CONSOLE_TOKENS".into())
+        })?,
+    };
+    let mut config = ferry_console::ConsoleConfig::new(ferry_console::Tokens::parse(&text)?);
+    config.sample_every = args.sample_every;
+    config.secure_cookie = args.secure_cookie;
+    let ferry = Ferry::builder(&args.db.database_url).connect().await?;
+    let listener = tokio::net::TcpListener::bind(args.listen)
+        .await
+        .map_err(ferry_console::ConsoleError::from)?;
+    if !args.listen.ip().is_loopback() {
+        tracing::warn!(listen = %args.listen, "the console listens beyond loopback: keep it inside the cluster");
+    }
+    ferry_console::Console::new(ferry, config)
+        .serve(listener, ferry_relay::cli::shutdown_signal())
+        .await
+        .map_err(ferry_console::ConsoleError::from)?;
+    Ok(())
 }
 
 async fn jobs(command: JobsCommand) -> Result<(), CliError> {
@@ -286,21 +361,7 @@ async fn jobs(command: JobsCommand) -> Result<(), CliError> {
             reason,
         } => {
             let ferry = Ferry::builder(&db.database_url).connect().await?;
-            let mut tx = ferry.begin().await?;
-            let done = async {
-                ferry.cancel_in(tx.conn(), &tenant, run, None, &actor, &reason).await?;
-                ferry
-                    .audit_in(tx.conn(), &actor, "jobs.cancel", &format!("{tenant}/{run}"), &reason)
-                    .await
-            }
-            .await;
-            match done {
-                Ok(()) => tx.commit().await?,
-                Err(e) => {
-                    tx.rollback().await?;
-                    return Err(e.into());
-                }
-            }
+            ferry.cancel_audited(&tenant, run, &actor, &reason).await?;
             println!("cancelled {run}");
         }
         JobsCommand::ReplayDead {
@@ -312,33 +373,8 @@ async fn jobs(command: JobsCommand) -> Result<(), CliError> {
             force,
         } => {
             let ferry = Ferry::builder(&db.database_url).connect().await?;
-            let mut tx = ferry.begin().await?;
-            let done = async {
-                let a = ferry
-                    .replay_dead_in(tx.conn(), &tenant, run, &actor, &reason, force)
-                    .await?;
-                ferry
-                    .audit_in(
-                        tx.conn(),
-                        &actor,
-                        "jobs.replay_dead",
-                        &format!("{tenant}/{run}"),
-                        &reason,
-                    )
-                    .await?;
-                Ok::<_, ferry::Error>(a)
-            }
-            .await;
-            match done {
-                Ok(a) => {
-                    tx.commit().await?;
-                    println!("replayed {run} as {}", a.run.run_id);
-                }
-                Err(e) => {
-                    tx.rollback().await?;
-                    return Err(e.into());
-                }
-            }
+            let a = ferry.replay_dead_audited(&tenant, run, &actor, &reason, force).await?;
+            println!("replayed {run} as {}", a.run.run_id);
         }
     }
     Ok(())

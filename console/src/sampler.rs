@@ -1,0 +1,104 @@
+//! The overview's time series: a task samples the outbox every few seconds
+//! (pending rows, rows delivered since the previous sample) into a bounded
+//! in-memory ring. A restart starts an empty ring; nothing is written to the
+//! database, so several consoles never contend.
+//!
+//! Throughput counts rows marked delivered since the last sample that are
+//! still in the table: a relay that deletes rows on delivery (`--delete`)
+//! shows the backlog only.
+
+use std::collections::VecDeque;
+use std::sync::Mutex;
+
+use ferry::Millis;
+
+use crate::store::ConsoleStore;
+
+/// One point of the series.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Sample {
+    /// When it was taken (the store's clock).
+    pub at: Millis,
+    /// Pending outbox rows.
+    pub pending: i64,
+    /// Rows delivered per second since the previous sample (0 for the first).
+    pub delivered_per_sec: f64,
+}
+
+/// A bounded ring of samples, newest last.
+#[derive(Debug)]
+pub struct Sampler {
+    capacity: usize,
+    ring: Mutex<VecDeque<Sample>>,
+}
+
+impl Sampler {
+    /// A ring keeping the newest `capacity` samples (at least 2).
+    pub fn new(capacity: usize) -> Sampler {
+        let capacity = capacity.max(2);
+        Sampler {
+            capacity,
+            ring: Mutex::new(VecDeque::with_capacity(capacity)),
+        }
+    }
+
+    /// Takes one sample and appends it, dropping the oldest past capacity.
+    pub async fn sample(&self, store: &ConsoleStore) -> ferry::Result<Sample> {
+        let last = self.latest();
+        let since = last.map_or(i64::MAX, |s| s.at.get());
+        let r = store.sample_outbox(since).await?;
+        let rate = match last {
+            Some(l) if r.now.get() > l.at.get() => r.delivered as f64 * 1000.0 / (r.now.get() - l.at.get()) as f64,
+            _ => 0.0,
+        };
+        let s = Sample {
+            at: r.now,
+            pending: r.pending,
+            delivered_per_sec: rate,
+        };
+        self.push(s);
+        Ok(s)
+    }
+
+    fn push(&self, s: Sample) {
+        let mut ring = self.ring.lock().unwrap_or_else(|p| p.into_inner());
+        if ring.len() == self.capacity {
+            ring.pop_front();
+        }
+        ring.push_back(s);
+    }
+
+    /// The newest sample.
+    pub fn latest(&self) -> Option<Sample> {
+        self.ring.lock().unwrap_or_else(|p| p.into_inner()).back().copied()
+    }
+
+    /// Every kept sample, oldest first.
+    pub fn series(&self) -> Vec<Sample> {
+        self.ring
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .iter()
+            .copied()
+            .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_ring_keeps_only_the_newest() {
+        let s = Sampler::new(3);
+        for i in 0..5 {
+            s.push(Sample {
+                at: Millis::new(i).unwrap(),
+                pending: i,
+                delivered_per_sec: 0.0,
+            });
+        }
+        let pending: Vec<i64> = s.series().iter().map(|x| x.pending).collect();
+        assert_eq!(pending, [2, 3, 4]);
+    }
+}
