@@ -1,0 +1,1 @@
+//! Browser tests (PostgreSQL): headless Chromium through chromedriver.
