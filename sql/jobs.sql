@@ -3,33 +3,44 @@
 -- and match only `state = 'leased' AND owner AND generation AND lease_expires_at > now`.
 
 -- name: insert_job
-INSERT INTO jobs (tenant, run_id, queue, state, available_at, max_attempts, deadline_at, created_at, updated_at)
-VALUES ($1, $2, $3, 'queued', $4, $5, $6, $7, $7)
+-- $8 priority, $9 its lead (priority × the aging step): see claim_key.
+INSERT INTO jobs (tenant, run_id, queue, state, available_at, max_attempts, deadline_at, created_at, updated_at,
+                  priority, priority_lead)
+VALUES ($1, $2, $3, 'queued', $4, $5, $6, $7, $7, $8, $9)
 
--- name: claim_jobs [postgres]
--- Eligible: due, under the attempt budget, and queued or leased past expiry.
--- The lease ends at now + $5 or the run's deadline, whichever comes first.
--- A leased job keeps available_at = lease_expires_at, so one index serves both.
-WITH clock AS (
-    SELECT {now $2} AS at
-), picked AS (
-    SELECT j.tenant, j.run_id
-    FROM jobs j, clock
-    WHERE j.queue = $1
+-- name: claim_due [fragment]
+-- Eligible (invariant 4) in queue $1 at clock.at, for `jobs j`: due, under
+-- the attempt budget, before the deadline, and queued or leased past expiry
+-- (a leased job keeps available_at = lease_expires_at). Claims go in
+-- claim_key order (available_at - priority_lead: priority first, aged by
+-- waiting); a lead is never negative, so `claim_key <= now` bounds the
+-- index scan of jobs_claim_idx and `available_at <= now` is checked on the
+-- rows it yields.
+j.queue = $1
       AND j.state IN ('queued', 'leased')
+      AND j.claim_key <= clock.at
       AND j.available_at <= clock.at
       AND j.attempts < j.max_attempts
       AND (j.deadline_at IS NULL OR j.deadline_at > clock.at)
-    ORDER BY j.available_at
-    LIMIT $3
-    FOR UPDATE OF j SKIP LOCKED
-), claimed AS (
+
+-- name: queue_open [fragment]
+-- Queue $1 has no settings row that stops the plain claim: not paused, and
+-- no limit (a limited queue is claimed by claim_limited, under its row lock).
+NOT EXISTS (
+          SELECT 1 FROM ferry_queues g
+          WHERE g.queue = $1
+            AND (g.paused OR g.max_leased IS NOT NULL OR g.max_leased_per_tenant IS NOT NULL OR g.rate_burst IS NOT NULL))
+
+-- name: claim_writes [fragment]
+-- PostgreSQL: leases the rows of CTE `picked` for owner $1 for $2 ms (never
+-- past the run's deadline, exactly like renew_lease), writes their attempt
+-- rows and closes the attempts of reclaimed expired leases (`lost`).
+claimed AS (
     UPDATE jobs j
     SET state = 'leased',
-        lease_owner = $4,
-        -- Never past the run's deadline, exactly like renew_lease.
-        lease_expires_at = LEAST(clock.at + $5, COALESCE(j.deadline_at, 9223372036854775807)),
-        available_at = LEAST(clock.at + $5, COALESCE(j.deadline_at, 9223372036854775807)),
+        lease_owner = $1,
+        lease_expires_at = LEAST(clock.at + $2, COALESCE(j.deadline_at, 9223372036854775807)),
+        available_at = LEAST(clock.at + $2, COALESCE(j.deadline_at, 9223372036854775807)),
         lease_generation = j.lease_generation + 1,
         attempts = j.attempts + 1,
         updated_at = clock.at
@@ -47,39 +58,140 @@ WITH clock AS (
     FROM claimed c
     WHERE a.tenant = c.tenant AND a.run_id = c.run_id AND a.generation < c.lease_generation AND a.finished_at IS NULL
 )
+
+-- name: claimed_rows [fragment]
+-- PostgreSQL: what a claim returns, from CTE `claimed`.
 SELECT c.tenant, c.run_id, c.queue, c.lease_owner, c.lease_generation, c.attempts, c.max_attempts,
        c.lease_expires_at, c.deadline_at, c.created_at, c.updated_at AS claimed_at,
        r.operation, r.request, r.replay_of
 FROM claimed c JOIN runs r ON r.tenant = c.tenant AND r.run_id = c.run_id
 
--- name: claim_jobs [sqlite]
--- Eligible: due, under the attempt budget, and queued or leased past expiry.
--- The lease ends at now + $5 or the run's deadline, whichever comes first.
--- SQLite has one writer (BEGIN IMMEDIATE), so no SKIP LOCKED is needed; the
--- caller writes the attempt rows and reads the run data.
+-- name: claim_update_sqlite [fragment]
+-- SQLite: leases the rows of CTE `picked` for owner $1 for $2 ms, like
+-- claim_writes; SQLite has one writer (BEGIN IMMEDIATE), so no SKIP LOCKED
+-- is needed, and the caller writes the attempt rows and reads the run data.
 UPDATE jobs
 SET state = 'leased',
-    lease_owner = $4,
-    -- Never past the run's deadline, exactly like renew_lease.
-    lease_expires_at = MIN({now $2} + $5,
-                           COALESCE(deadline_at, 9223372036854775807)),
-    available_at = MIN({now $2} + $5,
-                       COALESCE(deadline_at, 9223372036854775807)),
+    lease_owner = $1,
+    lease_expires_at = MIN((SELECT at FROM clock) + $2, COALESCE(deadline_at, 9223372036854775807)),
+    available_at = MIN((SELECT at FROM clock) + $2, COALESCE(deadline_at, 9223372036854775807)),
     lease_generation = lease_generation + 1,
     attempts = attempts + 1,
-    updated_at = {now $2}
-WHERE (tenant, run_id) IN (
-    SELECT tenant, run_id FROM jobs
-    WHERE queue = $1
-      AND state IN ('queued', 'leased')
-      AND available_at <= {now $2}
-      AND attempts < max_attempts
-      AND (deadline_at IS NULL OR deadline_at > {now $2})
-    ORDER BY available_at
-    LIMIT $3
-)
+    updated_at = (SELECT at FROM clock)
+WHERE (tenant, run_id) IN (SELECT tenant, run_id FROM picked)
 RETURNING tenant, run_id, queue, lease_owner, lease_generation, attempts, max_attempts,
           lease_expires_at, deadline_at, created_at, updated_at AS claimed_at
+
+-- name: claim_jobs [postgres]
+-- Claims up to $3 due jobs of queue $1 for owner $4 for $5 ms, if the queue
+-- is open and unlimited (else nothing; see queue_limited).
+WITH clock AS (
+    SELECT {now $2} AS at
+), picked AS (
+    SELECT j.tenant, j.run_id
+    FROM jobs j, clock
+    WHERE {use claim_due $1}
+      AND {use queue_open $1}
+    ORDER BY j.claim_key
+    LIMIT $3
+    FOR UPDATE OF j SKIP LOCKED
+), {use claim_writes $4 $5}
+{use claimed_rows}
+
+-- name: claim_jobs [sqlite]
+WITH clock AS (
+    SELECT {now $2} AS at
+), picked AS (
+    SELECT j.tenant, j.run_id
+    FROM jobs j, clock
+    WHERE {use claim_due $1}
+      AND {use queue_open $1}
+    ORDER BY j.claim_key
+    LIMIT $3
+)
+{use claim_update_sqlite $4 $5}
+
+-- name: queue_limited
+-- Whether queue $1 is open but limited: its claims go through lock_queue
+-- and claim_limited.
+SELECT 1 FROM ferry_queues
+WHERE queue = $1 AND NOT paused
+  AND (max_leased IS NOT NULL OR max_leased_per_tenant IS NOT NULL OR rate_burst IS NOT NULL)
+
+-- name: lock_queue
+-- Locks queue $1's settings row for the rest of the claim's transaction, so
+-- the claims of a limited queue take turns and the leases each one counts
+-- are exact, and refills its token bucket by the time passed since
+-- refilled_at: one token per rate_interval_ms, at most rate_burst; the part
+-- of an interval not yet worth a token is kept (a full bucket keeps none).
+UPDATE ferry_queues
+SET tokens = CASE WHEN rate_burst IS NULL THEN tokens
+                  ELSE {least}(rate_burst, tokens + {greatest}(0, {now $2} - refilled_at) / rate_interval_ms) END,
+    refilled_at = CASE WHEN rate_burst IS NULL THEN refilled_at
+                       WHEN tokens + {greatest}(0, {now $2} - refilled_at) / rate_interval_ms >= rate_burst
+                           THEN {greatest}(refilled_at, {now $2})
+                       ELSE refilled_at + ({greatest}(0, {now $2} - refilled_at) / rate_interval_ms) * rate_interval_ms END
+WHERE queue = $1
+RETURNING paused, rate_burst IS NOT NULL AS rated, tokens
+
+-- name: spend_tokens
+-- Takes $2 tokens from queue $1's bucket (inside lock_queue's transaction).
+UPDATE ferry_queues SET tokens = tokens - $2 WHERE queue = $1
+
+-- name: limited_pick [fragment]
+-- The CTEs that choose what a limited claim of queue $1 may take, after
+-- lock_queue: at most $2 jobs (the caller's limit, already cut to the
+-- tokens), at most max_leased unexpired leases in the queue, and at most
+-- max_leased_per_tenant per tenant. A tenant at its cap is skipped, not
+-- stopped at: its rows are filtered out of the scan, which looks at up to
+-- $3 due candidates of the others (a tenant filling its cap within this
+-- one claim ends the candidates it gets there).
+cap AS (
+    SELECT (SELECT max_leased FROM ferry_queues WHERE queue = $1) AS total,
+           (SELECT max_leased_per_tenant FROM ferry_queues WHERE queue = $1) AS per_tenant
+), leased AS (
+    SELECT j.tenant, count(*) AS n
+    FROM jobs j, clock
+    WHERE j.queue = $1 AND j.state = 'leased' AND j.lease_expires_at > clock.at
+    GROUP BY j.tenant
+), room AS (
+    SELECT {greatest}(0, {least}($2, COALESCE(cap.total - (SELECT COALESCE(sum(n), 0){pg:::bigint} FROM leased), $2))) AS n
+    FROM cap
+), candidates AS (
+    SELECT d.tenant, d.run_id, d.claim_key,
+           row_number() OVER (PARTITION BY d.tenant ORDER BY d.claim_key) + COALESCE(l.n, 0) AS nth
+    FROM (
+        SELECT j.tenant, j.run_id, j.claim_key
+        FROM jobs j, clock, cap
+        WHERE {use claim_due $1}
+          AND (cap.per_tenant IS NULL
+               OR NOT EXISTS (SELECT 1 FROM leased l WHERE l.tenant = j.tenant AND l.n >= cap.per_tenant))
+        ORDER BY j.claim_key
+        LIMIT $3
+        {pg:FOR UPDATE OF j SKIP LOCKED}
+    ) d LEFT JOIN leased l ON l.tenant = d.tenant
+), picked AS (
+    SELECT c.tenant, c.run_id
+    FROM candidates c, cap
+    WHERE cap.per_tenant IS NULL OR c.nth <= cap.per_tenant
+    ORDER BY c.claim_key
+    LIMIT (SELECT n FROM room)
+)
+
+-- name: claim_limited [postgres]
+-- Claims in a limited queue, inside lock_queue's transaction: $1 queue,
+-- $2 now, $3 limit, $4 owner, $5 lease ms, $6 candidates to scan.
+WITH clock AS (
+    SELECT {now $2} AS at
+), {use limited_pick $1 $3 $6},
+{use claim_writes $4 $5}
+{use claimed_rows}
+
+-- name: claim_limited [sqlite]
+WITH clock AS (
+    SELECT {now $2} AS at
+), {use limited_pick $1 $3 $6}
+{use claim_update_sqlite $4 $5}
 
 -- name: insert_attempt
 INSERT INTO job_attempts (tenant, run_id, attempt, generation, worker, claimed_at)
@@ -170,9 +282,10 @@ RETURNING updated_at AS now
 SELECT tenant, run_id, lease_generation, attempts
 FROM jobs
 WHERE queue = $1 AND state IN ('queued', 'leased')
+  AND claim_key <= {now $2}
   AND available_at <= {now $2}
   AND (attempts >= max_attempts OR deadline_at <= {now $2})
-ORDER BY available_at
+ORDER BY claim_key
 LIMIT $3
 {pg:FOR UPDATE SKIP LOCKED}
 
@@ -262,7 +375,9 @@ SELECT d.run_id, EXISTS (SELECT 1 FROM finished f WHERE f.tenant = d.tenant AND 
 FROM done d
 
 -- name: complete_and_claim [postgres only]
--- PostgreSQL only: complete_batch and claim_jobs in ONE statement, so a
+-- PostgreSQL only: complete_batch and claim_jobs in ONE statement (a paused
+-- or limited queue claims nothing here; the worker's claim loop claims it
+-- through claim_limited), so a
 -- worker's finished jobs and the next jobs for the freed slots commit
 -- together in one round trip. $1..$8 as complete_batch; $9 queue, $10 limit,
 -- $11 owner, $12 lease ms, as claim_jobs' $1, $3, $4, $5. One clock for
@@ -311,42 +426,18 @@ WITH input AS (
 ), picked AS (
     SELECT j.tenant, j.run_id
     FROM jobs j, clock
-    WHERE j.queue = $9
-      -- Completes first: `done` runs to its end (waiting for any row it
-      -- needs) before this scan locks anything. A row this scan locks and
-      -- then skips (claimed meanwhile by a commit newer than the snapshot)
-      -- stays locked until commit, so completing after it could deadlock
-      -- with another worker's statement doing the same.
-      AND (SELECT count(*) FROM done) >= 0
-      AND j.state IN ('queued', 'leased')
-      AND j.available_at <= clock.at
-      AND j.attempts < j.max_attempts
-      AND (j.deadline_at IS NULL OR j.deadline_at > clock.at)
-    ORDER BY j.available_at
+    -- Completes first: `done` runs to its end (waiting for any row it
+    -- needs) before this scan locks anything. A row this scan locks and
+    -- then skips (claimed meanwhile by a commit newer than the snapshot)
+    -- stays locked until commit, so completing after it could deadlock
+    -- with another worker's statement doing the same.
+    WHERE (SELECT count(*) FROM done) >= 0
+      AND {use claim_due $9}
+      AND {use queue_open $9}
+    ORDER BY j.claim_key
     LIMIT $10
     FOR UPDATE OF j SKIP LOCKED
-), claimed AS (
-    UPDATE jobs j
-    SET state = 'leased',
-        lease_owner = $11,
-        lease_expires_at = LEAST(clock.at + $12, COALESCE(j.deadline_at, 9223372036854775807)),
-        available_at = LEAST(clock.at + $12, COALESCE(j.deadline_at, 9223372036854775807)),
-        lease_generation = j.lease_generation + 1,
-        attempts = j.attempts + 1,
-        updated_at = clock.at
-    FROM picked, clock
-    WHERE j.tenant = picked.tenant AND j.run_id = picked.run_id
-    RETURNING j.tenant, j.run_id, j.queue, j.lease_owner, j.lease_generation, j.attempts, j.max_attempts,
-              j.lease_expires_at, j.deadline_at, j.created_at, j.updated_at
-), attempts AS (
-    INSERT INTO job_attempts (tenant, run_id, attempt, generation, worker, claimed_at)
-    SELECT tenant, run_id, attempts, lease_generation, lease_owner, updated_at FROM claimed
-), lost AS (
-    UPDATE job_attempts a
-    SET finished_at = c.updated_at, outcome = 'lost'
-    FROM claimed c
-    WHERE a.tenant = c.tenant AND a.run_id = c.run_id AND a.generation < c.lease_generation AND a.finished_at IS NULL
-)
+), {use claim_writes $11 $12}
 SELECT 'claimed' AS kind, c.tenant, c.run_id, c.queue, c.lease_owner, c.lease_generation, c.attempts, c.max_attempts,
        c.lease_expires_at, c.deadline_at, c.created_at, c.updated_at AS claimed_at,
        r.operation, r.request, r.replay_of

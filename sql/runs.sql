@@ -134,10 +134,11 @@ LEFT JOIN runs r ON r.tenant = k.tenant AND r.run_id = k.run_id
 WITH input AS (
     SELECT *
     FROM UNNEST($1::text[], $2::uuid[], $3::text[], $4::jsonb[], $5::bigint[], $6::uuid[], $7::text[],
-                $8::int[], $9::bigint[], $10::text[], $11::int[], $12::bytea[], $13::text[], $14::text[])
+                $8::int[], $9::bigint[], $10::text[], $11::int[], $12::bytea[], $13::text[], $14::text[],
+                $18::smallint[], $19::bigint[])
         WITH ORDINALITY
         AS i(tenant, run_id, operation, request, deadline_at, replay_of, queue, max_attempts, schema_version,
-             key, lane, payload, effect_key, traceparent, ord)
+             key, lane, payload, effect_key, traceparent, priority, priority_lead, ord)
 ), run_rows AS (
     INSERT INTO runs (tenant, run_id, operation, state, version, request, deadline_at, replay_of,
                       created_at, updated_at, last_event_seq)
@@ -151,8 +152,10 @@ WITH input AS (
            $15::bigint
     FROM input ORDER BY ord
 ), job_rows AS (
-    INSERT INTO jobs (tenant, run_id, queue, state, available_at, max_attempts, deadline_at, created_at, updated_at)
-    SELECT tenant, run_id, queue, 'queued', $15::bigint, max_attempts, deadline_at, $15::bigint, $15::bigint
+    INSERT INTO jobs (tenant, run_id, queue, state, available_at, max_attempts, deadline_at, created_at, updated_at,
+                      priority, priority_lead)
+    SELECT tenant, run_id, queue, 'queued', $15::bigint, max_attempts, deadline_at, $15::bigint, $15::bigint,
+           priority, priority_lead
     FROM input ORDER BY ord
 )
 INSERT INTO outbox (tenant, topic, key, lane, payload, headers, effect_key, traceparent, created_at)

@@ -29,6 +29,7 @@ pub mod limits;
 mod notify;
 mod operator;
 pub mod outbox;
+pub mod queues;
 pub mod retry;
 pub mod runs;
 pub mod store;
@@ -47,7 +48,8 @@ pub use limits::Limits;
 pub use notify::CHANNEL as NOTIFY_CHANNEL;
 pub use outbox::OutboxMessage;
 pub use retry::RetryPolicy;
-pub use runs::{Accepted, NewRun, Run, RunEvent, RunState};
+pub use queues::{QueueInfo, QueueLimits, RateLimit};
+pub use runs::{Accepted, NewRun, Run, RunEvent, RunState, MAX_PRIORITY, MIN_PRIORITY};
 pub use store::{connect, connect_with, migrate, Conn, ConnectOptions, Db, Engine, Tx};
 pub use time::{Clock, Millis};
 
@@ -73,6 +75,8 @@ struct Inner {
     notifier: notify::Notifier,
     /// Whether `enqueue_in` serializes same-key writers (see `outbox_key_locks`).
     outbox_key_locks: bool,
+    /// What one priority level is worth in waiting, in ms (see `priority_aging`).
+    priority_aging_ms: i64,
 }
 
 /// Builds a [`Ferry`]: `Ferry::builder(url).migrate(true).connect()`.
@@ -86,6 +90,7 @@ pub struct FerryBuilder {
     migrate: bool,
     notify_interval: Duration,
     outbox_key_locks: bool,
+    priority_aging: Duration,
 }
 
 impl FerryBuilder {
@@ -141,6 +146,16 @@ impl FerryBuilder {
         self
     }
 
+    /// What one priority level is worth in waiting (default 1 minute, at
+    /// most 1 day): a job of priority `p` is claimed as if it had become
+    /// available `p` steps earlier, so it goes ahead of lower priorities
+    /// unless they have waited longer than the difference (linear aging).
+    /// Stored per job at acceptance, so a change applies to new jobs.
+    pub fn priority_aging(mut self, step: Duration) -> Self {
+        self.priority_aging = step;
+        self
+    }
+
     /// Connects (and migrates, if asked).
     pub async fn connect(self) -> Result<Ferry> {
         let db = connect_with(&self.url, &self.connect).await?;
@@ -153,6 +168,10 @@ impl FerryBuilder {
     /// Uses an existing pool instead of connecting.
     pub async fn build(self, db: Db) -> Result<Ferry> {
         self.limits.topic(&self.events_topic)?;
+        let priority_aging_ms = time::duration_ms(self.priority_aging)?;
+        if !(1..=86_400_000).contains(&priority_aging_ms) {
+            return Err(Error::invalid("priority_aging", "must be 1 ms to 1 day"));
+        }
         let lanes = outbox::load_lanes(&db).await?;
         Ok(Ferry {
             inner: Arc::new(Inner {
@@ -164,6 +183,7 @@ impl FerryBuilder {
                 events_topic: self.events_topic,
                 notifier: notify::Notifier::new(self.notify_interval),
                 outbox_key_locks: self.outbox_key_locks,
+                priority_aging_ms,
             }),
         })
     }
@@ -181,6 +201,7 @@ impl Ferry {
             migrate: false,
             notify_interval: Duration::from_millis(50),
             outbox_key_locks: true,
+            priority_aging: Duration::from_secs(60),
         }
     }
 

@@ -20,6 +20,14 @@
 //! error: a section with only one engine's override, an unknown token, a
 //! duplicate name.
 //!
+//! A block of SQL that several queries share is written once as a fragment,
+//! `-- name: f [fragment]`, and included with `{use f $A $B …}`: the
+//! fragment's own parameters `$1`, `$2`, … become the including query's
+//! `$A`, `$B`, … (so each query keeps its own numbering). Fragments may use
+//! fragments and template tokens; they are not queries themselves. A
+//! fragment nobody uses, an unknown fragment or a parameter the `use` does
+//! not pass is a build error.
+//!
 //! [`generate`] writes `$OUT_DIR/queries.rs`: a `Queries` struct with one
 //! `&'static str` field per query, the static `QUERIES` (a `PerEngine`
 //! pair), and, when there are any, `PostgresOnly`/`POSTGRES_ONLY` for the
@@ -45,6 +53,7 @@ enum Scope {
     Shared,
     Only(Engine),
     PostgresOnly,
+    Fragment,
 }
 
 /// A parsed `-- name:` section.
@@ -119,6 +128,57 @@ fn expand(token: &str, engine: Engine) -> Result<String, String> {
     })
 }
 
+/// Replaces `$1`, `$2`, … in a fragment's text by `args` (one pass, so a
+/// replacement is never replaced again).
+fn remap(text: &str, args: &[&str], name: &str) -> Result<String, String> {
+    let mut out = String::with_capacity(text.len());
+    let bytes = text.as_bytes();
+    let mut i = 0;
+    while i < bytes.len() {
+        if bytes[i] == b'$' {
+            let digits = bytes[i + 1..].iter().take_while(|b| b.is_ascii_digit()).count();
+            if digits > 0 {
+                let n: usize = text[i + 1..i + 1 + digits].parse().map_err(|_| "bad parameter".to_string())?;
+                let arg = n
+                    .checked_sub(1)
+                    .and_then(|k| args.get(k))
+                    .ok_or_else(|| format!("fragment {name} uses ${n} but the {{use}} passes {} parameter(s)", args.len()))?;
+                out.push_str(arg);
+                i += 1 + digits;
+                continue;
+            }
+        }
+        let ch = text[i..].chars().next().expect("in bounds");
+        out.push(ch);
+        i += ch.len_utf8();
+    }
+    Ok(out)
+}
+
+/// Expands every `{use name $A …}` in `body` with the fragment's text, its
+/// parameters renumbered, until none is left (a fragment may use another;
+/// a cycle is caught by the expansion budget). Records the names used.
+fn include(body: &str, fragments: &BTreeMap<String, String>, used: &mut Vec<String>) -> Result<String, String> {
+    let mut text = body.to_string();
+    for _ in 0..256 {
+        let Some(start) = text.find("{use ") else {
+            return Ok(text);
+        };
+        let end = start + text[start..].find('}').ok_or("unclosed {use …}")?;
+        let mut words = text[start + 5..end].split_whitespace();
+        let name = words.next().ok_or("{use} needs a fragment name")?.to_string();
+        let args: Vec<&str> = words.collect();
+        if let Some(bad) = args.iter().find(|a| param(a, "use").is_err()) {
+            return Err(format!("{{use {name}}} takes parameters like $3, not {bad}"));
+        }
+        let frag = fragments.get(&name).ok_or_else(|| format!("unknown fragment {name}"))?;
+        let expanded = remap(frag, &args, &name)?;
+        text = format!("{}{}{}", &text[..start], expanded, &text[end + 1..]);
+        used.push(name);
+    }
+    Err("fragments use each other in a cycle (or more than 256 times)".into())
+}
+
 fn parse(file: &str, text: &str) -> Result<Vec<Section>, String> {
     let mut sections: Vec<Section> = Vec::new();
     for line in text.lines() {
@@ -129,6 +189,7 @@ fn parse(file: &str, text: &str) -> Result<Vec<Section>, String> {
                 Some((name, "[postgres]")) => (name, Scope::Only(Engine::Postgres)),
                 Some((name, "[sqlite]")) => (name, Scope::Only(Engine::Sqlite)),
                 Some((name, "[postgres only]")) => (name, Scope::PostgresOnly),
+                Some((name, "[fragment]")) => (name, Scope::Fragment),
                 Some((_, other)) => return Err(format!("{file}: unknown section tag {other}")),
             };
             let valid = !name.is_empty()
@@ -174,13 +235,33 @@ pub fn render_files(files: &[(String, String)]) -> Result<Rendered, String> {
     let mut sqlite: BTreeMap<String, (String, String)> = BTreeMap::new();
     let mut out = Rendered::default();
     let mut seen: BTreeMap<(String, &'static str), String> = BTreeMap::new();
+    let mut sections = Vec::new();
     for (file, text) in files {
-        for s in parse(file, text)? {
+        sections.extend(parse(file, text)?);
+    }
+    let mut fragments: BTreeMap<String, String> = BTreeMap::new();
+    for s in sections.iter().filter(|s| s.scope == Scope::Fragment) {
+        if fragments.insert(s.name.clone(), s.body.clone()).is_some() {
+            return Err(format!("{}: fragment {} is defined twice", s.file, s.name));
+        }
+    }
+    let mut used = Vec::new();
+    for s in &sections {
+        // Fragments' own uses count, so a fragment only used by another is used.
+        include(&s.body, &fragments, &mut used).map_err(|e| format!("{}: {}: {e}", s.file, s.name))?;
+    }
+    if let Some(unused) = fragments.keys().find(|f| !used.contains(f)) {
+        return Err(format!("fragment {unused} is never used"));
+    }
+    for mut s in sections.into_iter().filter(|s| s.scope != Scope::Fragment) {
+        s.body = include(&s.body, &fragments, &mut used).map_err(|e| format!("{}: {}: {e}", s.file, s.name))?;
+        {
             let slots: &[&'static str] = match s.scope {
                 Scope::Shared => &["postgres", "sqlite"],
                 Scope::Only(Engine::Postgres) => &["postgres"],
                 Scope::Only(Engine::Sqlite) => &["sqlite"],
                 Scope::PostgresOnly => &["postgres only"],
+                Scope::Fragment => unreachable!("fragments were filtered out"),
             };
             for slot in slots {
                 if let Some(first) = seen.insert((s.name.clone(), slot), s.file.clone()) {
@@ -218,6 +299,7 @@ pub fn render_files(files: &[(String, String)]) -> Result<Rendered, String> {
                     out.postgres_only
                         .insert(s.name.clone(), render(&s.body, Engine::Postgres).map_err(ctx)?);
                 }
+                Scope::Fragment => {}
             }
         }
     }
@@ -352,5 +434,36 @@ mod tests {
         let r = render_files(&both).unwrap();
         assert_eq!(r.shared["q"], ("SELECT 1".to_string(), "SELECT 2".to_string()));
         assert_eq!(r.postgres_only["r"], "NOTIFY x");
+    }
+
+    #[test]
+    fn fragments_are_included_with_their_parameters_renumbered() {
+        let files = vec![(
+            "t.sql".to_string(),
+            "-- name: due [fragment]\nqueue = $1 AND at <= {now $2}\n\
+             -- name: pick [fragment]\nSELECT id FROM t WHERE {use due $1 $2} LIMIT $3\n\
+             -- name: a\n{use pick $1 $2 $3}\n\
+             -- name: b\n{use pick $9 $10 $1}\n"
+                .to_string(),
+        )];
+        let r = render_files(&files).unwrap();
+        assert_eq!(
+            r.shared["b"].1,
+            "SELECT id FROM t WHERE queue = $9 AND at <= COALESCE($10, CAST(unixepoch('subsec') * 1000 AS INTEGER)) LIMIT $1"
+        );
+        assert!(r.shared["a"].0.starts_with("SELECT id FROM t WHERE queue = $1 AND at <= COALESCE($2::bigint"));
+        assert!(!r.shared.contains_key("due") && !r.shared.contains_key("pick"));
+        let missing = vec![(
+            "t.sql".to_string(),
+            "-- name: f [fragment]\nx = $2\n-- name: q\nSELECT {use f $1}\n".to_string(),
+        )];
+        assert!(render_files(&missing).unwrap_err().contains("uses $2"));
+        let unused = vec![("t.sql".to_string(), "-- name: f [fragment]\nx\n-- name: q\nSELECT 1\n".to_string())];
+        assert!(render_files(&unused).unwrap_err().contains("never used"));
+        let cycle = vec![(
+            "t.sql".to_string(),
+            "-- name: f [fragment]\n{use f}\n-- name: q\nSELECT {use f}\n".to_string(),
+        )];
+        assert!(render_files(&cycle).unwrap_err().contains("cycle"));
     }
 }

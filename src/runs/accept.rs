@@ -184,6 +184,8 @@ impl Ferry {
                 .bind(run.max_attempts as i32)
                 .bind(deadline_at)
                 .bind(now)
+                .bind(run.priority)
+                .bind(run.priority_lead(self))
                 .execute(&mut *c)
                 .await?;
         });

@@ -35,6 +35,11 @@ use crate::Ferry;
 /// Event kinds that end a run; exactly one of them per run (invariant 6).
 pub const TERMINAL_KINDS: [&str; 3] = ["run_succeeded", "run_failed", "run_cancelled"];
 
+/// The lowest (and default) claim priority of a run.
+pub const MIN_PRIORITY: i16 = 0;
+/// The highest claim priority of a run.
+pub const MAX_PRIORITY: i16 = 100;
+
 /// A request to accept a run. Build with [`NewRun::new`] and the setters.
 #[derive(Debug, Clone)]
 pub struct NewRun {
@@ -56,6 +61,12 @@ pub struct NewRun {
     pub max_attempts: u32,
     /// Time the run has to finish, from acceptance. Leases never extend past it.
     pub deadline: Option<Duration>,
+    /// Claim priority, [`MIN_PRIORITY`] (the default) to [`MAX_PRIORITY`],
+    /// higher first. Aging keeps low priorities from starving: a job of
+    /// priority `p` is claimed as if it had become available `p` aging
+    /// steps earlier ([`crate::FerryBuilder::priority_aging`]), so a lower
+    /// one that has waited longer than the difference goes first.
+    pub priority: i16,
     /// W3C trace context of the accepting request.
     pub traceparent: Option<String>,
     pub(crate) replay_of: Option<Uuid>,
@@ -79,6 +90,7 @@ impl NewRun {
             queue: "default".into(),
             max_attempts: 5,
             deadline: None,
+            priority: MIN_PRIORITY,
             traceparent: None,
             replay_of: None,
         }
@@ -114,10 +126,24 @@ impl NewRun {
         self
     }
 
+    /// Sets the claim priority (see [`NewRun::priority`](struct.NewRun.html#structfield.priority));
+    /// outside [`MIN_PRIORITY`]..=[`MAX_PRIORITY`] acceptance refuses it
+    /// with `invalid_input` and writes nothing.
+    pub fn priority(mut self, p: i16) -> Self {
+        self.priority = p;
+        self
+    }
+
     /// Carries a W3C trace context into the outbox.
     pub fn traceparent(mut self, tp: impl Into<String>) -> Self {
         self.traceparent = Some(tp.into());
         self
+    }
+
+    /// How far ahead of its `available_at` the job sorts in the claim:
+    /// its priority times `ferry`'s aging step (stored as `priority_lead`).
+    pub(crate) fn priority_lead(&self, ferry: &Ferry) -> i64 {
+        i64::from(self.priority.max(0)) * ferry.inner.priority_aging_ms
     }
 
     pub(crate) fn validate(&self, ferry: &Ferry) -> Result<()> {
@@ -128,6 +154,9 @@ impl NewRun {
         l.idempotency_key(&self.idempotency_key)?;
         if !(1..=1000).contains(&self.max_attempts) {
             return Err(Error::invalid("max_attempts", "must be 1 to 1000"));
+        }
+        if !(MIN_PRIORITY..=MAX_PRIORITY).contains(&self.priority) {
+            return Err(Error::invalid("priority", format!("must be {MIN_PRIORITY} to {MAX_PRIORITY}")));
         }
         if !self.command.is_object() {
             return Err(Error::invalid("command", "must be a JSON object"));

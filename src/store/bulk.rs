@@ -413,6 +413,8 @@ impl Ferry {
             .bind(now)
             .bind(&self.inner.events_topic)
             .bind(Json(&messages[0].headers))
+            .bind(winners.iter().map(|i| i.run.priority).collect::<Vec<_>>())
+            .bind(winners.iter().map(|i| i.run.priority_lead(self)).collect::<Vec<_>>())
             .execute(&mut *c)
             .await;
         if let Err(e) = inserted {

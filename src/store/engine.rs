@@ -1,7 +1,8 @@
 //! What really differs between the engines in the job path, and nothing
 //! else: the claim (one `FOR UPDATE SKIP LOCKED` statement with its attempt
 //! rows on PostgreSQL; the same steps one by one under SQLite's single
-//! writer) and batch completion (one set-based statement on PostgreSQL; a
+//! writer; a limited queue's claim under its `ferry_queues` row lock) and
+//! batch completion (one set-based statement on PostgreSQL; a
 //! savepoint per lease on SQLite).
 
 use serde_json::Value;
@@ -11,41 +12,126 @@ use uuid::Uuid;
 use crate::error::{Error, Result};
 use crate::jobs::{ClaimRow, Claimed, Lease, Transition};
 use crate::runs::get_run_in;
-use crate::store::Conn;
+use crate::store::{on_conn, Conn};
 use crate::Ferry;
 
+/// Which claim statement runs: the plain one (open, unlimited queues) or
+/// the limited one, with how many candidates it may scan.
+#[derive(Debug, Clone, Copy)]
+enum ClaimSql {
+    Open,
+    Limited { scan: i64 },
+}
+
 impl Ferry {
+    /// Claims up to `limit` jobs of `queue` inside `conn`'s transaction.
+    ///
+    /// An open, unlimited queue is claimed by one statement (`claim_jobs`),
+    /// which claims nothing in a paused or limited queue. Only when it came
+    /// back empty is the queue's row asked whether it is limited; then the
+    /// row is locked and its bucket refilled (`lock_queue`), so the claims
+    /// of a limited queue take turns across processes and each counts the
+    /// live leases exactly, and `claim_limited` takes what the limits allow;
+    /// the tokens it used are spent before the transaction commits.
     pub(crate) async fn claim_in(
         &self,
-        conn: Conn<'_>,
+        mut conn: Conn<'_>,
         queue: &str,
         owner: &str,
         lease_ms: i64,
         limit: u32,
     ) -> Result<Vec<Claimed>> {
+        let limit = i64::from(limit);
+        let claimed = self
+            .run_claim(conn.reborrow(), ClaimSql::Open, queue, owner, lease_ms, limit)
+            .await?;
+        if !claimed.is_empty() {
+            return Ok(claimed);
+        }
+        let limited: Option<i32> = on_conn!(conn.reborrow(), |c, q| {
+            sqlx::query_scalar(q.queue_limited).bind(queue).fetch_optional(&mut *c).await?
+        });
+        if limited.is_none() {
+            return Ok(claimed);
+        }
+        let gate: Option<(bool, bool, i64)> = on_conn!(conn.reborrow(), |c, q| {
+            sqlx::query_as(q.lock_queue)
+                .bind(queue)
+                .bind(self.now())
+                .fetch_optional(&mut *c)
+                .await?
+        });
+        let Some((paused, rated, tokens)) = gate else {
+            return Ok(claimed);
+        };
+        let allowed = if rated { limit.min(tokens) } else { limit };
+        if paused || allowed <= 0 {
+            return Ok(claimed);
+        }
+        // Room for rows of tenants that reach their cap within this claim.
+        let scan = allowed.saturating_mul(8).max(64);
+        let claimed = self
+            .run_claim(conn.reborrow(), ClaimSql::Limited { scan }, queue, owner, lease_ms, allowed)
+            .await?;
+        if rated && !claimed.is_empty() {
+            on_conn!(conn, |c, q| {
+                sqlx::query(q.spend_tokens)
+                    .bind(queue)
+                    .bind(claimed.len() as i64)
+                    .execute(&mut *c)
+                    .await?;
+            });
+        }
+        Ok(claimed)
+    }
+
+    /// Runs one claim statement and, on SQLite, the steps PostgreSQL's
+    /// statement does itself (closing lost attempts, writing the new
+    /// attempt rows, reading the runs).
+    async fn run_claim(
+        &self,
+        conn: Conn<'_>,
+        which: ClaimSql,
+        queue: &str,
+        owner: &str,
+        lease_ms: i64,
+        limit: i64,
+    ) -> Result<Vec<Claimed>> {
         match conn {
             Conn::Postgres(c) => {
                 let q = &crate::store::queries::QUERIES.postgres;
-                let rows = sqlx::query(q.claim_jobs)
+                let sql = match which {
+                    ClaimSql::Open => q.claim_jobs,
+                    ClaimSql::Limited { .. } => q.claim_limited,
+                };
+                let mut query = sqlx::query(sql)
                     .bind(queue)
                     .bind(self.now())
-                    .bind(i64::from(limit))
+                    .bind(limit)
                     .bind(owner)
-                    .bind(lease_ms)
-                    .fetch_all(&mut *c)
-                    .await?;
+                    .bind(lease_ms);
+                if let ClaimSql::Limited { scan } = which {
+                    query = query.bind(scan);
+                }
+                let rows = query.fetch_all(&mut *c).await?;
                 rows.iter().map(claimed_from_pg_row).collect()
             }
             Conn::Sqlite(c) => {
                 let q = &crate::store::queries::QUERIES.sqlite;
-                let rows: Vec<ClaimRow> = sqlx::query_as(q.claim_jobs)
+                let sql = match which {
+                    ClaimSql::Open => q.claim_jobs,
+                    ClaimSql::Limited { .. } => q.claim_limited,
+                };
+                let mut query = sqlx::query_as::<_, ClaimRow>(sql)
                     .bind(queue)
                     .bind(self.now())
-                    .bind(i64::from(limit))
+                    .bind(limit)
                     .bind(owner)
-                    .bind(lease_ms)
-                    .fetch_all(&mut *c)
-                    .await?;
+                    .bind(lease_ms);
+                if let ClaimSql::Limited { scan } = which {
+                    query = query.bind(scan);
+                }
+                let rows: Vec<ClaimRow> = query.fetch_all(&mut *c).await?;
                 let mut out = Vec::with_capacity(rows.len());
                 for row in rows {
                     sqlx::query(q.close_lost_attempts)

@@ -33,8 +33,9 @@ pub(super) struct Completer {
     /// Cancelled at shutdown: nothing more is claimed.
     pub(super) soft: CancellationToken,
     pub(super) handoff: mpsc::UnboundedSender<Handoff>,
-    /// Told when a completion's claim came back full: there is more work,
-    /// so an idle claim loop polls again at once.
+    /// Told when a completion's claim came back full (there is more work)
+    /// or empty (the queue may be limited), so an idle claim loop polls
+    /// again at once.
     pub(super) more_work: Arc<Notify>,
 }
 
@@ -104,7 +105,11 @@ impl Completer {
                     self.stats
                         .claimed_with_completions
                         .fetch_add(claimed.len() as u64, Ordering::Relaxed);
-                    if want > 0 && claimed.len() == want as usize {
+                    // Full: there is more work. Empty: the queue may be
+                    // limited or paused, which this statement never claims
+                    // from; the claim loop's claim does (a limited queue's
+                    // freed room is taken at once instead of at the next poll).
+                    if want > 0 && (claimed.len() == want as usize || claimed.is_empty()) {
                         self.more_work.notify_one();
                     }
                     if !claimed.is_empty() {

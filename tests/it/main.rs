@@ -8,6 +8,7 @@ mod fingerprint;
 mod jobs;
 mod outbox;
 mod pg;
+mod queues;
 mod spans;
 mod support;
 mod worker;

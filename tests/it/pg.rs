@@ -399,3 +399,142 @@ async fn a_service_passes_its_own_sqlx_transaction() {
     assert!(matches!(stale, ferry::Error::RunTerminal { .. }), "{stale:?}");
     tx.rollback().await.unwrap();
 }
+
+/// In-flight handlers of one group (a whole queue, or one tenant) in the
+/// limit tests below.
+#[derive(Debug, Default, Clone, Copy)]
+struct Flight {
+    now: usize,
+    max: usize,
+    started: usize,
+    total: usize,
+}
+
+/// Runs eight workers (4 slots each, so 32 slots) on queue `lim` holding
+/// `jobs_per_tenant` jobs of each of `tenants`, under `limits`. Each handler
+/// holds its slot until its group (`group_of(tenant)`) has `cap` handlers in
+/// flight, or every job of the group has started: so the groups sit at
+/// their cap while the other workers keep claiming, and a claim past the
+/// limit would show as a maximum above `cap`. Returns each group's flight.
+async fn eight_workers_under(
+    limits: ferry::QueueLimits,
+    tenants: &[&str],
+    jobs_per_tenant: usize,
+    group_of: fn(&str) -> String,
+    cap: usize,
+) -> std::collections::BTreeMap<String, Flight> {
+    use std::collections::BTreeMap;
+    use std::sync::Mutex;
+    let t = TestDb::new(Kind::Postgres).await;
+    let mut flights: BTreeMap<String, Flight> = BTreeMap::new();
+    for tenant in tenants {
+        let runs = (0..jobs_per_tenant)
+            .map(|i| NewRun::new(*tenant, "work", format!("k-{i}"), json!({"i": i})).queue("lim"))
+            .collect();
+        for r in t.ferry.create_runs_idempotent(runs).await.unwrap() {
+            r.unwrap();
+        }
+        flights.entry(group_of(tenant)).or_default().total += jobs_per_tenant;
+    }
+    t.ferry.set_queue_limits("lim", limits, "test", "limits under load").await.unwrap();
+    let total = tenants.len() * jobs_per_tenant;
+    let state = Arc::new((Mutex::new(flights), tokio::sync::Notify::new()));
+    let finished = Arc::new(AtomicUsize::new(0));
+    let (done_tx, mut done_rx) = mpsc::channel::<()>(1);
+    let mut stops = Vec::new();
+    let mut running = Vec::new();
+    for w in 0..8 {
+        let (state, finished, done_tx) = (state.clone(), finished.clone(), done_tx.clone());
+        let ferry = if w % 2 == 0 { t.ferry.clone() } else { t.reopen().await };
+        let config = WorkerConfig {
+            queues: vec!["lim".into()],
+            concurrency: 4,
+            batch: 4,
+            poll_interval: Duration::from_millis(20),
+            owner: format!("lim-{w}"),
+            ..WorkerConfig::default()
+        };
+        let worker = Worker::new(ferry, config, move |job: Claimed, _ctx: JobContext| {
+            let (state, finished, done_tx) = (state.clone(), finished.clone(), done_tx.clone());
+            async move {
+                let group = group_of(&job.lease.tenant);
+                {
+                    let mut flights = state.0.lock().unwrap();
+                    let f = flights.get_mut(&group).unwrap();
+                    f.now += 1;
+                    f.started += 1;
+                    f.max = f.max.max(f.now);
+                }
+                state.1.notify_waiters();
+                loop {
+                    let changed = state.1.notified();
+                    tokio::pin!(changed);
+                    changed.as_mut().enable();
+                    let f = state.0.lock().unwrap()[&group];
+                    if f.now >= cap || f.started == f.total {
+                        break;
+                    }
+                    changed.await;
+                }
+                state.0.lock().unwrap().get_mut(&group).unwrap().now -= 1;
+                state.1.notify_waiters();
+                if finished.fetch_add(1, Ordering::SeqCst) + 1 == total {
+                    let _ = done_tx.try_send(());
+                }
+                Ok(json!({}))
+            }
+        });
+        let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+        stops.push(stop_tx);
+        running.push(tokio::spawn(worker.run(async move {
+            let _ = stop_rx.await;
+        })));
+    }
+    tokio::time::timeout(Duration::from_secs(120), done_rx.recv())
+        .await
+        .expect("every job of the limited queue ran");
+    for s in stops {
+        let _ = s.send(());
+    }
+    for r in running {
+        r.await.unwrap().unwrap();
+    }
+    assert_eq!(
+        t.scalar("SELECT count(*) FROM jobs WHERE state = 'succeeded'").await,
+        total as i64,
+        "every job finished"
+    );
+    assert!(
+        t.scalar("SELECT count(DISTINCT worker) FROM job_attempts").await >= 2,
+        "the work was shared"
+    );
+    let flights = state.0.lock().unwrap().clone();
+    flights
+}
+
+/// Eight workers on a queue limited to 3 leases: never more than 3
+/// handlers run at once, and the limit is reached (so the test exercised it).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn eight_workers_never_exceed_the_queue_limit() {
+    let limits = ferry::QueueLimits {
+        max_leased: Some(3),
+        ..ferry::QueueLimits::default()
+    };
+    let flights = eight_workers_under(limits, &["a", "b", "c"], 40, |_| "all".into(), 3).await;
+    let all = flights["all"];
+    assert_eq!((all.max, all.started), (3, 120), "{flights:?}");
+}
+
+/// Eight workers on a queue with a cap of 2 leases per tenant: each tenant
+/// runs at most 2 at once, and each reaches 2 while the others run too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn eight_workers_never_exceed_the_tenant_cap() {
+    let limits = ferry::QueueLimits {
+        max_leased_per_tenant: Some(2),
+        ..ferry::QueueLimits::default()
+    };
+    let flights = eight_workers_under(limits, &["a", "b", "c"], 30, |t| t.to_string(), 2).await;
+    for (tenant, f) in &flights {
+        assert_eq!((f.max, f.started), (2, 30), "tenant {tenant}: {flights:?}");
+    }
+}
