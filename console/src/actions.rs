@@ -214,22 +214,32 @@ pub(crate) async fn resume_queue(
 }
 
 async fn queue_action(
-    _state: AppState,
+    state: AppState,
     principal: Principal,
     headers: HeaderMap,
     f: QueueAction,
-    _pause: bool,
+    pause: bool,
 ) -> Result<Markup, ConsoleError> {
-    let _reason = f.common.check(&principal, &headers)?;
+    let reason = f.common.check(&principal, &headers)?;
     if principal.tenants.is_some() {
         return Err(ConsoleError::Forbidden(
-            "queues are shared by every tenant: a scoped token cannot pause them",
+            "queues are shared by every tenant: a token scoped to tenants cannot pause or resume them",
         ));
     }
-    if f.queue.trim().is_empty() {
+    let queue = f.queue.trim();
+    if queue.is_empty() {
         return Err(ConsoleError::BadRequest("queue is required".into()));
     }
-    Err(ConsoleError::Ferry(ferry::Error::Unsupported(
-        "queue pause arrives with Ferry::pause_queue",
-    )))
+    if pause {
+        state.ferry.pause_queue(queue, &principal.name, &reason).await?;
+    } else {
+        state.ferry.resume_queue(queue, &principal.name, &reason).await?;
+    }
+    tracing::info!(actor = %principal.name, queue, pause, "console: queue pause/resume");
+    let frame = Frame {
+        principal: &principal,
+        tenant: None,
+    };
+    let what = if pause { "paused: its jobs are not claimed" } else { "resumed" };
+    Ok(done(&frame, if pause { "Paused" } else { "Resumed" }, &format!("Queue {queue} is {what}."), "/"))
 }

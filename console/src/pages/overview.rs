@@ -30,15 +30,17 @@ pub(crate) async fn page(
 ) -> Result<Markup, ConsoleError> {
     let tenant = principal.scope(q.tenant.as_deref())?;
     let t = tenant.as_deref();
-    let (lanes, owners, relays, jobs, dead, partitions, now) = tokio::try_join!(
+    let (lanes, owners, relays, jobs, dead, partitions, queues, now) = tokio::try_join!(
         state.store.outbox_lanes(t),
         state.relay.lane_owners(),
         state.relay.live_relays(),
         state.store.jobs_by_queue_state(t),
         state.store.outbox_dead_groups(t),
         state.store.consumer_partitions(),
+        state.ferry.list_queues(),
         state.store.now(),
     )?;
+    let paused: BTreeSet<&str> = queues.iter().filter(|q| q.paused).map(|q| q.queue.as_str()).collect();
     let now = now.get();
     let backlog: BTreeMap<i32, (i64, i64)> = lanes.iter().map(|l| (l.lane, (l.pending, l.oldest.get()))).collect();
     let pending: i64 = lanes.iter().map(|l| l.pending).sum();
@@ -47,6 +49,9 @@ pub(crate) async fn page(
     let mut by_queue: BTreeMap<&str, BTreeMap<&str, i64>> = BTreeMap::new();
     for j in &jobs {
         *by_queue.entry(&j.queue).or_default().entry(&j.state).or_default() += j.jobs;
+    }
+    for q in &queues {
+        by_queue.entry(&q.queue).or_default();
     }
     let frame = Frame {
         principal: &principal,
@@ -77,11 +82,11 @@ pub(crate) async fn page(
                 tbody {
                     @for (queue, counts) in &by_queue {
                         tr {
-                            th { (queue) }
+                            th { (queue) @if paused.contains(queue) { " " span.warn id=(format!("paused-{queue}")) { "(paused)" } } }
                             @for s in STATES {
                                 td.num id=(format!("jobs-{queue}-{s}")) { (counts.get(s).copied().unwrap_or(0)) }
                             }
-                            td { (queue_actions(&principal, queue)) }
+                            td { @if principal.tenants.is_none() { (queue_actions(&principal, queue, paused.contains(queue))) } }
                         }
                     }
                 }
@@ -148,9 +153,10 @@ pub(crate) async fn page(
     Ok(layout(&frame, "Overview", body))
 }
 
-fn queue_actions(principal: &Principal, queue: &str) -> Markup {
+fn queue_actions(principal: &Principal, queue: &str, paused: bool) -> Markup {
+    let (action, label) = if paused { ("resume", "Resume") } else { ("pause", "Pause") };
     html! {
-        @for (action, label) in [("pause", "Pause"), ("resume", "Resume")] {
+        {
             form.inline method="post" action=(format!("/actions/queues/{action}")) {
                 (csrf_field(principal))
                 input type="hidden" name="queue" value=(queue);
