@@ -22,3 +22,10 @@ WHERE tenant = $1 AND run_id = $2 AND step = $3 AND operation = $4
 UPDATE effects
 SET state = 'unknown', updated_at = $4
 WHERE tenant = $1 AND run_id = $2 AND generation = $3 AND state = 'reserved'
+
+-- name: list_effects
+-- A run's ledger entries (lineage), in the order they were reserved.
+SELECT step, operation, state, provider_ref, generation, error_code, created_at, updated_at
+FROM effects
+WHERE tenant = $1 AND run_id = $2
+ORDER BY created_at, step, operation

@@ -36,3 +36,12 @@ SELECT pg_notify($1, $2)
 -- name: notify_work_many [postgres only]
 -- notify_work for several payloads ($2) in one statement: a batch's wake-ups.
 SELECT pg_notify($1, p) FROM UNNEST($2::text[]) AS p
+
+-- name: list_outbox_of_key
+-- A run's outbox rows with their delivery state: its events' rows are keyed
+-- by the run id ($2, as text), and so are a service's own rows keyed by it
+-- (outbox_tenant_key_idx). No payloads.
+SELECT id, topic, key, effect_key, state, publish_attempts, last_error, created_at, delivered_at
+FROM outbox
+WHERE tenant = $1 AND key = $2
+ORDER BY id

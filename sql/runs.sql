@@ -33,12 +33,12 @@ WHERE (tenant, operation, key) IN (
 
 -- name: insert_run
 INSERT INTO runs (tenant, run_id, operation, state, version, request, deadline_at, replay_of,
-                  created_at, updated_at, last_event_seq)
-VALUES ($1, $2, $3, 'queued', 1, $4, $5, $6, $7, $7, 1)
+                  created_at, updated_at, last_event_seq, scheduled_at, parent_run_id)
+VALUES ($1, $2, $3, 'queued', 1, $4, $5, $6, $7, $7, 1, $8, $9)
 
 -- name: get_run
 SELECT tenant, run_id, operation, state, version, request, deadline_at, replay_of,
-       created_at, updated_at, last_event_seq
+       scheduled_at, parent_run_id, created_at, updated_at, last_event_seq
 FROM runs
 WHERE tenant = $1 AND run_id = $2
 
@@ -116,7 +116,7 @@ RETURNING k.run_id, k.created_at
 SELECT i.ord, k.request_fingerprint, k.fingerprint_version, k.run_id AS key_run_id,
        k.expires_at > {now $4} AS live,
        r.tenant, r.run_id, r.operation, r.state, r.version, r.request, r.deadline_at, r.replay_of,
-       r.created_at, r.updated_at, r.last_event_seq
+       r.scheduled_at, r.parent_run_id, r.created_at, r.updated_at, r.last_event_seq
 FROM UNNEST($1::text[], $2::text[], $3::text[]) WITH ORDINALITY AS i(tenant, operation, key, ord)
 JOIN idempotency_keys k ON k.tenant = i.tenant AND k.operation = i.operation AND k.key = i.key
 LEFT JOIN runs r ON r.tenant = k.tenant AND r.run_id = k.run_id
@@ -125,39 +125,106 @@ LEFT JOIN runs r ON r.tenant = k.tenant AND r.run_id = k.run_id
 -- The writes of many acceptances whose keys were claimed, in one statement:
 -- for each input row the run (insert_run), its run_queued event at seq 1
 -- (insert_event, the body built as queued_body builds it), its job
--- (insert_job) and the event's outbox row (insert_outbox, no key lock: nobody
--- else can write a brand-new run's events). $15 is the claim's instant; the
--- outbox key, payload, effect key and lane come from the code that builds the
--- single acceptance's row, so both write the same bytes. Rows go in input
--- order, so outbox ids follow it. Foreign keys are checked at the end of the
--- statement, when the runs exist.
+-- (insert_job, available at $21) and the event's outbox row (insert_outbox,
+-- no key lock: nobody else can write a brand-new run's events). $15 is the
+-- claim's instant; the outbox key, payload, effect key and lane come from the
+-- code that builds the single acceptance's row, so both write the same bytes.
+-- Rows go in input order, so outbox ids follow it. Foreign keys are checked
+-- at the end of the statement, when the runs exist.
 WITH input AS (
     SELECT *
     FROM UNNEST($1::text[], $2::uuid[], $3::text[], $4::jsonb[], $5::bigint[], $6::uuid[], $7::text[],
                 $8::int[], $9::bigint[], $10::text[], $11::int[], $12::bytea[], $13::text[], $14::text[],
-                $18::smallint[], $19::bigint[])
+                $18::smallint[], $19::bigint[], $20::bigint[], $21::bigint[], $22::uuid[])
         WITH ORDINALITY
         AS i(tenant, run_id, operation, request, deadline_at, replay_of, queue, max_attempts, schema_version,
-             key, lane, payload, effect_key, traceparent, priority, priority_lead, ord)
+             key, lane, payload, effect_key, traceparent, priority, priority_lead, scheduled_at, available_at,
+             parent_run_id, ord)
 ), run_rows AS (
     INSERT INTO runs (tenant, run_id, operation, state, version, request, deadline_at, replay_of,
-                      created_at, updated_at, last_event_seq)
-    SELECT tenant, run_id, operation, 'queued', 1, request, deadline_at, replay_of, $15::bigint, $15::bigint, 1
+                      created_at, updated_at, last_event_seq, scheduled_at, parent_run_id)
+    SELECT tenant, run_id, operation, 'queued', 1, request, deadline_at, replay_of, $15::bigint, $15::bigint, 1,
+           scheduled_at, parent_run_id
     FROM input ORDER BY ord
 ), event_rows AS (
     INSERT INTO run_events (tenant, run_id, seq, kind, body, created_at)
     SELECT tenant, run_id, 1, 'run_queued',
            jsonb_build_object('operation', operation, 'queue', queue, 'schema_version', schema_version,
-                              'request', request, 'replay_of', replay_of),
+                              'request', request, 'replay_of', replay_of)
+           || jsonb_strip_nulls(jsonb_build_object('parent_run_id', parent_run_id, 'scheduled_at', scheduled_at)),
            $15::bigint
     FROM input ORDER BY ord
 ), job_rows AS (
     INSERT INTO jobs (tenant, run_id, queue, state, available_at, max_attempts, deadline_at, created_at, updated_at,
                       priority, priority_lead)
-    SELECT tenant, run_id, queue, 'queued', $15::bigint, max_attempts, deadline_at, $15::bigint, $15::bigint,
+    SELECT tenant, run_id, queue, 'queued', available_at, max_attempts, deadline_at, $15::bigint, $15::bigint,
            priority, priority_lead
     FROM input ORDER BY ord
 )
 INSERT INTO outbox (tenant, topic, key, lane, payload, headers, effect_key, traceparent, created_at)
 SELECT tenant, $16::text, key, lane, payload, $17::jsonb, effect_key, traceparent, $15::bigint
 FROM input ORDER BY ord
+
+-- Run listing (list_runs): newest first, keyset on (created_at, run_id)
+-- strictly below ($2, $3) and created_at >= $4, so every page is an index
+-- range scan whatever the page depth. Three queries, one per index, because
+-- a `($n IS NULL OR tenant = $n)` predicate cannot drive an index once
+-- PostgreSQL switches a prepared statement to its generic plan. Optional
+-- filters: $5 operation, $6 queue; $7 limit.
+
+-- name: list_runs_of_tenant
+-- One tenant, any state: runs_tenant_created_idx.
+SELECT r.tenant, r.run_id, r.operation, j.queue, r.state, j.state AS job_state, j.attempts, j.max_attempts,
+       j.last_error_code, r.scheduled_at, r.parent_run_id, r.replay_of, r.created_at, r.updated_at
+FROM runs r JOIN jobs j ON j.tenant = r.tenant AND j.run_id = r.run_id
+WHERE r.tenant = $1
+  AND (r.created_at, r.run_id) < ($2, $3)
+  AND r.created_at >= $4
+  AND ($5{pg:::text} IS NULL OR r.operation = $5)
+  AND ($6{pg:::text} IS NULL OR j.queue = $6)
+ORDER BY r.created_at DESC, r.run_id DESC
+LIMIT $7
+
+-- name: list_runs_of_tenant_in_state
+-- One tenant, one state ($8): runs_tenant_state_created_idx.
+SELECT r.tenant, r.run_id, r.operation, j.queue, r.state, j.state AS job_state, j.attempts, j.max_attempts,
+       j.last_error_code, r.scheduled_at, r.parent_run_id, r.replay_of, r.created_at, r.updated_at
+FROM runs r JOIN jobs j ON j.tenant = r.tenant AND j.run_id = r.run_id
+WHERE r.tenant = $1 AND r.state = $8
+  AND (r.created_at, r.run_id) < ($2, $3)
+  AND r.created_at >= $4
+  AND ($5{pg:::text} IS NULL OR r.operation = $5)
+  AND ($6{pg:::text} IS NULL OR j.queue = $6)
+ORDER BY r.created_at DESC, r.run_id DESC
+LIMIT $7
+
+-- name: list_runs_of_all_tenants
+-- Every tenant (operators), optionally one state ($8): runs_created_idx.
+-- Called with $1 NULL; the tenant filter only keeps the three queries'
+-- parameters alike.
+SELECT r.tenant, r.run_id, r.operation, j.queue, r.state, j.state AS job_state, j.attempts, j.max_attempts,
+       j.last_error_code, r.scheduled_at, r.parent_run_id, r.replay_of, r.created_at, r.updated_at
+FROM runs r JOIN jobs j ON j.tenant = r.tenant AND j.run_id = r.run_id
+WHERE ($1{pg:::text} IS NULL OR r.tenant = $1)
+  AND (r.created_at, r.run_id) < ($2, $3)
+  AND r.created_at >= $4
+  AND ($5{pg:::text} IS NULL OR r.operation = $5)
+  AND ($6{pg:::text} IS NULL OR j.queue = $6)
+  AND ($8{pg:::text} IS NULL OR r.state = $8)
+ORDER BY r.created_at DESC, r.run_id DESC
+LIMIT $7
+
+-- name: get_run_summary
+-- One run as list_runs shows it.
+SELECT r.tenant, r.run_id, r.operation, j.queue, r.state, j.state AS job_state, j.attempts, j.max_attempts,
+       j.last_error_code, r.scheduled_at, r.parent_run_id, r.replay_of, r.created_at, r.updated_at
+FROM runs r JOIN jobs j ON j.tenant = r.tenant AND j.run_id = r.run_id
+WHERE r.tenant = $1 AND r.run_id = $2
+
+-- name: list_child_runs
+-- The runs whose parent is ($1, $2), oldest first (runs_parent_idx).
+SELECT r.tenant, r.run_id, r.operation, j.queue, r.state, j.state AS job_state, j.attempts, j.max_attempts,
+       j.last_error_code, r.scheduled_at, r.parent_run_id, r.replay_of, r.created_at, r.updated_at
+FROM runs r JOIN jobs j ON j.tenant = r.tenant AND j.run_id = r.run_id
+WHERE r.tenant = $1 AND r.parent_run_id = $2
+ORDER BY r.created_at, r.run_id

@@ -258,6 +258,32 @@ impl Ferry {
     }
 }
 
+/// A run's ledger entries in the order they were reserved (lineage).
+pub(crate) async fn list_effects_in(conn: Conn<'_>, tenant: &str, run_id: Uuid) -> Result<Vec<EffectRecord>> {
+    let rows: Vec<EffectRow> = on_conn!(conn, |c, q| {
+        sqlx::query_as(q.list_effects)
+            .bind(tenant)
+            .bind(run_id)
+            .fetch_all(&mut *c)
+            .await?
+    });
+    rows.into_iter().map(|row| row.into_record(run_id)).collect()
+}
+
+impl EffectRow {
+    fn into_record(self, run_id: Uuid) -> Result<EffectRecord> {
+        Ok(EffectRecord {
+            run_id,
+            step: self.step,
+            operation: self.operation,
+            state: EffectState::parse(&self.state)?,
+            provider_ref: self.provider_ref,
+            generation: self.generation,
+            error_code: self.error_code,
+        })
+    }
+}
+
 async fn get_effect(conn: Conn<'_>, tenant: &str, run_id: Uuid, step: &str, operation: &str) -> Result<EffectRecord> {
     let row: Option<EffectRow> = on_conn!(conn, |c, q| {
         sqlx::query_as(q.get_effect)
@@ -268,16 +294,7 @@ async fn get_effect(conn: Conn<'_>, tenant: &str, run_id: Uuid, step: &str, oper
             .fetch_optional(&mut *c)
             .await?
     });
-    let row = row.ok_or(Error::NotFound { what: "effect" })?;
-    Ok(EffectRecord {
-        run_id,
-        step: row.step,
-        operation: row.operation,
-        state: EffectState::parse(&row.state)?,
-        provider_ref: row.provider_ref,
-        generation: row.generation,
-        error_code: row.error_code,
-    })
+    row.ok_or(Error::NotFound { what: "effect" })?.into_record(run_id)
 }
 
 #[allow(clippy::too_many_arguments)]

@@ -32,6 +32,7 @@ pub mod outbox;
 pub mod queues;
 pub mod retry;
 pub mod runs;
+pub mod schedules;
 pub mod store;
 pub mod telemetry;
 pub mod time;
@@ -47,9 +48,13 @@ pub use jobs::{AttemptOutcome, Claimed, DeadJob, ErrorClass, JobAttempt, JobErro
 pub use limits::Limits;
 pub use notify::CHANNEL as NOTIFY_CHANNEL;
 pub use outbox::OutboxMessage;
-pub use retry::RetryPolicy;
 pub use queues::{QueueInfo, QueueLimits, RateLimit};
-pub use runs::{Accepted, NewRun, Run, RunEvent, RunState, MAX_PRIORITY, MIN_PRIORITY};
+pub use retry::RetryPolicy;
+pub use runs::{
+    Accepted, NewRun, OutboxRow, Run, RunCursor, RunEvent, RunFilter, RunLineage, RunPage, RunState, RunSummary, Start,
+    MAX_PRIORITY, MIN_PRIORITY,
+};
+pub use schedules::{Every, FiredTick, Missed, Schedule, ScheduleChange};
 pub use store::{connect, connect_with, migrate, Conn, ConnectOptions, Db, Engine, Tx};
 pub use time::{Clock, Millis};
 

@@ -164,8 +164,8 @@ impl Limits {
     /// largest value with an empty document, built by the same code that
     /// builds events (the envelope with the longest tenant and kind, 20-digit
     /// seq and instant, and the largest wrapper Ferry puts around a caller's
-    /// document, `run_queued`'s, with the longest operation and queue and a
-    /// `replay_of`); and every header with its two length varints counted at
+    /// document, `run_queued`'s, with the longest operation and queue, a
+    /// `replay_of`, a `parent_run_id` and a `scheduled_at`); and every header with its two length varints counted at
     /// 5 bytes each (`content-type`, `ferry-event-kind`, and the relay's
     /// `ferry-outbox-id`, `ferry-tenant`, `ferry-effect-key`, `traceparent`
     /// at their longest). Names are `[A-Za-z0-9._:-]`, which JSON never
@@ -175,7 +175,12 @@ impl Limits {
         let tenant = "t".repeat(self.max_tenant_bytes);
         let name = "n".repeat(self.max_name_bytes);
         let run_id = uuid::Uuid::max();
-        let body = crate::runs::queued_body(&name, &name, u32::MAX, &serde_json::Value::Null, Some(run_id));
+        let mut largest = crate::NewRun::new(&*tenant, &*name, "k", serde_json::Value::Null)
+            .queue(&*name)
+            .schema_version(u32::MAX)
+            .parent(run_id);
+        largest.replay_of = Some(run_id);
+        let body = crate::runs::queued_body(&largest, Some(i64::MIN));
         let value_len = crate::runs::event_payload(&tenant, run_id, i64::MIN, &name, i64::MIN, &body)
             .map_or(0, |v| v.len())
             - "null".len();

@@ -240,6 +240,15 @@ async fn queue_action(
         principal: &principal,
         tenant: None,
     };
-    let what = if pause { "paused: its jobs are not claimed" } else { "resumed" };
-    Ok(done(&frame, if pause { "Paused" } else { "Resumed" }, &format!("Queue {queue} is {what}."), "/"))
+    let what = if pause {
+        "paused: its jobs are not claimed"
+    } else {
+        "resumed"
+    };
+    Ok(done(
+        &frame,
+        if pause { "Paused" } else { "Resumed" },
+        &format!("Queue {queue} is {what}."),
+        "/",
+    ))
 }

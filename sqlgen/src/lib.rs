@@ -138,11 +138,15 @@ fn remap(text: &str, args: &[&str], name: &str) -> Result<String, String> {
         if bytes[i] == b'$' {
             let digits = bytes[i + 1..].iter().take_while(|b| b.is_ascii_digit()).count();
             if digits > 0 {
-                let n: usize = text[i + 1..i + 1 + digits].parse().map_err(|_| "bad parameter".to_string())?;
-                let arg = n
-                    .checked_sub(1)
-                    .and_then(|k| args.get(k))
-                    .ok_or_else(|| format!("fragment {name} uses ${n} but the {{use}} passes {} parameter(s)", args.len()))?;
+                let n: usize = text[i + 1..i + 1 + digits]
+                    .parse()
+                    .map_err(|_| "bad parameter".to_string())?;
+                let arg = n.checked_sub(1).and_then(|k| args.get(k)).ok_or_else(|| {
+                    format!(
+                        "fragment {name} uses ${n} but the {{use}} passes {} parameter(s)",
+                        args.len()
+                    )
+                })?;
                 out.push_str(arg);
                 i += 1 + digits;
                 continue;
@@ -451,14 +455,19 @@ mod tests {
             r.shared["b"].1,
             "SELECT id FROM t WHERE queue = $9 AND at <= COALESCE($10, CAST(unixepoch('subsec') * 1000 AS INTEGER)) LIMIT $1"
         );
-        assert!(r.shared["a"].0.starts_with("SELECT id FROM t WHERE queue = $1 AND at <= COALESCE($2::bigint"));
+        assert!(r.shared["a"]
+            .0
+            .starts_with("SELECT id FROM t WHERE queue = $1 AND at <= COALESCE($2::bigint"));
         assert!(!r.shared.contains_key("due") && !r.shared.contains_key("pick"));
         let missing = vec![(
             "t.sql".to_string(),
             "-- name: f [fragment]\nx = $2\n-- name: q\nSELECT {use f $1}\n".to_string(),
         )];
         assert!(render_files(&missing).unwrap_err().contains("uses $2"));
-        let unused = vec![("t.sql".to_string(), "-- name: f [fragment]\nx\n-- name: q\nSELECT 1\n".to_string())];
+        let unused = vec![(
+            "t.sql".to_string(),
+            "-- name: f [fragment]\nx\n-- name: q\nSELECT 1\n".to_string(),
+        )];
         assert!(render_files(&unused).unwrap_err().contains("never used"));
         let cycle = vec![(
             "t.sql".to_string(),

@@ -30,6 +30,40 @@ impl Ferry {
         self.accept_one_in(conn.into(), run, true).await
     }
 
+    /// Accepts a follow-up run from a handler, inside the handler's
+    /// transaction: workflows as chains. The run's parent is the leased run
+    /// (`parent_run_id`), its tenant must be the lease's, and the lease is
+    /// checked and the job row held for the rest of the transaction (the
+    /// fence [`Ferry::complete_in`] takes), so a stale handler creates
+    /// nothing: [`Error::LostLease`], [`Error::RunTerminal`] and the caller
+    /// rolls back. Commit it with [`Ferry::complete_in`] in the same
+    /// transaction and the child exists if and only if the parent's job
+    /// completed. The child's idempotency key makes a retried handler replay
+    /// the child instead of creating a second one.
+    pub async fn enqueue_run_in<'c>(
+        &self,
+        conn: impl Into<Conn<'c>>,
+        lease: &crate::Lease,
+        run: NewRun,
+    ) -> Result<Accepted> {
+        let mut conn: Conn<'c> = conn.into();
+        if run.tenant != lease.tenant {
+            return Err(Error::invalid(
+                "tenant",
+                "a follow-up run belongs to its parent's tenant",
+            ));
+        }
+        if run.parent_run_id.is_some_and(|p| p != lease.run_id) {
+            return Err(Error::invalid(
+                "parent_run_id",
+                "a follow-up run's parent is the leased run",
+            ));
+        }
+        run.validate(self)?;
+        self.lock_fence(conn.reborrow(), lease).await?;
+        self.create_run_idempotent_in(conn, run.parent(lease.run_id)).await
+    }
+
     /// Accepts many runs in one transaction of their own; see
     /// [`Ferry::create_runs_idempotent_in`] for what each item's result
     /// means. The outer `Err` is a failure of the whole batch (the database,
@@ -135,10 +169,16 @@ impl Ferry {
         let Some(now) = claimed else {
             return self.replay_or_conflict(conn, &run, &fp.hex, fp.version).await;
         };
-        let deadline_at = match run.deadline {
-            Some(d) => Some(crate::Millis::new(now)?.checked_add(d)?.get()),
-            None => None,
-        };
+        let (scheduled_at, available_at, deadline_at) = run.instants(now)?;
+        if let Some(parent) = run.parent_run_id {
+            // Runs are never deleted, so the parent cannot vanish before commit.
+            get_run_in(conn.reborrow(), &run.tenant, parent)
+                .await
+                .map_err(|e| match e {
+                    Error::NotFound { .. } => Error::NotFound { what: "parent run" },
+                    e => e,
+                })?;
+        }
         let inserted = on_conn!(conn.reborrow(), |c, q| {
             sqlx::query(q.insert_run)
                 .bind(&run.tenant)
@@ -148,6 +188,8 @@ impl Ferry {
                 .bind(deadline_at)
                 .bind(run.replay_of)
                 .bind(now)
+                .bind(scheduled_at)
+                .bind(run.parent_run_id)
                 .execute(&mut *c)
                 .await
                 .map(|_| ())
@@ -158,13 +200,7 @@ impl Ferry {
                 _ => e.into(),
             });
         }
-        let body = queued_body(
-            &run.operation,
-            &run.queue,
-            run.schema_version,
-            &run.command,
-            run.replay_of,
-        );
+        let body = queued_body(&run, scheduled_at);
         let event = Event {
             tenant: &run.tenant,
             run_id,
@@ -180,7 +216,7 @@ impl Ferry {
                 .bind(&run.tenant)
                 .bind(run_id)
                 .bind(&run.queue)
-                .bind(now)
+                .bind(available_at)
                 .bind(run.max_attempts as i32)
                 .bind(deadline_at)
                 .bind(now)
@@ -203,6 +239,8 @@ impl Ferry {
                 request: run.command,
                 deadline_at: deadline_at.map(Millis::new).transpose()?,
                 replay_of: run.replay_of,
+                scheduled_at: scheduled_at.map(Millis::new).transpose()?,
+                parent_run_id: run.parent_run_id,
                 created_at: Millis::new(now)?,
                 updated_at: Millis::new(now)?,
                 last_event_seq: 1,
@@ -273,28 +311,30 @@ pub(crate) fn refuses_only_its_item(e: &Error) -> bool {
 /// caller's document (sized in [`crate::Limits::run_event_overhead`]).
 /// Fields are declared in byte order of their names, as a JSON object map
 /// serializes them by default; it borrows the command instead of copying it.
+/// `parent_run_id` and `scheduled_at` appear only when set (the bulk
+/// acceptance's SQL strips them the same way).
 #[derive(serde::Serialize)]
 pub(crate) struct QueuedBody<'a> {
     operation: &'a str,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    parent_run_id: Option<Uuid>,
     queue: &'a str,
     replay_of: Option<Uuid>,
     request: &'a Value,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    scheduled_at: Option<i64>,
     schema_version: u32,
 }
 
-/// The `run_queued` body of a run of `operation` on `queue`.
-pub(crate) fn queued_body<'a>(
-    operation: &'a str,
-    queue: &'a str,
-    schema_version: u32,
-    command: &'a Value,
-    replay_of: Option<Uuid>,
-) -> QueuedBody<'a> {
+/// The `run_queued` body of `run`, scheduled at `scheduled_at`.
+pub(crate) fn queued_body(run: &NewRun, scheduled_at: Option<i64>) -> QueuedBody<'_> {
     QueuedBody {
-        operation,
-        queue,
-        replay_of,
-        request: command,
-        schema_version,
+        operation: &run.operation,
+        parent_run_id: run.parent_run_id,
+        queue: &run.queue,
+        replay_of: run.replay_of,
+        request: &run.command,
+        scheduled_at,
+        schema_version: run.schema_version,
     }
 }

@@ -10,14 +10,17 @@
 //! answering each as the single call would (set-based on PostgreSQL, in
 //! `store/bulk.rs`).
 //!
-//! The types are here; `accept` holds the acceptance transaction and
-//! `events` reading runs and appending events.
+//! The types are here; `accept` holds the acceptance transaction,
+//! `events` reading runs and appending events, and `inspect` listing runs
+//! and a run's lineage.
 
 mod accept;
 mod events;
+mod inspect;
 
-pub(crate) use accept::{check_equivalent, queued_body};
+pub(crate) use accept::{check_equivalent, queued_body, refuses_only_its_item};
 pub(crate) use events::{event_payload, get_run_in, run_event_message, write_event, Event};
+pub use inspect::{OutboxRow, RunCursor, RunFilter, RunLineage, RunPage, RunSummary, MAX_PAGE};
 
 use std::time::Duration;
 
@@ -69,7 +72,30 @@ pub struct NewRun {
     pub priority: i16,
     /// W3C trace context of the accepting request.
     pub traceparent: Option<String>,
+    /// When the job may first be claimed ([`NewRun::run_at`], [`NewRun::delay`]);
+    /// `None`: at once. Not part of the fingerprint: a retried request with
+    /// another start is a replay of the first (see [`Start`]).
+    pub start: Option<Start>,
+    /// The run (same tenant) this one follows in a workflow: recorded as
+    /// `parent_run_id`, and it must exist ([`Error::NotFound`] otherwise).
+    pub parent_run_id: Option<Uuid>,
     pub(crate) replay_of: Option<Uuid>,
+}
+
+/// When a scheduled run's job may first be claimed.
+///
+/// A start is not part of the request fingerprint: a client retrying a POST
+/// with `.delay(60s)` computes no absolute instant, and a client computing
+/// `now + 60s` on each retry sends a different one every time, so both must
+/// replay the first acceptance rather than conflict with it. The replay
+/// answers with the original run, whose `scheduled_at` is the first one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Start {
+    /// At this instant. One in the past is allowed: the job is claimable at
+    /// once, and the run keeps the instant asked for as its `scheduled_at`.
+    At(Millis),
+    /// This long after acceptance (the acceptance transaction's clock).
+    After(Duration),
 }
 
 impl NewRun {
@@ -92,6 +118,8 @@ impl NewRun {
             deadline: None,
             priority: MIN_PRIORITY,
             traceparent: None,
+            start: None,
+            parent_run_id: None,
             replay_of: None,
         }
     }
@@ -134,6 +162,30 @@ impl NewRun {
         self
     }
 
+    /// Schedules the run: its job is not claimable before `at` (an instant in
+    /// the past means at once). The run is `queued` meanwhile, with
+    /// `scheduled_at` set, and can be cancelled like any queued run. Replaces
+    /// an earlier [`NewRun::delay`].
+    pub fn run_at(mut self, at: Millis) -> Self {
+        self.start = Some(Start::At(at));
+        self
+    }
+
+    /// Schedules the run `d` after acceptance, by the acceptance's clock (the
+    /// database's in production). Replaces an earlier [`NewRun::run_at`].
+    pub fn delay(mut self, d: Duration) -> Self {
+        self.start = Some(Start::After(d));
+        self
+    }
+
+    /// Records `run_id` (a run of the same tenant, which must exist) as this
+    /// run's parent: the run a workflow step follows. Inside a handler prefer
+    /// [`Ferry::enqueue_run_in`], which also checks the handler's lease.
+    pub fn parent(mut self, run_id: Uuid) -> Self {
+        self.parent_run_id = Some(run_id);
+        self
+    }
+
     /// Carries a W3C trace context into the outbox.
     pub fn traceparent(mut self, tp: impl Into<String>) -> Self {
         self.traceparent = Some(tp.into());
@@ -156,7 +208,10 @@ impl NewRun {
             return Err(Error::invalid("max_attempts", "must be 1 to 1000"));
         }
         if !(MIN_PRIORITY..=MAX_PRIORITY).contains(&self.priority) {
-            return Err(Error::invalid("priority", format!("must be {MIN_PRIORITY} to {MAX_PRIORITY}")));
+            return Err(Error::invalid(
+                "priority",
+                format!("must be {MIN_PRIORITY} to {MAX_PRIORITY}"),
+            ));
         }
         if !self.command.is_object() {
             return Err(Error::invalid("command", "must be a JSON object"));
@@ -170,7 +225,29 @@ impl NewRun {
         if let Some(tp) = &self.traceparent {
             outbox::validate_traceparent(tp)?;
         }
+        if let Some(Start::After(d)) = self.start {
+            duration_ms(d)?;
+        }
         Ok(())
+    }
+
+    /// The instants of a run accepted at `now`: `(scheduled_at, available_at,
+    /// deadline_at)`. The job is available at the later of `now` and the
+    /// start, and the deadline counts from then (a run scheduled for tomorrow
+    /// with a one-hour deadline has until an hour after it starts).
+    pub(crate) fn instants(&self, now: i64) -> Result<(Option<i64>, i64, Option<i64>)> {
+        let now_ms = Millis::new(now)?;
+        let scheduled_at = match self.start {
+            None => None,
+            Some(Start::At(at)) => Some(at),
+            Some(Start::After(d)) => Some(now_ms.checked_add(d)?),
+        };
+        let available = scheduled_at.map_or(now_ms, |s| s.max(now_ms));
+        let deadline_at = match self.deadline {
+            Some(d) => Some(available.checked_add(d)?.get()),
+            None => None,
+        };
+        Ok((scheduled_at.map(Millis::get), available.get(), deadline_at))
     }
 }
 
@@ -215,9 +292,31 @@ impl RunState {
         })
     }
 
+    /// Every state, in lifecycle order.
+    pub const ALL: [RunState; 4] = [
+        RunState::Queued,
+        RunState::Succeeded,
+        RunState::Failed,
+        RunState::Cancelled,
+    ];
+
     /// True for succeeded, failed and cancelled.
     pub fn is_terminal(self) -> bool {
         self != RunState::Queued
+    }
+}
+
+impl std::str::FromStr for RunState {
+    type Err = Error;
+    /// Parses the stored text; anything else is [`Error::InvalidInput`].
+    fn from_str(s: &str) -> Result<Self> {
+        RunState::parse(s).map_err(|_| Error::invalid("state", "must be queued, succeeded, failed or cancelled"))
+    }
+}
+
+impl std::fmt::Display for RunState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
     }
 }
 
@@ -240,6 +339,12 @@ pub struct Run {
     pub deadline_at: Option<Millis>,
     /// The dead run this one replays.
     pub replay_of: Option<Uuid>,
+    /// The instant the run was asked to start at ([`NewRun::run_at`] or
+    /// [`NewRun::delay`]); its job is claimable from the later of this and
+    /// `created_at`. `None`: at once.
+    pub scheduled_at: Option<Millis>,
+    /// The run whose handler created this one ([`NewRun::parent`]).
+    pub parent_run_id: Option<Uuid>,
     /// Accepted at.
     pub created_at: Millis,
     /// Last changed at.
@@ -259,6 +364,8 @@ pub(crate) struct RunRow {
     pub(crate) request: Json<Value>,
     pub(crate) deadline_at: Option<Millis>,
     pub(crate) replay_of: Option<Uuid>,
+    pub(crate) scheduled_at: Option<Millis>,
+    pub(crate) parent_run_id: Option<Uuid>,
     pub(crate) created_at: Millis,
     pub(crate) updated_at: Millis,
     pub(crate) last_event_seq: i64,
@@ -276,6 +383,8 @@ impl TryFrom<RunRow> for Run {
             request: r.request.0,
             deadline_at: r.deadline_at,
             replay_of: r.replay_of,
+            scheduled_at: r.scheduled_at,
+            parent_run_id: r.parent_run_id,
             created_at: r.created_at,
             updated_at: r.updated_at,
             last_event_seq: r.last_event_seq,

@@ -10,8 +10,8 @@
 //!
 //! SQLite has one writer, so it accepts the items one by one under
 //! savepoints ([`Ferry::accept_each_in`]); PostgreSQL does the same for the
-//! rare batch that proposes one run id twice, where the winner of the id
-//! depends on which keys win.
+//! rare batch that proposes one run id twice, or names as a parent a run id
+//! another item proposes, where the outcome depends on which keys win.
 
 use std::collections::{HashMap, HashSet};
 
@@ -38,6 +38,9 @@ struct Item {
     run_id: Uuid,
     /// Its proposed run id already exists: it can only replay or conflict.
     id_taken: bool,
+    /// Its parent run does not exist: it can only replay or conflict, and
+    /// is refused with `NotFound` where the single call would claim its key.
+    parent_missing: bool,
 }
 
 /// An idempotency record read back for a key the batch did not claim.
@@ -63,7 +66,7 @@ impl Ferry {
     pub(crate) async fn accept_batch_in(&self, conn: Conn<'_>, runs: Vec<NewRun>) -> Result<Vec<Result<Accepted>>> {
         match conn {
             Conn::Postgres(c) => {
-                if proposes_an_id_twice(&runs) {
+                if needs_item_by_item(&runs) {
                     let queues: Vec<String> = runs.iter().map(|r| r.queue.clone()).collect();
                     let out = self.accept_each_in(Conn::Postgres(&mut *c), runs).await?;
                     let woken: Vec<&str> = out
@@ -98,6 +101,7 @@ impl Ferry {
                 fp,
                 run_id,
                 id_taken: false,
+                parent_missing: false,
             });
         }
         if items.is_empty() {
@@ -109,7 +113,7 @@ impl Ferry {
                 })
                 .collect());
         }
-        self.mark_taken_ids(c, &mut items).await?;
+        self.mark_existing(c, &mut items).await?;
 
         // Items by key, in input order; the first whose id is free is the
         // key's candidate, the only one offered to the claim.
@@ -130,7 +134,12 @@ impl Ferry {
         drop(group_of);
         let candidates: Vec<Option<usize>> = groups
             .iter()
-            .map(|members| members.iter().copied().find(|&i| !items[i].id_taken))
+            .map(|members| {
+                members
+                    .iter()
+                    .copied()
+                    .find(|&i| !items[i].id_taken && !items[i].parent_missing)
+            })
             .collect();
 
         // Claim every candidate's key in one statement.
@@ -180,6 +189,8 @@ impl Ferry {
                     // from being a duplicate run.
                     match record {
                         Some(r) if !won[g] && r.live => Outcome::Done(replay_of_record(it, r)),
+                        // The single call checks the parent before it inserts the run.
+                        _ if it.parent_missing => Outcome::Done(Err(Error::NotFound { what: "parent run" })),
                         _ => Outcome::Done(Err(Error::DuplicateRun { run_id: it.run_id })),
                     }
                 } else if won[g] {
@@ -216,7 +227,7 @@ impl Ferry {
             let queues = self.insert_winners(c, &winners, now).await?;
             self.inner.notifier.wake_many(c, &queues).await?;
             for it in winners {
-                let deadline_at = deadline_at(now, &it.run)?;
+                let (scheduled_at, _, deadline_at) = it.run.instants(now)?;
                 runs_by_pos.insert(
                     it.pos,
                     Run {
@@ -228,6 +239,8 @@ impl Ferry {
                         request: it.run.command,
                         deadline_at: deadline_at.map(crate::Millis::new).transpose()?,
                         replay_of: it.run.replay_of,
+                        scheduled_at: scheduled_at.map(crate::Millis::new).transpose()?,
+                        parent_run_id: it.run.parent_run_id,
                         created_at: crate::Millis::new(now)?,
                         updated_at: crate::Millis::new(now)?,
                         last_event_seq: 1,
@@ -270,21 +283,32 @@ impl Ferry {
         Ok(out)
     }
 
-    /// Marks the items whose proposed run id already exists (one statement,
-    /// only when some item proposes one).
-    async fn mark_taken_ids(&self, c: &mut PgConnection, items: &mut [Item]) -> Result<()> {
-        let proposed: Vec<&Item> = items.iter().filter(|i| i.run.run_id.is_some()).collect();
-        if proposed.is_empty() {
+    /// Marks the items whose proposed run id already exists and those whose
+    /// parent run does not (one statement, only when some item proposes an
+    /// id or names a parent).
+    async fn mark_existing(&self, c: &mut PgConnection, items: &mut [Item]) -> Result<()> {
+        let mut asked: Vec<(&str, Uuid)> = Vec::new();
+        for it in items.iter() {
+            if it.run.run_id.is_some() {
+                asked.push((&it.run.tenant, it.run_id));
+            }
+            if let Some(parent) = it.run.parent_run_id {
+                asked.push((&it.run.tenant, parent));
+            }
+        }
+        if asked.is_empty() {
             return Ok(());
         }
-        let taken: Vec<(String, Uuid)> = sqlx::query_as(POSTGRES_ONLY.existing_run_ids)
-            .bind(proposed.iter().map(|i| i.run.tenant.as_str()).collect::<Vec<_>>())
-            .bind(proposed.iter().map(|i| i.run_id).collect::<Vec<_>>())
+        let found: Vec<(String, Uuid)> = sqlx::query_as(POSTGRES_ONLY.existing_run_ids)
+            .bind(asked.iter().map(|(t, _)| *t).collect::<Vec<_>>())
+            .bind(asked.iter().map(|(_, id)| *id).collect::<Vec<_>>())
             .fetch_all(&mut *c)
             .await?;
-        let taken: HashSet<(String, Uuid)> = taken.into_iter().collect();
-        for it in items.iter_mut().filter(|i| i.run.run_id.is_some()) {
-            it.id_taken = taken.contains(&(it.run.tenant.clone(), it.run_id));
+        let found: HashSet<(String, Uuid)> = found.into_iter().collect();
+        for it in items.iter_mut() {
+            let tenant = it.run.tenant.clone();
+            it.id_taken = it.run.run_id.is_some() && found.contains(&(tenant.clone(), it.run_id));
+            it.parent_missing = it.run.parent_run_id.is_some_and(|p| !found.contains(&(tenant, p)));
         }
         Ok(())
     }
@@ -328,6 +352,8 @@ impl Ferry {
                     request: row.try_get("request")?,
                     deadline_at: row.try_get("deadline_at")?,
                     replay_of: row.try_get("replay_of")?,
+                    scheduled_at: row.try_get("scheduled_at")?,
+                    parent_run_id: row.try_get("parent_run_id")?,
                     created_at: row.try_get("created_at")?,
                     updated_at: row.try_get("updated_at")?,
                     last_event_seq: row.try_get("last_event_seq")?,
@@ -360,16 +386,15 @@ impl Ferry {
         }
         let current_trace = crate::telemetry::current_traceparent();
         let mut deadlines = Vec::with_capacity(winners.len());
+        let mut scheduled = Vec::with_capacity(winners.len());
+        let mut available = Vec::with_capacity(winners.len());
         let mut messages: Vec<OutboxMessage> = Vec::with_capacity(winners.len());
         for it in winners {
-            deadlines.push(deadline_at(now, &it.run)?);
-            let body = queued_body(
-                &it.run.operation,
-                &it.run.queue,
-                it.run.schema_version,
-                &it.run.command,
-                it.run.replay_of,
-            );
+            let (scheduled_at, available_at, deadline_at) = it.run.instants(now)?;
+            deadlines.push(deadline_at);
+            scheduled.push(scheduled_at);
+            available.push(available_at);
+            let body = queued_body(&it.run, scheduled_at);
             let traceparent = it.run.traceparent.clone().or_else(|| current_trace.clone());
             let msg = run_event_message(
                 self,
@@ -415,6 +440,9 @@ impl Ferry {
             .bind(Json(&messages[0].headers))
             .bind(winners.iter().map(|i| i.run.priority).collect::<Vec<_>>())
             .bind(winners.iter().map(|i| i.run.priority_lead(self)).collect::<Vec<_>>())
+            .bind(&scheduled)
+            .bind(&available)
+            .bind(winners.iter().map(|i| i.run.parent_run_id).collect::<Vec<_>>())
             .execute(&mut *c)
             .await;
         if let Err(e) = inserted {
@@ -435,20 +463,20 @@ fn replay_of_record(it: &Item, r: &Record) -> Result<Accepted> {
     Ok(Accepted { run, replay: true })
 }
 
-/// The run's deadline instant when accepted at `now`, as the single call computes it.
-fn deadline_at(now: i64, run: &NewRun) -> Result<Option<i64>> {
-    match run.deadline {
-        Some(d) => Ok(Some(crate::Millis::new(now)?.checked_add(d)?.get())),
-        None => Ok(None),
-    }
-}
-
-/// Whether two items propose the same run id for one tenant.
-fn proposes_an_id_twice(runs: &[NewRun]) -> bool {
+/// Whether the batch cannot be decided set-based: two items propose the
+/// same run id for one tenant, or an item's parent is a run id another item
+/// proposes (the parent exists only if that item wins, decided in order).
+fn needs_item_by_item(runs: &[NewRun]) -> bool {
     let mut seen = HashSet::new();
-    runs.iter()
+    let twice = runs
+        .iter()
         .filter_map(|r| r.run_id.map(|id| (r.tenant.as_str(), id)))
-        .any(|pair| !seen.insert(pair))
+        .any(|pair| !seen.insert(pair));
+    twice
+        || runs
+            .iter()
+            .filter_map(|r| r.parent_run_id.map(|p| (r.tenant.as_str(), p)))
+            .any(|pair| seen.contains(&pair))
 }
 
 fn distinct(mut v: Vec<&str>) -> Vec<&str> {

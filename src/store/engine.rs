@@ -49,7 +49,10 @@ impl Ferry {
             return Ok(claimed);
         }
         let limited: Option<i32> = on_conn!(conn.reborrow(), |c, q| {
-            sqlx::query_scalar(q.queue_limited).bind(queue).fetch_optional(&mut *c).await?
+            sqlx::query_scalar(q.queue_limited)
+                .bind(queue)
+                .fetch_optional(&mut *c)
+                .await?
         });
         if limited.is_none() {
             return Ok(claimed);
@@ -71,7 +74,14 @@ impl Ferry {
         // Room for rows of tenants that reach their cap within this claim.
         let scan = allowed.saturating_mul(8).max(64);
         let claimed = self
-            .run_claim(conn.reborrow(), ClaimSql::Limited { scan }, queue, owner, lease_ms, allowed)
+            .run_claim(
+                conn.reborrow(),
+                ClaimSql::Limited { scan },
+                queue,
+                owner,
+                lease_ms,
+                allowed,
+            )
             .await?;
         if rated && !claimed.is_empty() {
             on_conn!(conn, |c, q| {

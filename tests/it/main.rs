@@ -5,10 +5,13 @@ mod accept;
 mod bulk;
 
 mod fingerprint;
+mod inspect;
 mod jobs;
 mod outbox;
 mod pg;
 mod queues;
+mod scheduled;
+mod schedules;
 mod spans;
 mod support;
 mod worker;

@@ -436,7 +436,10 @@ async fn eight_workers_under(
         }
         flights.entry(group_of(tenant)).or_default().total += jobs_per_tenant;
     }
-    t.ferry.set_queue_limits("lim", limits, "test", "limits under load").await.unwrap();
+    t.ferry
+        .set_queue_limits("lim", limits, "test", "limits under load")
+        .await
+        .unwrap();
     let total = tenants.len() * jobs_per_tenant;
     let state = Arc::new((Mutex::new(flights), tokio::sync::Notify::new()));
     let finished = Arc::new(AtomicUsize::new(0));

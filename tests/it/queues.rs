@@ -59,7 +59,10 @@ async fn audit_rows(t: &TestDb) -> Vec<(String, String, String, String)> {
 async fn higher_priority_is_claimed_first(kind: Kind) {
     let t = TestDb::with_clock(kind, manual_clock()).await;
     for (key, p) in [("low", 0), ("high", 5), ("mid", 2), ("low2", 0)] {
-        t.ferry.create_run_idempotent(job("acme", key).priority(p)).await.unwrap();
+        t.ferry
+            .create_run_idempotent(job("acme", key).priority(p))
+            .await
+            .unwrap();
     }
     assert_eq!(claim_one_by_one(&t.ferry).await, ["high", "mid", "low", "low2"]);
 }
@@ -71,8 +74,12 @@ async fn aging_lets_a_long_wait_overtake_a_higher_priority(kind: Kind) {
     f.create_run_idempotent(job("acme", "old-p0")).await.unwrap();
     clock.advance(Duration::from_millis(2_500)).unwrap();
     // Two steps ahead is less than the 2.5 s the old job waited; three is more.
-    f.create_run_idempotent(job("acme", "new-p2").priority(2)).await.unwrap();
-    f.create_run_idempotent(job("acme", "new-p3").priority(3)).await.unwrap();
+    f.create_run_idempotent(job("acme", "new-p2").priority(2))
+        .await
+        .unwrap();
+    f.create_run_idempotent(job("acme", "new-p3").priority(3))
+        .await
+        .unwrap();
     assert_eq!(claim_one_by_one(&f).await, ["new-p3", "old-p0", "new-p2"]);
 }
 
@@ -91,12 +98,20 @@ async fn the_claim_key_follows_available_at_through_retries_and_renewals(kind: K
     assert_eq!(t.scalar(inconsistent).await, 0, "after a renewal");
     let policy = ferry::RetryPolicy::default();
     let mut rng = <rand::rngs::StdRng as rand::SeedableRng>::seed_from_u64(3);
-    f.fail(&claimed[1].lease, &ferry::JobError::retryable("flaky"), &policy, &mut rng)
-        .await
-        .unwrap();
+    f.fail(
+        &claimed[1].lease,
+        &ferry::JobError::retryable("flaky"),
+        &policy,
+        &mut rng,
+    )
+    .await
+    .unwrap();
     f.release(&claimed[0].lease).await.unwrap();
     assert_eq!(t.scalar(inconsistent).await, 0, "after a retry and a release");
-    assert_eq!(t.scalar("SELECT count(*) FROM jobs WHERE priority_lead = 100000").await, 1);
+    assert_eq!(
+        t.scalar("SELECT count(*) FROM jobs WHERE priority_lead = 100000").await,
+        1
+    );
 }
 
 async fn a_priority_out_of_range_is_refused_and_writes_nothing(kind: Kind) {
@@ -125,7 +140,10 @@ async fn a_paused_queue_is_not_claimed_and_its_leases_run_on(kind: Kind) {
     let clock = manual_clock();
     let t = TestDb::with_clock(kind, clock.clone()).await;
     for i in 0..4 {
-        t.ferry.create_run_idempotent(job("acme", &format!("k{i}"))).await.unwrap();
+        t.ferry
+            .create_run_idempotent(job("acme", &format!("k{i}")))
+            .await
+            .unwrap();
     }
     t.ferry
         .create_run_idempotent(NewRun::new("acme", "work", "other", json!({"key": "other"})).queue("other"))
@@ -134,7 +152,11 @@ async fn a_paused_queue_is_not_claimed_and_its_leases_run_on(kind: Kind) {
     let held = t.ferry.claim("q", "w", LEASE, 2).await.unwrap();
     t.ferry.pause_queue("q", "alice", "incident 42").await.unwrap();
     assert!(t.ferry.claim("q", "w", LEASE, 10).await.unwrap().is_empty(), "paused");
-    assert_eq!(t.ferry.claim("other", "w", LEASE, 10).await.unwrap().len(), 1, "other queues run");
+    assert_eq!(
+        t.ferry.claim("other", "w", LEASE, 10).await.unwrap().len(),
+        1,
+        "other queues run"
+    );
     // The leases taken before the pause renew and complete; completing claims nothing.
     clock.advance(Duration::from_secs(10)).unwrap();
     t.ferry.renew(&held[0].lease, LEASE).await.unwrap();
@@ -146,7 +168,10 @@ async fn a_paused_queue_is_not_claimed_and_its_leases_run_on(kind: Kind) {
     clock.advance(LEASE * 2).unwrap();
     assert!(t.ferry.claim("q", "w", LEASE, 10).await.unwrap().is_empty());
     let listed = t.ferry.list_queues().await.unwrap();
-    assert_eq!((listed.len(), listed[0].queue.as_str(), listed[0].paused), (1, "q", true));
+    assert_eq!(
+        (listed.len(), listed[0].queue.as_str(), listed[0].paused),
+        (1, "q", true)
+    );
     t.ferry.resume_queue("q", "bob", "fixed").await.unwrap();
     assert_eq!(t.ferry.claim("q", "w", LEASE, 10).await.unwrap().len(), 2);
     assert!(!t.ferry.list_queues().await.unwrap()[0].paused);
@@ -166,7 +191,10 @@ async fn a_global_limit_caps_live_leases(kind: Kind) {
     let clock = manual_clock();
     let t = TestDb::with_clock(kind, clock.clone()).await;
     for i in 0..6 {
-        t.ferry.create_run_idempotent(job("acme", &format!("k{i}"))).await.unwrap();
+        t.ferry
+            .create_run_idempotent(job("acme", &format!("k{i}")))
+            .await
+            .unwrap();
     }
     let zero = QueueLimits {
         max_leased: Some(0),
@@ -174,7 +202,11 @@ async fn a_global_limit_caps_live_leases(kind: Kind) {
     };
     let err = t.ferry.set_queue_limits("q", zero, "ops", "try").await.unwrap_err();
     assert_eq!(err.code(), "invalid_input");
-    assert_eq!(t.scalar("SELECT count(*) FROM ferry_queues").await, 0, "nothing written");
+    assert_eq!(
+        t.scalar("SELECT count(*) FROM ferry_queues").await,
+        0,
+        "nothing written"
+    );
     let two = QueueLimits {
         max_leased: Some(2),
         ..QueueLimits::default()
@@ -182,7 +214,10 @@ async fn a_global_limit_caps_live_leases(kind: Kind) {
     t.ferry.set_queue_limits("q", two, "ops", "db is hot").await.unwrap();
     let held = t.ferry.claim("q", "w", LEASE, 10).await.unwrap();
     assert_eq!(held.len(), 2);
-    assert!(t.ferry.claim("q", "w", LEASE, 10).await.unwrap().is_empty(), "at the limit");
+    assert!(
+        t.ferry.claim("q", "w", LEASE, 10).await.unwrap().is_empty(),
+        "at the limit"
+    );
     // A completion frees a place, and a claim with completions never
     // claims past the limit either.
     let items = [(held[0].lease.clone(), json!({}))];
@@ -253,7 +288,10 @@ async fn a_rate_limit_gives_the_burst_then_one_per_interval(kind: Kind) {
     let clock = manual_clock();
     let t = TestDb::with_clock(kind, clock.clone()).await;
     for i in 0..12 {
-        t.ferry.create_run_idempotent(job("acme", &format!("k{i}"))).await.unwrap();
+        t.ferry
+            .create_run_idempotent(job("acme", &format!("k{i}")))
+            .await
+            .unwrap();
     }
     let rate = QueueLimits {
         rate: Some(RateLimit {
@@ -262,7 +300,10 @@ async fn a_rate_limit_gives_the_burst_then_one_per_interval(kind: Kind) {
         }),
         ..QueueLimits::default()
     };
-    t.ferry.set_queue_limits("q", rate, "ops", "partner API quota").await.unwrap();
+    t.ferry
+        .set_queue_limits("q", rate, "ops", "partner API quota")
+        .await
+        .unwrap();
     let lease = Duration::from_secs(3600);
     let mut claims = Vec::new();
     for step_ms in [0, 0, 999, 1, 0, 2_500, 500, 60_000, 0] {

@@ -154,7 +154,11 @@ pub(crate) async fn page(
 }
 
 fn queue_actions(principal: &Principal, queue: &str, paused: bool) -> Markup {
-    let (action, label) = if paused { ("resume", "Resume") } else { ("pause", "Pause") };
+    let (action, label) = if paused {
+        ("resume", "Resume")
+    } else {
+        ("pause", "Pause")
+    };
     html! {
         {
             form.inline method="post" action=(format!("/actions/queues/{action}")) {

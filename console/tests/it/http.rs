@@ -105,12 +105,7 @@ async fn login_sets_a_strict_http_only_session_cookie(engine: Engine) {
     }
     assert!(!set.contains(ROOT), "the cookie must not carry the token");
     let cookie = set.split(';').next().unwrap().to_owned();
-    let with_cookie = |c: &str| {
-        Request::get("/")
-            .header(header::COOKIE, c)
-            .body(Body::empty())
-            .unwrap()
-    };
+    let with_cookie = |c: &str| Request::get("/").header(header::COOKIE, c).body(Body::empty()).unwrap();
     let r = a.send(with_cookie(&cookie)).await;
     assert_eq!(r.status, StatusCode::OK);
     assert_eq!(r.text_of("actor"), "root-ops");
@@ -119,7 +114,9 @@ async fn login_sets_a_strict_http_only_session_cookie(engine: Engine) {
     assert_eq!(a.send(with_cookie(&tampered)).await.status, StatusCode::SEE_OTHER);
     // Another console process (another server key) does not know it.
     let other = ferry_console::Console::new(a.db.ferry.clone(), ferry_console::ConsoleConfig::new(tokens()));
-    let r = tower::ServiceExt::oneshot(other.router(), with_cookie(&cookie)).await.unwrap();
+    let r = tower::ServiceExt::oneshot(other.router(), with_cookie(&cookie))
+        .await
+        .unwrap();
     assert_eq!(r.status(), StatusCode::SEE_OTHER);
 }
 
@@ -133,13 +130,21 @@ async fn actions_need_the_csrf_token_and_the_same_origin(engine: Engine) {
     let other = a.csrf(ACME).await;
     for token in ["", "0000", other.as_str()] {
         let r = a
-            .post(ROOT, "/actions/outbox/replay", &[("id", &id), ("reason", "retry"), ("csrf", token)])
+            .post(
+                ROOT,
+                "/actions/outbox/replay",
+                &[("id", &id), ("reason", "retry"), ("csrf", token)],
+            )
             .await;
         assert_eq!(r.status, StatusCode::FORBIDDEN, "csrf {token:?}");
         assert_eq!(r.text_of("error-code"), "csrf");
     }
     // The right token from another origin, or a cross-site fetch.
-    for (name, value) in [("origin", "http://evil.test"), ("origin", "null"), ("sec-fetch-site", "cross-site")] {
+    for (name, value) in [
+        ("origin", "http://evil.test"),
+        ("origin", "null"),
+        ("sec-fetch-site", "cross-site"),
+    ] {
         let r = a
             .send(
                 Request::post("/actions/outbox/replay")
@@ -154,18 +159,28 @@ async fn actions_need_the_csrf_token_and_the_same_origin(engine: Engine) {
         assert_eq!(r.status, StatusCode::FORBIDDEN, "{name}: {value}");
     }
     // A GET cannot act: the route only answers POST.
-    let r = a.get(ROOT, &format!("/actions/outbox/replay?id={id}&reason=x&csrf={csrf}")).await;
+    let r = a
+        .get(ROOT, &format!("/actions/outbox/replay?id={id}&reason=x&csrf={csrf}"))
+        .await;
     assert_eq!(r.status, StatusCode::METHOD_NOT_ALLOWED);
     assert_eq!(a.scalar(dead).await, 3, "nothing was replayed");
     // A reason is required.
     let r = a
-        .post(ROOT, "/actions/outbox/replay", &[("id", &id), ("reason", " "), ("csrf", &csrf)])
+        .post(
+            ROOT,
+            "/actions/outbox/replay",
+            &[("id", &id), ("reason", " "), ("csrf", &csrf)],
+        )
         .await;
     assert_eq!(r.status, StatusCode::BAD_REQUEST);
     assert_eq!(a.scalar("SELECT count(*) FROM ferry_audit").await, 0);
     // With everything right the row is pending again, audited.
     let r = a
-        .post(ROOT, "/actions/outbox/replay", &[("id", &id), ("reason", "broker fixed"), ("csrf", &csrf)])
+        .post(
+            ROOT,
+            "/actions/outbox/replay",
+            &[("id", &id), ("reason", "broker fixed"), ("csrf", &csrf)],
+        )
         .await;
     assert_eq!(r.status, StatusCode::OK, "{}", r.body);
     assert_eq!(r.text_of("notice"), format!("Row {id} is pending again."));
@@ -183,7 +198,12 @@ async fn actions_need_the_csrf_token_and_the_same_origin(engine: Engine) {
         .post(
             ROOT,
             "/actions/outbox/replay",
-            &[("tenant", "acme"), ("error_code", "message_too_large"), ("reason", "limit raised"), ("csrf", &csrf)],
+            &[
+                ("tenant", "acme"),
+                ("error_code", "message_too_large"),
+                ("reason", "limit raised"),
+                ("csrf", &csrf),
+            ],
         )
         .await;
     assert_eq!(r.status, StatusCode::OK);
@@ -212,25 +232,66 @@ async fn a_scoped_token_sees_and_touches_only_its_tenants(engine: Engine) {
     let g = s.globex_dead_row.to_string();
     let globex_run = s.globex_run.to_string();
     let refused = [
-        a.post(ACME, "/actions/outbox/replay", &[("tenant", "globex"), ("error_code", "topic_authorization_failed"), ("reason", "r"), ("csrf", &csrf)]).await,
-        a.post(ACME, "/actions/outbox/replay", &[("id", &g), ("reason", "r"), ("csrf", &csrf)]).await,
-        a.post(ACME, "/actions/runs/cancel", &[("tenant", "globex"), ("run_id", &globex_run), ("reason", "r"), ("csrf", &csrf)]).await,
-        a.post(ACME, "/actions/queues/pause", &[("queue", "default"), ("reason", "r"), ("csrf", &csrf)]).await,
+        a.post(
+            ACME,
+            "/actions/outbox/replay",
+            &[
+                ("tenant", "globex"),
+                ("error_code", "topic_authorization_failed"),
+                ("reason", "r"),
+                ("csrf", &csrf),
+            ],
+        )
+        .await,
+        a.post(
+            ACME,
+            "/actions/outbox/replay",
+            &[("id", &g), ("reason", "r"), ("csrf", &csrf)],
+        )
+        .await,
+        a.post(
+            ACME,
+            "/actions/runs/cancel",
+            &[
+                ("tenant", "globex"),
+                ("run_id", &globex_run),
+                ("reason", "r"),
+                ("csrf", &csrf),
+            ],
+        )
+        .await,
+        a.post(
+            ACME,
+            "/actions/queues/pause",
+            &[("queue", "default"), ("reason", "r"), ("csrf", &csrf)],
+        )
+        .await,
     ];
     for r in &refused {
         assert_eq!(r.status, StatusCode::FORBIDDEN, "{}", r.body);
     }
     // Naming its own tenant with another tenant's row id matches nothing.
     let r = a
-        .post(ACME, "/actions/outbox/replay", &[("tenant", "acme"), ("id", &g), ("reason", "r"), ("csrf", &csrf)])
+        .post(
+            ACME,
+            "/actions/outbox/replay",
+            &[("tenant", "acme"), ("id", &g), ("reason", "r"), ("csrf", &csrf)],
+        )
         .await;
     assert_eq!(r.status, StatusCode::OK);
     assert_eq!(r.text_of("notice"), "No dead row matched (already replayed?).");
     assert_eq!(
-        a.scalar(&format!("SELECT count(*) FROM outbox WHERE id = {g} AND state = 'dead'")).await,
+        a.scalar(&format!(
+            "SELECT count(*) FROM outbox WHERE id = {g} AND state = 'dead'"
+        ))
+        .await,
         1
     );
-    assert_eq!(a.scalar("SELECT count(*) FROM runs WHERE tenant = 'globex' AND state = 'queued'").await, 1);
+    assert_eq!(
+        a.scalar("SELECT count(*) FROM runs WHERE tenant = 'globex' AND state = 'queued'")
+            .await,
+        1
+    );
 }
 
 async fn payloads_are_shown_only_to_tokens_allowed_them(engine: Engine) {
@@ -252,26 +313,55 @@ async fn cancel_and_replay_are_audited_with_the_token_name(engine: Engine) {
     let csrf = a.csrf(ACME).await;
     let live = s.acme_runs.iter().find(|r| **r != s.acme_dead_run).unwrap().to_string();
     let r = a
-        .post(ACME, "/actions/runs/cancel", &[("tenant", "acme"), ("run_id", &live), ("reason", "customer asked"), ("csrf", &csrf)])
+        .post(
+            ACME,
+            "/actions/runs/cancel",
+            &[
+                ("tenant", "acme"),
+                ("run_id", &live),
+                ("reason", "customer asked"),
+                ("csrf", &csrf),
+            ],
+        )
         .await;
     assert_eq!(r.status, StatusCode::OK, "{}", r.body);
     assert_eq!(
-        a.scalar("SELECT count(*) FROM runs WHERE tenant = 'acme' AND state = 'cancelled'").await,
+        a.scalar("SELECT count(*) FROM runs WHERE tenant = 'acme' AND state = 'cancelled'")
+            .await,
         1
     );
     // Cancelling again is refused (the run ended) and audits nothing more.
     let r = a
-        .post(ACME, "/actions/runs/cancel", &[("tenant", "acme"), ("run_id", &live), ("reason", "again"), ("csrf", &csrf)])
+        .post(
+            ACME,
+            "/actions/runs/cancel",
+            &[
+                ("tenant", "acme"),
+                ("run_id", &live),
+                ("reason", "again"),
+                ("csrf", &csrf),
+            ],
+        )
         .await;
     assert_eq!(r.status, StatusCode::CONFLICT);
     assert_eq!(r.text_of("error-code"), "run_terminal");
     let dead = s.acme_dead_run.to_string();
     let r = a
-        .post(ACME, "/actions/jobs/replay", &[("tenant", "acme"), ("run_id", &dead), ("reason", "card updated"), ("csrf", &csrf)])
+        .post(
+            ACME,
+            "/actions/jobs/replay",
+            &[
+                ("tenant", "acme"),
+                ("run_id", &dead),
+                ("reason", "card updated"),
+                ("csrf", &csrf),
+            ],
+        )
         .await;
     assert_eq!(r.status, StatusCode::OK, "{}", r.body);
     assert_eq!(
-        a.scalar("SELECT count(*) FROM runs WHERE tenant = 'acme' AND replay_of IS NOT NULL").await,
+        a.scalar("SELECT count(*) FROM runs WHERE tenant = 'acme' AND replay_of IS NOT NULL")
+            .await,
         1
     );
     let audited = a
@@ -293,9 +383,16 @@ async fn the_overview_figures_match_the_database(engine: Engine) {
     assert!(pending > 0);
     assert_eq!(r.text_of("pending-total"), pending.to_string());
     assert_eq!(r.text_of("dead-total"), "3");
-    for (queue, state) in [("payments", "queued"), ("payments", "dead"), ("default", "queued"), ("payments", "succeeded")] {
+    for (queue, state) in [
+        ("payments", "queued"),
+        ("payments", "dead"),
+        ("default", "queued"),
+        ("payments", "succeeded"),
+    ] {
         let n = a
-            .scalar(&format!("SELECT count(*) FROM jobs WHERE queue = '{queue}' AND state = '{state}'"))
+            .scalar(&format!(
+                "SELECT count(*) FROM jobs WHERE queue = '{queue}' AND state = '{state}'"
+            ))
             .await;
         let id = format!("jobs-{queue}-{state}");
         assert_eq!(r.text_of(&id), n.to_string(), "{id}");
@@ -304,10 +401,15 @@ async fn the_overview_figures_match_the_database(engine: Engine) {
     // Per lane.
     let lane = a.scalar("SELECT min(lane) FROM outbox WHERE state = 'pending'").await;
     let in_lane = a
-        .scalar(&format!("SELECT count(*) FROM outbox WHERE state = 'pending' AND lane = {lane}"))
+        .scalar(&format!(
+            "SELECT count(*) FROM outbox WHERE state = 'pending' AND lane = {lane}"
+        ))
         .await;
     let row = &r.body[r.body.find(&format!("id=\"lane-{lane}\"")).unwrap()..];
-    assert!(row.contains(&format!("class=\"num pending\">{in_lane}<")), "lane {lane}");
+    assert!(
+        row.contains(&format!("class=\"num pending\">{in_lane}<")),
+        "lane {lane}"
+    );
     // Two samples make a plot.
     a.console.sample().await.unwrap();
     let s = a.console.sample().await.unwrap();

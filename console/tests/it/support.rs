@@ -169,15 +169,25 @@ pub async fn seed(f: &ferry::Ferry) -> Seeded {
     for i in 1..=3 {
         let r = f
             .create_run_idempotent(
-                NewRun::new("acme", "charge", format!("order-{i}"), json!({ "amount": 100 * i, "secret_marker": "PAYLOAD-ACME" }))
-                    .queue("payments"),
+                NewRun::new(
+                    "acme",
+                    "charge",
+                    format!("order-{i}"),
+                    json!({ "amount": 100 * i, "secret_marker": "PAYLOAD-ACME" }),
+                )
+                .queue("payments"),
             )
             .await
             .unwrap();
         acme_runs.push(r.run.run_id);
     }
     let globex_run = f
-        .create_run_idempotent(NewRun::new("globex", "ship", "parcel-1", json!({ "secret_marker": "PAYLOAD-GLOBEX" })))
+        .create_run_idempotent(NewRun::new(
+            "globex",
+            "ship",
+            "parcel-1",
+            json!({ "secret_marker": "PAYLOAD-GLOBEX" }),
+        ))
         .await
         .unwrap()
         .run
@@ -190,9 +200,14 @@ pub async fn seed(f: &ferry::Ferry) -> Seeded {
         .pop()
         .unwrap();
     let mut rng = rand::rngs::StdRng::seed_from_u64(7);
-    f.fail(&c.lease, &JobError::terminal("card_declined"), &RetryPolicy::default(), &mut rng)
-        .await
-        .unwrap();
+    f.fail(
+        &c.lease,
+        &JobError::terminal("card_declined"),
+        &RetryPolicy::default(),
+        &mut rng,
+    )
+    .await
+    .unwrap();
     let acme_dead_run = c.lease.run_id;
     // Dead outbox rows, marked dead by a relay holding their lanes.
     let mut acme_dead_rows = Vec::new();
@@ -205,14 +220,20 @@ pub async fn seed(f: &ferry::Ferry) -> Seeded {
         .await
         .unwrap();
     let store = RelayStore::new(f.clone());
-    let leases = store.acquire_lanes("seeder", Duration::from_secs(30), 1024).await.unwrap();
+    let leases = store
+        .acquire_lanes("seeder", Duration::from_secs(30), 1024)
+        .await
+        .unwrap();
     for (id, code) in acme_dead_rows
         .iter()
         .map(|id| (*id, "message_too_large"))
         .chain([(globex_dead_row, "topic_authorization_failed")])
     {
         let lane = dead_lane(f, id).await;
-        let lease = *leases.iter().find(|l| l.lane == lane).expect("the seeder holds every lane");
+        let lease = *leases
+            .iter()
+            .find(|l| l.lane == lane)
+            .expect("the seeder holds every lane");
         store.mark_dead("seeder", lease, id, code).await.unwrap();
     }
     for l in leases {
@@ -228,5 +249,11 @@ pub async fn seed(f: &ferry::Ferry) -> Seeded {
 }
 
 async fn dead_lane(f: &ferry::Ferry, id: i64) -> i32 {
-    i32::try_from(f.db().fetch_i64(&format!("SELECT CAST(lane AS BIGINT) FROM outbox WHERE id = {id}")).await.unwrap()).unwrap()
+    i32::try_from(
+        f.db()
+            .fetch_i64(&format!("SELECT CAST(lane AS BIGINT) FROM outbox WHERE id = {id}"))
+            .await
+            .unwrap(),
+    )
+    .unwrap()
 }

@@ -1,0 +1,308 @@
+//! Periodic runs (`Ferry::schedule`, `fire_due_ticks`) on both engines with
+//! an injected clock: each tick accepted once across concurrent firers, the
+//! missed-tick policies after downtime, and audited changes.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use ferry::{Every, Missed, NewRun, ScheduleChange};
+use serde_json::json;
+use tokio::sync::Barrier;
+
+use crate::support::{manual_clock, on_both_engines, Kind, TestDb, T0};
+
+const MINUTE: Duration = Duration::from_secs(60);
+
+fn template(tenant: &str) -> NewRun {
+    NewRun::new(tenant, "report", "replaced-per-tick", json!({"kind": "daily"})).queue("reports")
+}
+
+fn every_minute() -> Every {
+    Every::interval(MINUTE).unwrap()
+}
+
+/// The `scheduled_at` of every run of schedule `name`, oldest first.
+async fn tick_runs(t: &TestDb, tenant: &str, name: &str) -> Vec<i64> {
+    let sql = format!(
+        "SELECT r.scheduled_at FROM runs r JOIN idempotency_keys k ON k.tenant = r.tenant AND k.run_id = r.run_id \
+         WHERE r.tenant = '{tenant}' AND k.key LIKE 'schedule:{name}:%' ORDER BY r.scheduled_at"
+    );
+    match t.ferry.db() {
+        ferry::Db::Postgres(p) => sqlx::query_scalar(&sql).fetch_all(p).await.unwrap(),
+        ferry::Db::Sqlite(p) => sqlx::query_scalar(&sql).fetch_all(p).await.unwrap(),
+    }
+}
+
+async fn audits(t: &TestDb, action: &str) -> i64 {
+    t.scalar(&format!(
+        "SELECT COUNT(*) FROM ferry_audit WHERE action = '{action}' AND actor = 'ops'"
+    ))
+    .await
+}
+
+async fn ticks_fire_once_and_missed_ticks_follow_the_policy(kind: Kind) {
+    let clock = manual_clock();
+    let t = TestDb::with_clock(kind, clock.clone()).await;
+    let change = t
+        .ferry
+        .schedule("minutely", every_minute(), template("acme"), Missed::Skip, "ops")
+        .await
+        .unwrap();
+    assert_eq!(change, ScheduleChange::Created);
+    assert!(
+        t.ferry.fire_due_ticks(10).await.unwrap().is_empty(),
+        "the first tick is after registration"
+    );
+
+    clock.advance(MINUTE).unwrap();
+    let fired = t.ferry.fire_due_ticks(10).await.unwrap();
+    assert_eq!(fired.len(), 1);
+    assert_eq!(fired[0].tick.get(), T0 + 60_000);
+    let run = &fired[0].accepted.run;
+    assert_eq!(
+        (run.operation.as_str(), run.scheduled_at.map(|m| m.get())),
+        ("report", Some(T0 + 60_000))
+    );
+    assert!(
+        t.ferry.fire_due_ticks(10).await.unwrap().is_empty(),
+        "a tick fires once"
+    );
+    let claimed = t.ferry.claim("reports", "w", MINUTE, 10).await.unwrap();
+    assert_eq!(claimed.len(), 1, "a tick's run is claimable at its tick");
+
+    // Ten minutes down, Skip: only the latest missed tick runs.
+    clock.advance(10 * MINUTE).unwrap();
+    assert_eq!(t.ferry.fire_due_ticks(10).await.unwrap().len(), 1);
+    assert_eq!(tick_runs(&t, "acme", "minutely").await, [T0 + 60_000, T0 + 660_000]);
+
+    // Catch up, bounded: the latest three of ten.
+    let change = t
+        .ferry
+        .schedule(
+            "minutely",
+            every_minute(),
+            template("acme"),
+            Missed::CatchUp { max: 3 },
+            "ops",
+        )
+        .await
+        .unwrap();
+    assert_eq!(change, ScheduleChange::Updated);
+    clock.advance(10 * MINUTE).unwrap();
+    assert_eq!(t.ferry.fire_due_ticks(10).await.unwrap().len(), 3);
+    assert_eq!(
+        tick_runs(&t, "acme", "minutely").await,
+        [
+            T0 + 60_000,
+            T0 + 660_000,
+            T0 + 1_140_000,
+            T0 + 1_200_000,
+            T0 + 1_260_000
+        ]
+    );
+    // Back to one tick per minute.
+    clock.advance(MINUTE).unwrap();
+    assert_eq!(t.ferry.fire_due_ticks(10).await.unwrap().len(), 1);
+    let listed = t.ferry.list_schedules(Some("acme")).await.unwrap();
+    assert_eq!(listed.len(), 1);
+    assert_eq!(listed[0].last_tick.map(|m| m.get()), Some(T0 + 1_320_000));
+    assert_eq!(listed[0].next_tick.get(), T0 + 1_380_000);
+    assert_eq!(listed[0].missed, Missed::CatchUp { max: 3 });
+}
+
+async fn cron_schedules_tick_on_their_expression(kind: Kind) {
+    let clock = manual_clock();
+    let t = TestDb::with_clock(kind, clock.clone()).await;
+    let every = Every::cron("*/5 * * * *").unwrap();
+    t.ferry
+        .schedule("five", every, template("acme"), Missed::CatchUp { max: 100 }, "ops")
+        .await
+        .unwrap();
+    clock.advance(Duration::from_secs(4 * 60)).unwrap();
+    assert!(t.ferry.fire_due_ticks(10).await.unwrap().is_empty());
+    clock.advance(Duration::from_secs(16 * 60)).unwrap();
+    t.ferry.fire_due_ticks(10).await.unwrap();
+    assert_eq!(
+        tick_runs(&t, "acme", "five").await,
+        [T0 + 300_000, T0 + 600_000, T0 + 900_000, T0 + 1_200_000]
+    );
+}
+
+async fn schedule_changes_are_audited_and_bad_ones_refused(kind: Kind) {
+    let clock = manual_clock();
+    let t = TestDb::with_clock(kind, clock.clone()).await;
+    let f = &t.ferry;
+    assert_eq!(
+        f.schedule("s", every_minute(), template("acme"), Missed::Skip, "ops")
+            .await
+            .unwrap(),
+        ScheduleChange::Created
+    );
+    assert_eq!(
+        f.schedule("s", every_minute(), template("acme"), Missed::Skip, "ops")
+            .await
+            .unwrap(),
+        ScheduleChange::Unchanged
+    );
+    let changed = template("acme").queue("other");
+    assert_eq!(
+        f.schedule("s", every_minute(), changed, Missed::Skip, "ops")
+            .await
+            .unwrap(),
+        ScheduleChange::Updated
+    );
+    // A new interval re-anchors at now: no tick of it before now fires.
+    clock.advance(Duration::from_secs(90)).unwrap();
+    let hourly = Every::interval(Duration::from_secs(3600)).unwrap();
+    assert_eq!(
+        f.schedule("s", hourly, template("acme"), Missed::Skip, "ops")
+            .await
+            .unwrap(),
+        ScheduleChange::Updated
+    );
+    let s = f.list_schedules(None).await.unwrap().remove(0);
+    assert_eq!(s.next_tick.get(), T0 + 3_600_000);
+    assert!(
+        f.fire_due_ticks(10).await.unwrap().is_empty(),
+        "the minute ticks of the old spec are gone"
+    );
+    assert_eq!(
+        (audits(&t, "schedule.create").await, audits(&t, "schedule.update").await),
+        (1, 2)
+    );
+
+    let before = t.scalar("SELECT COUNT(*) FROM ferry_audit").await;
+    let refusals = [
+        f.schedule(
+            "bad",
+            every_minute(),
+            template("acme").delay(MINUTE),
+            Missed::Skip,
+            "ops",
+        )
+        .await
+        .unwrap_err(),
+        f.schedule(
+            "bad",
+            every_minute(),
+            template("acme"),
+            Missed::CatchUp { max: 0 },
+            "ops",
+        )
+        .await
+        .unwrap_err(),
+        f.schedule("bad name!", every_minute(), template("acme"), Missed::Skip, "ops")
+            .await
+            .unwrap_err(),
+        f.schedule("bad", every_minute(), template("bad tenant!"), Missed::Skip, "ops")
+            .await
+            .unwrap_err(),
+        Every::cron("61 * * * *").unwrap_err(),
+        Every::interval(Duration::from_millis(10)).unwrap_err(),
+    ];
+    for e in &refusals {
+        assert_eq!(e.code(), "invalid_input", "{e}");
+    }
+    assert_eq!(
+        t.scalar("SELECT COUNT(*) FROM ferry_audit").await,
+        before,
+        "nothing audited"
+    );
+    assert_eq!(
+        t.scalar("SELECT COUNT(*) FROM ferry_schedules").await,
+        1,
+        "nothing written"
+    );
+
+    assert!(f.unschedule("acme", "s", "ops", "retired").await.unwrap());
+    assert!(!f.unschedule("acme", "s", "ops", "retired").await.unwrap());
+    assert_eq!(audits(&t, "schedule.delete").await, 1);
+    clock.advance(Duration::from_secs(7200)).unwrap();
+    assert!(
+        f.fire_due_ticks(10).await.unwrap().is_empty(),
+        "a dropped schedule never fires"
+    );
+}
+
+/// Several processes (pools) fire the same schedules at once, round after
+/// round: every tick is accepted exactly once.
+async fn concurrent_firers_accept_each_tick_once(kind: Kind) {
+    let clock = manual_clock();
+    let t = TestDb::with_clock(kind, clock.clone()).await;
+    for (tenant, name) in [("acme", "a"), ("acme", "b"), ("other", "a")] {
+        t.ferry
+            .schedule(
+                name,
+                every_minute(),
+                template(tenant),
+                Missed::CatchUp { max: 5 },
+                "ops",
+            )
+            .await
+            .unwrap();
+    }
+    let mut firers = Vec::new();
+    for _ in 0..4 {
+        firers.push(t.reopen().await);
+    }
+    let rounds = 6;
+    let mut fired_total = 0;
+    for round in 0..rounds {
+        // Some rounds miss ticks, caught up by whoever wins.
+        clock.advance(if round % 2 == 0 { MINUTE } else { 2 * MINUTE }).unwrap();
+        let barrier = Arc::new(Barrier::new(firers.len()));
+        let handles: Vec<_> = firers
+            .iter()
+            .cloned()
+            .map(|f| {
+                let barrier = barrier.clone();
+                tokio::spawn(async move {
+                    barrier.wait().await;
+                    f.fire_due_ticks(10).await.unwrap()
+                })
+            })
+            .collect();
+        for h in handles {
+            let fired = h.await.unwrap();
+            assert!(fired.iter().all(|f| !f.accepted.replay), "a loser accepts nothing");
+            fired_total += fired.len();
+        }
+    }
+    let ticks_per_schedule = 9; // 3 rounds of one minute, 3 of two
+    assert_eq!(fired_total, 3 * ticks_per_schedule);
+    for (tenant, name) in [("acme", "a"), ("acme", "b"), ("other", "a")] {
+        let ticks = tick_runs(&t, tenant, name).await;
+        let expected: Vec<i64> = (1..=ticks_per_schedule as i64).map(|k| T0 + k * 60_000).collect();
+        assert_eq!(ticks, expected, "{tenant}/{name}: each tick once");
+    }
+}
+
+/// The scheduler loop fires before it waits, so a shutdown that is already
+/// complete lets exactly one round run.
+async fn the_scheduler_loop_fires_due_ticks(kind: Kind) {
+    let clock = manual_clock();
+    let t = TestDb::with_clock(kind, clock.clone()).await;
+    t.ferry
+        .schedule("s", every_minute(), template("acme"), Missed::Skip, "ops")
+        .await
+        .unwrap();
+    clock.advance(MINUTE).unwrap();
+    t.ferry.run_scheduler(Duration::from_secs(1), async {}).await.unwrap();
+    assert_eq!(tick_runs(&t, "acme", "s").await, [T0 + 60_000]);
+    assert_eq!(
+        t.ferry
+            .run_scheduler(Duration::ZERO, async {})
+            .await
+            .unwrap_err()
+            .code(),
+        "invalid_input"
+    );
+}
+
+on_both_engines!(
+    ticks_fire_once_and_missed_ticks_follow_the_policy,
+    cron_schedules_tick_on_their_expression,
+    schedule_changes_are_audited_and_bad_ones_refused,
+    concurrent_firers_accept_each_tick_once,
+    the_scheduler_loop_fires_due_ticks,
+);
