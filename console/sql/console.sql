@@ -48,3 +48,33 @@ SELECT (SELECT count(*) FROM outbox WHERE state = 'pending') AS pending,
 
 -- name: db_now
 SELECT {now $1}
+
+-- name: runs_by_key_and_operation
+-- The run idempotency key $2 of operation $3 accepted for tenant $1: the key
+-- compared as Ferry stores it, a primary-key lookup.
+SELECT operation, key, run_id, created_at, expires_at
+FROM idempotency_keys
+WHERE tenant = $1 AND operation = $3 AND key = $2
+
+-- name: runs_by_key
+-- The runs idempotency key $2 accepted for tenant $1 under any operation:
+-- walks the tenant's part of the primary key (prefer naming the operation).
+SELECT operation, key, run_id, created_at, expires_at
+FROM idempotency_keys
+WHERE tenant = $1 AND key = $2
+ORDER BY created_at DESC
+LIMIT 50
+
+-- name: ledger_for_outbox_rows
+-- Consumer ledger entries for outbox rows $2 (ids): each row's effect key is
+-- its own or `<database id $1>:<outbox id>`, looked up in every consumer
+-- group's ledger by primary key.
+SELECT o.id AS outbox_id, l.group_id, l.effect_key, l.topic, l.partition, l."offset" AS record_offset,
+       l.outcome, l.processed_at
+FROM outbox o
+CROSS JOIN (SELECT DISTINCT group_id FROM consumer_partitions) g
+JOIN consumer_ledger l
+  ON l.group_id = g.group_id
+ AND l.effect_key = COALESCE(o.effect_key, $1 || ':' || CAST(o.id AS TEXT))
+WHERE o.id {ids $2}
+ORDER BY o.id, l.group_id

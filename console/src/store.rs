@@ -86,6 +86,43 @@ pub struct OutboxReading {
     pub now: Millis,
 }
 
+/// What an idempotency key accepted: the run, and when the record expires.
+/// The key itself stays in the struct only to be redacted for display.
+#[derive(Debug, Clone, PartialEq, Eq, sqlx::FromRow)]
+pub struct KeyedRun {
+    /// Operation the key was used with.
+    pub operation: String,
+    /// The key as stored (never rendered: pages show `ferry::redact` of it).
+    pub key: String,
+    /// The run it accepted.
+    pub run_id: uuid::Uuid,
+    /// When the key was claimed.
+    pub created_at: Millis,
+    /// When the record stops deduplicating.
+    pub expires_at: Millis,
+}
+
+/// A consumer group's ledger entry for one of a run's outbox rows.
+#[derive(Debug, Clone, PartialEq, Eq, sqlx::FromRow)]
+pub struct LedgerEntry {
+    /// The outbox row it is for.
+    pub outbox_id: i64,
+    /// Consumer group.
+    pub group_id: String,
+    /// The effect key the group deduplicated on.
+    pub effect_key: String,
+    /// Where the record was read.
+    pub topic: String,
+    /// Its partition.
+    pub partition: i32,
+    /// Its offset.
+    pub record_offset: i64,
+    /// `applied` or `dead_lettered`.
+    pub outcome: String,
+    /// When the group processed it.
+    pub processed_at: Millis,
+}
+
 /// The console's queries over a [`Ferry`] handle.
 #[derive(Debug, Clone)]
 pub struct ConsoleStore {
@@ -147,6 +184,45 @@ impl ConsoleStore {
                 .bind(since)
                 .bind(now)
                 .fetch_one(p)
+                .await?
+        }))
+    }
+
+    /// The runs idempotency key `key` accepted for `tenant` (only under
+    /// `operation` when given: then one primary-key lookup).
+    pub async fn runs_by_key(&self, tenant: &str, key: &str, operation: Option<&str>) -> Result<Vec<KeyedRun>> {
+        Ok(on_pool!(self.ferry.db(), QUERIES, |p, q| {
+            match operation {
+                Some(op) => {
+                    sqlx::query_as(q.runs_by_key_and_operation)
+                        .bind(tenant)
+                        .bind(key)
+                        .bind(op)
+                        .fetch_all(p)
+                        .await?
+                }
+                None => {
+                    sqlx::query_as(q.runs_by_key)
+                        .bind(tenant)
+                        .bind(key)
+                        .fetch_all(p)
+                        .await?
+                }
+            }
+        }))
+    }
+
+    /// Every consumer group's ledger entries for the outbox rows `ids`.
+    pub async fn ledger_for_outbox_rows(&self, ids: &[i64]) -> Result<Vec<LedgerEntry>> {
+        if ids.is_empty() {
+            return Ok(Vec::new());
+        }
+        let database_id = self.ferry.database_id().await?;
+        Ok(on_pool!(self.ferry.db(), QUERIES, |p, q| {
+            sqlx::query_as(q.ledger_for_outbox_rows)
+                .bind(&database_id)
+                .bind(ferry::store::Ids(ids))
+                .fetch_all(p)
                 .await?
         }))
     }

@@ -19,6 +19,7 @@ on_both_engines!(
     payloads_are_shown_only_to_tokens_allowed_them,
     cancel_and_replay_are_audited_with_the_token_name,
     the_overview_figures_match_the_database,
+    runs_are_found_by_key_and_paged_and_their_lineage_shows_where_events_went,
 );
 
 async fn every_console_query_prepares(engine: Engine) {
@@ -399,7 +400,9 @@ async fn the_overview_figures_match_the_database(engine: Engine) {
     }
     assert_eq!(r.text_of("jobs-payments-dead"), "1");
     // Per lane.
-    let lane = a.scalar("SELECT min(lane) FROM outbox WHERE state = 'pending'").await;
+    let lane = a
+        .scalar("SELECT CAST(min(lane) AS BIGINT) FROM outbox WHERE state = 'pending'")
+        .await;
     let in_lane = a
         .scalar(&format!(
             "SELECT count(*) FROM outbox WHERE state = 'pending' AND lane = {lane}"
@@ -416,4 +419,127 @@ async fn the_overview_figures_match_the_database(engine: Engine) {
     assert_eq!(s.pending, pending);
     let r = a.get(ROOT, "/").await;
     assert!(r.body.contains("<svg id=\"plot\""));
+}
+
+async fn runs_are_found_by_key_and_paged_and_their_lineage_shows_where_events_went(engine: Engine) {
+    let a = app(engine).await;
+    let s = seed(&a.db.ferry).await;
+    // By key: POSTed, found, the key never echoed in clear.
+    let csrf = a.csrf(ACME).await;
+    let r = a
+        .post(
+            ACME,
+            "/runs",
+            &[
+                ("tenant", "acme"),
+                ("key", "order-1"),
+                ("operation", ""),
+                ("csrf", &csrf),
+            ],
+        )
+        .await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.body);
+    assert!(r.body.contains(&format!("/runs/acme/{}", s.acme_runs[0])));
+    assert!(!r.body.contains("order-1"), "the key is shown redacted only");
+    assert_eq!(r.text_of("key-hash"), ferry::redact("order-1"));
+    let r = a
+        .post(
+            ACME,
+            "/runs",
+            &[
+                ("tenant", "acme"),
+                ("key", "order-1"),
+                ("operation", "charge"),
+                ("csrf", &csrf),
+            ],
+        )
+        .await;
+    assert!(r.body.contains(&s.acme_runs[0].to_string()));
+    // Another tenant's key is refused to a scoped token; a wrong key finds nothing.
+    let r = a
+        .post(
+            ACME,
+            "/runs",
+            &[("tenant", "globex"), ("key", "parcel-1"), ("csrf", &csrf)],
+        )
+        .await;
+    assert_eq!(r.status, StatusCode::FORBIDDEN);
+    let r = a
+        .post(ACME, "/runs", &[("tenant", "acme"), ("key", "nope"), ("csrf", &csrf)])
+        .await;
+    assert!(r.body.contains("id=\"no-runs\""));
+    // By run id: straight to the lineage.
+    let r = a
+        .get(ROOT, &format!("/runs?tenant=acme&run_id={}", s.acme_runs[2]))
+        .await;
+    assert_eq!(r.status, StatusCode::SEE_OTHER);
+    assert_eq!(r.header("location"), format!("/runs/acme/{}", s.acme_runs[2]));
+    // By state, keyset pages: 60 more acme runs make two pages.
+    for i in 0..60 {
+        a.db.ferry
+            .create_run_idempotent(ferry::NewRun::new(
+                "acme",
+                "bulk",
+                format!("b-{i}"),
+                serde_json::json!({}),
+            ))
+            .await
+            .unwrap();
+    }
+    let first = a.get(ACME, "/runs?state=queued").await;
+    assert_eq!(first.status, StatusCode::OK);
+    let at = first.body.find("id=\"next-page\"").expect("a next page link");
+    let href = &first.body[at..];
+    let next = href[href.find("href=\"").unwrap() + 6..]
+        .split('"')
+        .next()
+        .unwrap()
+        .replace("&amp;", "&");
+    let second = a.get(ACME, &next).await;
+    assert_eq!(second.status, StatusCode::OK);
+    let count = |b: &str| b.matches("class=\"run-link\"").count();
+    let queued = a
+        .scalar("SELECT count(*) FROM runs WHERE tenant = 'acme' AND state = 'queued'")
+        .await;
+    assert_eq!((count(&first.body) + count(&second.body)) as i64, queued);
+    assert!(!second.body.contains("next-page"));
+    assert!(
+        !first.body.contains(&s.acme_dead_run.to_string()),
+        "the failed run is not queued"
+    );
+    // The dead job's lineage: its attempt (generation, owner, outcome), its
+    // events' outbox rows with their state, and the replay action.
+    let r = a.get(ROOT, &format!("/runs/acme/{}", s.acme_dead_run)).await;
+    assert_eq!(r.status, StatusCode::OK);
+    assert_eq!(r.text_of("run-state"), "failed");
+    let attempts = &r.body[r.body.find("id=\"attempts\"").unwrap()..];
+    assert!(attempts.contains("worker-1") && attempts.contains(">dead<") && attempts.contains("card_declined"));
+    let rows = a
+        .scalar(&format!(
+            "SELECT count(*) FROM outbox WHERE tenant = 'acme' AND key = '{}'",
+            s.acme_dead_run
+        ))
+        .await;
+    assert_eq!(rows, 2, "run_queued and run_failed");
+    assert_eq!(r.body.matches("class=\"outbox-state state-pending\"").count(), 2);
+    assert!(r.body.contains("/actions/jobs/replay"));
+    // The consumer ledger entry for one of its rows shows up.
+    let id = a
+        .scalar(&format!(
+            "SELECT min(id) FROM outbox WHERE tenant = 'acme' AND key = '{}'",
+            s.acme_dead_run
+        ))
+        .await;
+    a.db.exec("INSERT INTO consumer_partitions (group_id, topic, partition, generation) VALUES ('projector', 'ferry.run-events', 0, 1)")
+        .await
+        .unwrap();
+    a.db.exec(&format!(
+        "INSERT INTO consumer_ledger (group_id, effect_key, topic, partition, \"offset\", processed_at) \
+         SELECT 'projector', effect_key, 'ferry.run-events', 0, 41, 5 FROM outbox WHERE id = {id}"
+    ))
+    .await
+    .unwrap();
+    let r = a.get(ROOT, &format!("/runs/acme/{}", s.acme_dead_run)).await;
+    let ledger = &r.body[r.body.find("id=\"ledger\"").expect("a ledger table")..];
+    assert!(ledger.contains("projector") && ledger.contains(">41<"));
 }
