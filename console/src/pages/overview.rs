@@ -192,7 +192,7 @@ fn plot(series: &[Sample]) -> Markup {
     let backlog = line(&|s| s.pending as f64, max_p);
     let rate = line(&|s| s.delivered_per_sec, max_r);
     let svg = format!(
-        "<svg id=\"plot\" class=\"plot\" viewBox=\"0 0 {W} {H}\" role=\"img\" aria-label=\"backlog and throughput\">\
+        "<svg id=\"plot\" class=\"plot\" viewBox=\"0 0 {W} {H}\" preserveAspectRatio=\"none\" role=\"img\" aria-label=\"backlog and throughput\">\
          <polyline class=\"backlog\" points=\"{backlog}\"/><polyline class=\"rate\" points=\"{rate}\"/></svg>"
     );
     html! {
