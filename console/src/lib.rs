@@ -46,6 +46,9 @@ pub struct ConsoleConfig {
     pub sample_every: Duration,
     /// How many samples the ring keeps (the plot's width).
     pub samples: usize,
+    /// Every how many samples the jobs census is retaken (it reads every
+    /// job; see [`sampler::Census`]).
+    pub census_every: u32,
     /// How long a login session lasts.
     pub session_ttl: Duration,
     /// Mark the session cookie `Secure` (set when TLS is terminated in front).
@@ -54,12 +57,13 @@ pub struct ConsoleConfig {
 
 impl ConsoleConfig {
     /// Defaults around `tokens`: a sample every 5 s, 120 kept (10 minutes),
-    /// 12-hour sessions, no `Secure` flag (plain HTTP on loopback).
+    /// a jobs census every 6 samples (30 s), 12-hour sessions, no `Secure` flag (plain HTTP on loopback).
     pub fn new(tokens: Tokens) -> ConsoleConfig {
         ConsoleConfig {
             tokens,
             sample_every: Duration::from_secs(5),
             samples: 120,
+            census_every: 6,
             session_ttl: Duration::from_secs(12 * 3600),
             secure_cookie: false,
         }
@@ -74,6 +78,7 @@ pub(crate) struct Inner {
     pub(crate) sampler: sampler::Sampler,
     pub(crate) secure_cookie: bool,
     sample_every: Duration,
+    census_every: u32,
 }
 
 /// The console: its state and router. Cheap to clone.
@@ -100,6 +105,7 @@ impl Console {
                 sampler: sampler::Sampler::new(config.samples),
                 secure_cookie: config.secure_cookie,
                 sample_every: config.sample_every,
+                census_every: config.census_every.max(1),
             }),
         }
     }
@@ -120,6 +126,12 @@ impl Console {
         self.inner.sampler.sample(&self.inner.store).await
     }
 
+    /// Retakes the jobs census now (the serving loop does this every
+    /// `census_every` samples).
+    pub async fn census(&self) -> ferry::Result<sampler::Census> {
+        self.inner.sampler.take_census(&self.inner.store).await
+    }
+
     /// Serves on `listener` until `shutdown` completes, sampling in the
     /// background; in-flight requests finish first.
     pub async fn serve(
@@ -134,12 +146,17 @@ impl Console {
             tokio::spawn(async move {
                 let mut tick = tokio::time::interval(me.inner.sample_every);
                 tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-                loop {
+                for n in 0u64.. {
                     tokio::select! {
                         _ = stop.cancelled() => break,
                         _ = tick.tick() => {
                             if let Err(e) = me.sample().await {
                                 tracing::warn!(code = e.code(), "console sampler: {e}");
+                            }
+                            if n % u64::from(me.inner.census_every) == 0 {
+                                if let Err(e) = me.inner.sampler.take_census(&me.inner.store).await {
+                                    tracing::warn!(code = e.code(), "console jobs census: {e}");
+                                }
                             }
                         }
                     }

@@ -12,7 +12,7 @@ use std::sync::Mutex;
 
 use ferry::Millis;
 
-use crate::store::ConsoleStore;
+use crate::store::{ConsoleStore, QueueStateCount};
 
 /// One point of the series.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -25,11 +25,26 @@ pub struct Sample {
     pub delivered_per_sec: f64,
 }
 
-/// A bounded ring of samples, newest last.
+/// A bounded ring of samples, newest last, and the latest jobs census.
 #[derive(Debug)]
 pub struct Sampler {
     capacity: usize,
     ring: Mutex<VecDeque<Sample>>,
+    census: Mutex<Option<Census>>,
+}
+
+/// Every tenant's jobs counted by queue and state, as of an instant.
+///
+/// Counting a million jobs takes longer than a page may (it reads every
+/// row: no index makes an exact count of the finished jobs cheap), so the
+/// all-tenants overview shows the census the sampler takes in the
+/// background, with its age; a page filtered to one tenant counts live.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Census {
+    /// When it was taken (the store's clock).
+    pub at: Millis,
+    /// The counts.
+    pub counts: Vec<QueueStateCount>,
 }
 
 impl Sampler {
@@ -39,7 +54,21 @@ impl Sampler {
         Sampler {
             capacity,
             ring: Mutex::new(VecDeque::with_capacity(capacity)),
+            census: Mutex::new(None),
         }
+    }
+
+    /// Counts every tenant's jobs by queue and state and keeps the result.
+    pub async fn take_census(&self, store: &ConsoleStore) -> ferry::Result<Census> {
+        let (counts, at) = tokio::try_join!(store.jobs_by_queue_state(None), store.now())?;
+        let c = Census { at, counts };
+        *self.census.lock().unwrap_or_else(|p| p.into_inner()) = Some(c.clone());
+        Ok(c)
+    }
+
+    /// The latest census, if one was taken.
+    pub fn census(&self) -> Option<Census> {
+        self.census.lock().unwrap_or_else(|p| p.into_inner()).clone()
     }
 
     /// Takes one sample and appends it, dropping the oldest past capacity.

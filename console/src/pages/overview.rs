@@ -11,7 +11,7 @@ use maud::{html, Markup, PreEscaped};
 use super::{age, csrf_field, layout, reason_field, ts, Frame};
 use crate::auth::Principal;
 use crate::error::ConsoleError;
-use crate::sampler::Sample;
+use crate::sampler::{Census, Sample};
 use crate::web::AppState;
 
 /// The `?tenant=` filter every page takes.
@@ -30,11 +30,21 @@ pub(crate) async fn page(
 ) -> Result<Markup, ConsoleError> {
     let tenant = principal.scope(q.tenant.as_deref())?;
     let t = tenant.as_deref();
-    let (lanes, owners, relays, jobs, dead, partitions, queues, now) = tokio::try_join!(
+    let jobs = async {
+        match (t, state.sampler.census()) {
+            (None, Some(c)) => Ok(c),
+            (None, None) => state.sampler.take_census(&state.store).await,
+            (Some(_), _) => {
+                let (counts, at) = tokio::try_join!(state.store.jobs_by_queue_state(t), state.store.now())?;
+                Ok(Census { at, counts })
+            }
+        }
+    };
+    let (lanes, owners, relays, census, dead, partitions, queues, now) = tokio::try_join!(
         state.store.outbox_lanes(t),
         state.relay.lane_owners(),
         state.relay.live_relays(),
-        state.store.jobs_by_queue_state(t),
+        jobs,
         state.store.outbox_dead_groups(t),
         state.store.consumer_partitions(),
         state.ferry.list_queues(),
@@ -47,7 +57,7 @@ pub(crate) async fn page(
     let oldest = lanes.iter().map(|l| l.oldest.get()).min();
     let dead_rows: i64 = dead.iter().map(|d| d.rows).sum();
     let mut by_queue: BTreeMap<&str, BTreeMap<&str, i64>> = BTreeMap::new();
-    for j in &jobs {
+    for j in &census.counts {
         *by_queue.entry(&j.queue).or_default().entry(&j.state).or_default() += j.jobs;
     }
     for q in &queues {
@@ -92,6 +102,7 @@ pub(crate) async fn page(
                 }
             }
             @if by_queue.is_empty() { p.empty { "No jobs." } }
+            @if t.is_none() { p.note #census-age { "Counted " (age(now - census.at.get())) " ago in the background (every tenant's jobs are counted every few samples); choose a tenant for live counts." } }
         }
         section {
             h2 { "Outbox lanes" }

@@ -67,7 +67,11 @@ impl Chromedriver {
             .unwrap_or_else(|e| panic!("cannot start {}: {e}", bin.display()));
         let out = child.stdout.take().expect("piped stdout");
         let mut lines = BufReader::new(out).lines();
-        let started = lines.by_ref().take(20).map_while(Result::ok).any(|l| l.contains("started successfully"));
+        let started = lines
+            .by_ref()
+            .take(20)
+            .map_while(Result::ok)
+            .any(|l| l.contains("started successfully"));
         assert!(started, "chromedriver ({}) did not report a start", bin.display());
         // Keep draining its output so it never blocks on a full pipe.
         std::thread::spawn(move || lines.for_each(drop));
@@ -90,7 +94,9 @@ async fn browser(driver: &Chromedriver) -> Client {
                      "--window-size=1400,1300", "--hide-scrollbars"]
         }
     });
-    let serde_json::Value::Object(caps) = caps else { unreachable!() };
+    let serde_json::Value::Object(caps) = caps else {
+        unreachable!()
+    };
     ClientBuilder::new(hyper_util::client::legacy::connect::HttpConnector::new())
         .capabilities(caps)
         .connect(&driver.url)
@@ -126,7 +132,10 @@ async fn text(c: &Client, css: &str) -> String {
 }
 
 async fn fill(c: &Client, css: &str, value: &str) {
-    let e = c.find(Locator::Css(css)).await.unwrap_or_else(|e| panic!("no {css}: {e}"));
+    let e = c
+        .find(Locator::Css(css))
+        .await
+        .unwrap_or_else(|e| panic!("no {css}: {e}"));
     e.clear().await.unwrap();
     e.send_keys(value).await.unwrap();
 }
@@ -142,16 +151,26 @@ async fn click(c: &Client, css: &str) {
 
 /// Accept the console's confirmation prompts (console.js) without a dialog.
 async fn no_prompts(c: &Client) {
-    c.execute("window.confirm = function () { return true; };", vec![]).await.unwrap();
+    c.execute("window.confirm = function () { return true; };", vec![])
+        .await
+        .unwrap();
 }
 
 async fn sign_in(c: &Client, base: &str, token: &str) {
     c.goto(&format!("{base}/")).await.unwrap();
-    assert!(c.current_url().await.unwrap().path().ends_with("/login"), "a fresh browser is sent to the login page");
+    assert!(
+        c.current_url().await.unwrap().path().ends_with("/login"),
+        "a fresh browser is sent to the login page"
+    );
     fill(c, "#token", token).await;
     click(c, "#sign-in").await;
     let url = c.current_url().await.unwrap();
-    assert_eq!(url.path(), "/", "signing in failed: {}", c.source().await.unwrap_or_default());
+    assert_eq!(
+        url.path(),
+        "/",
+        "signing in failed: {}",
+        c.source().await.unwrap_or_default()
+    );
 }
 
 async fn scalar(db: &TestDb, sql: &str) -> i64 {
@@ -168,10 +187,20 @@ async fn an_operator_finds_a_run_replays_a_dead_row_and_sees_it_delivered() {
     let run = s.acme_runs[1];
     let row = scalar(&db, &format!("SELECT min(id) FROM outbox WHERE key = '{run}'")).await;
     let store = RelayStore::new(db.ferry.clone());
-    let leases = store.acquire_lanes("seeder", Duration::from_secs(30), 1024).await.unwrap();
-    let lane = scalar(&db, &format!("SELECT CAST(lane AS BIGINT) FROM outbox WHERE id = {row}")).await;
+    let leases = store
+        .acquire_lanes("seeder", Duration::from_secs(30), 1024)
+        .await
+        .unwrap();
+    let lane = scalar(
+        &db,
+        &format!("SELECT CAST(lane AS BIGINT) FROM outbox WHERE id = {row}"),
+    )
+    .await;
     let lease = *leases.iter().find(|l| i64::from(l.lane) == lane).unwrap();
-    store.mark_dead("seeder", lease, row, "request_timed_out").await.unwrap();
+    store
+        .mark_dead("seeder", lease, row, "request_timed_out")
+        .await
+        .unwrap();
     for l in leases {
         store.release_lane("seeder", l).await.unwrap();
     }
@@ -198,8 +227,16 @@ async fn an_operator_finds_a_run_replays_a_dead_row_and_sees_it_delivered() {
     assert_eq!(text(&c, "#dead-total").await, dead.to_string());
     assert_eq!(text(&c, "#actor").await, "root-ops");
     for (queue, state) in [("payments", "queued"), ("payments", "dead"), ("default", "queued")] {
-        let n = scalar(&db, &format!("SELECT count(*) FROM jobs WHERE queue = '{queue}' AND state = '{state}'")).await;
-        assert_eq!(text(&c, &format!("#jobs-{queue}-{state}")).await, n.to_string(), "{queue}/{state}");
+        let n = scalar(
+            &db,
+            &format!("SELECT count(*) FROM jobs WHERE queue = '{queue}' AND state = '{state}'"),
+        )
+        .await;
+        assert_eq!(
+            text(&c, &format!("#jobs-{queue}-{state}")).await,
+            n.to_string(),
+            "{queue}/{state}"
+        );
     }
     c.find(Locator::Css("svg#plot")).await.expect("the backlog plot");
     shot(&c, "overview").await;
@@ -211,7 +248,10 @@ async fn an_operator_finds_a_run_replays_a_dead_row_and_sees_it_delivered() {
     fill(&c, "#key", "order-2").await;
     click(&c, "#find-by-key").await;
     assert_eq!(text(&c, "#key-hash").await, ferry::redact("order-2"));
-    assert!(!c.source().await.unwrap().contains("order-2"), "the key is never shown in clear");
+    assert!(
+        !c.source().await.unwrap().contains("order-2"),
+        "the key is never shown in clear"
+    );
     shot(&c, "runs-by-key").await;
     click(&c, "#key-runs a.run-link").await;
     assert_eq!(text(&c, "#run-id").await, run.to_string());
@@ -266,7 +306,11 @@ async fn an_operator_finds_a_run_replays_a_dead_row_and_sees_it_delivered() {
     assert_eq!(text(&c, "#notice").await, format!("Row {row} is pending again."));
     shot(&c, "replayed").await;
     assert_eq!(
-        scalar(&db, "SELECT count(*) FROM ferry_audit WHERE actor = 'root-ops' AND reason = 'retry after the broker fix'").await,
+        scalar(
+            &db,
+            "SELECT count(*) FROM ferry_audit WHERE actor = 'root-ops' AND reason = 'retry after the broker fix'"
+        )
+        .await,
         1
     );
     // The record reaches Kafka...
@@ -281,7 +325,10 @@ async fn an_operator_finds_a_run_replays_a_dead_row_and_sees_it_delivered() {
     let start = Instant::now();
     let want = row.to_string();
     loop {
-        assert!(start.elapsed() < Duration::from_secs(60), "row {row} never reached Kafka");
+        assert!(
+            start.elapsed() < Duration::from_secs(60),
+            "row {row} never reached Kafka"
+        );
         let m = tokio::task::block_in_place(|| reader.poll(Duration::from_millis(200)));
         let Some(Ok(m)) = m else { continue };
         let id = m.headers().and_then(|h| {
@@ -301,7 +348,10 @@ async fn an_operator_finds_a_run_replays_a_dead_row_and_sees_it_delivered() {
         if text(&c, &format!("#outbox-{row} .outbox-state")).await == "delivered" {
             break;
         }
-        assert!(start.elapsed() < Duration::from_secs(30), "row {row} was never marked delivered");
+        assert!(
+            start.elapsed() < Duration::from_secs(30),
+            "row {row} was never marked delivered"
+        );
         tokio::task::yield_now().await;
     }
     shot(&c, "lineage-delivered").await;

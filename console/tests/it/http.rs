@@ -413,10 +413,30 @@ async fn the_overview_figures_match_the_database(engine: Engine) {
         row.contains(&format!("class=\"num pending\">{in_lane}<")),
         "lane {lane}"
     );
+    // Every tenant's job counts come from the background census; one
+    // tenant's are live.
+    a.db.ferry
+        .create_run_idempotent(ferry::NewRun::new("acme", "charge", "late", serde_json::json!({})))
+        .await
+        .unwrap();
+    let live = a
+        .scalar("SELECT count(*) FROM jobs WHERE queue = 'default' AND state = 'queued'")
+        .await;
+    let before = a.get(ROOT, "/").await.text_of("jobs-default-queued");
+    assert_eq!(before, (live - 1).to_string(), "the census was taken before the run");
+    let acme_live = a
+        .scalar("SELECT count(*) FROM jobs WHERE tenant = 'acme' AND queue = 'default' AND state = 'queued'")
+        .await;
+    assert_eq!(
+        a.get(ROOT, "/?tenant=acme").await.text_of("jobs-default-queued"),
+        acme_live.to_string()
+    );
+    a.console.census().await.unwrap();
+    assert_eq!(a.get(ROOT, "/").await.text_of("jobs-default-queued"), live.to_string());
     // Two samples make a plot.
     a.console.sample().await.unwrap();
     let s = a.console.sample().await.unwrap();
-    assert_eq!(s.pending, pending);
+    assert_eq!(s.pending, pending + 1, "the late run's event is pending too");
     let r = a.get(ROOT, "/").await;
     assert!(r.body.contains("<svg id=\"plot\""));
 }
