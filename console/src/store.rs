@@ -17,7 +17,7 @@ pub struct LaneBacklog {
     pub lane: i32,
     /// Pending rows in it.
     pub pending: i64,
-    /// `created_at` of its oldest pending row.
+    /// `created_at` of its oldest (lowest id) pending row.
     pub oldest: Millis,
 }
 
@@ -144,7 +144,10 @@ impl ConsoleStore {
     /// Pending backlog per lane (lanes with none are left out).
     pub async fn outbox_lanes(&self, tenant: Option<&str>) -> Result<Vec<LaneBacklog>> {
         Ok(on_pool!(self.ferry.db(), QUERIES, |p, q| {
-            sqlx::query_as(q.outbox_lanes).bind(tenant).fetch_all(p).await?
+            match tenant {
+                Some(t) => sqlx::query_as(q.outbox_lanes_of_tenant).bind(t).fetch_all(p).await?,
+                None => sqlx::query_as(q.outbox_lanes).fetch_all(p).await?,
+            }
         }))
     }
 
