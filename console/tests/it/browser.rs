@@ -120,10 +120,19 @@ async fn shot(c: &Client, name: &str) {
     std::fs::write(screenshot_dir().join(format!("{name}.png")), png).expect("write the screenshot");
 }
 
-async fn text(c: &Client, css: &str) -> String {
-    c.find(Locator::Css(css))
+/// The element, once the page that has it has loaded (a click that submits a
+/// form returns before the next page is there).
+async fn element(c: &Client, css: &str) -> fantoccini::elements::Element {
+    c.wait()
+        .at_most(Duration::from_secs(20))
+        .for_element(Locator::Css(css))
         .await
         .unwrap_or_else(|e| panic!("no {css}: {e}"))
+}
+
+async fn text(c: &Client, css: &str) -> String {
+    element(c, css)
+        .await
         .text()
         .await
         .unwrap()
@@ -141,9 +150,8 @@ async fn fill(c: &Client, css: &str, value: &str) {
 }
 
 async fn click(c: &Client, css: &str) {
-    c.find(Locator::Css(css))
+    element(c, css)
         .await
-        .unwrap_or_else(|e| panic!("no {css}: {e}"))
         .click()
         .await
         .unwrap();
@@ -164,6 +172,7 @@ async fn sign_in(c: &Client, base: &str, token: &str) {
     );
     fill(c, "#token", token).await;
     click(c, "#sign-in").await;
+    element(c, "#actor").await;
     let url = c.current_url().await.unwrap();
     assert_eq!(
         url.path(),
