@@ -5,9 +5,10 @@
 //! and batch claims), and claim latency over a 10k and a 1M backlog.
 //! `bulk` compares bulk acceptance (`create_runs_idempotent`, batches of
 //! 1000) with per-run acceptance at 1000 per transaction and with plain
-//! multi-row INSERTs of the same five rows per run.
+//! multi-row INSERTs of the same five rows per run. `limits` compares the
+//! claim with and without queue limits (issue #13), in the same run.
 //!
-//!     cargo run --release --example bench_jobs -- [--quick] [worker | keylock | bulk]
+//!     cargo run --release --example bench_jobs -- [--quick] [worker | keylock | bulk | limits]
 #![allow(clippy::print_stdout)]
 
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -35,6 +36,10 @@ async fn main() -> Res<()> {
     // `keylock` runs just the outbox key-lock rows.
     if std::env::args().any(|a| a == "keylock") {
         return key_lock_cost(&base, n).await;
+    }
+    // `limits` runs just the queue-limits rows.
+    if std::env::args().any(|a| a == "limits") {
+        return limits_cost(&base, quick).await;
     }
     // `bulk` runs just the bulk acceptance rows.
     if std::env::args().any(|a| a == "bulk") {
@@ -148,40 +153,7 @@ async fn worker_runtime(base: &str, quick: bool) -> Res<()> {
         let jobs = if quick { 5_000 } else { 50_000 };
         let (f, pool) = fresh(base, "worker").await?;
         seed(&pool, jobs).await?;
-        let start = Instant::now();
-        let count = Arc::new(AtomicU64::new(0));
-        let (tx, mut rx) = tokio::sync::mpsc::channel::<()>(1);
-        let c = count.clone();
-        let worker = ferry::worker::Worker::new(
-            f.clone(),
-            ferry::worker::WorkerConfig {
-                concurrency,
-                batch,
-                poll_interval: Duration::from_millis(10),
-                ..Default::default()
-            },
-            move |_job: ferry::Claimed, _ctx| {
-                let (c, tx) = (c.clone(), tx.clone());
-                async move {
-                    if c.fetch_add(1, Ordering::Relaxed) + 1 == jobs as u64 {
-                        let _ = tx.try_send(());
-                    }
-                    Ok(json!({}))
-                }
-            },
-        );
-        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-        let running = tokio::spawn(worker.run(async move {
-            let _ = stopped.await;
-        }));
-        rx.recv().await;
-        let _ = stop.send(());
-        running.await??;
-        let succeeded: i64 = sqlx::query_scalar("SELECT count(*) FROM jobs WHERE state = 'succeeded'")
-            .fetch_one(&pool)
-            .await?;
-        assert_eq!(succeeded, jobs as i64);
-        let ferry_rate = jobs as f64 / start.elapsed().as_secs_f64();
+        let ferry_rate = run_worker(f, &pool, jobs, concurrency, batch).await?;
         let (_f, pool) = fresh(base, "workerraw").await?;
         seed(&pool, jobs).await?;
         let raw = drain(16, move |_| raw_claim_complete(pool.clone(), batch)).await?;
@@ -192,6 +164,116 @@ async fn worker_runtime(base: &str, quick: bool) -> Res<()> {
         );
     }
 
+    Ok(())
+}
+
+/// Runs one `Worker` with `concurrency` slots claiming `batch` at a time
+/// until it has completed `jobs` jobs (each handler returns at once);
+/// checks they all succeeded and returns jobs per second.
+async fn run_worker(f: Ferry, pool: &PgPool, jobs: usize, concurrency: usize, batch: u32) -> Res<f64> {
+    let start = Instant::now();
+    let count = Arc::new(AtomicU64::new(0));
+    let (tx, mut rx) = tokio::sync::mpsc::channel::<()>(1);
+    let c = count.clone();
+    let worker = ferry::worker::Worker::new(
+        f,
+        ferry::worker::WorkerConfig {
+            concurrency,
+            batch,
+            poll_interval: Duration::from_millis(10),
+            ..Default::default()
+        },
+        move |_job: ferry::Claimed, _ctx| {
+            let (c, tx) = (c.clone(), tx.clone());
+            async move {
+                if c.fetch_add(1, Ordering::Relaxed) + 1 == jobs as u64 {
+                    let _ = tx.try_send(());
+                }
+                Ok(json!({}))
+            }
+        },
+    );
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let running = tokio::spawn(worker.run(async move {
+        let _ = stopped.await;
+    }));
+    rx.recv().await;
+    let _ = stop.send(());
+    running.await??;
+    let rate = jobs as f64 / start.elapsed().as_secs_f64();
+    let succeeded: i64 = sqlx::query_scalar("SELECT count(*) FROM jobs WHERE state = 'succeeded'")
+        .fetch_one(pool)
+        .await?;
+    assert_eq!(succeeded, jobs as i64);
+    Ok(rate)
+}
+
+/// The cost of queue limits enforced in the claim, with and without, in one
+/// run: the Worker end to end (16 slots, claim 16) over jobs of 10 tenants,
+/// with no limits (the plain claim), with all three limits set too high to
+/// bind (the limited claim: row lock, lease counts, per-tenant window,
+/// tokens), and with a binding `max_leased`; then the latency of single
+/// claims over a 100k backlog, without and with the non-binding limits.
+async fn limits_cost(base: &str, quick: bool) -> Res<()> {
+    use ferry::{QueueLimits, RateLimit};
+    let jobs = if quick { 2_000 } else { 5_000 };
+    let loose = QueueLimits {
+        max_leased: Some(1_000_000),
+        max_leased_per_tenant: Some(1_000_000),
+        rate: Some(RateLimit {
+            burst: 1_000_000,
+            every: Duration::from_millis(1),
+        }),
+    };
+    let tight = QueueLimits {
+        max_leased: Some(8),
+        ..QueueLimits::default()
+    };
+    let mut rates = Vec::new();
+    for (label, limits) in [
+        ("no limits", None),
+        ("3 limits, not binding", Some(loose)),
+        ("max_leased 8 (binding)", Some(tight)),
+    ] {
+        let (f, pool) = fresh(base, "limits").await?;
+        seed_tenants(&pool, jobs, 10).await?;
+        if let Some(l) = limits {
+            f.set_queue_limits("default", l, "bench", "bench").await?;
+        }
+        let r = run_worker(f, &pool, jobs, 16, 16).await?;
+        println!(
+            "{:<44} {r:>12.0}",
+            format!("Worker 16 slots, claim 16, {label} (jobs/s)")
+        );
+        rates.push(r);
+    }
+    println!(
+        "{:<44} {:>11.1}%",
+        "limited claim cost (not binding)",
+        (1.0 - rates[1] / rates[0]) * 100.0
+    );
+    let backlog = 100_000;
+    let (f, pool) = fresh(base, "limitslat").await?;
+    seed_tenants(&pool, backlog, 10).await?;
+    sqlx::query("VACUUM ANALYZE jobs").execute(&pool).await?;
+    let mut lat = [Vec::new(), Vec::new()];
+    // 1000 claims without limits, then 1000 with (the backlog shrinks by 1 %).
+    for (limited, limits) in [QueueLimits::default(), loose].into_iter().enumerate() {
+        f.set_queue_limits("default", limits, "bench", "bench").await?;
+        for _ in 0..1000 {
+            let t = Instant::now();
+            f.claim("default", "bench", Duration::from_secs(600), 1).await?;
+            lat[limited].push(t.elapsed());
+        }
+    }
+    for (name, p) in [("p50", 0.50), ("p99", 0.99)] {
+        println!(
+            "{:<44} {:>10.2}ms {:>10.2}ms",
+            format!("claim 1, backlog {backlog}, {name}: none | limits"),
+            pct(&mut lat[0], p),
+            pct(&mut lat[1], p)
+        );
+    }
     Ok(())
 }
 
@@ -524,13 +606,22 @@ where
     Ok(done.load(Ordering::Relaxed) as f64 / start.elapsed().as_secs_f64())
 }
 
-/// Seeds `n` queued jobs with their runs in bulk.
+/// Seeds `n` queued jobs with their runs in bulk, all of tenant `bench`.
 async fn seed(pool: &PgPool, n: usize) -> Res<()> {
+    seed_tenants(pool, n, 1).await
+}
+
+/// Seeds `n` queued jobs with their runs in bulk, spread round-robin over
+/// `tenants` tenants (`bench` alone when there is one).
+async fn seed_tenants(pool: &PgPool, n: usize, tenants: i64) -> Res<()> {
     sqlx::query(
         "INSERT INTO runs (tenant, run_id, operation, state, version, request, created_at, updated_at, last_event_seq)
-         SELECT 'bench', gen_random_uuid(), 'op', 'queued', 1, jsonb_build_object('i', g), g, g, 1 FROM generate_series(1, $1) g",
+         SELECT CASE WHEN $2 = 1 THEN 'bench' ELSE 'bench-' || (g % $2) END, gen_random_uuid(), 'op', 'queued', 1,
+                jsonb_build_object('i', g), g, g, 1
+         FROM generate_series(1, $1) g",
     )
     .bind(n as i64)
+    .bind(tenants)
     .execute(pool)
     .await?;
     sqlx::query(

@@ -9,16 +9,18 @@ INSERT INTO jobs (tenant, run_id, queue, state, available_at, max_attempts, dead
 VALUES ($1, $2, $3, 'queued', $4, $5, $6, $7, $7, $8, $9)
 
 -- name: claim_due [fragment]
--- Eligible (invariant 4) in queue $1 at clock.at, for `jobs j`: due, under
--- the attempt budget, before the deadline, and queued or leased past expiry
--- (a leased job keeps available_at = lease_expires_at). Claims go in
--- claim_key order (available_at - priority_lead: priority first, aged by
--- waiting); a lead is never negative, so `claim_key <= now` bounds the
--- index scan of jobs_claim_idx and `available_at <= now` is checked on the
--- rows it yields.
+-- Eligible (invariant 4) in queue $1 at clock.at (= {now $2}), for `jobs j`:
+-- due, under the attempt budget, before the deadline, and queued or leased
+-- past expiry (a leased job keeps available_at = lease_expires_at). Claims
+-- go in claim_key order (available_at - priority_lead: priority first, aged
+-- by waiting); a lead is never negative, so `claim_key <= now` bounds the
+-- index scan of jobs_claim_idx, and `available_at <= now` is checked on the
+-- rows it yields. The bound is written with {now $2}, not clock.at: the
+-- planner can only make an index condition of a value it has at the scan
+-- (one statement has one clock on both engines, so it is the same instant).
 j.queue = $1
       AND j.state IN ('queued', 'leased')
-      AND j.claim_key <= clock.at
+      AND j.claim_key <= {now $2}
       AND j.available_at <= clock.at
       AND j.attempts < j.max_attempts
       AND (j.deadline_at IS NULL OR j.deadline_at > clock.at)
@@ -90,7 +92,7 @@ WITH clock AS (
 ), picked AS (
     SELECT j.tenant, j.run_id
     FROM jobs j, clock
-    WHERE {use claim_due $1}
+    WHERE {use claim_due $1 $2}
       AND {use queue_open $1}
     ORDER BY j.claim_key
     LIMIT $3
@@ -104,7 +106,7 @@ WITH clock AS (
 ), picked AS (
     SELECT j.tenant, j.run_id
     FROM jobs j, clock
-    WHERE {use claim_due $1}
+    WHERE {use claim_due $1 $2}
       AND {use queue_open $1}
     ORDER BY j.claim_key
     LIMIT $3
@@ -132,14 +134,16 @@ SET tokens = CASE WHEN rate_burst IS NULL THEN tokens
                            THEN {greatest}(refilled_at, {now $2})
                        ELSE refilled_at + ({greatest}(0, {now $2} - refilled_at) / rate_interval_ms) * rate_interval_ms END
 WHERE queue = $1
-RETURNING paused, rate_burst IS NOT NULL AS rated, tokens
+RETURNING paused,
+          (max_leased IS NOT NULL OR max_leased_per_tenant IS NOT NULL OR rate_burst IS NOT NULL) AS limited,
+          rate_burst IS NOT NULL AS rated, tokens
 
 -- name: spend_tokens
 -- Takes $2 tokens from queue $1's bucket (inside lock_queue's transaction).
 UPDATE ferry_queues SET tokens = tokens - $2 WHERE queue = $1
 
 -- name: limited_pick [fragment]
--- The CTEs that choose what a limited claim of queue $1 may take, after
+-- The CTEs that choose what a limited claim of queue $1 at {now $4} may take, after
 -- lock_queue: at most $2 jobs (the caller's limit, already cut to the
 -- tokens), at most max_leased unexpired leases in the queue, and at most
 -- max_leased_per_tenant per tenant. A tenant at its cap is skipped, not
@@ -163,7 +167,7 @@ cap AS (
     FROM (
         SELECT j.tenant, j.run_id, j.claim_key
         FROM jobs j, clock, cap
-        WHERE {use claim_due $1}
+        WHERE {use claim_due $1 $4}
           AND (cap.per_tenant IS NULL
                OR NOT EXISTS (SELECT 1 FROM leased l WHERE l.tenant = j.tenant AND l.n >= cap.per_tenant))
         ORDER BY j.claim_key
@@ -183,14 +187,14 @@ cap AS (
 -- $2 now, $3 limit, $4 owner, $5 lease ms, $6 candidates to scan.
 WITH clock AS (
     SELECT {now $2} AS at
-), {use limited_pick $1 $3 $6},
+), {use limited_pick $1 $3 $6 $2},
 {use claim_writes $4 $5}
 {use claimed_rows}
 
 -- name: claim_limited [sqlite]
 WITH clock AS (
     SELECT {now $2} AS at
-), {use limited_pick $1 $3 $6}
+), {use limited_pick $1 $3 $6 $2}
 {use claim_update_sqlite $4 $5}
 
 -- name: insert_attempt
@@ -313,7 +317,7 @@ WHERE tenant = $1 AND run_id = $2
 ORDER BY generation
 
 -- name: get_job
-SELECT queue, state, max_attempts, attempts, lease_generation, last_error_code
+SELECT queue, state, max_attempts, attempts, lease_generation, last_error_code, priority
 FROM jobs WHERE tenant = $1 AND run_id = $2
 
 -- name: sweep_attempts
@@ -432,7 +436,7 @@ WITH input AS (
     -- stays locked until commit, so completing after it could deadlock
     -- with another worker's statement doing the same.
     WHERE (SELECT count(*) FROM done) >= 0
-      AND {use claim_due $9}
+      AND {use claim_due $9 $7}
       AND {use queue_open $9}
     ORDER BY j.claim_key
     LIMIT $10

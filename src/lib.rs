@@ -82,6 +82,9 @@ struct Inner {
     outbox_key_locks: bool,
     /// What one priority level is worth in waiting, in ms (see `priority_aging`).
     priority_aging_ms: i64,
+    /// Queues this process last found limited: their claims go to the
+    /// limited claim first. Only a hint (a stale entry costs one statement).
+    limited_queues: std::sync::Mutex<std::collections::HashSet<String>>,
 }
 
 /// Builds a [`Ferry`]: `Ferry::builder(url).migrate(true).connect()`.
@@ -189,6 +192,7 @@ impl FerryBuilder {
                 notifier: notify::Notifier::new(self.notify_interval),
                 outbox_key_locks: self.outbox_key_locks,
                 priority_aging_ms,
+                limited_queues: Default::default(),
             }),
         })
     }
@@ -237,5 +241,26 @@ impl Ferry {
 
     pub(crate) fn now(&self) -> Option<i64> {
         self.inner.clock.param()
+    }
+
+    /// Whether this process last found `queue` limited (a hint).
+    pub(crate) fn limited_hint(&self, queue: &str) -> bool {
+        self.inner
+            .limited_queues
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .contains(queue)
+    }
+
+    /// Records whether `queue` was found limited.
+    pub(crate) fn set_limited_hint(&self, queue: &str, limited: bool) {
+        let mut set = self.inner.limited_queues.lock().unwrap_or_else(|p| p.into_inner());
+        if limited {
+            if !set.contains(queue) {
+                set.insert(queue.to_owned());
+            }
+        } else {
+            set.remove(queue);
+        }
     }
 }

@@ -176,7 +176,6 @@ impl Ferry {
     }
 
     async fn set_paused(&self, queue: &str, paused: bool, actor: &str, reason: &str) -> Result<()> {
-        self.check_operator_input(queue, actor, reason)?;
         let mut tx = self.begin().await?;
         let r = self.set_queue_paused_in(tx.conn(), queue, paused, actor, reason).await;
         tx.finish(r).await
@@ -188,8 +187,6 @@ impl Ferry {
     /// followed by the new limits. Invalid limits (a zero, an interval
     /// over a day) are `invalid_input` and write nothing.
     pub async fn set_queue_limits(&self, queue: &str, limits: QueueLimits, actor: &str, reason: &str) -> Result<()> {
-        limits.validate()?;
-        self.check_operator_input(queue, actor, reason)?;
         let mut tx = self.begin().await?;
         let r = self.set_queue_limits_in(tx.conn(), queue, limits, actor, reason).await;
         tx.finish(r).await

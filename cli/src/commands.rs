@@ -1,6 +1,7 @@
 //! The `ferry` command line: `migrate`, `status`, `dead list|replay`,
 //! `doctor`, `jobs list|inspect|cancel|replay-dead`, `runs list|show`,
-//! `schedules list|remove`, `console`, `console-token` and `demo`.
+//! `schedules list|remove`, `queue list|pause|resume|limits`, `console`,
+//! `console-token` and `demo`.
 #![allow(clippy::print_stdout)]
 
 use ferry::Ferry;
@@ -53,6 +54,12 @@ pub enum Command {
         /// What to do.
         #[command(subcommand)]
         command: JobsCommand,
+    },
+    /// Pause, resume and limit queues (every change is audited).
+    Queue {
+        /// What to do.
+        #[command(subcommand)]
+        command: QueueCommand,
     },
     /// Serve the operator web console (binds 127.0.0.1 unless told otherwise).
     Console(ConsoleArgs),
@@ -156,6 +163,76 @@ pub enum SchedulesCommand {
         /// Why.
         #[arg(long)]
         reason: String,
+    },
+}
+
+/// Who changes a queue, and why: both go to the audit trail.
+#[derive(Debug, clap::Args)]
+pub struct Audited {
+    /// Who asks.
+    #[arg(long, env = "USER")]
+    pub actor: String,
+    /// Why.
+    #[arg(long)]
+    pub reason: String,
+}
+
+/// `queue` subcommands.
+#[derive(Debug, clap::Subcommand)]
+pub enum QueueCommand {
+    /// List the queues with settings: paused, limits, tokens, live leases.
+    List {
+        /// Database.
+        #[command(flatten)]
+        db: DbArgs,
+    },
+    /// Stop claiming a queue's jobs; leases already taken run on.
+    Pause {
+        /// Database.
+        #[command(flatten)]
+        db: DbArgs,
+        /// The queue.
+        #[arg(long)]
+        queue: String,
+        /// Actor and reason.
+        #[command(flatten)]
+        audited: Audited,
+    },
+    /// Claim a paused queue's jobs again.
+    Resume {
+        /// Database.
+        #[command(flatten)]
+        db: DbArgs,
+        /// The queue.
+        #[arg(long)]
+        queue: String,
+        /// Actor and reason.
+        #[command(flatten)]
+        audited: Audited,
+    },
+    /// Replace a queue's limits (a limit left out is lifted).
+    Limits {
+        /// Database.
+        #[command(flatten)]
+        db: DbArgs,
+        /// The queue.
+        #[arg(long)]
+        queue: String,
+        /// At most this many jobs of the queue leased at once.
+        #[arg(long)]
+        max_leased: Option<u32>,
+        /// At most this many jobs of one tenant leased at once.
+        #[arg(long)]
+        max_leased_per_tenant: Option<u32>,
+        /// Rate limit: claims that may come at once (the bucket size).
+        #[arg(long, requires = "rate_every")]
+        rate_burst: Option<u32>,
+        /// Rate limit: one more claim per this interval (e.g. `200ms`, `1s`).
+        #[arg(long, requires = "rate_burst", value_parser = ferry_relay::config::parse_duration)]
+        rate_every: Option<std::time::Duration>,
+        /// Actor and reason.
+        #[command(flatten)]
+        audited: Audited,
     },
 }
 
@@ -356,6 +433,7 @@ pub async fn run(cli: Cli) -> Result<(), CliError> {
             Ok(())
         }
         Command::Jobs { command } => jobs(command).await,
+        Command::Queue { command } => queue(command).await,
         Command::Console(args) => console(args).await,
         Command::ConsoleToken {
             name,
@@ -532,6 +610,57 @@ async fn schedules(command: SchedulesCommand) -> Result<(), CliError> {
             } else {
                 println!("no schedule {tenant}/{name}");
             }
+        }
+    }
+    Ok(())
+}
+
+async fn queue(command: QueueCommand) -> Result<(), CliError> {
+    match command {
+        QueueCommand::List { db } => {
+            let ferry = Ferry::builder(&db.database_url).connect().await?;
+            for q in ferry.list_queues().await? {
+                println!(
+                    "{:<20} {:<7} leased {:<5} {}{}",
+                    q.queue,
+                    if q.paused { "paused" } else { "running" },
+                    q.leased,
+                    q.limits.describe(),
+                    q.limits.rate.map_or(String::new(), |_| format!(" tokens={}", q.tokens))
+                );
+            }
+        }
+        QueueCommand::Pause { db, queue, audited } => {
+            let ferry = Ferry::builder(&db.database_url).connect().await?;
+            ferry.pause_queue(&queue, &audited.actor, &audited.reason).await?;
+            println!("paused {queue}");
+        }
+        QueueCommand::Resume { db, queue, audited } => {
+            let ferry = Ferry::builder(&db.database_url).connect().await?;
+            ferry.resume_queue(&queue, &audited.actor, &audited.reason).await?;
+            println!("resumed {queue}");
+        }
+        QueueCommand::Limits {
+            db,
+            queue,
+            max_leased,
+            max_leased_per_tenant,
+            rate_burst,
+            rate_every,
+            audited,
+        } => {
+            let limits = ferry::QueueLimits {
+                max_leased,
+                max_leased_per_tenant,
+                rate: rate_burst
+                    .zip(rate_every)
+                    .map(|(burst, every)| ferry::RateLimit { burst, every }),
+            };
+            let ferry = Ferry::builder(&db.database_url).connect().await?;
+            ferry
+                .set_queue_limits(&queue, limits, &audited.actor, &audited.reason)
+                .await?;
+            println!("{queue}: {}", limits.describe());
         }
     }
     Ok(())

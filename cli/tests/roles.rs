@@ -202,6 +202,39 @@ async fn each_role_is_refused_outside_its_grant() {
             .len(),
         1
     );
+    // The operator pauses and limits queues; the service claims a
+    // rate-limited queue (its bucket) but cannot change the settings.
+    operator.pause_queue("default", "alice", "test").await.unwrap();
+    operator.resume_queue("default", "alice", "test").await.unwrap();
+    let rate = ferry::QueueLimits {
+        max_leased: Some(5),
+        rate: Some(ferry::RateLimit {
+            burst: 2,
+            every: Duration::from_secs(60),
+        }),
+        ..ferry::QueueLimits::default()
+    };
+    operator
+        .set_queue_limits("limited", rate, "alice", "test")
+        .await
+        .unwrap();
+    service
+        .create_run_idempotent(NewRun::new("acme", "charge", "k4", json!({"a": 4})).queue("limited"))
+        .await
+        .unwrap();
+    let limited = service.claim("limited", "w", Duration::from_secs(30), 5).await.unwrap();
+    assert_eq!(limited.len(), 1);
+    let queues = operator.list_queues().await.unwrap();
+    assert_eq!((queues[1].queue.as_str(), queues[1].tokens), ("limited", 1));
+    assert_eq!(
+        service
+            .pause_queue("default", "mallory", "test")
+            .await
+            .unwrap_err()
+            .code(),
+        "database"
+    );
+    refused(&service, "UPDATE ferry_queues SET paused = false").await;
     // ...and nothing else: no deletes, no publishing marks, no lanes or ledgers.
     refused(&operator, "DELETE FROM outbox").await;
     refused(&operator, "UPDATE outbox SET delivered_at = 0").await;

@@ -58,6 +58,10 @@ GRANT INSERT (tenant, topic, key, lane, payload, headers, effect_key, traceparen
     ON outbox TO ferry_service;
 GRANT SELECT (id) ON outbox TO ferry_service;
 GRANT USAGE ON SEQUENCE outbox_id_seq TO ferry_service;
+-- The claim reads its queue's settings and, in a rate-limited queue, takes
+-- tokens from the bucket; pausing and limits are the operator's.
+GRANT SELECT ON ferry_queues TO ferry_service;
+GRANT UPDATE (tokens, refilled_at) ON ferry_queues TO ferry_service;
 
 -- The relay reads and marks the outbox and its lanes, nothing else.
 GRANT SELECT, DELETE ON outbox TO ferry_relay;
@@ -72,8 +76,8 @@ GRANT USAGE ON SEQUENCE ferry_audit_id_seq TO ferry_relay;
 GRANT SELECT, INSERT, UPDATE ON consumer_partitions TO ferry_consumer;
 GRANT SELECT, INSERT, DELETE ON consumer_ledger TO ferry_consumer;
 
--- An operator runs `ferry jobs list|inspect|cancel|replay-dead` and
--- `ferry dead list|replay`: cancel terminates a run (job, run, event,
+-- An operator runs `ferry jobs list|inspect|cancel|replay-dead`,
+-- `ferry queue list|pause|resume|limits` and `ferry dead list|replay`: cancel terminates a run (job, run, event,
 -- attempt, outbox row), replay-dead accepts a linked run and appends
 -- `replay_requested` to the dead one, dead replay sets dead outbox rows back
 -- to pending; each writes a ferry_audit entry. No DELETE anywhere, no lanes,
@@ -88,11 +92,12 @@ GRANT UPDATE (state, last_error) ON outbox TO ferry_operator;
 GRANT USAGE ON SEQUENCE outbox_id_seq TO ferry_operator;
 GRANT INSERT ON ferry_audit TO ferry_operator;
 GRANT USAGE ON SEQUENCE ferry_audit_id_seq TO ferry_operator;
+-- `ferry queue pause|resume|limits|list`, audited.
+GRANT SELECT, INSERT, UPDATE ON ferry_queues TO ferry_operator;
 
 -- The web console (`ferry console`) takes the operator's actions, pauses and
--- resumes queues, and reads what its pages show: lanes and relays, consumer
+-- resumes queues (as the operator), and reads what its pages show: lanes and relays, consumer
 -- partitions and ledger entries (a run's lineage), effects. Still no DELETE,
 -- no publishing marks, no lane or partition writes.
 GRANT ferry_operator TO ferry_console;
 GRANT SELECT ON relay_lanes, relay_instances, consumer_partitions, consumer_ledger, effects TO ferry_console;
-GRANT SELECT, INSERT, UPDATE ON ferry_queues TO ferry_console;

@@ -23,7 +23,8 @@
 //! A block of SQL that several queries share is written once as a fragment,
 //! `-- name: f [fragment]`, and included with `{use f $A $B …}`: the
 //! fragment's own parameters `$1`, `$2`, … become the including query's
-//! `$A`, `$B`, … (so each query keeps its own numbering). Fragments may use
+//! `$A`, `$B`, … (so each query keeps its own numbering); the fragment's
+//! header comment stays in the file. Fragments may use
 //! fragments and template tokens; they are not queries themselves. A
 //! fragment nobody uses, an unknown fragment or a parameter the `use` does
 //! not pass is a build error.
@@ -245,7 +246,14 @@ pub fn render_files(files: &[(String, String)]) -> Result<Rendered, String> {
     }
     let mut fragments: BTreeMap<String, String> = BTreeMap::new();
     for s in sections.iter().filter(|s| s.scope == Scope::Fragment) {
-        if fragments.insert(s.name.clone(), s.body.clone()).is_some() {
+        // The header comment documents the fragment in its file; the
+        // including query does not carry it.
+        let body: Vec<&str> = s
+            .body
+            .lines()
+            .skip_while(|l| l.trim_start().starts_with("--"))
+            .collect();
+        if fragments.insert(s.name.clone(), body.join("\n")).is_some() {
             return Err(format!("{}: fragment {} is defined twice", s.file, s.name));
         }
     }
@@ -444,7 +452,7 @@ mod tests {
     fn fragments_are_included_with_their_parameters_renumbered() {
         let files = vec![(
             "t.sql".to_string(),
-            "-- name: due [fragment]\nqueue = $1 AND at <= {now $2}\n\
+            "-- name: due [fragment]\n-- Due in $1 at $2, $3 unused.\nqueue = $1 AND at <= {now $2}\n\
              -- name: pick [fragment]\nSELECT id FROM t WHERE {use due $1 $2} LIMIT $3\n\
              -- name: a\n{use pick $1 $2 $3}\n\
              -- name: b\n{use pick $9 $10 $1}\n"

@@ -147,7 +147,8 @@ impl Ferry {
             dead.request.clone(),
         )
         .queue(job.queue)
-        .max_attempts(job.max_attempts as u32);
+        .max_attempts(job.max_attempts as u32)
+        .priority(job.priority);
         new.replay_of = Some(run_id);
         let accepted = self.create_run_idempotent_in(conn.reborrow(), new).await?;
         let body = json!({ "actor": actor, "reason": reason, "new_run_id": accepted.run.run_id });

@@ -11,8 +11,11 @@ use crate::Ferry;
 impl Ferry {
     /// Claims up to `limit` eligible jobs of `queue` for `owner`, each under a
     /// lease of `lease`, never past the run's deadline (like [`Ferry::renew`]). Eligible: due, under the attempt budget, not
-    /// cancelled, and queued or leased past expiry. On PostgreSQL this is one
+    /// cancelled, and queued or leased past expiry. Higher priorities first,
+    /// aged by waiting ([`NewRun::priority`](crate::NewRun)). On PostgreSQL this is one
     /// `FOR UPDATE SKIP LOCKED` statement that also writes the attempt rows.
+    /// A paused queue claims nothing; a limited one claims at most what its
+    /// limits allow, under a lock on its settings row ([`crate::QueueLimits`]).
     #[tracing::instrument(name = "ferry.claim", skip_all, fields(queue, owner, limit, claimed))]
     pub async fn claim(&self, queue: &str, owner: &str, lease: Duration, limit: u32) -> Result<Vec<Claimed>> {
         self.limits().name("queue", queue)?;

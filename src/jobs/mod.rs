@@ -153,6 +153,8 @@ impl Terminal {
 pub(crate) struct JobRow {
     pub(crate) queue: String,
     pub(crate) max_attempts: i32,
+    /// Kept by a replay.
+    pub(crate) priority: i16,
 }
 
 /// What a fenced end of a lease returns.

@@ -46,14 +46,19 @@ impl Ferry {
         let args = self.check_complete_and_claim(items, queue, owner, lease, limit)?;
         let span = tracing::Span::current();
         span.record("queue", queue).record("limit", limit);
+        let limited = self.limited_hint(queue);
         let out = match self.db() {
-            crate::store::Db::Postgres(p) => {
+            crate::store::Db::Postgres(p) if !limited => {
                 let mut c = p.acquire().await?;
-                self.complete_and_claim_on(Conn::Postgres(&mut c), items, args).await?
+                self.complete_and_claim_on(Conn::Postgres(&mut c), items, args, false)
+                    .await?
             }
-            crate::store::Db::Sqlite(_) => {
+            // SQLite, and a queue this process found limited on PostgreSQL:
+            // the limited claim takes the queue's row lock, which needs a
+            // transaction.
+            _ => {
                 let mut tx = self.begin().await?;
-                let r = self.complete_and_claim_on(tx.conn(), items, args).await;
+                let r = self.complete_and_claim_on(tx.conn(), items, args, limited).await;
                 tx.finish(r).await?
             }
         };
@@ -62,7 +67,9 @@ impl Ferry {
     }
 
     /// [`Ferry::complete_and_claim`] inside the caller's transaction: both
-    /// halves commit or roll back with it.
+    /// halves commit or roll back with it. `conn` must be in a transaction:
+    /// in a limited queue the claim holds the queue's settings row until
+    /// commit, which is what keeps concurrent claims within the limits.
     pub async fn complete_and_claim_in<'c>(
         &self,
         conn: impl Into<Conn<'c>>,
@@ -73,7 +80,8 @@ impl Ferry {
         limit: u32,
     ) -> Result<(Vec<Result<()>>, Vec<Claimed>)> {
         let args = self.check_complete_and_claim(items, queue, owner, lease, limit)?;
-        self.complete_and_claim_on(conn.into(), items, args).await
+        self.complete_and_claim_on(conn.into(), items, args, self.limited_hint(queue))
+            .await
     }
 
     fn check_complete_and_claim<'a>(

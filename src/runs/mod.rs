@@ -154,9 +154,9 @@ impl NewRun {
         self
     }
 
-    /// Sets the claim priority (see [`NewRun::priority`](struct.NewRun.html#structfield.priority));
-    /// outside [`MIN_PRIORITY`]..=[`MAX_PRIORITY`] acceptance refuses it
-    /// with `invalid_input` and writes nothing.
+    /// Sets the claim priority (see the `priority` field: higher first,
+    /// aged by waiting); outside [`MIN_PRIORITY`]..=[`MAX_PRIORITY`]
+    /// acceptance refuses it with `invalid_input` and writes nothing.
     pub fn priority(mut self, p: i16) -> Self {
         self.priority = p;
         self

@@ -29,10 +29,10 @@ impl Ferry {
     /// An open, unlimited queue is claimed by one statement (`claim_jobs`),
     /// which claims nothing in a paused or limited queue. Only when it came
     /// back empty is the queue's row asked whether it is limited; then the
-    /// row is locked and its bucket refilled (`lock_queue`), so the claims
-    /// of a limited queue take turns across processes and each counts the
-    /// live leases exactly, and `claim_limited` takes what the limits allow;
-    /// the tokens it used are spent before the transaction commits.
+    /// limited claim runs ([`Ferry::claim_limited_in`]). A queue this
+    /// process last found limited goes to the limited claim first (a hint:
+    /// the limited claim says when the queue is no longer limited, and the
+    /// plain claim follows in the same transaction).
     pub(crate) async fn claim_in(
         &self,
         mut conn: Conn<'_>,
@@ -42,6 +42,15 @@ impl Ferry {
         limit: u32,
     ) -> Result<Vec<Claimed>> {
         let limit = i64::from(limit);
+        if self.limited_hint(queue) {
+            if let Some(claimed) = self
+                .claim_limited_in(conn.reborrow(), queue, owner, lease_ms, limit)
+                .await?
+            {
+                return Ok(claimed);
+            }
+            self.set_limited_hint(queue, false);
+        }
         let claimed = self
             .run_claim(conn.reborrow(), ClaimSql::Open, queue, owner, lease_ms, limit)
             .await?;
@@ -57,19 +66,41 @@ impl Ferry {
         if limited.is_none() {
             return Ok(claimed);
         }
-        let gate: Option<(bool, bool, i64)> = on_conn!(conn.reborrow(), |c, q| {
+        self.set_limited_hint(queue, true);
+        Ok(self
+            .claim_limited_in(conn, queue, owner, lease_ms, limit)
+            .await?
+            .unwrap_or_default())
+    }
+
+    /// The claim of a limited queue: locks the queue's row and refills its
+    /// bucket (`lock_queue`), so the claims of a limited queue take turns
+    /// across processes and each counts the live leases exactly; then
+    /// `claim_limited` takes what the limits allow, and the tokens it used
+    /// are spent before the transaction commits. `None` when the queue has
+    /// no row or no limits (and is not paused): the plain claim applies.
+    async fn claim_limited_in(
+        &self,
+        mut conn: Conn<'_>,
+        queue: &str,
+        owner: &str,
+        lease_ms: i64,
+        limit: i64,
+    ) -> Result<Option<Vec<Claimed>>> {
+        let gate: Option<(bool, bool, bool, i64)> = on_conn!(conn.reborrow(), |c, q| {
             sqlx::query_as(q.lock_queue)
                 .bind(queue)
                 .bind(self.now())
                 .fetch_optional(&mut *c)
                 .await?
         });
-        let Some((paused, rated, tokens)) = gate else {
-            return Ok(claimed);
+        let (paused, rated, tokens) = match gate {
+            None | Some((false, false, _, _)) => return Ok(None),
+            Some((paused, _, rated, tokens)) => (paused, rated, tokens),
         };
         let allowed = if rated { limit.min(tokens) } else { limit };
         if paused || allowed <= 0 {
-            return Ok(claimed);
+            return Ok(Some(Vec::new()));
         }
         // Room for rows of tenants that reach their cap within this claim.
         let scan = allowed.saturating_mul(8).max(64);
@@ -92,7 +123,7 @@ impl Ferry {
                     .await?;
             });
         }
-        Ok(claimed)
+        Ok(Some(claimed))
     }
 
     /// Runs one claim statement and, on SQLite, the steps PostgreSQL's
@@ -229,13 +260,29 @@ impl Ferry {
     /// PostgreSQL, as one autocommitted statement when `conn` is outside
     /// one): completes `items` exactly like [`Ferry::complete_batch`] and
     /// claims up to `limit` jobs of `queue` exactly like [`Ferry::claim`].
+    /// `limited` (the caller's reading of the hint, with `conn` in a
+    /// transaction) completes first and then claims through [`Ferry::claim_in`],
+    /// which takes a limited queue's row lock.
     pub(crate) async fn complete_and_claim_on(
         &self,
         conn: Conn<'_>,
         items: &[(Lease, Value)],
         (queue, owner, lease_ms, limit): (&str, &str, i64, u32),
+        limited: bool,
     ) -> Result<(Vec<Result<()>>, Vec<Claimed>)> {
         match conn {
+            // A limited queue: the completions, then the limited claim, in
+            // the caller's transaction (the combined statement claims
+            // nothing there).
+            Conn::Postgres(c) if limited => {
+                let done = self.complete_batch_pg(&mut *c, items).await?;
+                let claimed = if limit == 0 {
+                    Vec::new()
+                } else {
+                    self.claim_in(Conn::Postgres(c), queue, owner, lease_ms, limit).await?
+                };
+                Ok((done, claimed))
+            }
             Conn::Postgres(c) => {
                 let rows = sqlx::query(crate::store::queries::POSTGRES_ONLY.complete_and_claim)
                     .bind(items.iter().map(|(l, _)| l.tenant.as_str()).collect::<Vec<_>>())

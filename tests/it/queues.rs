@@ -57,12 +57,15 @@ async fn audit_rows(t: &TestDb) -> Vec<(String, String, String, String)> {
 }
 
 async fn higher_priority_is_claimed_first(kind: Kind) {
-    let t = TestDb::with_clock(kind, manual_clock()).await;
-    for (key, p) in [("low", 0), ("high", 5), ("mid", 2), ("low2", 0)] {
+    let clock = manual_clock();
+    let t = TestDb::with_clock(kind, clock.clone()).await;
+    // Accepted in this order, a millisecond apart: first come is not first served.
+    for (key, p) in [("low", 0), ("low2", 0), ("mid", 2), ("high", 5)] {
         t.ferry
             .create_run_idempotent(job("acme", key).priority(p))
             .await
             .unwrap();
+        clock.advance(Duration::from_millis(1)).unwrap();
     }
     assert_eq!(claim_one_by_one(&t.ferry).await, ["high", "mid", "low", "low2"]);
 }
@@ -112,6 +115,28 @@ async fn the_claim_key_follows_available_at_through_retries_and_renewals(kind: K
         t.scalar("SELECT count(*) FROM jobs WHERE priority_lead = 100000").await,
         1
     );
+}
+
+async fn a_replay_keeps_the_priority(kind: Kind) {
+    let t = TestDb::new(kind).await;
+    let run = t
+        .ferry
+        .create_run_idempotent(job("acme", "k").priority(7).max_attempts(1))
+        .await
+        .unwrap()
+        .run;
+    let c = t.ferry.claim("q", "w", LEASE, 1).await.unwrap().pop().unwrap();
+    let policy = ferry::RetryPolicy::default();
+    let mut rng = <rand::rngs::StdRng as rand::SeedableRng>::seed_from_u64(3);
+    t.ferry
+        .fail(&c.lease, &ferry::JobError::terminal("boom"), &policy, &mut rng)
+        .await
+        .unwrap();
+    t.ferry
+        .replay_dead("acme", run.run_id, "ops", "retry", false)
+        .await
+        .unwrap();
+    assert_eq!(t.scalar("SELECT count(*) FROM jobs WHERE priority = 7").await, 2);
 }
 
 async fn a_priority_out_of_range_is_refused_and_writes_nothing(kind: Kind) {
@@ -321,6 +346,7 @@ on_both_engines!(
     higher_priority_is_claimed_first,
     aging_lets_a_long_wait_overtake_a_higher_priority,
     the_claim_key_follows_available_at_through_retries_and_renewals,
+    a_replay_keeps_the_priority,
     a_priority_out_of_range_is_refused_and_writes_nothing,
     a_paused_queue_is_not_claimed_and_its_leases_run_on,
     a_global_limit_caps_live_leases,
