@@ -151,7 +151,7 @@ impl Limits {
     /// The largest JSON document (command, result or event body) accepted:
     /// the smaller of [`Limits::max_payload_bytes`] and
     /// [`Limits::max_publish_bytes`] minus [`Limits::run_event_overhead`].
-    /// With the default limits this is 998,363 bytes (an overhead of 1,637).
+    /// With the default limits this is 998,272 bytes (an overhead of 1,728).
     pub fn max_document_bytes(&self) -> usize {
         self.max_payload_bytes
             .min(self.max_publish_bytes.saturating_sub(self.run_event_overhead()))

@@ -31,7 +31,8 @@ use crate::time::{duration_ms, Millis};
 use crate::Ferry;
 
 /// When a schedule ticks.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
 pub enum Every {
     /// A cron expression in UTC: five fields (minute to weekday) or six
     /// (with seconds first), as `croner` parses them. Build with [`Every::cron`].
@@ -176,7 +177,8 @@ fn utc(ms: i64) -> Result<chrono::DateTime<chrono::Utc>> {
 
 /// What happens to ticks missed while no process fired (downtime), stated
 /// per schedule.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
 pub enum Missed {
     /// Only the latest missed tick runs; the earlier ones are skipped.
     Skip,
@@ -266,7 +268,7 @@ pub fn tick_key(name: &str, tick: i64) -> String {
 }
 
 /// A registered schedule ([`Ferry::list_schedules`]).
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
 pub struct Schedule {
     /// Tenant of its runs.
     pub tenant: String,
@@ -326,7 +328,8 @@ impl ScheduleRow {
 }
 
 /// What [`Ferry::schedule`] did.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
 pub enum ScheduleChange {
     /// The schedule is new (audited as `schedule.create`).
     Created,
@@ -497,8 +500,9 @@ impl Ferry {
     /// compare-and-set and accepts one run per tick its [`Missed`] policy
     /// keeps. A schedule another process fired meanwhile is left alone. A
     /// schedule whose run is refused (its template no longer fits the
-    /// limits, an idempotency conflict) is logged and retried at the next
-    /// call; the others proceed. Safe to call from any number of processes.
+    /// limits, an idempotency conflict) or whose row this version cannot
+    /// read is logged and retried at the next call; the others proceed.
+    /// Safe to call from any number of processes.
     pub async fn fire_due_ticks(&self, limit: u32) -> Result<Vec<FiredTick>> {
         let mut c = self.db().acquire().await?;
         let now = clock_now(self, c.conn()).await?;
@@ -516,7 +520,7 @@ impl Ferry {
             let r = self.fire_one_in(tx.conn(), &row, now).await;
             match tx.finish(r).await {
                 Ok(ticks) => fired.extend(ticks),
-                Err(e) if crate::runs::refuses_only_its_item(&e) => {
+                Err(e) if crate::runs::refuses_only_its_item(&e) || matches!(e, Error::CorruptRow { .. }) => {
                     tracing::warn!(tenant = %row.tenant, schedule = %row.name, code = e.code(), "schedule tick refused: {e}");
                 }
                 Err(e) => return Err(e),

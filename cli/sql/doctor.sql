@@ -4,22 +4,26 @@
 -- name: doctor_duplicate_acceptances [postgres]
 -- Runs with the same tenant, operation and request: one idempotency scope
 -- accepted twice (a key reused after expiry, or keys generated per retry).
+-- Runs scheduled for different instants (a periodic schedule's ticks) or
+-- following different parents are different requests.
 SELECT tenant || '/' || operation AS subject,
        count(*)::text || ' runs with one request: ' || string_agg(run_id::text, ', ' ORDER BY created_at) AS detail
 FROM runs
 WHERE replay_of IS NULL
-GROUP BY tenant, operation, request
+GROUP BY tenant, operation, request, scheduled_at, parent_run_id
 HAVING count(*) > 1
 LIMIT $1
 
 -- name: doctor_duplicate_acceptances [sqlite]
 -- Runs with the same tenant, operation and request: one idempotency scope
 -- accepted twice (a key reused after expiry, or keys generated per retry).
+-- Runs scheduled for different instants (a periodic schedule's ticks) or
+-- following different parents are different requests.
 SELECT tenant || '/' || operation AS subject,
        count(*) || ' runs with one request: ' || group_concat(lower(hex(run_id)), ', ') AS detail
 FROM runs
 WHERE replay_of IS NULL
-GROUP BY tenant, operation, request
+GROUP BY tenant, operation, request, scheduled_at, parent_run_id
 HAVING count(*) > 1
 LIMIT $1
 

@@ -29,6 +29,21 @@ async fn doctor_finds_seeded_faults(kind: Kind) {
         .unwrap();
     let c = t.ferry.claim("default", "w", lease, 1).await.unwrap().pop().unwrap();
     t.ferry.complete(&c.lease, &json!({})).await.unwrap();
+    // A schedule's ticks and the follow-ups of different parents share one
+    // request: they are no duplicate acceptances.
+    let every = ferry::Every::interval(Duration::from_secs(60)).unwrap();
+    let report = NewRun::new("acme", "report", "-", json!({"same": true})).queue("reports");
+    let missed = ferry::Missed::CatchUp { max: 2 };
+    t.ferry.schedule("tick", every, report, missed, "ops").await.unwrap();
+    clock.advance(Duration::from_secs(120)).unwrap();
+    let ticks = t.ferry.fire_due_ticks(10).await.unwrap();
+    assert_eq!(ticks.len(), 2);
+    for (key, parent) in [("n1", c.lease.run_id), ("n2", ticks[0].accepted.run.run_id)] {
+        let notify = NewRun::new("acme", "notify", key, json!({}))
+            .queue("notify")
+            .parent(parent);
+        t.ferry.create_run_idempotent(notify).await.unwrap();
+    }
     let clean = ferry_cli::doctor::run(&t.ferry, Duration::from_secs(300), 20)
         .await
         .unwrap();

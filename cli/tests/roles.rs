@@ -11,13 +11,17 @@ use ferry_consumer::store::ConsumerStore;
 use ferry_relay::store::RelayStore;
 use ferry_testkit::TestDb;
 
-/// The same database, connected as `role`.
-async fn as_role(t: &TestDb, role: &str) -> Ferry {
-    let url = t.url.replace(
+/// The URL of the same database, connected as `role`.
+fn role_url(t: &TestDb, role: &str) -> String {
+    t.url.replace(
         "options=-csearch_path",
         &format!("options=-crole%3D{role}%20-csearch_path"),
-    );
-    Ferry::builder(&url)
+    )
+}
+
+/// The same database, connected as `role`.
+async fn as_role(t: &TestDb, role: &str) -> Ferry {
+    Ferry::builder(role_url(t, role))
         .connect()
         .await
         .unwrap_or_else(|e| panic!("connect as {role}: {e}"))
@@ -67,6 +71,9 @@ async fn each_role_is_refused_outside_its_grant() {
         .pop()
         .unwrap();
     service.complete(&c.lease, &json!({})).await.unwrap();
+    // ...reads lineage (outbox delivery state, not payloads)...
+    let lineage = service.run_lineage("acme", run.run_id).await.unwrap();
+    assert_eq!(lineage.outbox.len(), 2, "run_queued and run_succeeded");
     // ...but cannot read, mark or delete the outbox, take lanes, or touch ledgers.
     refused(&service, "SELECT payload FROM outbox").await;
     refused(&service, "UPDATE outbox SET state = 'delivered'").await;
@@ -79,11 +86,8 @@ async fn each_role_is_refused_outside_its_grant() {
     refused(&service, "INSERT INTO outbox (tenant, topic, key, lane, payload, headers, created_at, delivered_at) VALUES ('x', 't', 'k', 0, '', '{}', 0, 0)").await;
     refused(&service, "INSERT INTO outbox (tenant, topic, key, lane, payload, headers, created_at, publish_attempts) VALUES ('x', 't', 'k', 0, '', '{}', 0, 9)").await;
     refused(&service, "INSERT INTO outbox (tenant, topic, key, lane, payload, headers, created_at, last_error) VALUES ('x', 't', 'k', 0, '', '{}', 0, 'e')").await;
-    refused(
-        &service,
-        "INSERT INTO ferry_audit (at, actor, action, subject, reason) VALUES (0, 'a', 'b', 'c', 'd')",
-    )
-    .await;
+    refused(&service, "SELECT * FROM ferry_audit").await;
+    refused(&service, "DELETE FROM ferry_audit").await;
     refused(&service, "CREATE TABLE public.ferry_squat (x int)").await;
 
     // The relay reads and marks the outbox and holds lanes...
@@ -115,6 +119,25 @@ async fn each_role_is_refused_outside_its_grant() {
     refused(&relay_db, "UPDATE outbox SET payload = 'x'").await;
     refused(&relay_db, "UPDATE jobs SET state = 'queued'").await;
     refused(&relay_db, "SELECT * FROM consumer_ledger").await;
+
+    // The service registers a schedule (audited) and, an hour later by its
+    // clock, fires it.
+    let every = ferry::Every::interval(Duration::from_secs(60)).unwrap();
+    let template = NewRun::new("acme", "report", "-", json!({}));
+    service
+        .schedule("minutely", every, template, ferry::Missed::Skip, "deploy")
+        .await
+        .unwrap();
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as i64;
+    let later = Ferry::builder(role_url(&t, "ferry_service"))
+        .clock(ferry::Clock::manual(ferry::Millis::new(now + 3_600_000).unwrap()))
+        .connect()
+        .await
+        .unwrap();
+    assert_eq!(later.fire_due_ticks(10).await.unwrap().len(), 1);
 
     // The consumer keeps its partitions and ledger...
     let consumer_db = as_role(&t, "ferry_consumer").await;
@@ -235,6 +258,14 @@ async fn each_role_is_refused_outside_its_grant() {
         "database"
     );
     refused(&service, "UPDATE ferry_queues SET paused = false").await;
+    // ...lists runs, reads lineage (effects included) and drops schedules...
+    let page = operator
+        .list_runs(&ferry::RunFilter::tenant("acme"), None, 100)
+        .await
+        .unwrap();
+    assert!(page.runs.len() >= 4, "{page:?}");
+    operator.run_lineage("acme", dead.run_id).await.unwrap();
+    assert!(operator.unschedule("acme", "minutely", "alice", "test").await.unwrap());
     // ...and nothing else: no deletes, no publishing marks, no lanes or ledgers.
     refused(&operator, "DELETE FROM outbox").await;
     refused(&operator, "UPDATE outbox SET delivered_at = 0").await;
@@ -290,24 +321,54 @@ async fn the_console_role_serves_every_page_and_action() {
         console.serve(listener, async move { stop.cancelled().await })
     });
     let lineage = format!("/runs/acme/{}", run.run_id);
-    for path in ["/", "/?tenant=acme", "/dead", "/dead?tenant=acme", "/runs", "/runs?tenant=acme", lineage.as_str()] {
+    for path in [
+        "/",
+        "/?tenant=acme",
+        "/dead",
+        "/dead?tenant=acme",
+        "/runs",
+        "/runs?tenant=acme",
+        lineage.as_str(),
+    ] {
         let (status, body) = http(addr, "GET", path, "tok", "").await;
         assert_eq!(status, 200, "GET {path} as ferry_console: {body}");
     }
     let (_, page) = http(addr, "GET", "/", "tok", "").await;
-    let csrf = page.split("name=\"csrf\" value=\"").nth(1).unwrap().split('"').next().unwrap().to_owned();
+    let csrf = page
+        .split("name=\"csrf\" value=\"")
+        .nth(1)
+        .unwrap()
+        .split('"')
+        .next()
+        .unwrap()
+        .to_owned();
     let run_id = run.run_id.to_string();
     for (path, form) in [
         ("/runs", format!("csrf={csrf}&tenant=acme&key=k1")),
-        ("/actions/queues/pause", format!("csrf={csrf}&queue=default&reason=incident")),
-        ("/actions/queues/resume", format!("csrf={csrf}&queue=default&reason=incident")),
-        ("/actions/outbox/replay", format!("csrf={csrf}&tenant=acme&error_code=boom&reason=incident")),
-        ("/actions/runs/cancel", format!("csrf={csrf}&tenant=acme&run_id={run_id}&reason=incident")),
+        (
+            "/actions/queues/pause",
+            format!("csrf={csrf}&queue=default&reason=incident"),
+        ),
+        (
+            "/actions/queues/resume",
+            format!("csrf={csrf}&queue=default&reason=incident"),
+        ),
+        (
+            "/actions/outbox/replay",
+            format!("csrf={csrf}&tenant=acme&error_code=boom&reason=incident"),
+        ),
+        (
+            "/actions/runs/cancel",
+            format!("csrf={csrf}&tenant=acme&run_id={run_id}&reason=incident"),
+        ),
     ] {
         let (status, body) = http(addr, "POST", path, "tok", &form).await;
         assert_eq!(status, 200, "POST {path} as ferry_console: {body}");
     }
-    assert_eq!(t.scalar("SELECT count(*) FROM ferry_audit WHERE actor = 'ops'").await, 4);
+    assert_eq!(
+        t.scalar("SELECT count(*) FROM ferry_audit WHERE actor = 'ops'").await,
+        4
+    );
     // Still no deletes or publishing marks.
     refused(&console_db, "DELETE FROM outbox").await;
     refused(&console_db, "UPDATE outbox SET delivered_at = 0").await;

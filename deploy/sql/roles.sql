@@ -56,12 +56,21 @@ GRANT SELECT, INSERT, UPDATE, DELETE ON idempotency_keys, job_attempts TO ferry_
 REVOKE INSERT ON outbox FROM ferry_service;
 GRANT INSERT (tenant, topic, key, lane, payload, headers, effect_key, traceparent, created_at)
     ON outbox TO ferry_service;
-GRANT SELECT (id) ON outbox TO ferry_service;
+-- Reading a run's lineage (run_lineage) shows its outbox rows' delivery
+-- state, never their payloads, headers or trace context.
+GRANT SELECT (id, tenant, topic, key, effect_key, state, publish_attempts, last_error, created_at, delivered_at)
+    ON outbox TO ferry_service;
 GRANT USAGE ON SEQUENCE outbox_id_seq TO ferry_service;
 -- The claim reads its queue's settings and, in a rate-limited queue, takes
 -- tokens from the bucket; pausing and limits are the operator's.
 GRANT SELECT ON ferry_queues TO ferry_service;
 GRANT UPDATE (tokens, refilled_at) ON ferry_queues TO ferry_service;
+-- Periodic schedules: registered at startup, fired by any process. Creating,
+-- changing and dropping one is audited in its transaction, so the service
+-- may append to the audit trail (never read, change or delete it).
+GRANT SELECT, INSERT, UPDATE, DELETE ON ferry_schedules TO ferry_service;
+GRANT INSERT ON ferry_audit TO ferry_service;
+GRANT USAGE ON SEQUENCE ferry_audit_id_seq TO ferry_service;
 
 -- The relay reads and marks the outbox and its lanes, nothing else.
 GRANT SELECT, DELETE ON outbox TO ferry_relay;
@@ -78,13 +87,18 @@ GRANT SELECT, INSERT, DELETE ON consumer_ledger TO ferry_consumer;
 
 -- An operator runs `ferry jobs list|inspect|cancel|replay-dead`,
 -- `ferry queue list|pause|resume|limits` and `ferry dead list|replay`: cancel terminates a run (job, run, event,
+-- `ferry runs list|show`, `ferry schedules list|remove` and
+-- `ferry dead list|replay`: cancel terminates a run (job, run, event,
 -- attempt, outbox row), replay-dead accepts a linked run and appends
 -- `replay_requested` to the dead one, dead replay sets dead outbox rows back
--- to pending; each writes a ferry_audit entry. No DELETE anywhere, no lanes,
--- no ledgers, no publishing marks.
+-- to pending, schedules remove drops a schedule (its runs stay); each writes
+-- a ferry_audit entry. No DELETE but of a schedule, no lanes, no ledgers, no
+-- publishing marks.
 GRANT SELECT, INSERT, UPDATE ON runs, jobs, idempotency_keys TO ferry_operator;
 GRANT SELECT, INSERT ON run_events TO ferry_operator;
 GRANT SELECT, UPDATE ON job_attempts TO ferry_operator;
+GRANT SELECT ON effects TO ferry_operator;
+GRANT SELECT, INSERT, UPDATE, DELETE ON ferry_schedules TO ferry_operator;
 GRANT INSERT (tenant, topic, key, lane, payload, headers, effect_key, traceparent, created_at)
     ON outbox TO ferry_operator;
 GRANT SELECT ON outbox TO ferry_operator;

@@ -142,6 +142,20 @@ impl JobContext {
             .await
     }
 
+    /// Accepts a follow-up run with this run as its parent, in a
+    /// transaction of its own fenced by this lease ([`Ferry::enqueue_run_in`]).
+    /// The worker completes the job after the handler returns, so the child
+    /// commits first: give it an idempotency key derived from this run, and
+    /// a retried attempt replays it instead of creating another. For a child
+    /// that commits with the completion, claim and [`Ferry::complete_in`]
+    /// outside the worker.
+    pub async fn enqueue_run(&self, run: crate::NewRun) -> Result<crate::Accepted> {
+        self.live()?;
+        let mut tx = self.ferry.begin().await?;
+        let r = self.ferry.enqueue_run_in(tx.conn(), &self.lease, run).await;
+        tx.finish(r).await
+    }
+
     /// Refuses locally once the worker has given the attempt up or the
     /// known expiry has passed; the database fence still checks the rest.
     fn live(&self) -> Result<()> {

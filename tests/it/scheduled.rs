@@ -260,7 +260,32 @@ async fn bulk_acceptance_schedules_and_links_like_the_single_call(kind: Kind) {
     );
 }
 
+/// A batch whose item names as parent a run id another item proposes is
+/// decided in order, as one call after another would: the parent exists
+/// once the earlier item is accepted.
+async fn a_batch_can_chain_a_child_to_an_earlier_item(kind: Kind) {
+    let t = TestDb::with_clock(kind, manual_clock()).await;
+    let parent_id = uuid::Uuid::now_v7();
+    let results = t
+        .ferry
+        .create_runs_idempotent(vec![
+            job("child-first").parent(parent_id),
+            job("parent").run_id(parent_id),
+            job("child").parent(parent_id),
+        ])
+        .await
+        .unwrap();
+    assert!(
+        matches!(results[0], Err(Error::NotFound { what: "parent run" })),
+        "{:?}",
+        results[0]
+    );
+    assert_eq!(results[1].as_ref().unwrap().run.run_id, parent_id);
+    assert_eq!(results[2].as_ref().unwrap().run.parent_run_id, Some(parent_id));
+}
+
 on_both_engines!(
+    a_batch_can_chain_a_child_to_an_earlier_item,
     a_scheduled_run_is_claimable_from_run_at_and_not_before,
     a_delay_counts_from_acceptance_and_a_past_run_at_starts_at_once,
     a_scheduled_run_cancels_like_any_queued_run,

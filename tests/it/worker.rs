@@ -515,6 +515,30 @@ async fn last_event(t: &TestDb, id: uuid::Uuid, kind: &str) -> serde_json::Value
     last.body.clone()
 }
 
+/// A handler's follow-up run (`JobContext::enqueue_run`) is linked to its
+/// parent, and a retried attempt replays it: one child per parent.
+async fn a_handler_enqueues_one_follow_up_across_retries(kind: Kind) {
+    let t = TestDb::new(kind).await;
+    let order = accept_op(&t, "order", "k-order", json!({})).await;
+    let router = Router::new().route("order", |_cmd: serde_json::Value, ctx: JobContext| async move {
+        let ship = NewRun::new("acme", "ship", format!("ship-{}", ctx.run_id()), json!({})).queue("later");
+        let child = ctx.enqueue_run(ship).await?;
+        if ctx.attempt() == 1 {
+            return Err(JobError::retryable("flaky"));
+        }
+        Ok(json!({ "child": child.run.run_id, "replay": child.replay }))
+    });
+    run_router_until_terminal(&t, router, &[order]).await;
+    let lineage = t.ferry.run_lineage("acme", order).await.unwrap();
+    assert_eq!(lineage.run.state, RunState::Succeeded);
+    assert_eq!(lineage.attempts.len(), 2);
+    assert_eq!(lineage.children.len(), 1, "one child across two attempts");
+    let child = &lineage.children[0];
+    assert_eq!((child.operation.as_str(), child.parent_run_id), ("ship", Some(order)));
+    let result = last_event(&t, order, "run_succeeded").await;
+    assert_eq!(result["result"], json!({ "child": child.run_id, "replay": true }));
+}
+
 async fn router_runs_typed_commands_by_operation(kind: Kind) {
     let t = TestDb::new(kind).await;
     let charge = accept_op(&t, "charge", "k-charge", json!({"amount": 7, "currency": "EUR"})).await;
@@ -578,4 +602,5 @@ on_both_engines!(
     router_runs_typed_commands_by_operation,
     router_kills_a_bad_command_after_one_attempt,
     router_kills_an_unknown_operation,
+    a_handler_enqueues_one_follow_up_across_retries,
 );

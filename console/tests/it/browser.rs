@@ -131,13 +131,7 @@ async fn element(c: &Client, css: &str) -> fantoccini::elements::Element {
 }
 
 async fn text(c: &Client, css: &str) -> String {
-    element(c, css)
-        .await
-        .text()
-        .await
-        .unwrap()
-        .trim()
-        .to_owned()
+    element(c, css).await.text().await.unwrap().trim().to_owned()
 }
 
 async fn fill(c: &Client, css: &str, value: &str) {
@@ -150,11 +144,7 @@ async fn fill(c: &Client, css: &str, value: &str) {
 }
 
 async fn click(c: &Client, css: &str) {
-    element(c, css)
-        .await
-        .click()
-        .await
-        .unwrap();
+    element(c, css).await.click().await.unwrap();
 }
 
 /// Accept the console's confirmation prompts (console.js) without a dialog.
