@@ -41,6 +41,7 @@ pub(crate) fn router(state: AppState) -> Router {
         .route("/actions/runs/cancel", post(actions::cancel_run))
         .route("/actions/queues/pause", post(actions::pause_queue))
         .route("/actions/queues/resume", post(actions::resume_queue))
+        .route("/healthz", get(|| async { "ok" }))
         .route("/login", get(login_page).post(login))
         .route("/logout", post(logout))
         .route(
