@@ -126,17 +126,10 @@ impl FromRequestParts<AppState> for Principal {
                 .and_then(|t| auth.bearer(t))
                 .ok_or(NoPrincipal::Refused(ConsoleError::Unauthorized));
         }
-        match cookie_value(&parts.headers, SESSION_COOKIE) {
-            Some(c) => auth
-                .session(c, wall_ms())
-                .ok_or(NoPrincipal::Refused(ConsoleError::Unauthorized))
-                .or_else(|e| {
-                    if parts.method == Method::GET {
-                        Err(NoPrincipal::Login)
-                    } else {
-                        Err(e)
-                    }
-                }),
+        let session = cookie_value(&parts.headers, SESSION_COOKIE).and_then(|c| auth.session(c, wall_ms()));
+        match session {
+            Some(p) => Ok(p),
+            // A browser without a (valid) session signs in; anything else is refused.
             None if parts.method == Method::GET => Err(NoPrincipal::Login),
             None => Err(NoPrincipal::Refused(ConsoleError::Unauthorized)),
         }
