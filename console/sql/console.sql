@@ -30,10 +30,18 @@ GROUP BY tenant, last_error
 ORDER BY count(*) DESC, tenant, error_code
 
 -- name: jobs_by_queue_state
--- Jobs by queue and state.
+-- Every tenant's jobs by queue and state: reads every job, so only the
+-- sampler's background census runs it, never a request.
 SELECT queue, state, count(*) AS jobs
 FROM jobs
-WHERE ($1{pg:::text} IS NULL OR tenant = $1)
+GROUP BY queue, state
+ORDER BY queue, state
+
+-- name: jobs_of_tenant_by_queue_state
+-- Tenant $1's jobs by queue and state (a jobs_pkey range).
+SELECT queue, state, count(*) AS jobs
+FROM jobs
+WHERE tenant = $1
 GROUP BY queue, state
 ORDER BY queue, state
 

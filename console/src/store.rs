@@ -158,10 +158,19 @@ impl ConsoleStore {
         }))
     }
 
-    /// Jobs counted by queue and state.
+    /// Jobs counted by queue and state: one tenant's, or (reading every job:
+    /// the census only) every tenant's.
     pub async fn jobs_by_queue_state(&self, tenant: Option<&str>) -> Result<Vec<QueueStateCount>> {
         Ok(on_pool!(self.ferry.db(), QUERIES, |p, q| {
-            sqlx::query_as(q.jobs_by_queue_state).bind(tenant).fetch_all(p).await?
+            match tenant {
+                Some(t) => {
+                    sqlx::query_as(q.jobs_of_tenant_by_queue_state)
+                        .bind(t)
+                        .fetch_all(p)
+                        .await?
+                }
+                None => sqlx::query_as(q.jobs_by_queue_state).fetch_all(p).await?,
+            }
         }))
     }
 
