@@ -257,12 +257,12 @@ async fn an_operator_finds_a_run_replays_a_dead_row_and_sees_it_delivered() {
     assert_eq!(text(&c, &format!("#outbox-{row} .outbox-state")).await, "dead");
     shot(&c, "lineage").await;
 
-    // An action with a forged CSRF token is refused and changes nothing.
+    // An action without its CSRF token is refused and changes nothing.
     c.goto(&format!("{base}/dead")).await.unwrap();
     shot(&c, "dead").await;
     no_prompts(&c).await;
     c.execute(
-        "document.querySelectorAll('input[name=csrf]').forEach(function (e) { e.value = 'forged'; });",
+        "document.querySelectorAll('form input[name=csrf]').forEach(function (e) { e.remove(); });",
         vec![],
     )
     .await
