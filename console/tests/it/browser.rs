@@ -7,6 +7,7 @@
 //! page go to `<target>/console-screenshots/`.
 
 use std::io::{BufRead, BufReader};
+use std::os::unix::process::CommandExt;
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -24,7 +25,9 @@ use tokio_util::sync::CancellationToken;
 
 use crate::support::*;
 
-/// A chromedriver child, killed when dropped.
+/// A chromedriver child in its own process group; the group (chromedriver
+/// and the Chromium it started) is killed when dropped, also when the test
+/// fails before closing its session.
 struct Chromedriver {
     child: Child,
     url: String,
@@ -32,6 +35,8 @@ struct Chromedriver {
 
 impl Drop for Chromedriver {
     fn drop(&mut self) {
+        let group = format!("-{}", self.child.id());
+        let _ = Command::new("kill").args(["-KILL", "--", &group]).status();
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
@@ -59,6 +64,7 @@ impl Chromedriver {
             .expect("a free port")
             .port();
         let mut child = Command::new(&bin)
+            .process_group(0)
             .arg(format!("--port={port}"))
             .arg("--allowed-ips=127.0.0.1")
             .stdout(Stdio::piped())
