@@ -328,8 +328,32 @@ if hpa["spec"]["scaleTargetRef"]["name"] not in [d["metadata"]["name"] for d in 
     fail("k8s: the HPA targets no deployment here")
 if "lag" not in str(hpa["spec"]["metrics"]):
     fail("k8s: the consumer HPA must scale on lag")
+# The console: the operator image running `ferry console`, reachable only
+# inside the cluster (ClusterIP, no Ingress, a NetworkPolicy without ipBlock).
+console = next((d for d in by_kind["Deployment"] if d["metadata"]["name"] == "ferry-console"), None) \
+    or fail("k8s: no ferry-console deployment")
+console_labels = console["spec"]["template"]["metadata"]["labels"]
+for c in console["spec"]["template"]["spec"]["containers"]:
+    if k8s_binary("the console", c) != "ferry" or (c.get("args") or [None])[0] != "console":
+        fail(f"k8s: the console must run `ferry console` from the operator image, not {c['image']} {c.get('args')}")
+if "Ingress" in by_kind:
+    fail("k8s: no Ingress: the console (and the rest) is reached inside the cluster")
+for svc in by_kind.get("Service", []):
+    selects = svc["spec"].get("selector") or {}
+    if selects and all(console_labels.get(k) == v for k, v in selects.items()):
+        if svc["spec"].get("type", "ClusterIP") != "ClusterIP":
+            fail(f"k8s: Service {svc['metadata']['name']} exposes the console as {svc['spec']['type']}; use ClusterIP")
+policies = [p for p in by_kind["NetworkPolicy"]
+            if all(console_labels.get(k) == v for k, v in p["spec"]["podSelector"].get("matchLabels", {}).items())
+            and "Ingress" in p["spec"].get("policyTypes", [])]
+if not policies:
+    fail("k8s: no NetworkPolicy restricts ingress to the console")
+for p in policies:
+    for rule in p["spec"].get("ingress", []):
+        if not rule.get("from") or any("ipBlock" in peer for peer in rule["from"]):
+            fail(f"k8s: NetworkPolicy {p['metadata']['name']} admits traffic from outside the cluster to the console")
 secret = by_kind["Secret"][0]["stringData"]
-for key in ["service-url", "relay-url", "consumer-url", "migrate-url"]:
+for key in ["service-url", "relay-url", "consumer-url", "migrate-url", "console-url"]:
     if key not in secret:
         fail(f"k8s: secret lacks {key}")
 print(f"deploy check: compose ({len(services)} services), Dockerfile (targets {', '.join(BY_TARGET)}), {len(docs)} manifests ok")

@@ -27,6 +27,7 @@ pub mod fingerprint;
 pub mod jobs;
 pub mod limits;
 mod notify;
+mod operator;
 pub mod outbox;
 pub mod queues;
 pub mod retry;

@@ -1,6 +1,7 @@
 //! The `ferry` command line: `migrate`, `status`, `dead list|replay`,
 //! `doctor`, `jobs list|inspect|cancel|replay-dead`, `runs list|show`,
-//! `schedules list|remove`, `queue list|pause|resume|limits` and `demo`.
+//! `schedules list|remove`, `queue list|pause|resume|limits`, `console`,
+//! `console-token` and `demo`.
 #![allow(clippy::print_stdout)]
 
 use ferry::Ferry;
@@ -54,6 +55,26 @@ pub enum Command {
         #[command(subcommand)]
         command: JobsCommand,
     },
+    /// Pause, resume and limit queues (every change is audited).
+    Queue {
+        /// What to do.
+        #[command(subcommand)]
+        command: QueueCommand,
+    },
+    /// Serve the operator web console (binds 127.0.0.1 unless told otherwise).
+    Console(ConsoleArgs),
+    /// Print a new random console token and its token-file line.
+    ConsoleToken {
+        /// The token's name (the actor in the audit trail).
+        #[arg(long)]
+        name: String,
+        /// Scope the token to this tenant (repeat for several; none: every tenant).
+        #[arg(long = "tenant")]
+        tenants: Vec<String>,
+        /// Allow the token to see payloads.
+        #[arg(long)]
+        payloads: bool,
+    },
     /// List runs page by page and show a run's lineage.
     Runs {
         /// What to do.
@@ -65,82 +86,6 @@ pub enum Command {
         /// What to do.
         #[command(subcommand)]
         command: SchedulesCommand,
-    },
-    /// Pause, resume and limit queues (every change is audited).
-    Queue {
-        /// What to do.
-        #[command(subcommand)]
-        command: QueueCommand,
-    },
-}
-
-/// Who changes a queue, and why: both go to the audit trail.
-#[derive(Debug, clap::Args)]
-pub struct Audited {
-    /// Who asks.
-    #[arg(long, env = "USER")]
-    pub actor: String,
-    /// Why.
-    #[arg(long)]
-    pub reason: String,
-}
-
-/// `queue` subcommands.
-#[derive(Debug, clap::Subcommand)]
-pub enum QueueCommand {
-    /// List the queues with settings: paused, limits, tokens, live leases.
-    List {
-        /// Database.
-        #[command(flatten)]
-        db: DbArgs,
-    },
-    /// Stop claiming a queue's jobs; leases already taken run on.
-    Pause {
-        /// Database.
-        #[command(flatten)]
-        db: DbArgs,
-        /// The queue.
-        #[arg(long)]
-        queue: String,
-        /// Actor and reason.
-        #[command(flatten)]
-        audited: Audited,
-    },
-    /// Claim a paused queue's jobs again.
-    Resume {
-        /// Database.
-        #[command(flatten)]
-        db: DbArgs,
-        /// The queue.
-        #[arg(long)]
-        queue: String,
-        /// Actor and reason.
-        #[command(flatten)]
-        audited: Audited,
-    },
-    /// Replace a queue's limits (a limit left out is lifted).
-    Limits {
-        /// Database.
-        #[command(flatten)]
-        db: DbArgs,
-        /// The queue.
-        #[arg(long)]
-        queue: String,
-        /// At most this many jobs of the queue leased at once.
-        #[arg(long)]
-        max_leased: Option<u32>,
-        /// At most this many jobs of one tenant leased at once.
-        #[arg(long)]
-        max_leased_per_tenant: Option<u32>,
-        /// Rate limit: claims that may come at once (the bucket size).
-        #[arg(long, requires = "rate_every")]
-        rate_burst: Option<u32>,
-        /// Rate limit: one more claim per this interval (e.g. `200ms`, `1s`).
-        #[arg(long, requires = "rate_burst", value_parser = ferry_relay::config::parse_duration)]
-        rate_every: Option<std::time::Duration>,
-        /// Actor and reason.
-        #[command(flatten)]
-        audited: Audited,
     },
 }
 
@@ -219,6 +164,98 @@ pub enum SchedulesCommand {
         #[arg(long)]
         reason: String,
     },
+}
+
+/// Who changes a queue, and why: both go to the audit trail.
+#[derive(Debug, clap::Args)]
+pub struct Audited {
+    /// Who asks.
+    #[arg(long, env = "USER")]
+    pub actor: String,
+    /// Why.
+    #[arg(long)]
+    pub reason: String,
+}
+
+/// `queue` subcommands.
+#[derive(Debug, clap::Subcommand)]
+pub enum QueueCommand {
+    /// List the queues with settings: paused, limits, tokens, live leases.
+    List {
+        /// Database.
+        #[command(flatten)]
+        db: DbArgs,
+    },
+    /// Stop claiming a queue's jobs; leases already taken run on.
+    Pause {
+        /// Database.
+        #[command(flatten)]
+        db: DbArgs,
+        /// The queue.
+        #[arg(long)]
+        queue: String,
+        /// Actor and reason.
+        #[command(flatten)]
+        audited: Audited,
+    },
+    /// Claim a paused queue's jobs again.
+    Resume {
+        /// Database.
+        #[command(flatten)]
+        db: DbArgs,
+        /// The queue.
+        #[arg(long)]
+        queue: String,
+        /// Actor and reason.
+        #[command(flatten)]
+        audited: Audited,
+    },
+    /// Replace a queue's limits (a limit left out is lifted).
+    Limits {
+        /// Database.
+        #[command(flatten)]
+        db: DbArgs,
+        /// The queue.
+        #[arg(long)]
+        queue: String,
+        /// At most this many jobs of the queue leased at once.
+        #[arg(long)]
+        max_leased: Option<u32>,
+        /// At most this many jobs of one tenant leased at once.
+        #[arg(long)]
+        max_leased_per_tenant: Option<u32>,
+        /// Rate limit: claims that may come at once (the bucket size).
+        #[arg(long, requires = "rate_every")]
+        rate_burst: Option<u32>,
+        /// Rate limit: one more claim per this interval (e.g. `200ms`, `1s`).
+        #[arg(long, requires = "rate_burst", value_parser = ferry_relay::config::parse_duration)]
+        rate_every: Option<std::time::Duration>,
+        /// Actor and reason.
+        #[command(flatten)]
+        audited: Audited,
+    },
+}
+
+/// `ferry console`.
+#[derive(Debug, clap::Args)]
+pub struct ConsoleArgs {
+    /// Database.
+    #[command(flatten)]
+    pub db: DbArgs,
+    /// Address to serve on. The default is loopback only.
+    #[arg(long, default_value = "127.0.0.1:8088")]
+    pub listen: std::net::SocketAddr,
+    /// The token file (one JSON line per token: name, sha256, tenants,
+    /// payloads). Without it the token lines are read from
+    /// `FERRY_CONSOLE_TOKENS`.
+    #[arg(long, env = "FERRY_CONSOLE_TOKEN_FILE")]
+    pub token_file: Option<std::path::PathBuf>,
+    /// How often the overview's backlog and throughput are sampled.
+    #[arg(long, value_parser = ferry_relay::config::parse_duration, default_value = "5s")]
+    pub sample_every: std::time::Duration,
+    /// Mark the session cookie `Secure` (when TLS is terminated in front).
+    #[arg(long)]
+    pub secure_cookie: bool,
 }
 
 /// `jobs` subcommands.
@@ -396,61 +433,24 @@ pub async fn run(cli: Cli) -> Result<(), CliError> {
             Ok(())
         }
         Command::Jobs { command } => jobs(command).await,
+        Command::Queue { command } => queue(command).await,
+        Command::Console(args) => console(args).await,
+        Command::ConsoleToken {
+            name,
+            tenants,
+            payloads,
+        } => {
+            let token = ferry_console::Tokens::generate_token();
+            let scope = (!tenants.is_empty()).then_some(tenants.as_slice());
+            let line = ferry_console::Tokens::line_for(&name, &token, scope, payloads);
+            ferry_console::Tokens::parse(&line)?;
+            println!("token (give it to {name}; it is not stored): {token}");
+            println!("token file line: {line}");
+            Ok(())
+        }
         Command::Runs { command } => runs(command).await,
         Command::Schedules { command } => schedules(command).await,
-        Command::Queue { command } => queue(command).await,
     }
-}
-
-async fn queue(command: QueueCommand) -> Result<(), CliError> {
-    match command {
-        QueueCommand::List { db } => {
-            let ferry = Ferry::builder(&db.database_url).connect().await?;
-            for q in ferry.list_queues().await? {
-                println!(
-                    "{:<20} {:<7} leased {:<5} {}{}",
-                    q.queue,
-                    if q.paused { "paused" } else { "running" },
-                    q.leased,
-                    q.limits.describe(),
-                    q.limits.rate.map_or(String::new(), |_| format!(" tokens={}", q.tokens))
-                );
-            }
-        }
-        QueueCommand::Pause { db, queue, audited } => {
-            let ferry = Ferry::builder(&db.database_url).connect().await?;
-            ferry.pause_queue(&queue, &audited.actor, &audited.reason).await?;
-            println!("paused {queue}");
-        }
-        QueueCommand::Resume { db, queue, audited } => {
-            let ferry = Ferry::builder(&db.database_url).connect().await?;
-            ferry.resume_queue(&queue, &audited.actor, &audited.reason).await?;
-            println!("resumed {queue}");
-        }
-        QueueCommand::Limits {
-            db,
-            queue,
-            max_leased,
-            max_leased_per_tenant,
-            rate_burst,
-            rate_every,
-            audited,
-        } => {
-            let limits = ferry::QueueLimits {
-                max_leased,
-                max_leased_per_tenant,
-                rate: rate_burst
-                    .zip(rate_every)
-                    .map(|(burst, every)| ferry::RateLimit { burst, every }),
-            };
-            let ferry = Ferry::builder(&db.database_url).connect().await?;
-            ferry
-                .set_queue_limits(&queue, limits, &audited.actor, &audited.reason)
-                .await?;
-            println!("{queue}: {}", limits.describe());
-        }
-    }
-    Ok(())
 }
 
 fn millis(ms: Option<i64>) -> Result<Option<ferry::Millis>, CliError> {
@@ -615,6 +615,81 @@ async fn schedules(command: SchedulesCommand) -> Result<(), CliError> {
     Ok(())
 }
 
+async fn queue(command: QueueCommand) -> Result<(), CliError> {
+    match command {
+        QueueCommand::List { db } => {
+            let ferry = Ferry::builder(&db.database_url).connect().await?;
+            for q in ferry.list_queues().await? {
+                println!(
+                    "{:<20} {:<7} leased {:<5} {}{}",
+                    q.queue,
+                    if q.paused { "paused" } else { "running" },
+                    q.leased,
+                    q.limits.describe(),
+                    q.limits.rate.map_or(String::new(), |_| format!(" tokens={}", q.tokens))
+                );
+            }
+        }
+        QueueCommand::Pause { db, queue, audited } => {
+            let ferry = Ferry::builder(&db.database_url).connect().await?;
+            ferry.pause_queue(&queue, &audited.actor, &audited.reason).await?;
+            println!("paused {queue}");
+        }
+        QueueCommand::Resume { db, queue, audited } => {
+            let ferry = Ferry::builder(&db.database_url).connect().await?;
+            ferry.resume_queue(&queue, &audited.actor, &audited.reason).await?;
+            println!("resumed {queue}");
+        }
+        QueueCommand::Limits {
+            db,
+            queue,
+            max_leased,
+            max_leased_per_tenant,
+            rate_burst,
+            rate_every,
+            audited,
+        } => {
+            let limits = ferry::QueueLimits {
+                max_leased,
+                max_leased_per_tenant,
+                rate: rate_burst
+                    .zip(rate_every)
+                    .map(|(burst, every)| ferry::RateLimit { burst, every }),
+            };
+            let ferry = Ferry::builder(&db.database_url).connect().await?;
+            ferry
+                .set_queue_limits(&queue, limits, &audited.actor, &audited.reason)
+                .await?;
+            println!("{queue}: {}", limits.describe());
+        }
+    }
+    Ok(())
+}
+
+async fn console(args: ConsoleArgs) -> Result<(), CliError> {
+    let text = match &args.token_file {
+        Some(path) => std::fs::read_to_string(path).map_err(ferry_console::ConsoleError::from)?,
+        None => std::env::var("FERRY_CONSOLE_TOKENS").map_err(|_| {
+            ferry_console::ConsoleError::TokenFile("give --token-file or set FERRY_CONSOLE_TOKENS".into())
+        })?,
+    };
+    let mut config = ferry_console::ConsoleConfig::new(ferry_console::Tokens::parse(&text)?);
+    config.sample_every = args.sample_every;
+    config.secure_cookie = args.secure_cookie;
+    let ferry = Ferry::builder(&args.db.database_url).connect().await?;
+    let listener = tokio::net::TcpListener::bind(args.listen)
+        .await
+        .map_err(ferry_console::ConsoleError::from)?;
+    if !args.listen.ip().is_loopback() {
+        tracing::warn!(listen = %args.listen, "the console listens beyond loopback: keep it inside the cluster");
+    }
+    ferry_console::Console::new(ferry, config)
+        .serve(listener, ferry_relay::cli::shutdown_signal())
+        .await
+        .map_err(ferry_console::ConsoleError::from)?;
+    Ok(())
+}
+
 async fn jobs(command: JobsCommand) -> Result<(), CliError> {
     match command {
         JobsCommand::List {
@@ -668,21 +743,7 @@ async fn jobs(command: JobsCommand) -> Result<(), CliError> {
             reason,
         } => {
             let ferry = Ferry::builder(&db.database_url).connect().await?;
-            let mut tx = ferry.begin().await?;
-            let done = async {
-                ferry.cancel_in(tx.conn(), &tenant, run, None, &actor, &reason).await?;
-                ferry
-                    .audit_in(tx.conn(), &actor, "jobs.cancel", &format!("{tenant}/{run}"), &reason)
-                    .await
-            }
-            .await;
-            match done {
-                Ok(()) => tx.commit().await?,
-                Err(e) => {
-                    tx.rollback().await?;
-                    return Err(e.into());
-                }
-            }
+            ferry.cancel_audited(&tenant, run, &actor, &reason).await?;
             println!("cancelled {run}");
         }
         JobsCommand::ReplayDead {
@@ -694,33 +755,8 @@ async fn jobs(command: JobsCommand) -> Result<(), CliError> {
             force,
         } => {
             let ferry = Ferry::builder(&db.database_url).connect().await?;
-            let mut tx = ferry.begin().await?;
-            let done = async {
-                let a = ferry
-                    .replay_dead_in(tx.conn(), &tenant, run, &actor, &reason, force)
-                    .await?;
-                ferry
-                    .audit_in(
-                        tx.conn(),
-                        &actor,
-                        "jobs.replay_dead",
-                        &format!("{tenant}/{run}"),
-                        &reason,
-                    )
-                    .await?;
-                Ok::<_, ferry::Error>(a)
-            }
-            .await;
-            match done {
-                Ok(a) => {
-                    tx.commit().await?;
-                    println!("replayed {run} as {}", a.run.run_id);
-                }
-                Err(e) => {
-                    tx.rollback().await?;
-                    return Err(e.into());
-                }
-            }
+            let a = ferry.replay_dead_audited(&tenant, run, &actor, &reason, force).await?;
+            println!("replayed {run} as {}", a.run.run_id);
         }
     }
     Ok(())

@@ -15,6 +15,9 @@ pub enum CliError {
     /// The demo's consumer failed.
     #[error(transparent)]
     Consumer(#[from] ConsumerError),
+    /// The web console could not start or serve.
+    #[error(transparent)]
+    Console(#[from] ferry_console::ConsoleError),
     /// `doctor --strict` found problems (the count of failing checks).
     #[error("{0} checks found problems")]
     DoctorFindings(usize),
@@ -27,6 +30,7 @@ impl CliError {
             CliError::Ferry(e) => e.code(),
             CliError::Relay(e) => e.code(),
             CliError::Consumer(e) => e.code(),
+            CliError::Console(e) => e.code(),
             CliError::DoctorFindings(_) => "doctor_findings",
         }
     }

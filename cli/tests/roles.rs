@@ -275,3 +275,105 @@ async fn each_role_is_refused_outside_its_grant() {
     refused(&operator, "UPDATE relay_lanes SET owner = 'me'").await;
     refused(&operator, "SELECT * FROM consumer_ledger").await;
 }
+
+/// One HTTP/1.1 request to a local server; the status code and the body.
+async fn http(addr: std::net::SocketAddr, method: &str, path: &str, token: &str, form: &str) -> (u16, String) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let req = format!(
+        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nAuthorization: Bearer {token}\r\nSec-Fetch-Site: same-origin\r\n\
+         Content-Type: application/x-www-form-urlencoded\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{form}",
+        form.len()
+    );
+    s.write_all(req.as_bytes()).await.unwrap();
+    let mut buf = String::new();
+    s.read_to_string(&mut buf).await.unwrap();
+    let status = buf.split(' ').nth(1).and_then(|c| c.parse().ok()).unwrap_or(0);
+    (status, buf.split("\r\n\r\n").nth(1).unwrap_or_default().to_owned())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_console_role_serves_every_page_and_action() {
+    let t = TestDb::new(Kind::Postgres).await;
+    sqlx::raw_sql(include_str!("../../deploy/sql/roles.sql"))
+        .execute(t.ferry.db().as_postgres().unwrap())
+        .await
+        .expect("roles.sql applies");
+    let run = t
+        .ferry
+        .create_run_idempotent(NewRun::new("acme", "charge", "k1", json!({"a": 1})))
+        .await
+        .unwrap()
+        .run;
+    t.exec("UPDATE outbox SET state = 'dead', last_error = 'boom' WHERE id = (SELECT min(id) FROM outbox)")
+        .await
+        .unwrap();
+    let console_db = as_role(&t, "ferry_console").await;
+    let tokens = ferry_console::Tokens::parse(&ferry_console::Tokens::line_for("ops", "tok", None, true)).unwrap();
+    let console = ferry_console::Console::new(console_db.clone(), ferry_console::ConsoleConfig::new(tokens));
+    console.sample().await.unwrap();
+    console.census().await.unwrap();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let stop = tokio_util::sync::CancellationToken::new();
+    let served = tokio::spawn({
+        let stop = stop.clone();
+        console.serve(listener, async move { stop.cancelled().await })
+    });
+    let lineage = format!("/runs/acme/{}", run.run_id);
+    for path in [
+        "/",
+        "/?tenant=acme",
+        "/dead",
+        "/dead?tenant=acme",
+        "/runs",
+        "/runs?tenant=acme",
+        lineage.as_str(),
+    ] {
+        let (status, body) = http(addr, "GET", path, "tok", "").await;
+        assert_eq!(status, 200, "GET {path} as ferry_console: {body}");
+    }
+    let (_, page) = http(addr, "GET", "/", "tok", "").await;
+    let csrf = page
+        .split("name=\"csrf\" value=\"")
+        .nth(1)
+        .unwrap()
+        .split('"')
+        .next()
+        .unwrap()
+        .to_owned();
+    let run_id = run.run_id.to_string();
+    for (path, form) in [
+        ("/runs", format!("csrf={csrf}&tenant=acme&key=k1")),
+        (
+            "/actions/queues/pause",
+            format!("csrf={csrf}&queue=default&reason=incident"),
+        ),
+        (
+            "/actions/queues/resume",
+            format!("csrf={csrf}&queue=default&reason=incident"),
+        ),
+        (
+            "/actions/outbox/replay",
+            format!("csrf={csrf}&tenant=acme&error_code=boom&reason=incident"),
+        ),
+        (
+            "/actions/runs/cancel",
+            format!("csrf={csrf}&tenant=acme&run_id={run_id}&reason=incident"),
+        ),
+    ] {
+        let (status, body) = http(addr, "POST", path, "tok", &form).await;
+        assert_eq!(status, 200, "POST {path} as ferry_console: {body}");
+    }
+    assert_eq!(
+        t.scalar("SELECT count(*) FROM ferry_audit WHERE actor = 'ops'").await,
+        4
+    );
+    // Still no deletes or publishing marks.
+    refused(&console_db, "DELETE FROM outbox").await;
+    refused(&console_db, "UPDATE outbox SET delivered_at = 0").await;
+    refused(&console_db, "UPDATE relay_lanes SET owner = 'me'").await;
+    refused(&console_db, "DELETE FROM consumer_ledger").await;
+    stop.cancel();
+    served.await.unwrap().unwrap();
+}

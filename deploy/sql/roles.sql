@@ -27,13 +27,20 @@ BEGIN
 EXCEPTION WHEN duplicate_object THEN NULL;
 END $$;
 
+DO $$
+BEGIN
+    CREATE ROLE ferry_console NOLOGIN;
+EXCEPTION WHEN duplicate_object THEN NULL;
+END $$;
+
 -- PostgreSQL 13 and 14 let every role create objects in the public schema
 -- (15 stopped); nobody here needs that.
 REVOKE CREATE ON SCHEMA public FROM PUBLIC;
 
 DO $$
 BEGIN
-    EXECUTE format('GRANT USAGE ON SCHEMA %I TO ferry_service, ferry_relay, ferry_consumer, ferry_operator', current_schema());
+    EXECUTE format('GRANT USAGE ON SCHEMA %I TO ferry_service, ferry_relay, ferry_consumer, ferry_operator, ferry_console',
+                   current_schema());
 END $$;
 
 GRANT SELECT ON ferry_settings TO ferry_service, ferry_relay, ferry_consumer, ferry_operator;
@@ -100,3 +107,10 @@ GRANT INSERT ON ferry_audit TO ferry_operator;
 GRANT USAGE ON SEQUENCE ferry_audit_id_seq TO ferry_operator;
 -- `ferry queue pause|resume|limits|list`, audited.
 GRANT SELECT, INSERT, UPDATE ON ferry_queues TO ferry_operator;
+
+-- The web console (`ferry console`) takes the operator's actions, pauses and
+-- resumes queues (as the operator), and reads what its pages show: lanes and relays, consumer
+-- partitions and ledger entries (a run's lineage), effects. Still no DELETE,
+-- no publishing marks, no lane or partition writes.
+GRANT ferry_operator TO ferry_console;
+GRANT SELECT ON relay_lanes, relay_instances, consumer_partitions, consumer_ledger, effects TO ferry_console;

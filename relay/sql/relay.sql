@@ -129,13 +129,23 @@ FROM outbox WHERE state = 'pending'
 SELECT count(*) FROM outbox WHERE state = 'dead'
 
 -- name: list_dead_outbox
+-- Dead rows oldest first, optionally only of tenant $2 and error code $3
+-- (the operator filters; outbox_dead_idx keeps it off the delivered rows).
 SELECT id, tenant, topic, key, last_error, publish_attempts, created_at
-FROM outbox WHERE state = 'dead' ORDER BY id LIMIT $1
+FROM outbox
+WHERE state = 'dead'
+  AND ($2{pg:::text} IS NULL OR tenant = $2)
+  AND ($3{pg:::text} IS NULL OR last_error = $3)
+ORDER BY id LIMIT $1
 
 -- name: replay_dead_outbox
--- Back to pending: every dead row, or only id $1.
+-- Back to pending: every dead row, or only id $1, only of tenant $2, only
+-- with error code $3.
 UPDATE outbox SET state = 'pending', last_error = NULL
-WHERE state = 'dead' AND ($1{pg:::bigint} IS NULL OR id = $1)
+WHERE state = 'dead'
+  AND ($1{pg:::bigint} IS NULL OR id = $1)
+  AND ($2{pg:::text} IS NULL OR tenant = $2)
+  AND ($3{pg:::text} IS NULL OR last_error = $3)
 RETURNING id
 
 -- name: lane_owners

@@ -92,6 +92,18 @@ pub struct DeadRow {
     pub created_at: Millis,
 }
 
+/// Which dead rows an operator means: every one, or only one id, one
+/// tenant's, one error code's (the conditions combine).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct DeadFilter {
+    /// Only this outbox id.
+    pub id: Option<i64>,
+    /// Only this tenant's rows (a console token scoped to tenants sets it).
+    pub tenant: Option<String>,
+    /// Only rows dead with this error code (a group on the console).
+    pub error_code: Option<String>,
+}
+
 /// Who holds a lane.
 #[derive(Debug, Clone, PartialEq, serde::Serialize, sqlx::FromRow)]
 pub struct LaneOwner {
@@ -398,9 +410,17 @@ impl RelayStore {
 
     /// Dead rows, oldest first, without payloads.
     pub async fn list_dead_outbox(&self, limit: u32) -> Result<Vec<DeadRow>> {
+        self.list_dead_outbox_where(&DeadFilter::default(), limit).await
+    }
+
+    /// Dead rows matching `filter` (its `id` is ignored), oldest first,
+    /// without payloads.
+    pub async fn list_dead_outbox_where(&self, filter: &DeadFilter, limit: u32) -> Result<Vec<DeadRow>> {
         Ok(on_pool!(self.db(), QUERIES, |p, q| {
             sqlx::query_as(q.list_dead_outbox)
                 .bind(i64::from(limit))
+                .bind(filter.tenant.as_deref())
+                .bind(filter.error_code.as_deref())
                 .fetch_all(p)
                 .await?
         }))
@@ -409,13 +429,27 @@ impl RelayStore {
     /// Puts dead rows (all, or only `id`) back to pending and writes an audit
     /// entry naming `actor` and `reason`, in one transaction. Returns the ids.
     pub async fn replay_dead_outbox(&self, id: Option<i64>, actor: &str, reason: &str) -> Result<Vec<i64>> {
+        let filter = DeadFilter {
+            id,
+            ..DeadFilter::default()
+        };
+        self.replay_dead_outbox_where(&filter, actor, reason).await
+    }
+
+    /// Puts the dead rows matching `filter` back to pending and writes an
+    /// audit entry (`outbox.replay_dead`, the ids as its subject) naming
+    /// `actor` and `reason`, in one transaction. Returns the ids (empty when
+    /// nothing matched; the audit entry is written all the same).
+    pub async fn replay_dead_outbox_where(&self, filter: &DeadFilter, actor: &str, reason: &str) -> Result<Vec<i64>> {
         self.limits().text("actor", actor, 255)?;
         self.limits().text("reason", reason, 4096)?;
         let mut tx = self.begin().await?;
         let r = async {
             let ids: Vec<i64> = on_conn!(tx.conn(), QUERIES, |c, q| {
                 sqlx::query_scalar(q.replay_dead_outbox)
-                    .bind(id)
+                    .bind(filter.id)
+                    .bind(filter.tenant.as_deref())
+                    .bind(filter.error_code.as_deref())
                     .fetch_all(&mut *c)
                     .await?
             });
@@ -427,6 +461,14 @@ impl RelayStore {
         }
         .await;
         tx.finish(r).await
+    }
+
+    /// The relays whose heartbeat has not expired, with their lane caps,
+    /// ordered by owner (read only: nothing is swept).
+    pub async fn live_relays(&self) -> Result<Vec<LiveRelay>> {
+        Ok(on_pool!(self.db(), QUERIES, |p, q| {
+            sqlx::query_as(q.live_relays).bind(self.now()).fetch_all(p).await?
+        }))
     }
 
     /// Who holds each lane.

@@ -1,0 +1,99 @@
+-- The console's read-only queries (its actions go through the library
+-- calls the command line uses). $1 is an optional tenant filter throughout:
+-- NULL means every tenant (only for a token without a tenant scope).
+
+-- name: outbox_lanes
+-- Pending backlog per lane, every tenant: counted on the pending partial
+-- index (lane, id) alone, the age read from each lane's lowest pending id
+-- (ids follow commit order, so it is the lane's oldest row).
+SELECT b.lane, b.pending, o.created_at AS oldest
+FROM (SELECT lane, count(*) AS pending, min(id) AS first_id
+      FROM outbox WHERE state = 'pending' GROUP BY lane) b
+JOIN outbox o ON o.id = b.first_id
+ORDER BY b.lane
+
+-- name: outbox_lanes_of_tenant
+-- outbox_lanes for tenant $1 (its own statement: an optional tenant
+-- predicate would keep a generic plan off the index).
+SELECT b.lane, b.pending, o.created_at AS oldest
+FROM (SELECT lane, count(*) AS pending, min(id) AS first_id
+      FROM outbox WHERE state = 'pending' AND tenant = $1 GROUP BY lane) b
+JOIN outbox o ON o.id = b.first_id
+ORDER BY b.lane
+
+-- name: outbox_dead_groups
+-- Dead rows by tenant and error code (outbox_dead_idx).
+SELECT tenant, COALESCE(last_error, '') AS error_code, count(*) AS rows, min(id) AS first_id
+FROM outbox
+WHERE state = 'dead' AND ($1{pg:::text} IS NULL OR tenant = $1)
+GROUP BY tenant, last_error
+ORDER BY count(*) DESC, tenant, error_code
+
+-- name: jobs_by_queue_state
+-- Every tenant's jobs by queue and state: reads every job, so only the
+-- sampler's background census runs it, never a request.
+SELECT queue, state, count(*) AS jobs
+FROM jobs
+GROUP BY queue, state
+ORDER BY queue, state
+
+-- name: jobs_of_tenant_by_queue_state
+-- Tenant $1's jobs by queue and state (a jobs_pkey range).
+SELECT queue, state, count(*) AS jobs
+FROM jobs
+WHERE tenant = $1
+GROUP BY queue, state
+ORDER BY queue, state
+
+-- name: dead_job_groups
+-- Dead jobs by tenant and error code (jobs_dead_idx).
+SELECT tenant, COALESCE(last_error_code, '') AS error_code, count(*) AS jobs
+FROM jobs
+WHERE state = 'dead' AND ($1{pg:::text} IS NULL OR tenant = $1)
+GROUP BY tenant, last_error_code
+ORDER BY count(*) DESC, tenant, error_code
+
+-- name: consumer_partitions
+-- Every consumer group's partitions: holder, generation, lease and stored offset.
+SELECT group_id, topic, partition, owner, generation, lease_expires_at, next_offset
+FROM consumer_partitions
+ORDER BY group_id, topic, partition
+
+-- name: sample_outbox
+-- The sampler's reading: pending rows, and rows marked delivered after $1.
+SELECT (SELECT count(*) FROM outbox WHERE state = 'pending') AS pending,
+       (SELECT count(*) FROM outbox WHERE state = 'delivered' AND delivered_at > $1) AS delivered,
+       {now $2} AS now
+
+-- name: db_now
+SELECT {now $1}
+
+-- name: runs_by_key_and_operation
+-- The run idempotency key $2 of operation $3 accepted for tenant $1: the key
+-- compared as Ferry stores it, a primary-key lookup.
+SELECT operation, key, run_id, created_at, expires_at
+FROM idempotency_keys
+WHERE tenant = $1 AND operation = $3 AND key = $2
+
+-- name: runs_by_key
+-- The runs idempotency key $2 accepted for tenant $1 under any operation:
+-- walks the tenant's part of the primary key (prefer naming the operation).
+SELECT operation, key, run_id, created_at, expires_at
+FROM idempotency_keys
+WHERE tenant = $1 AND key = $2
+ORDER BY created_at DESC
+LIMIT 50
+
+-- name: ledger_for_outbox_rows
+-- Consumer ledger entries for outbox rows $2 (ids): each row's effect key is
+-- its own or `<database id $1>:<outbox id>`, looked up in every consumer
+-- group's ledger by primary key.
+SELECT o.id AS outbox_id, l.group_id, l.effect_key, l.topic, l.partition, l."offset" AS record_offset,
+       l.outcome, l.processed_at
+FROM outbox o
+CROSS JOIN (SELECT DISTINCT group_id FROM consumer_partitions) g
+JOIN consumer_ledger l
+  ON l.group_id = g.group_id
+ AND l.effect_key = COALESCE(o.effect_key, $1 || ':' || CAST(o.id AS TEXT))
+WHERE o.id {ids $2}
+ORDER BY o.id, l.group_id

@@ -1,0 +1,382 @@
+//! Runs: search (by run id, by tenant and idempotency key, by state,
+//! operation, queue and time, in keyset pages through `Ferry::list_runs`),
+//! and one run's lineage (`Ferry::run_lineage` plus each consumer group's
+//! ledger entries for its outbox rows): "where is my event?" on one page.
+
+use axum::extract::{Path, Query, State};
+use axum::http::HeaderMap;
+use axum::response::{IntoResponse, Redirect, Response};
+use axum::Form;
+use ferry::{Millis, RunCursor, RunFilter, RunState, RunSummary};
+use maud::{html, Markup};
+use uuid::Uuid;
+
+use super::dead::replay_job_form;
+use super::{age, csrf_field, layout, reason_field, ts, urlencode, Frame};
+use crate::auth::Principal;
+use crate::error::ConsoleError;
+use crate::web::{check_post, AppState};
+
+/// Runs per page.
+const PAGE: u32 = 50;
+const RUN_STATES: [&str; 4] = ["queued", "succeeded", "failed", "cancelled"];
+
+#[derive(Debug, Default, Clone, serde::Deserialize)]
+pub(crate) struct SearchQuery {
+    #[serde(default)]
+    tenant: Option<String>,
+    #[serde(default)]
+    run_id: Option<String>,
+    #[serde(default)]
+    state: Option<String>,
+    #[serde(default)]
+    operation: Option<String>,
+    #[serde(default)]
+    queue: Option<String>,
+    /// Accepted at or after (`YYYY-MM-DDTHH:MM[:SS]`, UTC, or epoch ms).
+    #[serde(default)]
+    from: Option<String>,
+    /// Accepted before (same forms).
+    #[serde(default)]
+    before: Option<String>,
+    /// The previous page's cursor.
+    #[serde(default)]
+    after: Option<String>,
+}
+
+fn given(s: &Option<String>) -> Option<&str> {
+    s.as_deref().map(str::trim).filter(|s| !s.is_empty())
+}
+
+/// Parses `YYYY-MM-DD[THH:MM[:SS]]` (UTC) or epoch milliseconds.
+pub(crate) fn parse_instant(s: &str) -> Result<Millis, ConsoleError> {
+    let bad = || ConsoleError::BadRequest(format!("{s:?} is not YYYY-MM-DDTHH:MM (UTC) or epoch ms"));
+    if let Ok(ms) = s.parse::<i64>() {
+        return Millis::new(ms).map_err(|_| bad());
+    }
+    let (date, time) = s.split_once(['T', ' ']).unwrap_or((s, "00:00"));
+    let d: Vec<i64> = date
+        .split('-')
+        .map(str::parse)
+        .collect::<Result<_, _>>()
+        .map_err(|_| bad())?;
+    let t: Vec<i64> = time
+        .split(':')
+        .map(str::parse)
+        .collect::<Result<_, _>>()
+        .map_err(|_| bad())?;
+    let ([y, m, day], [hh, mm, rest @ ..]) = (d.as_slice(), t.as_slice()) else {
+        return Err(bad());
+    };
+    let ss = rest.first().copied().unwrap_or(0);
+    if !(1..=12).contains(m) || !(1..=31).contains(day) || *hh > 23 || *mm > 59 || ss > 59 {
+        return Err(bad());
+    }
+    // Days from civil (Howard Hinnant's algorithm).
+    let y = if *m <= 2 { y - 1 } else { *y };
+    let era = y.div_euclid(400);
+    let yoe = y - era * 400;
+    let mp = (m + 9) % 12;
+    let doy = (153 * mp + 2) / 5 + day - 1;
+    let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
+    let days = era * 146_097 + doe - 719_468;
+    Millis::new(((days * 86_400) + hh * 3600 + mm * 60 + ss) * 1000).map_err(|_| bad())
+}
+
+pub(crate) async fn search(
+    State(state): State<AppState>,
+    principal: Principal,
+    Query(q): Query<SearchQuery>,
+) -> Result<Response, ConsoleError> {
+    let tenant = principal.scope(q.tenant.as_deref())?;
+    if let Some(id) = given(&q.run_id) {
+        let run = Uuid::parse_str(id).map_err(|_| ConsoleError::BadRequest("run id must be a UUID".into()))?;
+        let Some(t) = &tenant else {
+            return Err(ConsoleError::BadRequest("give the tenant with a run id".into()));
+        };
+        return Ok(Redirect::to(&format!("/runs/{}/{run}", urlencode(t))).into_response());
+    }
+    let filter = RunFilter {
+        tenant: tenant.clone(),
+        state: given(&q.state).map(str::parse::<RunState>).transpose()?,
+        queue: given(&q.queue).map(str::to_owned),
+        operation: given(&q.operation).map(str::to_owned),
+        created_from: given(&q.from).map(parse_instant).transpose()?,
+        created_before: given(&q.before).map(parse_instant).transpose()?,
+    };
+    let after: Option<RunCursor> = given(&q.after).map(str::parse).transpose()?;
+    let page = state.ferry.list_runs(&filter, after.as_ref(), PAGE).await?;
+    let frame = Frame {
+        principal: &principal,
+        tenant: tenant.as_deref(),
+    };
+    let next_link = page.next.map(|c| {
+        let mut params = vec![];
+        for (k, v) in [
+            ("tenant", &tenant),
+            ("state", &q.state),
+            ("operation", &q.operation),
+            ("queue", &q.queue),
+            ("from", &q.from),
+            ("before", &q.before),
+        ] {
+            if let Some(v) = given(v) {
+                params.push(format!("{k}={}", urlencode(v)));
+            }
+        }
+        params.push(format!("after={}", urlencode(&c.to_string())));
+        format!("/runs?{}", params.join("&"))
+    });
+    let body = html! {
+        (search_forms(&principal, tenant.as_deref(), &q))
+        h2 { "Runs" @if after.is_some() { " (continued)" } }
+        (run_table(&page.runs, "runs"))
+        @if page.runs.is_empty() { p.empty #no-runs { "No run matches." } }
+        @if let Some(next) = next_link { p { a #next-page href=(next) { "Next " (PAGE) " →" } } }
+    };
+    Ok(layout(&frame, "Runs", body).into_response())
+}
+
+fn search_forms(principal: &Principal, tenant: Option<&str>, q: &SearchQuery) -> Markup {
+    let v = |s: &Option<String>| s.clone().unwrap_or_default();
+    html! {
+        form.search method="get" action="/runs" #run-search {
+            @if let Some(t) = tenant { input type="hidden" name="tenant" value=(t); }
+            label { "Run id" input name="run_id" size="36" value=(v(&q.run_id)); }
+            label { "State" select name="state" {
+                option value="" { "any" }
+                @for s in RUN_STATES { option value=(s) selected[q.state.as_deref() == Some(s)] { (s) } }
+            } }
+            label { "Operation" input name="operation" value=(v(&q.operation)); }
+            label { "Queue" input name="queue" value=(v(&q.queue)); }
+            label { "Accepted from (UTC)" input name="from" type="datetime-local" value=(v(&q.from)); }
+            label { "before" input name="before" type="datetime-local" value=(v(&q.before)); }
+            button type="submit" { "Search" }
+        }
+        // POST, so the key never lands in a URL, a log or the history.
+        form.search method="post" action="/runs" #key-search {
+            (csrf_field(principal))
+            label { "Tenant"
+                input name="tenant" required value=(tenant.unwrap_or("")); }
+            label { "Idempotency key" input #key name="key" type="password" autocomplete="off" required; }
+            label { "Operation (optional)" input name="operation"; }
+            button #find-by-key type="submit" { "Find by key" }
+        }
+    }
+}
+
+fn state_class(s: &str) -> String {
+    format!("state-{s}")
+}
+
+fn run_table(runs: &[RunSummary], id: &str) -> Markup {
+    html! {
+        @if !runs.is_empty() {
+            table id=(id) {
+                thead { tr { th { "run" } th { "tenant" } th { "operation" } th { "queue" } th { "state" } th { "job" } th { "attempts" } th { "error" } th { "accepted" } } }
+                tbody { @for r in runs {
+                    tr { td { a.run-link href=(format!("/runs/{}/{}", urlencode(&r.tenant), r.run_id)) { code { (r.run_id) } } }
+                        td { (r.tenant) } td { (r.operation) } td { (r.queue) }
+                        td class=(state_class(r.state.as_str())) { (r.state.as_str()) }
+                        td { (r.job_state.as_str()) }
+                        td.num { (r.attempts) "/" (r.max_attempts) }
+                        td { code { (r.last_error_code.as_deref().unwrap_or("")) } }
+                        td { (ts(r.created_at.get())) } }
+                } }
+            }
+        }
+    }
+}
+
+#[derive(Debug, serde::Deserialize)]
+pub(crate) struct KeyForm {
+    #[serde(default)]
+    csrf: String,
+    #[serde(default)]
+    tenant: String,
+    #[serde(default)]
+    key: String,
+    #[serde(default)]
+    operation: Option<String>,
+}
+
+/// Finds runs by tenant and idempotency key (POSTed, compared as Ferry
+/// stores the key, shown only redacted).
+pub(crate) async fn search_by_key(
+    State(state): State<AppState>,
+    principal: Principal,
+    headers: HeaderMap,
+    Form(f): Form<KeyForm>,
+) -> Result<Markup, ConsoleError> {
+    check_post(&principal, &headers, &f.csrf)?;
+    let tenant = f.tenant.trim();
+    if tenant.is_empty() || f.key.is_empty() {
+        return Err(ConsoleError::BadRequest("give the tenant and the key".into()));
+    }
+    principal.check(tenant)?;
+    let found = state.store.runs_by_key(tenant, &f.key, given(&f.operation)).await?;
+    let frame = Frame {
+        principal: &principal,
+        tenant: Some(tenant),
+    };
+    let body = html! {
+        (search_forms(&principal, Some(tenant), &SearchQuery::default()))
+        h2 { "Runs for key " code #key-hash { (ferry::redact(&f.key)) } "…" }
+        @if found.is_empty() { p.empty #no-runs { "No run was accepted with that key (or its record expired)." } }
+        @else {
+            table #key-runs {
+                thead { tr { th { "run" } th { "operation" } th { "key (redacted)" } th { "accepted" } th { "deduplicates until" } } }
+                tbody { @for k in &found {
+                    tr { td { a.run-link href=(format!("/runs/{}/{}", urlencode(tenant), k.run_id)) { code { (k.run_id) } } }
+                        td { (k.operation) } td { code { (ferry::redact(&k.key)) } }
+                        td { (ts(k.created_at.get())) } td { (ts(k.expires_at.get())) } }
+                } }
+            }
+        }
+    };
+    Ok(layout(&frame, "Runs", body))
+}
+
+pub(crate) async fn lineage(
+    State(state): State<AppState>,
+    principal: Principal,
+    Path((tenant, run_id)): Path<(String, Uuid)>,
+) -> Result<Markup, ConsoleError> {
+    principal.check(&tenant)?;
+    let l = state.ferry.run_lineage(&tenant, run_id).await?;
+    let ids: Vec<i64> = l.outbox.iter().map(|o| o.id).collect();
+    let (ledger, now, database_id) = tokio::try_join!(
+        state.store.ledger_for_outbox_rows(&ids),
+        state.store.now(),
+        state.ferry.database_id(),
+    )?;
+    let frame = Frame {
+        principal: &principal,
+        tenant: Some(&tenant),
+    };
+    let r = &l.run;
+    let s = &l.summary;
+    let hidden = html! { span.note.payload-hidden { "hidden (this token may not see payloads)" } };
+    let run_link = |id: Uuid| format!("/runs/{}/{id}", urlencode(&tenant));
+    let body = html! {
+        table #run {
+            tbody {
+                tr { th { "tenant" } td { (r.tenant) } }
+                tr { th { "run id" } td { code #run-id { (r.run_id) } } }
+                tr { th { "operation" } td { (r.operation) } }
+                tr { th { "state" } td #run-state class=(state_class(r.state.as_str())) { (r.state.as_str()) } }
+                tr { th { "version" } td { (r.version) } }
+                tr { th { "job" } td { (s.queue) " · " span #job-state { (s.job_state.as_str()) } " · attempts " (s.attempts) "/" (s.max_attempts)
+                    @if let Some(c) = &s.last_error_code { " · " code { (c) } } } }
+                tr { th { "accepted" } td { (ts(r.created_at.get())) " (" (age(now.get() - r.created_at.get())) " ago)" } }
+                tr { th { "updated" } td { (ts(r.updated_at.get())) } }
+                @if let Some(at) = s.scheduled_at { tr { th { "scheduled for" } td { (ts(at.get())) } } }
+                @if let Some(d) = r.deadline_at { tr { th { "deadline" } td { (ts(d.get())) } } }
+                @if let Some(p) = s.parent_run_id { tr { th { "parent" } td { a href=(run_link(p)) { code { (p) } } } } }
+                @if let Some(p) = r.replay_of { tr { th { "replays" } td { a href=(run_link(p)) { code { (p) } } } } }
+                tr { th { "request" } td { @if principal.payloads { pre #request { (r.request) } } @else { (hidden) } } }
+            }
+        }
+        section.actions {
+            @if !r.state.is_terminal() {
+                form.inline method="post" action="/actions/runs/cancel" {
+                    (csrf_field(&principal))
+                    input type="hidden" name="tenant" value=(r.tenant);
+                    input type="hidden" name="run_id" value=(r.run_id);
+                    (reason_field())
+                    button #cancel-run type="submit" { "Cancel run" }
+                }
+            }
+            @if r.state == RunState::Failed { (replay_job_form(&principal, &r.tenant, &r.run_id.to_string())) }
+        }
+        section {
+            h2 { "Events" }
+            table #events {
+                thead { tr { th { "seq" } th { "kind" } th { "at" } th { "body" } } }
+                tbody { @for e in &l.events {
+                    tr { td.num { (e.seq) } td { (e.kind) } td { (ts(e.created_at.get())) }
+                        td { @if principal.payloads { pre { (e.body) } } @else { (hidden) } } }
+                } }
+            }
+        }
+        section {
+            h2 { "Job attempts" }
+            @if l.attempts.is_empty() { p.empty { "Not claimed yet." } }
+            @else {
+                table #attempts {
+                    thead { tr { th { "attempt" } th { "generation" } th { "owner" } th { "claimed" } th { "finished" } th { "outcome" } th { "error" } } }
+                    tbody { @for a in &l.attempts {
+                        tr { td.num { (a.attempt) } td.num { (a.generation) } td { (a.worker) } td { (ts(a.claimed_at.get())) }
+                            td { (a.finished_at.map_or("—".to_owned(), |f| ts(f.get()))) }
+                            td { (a.outcome.map_or("running", |o| o.as_str())) }
+                            td { code { (a.error_class.as_deref().unwrap_or("")) " " (a.error_code.as_deref().unwrap_or("")) } } }
+                    } }
+                }
+            }
+        }
+        section {
+            h2 { "Effects" }
+            @if l.effects.is_empty() { p.empty { "No effect recorded." } }
+            @else {
+                table #effects {
+                    thead { tr { th { "step" } th { "operation" } th { "state" } th { "generation" } th { "provider ref" } th { "error" } } }
+                    tbody { @for e in &l.effects {
+                        tr { td { (e.step) } td { (e.operation) } td { (format!("{:?}", e.state).to_lowercase()) } td.num { (e.generation) }
+                            td { (e.provider_ref.as_deref().unwrap_or("")) } td { code { (e.error_code.as_deref().unwrap_or("")) } } }
+                    } }
+                }
+            }
+        }
+        section {
+            h2 { "Outbox rows" }
+            @if l.outbox.is_empty() { p.empty { "No outbox row keyed by this run (or retention removed them)." } }
+            @else {
+                table #outbox {
+                    thead { tr { th { "id" } th { "topic" } th { "effect key" } th { "state" } th { "publish attempts" } th { "last error" } th { "written" } th { "delivered" } } }
+                    tbody { @for o in &l.outbox {
+                        tr id=(format!("outbox-{}", o.id)) { td.num { (o.id) } td { (o.topic) }
+                            td { code { (o.effect_key.clone().unwrap_or_else(|| format!("{database_id}:{}", o.id))) } }
+                            td class=(format!("outbox-state {}", state_class(&o.state))) { (o.state) }
+                            td.num { (o.publish_attempts) } td { code { (o.last_error.as_deref().unwrap_or("")) } }
+                            td { (ts(o.created_at.get())) }
+                            td { (o.delivered_at.map_or("—".to_owned(), |d| ts(d.get()))) } }
+                    } }
+                }
+            }
+        }
+        section {
+            h2 { "Consumer ledger" }
+            @if ledger.is_empty() { p.empty #no-ledger { "No consumer group has processed these rows." } }
+            @else {
+                table #ledger {
+                    thead { tr { th { "outbox id" } th { "group" } th { "effect key" } th { "topic" } th { "partition" } th { "offset" } th { "outcome" } th { "processed" } } }
+                    tbody { @for e in &ledger {
+                        tr { td.num { (e.outbox_id) } td { (e.group_id) } td { code { (e.effect_key) } } td { (e.topic) }
+                            td.num { (e.partition) } td.num { (e.record_offset) } td class=(state_class(&e.outcome)) { (e.outcome) }
+                            td { (ts(e.processed_at.get())) } }
+                    } }
+                }
+            }
+        }
+        @if !l.children.is_empty() {
+            section { h2 { "Child runs" } (run_table(&l.children, "children")) }
+        }
+    };
+    Ok(layout(&frame, &format!("Run {}", r.run_id), body))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn instants_parse_as_utc() {
+        assert_eq!(parse_instant("1970-01-01T00:00").unwrap().get(), 0);
+        assert_eq!(parse_instant("2027-01-15T08:00:00").unwrap().get(), 1_800_000_000_000);
+        assert_eq!(parse_instant("2000-02-29").unwrap().get(), 951_782_400_000);
+        assert_eq!(parse_instant("1800000000123").unwrap().get(), 1_800_000_000_123);
+        for bad in ["2020-13-01", "yesterday", "2020-01-01T25:00", "-5"] {
+            assert!(parse_instant(bad).is_err(), "{bad}");
+        }
+    }
+}

@@ -1,0 +1,565 @@
+//! Plain HTTP tests, on both engines: authentication, the session cookie,
+//! CSRF and origin checks, tenant scopes, payload permission, the security
+//! headers, the actions and their audit entries, and the overview's figures.
+
+use axum::body::Body;
+use axum::http::{header, Request, StatusCode};
+use ferry::Engine;
+use ferry_testkit::on_both_engines;
+
+use crate::support::*;
+
+on_both_engines!(
+    every_console_query_prepares,
+    every_response_carries_the_security_headers,
+    pages_and_actions_need_a_token,
+    login_sets_a_strict_http_only_session_cookie,
+    actions_need_the_csrf_token_and_the_same_origin,
+    a_scoped_token_sees_and_touches_only_its_tenants,
+    payloads_are_shown_only_to_tokens_allowed_them,
+    cancel_and_replay_are_audited_with_the_token_name,
+    the_overview_figures_match_the_database,
+    runs_are_found_by_key_and_paged_and_their_lineage_shows_where_events_went,
+);
+
+async fn every_console_query_prepares(engine: Engine) {
+    let a = app(engine).await;
+    a.console.store().check_queries().await.unwrap();
+}
+
+async fn every_response_carries_the_security_headers(engine: Engine) {
+    let a = app(engine).await;
+    let anonymous = |path: &str| Request::get(path).body(Body::empty()).unwrap();
+    let replies = [
+        a.send(anonymous("/login")).await,
+        a.send(anonymous("/")).await,
+        a.send(anonymous("/static/console.css")).await,
+        a.get(ROOT, "/").await,
+        a.get(ROOT, "/no-such-page").await,
+        a.get("wrong", "/").await,
+        a.post(ROOT, "/actions/runs/cancel", &[("csrf", "x")]).await,
+    ];
+    for r in &replies {
+        assert_eq!(r.header("content-security-policy"), ferry_console::CSP);
+        assert_eq!(r.header("x-content-type-options"), "nosniff");
+        assert_eq!(r.header("referrer-policy"), "no-referrer");
+        assert_eq!(r.header("x-frame-options"), "DENY");
+        assert_eq!(r.header("cache-control"), "no-store");
+    }
+    assert!(ferry_console::CSP.contains("script-src 'self'") && !ferry_console::CSP.contains("unsafe-inline"));
+    assert_eq!(replies[4].status, StatusCode::NOT_FOUND);
+    // No inline script or style in a page: the CSP would block it.
+    let page = &replies[3].body;
+    assert!(!page.contains("<script>") && !page.contains("style=") && !page.contains("<style"));
+    assert!(page.contains("<script src=\"/static/console.js\""));
+}
+
+async fn pages_and_actions_need_a_token(engine: Engine) {
+    let a = app(engine).await;
+    let s = seed(&a.db.ferry).await;
+    // A browser without a session is sent to the login page.
+    let r = a.send(Request::get("/").body(Body::empty()).unwrap()).await;
+    assert_eq!(r.status, StatusCode::SEE_OTHER);
+    assert_eq!(r.header("location"), "/login");
+    // A wrong bearer token is refused outright.
+    for bad in ["wrong", "", "root-token-012345678", "ROOT-TOKEN-0123456789"] {
+        let r = a.get(bad, "/dead").await;
+        assert_eq!(r.status, StatusCode::UNAUTHORIZED, "token {bad:?}");
+        assert!(r.header("www-authenticate").starts_with("Bearer"));
+    }
+    // An action without any credential is refused and changes nothing.
+    let id = s.acme_dead_rows[0].to_string();
+    let r = a
+        .send(
+            Request::post("/actions/outbox/replay")
+                .header(header::CONTENT_TYPE, "application/x-www-form-urlencoded")
+                .body(Body::from(encode(&[("id", &id), ("reason", "try"), ("csrf", "x")])))
+                .unwrap(),
+        )
+        .await;
+    assert_eq!(r.status, StatusCode::UNAUTHORIZED);
+    assert_eq!(a.scalar("SELECT count(*) FROM outbox WHERE state = 'dead'").await, 3);
+    assert_eq!(a.scalar("SELECT count(*) FROM ferry_audit").await, 0);
+    // The right token gets the page, naming its holder.
+    let r = a.get(ROOT, "/").await;
+    assert_eq!(r.status, StatusCode::OK);
+    assert_eq!(r.text_of("actor"), "root-ops");
+}
+
+async fn login_sets_a_strict_http_only_session_cookie(engine: Engine) {
+    let a = app(engine).await;
+    let login = |token: &str| {
+        Request::post("/login")
+            .header(header::CONTENT_TYPE, "application/x-www-form-urlencoded")
+            .body(Body::from(encode(&[("token", token)])))
+            .unwrap()
+    };
+    let r = a.send(login("nope")).await;
+    assert_eq!(r.status, StatusCode::UNAUTHORIZED);
+    assert!(r.headers.get(header::SET_COOKIE).is_none());
+
+    let r = a.send(login(ROOT)).await;
+    assert_eq!(r.status, StatusCode::SEE_OTHER);
+    let set = r.header("set-cookie").to_owned();
+    for part in ["HttpOnly", "SameSite=Strict", "Path=/"] {
+        assert!(set.contains(part), "{set} lacks {part}");
+    }
+    assert!(!set.contains(ROOT), "the cookie must not carry the token");
+    let cookie = set.split(';').next().unwrap().to_owned();
+    let with_cookie = |c: &str| Request::get("/").header(header::COOKIE, c).body(Body::empty()).unwrap();
+    let r = a.send(with_cookie(&cookie)).await;
+    assert_eq!(r.status, StatusCode::OK);
+    assert_eq!(r.text_of("actor"), "root-ops");
+    // A tampered cookie is no session.
+    let tampered = cookie.replace("root-ops", "acme-ops");
+    assert_eq!(a.send(with_cookie(&tampered)).await.status, StatusCode::SEE_OTHER);
+    // Another console process (another server key) does not know it.
+    let other = ferry_console::Console::new(a.db.ferry.clone(), ferry_console::ConsoleConfig::new(tokens()));
+    let r = tower::ServiceExt::oneshot(other.router(), with_cookie(&cookie))
+        .await
+        .unwrap();
+    assert_eq!(r.status(), StatusCode::SEE_OTHER);
+}
+
+async fn actions_need_the_csrf_token_and_the_same_origin(engine: Engine) {
+    let a = app(engine).await;
+    let s = seed(&a.db.ferry).await;
+    let id = s.acme_dead_rows[0].to_string();
+    let csrf = a.csrf(ROOT).await;
+    let dead = "SELECT count(*) FROM outbox WHERE state = 'dead'";
+    // No CSRF token, a wrong one, another credential's.
+    let other = a.csrf(ACME).await;
+    for token in ["", "0000", other.as_str()] {
+        let r = a
+            .post(
+                ROOT,
+                "/actions/outbox/replay",
+                &[("id", &id), ("reason", "retry"), ("csrf", token)],
+            )
+            .await;
+        assert_eq!(r.status, StatusCode::FORBIDDEN, "csrf {token:?}");
+        assert_eq!(r.text_of("error-code"), "csrf");
+    }
+    // The right token from another origin, or a cross-site fetch.
+    for (name, value) in [
+        ("origin", "http://evil.test"),
+        ("origin", "null"),
+        ("sec-fetch-site", "cross-site"),
+    ] {
+        let r = a
+            .send(
+                Request::post("/actions/outbox/replay")
+                    .header(header::AUTHORIZATION, format!("Bearer {ROOT}"))
+                    .header(header::CONTENT_TYPE, "application/x-www-form-urlencoded")
+                    .header(header::HOST, "console.test")
+                    .header(name, value)
+                    .body(Body::from(encode(&[("id", &id), ("reason", "retry"), ("csrf", &csrf)])))
+                    .unwrap(),
+            )
+            .await;
+        assert_eq!(r.status, StatusCode::FORBIDDEN, "{name}: {value}");
+    }
+    // A GET cannot act: the route only answers POST.
+    let r = a
+        .get(ROOT, &format!("/actions/outbox/replay?id={id}&reason=x&csrf={csrf}"))
+        .await;
+    assert_eq!(r.status, StatusCode::METHOD_NOT_ALLOWED);
+    assert_eq!(a.scalar(dead).await, 3, "nothing was replayed");
+    // A reason is required.
+    let r = a
+        .post(
+            ROOT,
+            "/actions/outbox/replay",
+            &[("id", &id), ("reason", " "), ("csrf", &csrf)],
+        )
+        .await;
+    assert_eq!(r.status, StatusCode::BAD_REQUEST);
+    assert_eq!(a.scalar("SELECT count(*) FROM ferry_audit").await, 0);
+    // With everything right the row is pending again, audited.
+    let r = a
+        .post(
+            ROOT,
+            "/actions/outbox/replay",
+            &[("id", &id), ("reason", "broker fixed"), ("csrf", &csrf)],
+        )
+        .await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.body);
+    assert_eq!(r.text_of("notice"), format!("Row {id} is pending again."));
+    assert_eq!(a.scalar(dead).await, 2);
+    assert_eq!(
+        a.scalar(&format!(
+            "SELECT count(*) FROM ferry_audit WHERE actor = 'root-ops' AND action = 'outbox.replay_dead' \
+             AND reason = 'broker fixed' AND subject = 'outbox:[{id}]'"
+        ))
+        .await,
+        1
+    );
+    // A group: acme's message_too_large rows (one left).
+    let r = a
+        .post(
+            ROOT,
+            "/actions/outbox/replay",
+            &[
+                ("tenant", "acme"),
+                ("error_code", "message_too_large"),
+                ("reason", "limit raised"),
+                ("csrf", &csrf),
+            ],
+        )
+        .await;
+    assert_eq!(r.status, StatusCode::OK);
+    assert_eq!(a.scalar(dead).await, 1, "globex's row is another group");
+}
+
+async fn a_scoped_token_sees_and_touches_only_its_tenants(engine: Engine) {
+    let a = app(engine).await;
+    let s = seed(&a.db.ferry).await;
+    // Pages default to the token's tenant and refuse another.
+    let r = a.get(ACME, "/dead").await;
+    assert_eq!(r.status, StatusCode::OK);
+    assert!(r.body.contains("message_too_large"));
+    assert!(!r.body.contains("globex") && !r.body.contains("topic_authorization_failed"));
+    for path in ["/?tenant=globex", "/dead?tenant=globex", "/runs?tenant=globex"] {
+        assert_eq!(a.get(ACME, path).await.status, StatusCode::FORBIDDEN, "{path}");
+    }
+    let lineage = format!("/runs/globex/{}", s.globex_run);
+    assert_eq!(a.get(ACME, &lineage).await.status, StatusCode::FORBIDDEN);
+    assert_eq!(a.get(ROOT, &lineage).await.status, StatusCode::OK);
+    // The overview's figures are acme's only: two of the three dead rows.
+    assert_eq!(a.get(ACME, "/").await.text_of("dead-total"), "2");
+    assert_eq!(a.get(ROOT, "/").await.text_of("dead-total"), "3");
+    // Actions outside the scope change nothing.
+    let csrf = a.csrf(ACME).await;
+    let g = s.globex_dead_row.to_string();
+    let globex_run = s.globex_run.to_string();
+    let refused = [
+        a.post(
+            ACME,
+            "/actions/outbox/replay",
+            &[
+                ("tenant", "globex"),
+                ("error_code", "topic_authorization_failed"),
+                ("reason", "r"),
+                ("csrf", &csrf),
+            ],
+        )
+        .await,
+        a.post(
+            ACME,
+            "/actions/outbox/replay",
+            &[("id", &g), ("reason", "r"), ("csrf", &csrf)],
+        )
+        .await,
+        a.post(
+            ACME,
+            "/actions/runs/cancel",
+            &[
+                ("tenant", "globex"),
+                ("run_id", &globex_run),
+                ("reason", "r"),
+                ("csrf", &csrf),
+            ],
+        )
+        .await,
+        a.post(
+            ACME,
+            "/actions/queues/pause",
+            &[("queue", "default"), ("reason", "r"), ("csrf", &csrf)],
+        )
+        .await,
+    ];
+    for r in &refused {
+        assert_eq!(r.status, StatusCode::FORBIDDEN, "{}", r.body);
+    }
+    // Naming its own tenant with another tenant's row id matches nothing.
+    let r = a
+        .post(
+            ACME,
+            "/actions/outbox/replay",
+            &[("tenant", "acme"), ("id", &g), ("reason", "r"), ("csrf", &csrf)],
+        )
+        .await;
+    assert_eq!(r.status, StatusCode::OK);
+    assert_eq!(r.text_of("notice"), "No dead row matched (already replayed?).");
+    assert_eq!(
+        a.scalar(&format!(
+            "SELECT count(*) FROM outbox WHERE id = {g} AND state = 'dead'"
+        ))
+        .await,
+        1
+    );
+    assert_eq!(
+        a.scalar("SELECT count(*) FROM runs WHERE tenant = 'globex' AND state = 'queued'")
+            .await,
+        1
+    );
+}
+
+async fn payloads_are_shown_only_to_tokens_allowed_them(engine: Engine) {
+    let a = app(engine).await;
+    let s = seed(&a.db.ferry).await;
+    let path = format!("/runs/acme/{}", s.acme_runs[1]);
+    let shown = a.get(ROOT, &path).await;
+    assert_eq!(shown.status, StatusCode::OK);
+    assert!(shown.body.contains("PAYLOAD-ACME"), "root may see payloads");
+    let hidden = a.get(ACME, &path).await;
+    assert_eq!(hidden.status, StatusCode::OK);
+    assert!(!hidden.body.contains("PAYLOAD-ACME"), "acme-ops may not see payloads");
+    assert!(hidden.body.contains("hidden"));
+}
+
+async fn cancel_and_replay_are_audited_with_the_token_name(engine: Engine) {
+    let a = app(engine).await;
+    let s = seed(&a.db.ferry).await;
+    let csrf = a.csrf(ACME).await;
+    let live = s.acme_runs.iter().find(|r| **r != s.acme_dead_run).unwrap().to_string();
+    let r = a
+        .post(
+            ACME,
+            "/actions/runs/cancel",
+            &[
+                ("tenant", "acme"),
+                ("run_id", &live),
+                ("reason", "customer asked"),
+                ("csrf", &csrf),
+            ],
+        )
+        .await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.body);
+    assert_eq!(
+        a.scalar("SELECT count(*) FROM runs WHERE tenant = 'acme' AND state = 'cancelled'")
+            .await,
+        1
+    );
+    // Cancelling again is refused (the run ended) and audits nothing more.
+    let r = a
+        .post(
+            ACME,
+            "/actions/runs/cancel",
+            &[
+                ("tenant", "acme"),
+                ("run_id", &live),
+                ("reason", "again"),
+                ("csrf", &csrf),
+            ],
+        )
+        .await;
+    assert_eq!(r.status, StatusCode::CONFLICT);
+    assert_eq!(r.text_of("error-code"), "run_terminal");
+    let dead = s.acme_dead_run.to_string();
+    let r = a
+        .post(
+            ACME,
+            "/actions/jobs/replay",
+            &[
+                ("tenant", "acme"),
+                ("run_id", &dead),
+                ("reason", "card updated"),
+                ("csrf", &csrf),
+            ],
+        )
+        .await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.body);
+    assert_eq!(
+        a.scalar("SELECT count(*) FROM runs WHERE tenant = 'acme' AND replay_of IS NOT NULL")
+            .await,
+        1
+    );
+    let audited = a
+        .scalar(
+            "SELECT count(*) FROM ferry_audit WHERE actor = 'acme-ops' AND \
+             ((action = 'jobs.cancel' AND reason = 'customer asked') OR (action = 'jobs.replay_dead' AND reason = 'card updated'))",
+        )
+        .await;
+    assert_eq!(audited, 2);
+    assert_eq!(a.scalar("SELECT count(*) FROM ferry_audit").await, 2);
+}
+
+async fn the_overview_figures_match_the_database(engine: Engine) {
+    let a = app(engine).await;
+    seed(&a.db.ferry).await;
+    let r = a.get(ROOT, "/").await;
+    assert_eq!(r.status, StatusCode::OK);
+    let pending = a.scalar("SELECT count(*) FROM outbox WHERE state = 'pending'").await;
+    assert!(pending > 0);
+    assert_eq!(r.text_of("pending-total"), pending.to_string());
+    assert_eq!(r.text_of("dead-total"), "3");
+    for (queue, state) in [
+        ("payments", "queued"),
+        ("payments", "dead"),
+        ("default", "queued"),
+        ("payments", "succeeded"),
+    ] {
+        let n = a
+            .scalar(&format!(
+                "SELECT count(*) FROM jobs WHERE queue = '{queue}' AND state = '{state}'"
+            ))
+            .await;
+        let id = format!("jobs-{queue}-{state}");
+        assert_eq!(r.text_of(&id), n.to_string(), "{id}");
+    }
+    assert_eq!(r.text_of("jobs-payments-dead"), "1");
+    // Per lane.
+    let lane = a
+        .scalar("SELECT CAST(min(lane) AS BIGINT) FROM outbox WHERE state = 'pending'")
+        .await;
+    let in_lane = a
+        .scalar(&format!(
+            "SELECT count(*) FROM outbox WHERE state = 'pending' AND lane = {lane}"
+        ))
+        .await;
+    let row = &r.body[r.body.find(&format!("id=\"lane-{lane}\"")).unwrap()..];
+    assert!(
+        row.contains(&format!("class=\"num pending\">{in_lane}<")),
+        "lane {lane}"
+    );
+    // Every tenant's job counts come from the background census; one
+    // tenant's are live.
+    a.db.ferry
+        .create_run_idempotent(ferry::NewRun::new("acme", "charge", "late", serde_json::json!({})))
+        .await
+        .unwrap();
+    let live = a
+        .scalar("SELECT count(*) FROM jobs WHERE queue = 'default' AND state = 'queued'")
+        .await;
+    let before = a.get(ROOT, "/").await.text_of("jobs-default-queued");
+    assert_eq!(before, (live - 1).to_string(), "the census was taken before the run");
+    let acme_live = a
+        .scalar("SELECT count(*) FROM jobs WHERE tenant = 'acme' AND queue = 'default' AND state = 'queued'")
+        .await;
+    assert_eq!(
+        a.get(ROOT, "/?tenant=acme").await.text_of("jobs-default-queued"),
+        acme_live.to_string()
+    );
+    a.console.census().await.unwrap();
+    assert_eq!(a.get(ROOT, "/").await.text_of("jobs-default-queued"), live.to_string());
+    // Two samples make a plot.
+    a.console.sample().await.unwrap();
+    let s = a.console.sample().await.unwrap();
+    assert_eq!(s.pending, pending + 1, "the late run's event is pending too");
+    let r = a.get(ROOT, "/").await;
+    assert!(r.body.contains("<svg id=\"plot\""));
+}
+
+async fn runs_are_found_by_key_and_paged_and_their_lineage_shows_where_events_went(engine: Engine) {
+    let a = app(engine).await;
+    let s = seed(&a.db.ferry).await;
+    // By key: POSTed, found, the key never echoed in clear.
+    let csrf = a.csrf(ACME).await;
+    let r = a
+        .post(
+            ACME,
+            "/runs",
+            &[
+                ("tenant", "acme"),
+                ("key", "order-1"),
+                ("operation", ""),
+                ("csrf", &csrf),
+            ],
+        )
+        .await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.body);
+    assert!(r.body.contains(&format!("/runs/acme/{}", s.acme_runs[0])));
+    assert!(!r.body.contains("order-1"), "the key is shown redacted only");
+    assert_eq!(r.text_of("key-hash"), ferry::redact("order-1"));
+    let r = a
+        .post(
+            ACME,
+            "/runs",
+            &[
+                ("tenant", "acme"),
+                ("key", "order-1"),
+                ("operation", "charge"),
+                ("csrf", &csrf),
+            ],
+        )
+        .await;
+    assert!(r.body.contains(&s.acme_runs[0].to_string()));
+    // Another tenant's key is refused to a scoped token; a wrong key finds nothing.
+    let r = a
+        .post(
+            ACME,
+            "/runs",
+            &[("tenant", "globex"), ("key", "parcel-1"), ("csrf", &csrf)],
+        )
+        .await;
+    assert_eq!(r.status, StatusCode::FORBIDDEN);
+    let r = a
+        .post(ACME, "/runs", &[("tenant", "acme"), ("key", "nope"), ("csrf", &csrf)])
+        .await;
+    assert!(r.body.contains("id=\"no-runs\""));
+    // By run id: straight to the lineage.
+    let r = a
+        .get(ROOT, &format!("/runs?tenant=acme&run_id={}", s.acme_runs[2]))
+        .await;
+    assert_eq!(r.status, StatusCode::SEE_OTHER);
+    assert_eq!(r.header("location"), format!("/runs/acme/{}", s.acme_runs[2]));
+    // By state, keyset pages: 60 more acme runs make two pages.
+    for i in 0..60 {
+        a.db.ferry
+            .create_run_idempotent(ferry::NewRun::new(
+                "acme",
+                "bulk",
+                format!("b-{i}"),
+                serde_json::json!({}),
+            ))
+            .await
+            .unwrap();
+    }
+    let first = a.get(ACME, "/runs?state=queued").await;
+    assert_eq!(first.status, StatusCode::OK);
+    let at = first.body.find("id=\"next-page\"").expect("a next page link");
+    let href = &first.body[at..];
+    let next = href[href.find("href=\"").unwrap() + 6..]
+        .split('"')
+        .next()
+        .unwrap()
+        .replace("&amp;", "&");
+    let second = a.get(ACME, &next).await;
+    assert_eq!(second.status, StatusCode::OK);
+    let count = |b: &str| b.matches("class=\"run-link\"").count();
+    let queued = a
+        .scalar("SELECT count(*) FROM runs WHERE tenant = 'acme' AND state = 'queued'")
+        .await;
+    assert_eq!((count(&first.body) + count(&second.body)) as i64, queued);
+    assert!(!second.body.contains("next-page"));
+    assert!(
+        !first.body.contains(&s.acme_dead_run.to_string()),
+        "the failed run is not queued"
+    );
+    // The dead job's lineage: its attempt (generation, owner, outcome), its
+    // events' outbox rows with their state, and the replay action.
+    let r = a.get(ROOT, &format!("/runs/acme/{}", s.acme_dead_run)).await;
+    assert_eq!(r.status, StatusCode::OK);
+    assert_eq!(r.text_of("run-state"), "failed");
+    let attempts = &r.body[r.body.find("id=\"attempts\"").unwrap()..];
+    assert!(attempts.contains("worker-1") && attempts.contains(">dead<") && attempts.contains("card_declined"));
+    let rows = a
+        .scalar(&format!(
+            "SELECT count(*) FROM outbox WHERE tenant = 'acme' AND key = '{}'",
+            s.acme_dead_run
+        ))
+        .await;
+    assert_eq!(rows, 2, "run_queued and run_failed");
+    assert_eq!(r.body.matches("class=\"outbox-state state-pending\"").count(), 2);
+    assert!(r.body.contains("/actions/jobs/replay"));
+    // The consumer ledger entry for one of its rows shows up.
+    let id = a
+        .scalar(&format!(
+            "SELECT min(id) FROM outbox WHERE tenant = 'acme' AND key = '{}'",
+            s.acme_dead_run
+        ))
+        .await;
+    a.db.exec("INSERT INTO consumer_partitions (group_id, topic, partition, generation) VALUES ('projector', 'ferry.run-events', 0, 1)")
+        .await
+        .unwrap();
+    a.db.exec(&format!(
+        "INSERT INTO consumer_ledger (group_id, effect_key, topic, partition, \"offset\", processed_at) \
+         SELECT 'projector', effect_key, 'ferry.run-events', 0, 41, 5 FROM outbox WHERE id = {id}"
+    ))
+    .await
+    .unwrap();
+    let r = a.get(ROOT, &format!("/runs/acme/{}", s.acme_dead_run)).await;
+    let ledger = &r.body[r.body.find("id=\"ledger\"").expect("a ledger table")..];
+    assert!(ledger.contains("projector") && ledger.contains(">41<"));
+}

@@ -1,0 +1,7 @@
+//! The console's tests in one binary: plain HTTP (auth, CSRF, tenant scopes,
+//! headers, actions, figures) on both engines, and headless-Chromium browser
+//! tests on PostgreSQL.
+
+mod browser;
+mod http;
+mod support;

@@ -1,0 +1,54 @@
+//! Operator actions with their audit entry: each runs the action and appends
+//! to `ferry_audit` (actor, action, subject, reason) in one transaction, so an
+//! action that happened is always audited and an audited action always
+//! happened. The `ferry` command line and the web console both call these.
+
+use uuid::Uuid;
+
+use crate::runs::Accepted;
+use crate::{Ferry, Result};
+
+impl Ferry {
+    /// Cancels a run ([`Ferry::cancel_in`], no version check) and audits it as
+    /// `jobs.cancel` on `<tenant>/<run id>`, in one transaction.
+    pub async fn cancel_audited(&self, tenant: &str, run_id: Uuid, actor: &str, reason: &str) -> Result<()> {
+        let mut tx = self.begin().await?;
+        let r = async {
+            self.cancel_in(tx.conn(), tenant, run_id, None, actor, reason).await?;
+            self.audit_in(tx.conn(), actor, "jobs.cancel", &format!("{tenant}/{run_id}"), reason)
+                .await
+        }
+        .await;
+        tx.finish(r).await
+    }
+
+    /// Replays a dead run as a new linked run ([`Ferry::replay_dead_in`]) and
+    /// audits it as `jobs.replay_dead` on `<tenant>/<run id>`, in one
+    /// transaction.
+    pub async fn replay_dead_audited(
+        &self,
+        tenant: &str,
+        run_id: Uuid,
+        actor: &str,
+        reason: &str,
+        force: bool,
+    ) -> Result<Accepted> {
+        let mut tx = self.begin().await?;
+        let r = async {
+            let accepted = self
+                .replay_dead_in(tx.conn(), tenant, run_id, actor, reason, force)
+                .await?;
+            self.audit_in(
+                tx.conn(),
+                actor,
+                "jobs.replay_dead",
+                &format!("{tenant}/{run_id}"),
+                reason,
+            )
+            .await?;
+            Ok(accepted)
+        }
+        .await;
+        tx.finish(r).await
+    }
+}
