@@ -11,8 +11,9 @@ ALTER TABLE runs ADD COLUMN scheduled_at BIGINT;
 ALTER TABLE runs ADD COLUMN parent_run_id UUID;
 
 -- list_runs keyset pagination, newest first, on (created_at, run_id): across
--- tenants (operators), in one tenant, and in one tenant and state.
-CREATE INDEX runs_created_idx ON runs (created_at, run_id);
+-- tenants (operators; with the tenant last, since run ids are unique per
+-- tenant only), in one tenant, and in one tenant and state.
+CREATE INDEX runs_created_idx ON runs (created_at, run_id, tenant);
 CREATE INDEX runs_tenant_created_idx ON runs (tenant, created_at, run_id);
 CREATE INDEX runs_tenant_state_created_idx ON runs (tenant, state, created_at, run_id);
 -- A run's children (lineage).
