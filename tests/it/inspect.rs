@@ -168,7 +168,10 @@ async fn filters_narrow_by_state_queue_operation_and_time(kind: Kind) {
     assert_eq!("nonsense".parse::<RunCursor>().unwrap_err().code(), "invalid_input");
     assert_eq!("r2.5.zz.acme".parse::<RunCursor>().unwrap_err().code(), "invalid_input");
     assert_eq!(
-        format!("r2.5.{}.", Uuid::nil().simple()).parse::<RunCursor>().unwrap_err().code(),
+        format!("r2.5.{}.", Uuid::nil().simple())
+            .parse::<RunCursor>()
+            .unwrap_err()
+            .code(),
         "invalid_input"
     );
     assert_eq!(RunFilter::tenant("bad tenant!"), RunFilter::tenant("bad tenant!"));
@@ -353,7 +356,11 @@ async fn all_tenants_pages_keep_runs_that_share_an_instant_and_an_id(kind: Kind)
     assert!(out.iter().all(|r| r.as_ref().unwrap().run.run_id == id));
     let listed = all_pages(&t, &RunFilter::default(), 1, async |_| {}).await;
     let tenants: Vec<&str> = listed.iter().map(|r| r.tenant.as_str()).collect();
-    assert_eq!(tenants, ["zeta", "acme"], "each tenant's run on its own page, newest tenant first");
+    assert_eq!(
+        tenants,
+        ["zeta", "acme"],
+        "each tenant's run on its own page, newest tenant first"
+    );
 }
 
 on_both_engines!(
