@@ -228,6 +228,9 @@ struct Template {
     queue: String,
     max_attempts: u32,
     deadline_ms: Option<i64>,
+    /// Absent from templates stored before priorities: 0, the default.
+    #[serde(default)]
+    priority: i16,
 }
 
 impl Template {
@@ -245,6 +248,7 @@ impl Template {
             queue: run.queue.clone(),
             max_attempts: run.max_attempts,
             deadline_ms: run.deadline.map(duration_ms).transpose()?,
+            priority: run.priority,
         })
     }
 
@@ -254,6 +258,7 @@ impl Template {
             .schema_version(self.schema_version)
             .queue(&self.queue)
             .max_attempts(self.max_attempts)
+            .priority(self.priority)
             .run_at(Millis::new(tick)?);
         if let Some(ms) = self.deadline_ms {
             run = run.deadline(Duration::from_millis(u64::try_from(ms).unwrap_or(0)));
@@ -282,6 +287,8 @@ pub struct Schedule {
     pub queue: String,
     /// Its runs' command.
     pub command: Value,
+    /// Its runs' priority ([`NewRun::priority`]).
+    pub priority: i16,
     /// What happens to missed ticks.
     pub missed: Missed,
     /// The last tick fired.
@@ -318,6 +325,7 @@ impl ScheduleRow {
             operation: self.template.operation.clone(),
             queue: self.template.queue.clone(),
             command: self.template.command.clone(),
+            priority: self.template.priority,
             missed: Missed::parse(&self.missed, self.catch_up_max)?,
             last_tick: self.last_tick.map(Millis::new).transpose()?,
             next_tick: Millis::new(self.next_tick)?,
@@ -400,8 +408,8 @@ impl Ferry {
         let next = every.next_after(now)?;
         let subject = format!("{tenant}/{name}");
         let described = format!(
-            "{every}, missed {missed:?}, operation {} on queue {}",
-            stored.operation, stored.queue
+            "{every}, missed {missed:?}, operation {} on queue {} at priority {}",
+            stored.operation, stored.queue, stored.priority
         );
         let created: Option<i64> = on_conn!(conn.reborrow(), |c, q| {
             sqlx::query_scalar(q.insert_schedule)

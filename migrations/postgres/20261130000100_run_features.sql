@@ -32,7 +32,7 @@ CREATE TABLE ferry_schedules (
     -- of the interval since the Unix epoch, the same in every process).
     spec         TEXT    NOT NULL,
     -- The run each tick accepts: operation, schema_version, command, queue,
-    -- max_attempts, deadline_ms.
+    -- max_attempts, deadline_ms, priority.
     template     JSONB   NOT NULL,
     -- Missed ticks after downtime: 'skip' fires the latest only, 'catch_up'
     -- fires at most catch_up_max of the latest.

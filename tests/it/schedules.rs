@@ -299,7 +299,42 @@ async fn the_scheduler_loop_fires_due_ticks(kind: Kind) {
     );
 }
 
+async fn a_template_keeps_its_priority(kind: Kind) {
+    let clock = manual_clock();
+    let t = TestDb::with_clock(kind, clock.clone()).await;
+    let f = &t.ferry;
+    let urgent = || template("acme").priority(90);
+    assert_eq!(
+        f.schedule("s", every_minute(), urgent(), Missed::Skip, "ops")
+            .await
+            .unwrap(),
+        ScheduleChange::Created
+    );
+    clock.advance(MINUTE).unwrap();
+    assert_eq!(f.fire_due_ticks(10).await.unwrap().len(), 1);
+    assert_eq!(
+        t.scalar("SELECT CAST(priority AS BIGINT) FROM jobs").await,
+        90,
+        "the tick's job has the template's priority"
+    );
+    assert_eq!(
+        f.schedule("s", every_minute(), urgent(), Missed::Skip, "ops")
+            .await
+            .unwrap(),
+        ScheduleChange::Unchanged
+    );
+    assert_eq!(
+        f.schedule("s", every_minute(), urgent().priority(10), Missed::Skip, "ops")
+            .await
+            .unwrap(),
+        ScheduleChange::Updated,
+        "a new priority alone is a change"
+    );
+    assert_eq!(audits(&t, "schedule.update").await, 1);
+}
+
 on_both_engines!(
+    a_template_keeps_its_priority,
     ticks_fire_once_and_missed_ticks_follow_the_policy,
     cron_schedules_tick_on_their_expression,
     schedule_changes_are_audited_and_bad_ones_refused,
