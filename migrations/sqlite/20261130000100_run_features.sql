@@ -48,4 +48,6 @@ CREATE TABLE ferry_schedules (
     CONSTRAINT ferry_schedules_pkey PRIMARY KEY (tenant, name),
     CONSTRAINT ferry_schedules_missed_check CHECK (missed IN ('skip', 'catch_up') AND catch_up_max >= 1)
 );
-CREATE INDEX ferry_schedules_due_idx ON ferry_schedules (next_tick);
+-- Due schedules in firing order; fire_due_ticks pages on it past the ones it
+-- could not fire.
+CREATE INDEX ferry_schedules_due_idx ON ferry_schedules (next_tick, tenant, name);
