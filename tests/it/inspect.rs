@@ -363,7 +363,49 @@ async fn all_tenants_pages_keep_runs_that_share_an_instant_and_an_id(kind: Kind)
     );
 }
 
+async fn a_child_key_held_by_another_parents_child_is_a_conflict(kind: Kind) {
+    let t = TestDb::with_clock(kind, manual_clock()).await;
+    for key in ["p1", "p2"] {
+        t.ferry
+            .create_run_idempotent(run("acme", "order", "q", key))
+            .await
+            .unwrap();
+    }
+    let mut leases = t
+        .ferry
+        .claim("q", "w", LEASE, 2)
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|c| c.lease);
+    let (first, second) = (leases.next().unwrap(), leases.next().unwrap());
+    let mut tx = t.ferry.begin().await.unwrap();
+    let child = t
+        .ferry
+        .enqueue_run_in(&mut tx, &first, run("acme", "ship", "q", "ship"))
+        .await
+        .unwrap();
+    t.ferry.complete_in(&mut tx, &first, &json!({})).await.unwrap();
+    tx.commit().await.unwrap();
+    // The second parent's follow-up under the same key is not a replay of
+    // the first parent's child.
+    let mut tx = t.ferry.begin().await.unwrap();
+    let e = t
+        .ferry
+        .enqueue_run_in(&mut tx, &second, run("acme", "ship", "q", "ship"))
+        .await
+        .unwrap_err();
+    tx.rollback().await.unwrap();
+    assert!(
+        matches!(&e, Error::IdempotencyConflict { existing_run, .. } if *existing_run == child.run.run_id),
+        "{e}"
+    );
+    let children = "SELECT COUNT(*) FROM runs WHERE parent_run_id IS NOT NULL";
+    assert_eq!(t.scalar(children).await, 1);
+}
+
 on_both_engines!(
+    a_child_key_held_by_another_parents_child_is_a_conflict,
     all_tenants_pages_keep_runs_that_share_an_instant_and_an_id,
     pages_return_every_run_once_in_order_while_runs_are_accepted,
     filters_narrow_by_state_queue_operation_and_time,
