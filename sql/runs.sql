@@ -171,7 +171,10 @@ FROM input ORDER BY ord
 
 -- Run listing (list_runs): newest first, keyset on (created_at, run_id)
 -- strictly below ($2, $3) and created_at >= $4, so every page is an index
--- range scan whatever the page depth. Three queries, one per index, because
+-- range scan whatever the page depth. Across tenants the keyset is
+-- (created_at, run_id, tenant) below ($2, $3, $9): run ids are unique per
+-- tenant only, and one batch gives its runs one instant, so two tenants' runs
+-- can share both. Three queries, one per index, because
 -- a `($n IS NULL OR tenant = $n)` predicate cannot drive an index once
 -- PostgreSQL switches a prepared statement to its generic plan. Optional
 -- filters: $5 operation, $6 queue; $7 limit.
@@ -204,18 +207,19 @@ LIMIT $7
 
 -- name: list_runs_of_all_tenants
 -- Every tenant (operators), optionally one state ($8): runs_created_idx.
+-- The per-tenant queries ignore $9 (their tenant is fixed).
 -- Called with $1 NULL; the tenant filter only keeps the three queries'
 -- parameters alike.
 SELECT r.tenant, r.run_id, r.operation, j.queue, r.state, j.state AS job_state, j.attempts, j.max_attempts,
        j.last_error_code, r.scheduled_at, r.parent_run_id, r.replay_of, r.created_at, r.updated_at
 FROM runs r JOIN jobs j ON j.tenant = r.tenant AND j.run_id = r.run_id
 WHERE ($1{pg:::text} IS NULL OR r.tenant = $1)
-  AND (r.created_at, r.run_id) < ($2, $3)
+  AND (r.created_at, r.run_id, r.tenant) < ($2, $3, $9)
   AND r.created_at >= $4
   AND ($5{pg:::text} IS NULL OR r.operation = $5)
   AND ($6{pg:::text} IS NULL OR j.queue = $6)
   AND ($8{pg:::text} IS NULL OR r.state = $8)
-ORDER BY r.created_at DESC, r.run_id DESC
+ORDER BY r.created_at DESC, r.run_id DESC, r.tenant DESC
 LIMIT $7
 
 -- name: get_run_summary

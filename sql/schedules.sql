@@ -38,12 +38,14 @@ WHERE ($1{pg:::text} IS NULL OR tenant = $1)
 ORDER BY tenant, name
 
 -- name: list_due_schedules
--- Schedules with a tick at or before $1, most overdue first (ferry_schedules_due_idx).
+-- Schedules with a tick at or before $1, most overdue first, after the key
+-- ($2, $3, $4) in that order (ferry_schedules_due_idx): fire_due_ticks pages
+-- on past the schedules it could not fire. $5 limit.
 SELECT tenant, name, spec, template, missed, catch_up_max, anchor_at, last_tick, next_tick, version, updated_at
 FROM ferry_schedules
-WHERE next_tick <= $1
+WHERE next_tick <= $1 AND (next_tick, tenant, name) > ($2, $3, $4)
 ORDER BY next_tick, tenant, name
-LIMIT $2
+LIMIT $5
 
 -- name: advance_schedule
 -- Compare-and-set of the tick cursor, in the transaction that accepts the

@@ -228,6 +228,9 @@ struct Template {
     queue: String,
     max_attempts: u32,
     deadline_ms: Option<i64>,
+    /// Absent from templates stored before priorities: 0, the default.
+    #[serde(default)]
+    priority: i16,
 }
 
 impl Template {
@@ -245,6 +248,7 @@ impl Template {
             queue: run.queue.clone(),
             max_attempts: run.max_attempts,
             deadline_ms: run.deadline.map(duration_ms).transpose()?,
+            priority: run.priority,
         })
     }
 
@@ -254,6 +258,7 @@ impl Template {
             .schema_version(self.schema_version)
             .queue(&self.queue)
             .max_attempts(self.max_attempts)
+            .priority(self.priority)
             .run_at(Millis::new(tick)?);
         if let Some(ms) = self.deadline_ms {
             run = run.deadline(Duration::from_millis(u64::try_from(ms).unwrap_or(0)));
@@ -282,6 +287,8 @@ pub struct Schedule {
     pub queue: String,
     /// Its runs' command.
     pub command: Value,
+    /// Its runs' priority ([`NewRun::priority`]).
+    pub priority: i16,
     /// What happens to missed ticks.
     pub missed: Missed,
     /// The last tick fired.
@@ -292,6 +299,13 @@ pub struct Schedule {
     pub version: i64,
     /// Last changed (or fired) at.
     pub updated_at: Millis,
+}
+
+/// A due schedule's place in the firing order.
+struct DueKey {
+    next_tick: i64,
+    tenant: String,
+    name: String,
 }
 
 #[derive(sqlx::FromRow)]
@@ -318,6 +332,7 @@ impl ScheduleRow {
             operation: self.template.operation.clone(),
             queue: self.template.queue.clone(),
             command: self.template.command.clone(),
+            priority: self.template.priority,
             missed: Missed::parse(&self.missed, self.catch_up_max)?,
             last_tick: self.last_tick.map(Millis::new).transpose()?,
             next_tick: Millis::new(self.next_tick)?,
@@ -392,16 +407,19 @@ impl Ferry {
         every.check()?;
         let (missed_text, catch_up_max) = missed.stored()?;
         let stored = Template::of(&template)?;
-        // The template as its first tick's run: limits, queue, command.
+        // The template as a tick's run: limits, queue, command; and the
+        // longest key a tick can have (tick 0's is 12 bytes shorter than
+        // today's), so no tick is refused for its key.
         stored.run(&template.tenant, name, 0)?.validate(self)?;
+        self.limits().idempotency_key(&tick_key(name, i64::MAX))?;
         let tenant = template.tenant.as_str();
         let spec = every.spec()?;
         let now = clock_now(self, conn.reborrow()).await?;
         let next = every.next_after(now)?;
         let subject = format!("{tenant}/{name}");
         let described = format!(
-            "{every}, missed {missed:?}, operation {} on queue {}",
-            stored.operation, stored.queue
+            "{every}, missed {missed:?}, operation {} on queue {} at priority {}",
+            stored.operation, stored.queue, stored.priority
         );
         let created: Option<i64> = on_conn!(conn.reborrow(), |c, q| {
             sqlx::query_scalar(q.insert_schedule)
@@ -498,35 +516,88 @@ impl Ferry {
     /// Fires the ticks due now of up to `limit` schedules, most overdue
     /// first: for each, in one transaction, moves its tick cursor by
     /// compare-and-set and accepts one run per tick its [`Missed`] policy
-    /// keeps. A schedule another process fired meanwhile is left alone. A
-    /// schedule whose run is refused (its template no longer fits the
-    /// limits, an idempotency conflict) or whose row this version cannot
-    /// read is logged and retried at the next call; the others proceed.
-    /// Safe to call from any number of processes.
+    /// keeps. A schedule another process fired meanwhile is left alone (and
+    /// counts toward `limit`). A schedule whose run is refused (its template
+    /// no longer fits the limits, an idempotency conflict) or whose row this
+    /// version cannot read is logged, does not count toward `limit`, and
+    /// stays due: it is retried at every call (which walks past it to the
+    /// others), so the others are never starved by it. Safe to call from any
+    /// number of processes.
     pub async fn fire_due_ticks(&self, limit: u32) -> Result<Vec<FiredTick>> {
         let mut c = self.db().acquire().await?;
         let now = clock_now(self, c.conn()).await?;
-        let due: Vec<ScheduleRow> = on_conn!(c.conn(), |c, q| {
-            sqlx::query_as(q.list_due_schedules)
-                .bind(now)
-                .bind(i64::from(limit))
-                .fetch_all(&mut *c)
-                .await?
-        });
         drop(c);
         let mut fired = Vec::new();
-        for row in due {
-            let mut tx = self.begin().await?;
-            let r = self.fire_one_in(tx.conn(), &row, now).await;
-            match tx.finish(r).await {
-                Ok(ticks) => fired.extend(ticks),
-                Err(e) if crate::runs::refuses_only_its_item(&e) || matches!(e, Error::CorruptRow { .. }) => {
-                    tracing::warn!(tenant = %row.tenant, schedule = %row.name, code = e.code(), "schedule tick refused: {e}");
+        let mut done = 0;
+        // The due list in (next_tick, tenant, name) order, a page at a time
+        // past the last row seen, until `limit` schedules were fired.
+        let mut after = DueKey {
+            next_tick: i64::MIN,
+            tenant: String::new(),
+            name: String::new(),
+        };
+        while done < limit {
+            let want = limit - done;
+            let page = self.due_page(now, &after, want).await?;
+            let full = page.len() == want as usize;
+            for (key, row) in page {
+                let fire = match row {
+                    Ok(row) => {
+                        let mut tx = self.begin().await?;
+                        let r = self.fire_one_in(tx.conn(), &row, now).await;
+                        tx.finish(r).await
+                    }
+                    Err(e) => Err(e),
+                };
+                match fire {
+                    Ok(ticks) => {
+                        fired.extend(ticks);
+                        done += 1;
+                    }
+                    Err(e) if crate::runs::refuses_only_its_item(&e) || matches!(e, Error::CorruptRow { .. }) => {
+                        tracing::warn!(tenant = %key.tenant, schedule = %key.name, code = e.code(), "schedule tick refused: {e}");
+                    }
+                    Err(e) => return Err(e),
                 }
-                Err(e) => return Err(e),
+                after = key;
+            }
+            if !full {
+                break;
             }
         }
         Ok(fired)
+    }
+
+    /// Up to `limit` due schedules after `after`, each with its key and its
+    /// row, or [`Error::CorruptRow`] for a row this version cannot read (so
+    /// one unreadable row does not fail the others).
+    async fn due_page(&self, now: i64, after: &DueKey, limit: u32) -> Result<Vec<(DueKey, Result<ScheduleRow>)>> {
+        use sqlx::{FromRow, Row};
+        let mut c = self.db().acquire().await?;
+        Ok(on_conn!(c.conn(), |c, q| {
+            let rows = sqlx::query(q.list_due_schedules)
+                .bind(now)
+                .bind(after.next_tick)
+                .bind(&after.tenant)
+                .bind(&after.name)
+                .bind(i64::from(limit))
+                .fetch_all(&mut *c)
+                .await?;
+            let mut page = Vec::with_capacity(rows.len());
+            for r in &rows {
+                let key = DueKey {
+                    next_tick: r.try_get("next_tick")?,
+                    tenant: r.try_get("tenant")?,
+                    name: r.try_get("name")?,
+                };
+                let row = ScheduleRow::from_row(r).map_err(|e| Error::CorruptRow {
+                    what: "ferry_schedules row",
+                    value: format!("{}/{}: {e}", key.tenant, key.name),
+                });
+                page.push((key, row));
+            }
+            page
+        }))
     }
 
     async fn fire_one_in(&self, mut conn: Conn<'_>, row: &ScheduleRow, now: i64) -> Result<Vec<FiredTick>> {

@@ -11,8 +11,9 @@ ALTER TABLE runs ADD COLUMN scheduled_at BIGINT;
 ALTER TABLE runs ADD COLUMN parent_run_id UUID;
 
 -- list_runs keyset pagination, newest first, on (created_at, run_id): across
--- tenants (operators), in one tenant, and in one tenant and state.
-CREATE INDEX runs_created_idx ON runs (created_at, run_id);
+-- tenants (operators; with the tenant last, since run ids are unique per
+-- tenant only), in one tenant, and in one tenant and state.
+CREATE INDEX runs_created_idx ON runs (created_at, run_id, tenant);
 CREATE INDEX runs_tenant_created_idx ON runs (tenant, created_at, run_id);
 CREATE INDEX runs_tenant_state_created_idx ON runs (tenant, state, created_at, run_id);
 -- A run's children (lineage).
@@ -31,7 +32,7 @@ CREATE TABLE ferry_schedules (
     -- of the interval since the Unix epoch, the same in every process).
     spec         TEXT    NOT NULL,
     -- The run each tick accepts: operation, schema_version, command, queue,
-    -- max_attempts, deadline_ms.
+    -- max_attempts, deadline_ms, priority.
     template     JSONB   NOT NULL,
     -- Missed ticks after downtime: 'skip' fires the latest only, 'catch_up'
     -- fires at most catch_up_max of the latest.
@@ -47,4 +48,6 @@ CREATE TABLE ferry_schedules (
     CONSTRAINT ferry_schedules_pkey PRIMARY KEY (tenant, name),
     CONSTRAINT ferry_schedules_missed_check CHECK (missed IN ('skip', 'catch_up') AND catch_up_max >= 1)
 );
-CREATE INDEX ferry_schedules_due_idx ON ferry_schedules (next_tick);
+-- Due schedules in firing order; fire_due_ticks pages on it past the ones it
+-- could not fire.
+CREATE INDEX ferry_schedules_due_idx ON ferry_schedules (next_tick, tenant, name);

@@ -39,7 +39,11 @@ impl Ferry {
     /// rolls back. Commit it with [`Ferry::complete_in`] in the same
     /// transaction and the child exists if and only if the parent's job
     /// completed. The child's idempotency key makes a retried handler replay
-    /// the child instead of creating a second one.
+    /// the child instead of creating a second one. The parent is not part
+    /// of the request's fingerprint: a key whose run is not this lease's
+    /// child (another parent's child, or a run accepted without a parent) is
+    /// [`Error::IdempotencyConflict`], not a replay of that run, so keys of
+    /// follow-ups should name their parent (e.g. `ship:<order id>`).
     pub async fn enqueue_run_in<'c>(
         &self,
         conn: impl Into<Conn<'c>>,
@@ -61,7 +65,19 @@ impl Ferry {
         }
         run.validate(self)?;
         self.lock_fence(conn.reborrow(), lease).await?;
-        self.create_run_idempotent_in(conn, run.parent(lease.run_id)).await
+        let key_hash = redact(&run.idempotency_key);
+        let operation = run.operation.clone();
+        let accepted = self.create_run_idempotent_in(conn, run.parent(lease.run_id)).await?;
+        if accepted.replay && accepted.run.parent_run_id != Some(lease.run_id) {
+            // A replay writes nothing, so refusing it leaves nothing behind.
+            tracing::info!(tenant = %lease.tenant, %operation, key = %key_hash, "follow-up key held by another parent's run");
+            return Err(Error::IdempotencyConflict {
+                operation,
+                key_hash,
+                existing_run: accepted.run.run_id,
+            });
+        }
+        Ok(accepted)
     }
 
     /// Accepts many runs in one transaction of their own; see

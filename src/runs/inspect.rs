@@ -79,16 +79,20 @@ impl RunFilter {
 /// Where the next page of [`Ferry::list_runs`] starts: opaque to callers,
 /// carried as a string (a query parameter, a CLI flag) through
 /// [`fmt::Display`] and [`FromStr`]. A cursor only means "below this row",
-/// so it stays valid while runs are accepted.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// so it stays valid while runs are accepted. It holds the row's tenant
+/// too: run ids are unique per tenant only, so across tenants
+/// `(created_at, run_id)` does not identify a row.
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RunCursor {
     created_at: i64,
     run_id: Uuid,
+    tenant: String,
 }
 
 impl fmt::Display for RunCursor {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "r1.{}.{}", self.created_at, self.run_id.simple())
+        // The tenant last: it may hold dots.
+        write!(f, "r2.{}.{}.{}", self.created_at, self.run_id.simple(), self.tenant)
     }
 }
 
@@ -96,16 +100,21 @@ impl FromStr for RunCursor {
     type Err = Error;
     fn from_str(s: &str) -> Result<Self> {
         let bad = || Error::invalid("cursor", "is not a cursor list_runs returned");
-        let mut parts = s.split('.');
-        if parts.next() != Some("r1") {
+        let mut parts = s.splitn(4, '.');
+        if parts.next() != Some("r2") {
             return Err(bad());
         }
         let created_at: i64 = parts.next().and_then(|p| p.parse().ok()).ok_or_else(bad)?;
         let run_id = parts.next().and_then(|p| Uuid::try_parse(p).ok()).ok_or_else(bad)?;
-        if parts.next().is_some() || created_at < 0 {
+        let tenant = parts.next().ok_or_else(bad)?.to_owned();
+        if created_at < 0 || tenant.is_empty() {
             return Err(bad());
         }
-        Ok(RunCursor { created_at, run_id })
+        Ok(RunCursor {
+            created_at,
+            run_id,
+            tenant,
+        })
     }
 }
 
@@ -269,11 +278,12 @@ impl Ferry {
             self.limits().name("operation", o)?;
         }
         // The exclusive upper bound: the cursor, or created_before with the
-        // smallest run id (no id is below it), or the end of time.
+        // smallest run id and tenant (nothing is below them), or the end of
+        // time.
         let before = filter.created_before.map_or(i64::MAX, Millis::get);
-        let (below_at, below_id) = match after {
-            Some(c) if c.created_at < before => (c.created_at, c.run_id),
-            _ => (before, Uuid::nil()),
+        let (below_at, below_id, below_tenant) = match after {
+            Some(c) if c.created_at < before => (c.created_at, c.run_id, c.tenant.as_str()),
+            _ => (before, Uuid::nil(), ""),
         };
         let from = filter.created_from.map_or(0, Millis::get);
         let state = filter.state.map(RunState::as_str);
@@ -293,6 +303,7 @@ impl Ferry {
                 .bind(filter.queue.as_deref())
                 .bind(i64::from(limit))
                 .bind(state)
+                .bind(below_tenant)
                 .fetch_all(&mut *c)
                 .await?
         });
@@ -301,6 +312,7 @@ impl Ferry {
             Some(last) if runs.len() == limit as usize => Some(RunCursor {
                 created_at: last.created_at.get(),
                 run_id: last.run_id,
+                tenant: last.tenant.clone(),
             }),
             _ => None,
         };

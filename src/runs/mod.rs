@@ -228,6 +228,14 @@ impl NewRun {
         if let Some(Start::After(d)) = self.start {
             duration_ms(d)?;
         }
+        // The deadline counts from the start (see `instants`): refuse a start
+        // so late that it overflows here, before anything is written, so a
+        // batch refuses this item only. A delay and a deadline are at most
+        // 100 years each, so from any real `now` they cannot overflow.
+        if let (Some(Start::At(at)), Some(d)) = (self.start, self.deadline) {
+            at.checked_add(d)
+                .map_err(|_| Error::invalid("run_at", "plus the deadline is past the last instant"))?;
+        }
         Ok(())
     }
 

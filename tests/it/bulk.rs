@@ -315,7 +315,25 @@ async fn an_empty_or_invalid_batch_writes_nothing(kind: Kind) {
     assert_eq!(counts(&t).await, [0; 5]);
 }
 
+async fn a_start_whose_deadline_overflows_refuses_that_item_only(kind: Kind) {
+    let t = TestDb::new(kind).await;
+    // The deadline counts from the start: past the last instant.
+    let far = ferry::Millis::new(i64::MAX - 5).unwrap();
+    let out = t
+        .ferry
+        .create_runs_idempotent(vec![
+            charge("k-good", 1),
+            charge("k-far", 2).run_at(far).deadline(Duration::from_secs(60)),
+        ])
+        .await
+        .unwrap();
+    assert!(!out[0].as_ref().unwrap().replay);
+    assert_eq!(out[1].as_ref().unwrap_err().code(), "invalid_input");
+    assert_eq!(counts(&t).await, [1; 5], "the good item is written, the other is not");
+}
+
 on_both_engines!(
+    a_start_whose_deadline_overflows_refuses_that_item_only,
     a_batch_writes_what_single_acceptances_write,
     a_mixed_batch_answers_each_item_in_order,
     a_batch_in_the_callers_transaction_rolls_back_with_it,

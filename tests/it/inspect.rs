@@ -166,7 +166,14 @@ async fn filters_narrow_by_state_queue_operation_and_time(kind: Kind) {
         "invalid_input"
     );
     assert_eq!("nonsense".parse::<RunCursor>().unwrap_err().code(), "invalid_input");
-    assert_eq!("r1.5.zz".parse::<RunCursor>().unwrap_err().code(), "invalid_input");
+    assert_eq!("r2.5.zz.acme".parse::<RunCursor>().unwrap_err().code(), "invalid_input");
+    assert_eq!(
+        format!("r2.5.{}.", Uuid::nil().simple())
+            .parse::<RunCursor>()
+            .unwrap_err()
+            .code(),
+        "invalid_input"
+    );
     assert_eq!(RunFilter::tenant("bad tenant!"), RunFilter::tenant("bad tenant!"));
     assert_eq!(
         t.ferry
@@ -333,7 +340,73 @@ async fn a_follow_up_run_exists_only_if_its_parent_completes(kind: Kind) {
     assert_eq!(child.run.parent_run_id, Some(b.lease.run_id));
 }
 
+async fn all_tenants_pages_keep_runs_that_share_an_instant_and_an_id(kind: Kind) {
+    // Run ids are unique per tenant only: one batch gives two tenants' runs
+    // the same acceptance instant and the same proposed id.
+    let t = TestDb::with_clock(kind, manual_clock()).await;
+    let id = Uuid::now_v7();
+    let out = t
+        .ferry
+        .create_runs_idempotent(vec![
+            run("acme", "charge", "q", "k").run_id(id),
+            run("zeta", "charge", "q", "k").run_id(id),
+        ])
+        .await
+        .unwrap();
+    assert!(out.iter().all(|r| r.as_ref().unwrap().run.run_id == id));
+    let listed = all_pages(&t, &RunFilter::default(), 1, async |_| {}).await;
+    let tenants: Vec<&str> = listed.iter().map(|r| r.tenant.as_str()).collect();
+    assert_eq!(
+        tenants,
+        ["zeta", "acme"],
+        "each tenant's run on its own page, newest tenant first"
+    );
+}
+
+async fn a_child_key_held_by_another_parents_child_is_a_conflict(kind: Kind) {
+    let t = TestDb::with_clock(kind, manual_clock()).await;
+    for key in ["p1", "p2"] {
+        t.ferry
+            .create_run_idempotent(run("acme", "order", "q", key))
+            .await
+            .unwrap();
+    }
+    let mut leases = t
+        .ferry
+        .claim("q", "w", LEASE, 2)
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|c| c.lease);
+    let (first, second) = (leases.next().unwrap(), leases.next().unwrap());
+    let mut tx = t.ferry.begin().await.unwrap();
+    let child = t
+        .ferry
+        .enqueue_run_in(&mut tx, &first, run("acme", "ship", "q", "ship"))
+        .await
+        .unwrap();
+    t.ferry.complete_in(&mut tx, &first, &json!({})).await.unwrap();
+    tx.commit().await.unwrap();
+    // The second parent's follow-up under the same key is not a replay of
+    // the first parent's child.
+    let mut tx = t.ferry.begin().await.unwrap();
+    let e = t
+        .ferry
+        .enqueue_run_in(&mut tx, &second, run("acme", "ship", "q", "ship"))
+        .await
+        .unwrap_err();
+    tx.rollback().await.unwrap();
+    assert!(
+        matches!(&e, Error::IdempotencyConflict { existing_run, .. } if *existing_run == child.run.run_id),
+        "{e}"
+    );
+    let children = "SELECT COUNT(*) FROM runs WHERE parent_run_id IS NOT NULL";
+    assert_eq!(t.scalar(children).await, 1);
+}
+
 on_both_engines!(
+    a_child_key_held_by_another_parents_child_is_a_conflict,
+    all_tenants_pages_keep_runs_that_share_an_instant_and_an_id,
     pages_return_every_run_once_in_order_while_runs_are_accepted,
     filters_narrow_by_state_queue_operation_and_time,
     lineage_shows_events_attempts_effects_outbox_and_children,

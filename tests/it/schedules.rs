@@ -299,7 +299,111 @@ async fn the_scheduler_loop_fires_due_ticks(kind: Kind) {
     );
 }
 
+async fn a_template_keeps_its_priority(kind: Kind) {
+    let clock = manual_clock();
+    let t = TestDb::with_clock(kind, clock.clone()).await;
+    let f = &t.ferry;
+    let urgent = || template("acme").priority(90);
+    assert_eq!(
+        f.schedule("s", every_minute(), urgent(), Missed::Skip, "ops")
+            .await
+            .unwrap(),
+        ScheduleChange::Created
+    );
+    clock.advance(MINUTE).unwrap();
+    assert_eq!(f.fire_due_ticks(10).await.unwrap().len(), 1);
+    assert_eq!(
+        t.scalar("SELECT CAST(priority AS BIGINT) FROM jobs").await,
+        90,
+        "the tick's job has the template's priority"
+    );
+    assert_eq!(
+        f.schedule("s", every_minute(), urgent(), Missed::Skip, "ops")
+            .await
+            .unwrap(),
+        ScheduleChange::Unchanged
+    );
+    assert_eq!(
+        f.schedule("s", every_minute(), urgent().priority(10), Missed::Skip, "ops")
+            .await
+            .unwrap(),
+        ScheduleChange::Updated,
+        "a new priority alone is a change"
+    );
+    assert_eq!(audits(&t, "schedule.update").await, 1);
+}
+
+/// Inserts schedule `name` of acme by SQL, due at T0 (before any registered
+/// one), with `template` as stored.
+async fn insert_due_schedule(t: &TestDb, name: &str, template: &str) {
+    t.exec(&format!(
+        "INSERT INTO ferry_schedules (tenant, name, spec, template, missed, catch_up_max, anchor_at, last_tick, \
+         next_tick, version, created_at, updated_at) VALUES ('acme', '{name}', 'every:60000', '{template}', 'skip', 1, \
+         {a}, NULL, {T0}, 1, {a}, {a})",
+        a = T0 - 60_000
+    ))
+    .await
+    .unwrap();
+}
+
+async fn refused_and_unreadable_schedules_do_not_starve_the_others(kind: Kind) {
+    let clock = manual_clock();
+    let t = TestDb::with_clock(kind, clock.clone()).await;
+    t.ferry
+        .schedule("good", every_minute(), template("acme"), Missed::Skip, "ops")
+        .await
+        .unwrap();
+    // Most overdue, and never firing: a template this version cannot read,
+    // and one whose runs are refused (no attempts).
+    insert_due_schedule(&t, "unreadable", r#"{"nonsense": true}"#).await;
+    insert_due_schedule(
+        &t,
+        "refused",
+        r#"{"operation": "report", "schema_version": 1, "command": {}, "queue": "reports", "max_attempts": 0, "deadline_ms": null}"#,
+    )
+    .await;
+    for round in 1..=3 {
+        clock.advance(MINUTE).unwrap();
+        let fired = t.ferry.fire_due_ticks(1).await.unwrap();
+        let names: Vec<&str> = fired.iter().map(|f| f.name.as_str()).collect();
+        assert_eq!(names, ["good"], "round {round}");
+    }
+    clock.advance(MINUTE).unwrap();
+    let fired = t.ferry.fire_due_ticks(10).await.unwrap();
+    assert_eq!(fired.len(), 1, "an unreadable row does not fail the others' read");
+    assert_eq!(tick_runs(&t, "acme", "good").await.len(), 4);
+    assert_eq!(
+        t.scalar("SELECT COUNT(*) FROM runs").await,
+        4,
+        "the broken ones accepted nothing"
+    );
+    let stuck = t
+        .scalar(&format!("SELECT COUNT(*) FROM ferry_schedules WHERE next_tick = {T0}"))
+        .await;
+    assert_eq!(stuck, 2, "the broken ones stay due, retried at each call");
+}
+
+async fn a_name_whose_tick_keys_exceed_the_key_limit_is_refused(kind: Kind) {
+    let t = TestDb::new(kind).await;
+    let limits = ferry::Limits {
+        max_key_bytes: 40,
+        ..Default::default()
+    };
+    let f = ferry::Ferry::builder(&t.url).limits(limits).connect().await.unwrap();
+    // "schedule:<20 bytes>:0" fits in 40 bytes; a real tick's key does not.
+    let name = "n".repeat(20);
+    let e = f
+        .schedule(&name, every_minute(), template("acme"), Missed::Skip, "ops")
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), "invalid_input", "{e}");
+    assert_eq!(t.scalar("SELECT COUNT(*) FROM ferry_schedules").await, 0);
+}
+
 on_both_engines!(
+    refused_and_unreadable_schedules_do_not_starve_the_others,
+    a_name_whose_tick_keys_exceed_the_key_limit_is_refused,
+    a_template_keeps_its_priority,
     ticks_fire_once_and_missed_ticks_follow_the_policy,
     cron_schedules_tick_on_their_expression,
     schedule_changes_are_audited_and_bad_ones_refused,
