@@ -8,21 +8,7 @@ use ferry::{Error, NewRun, OutboxMessage, RunState};
 use serde_json::json;
 use uuid::Uuid;
 
-use crate::support::{manual_clock, on_both_engines, Kind, TestDb};
-
-fn charge(key: &str, amount: i64) -> NewRun {
-    NewRun::new("acme", "charge", key, json!({"amount": amount, "currency": "EUR"}))
-}
-
-async fn counts(t: &TestDb) -> [i64; 5] {
-    [
-        t.scalar("SELECT count(*) FROM runs").await,
-        t.scalar("SELECT count(*) FROM run_events").await,
-        t.scalar("SELECT count(*) FROM jobs").await,
-        t.scalar("SELECT count(*) FROM idempotency_keys").await,
-        t.scalar("SELECT count(*) FROM outbox").await,
-    ]
-}
+use crate::support::{charge, counts, manual_clock, on_both_engines, Kind, TestDb};
 
 async fn migration_and_atomic_first_event(kind: Kind) {
     let t = TestDb::new(kind).await;

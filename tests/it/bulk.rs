@@ -7,21 +7,7 @@ use ferry::{Accepted, Error, Ferry, NewRun};
 use serde_json::json;
 use uuid::Uuid;
 
-use crate::support::{manual_clock, on_both_engines, Kind, TestDb};
-
-fn charge(key: &str, amount: i64) -> NewRun {
-    NewRun::new("acme", "charge", key, json!({"amount": amount, "currency": "EUR"}))
-}
-
-async fn counts(t: &TestDb) -> [i64; 5] {
-    [
-        t.scalar("SELECT count(*) FROM runs").await,
-        t.scalar("SELECT count(*) FROM run_events").await,
-        t.scalar("SELECT count(*) FROM jobs").await,
-        t.scalar("SELECT count(*) FROM idempotency_keys").await,
-        t.scalar("SELECT count(*) FROM outbox").await,
-    ]
-}
+use crate::support::{charge, counts, manual_clock, on_both_engines, Kind, TestDb};
 
 /// Every row of `table`, each as one line of text with all its columns, in
 /// `order`: what "the same rows" means below.
