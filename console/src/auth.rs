@@ -63,7 +63,7 @@ pub struct Tokens {
 
 impl Tokens {
     /// Parses a token file's text. Refuses a malformed line, a hash that is
-    /// not 64 hex digits, an empty or duplicate name, an empty tenant list,
+    /// not 64 hex digits, an empty or duplicate name, a token on two lines, an empty tenant list,
     /// and a file with no token at all (the console would admit nobody).
     pub fn parse(text: &str) -> Result<Tokens, ConsoleError> {
         let mut entries: Vec<TokenEntry> = Vec::new();
@@ -86,6 +86,11 @@ impl Tokens {
             let mut sha256 = [0u8; 32];
             hex::decode_to_slice(l.sha256.trim(), &mut sha256)
                 .map_err(|_| bad("sha256 must be 64 hex digits (the SHA-256 of the token)".into()))?;
+            // One token, one line: with two, the lookup would pick one and
+            // silently give the token the other line's scope and name.
+            if entries.iter().any(|e| e.sha256 == sha256) {
+                return Err(bad(format!("the token of {:?} is already on another line", l.name)));
+            }
             if l.tenants
                 .as_ref()
                 .is_some_and(|t| t.is_empty() || t.iter().any(String::is_empty))
@@ -312,6 +317,16 @@ mod tests {
             !Auth::csrf_ok(&p, &auth.bearer("s3cret").unwrap().csrf),
             "per credential"
         );
+    }
+
+    #[test]
+    fn one_token_on_two_lines_is_refused() {
+        let text = format!(
+            "{}\n{}\n",
+            Tokens::line_for("acme-ops", "same", Some(&["acme".to_owned()]), false),
+            Tokens::line_for("root", "same", None, true)
+        );
+        assert!(Tokens::parse(&text).is_err(), "the second line would widen the token");
     }
 
     #[test]
