@@ -74,16 +74,22 @@ pub(crate) async fn page(
             div.card { span.label { "Oldest pending" } span.figure #oldest-age { (oldest.map_or("—".to_owned(), |o| age(now - o))) } }
             div.card { span.label { "Dead rows" } span.figure #dead-total { a href=(frame.link("/dead")) { (dead_rows) } } }
             div.card { span.label { "Relays alive" } span.figure #relays-alive { (relays.len()) } }
-            div.card { span.label { "Delivered/s" } span.figure #throughput {
-                (series.last().map_or("—".to_owned(), |s| format!("{:.1}", s.delivered_per_sec))) } }
+            // The sampler counts every tenant's rows: shown only unfiltered,
+            // so a tenant's view never reveals the others' volume.
+            @if t.is_none() {
+                div.card { span.label { "Delivered/s" } span.figure #throughput {
+                    (series.last().map_or("—".to_owned(), |s| format!("{:.1}", s.delivered_per_sec))) } }
+            }
         }
         @if t.is_some() {
             p.note { "Figures are for tenant " strong { (t.unwrap_or_default()) }
                 "; lanes, relays and consumer groups are shared by every tenant." }
         }
-        section {
-            h2 { "Backlog and throughput" }
-            (plot(&series))
+        @if t.is_none() {
+            section {
+                h2 { "Backlog and throughput" }
+                (plot(&series))
+            }
         }
         section {
             h2 { "Jobs by queue and state" }

@@ -228,6 +228,19 @@ async fn a_scoped_token_sees_and_touches_only_its_tenants(engine: Engine) {
     // The overview's figures are acme's only: two of the three dead rows.
     assert_eq!(a.get(ACME, "/").await.text_of("dead-total"), "2");
     assert_eq!(a.get(ROOT, "/").await.text_of("dead-total"), "3");
+    // Every tenant's traffic (the sampler's throughput and plot) is shown
+    // only unfiltered.
+    a.console.sample().await.unwrap();
+    a.console.sample().await.unwrap();
+    for path in ["/", "/?tenant=acme"] {
+        let scoped = a.get(if path == "/" { ACME } else { ROOT }, path).await.body;
+        assert!(
+            !scoped.contains("id=\"throughput\"") && !scoped.contains("id=\"plot\""),
+            "{path}"
+        );
+    }
+    let all = a.get(ROOT, "/").await.body;
+    assert!(all.contains("id=\"throughput\"") && all.contains("id=\"plot\""));
     // Actions outside the scope change nothing.
     let csrf = a.csrf(ACME).await;
     let g = s.globex_dead_row.to_string();
