@@ -23,7 +23,7 @@ ORDER BY b.lane
 
 -- name: outbox_dead_groups
 -- Dead rows by tenant and error code (outbox_dead_idx).
-SELECT tenant, COALESCE(last_error, '') AS error_code, count(*) AS rows, min(id) AS first_id
+SELECT tenant, COALESCE(last_error, '') AS error_code, count(*) AS rows, min(id) AS first_id, max(id) AS last_id
 FROM outbox
 WHERE state = 'dead' AND ($1{pg:::text} IS NULL OR tenant = $1)
 GROUP BY tenant, last_error

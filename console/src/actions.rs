@@ -41,6 +41,13 @@ fn blank_to_none(s: Option<String>) -> Option<String> {
     s.map(|s| s.trim().to_owned()).filter(|s| !s.is_empty())
 }
 
+/// An optional outbox id from a form field (blank: none).
+fn optional_id(field: Option<String>, bad: &'static str) -> Result<Option<i64>, ConsoleError> {
+    blank_to_none(field)
+        .map(|s| s.parse::<i64>().map_err(|_| ConsoleError::BadRequest(bad.into())))
+        .transpose()
+}
+
 #[derive(Debug, serde::Deserialize)]
 pub(crate) struct ReplayOutbox {
     #[serde(flatten)]
@@ -51,6 +58,8 @@ pub(crate) struct ReplayOutbox {
     tenant: Option<String>,
     #[serde(default)]
     error_code: Option<String>,
+    #[serde(default)]
+    max_id: Option<String>,
 }
 
 /// Replays one dead outbox row (`id`) or one group (`tenant` + `error_code`).
@@ -61,13 +70,7 @@ pub(crate) async fn replay_outbox(
     Form(f): Form<ReplayOutbox>,
 ) -> Result<Markup, ConsoleError> {
     let reason = f.common.check(&principal, &headers)?;
-    let id = match blank_to_none(f.id) {
-        Some(s) => Some(
-            s.parse::<i64>()
-                .map_err(|_| ConsoleError::BadRequest("id must be an integer".into()))?,
-        ),
-        None => None,
-    };
+    let id = optional_id(f.id, "id must be an integer")?;
     let tenant = blank_to_none(f.tenant);
     match &tenant {
         Some(t) => principal.check(t)?,
@@ -83,10 +86,12 @@ pub(crate) async fn replay_outbox(
     if id.is_none() && error_code.is_none() {
         return Err(ConsoleError::BadRequest("choose a dead row or a group".into()));
     }
+    let max_id = optional_id(f.max_id, "max_id must be an integer")?;
     let filter = DeadFilter {
         id,
         tenant: tenant.clone(),
         error_code,
+        max_id,
     };
     let ids = state
         .relay

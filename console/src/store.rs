@@ -32,6 +32,9 @@ pub struct DeadOutboxGroup {
     pub rows: i64,
     /// The lowest id among them (where to start looking).
     pub first_id: i64,
+    /// The highest id among them: a group replay goes no further, so rows
+    /// that died after the page was shown are not replayed unseen.
+    pub last_id: i64,
 }
 
 /// How many jobs of a queue are in a state.

@@ -140,12 +140,13 @@ ORDER BY id LIMIT $1
 
 -- name: replay_dead_outbox
 -- Back to pending: every dead row, or only id $1, only of tenant $2, only
--- with error code $3.
+-- with error code $3, only up to id $4.
 UPDATE outbox SET state = 'pending', last_error = NULL
 WHERE state = 'dead'
   AND ($1{pg:::bigint} IS NULL OR id = $1)
   AND ($2{pg:::text} IS NULL OR tenant = $2)
   AND ($3{pg:::text} IS NULL OR last_error = $3)
+  AND ($4{pg:::bigint} IS NULL OR id <= $4)
 RETURNING id
 
 -- name: lane_owners

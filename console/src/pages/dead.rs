@@ -33,6 +33,7 @@ pub(crate) async fn page(
         id: None,
         tenant: tenant.clone(),
         error_code: code.clone(),
+        max_id: None,
     };
     let (outbox_groups, job_groups, rows, now) = tokio::try_join!(
         state.store.outbox_dead_groups(t),
@@ -64,6 +65,7 @@ pub(crate) async fn page(
                                 (csrf_field(&principal))
                                 input type="hidden" name="tenant" value=(g.tenant);
                                 input type="hidden" name="error_code" value=(g.error_code);
+                                input type="hidden" name="max_id" value=(g.last_id);
                                 (reason_field())
                                 button type="submit" { "Replay " (g.rows) " rows" }
                             } } }

@@ -18,6 +18,7 @@ on_both_engines!(
     a_scoped_token_sees_and_touches_only_its_tenants,
     payloads_are_shown_only_to_tokens_allowed_them,
     cancel_and_replay_are_audited_with_the_token_name,
+    a_group_replay_goes_no_further_than_the_rows_shown,
     the_overview_figures_match_the_database,
     runs_are_found_by_key_and_paged_and_their_lineage_shows_where_events_went,
 );
@@ -575,4 +576,36 @@ async fn runs_are_found_by_key_and_paged_and_their_lineage_shows_where_events_we
     let r = a.get(ROOT, &format!("/runs/acme/{}", s.acme_dead_run)).await;
     let ledger = &r.body[r.body.find("id=\"ledger\"").expect("a ledger table")..];
     assert!(ledger.contains("projector") && ledger.contains(">41<"));
+}
+
+/// The dead page's group form carries the highest id it counted, and a group
+/// replay stops there: a row of the group that died after the page was shown
+/// is not replayed unseen.
+async fn a_group_replay_goes_no_further_than_the_rows_shown(engine: Engine) {
+    let a = app(engine).await;
+    let s = seed(&a.db.ferry).await;
+    let (first, last) = (s.acme_dead_rows[0], s.acme_dead_rows[1]);
+    assert!(first < last);
+    let page = a.get(ACME, "/dead").await.body;
+    assert!(page.contains(&format!("name=\"max_id\" value=\"{last}\"")), "{page}");
+    // As if the page had been shown before `last` died.
+    let csrf = a.csrf(ACME).await;
+    let shown = first.to_string();
+    let r = a
+        .post(
+            ACME,
+            "/actions/outbox/replay",
+            &[
+                ("tenant", "acme"),
+                ("error_code", "message_too_large"),
+                ("max_id", &shown),
+                ("reason", "retry the group"),
+                ("csrf", &csrf),
+            ],
+        )
+        .await;
+    assert_eq!(r.status, StatusCode::OK, "{}", r.body);
+    let state = |id: i64| format!("SELECT count(*) FROM outbox WHERE id = {id} AND state = 'dead'");
+    assert_eq!(a.scalar(&state(first)).await, 0, "the row shown is replayed");
+    assert_eq!(a.scalar(&state(last)).await, 1, "the later row stays dead");
 }

@@ -102,6 +102,9 @@ pub struct DeadFilter {
     pub tenant: Option<String>,
     /// Only rows dead with this error code (a group on the console).
     pub error_code: Option<String>,
+    /// Only rows up to this id (a group as the operator saw it: rows that
+    /// die later are not replayed with it).
+    pub max_id: Option<i64>,
 }
 
 /// Who holds a lane.
@@ -450,6 +453,7 @@ impl RelayStore {
                     .bind(filter.id)
                     .bind(filter.tenant.as_deref())
                     .bind(filter.error_code.as_deref())
+                    .bind(filter.max_id)
                     .fetch_all(&mut *c)
                     .await?
             });
