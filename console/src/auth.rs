@@ -11,9 +11,11 @@
 //! A token is compared in constant time against every entry (no early exit),
 //! so timing reveals neither which entry matched nor how much of a hash did.
 //! The session cookie is `<name>~<issued ms>~<HMAC(server key, name, issued,
-//! token hash)>`: it proves the token was presented without containing it, dies
-//! after its lifetime, with the server key (a restart), and with its token's
-//! line in the file. The CSRF token is an HMAC of the credential (cookie or
+//! token hash)>`: it proves the token was presented without containing it, and
+//! dies after its lifetime or with the server key (a restart). The token file
+//! is read once at start: removing a line revokes its token (and its
+//! sessions) at the next restart, not before; signing out clears the cookie
+//! in the browser only. The CSRF token is an HMAC of the credential (cookie or
 //! token hash) under the server key, so it is per session and never stored.
 
 use std::time::Duration;
