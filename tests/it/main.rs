@@ -1,5 +1,6 @@
 //! Ferry's integration tests, in one binary: the conformance scenarios run on
-//! PostgreSQL and SQLite, plus PostgreSQL-only concurrency and chaos tests.
+//! PostgreSQL and SQLite, plus PostgreSQL-only concurrency and chaos tests
+//! and a database outage under a worker (on a cluster of its own).
 
 mod accept;
 mod bulk;
@@ -7,6 +8,7 @@ mod bulk;
 mod fingerprint;
 mod inspect;
 mod jobs;
+mod outage;
 mod outbox;
 mod pg;
 mod queues;
