@@ -3,6 +3,7 @@
 mod effect_keys;
 mod exactly_once;
 mod lanes;
+mod outage;
 mod queries;
 mod relay;
 mod support;
