@@ -989,22 +989,26 @@ impl OwnDatabase {
     }
 
     /// The outage begins: no new connection is accepted, and every open one
-    /// (an open transaction's included) is terminated.
-    async fn refuse_connections(&self) {
+    /// (an open transaction's included) is terminated, except the backends
+    /// `spare`.
+    async fn refuse_connections(&self, spare: &[i32]) {
         sqlx::query(&format!("ALTER DATABASE {} ALLOW_CONNECTIONS false", self.name))
             .execute(&self.admin)
             .await
             .unwrap();
-        self.terminate_backends().await;
+        self.terminate_backends(spare).await;
     }
 
-    /// Terminates every backend connected to the database.
-    async fn terminate_backends(&self) {
-        sqlx::query("SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity WHERE datname = $1")
-            .bind(&self.name)
-            .execute(&self.admin)
-            .await
-            .unwrap();
+    /// Terminates every backend connected to the database but `spare`.
+    async fn terminate_backends(&self, spare: &[i32]) {
+        sqlx::query(
+            "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity WHERE datname = $1 AND NOT pid = ANY($2)",
+        )
+        .bind(&self.name)
+        .bind(spare)
+        .execute(&self.admin)
+        .await
+        .unwrap();
     }
 
     /// The outage ends.
@@ -1045,7 +1049,7 @@ async fn a_handler_s_database_errors_are_classified_by_whose_fault_they_are() {
     );
     tx.rollback().await.unwrap();
     let mut tx = ferry.begin().await.unwrap();
-    db.refuse_connections().await;
+    db.refuse_connections(&[]).await;
     let cut = tx.execute(insert, &[]).await.unwrap_err();
     let cut = HandlerError::from(cut);
     assert_eq!(cut.class, HandlerClass::Infrastructure, "{cut:?}");
@@ -1130,13 +1134,13 @@ async fn a_database_outage_longer_than_the_retry_budget_never_skips_a_record() {
         .expect("the first record never reached the handler")
         .unwrap();
     // The record's transaction is open in the handler: the outage begins.
-    db.refuse_connections().await;
+    db.refuse_connections(&[]).await;
     proceed.send(()).unwrap();
     let outage = Instant::now();
     let mut every = tokio::time::interval(Duration::from_millis(100));
     while outage.elapsed() < OUTAGE {
         every.tick().await;
-        db.terminate_backends().await;
+        db.terminate_backends(&[]).await;
     }
     db.allow_connections().await;
     until_at_least(
@@ -1172,7 +1176,7 @@ async fn a_database_outage_longer_than_the_retry_budget_never_skips_a_record() {
         metrics.infrastructure_retries.get()
     );
     // A second outage: the consumer shuts down while a record waits on it.
-    db.refuse_connections().await;
+    db.refuse_connections(&[]).await;
     let before = metrics.infrastructure_retries.get();
     produce(&p, "outage", "k", Some("o2")).await;
     let deadline = Instant::now() + Duration::from_secs(60);
@@ -1191,5 +1195,193 @@ async fn a_database_outage_longer_than_the_retry_budget_never_skips_a_record() {
     );
     assert_eq!(stored_next(&ferry, "go", "outage").await, 2, "nothing moved past it");
     assert_eq!(metrics.dead_lettered.get(), 0);
+    db.drop_with(ferry).await;
+}
+
+/// Takes the `gate` row's lock without waiting (`FOR UPDATE NOWAIT`), then
+/// writes the effect like [`Apply`], counting its calls: while the test
+/// holds that row, each attempt fails with `lock_not_available`, an
+/// infrastructure error the handler's own statement meets.
+struct Gated {
+    apply: Apply,
+    calls: Arc<std::sync::atomic::AtomicU32>,
+}
+
+impl Handler for Gated {
+    fn handle<'a>(&'a self, r: &'a Record, tx: &'a mut ferry::Tx) -> BoxFuture<'a, Result<(), HandlerError>> {
+        Box::pin(async move {
+            self.calls.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            tx.execute("SELECT id FROM gate WHERE id = 1 FOR UPDATE NOWAIT", &[])
+                .await?;
+            self.apply.handle(r, tx).await
+        })
+    }
+}
+
+/// An infrastructure error that the handler's own statement meets (here a
+/// row lock it cannot take, `lock_not_available`) spends none of the
+/// record's budget and never dead-letters it: the record is tried again and
+/// again, its partition paused (the record after it waits, though the
+/// database is up), and once the lock is free both are applied in order.
+/// The old consumer charged it to the budget, and with no dead-letter topic
+/// recorded the record `dead_lettered` and went on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_infrastructure_error_met_by_the_handler_waits_with_its_partition_paused() {
+    const BUDGET: u32 = 3;
+    let broker = Kafka::start();
+    broker.create_topic("gated", 1);
+    let (ferry, _) = pg().await;
+    let pool = ferry.db().as_postgres().unwrap().clone();
+    sqlx::query("CREATE TABLE gate (id INT PRIMARY KEY)")
+        .execute(&pool)
+        .await
+        .unwrap();
+    sqlx::query("INSERT INTO gate VALUES (1)").execute(&pool).await.unwrap();
+    let mut held = pool.begin().await.unwrap();
+    sqlx::query("SELECT id FROM gate WHERE id = 1 FOR UPDATE")
+        .execute(&mut *held)
+        .await
+        .unwrap();
+    let p = producer(&broker.brokers());
+    produce(&p, "gated", "k", Some("g0")).await;
+    produce(&p, "gated", "k", Some("g1")).await;
+    let calls = Arc::new(std::sync::atomic::AtomicU32::new(0));
+    let c = Consumer::builder(ferry.clone(), broker.brokers(), "gg", &["gated"])
+        .handler(Gated {
+            apply: Apply { owner: "c".into() },
+            calls: calls.clone(),
+        })
+        .retry(BUDGET, Duration::from_millis(20), Duration::from_millis(200))
+        .micro_batch(1)
+        .kafka("session.timeout.ms", "6000")
+        .kafka("heartbeat.interval.ms", "500")
+        .build()
+        .unwrap();
+    let consumer = Running::spawn(c);
+    let metrics = consumer.metrics();
+    let ledger = "SELECT \"offset\", outcome FROM consumer_ledger WHERE group_id = 'gg' ORDER BY \"offset\"";
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while calls.load(std::sync::atomic::Ordering::SeqCst) < 2 * BUDGET {
+        let rows: Vec<(i64, String)> = sqlx::query_as(ledger).fetch_all(&pool).await.unwrap();
+        assert!(
+            rows.is_empty(),
+            "the record waiting on the lock was dead-lettered or passed over: {rows:?} after {} handler calls",
+            calls.load(std::sync::atomic::Ordering::SeqCst)
+        );
+        assert!(Instant::now() < deadline, "the handler was not tried again and again");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(
+        stored_next(&ferry, "gg", "gated").await,
+        0,
+        "nothing moved past the record"
+    );
+    held.rollback().await.unwrap();
+    until_at_least(
+        &ferry,
+        "SELECT count(*) FROM consumer_ledger WHERE group_id = 'gg'",
+        2,
+        Duration::from_secs(60),
+    )
+    .await;
+    let rows: Vec<(i64, String)> = sqlx::query_as(ledger).fetch_all(&pool).await.unwrap();
+    assert_eq!(rows, [(0, "applied".to_owned()), (1, "applied".to_owned())]);
+    assert_eq!(
+        scalar(&ferry, "SELECT count(*) FROM effects_applied WHERE applied = 1").await,
+        2
+    );
+    consumer.stop().await;
+    assert_eq!(metrics.dead_lettered.get(), 0);
+    assert!(metrics.infrastructure_retries.get() >= u64::from(2 * BUDGET - 1));
+}
+
+/// A partition lease lost during an outage stops the member; it never skips
+/// the record it was retrying. While the database refuses connections and
+/// the record waits on the outage, another member takes the partition (on a
+/// connection the outage spared, as a member reaching the database another
+/// way would); when the database is back, the member's retry is refused, it
+/// pauses the partition and defers to the live lease, having written
+/// nothing; once the lease is given back it takes the partition again and
+/// applies the record from the stored offset.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lease_lost_during_an_outage_stops_the_member_and_skips_nothing() {
+    let broker = Kafka::start();
+    broker.create_topic("handover", 1);
+    let db = OwnDatabase::create().await;
+    let ferry = db.ferry().await;
+    // The other member's one connection, which the outage spares.
+    let other = Ferry::builder(&db.url).max_connections(1).connect().await.unwrap();
+    let spared: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
+        .fetch_one(other.db().as_postgres().unwrap())
+        .await
+        .unwrap();
+    let consumer = in_process(
+        ferry.clone(),
+        &broker.brokers(),
+        "gh",
+        "handover",
+        Assignment::CooperativeSticky,
+        "member-a",
+    );
+    let metrics = consumer.metrics();
+    until_at_least(
+        &ferry,
+        "SELECT count(*) FROM consumer_partitions WHERE group_id = 'gh' AND owner = 'member-a'",
+        1,
+        Duration::from_secs(60),
+    )
+    .await;
+    db.refuse_connections(&[spared]).await;
+    let p = producer(&broker.brokers());
+    produce(&p, "handover", "k", Some("h0")).await;
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while metrics.infrastructure_retries.get() == 0 {
+        assert!(Instant::now() < deadline, "the record never waited on the outage");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let (lease_b, _) = ferry_consumer::store::ConsumerStore::new(other.clone())
+        .acquire_partition("gh", "handover", 0, "member-b", Duration::from_secs(120))
+        .await
+        .unwrap();
+    db.allow_connections().await;
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while metrics.lease_losses.get() == 0 || metrics.reclaims_deferred.get() == 0 {
+        assert!(
+            Instant::now() < deadline,
+            "member A neither noticed the lost lease nor deferred to it"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(
+        scalar(&ferry, "SELECT count(*) FROM consumer_ledger WHERE group_id = 'gh'").await,
+        0,
+        "the member that lost the lease wrote nothing"
+    );
+    assert_eq!(
+        holder(&ferry, "gh", "handover", 0).await,
+        (Some("member-b".to_owned()), lease_b.generation)
+    );
+    assert!(ferry_consumer::store::ConsumerStore::new(other.clone())
+        .release_partition(&lease_b)
+        .await
+        .unwrap());
+    until_at_least(
+        &ferry,
+        "SELECT count(*) FROM consumer_ledger WHERE group_id = 'gh' AND outcome = 'applied'",
+        1,
+        Duration::from_secs(60),
+    )
+    .await;
+    consumer.stop().await;
+    assert_eq!(
+        scalar(
+            &ferry,
+            "SELECT count(*) FROM effects_applied WHERE written_by = 'member-a' AND applied = 1"
+        )
+        .await,
+        1
+    );
+    assert_eq!(metrics.dead_lettered.get(), 0);
+    other.db().close().await;
     db.drop_with(ferry).await;
 }
