@@ -47,13 +47,13 @@ pub(super) async fn at_least_once(
 pub(super) async fn lone(
     state: &RelayState,
     cfg: &RelayConfig,
-    lone: &LoneProducer,
+    producer: &LoneProducer,
     database_id: &Arc<str>,
     lease: LaneLease,
     row: &PendingRow,
 ) -> BatchEnd {
     let topic = cfg.route(&row.topic, &row.tenant);
-    let outcome = lone.send(topic, row.clone(), database_id.clone()).await;
+    let outcome = producer.send(topic, row.clone(), database_id.clone()).await;
     let mut marker = Marker::new(lease);
     let end = settle(state, cfg, &mut marker, row, outcome, true)
         .await

@@ -34,6 +34,8 @@ use crate::store::{LaneLease, PendingRow};
 pub struct LoneProducer {
     /// [`publish::lone_producer_config`], for the first use.
     config: ClientConfig,
+    /// The producer, once the first lone re-send created it (shared by the
+    /// clones, so the relay has one).
     producer: Arc<OnceLock<FutureProducer>>,
     /// Held from a record's send until its delivery settles, by a task of
     /// its own: a lane aborted meanwhile drops only its wait, so no record is
@@ -82,6 +84,7 @@ impl LoneProducer {
         self.producer.get().and_then(|p| p.client().fatal_error())
     }
 
+    /// The producer, created by the first caller (callers hold the gate).
     fn producer(&self) -> Result<FutureProducer, rdkafka::error::KafkaError> {
         if let Some(p) = self.producer.get() {
             return Ok(p.clone());
