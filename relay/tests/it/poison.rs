@@ -96,6 +96,19 @@ async fn dead(ferry: &Ferry) -> Vec<(i64, Option<String>)> {
     dead
 }
 
+/// How many records the relay saw refused as too large (each refusal
+/// counted once per record it refused).
+fn too_large_refusals(relay: &RunningRelay) -> u64 {
+    let line = r#"ferry_relay_publish_errors_total{code="message_too_large"} "#;
+    relay
+        .state
+        .metrics
+        .render()
+        .lines()
+        .find_map(|l| l.strip_prefix(line))
+        .map_or(0, |n| n.trim().parse().unwrap())
+}
+
 /// A relay whose shared producer lingers, so records of different lanes
 /// bound for one partition meet in one produce request.
 fn lingering_config(url: &str, brokers: &str) -> ferry_relay::RelayConfig {
@@ -162,6 +175,9 @@ async fn a_row_refused_with_another_lane_s_poison_row_is_delivered() {
     }
     let relay = start_relay(lingering_config(&url, &broker.brokers()), ferry.clone()).await;
     until_settled(&ferry).await;
+    // Each big row is refused twice (with its request, then alone): more
+    // means a small row was refused with a big one, the case under test.
+    assert!(too_large_refusals(&relay) > 10, "no small row met a big one");
     relay.shutdown().await;
     let expected: Vec<_> = big.iter().map(|id| (*id, Some("message_too_large".into()))).collect();
     assert_eq!(dead(&ferry).await, expected, "only the big rows are dead");
@@ -189,6 +205,9 @@ async fn valid_rows_refused_for_their_sum_are_all_delivered() {
     }
     let relay = start_relay(lingering_config(&url, &broker.brokers()), ferry.clone()).await;
     until_settled(&ferry).await;
+    // A valid row alone is never refused: these refusals were of requests
+    // holding several rows, the case under test.
+    assert!(too_large_refusals(&relay) >= 2, "the rows never met in one request");
     relay.shutdown().await;
     assert_eq!(dead(&ferry).await, vec![], "no row is dead");
     assert_eq!(ids_in(&ferry, "delivered").await, ids);
