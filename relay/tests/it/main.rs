@@ -3,6 +3,7 @@
 mod effect_keys;
 mod exactly_once;
 mod lanes;
+mod poison;
 mod queries;
 mod relay;
 mod support;
