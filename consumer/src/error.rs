@@ -264,6 +264,9 @@ fn sqlite_code(code: i32, e: &sqlx::Error) -> Fault {
         22 => Infra("sqlite_nolfs"),
         23 => Infra("sqlite_auth"),
         26 => Infra("sqlite_notadb"),
+        // SQLite's generic code also carries a few refusals of the record's
+        // data (PostgreSQL's data exceptions), named by their messages.
+        1 if sqlite_data_error(e) => Record("sqlite_data_error"),
         // The schema and the code (a missing table, a bad statement).
         1 => Infra("sqlite_error"),
         3 => Infra("sqlite_perm"),
@@ -274,6 +277,15 @@ fn sqlite_code(code: i32, e: &sqlx::Error) -> Fault {
         // Not errors (notice, warning, row, done), or unknown.
         _ => unclassified(e),
     }
+}
+
+/// Whether an `SQLITE_ERROR` refuses the data rather than the statement:
+/// JSON that does not parse, an integer that overflows (on PostgreSQL, data
+/// exceptions, class 22).
+fn sqlite_data_error(e: &sqlx::Error) -> bool {
+    const DATA_ERRORS: [&str; 2] = ["malformed JSON", "integer overflow"];
+    e.as_database_error()
+        .is_some_and(|db| DATA_ERRORS.iter().any(|m| db.message().starts_with(m)))
 }
 
 /// An error this version does not classify: logged, and infrastructure, so
@@ -369,6 +381,32 @@ mod tests {
         assert_eq!(
             classify(&ferry::Error::NotMigrated("consumer_ledger".into())),
             Infra("schema")
+        );
+    }
+
+    /// SQLite reports some refusals of the record's data under its generic
+    /// code, which otherwise means a schema or statement error.
+    #[tokio::test]
+    async fn a_record_s_malformed_json_is_the_record_s_fault_on_sqlite_too() {
+        let pool = sqlx::SqlitePool::connect("sqlite::memory:").await.unwrap();
+        let e = sqlx::query("SELECT json_extract('{not json', '$.a')")
+            .execute(&pool)
+            .await
+            .unwrap_err();
+        let fault = classify(&ferry::Error::Database(e));
+        assert_eq!(fault, Fault::Record("sqlite_data_error"));
+        let e = sqlx::query("SELECT sum(x) FROM (SELECT 9223372036854775807 AS x UNION ALL SELECT 1)")
+            .execute(&pool)
+            .await
+            .unwrap_err();
+        assert_eq!(classify(&ferry::Error::Database(e)), Fault::Record("sqlite_data_error"));
+        let e = sqlx::query("SELECT * FROM no_such_table")
+            .execute(&pool)
+            .await
+            .unwrap_err();
+        assert_eq!(
+            classify(&ferry::Error::Database(e)),
+            Fault::Infrastructure("sqlite_error")
         );
     }
 }

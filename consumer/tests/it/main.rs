@@ -1385,3 +1385,56 @@ async fn a_lease_lost_during_an_outage_stops_the_member_and_skips_nothing() {
     other.db().close().await;
     db.drop_with(ferry).await;
 }
+
+/// A record whose effect key the database refuses (a NUL byte, which
+/// PostgreSQL text cannot hold; a key too long for the ledger's index is
+/// another) is the record's own fault: it is dead-lettered, and since its
+/// key cannot go into the ledger, the dead letter's ledger row is the one of
+/// its position (as for a record without a key), and the partition flows.
+/// The old consumer retried the dead letter's ledger write under the refused
+/// key forever: the partition stayed stuck behind one bad header.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_record_whose_effect_key_the_database_refuses_is_dead_lettered_and_the_partition_flows() {
+    let broker = Kafka::start();
+    broker.create_topic("badkey", 1);
+    broker.create_topic("badkey.dlq", 1);
+    let (ferry, _) = pg().await;
+    let p = producer(&broker.brokers());
+    produce(&p, "badkey", "a", Some("bad\0key")).await;
+    produce(&p, "badkey", "b", Some("2")).await;
+    let consumer = in_process(
+        ferry.clone(),
+        &broker.brokers(),
+        "gk",
+        "badkey",
+        Assignment::CooperativeSticky,
+        "c",
+    );
+    let metrics = consumer.metrics();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while stored_next(&ferry, "gk", "badkey").await < 2 {
+        assert!(
+            Instant::now() < deadline,
+            "the partition is stuck behind the record whose effect key the database refuses: next_offset = {}, dead-letter failures = {}",
+            stored_next(&ferry, "gk", "badkey").await,
+            metrics.dead_letter_failures.get()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    consumer.stop().await;
+    let ledger: Vec<(String, i64, String)> = sqlx::query_as(
+        "SELECT effect_key, \"offset\", outcome FROM consumer_ledger WHERE group_id = 'gk' ORDER BY \"offset\"",
+    )
+    .fetch_all(ferry.db().as_postgres().unwrap())
+    .await
+    .unwrap();
+    assert_eq!(
+        ledger,
+        [
+            ("!unkeyed/badkey/0/0".to_owned(), 0, "dead_lettered".to_owned()),
+            ("2".to_owned(), 1, "applied".to_owned())
+        ]
+    );
+    assert_eq!(scalar(&ferry, "SELECT count(*) FROM effects_applied").await, 1);
+    assert_eq!(metrics.dead_lettered.get(), 1);
+}
