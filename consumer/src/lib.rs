@@ -44,7 +44,7 @@ pub mod record;
 pub mod runner;
 pub mod store;
 
-pub use error::{ConsumerError, HandlerClass, HandlerError};
+pub use error::{classify, ConsumerError, Fault, HandlerClass, HandlerError};
 pub use process::{process_batch, process_record, ProcessError, Processed};
 pub use record::{Handler, Record};
 pub use runner::{Assignment, Consumer, ConsumerBuilder};

@@ -32,6 +32,11 @@ pub struct Metrics {
     /// Failed attempts to dead-letter a record (the dead-letter publish or
     /// its ledger write failed); the record is retried, never passed over.
     pub dead_letter_failures: Counter,
+    /// Attempts at a record that failed on an infrastructure error (the
+    /// database, not the record: see [`crate::error::classify`]); each is
+    /// retried, its partition paused, without spending the record's budget.
+    /// While it grows the consumer is waiting out an outage.
+    pub infrastructure_retries: Counter,
     /// Partition leases lost (a commit refused).
     pub lease_losses: Counter,
     /// Reclaims put off because another member held a live lease.
@@ -62,6 +67,7 @@ impl Metrics {
             duplicates: Counter::default(),
             dead_lettered: Counter::default(),
             dead_letter_failures: Counter::default(),
+            infrastructure_retries: Counter::default(),
             lease_losses: Counter::default(),
             reclaims_deferred: Counter::default(),
             lag: Family::default(),
@@ -85,6 +91,11 @@ impl Metrics {
             "Failed attempts to dead-letter a record (publish or ledger write); retried in place",
             m.dead_letter_failures.clone(),
         );
+        registry.register(
+            "infrastructure_retries",
+            "Record attempts failed on an infrastructure error; retried in place without spending the record's budget",
+            m.infrastructure_retries.clone(),
+        );
         registry.register("lease_losses", "Partition leases lost", m.lease_losses.clone());
         registry.register(
             "reclaims_deferred",
@@ -98,6 +109,10 @@ impl Metrics {
             ("ferry_consumer_duplicates", m.duplicates.clone()),
             ("ferry_consumer_dead_lettered", m.dead_lettered.clone()),
             ("ferry_consumer_dead_letter_failures", m.dead_letter_failures.clone()),
+            (
+                "ferry_consumer_infrastructure_retries",
+                m.infrastructure_retries.clone(),
+            ),
             ("ferry_consumer_lease_losses", m.lease_losses.clone()),
             ("ferry_consumer_reclaims_deferred", m.reclaims_deferred.clone()),
         ]

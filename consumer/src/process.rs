@@ -19,16 +19,24 @@ pub enum Processed {
     DeadLettered,
 }
 
-/// Why a record's transaction did not commit (nothing of it was written).
+/// Why a record's transaction did not commit (nothing of it was written,
+/// unless a commit whose outcome is unknown did commit: the ledger row then
+/// makes the next attempt a duplicate).
 #[derive(Debug, thiserror::Error)]
 pub enum ProcessError {
     /// The partition lease is no longer ours: stop processing that partition.
     #[error("{0}")]
     LostLease(ferry::Error),
-    /// The handler failed.
+    /// The handler failed; its [`HandlerError::class`] says what follows
+    /// (a database error it met is classified by
+    /// [`classify`](crate::error::classify)).
     #[error("{0}")]
     Handler(HandlerError),
-    /// The database failed.
+    /// One of the consumer's own steps failed (taking a connection, `BEGIN`,
+    /// the partition lock, the ledger row, the offset, the commit).
+    /// [`classify`](crate::error::classify) says whose fault it is: nearly always the
+    /// infrastructure's; the record's only when its own data was refused (a
+    /// deferred constraint of the handler's writes, checked at commit).
     #[error("{0}")]
     Database(ferry::Error),
 }

@@ -53,6 +53,16 @@ pub fn producer_config(cfg: &RelayConfig) -> ClientConfig {
     c
 }
 
+/// The settings of the relay's lone producer (`lane::LoneProducer`): the
+/// shared producer's, with batching off (`linger.ms=0`, one record per
+/// batch) set after the operator's overrides, so a lone re-send is never
+/// held back to wait for company.
+pub fn lone_producer_config(cfg: &RelayConfig) -> ClientConfig {
+    let mut c = producer_config(cfg);
+    c.set("linger.ms", "0").set("batch.num.messages", "1");
+    c
+}
+
 /// The record of a row, routed by the topic template, with its headers
 /// ([`headers_for`]) scoped by `database_id`.
 pub fn record<'a>(topic: &'a str, row: &'a PendingRow, database_id: &str) -> FutureRecord<'a, [u8], [u8]> {

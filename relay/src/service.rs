@@ -122,8 +122,9 @@ impl Relay {
         // Loaded once: it scopes the default effect key of every record.
         let database_id: Arc<str> = store.ferry().database_id().await?.into();
         let owner = state.owner.clone();
+        let lone = lane::LoneProducer::new(&cfg);
         let sink = match &producer {
-            Some(p) => lane::Sink::Shared(p.clone()),
+            Some(p) => lane::Sink::Shared(p.clone(), lone.clone()),
             None => {
                 let reader = crate::exactly_once::ensure_progress_topic(&cfg, store.ferry().lanes()).await?;
                 lane::Sink::Transactional(Arc::new(reader))
@@ -267,6 +268,7 @@ impl Relay {
                 producer
                     .as_ref()
                     .and_then(|p| p.client().fatal_error())
+                    .or_else(|| lone.fatal_error())
                     .map(|(code, reason)| format!("{code:?}: {reason}"))
                     .unwrap_or_else(|| "fatal producer error".into()),
             ));

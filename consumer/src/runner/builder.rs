@@ -73,8 +73,12 @@ impl ConsumerBuilder {
         self
     }
 
-    /// Attempts of a retryable record before it is dead-lettered (default 5),
-    /// with exponential backoff from `base` up to `cap`.
+    /// Attempts of a record whose handler fails retryably before it is
+    /// dead-lettered (default 5), with exponential backoff from `base` up to
+    /// `cap`. Infrastructure errors (the database unreachable, a connection
+    /// cut, a pool timeout, a serialization failure: see
+    /// [`classify`](crate::error::classify)) are retried with the same
+    /// backoff, their partition paused, without spending this budget.
     pub fn retry(mut self, budget: u32, base: Duration, cap: Duration) -> Self {
         self.retry_budget = budget.max(1);
         self.retry_base = base;

@@ -14,7 +14,7 @@ use rdkafka::ClientConfig;
 use super::rebalance::LeaseContext;
 use super::retry::{Retry, Step};
 use super::{Consumer, Leases};
-use crate::error::ConsumerError;
+use crate::error::{classify, ConsumerError, Fault};
 use crate::process::{record_dead_letter, ProcessError};
 use crate::record::Record;
 
@@ -121,7 +121,18 @@ impl Consumer {
             tracing::error!(topic = %record.topic, partition = record.partition, offset = record.offset, code, "no dead-letter topic configured; recording and skipping");
         }
         let published = dlq.is_some() && b.dead_letter_topic.is_some();
-        match record_dead_letter(&b.store, lease, record, effect_key).await {
+        let mut recorded = record_dead_letter(&b.store, lease, record, effect_key).await;
+        if let Err(ProcessError::Database(e)) = &recorded {
+            if let Fault::Record(refused) = classify(e) {
+                // The database refuses the effect key itself (a NUL byte, a
+                // key too long for the ledger's index): the record's own
+                // data, never accepted under that key. It goes into the
+                // ledger under its position, as a record without a key does.
+                tracing::warn!(topic = %record.topic, partition = record.partition, offset = record.offset, code = refused, "the database refuses the record's effect key; recording its dead letter under its position");
+                recorded = record_dead_letter(&b.store, lease, record, &unkeyed_ledger_key(record)).await;
+            }
+        }
+        match recorded {
             Ok(_) => {
                 self.metrics.dead_lettered.inc();
                 Ok(())
@@ -186,7 +197,8 @@ fn dead_letter_headers(record: &Record, code: &str) -> OwnedHeaders {
 }
 
 /// The ledger key of a record that has no effect key (it is dead-lettered as
-/// `missing_effect_key`): `!unkeyed/<topic>/<partition>/<offset>`. The `!`
+/// `missing_effect_key`), or whose effect key the database refuses (its dead
+/// letter is recorded under this one): `!unkeyed/<topic>/<partition>/<offset>`. The `!`
 /// is outside every key the relay publishes (`<tenant>/<key>`, where tenants
 /// are `[A-Za-z0-9._:-]`, and `<database uuid>:<id>`), so it never shadows a
 /// real effect.

@@ -1,7 +1,10 @@
 //! Processing a partition's polled records: a micro-batch transaction when it
 //! can, else one record at a time (first attempt or retry), and what follows
 //! each attempt (done, a retry with the partition paused, a dead letter, or
-//! stop on a lost lease).
+//! stop on a lost lease). Only the handler's retryable errors spend a
+//! record's retry budget; an infrastructure error (see
+//! [`classify`](crate::error::classify)) is retried without one and never
+//! leads to a dead letter.
 
 use std::time::Instant;
 
@@ -16,7 +19,7 @@ use super::leases::{current_lease, pause};
 use super::rebalance::LeaseContext;
 use super::retry::{Retry, Step};
 use super::{Consumer, Leases, TopicPartition};
-use crate::error::{HandlerClass, HandlerError};
+use crate::error::{classify, Fault, HandlerClass};
 use crate::process::{process_batch, process_record, ProcessError, Processed};
 use crate::record::Record;
 
@@ -118,9 +121,10 @@ impl Consumer {
     }
 
     /// Processes one record (first attempt or retry). Returns a retry to
-    /// schedule when a retryable failure leaves budget, or when the record
-    /// must be dead-lettered and that failed (its partition stays paused and
-    /// nothing moves past it, neither the stored offset nor Kafka's).
+    /// schedule when a retryable failure leaves budget, on any
+    /// infrastructure error, or when the record must be dead-lettered and
+    /// that failed (its partition stays paused and nothing moves past it,
+    /// neither the stored offset nor Kafka's).
     pub(super) async fn handle(
         &self,
         consumer: &BaseConsumer<LeaseContext>,
@@ -234,7 +238,9 @@ impl Consumer {
     }
 
     /// Runs the record's transaction and decides what follows: done, a
-    /// retry, a dead letter (itself retried if it fails), or stop.
+    /// retry (charged to the record's budget only for the handler's
+    /// retryable errors), a dead letter (itself retried if it fails; only
+    /// for the record's own faults), or stop.
     #[allow(clippy::too_many_arguments)]
     async fn process(
         &self,
@@ -248,33 +254,66 @@ impl Consumer {
     ) -> Step {
         let m = &self.metrics;
         let tp = (record.topic.clone(), record.partition);
-        match self.transact(lease, record, &effect_key).await {
+        let e = match self.transact(lease, record, &effect_key).await {
             Ok(Processed::Applied) => {
                 m.processed.inc();
-                Step::Done
+                return Step::Done;
             }
             Ok(_) => {
                 m.duplicates.inc();
-                Step::Done
+                return Step::Done;
             }
-            Err(ProcessError::LostLease(e)) => {
+            Err(e) => e,
+        };
+        let (class, code) = match &e {
+            ProcessError::LostLease(e) => {
                 tracing::warn!(topic = %tp.0, partition = tp.1, error = %e, "partition lease lost; pausing it");
                 self.lost(consumer, leases, lease);
-                Step::Stop
+                return Step::Stop;
             }
-            Err(ProcessError::Handler(HandlerError {
-                class: HandlerClass::Terminal,
-                code,
-            })) => {
+            ProcessError::Handler(h) => (h.class, h.code.clone()),
+            ProcessError::Database(db) => match classify(db) {
+                Fault::Infrastructure(code) => (HandlerClass::Infrastructure, code.to_owned()),
+                Fault::Record(code) => (HandlerClass::Terminal, code.to_owned()),
+            },
+        };
+        match class {
+            HandlerClass::Infrastructure => self.wait_for_infrastructure(lease, record, &effect_key, retry, &code, &e),
+            HandlerClass::Retryable => {
+                self.retry_or_dead_letter(consumer, leases, dlq, lease, record, &effect_key, retry, code)
+                    .await
+            }
+            HandlerClass::Terminal => {
                 let pending = PendingDeadLetter { code, published: false };
                 self.try_dead_letter(consumer, leases, dlq, lease, record, &effect_key, &pending, retry)
                     .await
             }
-            Err(e) => {
-                self.retry_or_dead_letter(consumer, leases, dlq, lease, record, &effect_key, retry, e)
-                    .await
-            }
         }
+    }
+
+    /// An infrastructure error `e` (the database, not the record): the
+    /// record is retried with backoff, its partition paused, for as long as
+    /// it takes, and its budget is not touched. Counted in
+    /// `infrastructure_retries` and logged (`code`, never keys or payloads).
+    fn wait_for_infrastructure(
+        &self,
+        lease: &PartitionLease,
+        record: &Record,
+        effect_key: &str,
+        retry: Option<Retry>,
+        code: &str,
+        e: &ProcessError,
+    ) -> Step {
+        self.metrics.infrastructure_retries.inc();
+        tracing::warn!(
+            topic = %record.topic,
+            partition = record.partition,
+            offset = record.offset,
+            code,
+            error = %e,
+            "infrastructure error; the partition waits and the record is retried without spending its budget"
+        );
+        Step::Retry(retry.unwrap_or_else(|| self.new_retry(lease, record, effect_key)))
     }
 
     /// The record's transaction, in a span continuing the producer's trace,
@@ -296,8 +335,9 @@ impl Consumer {
         outcome
     }
 
-    /// A retryable failure `e`: retries in place while the budget lasts,
-    /// then dead-letters the record.
+    /// A retryable failure of the handler (`code`): charges it to the
+    /// record's budget and retries in place while the budget lasts, then
+    /// dead-letters the record.
     #[allow(clippy::too_many_arguments)]
     async fn retry_or_dead_letter(
         &self,
@@ -308,21 +348,18 @@ impl Consumer {
         record: &Record,
         effect_key: &str,
         retry: Option<Retry>,
-        e: ProcessError,
+        code: String,
     ) -> Step {
         let tp = (record.topic.clone(), record.partition);
-        let code = match &e {
-            ProcessError::Handler(h) => h.code.clone(),
-            other => other.to_string(),
-        };
-        let r = retry.unwrap_or_else(|| self.new_retry(lease, record, effect_key));
+        let mut r = retry.unwrap_or_else(|| self.new_retry(lease, record, effect_key));
+        r.attempts += 1;
         if r.attempts >= self.b.retry_budget {
             tracing::warn!(topic = %tp.0, partition = tp.1, offset = record.offset, %code, "retry budget spent; dead-lettering");
             let pending = PendingDeadLetter { code, published: false };
             self.try_dead_letter(consumer, leases, dlq, lease, record, effect_key, &pending, Some(r))
                 .await
         } else {
-            tracing::info!(topic = %tp.0, partition = tp.1, offset = record.offset, %code, "retrying in place");
+            tracing::info!(topic = %tp.0, partition = tp.1, offset = record.offset, %code, attempts = r.attempts, "retrying in place");
             Step::Retry(r)
         }
     }

@@ -16,6 +16,8 @@ pub(super) struct Retry {
     pub(super) generation: i64,
     pub(super) record: Record,
     pub(super) effect_key: String,
+    /// Failed attempts charged to the record's retry budget: the handler's
+    /// retryable errors only, never an infrastructure error.
     pub(super) attempts: u32,
     pub(super) due: Instant,
     pub(super) backoff: Box<dyn Iterator<Item = Duration> + Send>,
@@ -36,16 +38,17 @@ pub(super) enum Step {
 }
 
 impl Consumer {
-    /// A first retry of `record`: exponential backoff with jitter from the
-    /// retry base up to its cap, without an end (the budget bounds handler
-    /// retries; a dead letter is retried until it succeeds).
+    /// A first retry of `record`, nothing charged to its budget yet:
+    /// exponential backoff with jitter from the retry base up to its cap,
+    /// without an end (the budget bounds the handler's retryable errors;
+    /// infrastructure errors and dead letters are retried until they pass).
     pub(super) fn new_retry(&self, lease: &PartitionLease, record: &Record, effect_key: &str) -> Retry {
         let b = &self.b;
         Retry {
             generation: lease.generation,
             record: record.clone(),
             effect_key: effect_key.to_owned(),
-            attempts: 1,
+            attempts: 0,
             due: Instant::now(),
             backoff: Box::new(
                 ExponentialBuilder::default()

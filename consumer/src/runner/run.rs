@@ -121,14 +121,13 @@ impl Consumer {
             .map(|(tp, _)| tp.clone())
             .collect();
         for tp in due {
-            if let Some(mut retry) = retries.remove(&tp) {
+            if let Some(retry) = retries.remove(&tp) {
                 if generation(leases, &tp) != Some(retry.generation) {
                     // The partition was revoked, or assigned here again
                     // (which resumed it from the stored offset): the
                     // retry belongs to a lease that is gone.
                     continue;
                 }
-                retry.attempts += 1;
                 if let Some(again) = self
                     .handle(
                         consumer,

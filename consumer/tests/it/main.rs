@@ -103,18 +103,65 @@ async fn produce(p: &FutureProducer, topic: &str, key: &str, outbox_id: Option<&
     .unwrap();
 }
 
-fn in_process(
-    ferry: Ferry,
-    brokers: &str,
-    group: &str,
-    topic: &str,
-    assignment: Assignment,
-    owner: &str,
-) -> (
-    CancellationToken,
-    tokio::task::JoinHandle<()>,
-    Arc<ferry_consumer::metrics::Metrics>,
-) {
+/// A consumer running on the test's runtime. Dropping it without
+/// [`Running::stop`] (a failed assertion unwinding) stops the consumer and
+/// waits for it to leave the group while the runtime still runs: a runtime
+/// dropped under a live consumer hangs, so the test would hang instead of
+/// failing.
+struct Running {
+    stop: CancellationToken,
+    task: Option<tokio::task::JoinHandle<()>>,
+    metrics: Arc<ferry_consumer::metrics::Metrics>,
+}
+
+impl Running {
+    /// Runs `c` on the current runtime until stopped.
+    fn spawn(c: Consumer) -> Running {
+        let metrics = c.metrics();
+        let stop = CancellationToken::new();
+        let s = stop.clone();
+        let task = tokio::spawn(async move { c.run(async move { s.cancelled().await }).await.unwrap() });
+        Running {
+            stop,
+            task: Some(task),
+            metrics,
+        }
+    }
+
+    /// The consumer's live metrics.
+    fn metrics(&self) -> Arc<ferry_consumer::metrics::Metrics> {
+        self.metrics.clone()
+    }
+
+    /// Stops the consumer and waits until it has left the group.
+    async fn stop(mut self) {
+        self.stop.cancel();
+        if let Some(task) = self.task.take() {
+            task.await.unwrap();
+        }
+    }
+}
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        self.stop.cancel();
+        let Some(task) = self.task.take() else {
+            return;
+        };
+        // Every test runs on a multi-threaded runtime; anywhere else the
+        // cancellation alone has to do.
+        let Ok(rt) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        if rt.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread {
+            tokio::task::block_in_place(|| {
+                let _ = rt.block_on(tokio::time::timeout(Duration::from_secs(60), task));
+            });
+        }
+    }
+}
+
+fn in_process(ferry: Ferry, brokers: &str, group: &str, topic: &str, assignment: Assignment, owner: &str) -> Running {
     let c = Consumer::builder(ferry, brokers, group, &[topic])
         .handler(Apply { owner: owner.into() })
         .assignment(assignment)
@@ -124,11 +171,7 @@ fn in_process(
         .kafka("heartbeat.interval.ms", "500")
         .build()
         .unwrap();
-    let metrics = c.metrics();
-    let stop = CancellationToken::new();
-    let s = stop.clone();
-    let h = tokio::spawn(async move { c.run(async move { s.cancelled().await }).await.unwrap() });
-    (stop, h, metrics)
+    Running::spawn(c)
 }
 
 async fn duplicates_apply_once(assignment: Assignment) {
@@ -141,7 +184,8 @@ async fn duplicates_apply_once(assignment: Assignment) {
     for id in ["42", "42", "43", "42", "44"] {
         produce(&p, "orders", "order-1", Some(id)).await;
     }
-    let (stop, h, metrics) = in_process(ferry.clone(), &broker.brokers(), "g1", "orders", assignment, "c1");
+    let consumer = in_process(ferry.clone(), &broker.brokers(), "g1", "orders", assignment, "c1");
+    let metrics = consumer.metrics();
     until_at_least(
         &ferry,
         "SELECT COALESCE(max(next_offset), 0) FROM consumer_partitions",
@@ -149,8 +193,7 @@ async fn duplicates_apply_once(assignment: Assignment) {
         Duration::from_secs(60),
     )
     .await;
-    stop.cancel();
-    h.await.unwrap();
+    consumer.stop().await;
     assert_eq!(scalar(&ferry, "SELECT count(*) FROM effects_applied").await, 3);
     assert_eq!(
         scalar(&ferry, "SELECT max(applied) FROM effects_applied").await,
@@ -208,7 +251,7 @@ async fn a_stale_member_cannot_commit() {
         }
     };
     // The partition moves to B at a higher generation; B applies the effect.
-    let (stop, h, _) = in_process(
+    let consumer = in_process(
         ferry.clone(),
         &broker.brokers(),
         "g",
@@ -236,8 +279,7 @@ async fn a_stale_member_cannot_commit() {
     .await
     .unwrap_err();
     assert!(matches!(err, ferry_consumer::ProcessError::LostLease(_)), "{err}");
-    stop.cancel();
-    h.await.unwrap();
+    consumer.stop().await;
     assert_eq!(
         scalar(
             &ferry,
@@ -261,7 +303,7 @@ async fn poison_goes_to_the_dead_letter_topic_and_the_partition_flows() {
     produce(&p, "jobs", "b", None).await; // no effect key at all
     produce(&p, "jobs", "poison", Some("3")).await; // the handler refuses it
     produce(&p, "jobs", "d", Some("4")).await;
-    let (stop, h, metrics) = in_process(
+    let consumer = in_process(
         ferry.clone(),
         &broker.brokers(),
         "gp",
@@ -269,6 +311,7 @@ async fn poison_goes_to_the_dead_letter_topic_and_the_partition_flows() {
         Assignment::CooperativeSticky,
         "c",
     );
+    let metrics = consumer.metrics();
     until_at_least(
         &ferry,
         "SELECT COALESCE(max(next_offset), 0) FROM consumer_partitions",
@@ -276,8 +319,7 @@ async fn poison_goes_to_the_dead_letter_topic_and_the_partition_flows() {
         Duration::from_secs(60),
     )
     .await;
-    stop.cancel();
-    h.await.unwrap();
+    consumer.stop().await;
     assert_eq!(
         scalar(&ferry, "SELECT count(*) FROM effects_applied").await,
         2,
@@ -532,7 +574,7 @@ async fn a_lost_lease_is_not_taken_back_from_a_live_holder() {
     let (ferry, _) = pg().await;
     let p = producer(&broker.brokers());
     produce(&p, "reclaim", "k", Some("r0")).await;
-    let (stop, h, metrics) = in_process(
+    let consumer = in_process(
         ferry.clone(),
         &broker.brokers(),
         "gr",
@@ -540,6 +582,7 @@ async fn a_lost_lease_is_not_taken_back_from_a_live_holder() {
         Assignment::CooperativeSticky,
         "member-a",
     );
+    let metrics = consumer.metrics();
     let stored = "SELECT COALESCE(max(next_offset), 0) FROM consumer_partitions WHERE group_id = 'gr'";
     until_at_least(&ferry, stored, 1, Duration::from_secs(60)).await;
     // Another member takes the partition at a higher generation, as the
@@ -586,8 +629,7 @@ async fn a_lost_lease_is_not_taken_back_from_a_live_holder() {
         Duration::from_secs(60),
     )
     .await;
-    stop.cancel();
-    h.await.unwrap();
+    consumer.stop().await;
     assert_eq!(
         scalar(&ferry, "SELECT max(applied) FROM effects_applied").await,
         1,
@@ -768,12 +810,8 @@ async fn a_failed_dead_letter_publish_is_retried_and_never_passed_over() {
         .kafka("heartbeat.interval.ms", "500")
         .build()
         .unwrap();
-    let metrics = c.metrics();
-    let stop = CancellationToken::new();
-    // A failed assertion stops the consumer too, so the runtime can shut down.
-    let _stop_on_panic = stop.clone().drop_guard();
-    let s = stop.clone();
-    let h = tokio::spawn(async move { c.run(async move { s.cancelled().await }).await.unwrap() });
+    let consumer = Running::spawn(c);
+    let metrics = consumer.metrics();
     // Until the dead-letter publish failed twice, the stored offset must
     // never pass the poison record (offset 1).
     let deadline = Instant::now() + Duration::from_secs(120);
@@ -807,8 +845,7 @@ async fn a_failed_dead_letter_publish_is_retried_and_never_passed_over() {
         );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    stop.cancel();
-    h.await.unwrap();
+    consumer.stop().await;
     assert_eq!(scalar(&ferry, "SELECT count(*) FROM effects_applied").await, 3);
     assert_eq!(
         scalar(
@@ -836,4 +873,568 @@ async fn a_failed_dead_letter_publish_is_retried_and_never_passed_over() {
     assert_eq!(m.key.as_deref(), Some(&b"poison"[..]));
     assert_eq!(m.header("ferry-error-code"), Some("poison_key"));
     assert_eq!(m.header("ferry-source-offset"), Some("1"));
+}
+
+/// A test that panics while its in-process consumer runs fails instead of
+/// hanging: the panic unwinds out of the runtime's `block_on` and drops the
+/// runtime, as `#[tokio::test]` does; the test body runs on its own thread so
+/// a hang is seen (with a deadline) rather than suffered.
+#[test]
+fn a_test_that_panics_with_its_consumer_running_fails_instead_of_hanging() {
+    let broker = Kafka::start();
+    broker.create_topic("panics", 1);
+    let brokers = broker.brokers();
+    let (done, outcome) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let r = std::panic::catch_unwind(|| {
+            let rt = tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(2)
+                .enable_all()
+                .build()
+                .unwrap();
+            rt.block_on(async {
+                let (ferry, _) = pg().await;
+                let _running = in_process(
+                    ferry.clone(),
+                    &brokers,
+                    "gpanic",
+                    "panics",
+                    Assignment::CooperativeSticky,
+                    "c",
+                );
+                // The consumer is in the group and holds the partition.
+                until_at_least(
+                    &ferry,
+                    "SELECT count(*) FROM consumer_partitions WHERE owner IS NOT NULL",
+                    1,
+                    Duration::from_secs(60),
+                )
+                .await;
+                panic!("a failing assertion while the consumer runs");
+            })
+        });
+        let _ = done.send(r.is_err());
+    });
+    let panicked = outcome
+        .recv_timeout(Duration::from_secs(90))
+        .expect("the panicking test hung with its consumer running instead of failing");
+    assert!(panicked, "the test body panicked");
+}
+
+/// A database of the test's own on the shared cluster, for tests that take it
+/// away (`ALLOW_CONNECTIONS false`, its backends terminated) without touching
+/// anyone else's: an outage is injected per database, not per schema. Ones
+/// that failed runs left behind are dropped a day later.
+struct OwnDatabase {
+    name: String,
+    url: String,
+    admin: sqlx::PgPool,
+}
+
+impl OwnDatabase {
+    async fn create() -> OwnDatabase {
+        let base = ferry_testkit::postgres_url();
+        let admin = sqlx::postgres::PgPoolOptions::new()
+            .max_connections(2)
+            .connect(&base)
+            .await
+            .unwrap_or_else(|e| panic!("PostgreSQL is required at {base} (set DATABASE_URL): {e}"));
+        let born = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_secs();
+        let stale: Vec<String> =
+            sqlx::query_scalar("SELECT datname::text FROM pg_database WHERE datname LIKE 'ferry\\_outage\\_%'")
+                .fetch_all(&admin)
+                .await
+                .unwrap();
+        for s in stale {
+            let at: u64 = s.split('_').nth(2).and_then(|b| b.parse().ok()).unwrap_or(0);
+            if at + 24 * 3600 < born {
+                let _ = sqlx::query(&format!("DROP DATABASE IF EXISTS {s} WITH (FORCE)"))
+                    .execute(&admin)
+                    .await;
+            }
+        }
+        let random = uuid::Uuid::new_v4().simple().to_string();
+        let name = format!("ferry_outage_{born}_{}_{}", std::process::id(), &random[..12]);
+        sqlx::query(&format!("CREATE DATABASE {name}"))
+            .execute(&admin)
+            .await
+            .unwrap();
+        // The base URL with the new database as its path.
+        let (head, query) = base.split_once('?').unwrap_or((base.as_str(), ""));
+        let host = head.find("://").map_or(0, |i| i + 3);
+        let head = head[host..].find('/').map_or(head, |i| &head[..host + i]);
+        let query = if query.is_empty() {
+            String::new()
+        } else {
+            format!("?{query}")
+        };
+        let url = format!("{head}/{name}{query}");
+        OwnDatabase { name, url, admin }
+    }
+
+    /// A migrated [`Ferry`] on it, with the `effects_applied` table of [`Apply`].
+    async fn ferry(&self) -> Ferry {
+        let ferry = Ferry::builder(&self.url).migrate(true).connect().await.unwrap();
+        ferry
+            .db()
+            .execute_raw(
+                "CREATE TABLE effects_applied (effect_key TEXT PRIMARY KEY, applied BIGINT NOT NULL, written_by TEXT NOT NULL)",
+            )
+            .await
+            .unwrap();
+        ferry
+    }
+
+    /// The outage begins: no new connection is accepted, and every open one
+    /// (an open transaction's included) is terminated, except the backends
+    /// `spare`.
+    async fn refuse_connections(&self, spare: &[i32]) {
+        sqlx::query(&format!("ALTER DATABASE {} ALLOW_CONNECTIONS false", self.name))
+            .execute(&self.admin)
+            .await
+            .unwrap();
+        self.terminate_backends(spare).await;
+    }
+
+    /// Terminates every backend connected to the database but `spare`.
+    async fn terminate_backends(&self, spare: &[i32]) {
+        sqlx::query(
+            "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity WHERE datname = $1 AND NOT pid = ANY($2)",
+        )
+        .bind(&self.name)
+        .bind(spare)
+        .execute(&self.admin)
+        .await
+        .unwrap();
+    }
+
+    /// The outage ends.
+    async fn allow_connections(&self) {
+        sqlx::query(&format!("ALTER DATABASE {} ALLOW_CONNECTIONS true", self.name))
+            .execute(&self.admin)
+            .await
+            .unwrap();
+    }
+
+    /// Drops the database (`ferry`'s pool closed first).
+    async fn drop_with(self, ferry: Ferry) {
+        ferry.db().close().await;
+        sqlx::query(&format!("DROP DATABASE {} WITH (FORCE)", self.name))
+            .execute(&self.admin)
+            .await
+            .unwrap();
+    }
+}
+
+/// What a handler's `?` makes of real PostgreSQL errors: its own data
+/// refused (a unique violation) is the record's fault, so the record is
+/// dead-lettered with the SQLSTATE class's name; its transaction's backend
+/// terminated under it, or its database refusing connections, is the
+/// infrastructure's, retried without spending the record's budget.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_handler_s_database_errors_are_classified_by_whose_fault_they_are() {
+    use ferry_consumer::{classify, Fault, HandlerClass};
+    let db = OwnDatabase::create().await;
+    let ferry = db.ferry().await;
+    let insert = "INSERT INTO effects_applied (effect_key, applied, written_by) VALUES ('k', 1, 'x')";
+    let mut tx = ferry.begin().await.unwrap();
+    tx.execute(insert, &[]).await.unwrap();
+    let duplicate = tx.execute(insert, &[]).await.unwrap_err();
+    assert_eq!(
+        HandlerError::from(duplicate),
+        HandlerError::terminal("integrity_constraint_violation")
+    );
+    tx.rollback().await.unwrap();
+    let mut tx = ferry.begin().await.unwrap();
+    db.refuse_connections(&[]).await;
+    let cut = tx.execute(insert, &[]).await.unwrap_err();
+    let cut = HandlerError::from(cut);
+    assert_eq!(cut.class, HandlerClass::Infrastructure, "{cut:?}");
+    drop(tx);
+    let refused = ferry.begin().await.unwrap_err();
+    assert_eq!(
+        classify(&refused),
+        Fault::Infrastructure("object_not_in_prerequisite_state"),
+        "{refused}"
+    );
+    db.allow_connections().await;
+    db.drop_with(ferry).await;
+}
+
+/// Writes the effect like [`Apply`]; on its first call it tells the test
+/// that it holds the record's transaction open, and goes on only when the
+/// test says so.
+struct HoldFirst {
+    apply: Apply,
+    entered: std::sync::Mutex<Option<tokio::sync::oneshot::Sender<()>>>,
+    proceed: std::sync::Mutex<Option<tokio::sync::oneshot::Receiver<()>>>,
+}
+
+impl Handler for HoldFirst {
+    fn handle<'a>(&'a self, r: &'a Record, tx: &'a mut ferry::Tx) -> BoxFuture<'a, Result<(), HandlerError>> {
+        Box::pin(async move {
+            let entered = self.entered.lock().unwrap().take();
+            if let Some(entered) = entered {
+                let _ = entered.send(());
+                let proceed = self.proceed.lock().unwrap().take();
+                if let Some(proceed) = proceed {
+                    let _ = proceed.await;
+                }
+            }
+            self.apply.handle(r, tx).await
+        })
+    }
+}
+
+/// A database outage longer than the retry budget, while a record is in
+/// progress, never skips the record. The consumer runs as by default, with
+/// no dead-letter topic (a dead letter is then only a ledger row), on a
+/// database of its own; with the record's transaction open in the handler,
+/// the database stops accepting connections and its backends are
+/// terminated, again and again, for far longer than the budget lasts. When
+/// it is back, the record's effect is applied once and the ledger says
+/// `applied`, and so for the record after it (the old consumer charged the
+/// outage to the record's budget, recorded it `dead_lettered` and skipped
+/// it). A second outage shows that the consumer shuts down while a record
+/// waits on one, leaving that record unprocessed and the stored offset
+/// before it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_database_outage_longer_than_the_retry_budget_never_skips_a_record() {
+    const BUDGET: u32 = 3;
+    // The budget is spent within a second (3 attempts, 20 ms to 200 ms apart).
+    const OUTAGE: Duration = Duration::from_secs(8);
+    let broker = Kafka::start();
+    broker.create_topic("outage", 1);
+    let db = OwnDatabase::create().await;
+    let ferry = db.ferry().await;
+    let p = producer(&broker.brokers());
+    produce(&p, "outage", "k", Some("o0")).await;
+    produce(&p, "outage", "k", Some("o1")).await;
+    let (entered_tx, entered) = tokio::sync::oneshot::channel();
+    let (proceed, proceed_rx) = tokio::sync::oneshot::channel();
+    let c = Consumer::builder(ferry.clone(), broker.brokers(), "go", &["outage"])
+        .handler(HoldFirst {
+            apply: Apply { owner: "c".into() },
+            entered: std::sync::Mutex::new(Some(entered_tx)),
+            proceed: std::sync::Mutex::new(Some(proceed_rx)),
+        })
+        .retry(BUDGET, Duration::from_millis(20), Duration::from_millis(200))
+        .micro_batch(1)
+        .kafka("session.timeout.ms", "6000")
+        .kafka("heartbeat.interval.ms", "500")
+        .build()
+        .unwrap();
+    let consumer = Running::spawn(c);
+    let metrics = consumer.metrics();
+    tokio::time::timeout(Duration::from_secs(60), entered)
+        .await
+        .expect("the first record never reached the handler")
+        .unwrap();
+    // The record's transaction is open in the handler: the outage begins.
+    db.refuse_connections(&[]).await;
+    proceed.send(()).unwrap();
+    let outage = Instant::now();
+    let mut every = tokio::time::interval(Duration::from_millis(100));
+    while outage.elapsed() < OUTAGE {
+        every.tick().await;
+        db.terminate_backends(&[]).await;
+    }
+    db.allow_connections().await;
+    until_at_least(
+        &ferry,
+        "SELECT count(*) FROM consumer_ledger WHERE group_id = 'go'",
+        2,
+        Duration::from_secs(60),
+    )
+    .await;
+    let ledger: Vec<(i64, String)> =
+        sqlx::query_as("SELECT \"offset\", outcome FROM consumer_ledger WHERE group_id = 'go' ORDER BY \"offset\"")
+            .fetch_all(ferry.db().as_postgres().unwrap())
+            .await
+            .unwrap();
+    assert_eq!(
+        ledger,
+        [(0, "applied".to_owned()), (1, "applied".to_owned())],
+        "the record in progress during the outage was applied, not skipped"
+    );
+    assert_eq!(
+        scalar(&ferry, "SELECT count(*) FROM effects_applied WHERE applied = 1").await,
+        2,
+        "each effect applied once"
+    );
+    assert_eq!(stored_next(&ferry, "go", "outage").await, 2);
+    assert_eq!(
+        (metrics.dead_lettered.get(), metrics.dead_letter_failures.get()),
+        (0, 0)
+    );
+    assert!(
+        metrics.infrastructure_retries.get() > u64::from(BUDGET),
+        "the outage outlasted the budget: {} attempts waited",
+        metrics.infrastructure_retries.get()
+    );
+    // A second outage: the consumer shuts down while a record waits on it.
+    db.refuse_connections(&[]).await;
+    let before = metrics.infrastructure_retries.get();
+    produce(&p, "outage", "k", Some("o2")).await;
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while metrics.infrastructure_retries.get() <= before + u64::from(BUDGET) {
+        assert!(Instant::now() < deadline, "the third record never waited on the outage");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    tokio::time::timeout(Duration::from_secs(60), consumer.stop())
+        .await
+        .expect("the consumer did not shut down during the outage");
+    db.allow_connections().await;
+    assert_eq!(
+        scalar(&ferry, "SELECT count(*) FROM consumer_ledger WHERE group_id = 'go'").await,
+        2,
+        "the record waiting on the outage was neither applied nor dead-lettered"
+    );
+    assert_eq!(stored_next(&ferry, "go", "outage").await, 2, "nothing moved past it");
+    assert_eq!(metrics.dead_lettered.get(), 0);
+    db.drop_with(ferry).await;
+}
+
+/// Takes the `gate` row's lock without waiting (`FOR UPDATE NOWAIT`), then
+/// writes the effect like [`Apply`], counting its calls: while the test
+/// holds that row, each attempt fails with `lock_not_available`, an
+/// infrastructure error the handler's own statement meets.
+struct Gated {
+    apply: Apply,
+    calls: Arc<std::sync::atomic::AtomicU32>,
+}
+
+impl Handler for Gated {
+    fn handle<'a>(&'a self, r: &'a Record, tx: &'a mut ferry::Tx) -> BoxFuture<'a, Result<(), HandlerError>> {
+        Box::pin(async move {
+            self.calls.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            tx.execute("SELECT id FROM gate WHERE id = 1 FOR UPDATE NOWAIT", &[])
+                .await?;
+            self.apply.handle(r, tx).await
+        })
+    }
+}
+
+/// An infrastructure error that the handler's own statement meets (here a
+/// row lock it cannot take, `lock_not_available`) spends none of the
+/// record's budget and never dead-letters it: the record is tried again and
+/// again, its partition paused (the record after it waits, though the
+/// database is up), and once the lock is free both are applied in order.
+/// The old consumer charged it to the budget, and with no dead-letter topic
+/// recorded the record `dead_lettered` and went on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_infrastructure_error_met_by_the_handler_waits_with_its_partition_paused() {
+    const BUDGET: u32 = 3;
+    let broker = Kafka::start();
+    broker.create_topic("gated", 1);
+    let (ferry, _) = pg().await;
+    let pool = ferry.db().as_postgres().unwrap().clone();
+    sqlx::query("CREATE TABLE gate (id INT PRIMARY KEY)")
+        .execute(&pool)
+        .await
+        .unwrap();
+    sqlx::query("INSERT INTO gate VALUES (1)").execute(&pool).await.unwrap();
+    let mut held = pool.begin().await.unwrap();
+    sqlx::query("SELECT id FROM gate WHERE id = 1 FOR UPDATE")
+        .execute(&mut *held)
+        .await
+        .unwrap();
+    let p = producer(&broker.brokers());
+    produce(&p, "gated", "k", Some("g0")).await;
+    produce(&p, "gated", "k", Some("g1")).await;
+    let calls = Arc::new(std::sync::atomic::AtomicU32::new(0));
+    let c = Consumer::builder(ferry.clone(), broker.brokers(), "gg", &["gated"])
+        .handler(Gated {
+            apply: Apply { owner: "c".into() },
+            calls: calls.clone(),
+        })
+        .retry(BUDGET, Duration::from_millis(20), Duration::from_millis(200))
+        .micro_batch(1)
+        .kafka("session.timeout.ms", "6000")
+        .kafka("heartbeat.interval.ms", "500")
+        .build()
+        .unwrap();
+    let consumer = Running::spawn(c);
+    let metrics = consumer.metrics();
+    let ledger = "SELECT \"offset\", outcome FROM consumer_ledger WHERE group_id = 'gg' ORDER BY \"offset\"";
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while calls.load(std::sync::atomic::Ordering::SeqCst) < 2 * BUDGET {
+        let rows: Vec<(i64, String)> = sqlx::query_as(ledger).fetch_all(&pool).await.unwrap();
+        assert!(
+            rows.is_empty(),
+            "the record waiting on the lock was dead-lettered or passed over: {rows:?} after {} handler calls",
+            calls.load(std::sync::atomic::Ordering::SeqCst)
+        );
+        assert!(Instant::now() < deadline, "the handler was not tried again and again");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(
+        stored_next(&ferry, "gg", "gated").await,
+        0,
+        "nothing moved past the record"
+    );
+    held.rollback().await.unwrap();
+    until_at_least(
+        &ferry,
+        "SELECT count(*) FROM consumer_ledger WHERE group_id = 'gg'",
+        2,
+        Duration::from_secs(60),
+    )
+    .await;
+    let rows: Vec<(i64, String)> = sqlx::query_as(ledger).fetch_all(&pool).await.unwrap();
+    assert_eq!(rows, [(0, "applied".to_owned()), (1, "applied".to_owned())]);
+    assert_eq!(
+        scalar(&ferry, "SELECT count(*) FROM effects_applied WHERE applied = 1").await,
+        2
+    );
+    consumer.stop().await;
+    assert_eq!(metrics.dead_lettered.get(), 0);
+    assert!(metrics.infrastructure_retries.get() >= u64::from(2 * BUDGET - 1));
+}
+
+/// A partition lease lost during an outage stops the member; it never skips
+/// the record it was retrying. While the database refuses connections and
+/// the record waits on the outage, another member takes the partition (on a
+/// connection the outage spared, as a member reaching the database another
+/// way would); when the database is back, the member's retry is refused, it
+/// pauses the partition and defers to the live lease, having written
+/// nothing; once the lease is given back it takes the partition again and
+/// applies the record from the stored offset.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lease_lost_during_an_outage_stops_the_member_and_skips_nothing() {
+    let broker = Kafka::start();
+    broker.create_topic("handover", 1);
+    let db = OwnDatabase::create().await;
+    let ferry = db.ferry().await;
+    // The other member's one connection, which the outage spares.
+    let other = Ferry::builder(&db.url).max_connections(1).connect().await.unwrap();
+    let spared: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
+        .fetch_one(other.db().as_postgres().unwrap())
+        .await
+        .unwrap();
+    let consumer = in_process(
+        ferry.clone(),
+        &broker.brokers(),
+        "gh",
+        "handover",
+        Assignment::CooperativeSticky,
+        "member-a",
+    );
+    let metrics = consumer.metrics();
+    until_at_least(
+        &ferry,
+        "SELECT count(*) FROM consumer_partitions WHERE group_id = 'gh' AND owner = 'member-a'",
+        1,
+        Duration::from_secs(60),
+    )
+    .await;
+    db.refuse_connections(&[spared]).await;
+    let p = producer(&broker.brokers());
+    produce(&p, "handover", "k", Some("h0")).await;
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while metrics.infrastructure_retries.get() == 0 {
+        assert!(Instant::now() < deadline, "the record never waited on the outage");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let (lease_b, _) = ferry_consumer::store::ConsumerStore::new(other.clone())
+        .acquire_partition("gh", "handover", 0, "member-b", Duration::from_secs(120))
+        .await
+        .unwrap();
+    db.allow_connections().await;
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while metrics.lease_losses.get() == 0 || metrics.reclaims_deferred.get() == 0 {
+        assert!(
+            Instant::now() < deadline,
+            "member A neither noticed the lost lease nor deferred to it"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(
+        scalar(&ferry, "SELECT count(*) FROM consumer_ledger WHERE group_id = 'gh'").await,
+        0,
+        "the member that lost the lease wrote nothing"
+    );
+    assert_eq!(
+        holder(&ferry, "gh", "handover", 0).await,
+        (Some("member-b".to_owned()), lease_b.generation)
+    );
+    assert!(ferry_consumer::store::ConsumerStore::new(other.clone())
+        .release_partition(&lease_b)
+        .await
+        .unwrap());
+    until_at_least(
+        &ferry,
+        "SELECT count(*) FROM consumer_ledger WHERE group_id = 'gh' AND outcome = 'applied'",
+        1,
+        Duration::from_secs(60),
+    )
+    .await;
+    consumer.stop().await;
+    assert_eq!(
+        scalar(
+            &ferry,
+            "SELECT count(*) FROM effects_applied WHERE written_by = 'member-a' AND applied = 1"
+        )
+        .await,
+        1
+    );
+    assert_eq!(metrics.dead_lettered.get(), 0);
+    other.db().close().await;
+    db.drop_with(ferry).await;
+}
+
+/// A record whose effect key the database refuses (a NUL byte, which
+/// PostgreSQL text cannot hold; a key too long for the ledger's index is
+/// another) is the record's own fault: it is dead-lettered, and since its
+/// key cannot go into the ledger, the dead letter's ledger row is the one of
+/// its position (as for a record without a key), and the partition flows.
+/// The old consumer retried the dead letter's ledger write under the refused
+/// key forever: the partition stayed stuck behind one bad header.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_record_whose_effect_key_the_database_refuses_is_dead_lettered_and_the_partition_flows() {
+    let broker = Kafka::start();
+    broker.create_topic("badkey", 1);
+    broker.create_topic("badkey.dlq", 1);
+    let (ferry, _) = pg().await;
+    let p = producer(&broker.brokers());
+    produce(&p, "badkey", "a", Some("bad\0key")).await;
+    produce(&p, "badkey", "b", Some("2")).await;
+    let consumer = in_process(
+        ferry.clone(),
+        &broker.brokers(),
+        "gk",
+        "badkey",
+        Assignment::CooperativeSticky,
+        "c",
+    );
+    let metrics = consumer.metrics();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while stored_next(&ferry, "gk", "badkey").await < 2 {
+        assert!(
+            Instant::now() < deadline,
+            "the partition is stuck behind the record whose effect key the database refuses: next_offset = {}, dead-letter failures = {}",
+            stored_next(&ferry, "gk", "badkey").await,
+            metrics.dead_letter_failures.get()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    consumer.stop().await;
+    let ledger: Vec<(String, i64, String)> = sqlx::query_as(
+        "SELECT effect_key, \"offset\", outcome FROM consumer_ledger WHERE group_id = 'gk' ORDER BY \"offset\"",
+    )
+    .fetch_all(ferry.db().as_postgres().unwrap())
+    .await
+    .unwrap();
+    assert_eq!(
+        ledger,
+        [
+            ("!unkeyed/badkey/0/0".to_owned(), 0, "dead_lettered".to_owned()),
+            ("2".to_owned(), 1, "applied".to_owned())
+        ]
+    );
+    assert_eq!(scalar(&ferry, "SELECT count(*) FROM effects_applied").await, 1);
+    assert_eq!(metrics.dead_lettered.get(), 1);
 }

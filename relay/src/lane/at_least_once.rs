@@ -1,9 +1,11 @@
 //! At least once: a batch streams through the shared idempotent producer,
 //! acknowledged rows are marked progressively (see [`Marker`]), and at the
 //! first failed row nothing more is produced: what is in flight is awaited,
-//! only the acknowledged prefix is marked.
+//! only the acknowledged prefix is marked. A row being isolated is published
+//! alone through the [`LoneProducer`] instead ([`lone`]).
 
 use std::collections::VecDeque;
+use std::sync::Arc;
 
 use futures::FutureExt;
 use rdkafka::error::KafkaError;
@@ -11,7 +13,7 @@ use rdkafka::producer::{DeliveryFuture, FutureProducer};
 use rdkafka::types::RDKafkaErrorCode;
 
 use super::marker::Marker;
-use super::{now_ms, poison, BatchEnd};
+use super::{now_ms, poison, BatchEnd, LoneProducer};
 use crate::config::RelayConfig;
 use crate::publish::{self, Outcome};
 use crate::service::RelayState;
@@ -36,14 +38,33 @@ pub(super) async fn at_least_once(
     };
     let end = stream.produce(producer, database_id).await;
     let end = stream.drain(end).await;
-    let end = match end {
-        BatchEnd::Isolate { code, .. } => BatchEnd::Isolate {
-            through: rows.last().map(|r| r.id).unwrap_or(0),
-            code,
-        },
-        other => other,
-    };
-    match stream.marker.flush(state, cfg).await {
+    finish(state, cfg, &mut stream.marker, end).await
+}
+
+/// Isolation: publishes `row` as the only record in flight through the
+/// relay's lone producer, so its outcome, a refusal included, is this row's
+/// own.
+pub(super) async fn lone(
+    state: &RelayState,
+    cfg: &RelayConfig,
+    producer: &LoneProducer,
+    database_id: &Arc<str>,
+    lease: LaneLease,
+    row: &PendingRow,
+) -> BatchEnd {
+    let topic = cfg.route(&row.topic, &row.tenant);
+    let outcome = producer.send(topic, row.clone(), database_id.clone()).await;
+    let mut marker = Marker::new(lease);
+    let end = settle(state, cfg, &mut marker, row, outcome, true)
+        .await
+        .unwrap_or(BatchEnd::Done);
+    finish(state, cfg, &mut marker, end).await
+}
+
+/// Marks what is still buffered; the batch's end (a failed mark stops a
+/// batch that was otherwise done, and a lost lane stops any).
+async fn finish(state: &RelayState, cfg: &RelayConfig, marker: &mut Marker, end: BatchEnd) -> BatchEnd {
+    match marker.flush(state, cfg).await {
         Some(BatchEnd::Lost) => BatchEnd::Lost,
         Some(stop) if end == BatchEnd::Done => stop,
         _ => end,
@@ -140,17 +161,17 @@ impl Stream<'_> {
         end
     }
 
-    /// Settles the delivery of row `j`: its outcome is the row's own only
-    /// when the batch holds this one row (else it may be its request's).
+    /// Settles the delivery of row `j`. Its outcome is never the row's own
+    /// alone: the shared producer's request may have held other records, of
+    /// this lane or any other, bound for the same partition.
     async fn settle_delivery(&mut self, j: usize, outcome: Outcome) -> Option<BatchEnd> {
-        let alone = self.rows.len() == 1;
-        settle(self.state, self.cfg, &mut self.marker, &self.rows[j], outcome, alone).await
+        settle(self.state, self.cfg, &mut self.marker, &self.rows[j], outcome, false).await
     }
 }
 
 /// Applies one row's outcome in order; `Some` stops the batch. `alone`:
 /// the outcome is certainly this row's (refused by the client before
-/// sending, or the only row in flight), not its produce request's.
+/// sending, or sent through the lone producer), not its produce request's.
 async fn settle(
     state: &RelayState,
     cfg: &RelayConfig,

@@ -19,8 +19,9 @@
 //!   generation;
 //! - `take_over` and `transactional`: the exactly-once lane producer and its
 //!   transactions;
-//! - `poison`: what a record Kafka refuses does to a batch (isolation one row
-//!   at a time, then dead or blocking).
+//! - `poison`: what a record Kafka refuses does to a batch (isolation: the
+//!   refused row re-sent alone through the [`LoneProducer`], or one row per
+//!   transaction; then dead or blocking).
 
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -38,6 +39,7 @@ mod take_over;
 mod task;
 mod transactional;
 
+pub use poison::LoneProducer;
 pub use task::run;
 
 /// A lane reads ahead (its pending rows besides the batch in flight) while a
@@ -88,11 +90,19 @@ enum BatchEnd {
     /// Stopped at row `id`: back off, then resume from the lane's first
     /// pending row.
     Stalled { id: i64, code: &'static str },
-    /// The broker refused a produce request holding several rows as too
-    /// large (or otherwise poison): it refuses the whole request, so which
-    /// row is poison is unknown. Publish rows one at a time through `through`
-    /// to find it; nothing is marked dead on a guess.
+    /// The broker refused a record as poison (too large, say) in a produce
+    /// request that may hold other records: it refuses the whole request, so
+    /// whether this row is poison is unknown (at least once, the shared
+    /// producer's requests hold other lanes' records; exactly once, the
+    /// transaction held several rows). Publish the lane's rows through
+    /// `through` one at a time, each alone in its request, to find out;
+    /// nothing is marked dead on a guess.
     Isolate { through: i64, code: &'static str },
+    /// Some rows were settled (a row refused before sending was marked dead)
+    /// but the batch's others are still pending (their transaction was
+    /// aborted): go on at once from a full read, never from the read-ahead,
+    /// which left the whole batch out and would overtake them.
+    Unfinished,
     /// The lane is no longer ours (taken over, or its producer fenced):
     /// publish nothing more.
     Lost,
@@ -113,6 +123,7 @@ impl BatchEnd {
             BatchEnd::Done => "done",
             BatchEnd::Stalled { .. } => "stalled",
             BatchEnd::Isolate { .. } => "isolate",
+            BatchEnd::Unfinished => "unfinished",
             BatchEnd::Lost => "lost",
             BatchEnd::Fatal => "fatal",
             BatchEnd::Reinit { .. } => "reinit",
@@ -125,7 +136,7 @@ impl BatchEnd {
             BatchEnd::Stalled { code, .. } | BatchEnd::Isolate { code, .. } | BatchEnd::Reinit { code, .. } => {
                 Some(code)
             }
-            BatchEnd::Done | BatchEnd::Lost | BatchEnd::Fatal => None,
+            BatchEnd::Done | BatchEnd::Unfinished | BatchEnd::Lost | BatchEnd::Fatal => None,
         }
     }
 }
@@ -135,8 +146,9 @@ impl BatchEnd {
 /// exactly once. One `Sink` is cloned into every lane task.
 #[derive(Clone)]
 pub enum Sink {
-    /// The relay's shared idempotent producer (at least once).
-    Shared(FutureProducer),
+    /// The relay's shared idempotent producer (at least once), and its
+    /// lone producer for rows being isolated.
+    Shared(FutureProducer, LoneProducer),
     /// The lane's own transactional producer, created on the lane task, and
     /// the relay's reader of the progress topic.
     Transactional(Arc<ProgressReader>),

@@ -1,6 +1,6 @@
 //! The lane loop: take the lane over (exactly once), read its next batch,
 //! publish it in a `ferry.relay.batch` span, and act on how it ended (back
-//! off, isolate a poison row, retry smaller, give the lane up).
+//! off, isolate a refused row, retry smaller, give the lane up).
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -10,10 +10,10 @@ use rdkafka::producer::FutureProducer;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
-use super::at_least_once::at_least_once;
+use super::at_least_once::{at_least_once, lone};
 use super::take_over::take_over;
 use super::transactional::transactional_batch;
-use super::{pause, retry_backoff, BatchEnd, Sink, Wakes, RESCAN_EVERY};
+use super::{pause, retry_backoff, BatchEnd, LoneProducer, Sink, Wakes, RESCAN_EVERY};
 use crate::config::RelayConfig;
 use crate::exactly_once::ProgressReader;
 use crate::metrics::Timings;
@@ -42,7 +42,7 @@ pub async fn run(
     // release this lane, and the main loop, that nothing is in flight.
     let _done = abort.clone().drop_guard();
     let (producer, reader) = match sink {
-        Sink::Shared(p) => (Some(p), None),
+        Sink::Shared(p, lone) => (Some((p, lone)), None),
         Sink::Transactional(r) => (None, Some(r)),
     };
     let mut lane = Lane {
@@ -83,13 +83,14 @@ struct Lane {
     finish: CancellationToken,
     abort: CancellationToken,
     backoff: ExponentialBackoff,
-    /// The shared producer (at least once).
-    producer: Option<FutureProducer>,
+    /// The shared producer and the relay's lone producer (at least once).
+    producer: Option<(FutureProducer, LoneProducer)>,
     /// The progress reader (exactly once).
     reader: Option<Arc<ProgressReader>>,
     /// The lane's transactional producer, once taken over.
     txn: Option<FutureProducer>,
-    /// Rows up to this id are published one at a time (see BatchEnd::Isolate).
+    /// Rows up to this id are published one at a time, each alone in its
+    /// produce request (see BatchEnd::Isolate).
     isolate_through: i64,
     /// Halved when the producer queue cannot hold a batch, reset on success.
     batch_size: u32,
@@ -255,12 +256,20 @@ impl Lane {
 
     /// Publishes `rows` (non-empty) in the mode of the sink, in a
     /// `ferry.relay.batch` span; `None` when the lane was aborted mid-batch.
+    /// At least once, a row being isolated (read alone, see
+    /// [`Lane::next_rows`]) goes through the lone producer.
     async fn batch(&self, rows: &[PendingRow]) -> Option<BatchEnd> {
         let span = batch_span(self.lease, rows, self.producer.is_some());
         let started = Instant::now();
+        let isolating = rows.len() == 1 && rows[0].id <= self.isolate_through;
         let batch = async {
             match (&self.producer, &self.txn) {
-                (Some(p), _) => at_least_once(&self.state, &self.cfg, p, &self.database_id, self.lease, rows).await,
+                (Some((_, l)), _) if isolating => {
+                    lone(&self.state, &self.cfg, l, &self.database_id, self.lease, &rows[0]).await
+                }
+                (Some((p, _)), _) => {
+                    at_least_once(&self.state, &self.cfg, p, &self.database_id, self.lease, rows).await
+                }
                 (None, Some(p)) => {
                     transactional_batch(
                         &self.state,
@@ -305,6 +314,8 @@ impl Lane {
                 self.batch_size = self.cfg.batch_size;
                 Flow::Next
             }
+            // The rest of the batch is read again, in full.
+            BatchEnd::Unfinished => Flow::Next,
             // Taken over, or the producer fenced: the relay's next tick
             // releases the lane (fenced by its generation), so it is taken
             // again with a new task and producer if it is still free.
@@ -324,7 +335,7 @@ impl Lane {
                     lane,
                     through,
                     code,
-                    "a produce request was refused whole; publishing one row at a time to find the poison row"
+                    "a produce request was refused whole; publishing one row at a time, alone, to find whether it is poison"
                 );
                 self.isolate_through = through;
                 Flow::Next
