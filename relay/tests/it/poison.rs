@@ -389,3 +389,54 @@ async fn a_client_refusal_in_block_mode_holds_back_only_the_rows_behind_it() {
 async fn a_client_refusal_in_block_mode_holds_back_only_the_rows_behind_it_exactly_once() {
     a_client_refusal_blocks_only_what_is_behind_it(true).await;
 }
+
+/// Exactly once, a transaction large enough that the broker refuses its
+/// first row (too large for the topic) while the later rows are still being
+/// handed to the producer, which then refuses them before sending (the
+/// transaction already needs an abort): the broker's refusal of the earlier
+/// row decides, so the poison row is found and dead, not the lane stalled
+/// on a later valid row on every retry.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_early_row_s_refusal_outranks_later_rows_refused_before_sending() {
+    let broker = Kafka::start();
+    poison_topic(&broker, "orders", 1);
+    let (ferry, url) = pg_ferry().await;
+    let poison = ferry
+        .enqueue(&OutboxMessage::bytes("acme", "orders", "K", noise(0, 50_000)))
+        .await
+        .unwrap();
+    let small = ferry
+        .enqueue(&OutboxMessage::bytes("acme", "orders", "K", b"v".to_vec()))
+        .await
+        .unwrap();
+    sqlx::query(
+        "INSERT INTO outbox (tenant, topic, key, lane, payload, headers, created_at) \
+         SELECT tenant, topic, key, lane, payload, headers, created_at \
+         FROM outbox, generate_series(1, 20000) WHERE id = $1",
+    )
+    .bind(small)
+    .execute(ferry.db().as_postgres().unwrap())
+    .await
+    .unwrap();
+    let mut cfg = relay_config(&url, &broker.brokers());
+    cfg.exactly_once = true;
+    cfg.batch_size = 30_000;
+    let relay = start_relay(cfg, ferry.clone()).await;
+    let start = Instant::now();
+    let mut every = tokio::time::interval(Duration::from_millis(20));
+    while dead(&ferry).await.is_empty() {
+        assert!(
+            start.elapsed() < Duration::from_secs(60),
+            "the poison row was never found (last error of the lane's rows: {:?})",
+            sqlx::query_scalar::<_, Option<String>>(
+                "SELECT last_error FROM outbox WHERE last_error IS NOT NULL ORDER BY id LIMIT 1"
+            )
+            .fetch_optional(ferry.db().as_postgres().unwrap())
+            .await
+            .unwrap()
+        );
+        every.tick().await;
+    }
+    relay.shutdown().await;
+    assert_eq!(dead(&ferry).await, vec![(poison, Some("message_too_large".into()))]);
+}
