@@ -36,8 +36,20 @@ pub fn producer(cfg: &RelayConfig) -> Result<FutureProducer, RelayError> {
     Ok(producer_config(cfg).create()?)
 }
 
+/// The client's own record limit: just under the broker's default
+/// `socket.request.max.bytes` (104,857,600), above which no broker with
+/// default settings can take the request at all, so a row refused for it is
+/// refused for its own size.
+pub const CLIENT_MAX_MESSAGE_BYTES: &str = "100000000";
+
 /// The settings of every relay producer (idempotent, `acks=all`,
 /// `murmur2_random`), with the operator's overrides applied last.
+///
+/// `message.max.bytes` is raised from librdkafka's 1,000,000 to
+/// [`CLIENT_MAX_MESSAGE_BYTES`], so the topic's own `max.message.bytes` (which
+/// may be larger than the client's default) is what refuses a big row, and
+/// the refusal is evidence the lone re-send can take about that row: a row
+/// is never marked dead for the relay's default setting alone.
 pub fn producer_config(cfg: &RelayConfig) -> ClientConfig {
     let mut c = ClientConfig::new();
     c.set("bootstrap.servers", &cfg.brokers)
@@ -46,7 +58,8 @@ pub fn producer_config(cfg: &RelayConfig) -> ClientConfig {
         .set("partitioner", "murmur2_random")
         .set("compression.type", &cfg.compression)
         .set("linger.ms", "5")
-        .set("message.timeout.ms", "30000");
+        .set("message.timeout.ms", "30000")
+        .set("message.max.bytes", CLIENT_MAX_MESSAGE_BYTES);
     for (k, v) in &cfg.kafka {
         c.set(k, v);
     }

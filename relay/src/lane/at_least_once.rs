@@ -138,11 +138,29 @@ impl Stream<'_> {
                     }
                 }
                 // Refused by the client before sending: certainly this row's.
+                // The rows before it are settled first, in order: a stop here
+                // must not leave them acknowledged but unmarked, republished
+                // on every retry (forever, when the row blocks the lane).
                 Err((e, _)) => {
+                    if let Some(stop) = self.settle_inflight().await {
+                        return Some(stop);
+                    }
                     return settle(self.state, self.cfg, &mut self.marker, row, publish::classify(&e), true).await;
                 }
             }
         }
+    }
+
+    /// Awaits and settles, in order, every delivery in flight. `Some` stops
+    /// the batch (what is still in flight is then left to [`Stream::drain`]).
+    async fn settle_inflight(&mut self) -> Option<BatchEnd> {
+        while let Some((j, fut)) = self.inflight.pop_front() {
+            let outcome = publish::delivered(fut.await);
+            if let Some(stop) = self.settle_delivery(j, outcome).await {
+                return Some(stop);
+            }
+        }
+        None
     }
 
     /// Awaits what is still in flight, settling it only while the batch has

@@ -144,6 +144,14 @@ pub(super) async fn refused_in_txn(
     }
     state.metrics.publish_error(code);
     if cfg.on_poison == OnPoison::Block {
+        // The rows before it are valid: publish them one per transaction,
+        // then block on this one alone, never holding them back with it.
+        if i > 0 {
+            return BatchEnd::Isolate {
+                through: rows[i].id,
+                code,
+            };
+        }
         return BatchEnd::Stalled { id: rows[i].id, code };
     }
     match poison_dead(state, lease, &rows[i], code).await {

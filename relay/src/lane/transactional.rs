@@ -43,7 +43,7 @@ pub(super) async fn transactional_batch(
     let ids: Vec<i64> = sent.inflight.iter().map(|(i, _)| rows[*i].id).collect();
     let progress_fut = txn.send_progress(&ids, &mut sent.failed);
     let created: Vec<i64> = sent.inflight.iter().map(|(i, _)| rows[*i].created_at.get()).collect();
-    await_deliveries(sent.inflight, progress_fut, &mut sent.failed).await;
+    await_deliveries(sent.inflight, progress_fut, &mut sent.failed, &mut sent.sync_failure).await;
     if let Some((i, outcome)) = sent.failed {
         return txn.abort_failed(i, outcome, sent.sync_failure).await;
     }
@@ -172,18 +172,23 @@ impl Txn<'_> {
 }
 
 /// Awaits every row's delivery, then the progress record's, keeping the
-/// first failure in `failed`.
+/// first failure in row order in `failed`. A row in flight comes before the
+/// row refused before sending (`sync_failure`), so its failure outranks
+/// that refusal, which it may have caused: once a row of the transaction
+/// failed, the client refuses every later one (`__STATE`).
 async fn await_deliveries(
     inflight: Vec<(usize, DeliveryFuture)>,
     progress_fut: Option<DeliveryFuture>,
     failed: &mut Option<(usize, Outcome)>,
+    sync_failure: &mut bool,
 ) {
     for (i, fut) in inflight {
         match publish::delivered(fut.await) {
             Outcome::Acked { .. } => {}
             other => {
-                if failed.is_none() {
+                if failed.is_none() || *sync_failure {
                     *failed = Some((i, other));
+                    *sync_failure = false;
                 }
             }
         }

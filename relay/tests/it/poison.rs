@@ -325,3 +325,118 @@ async fn a_poison_record_blocks_the_lane_and_nothing_behind_it_is_published() {
 async fn a_poison_record_blocks_an_exactly_once_lane() {
     poison_blocks(true).await;
 }
+
+/// Block mode, the poison row refused by the client before sending (larger
+/// than the relay's own `message.max.bytes`) behind three valid rows of its
+/// key, all in one batch: the rows before it are delivered and marked once,
+/// never held back with it nor republished on every retry; nothing behind
+/// it reaches the topic.
+async fn a_client_refusal_blocks_only_what_is_behind_it(exactly_once: bool) {
+    let broker = Kafka::start();
+    broker.create_topic("orders", 1);
+    let (ferry, url) = pg_ferry().await;
+    let mut ids = Vec::new();
+    for i in 0..5 {
+        let payload = if i == 3 {
+            noise(0, 50_000)
+        } else {
+            format!("v{i}").into_bytes()
+        };
+        ids.push(
+            ferry
+                .enqueue(&OutboxMessage::bytes("acme", "orders", "K", payload))
+                .await
+                .unwrap(),
+        );
+    }
+    let poison = ids[3];
+    let mut cfg = relay_config(&url, &broker.brokers());
+    cfg.on_poison = OnPoison::Block;
+    cfg.exactly_once = exactly_once;
+    cfg.kafka.push(("message.max.bytes".into(), "10000".into()));
+    let relay = start_relay(cfg, ferry.clone()).await;
+    let start = Instant::now();
+    let attempts = format!("SELECT CAST(publish_attempts AS BIGINT) FROM outbox WHERE id = {poison}");
+    let mut every = tokio::time::interval(Duration::from_millis(20));
+    while scalar(&ferry, &attempts).await < 3 {
+        assert!(
+            start.elapsed() < Duration::from_secs(60),
+            "the relay never retried the poison row"
+        );
+        every.tick().await;
+    }
+    relay.shutdown().await;
+    assert_eq!(
+        ids_in(&ferry, "delivered").await,
+        ids[..3].to_vec(),
+        "the rows before the blocked row are delivered"
+    );
+    assert_eq!(ids_in(&ferry, "pending").await, ids[3..].to_vec());
+    let k: Vec<i64> = read_all(&broker.brokers(), "orders", exactly_once, Duration::from_secs(30))
+        .await
+        .iter()
+        .map(Record::outbox_id)
+        .collect();
+    assert_eq!(k, ids[..3].to_vec(), "each row before it once, nothing behind it");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_refusal_in_block_mode_holds_back_only_the_rows_behind_it() {
+    a_client_refusal_blocks_only_what_is_behind_it(false).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_refusal_in_block_mode_holds_back_only_the_rows_behind_it_exactly_once() {
+    a_client_refusal_blocks_only_what_is_behind_it(true).await;
+}
+
+/// Exactly once, a transaction large enough that the broker refuses its
+/// first row (too large for the topic) while the later rows are still being
+/// handed to the producer, which then refuses them before sending (the
+/// transaction already needs an abort): the broker's refusal of the earlier
+/// row decides, so the poison row is found and dead, not the lane stalled
+/// on a later valid row on every retry.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_early_row_s_refusal_outranks_later_rows_refused_before_sending() {
+    let broker = Kafka::start();
+    poison_topic(&broker, "orders", 1);
+    let (ferry, url) = pg_ferry().await;
+    let poison = ferry
+        .enqueue(&OutboxMessage::bytes("acme", "orders", "K", noise(0, 50_000)))
+        .await
+        .unwrap();
+    let small = ferry
+        .enqueue(&OutboxMessage::bytes("acme", "orders", "K", b"v".to_vec()))
+        .await
+        .unwrap();
+    sqlx::query(
+        "INSERT INTO outbox (tenant, topic, key, lane, payload, headers, created_at) \
+         SELECT tenant, topic, key, lane, payload, headers, created_at \
+         FROM outbox, generate_series(1, 20000) WHERE id = $1",
+    )
+    .bind(small)
+    .execute(ferry.db().as_postgres().unwrap())
+    .await
+    .unwrap();
+    let mut cfg = relay_config(&url, &broker.brokers());
+    cfg.exactly_once = true;
+    cfg.batch_size = 30_000;
+    let relay = start_relay(cfg, ferry.clone()).await;
+    let start = Instant::now();
+    let mut every = tokio::time::interval(Duration::from_millis(20));
+    while dead(&ferry).await.is_empty() {
+        assert!(
+            start.elapsed() < Duration::from_secs(60),
+            "the poison row was never found (last error of the lane's rows: {:?})",
+            sqlx::query_scalar::<_, Option<String>>(
+                "SELECT last_error FROM outbox WHERE last_error IS NOT NULL ORDER BY id LIMIT 1"
+            )
+            .fetch_optional(ferry.db().as_postgres().unwrap())
+            .await
+            .unwrap()
+        );
+        every.tick().await;
+    }
+    relay.shutdown().await;
+    assert_eq!(dead(&ferry).await, vec![(poison, Some("message_too_large".into()))]);
+}
