@@ -113,7 +113,9 @@ impl PgCluster {
         c
     }
 
+    /// Runs `c` in the cluster's directory, as its owner when that is not us.
     fn as_owner(&self, c: &mut Command) {
+        c.current_dir(&self.dir);
         if let Some((uid, gid)) = self.run_as {
             c.uid(uid).gid(gid).env("HOME", &self.dir);
         }

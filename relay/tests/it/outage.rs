@@ -58,8 +58,9 @@ async fn until_at_least(ferry: &Ferry, sql: &str, want: i64, limit: Duration) ->
 }
 
 /// The scenario in one delivery mode; returns what a reader of the topic
-/// sees from its beginning (`read_committed` with `--exactly-once`), and the
-/// rows not yet marked delivered when the database stopped (at most).
+/// sees from its beginning (`read_committed` with `--exactly-once`), every
+/// committed outbox id, and how many rows at most were not yet marked
+/// delivered when the database stopped.
 async fn drain_through_a_database_outage(exactly_once: bool) -> (Vec<Record>, Vec<i64>, i64) {
     let broker = Kafka::start();
     broker.create_topic("orders", 6);
