@@ -246,6 +246,29 @@ async fn the_in_process_worker_completes_runs() {
     s.stop().await;
 }
 
+/// An error no retry cures (here a table the queries need is gone) is the
+/// service's fault: 500 with the library's code and no `Retry-After`, never
+/// a 503 that would have clients retry for ever.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_database_error_no_retry_cures_is_a_500_without_retry_after() {
+    let url = ferry_testkit::fresh_database_url(Engine::Postgres)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    let ferry = Ferry::builder(&url).migrate(true).connect().await.unwrap();
+    ferry
+        .db()
+        .execute_raw("ALTER TABLE jobs RENAME TO jobs_gone")
+        .await
+        .unwrap();
+    let s = start_on(ferry, 1000, false).await;
+    let r = s.post(Some("tok-acme"), Some("k"), &json!({"x": 1})).await;
+    assert_eq!(r.status(), 500);
+    assert!(r.headers().get("retry-after").is_none());
+    let p: Value = r.json().await.unwrap();
+    assert_eq!(p["code"], "database", "{p}");
+    s.stop().await;
+}
+
 /// What the outage test's clients have seen so far.
 #[derive(Debug, Default)]
 struct Tally {
