@@ -405,8 +405,8 @@ enum ReadFailure {
 }
 
 /// Classifies a consumer error of a progress read. A code not listed here
-/// fails the read as `unclassified`: the lane retries its takeover, and
-/// nothing is marked on a guess.
+/// fails the read as `unclassified` (logged with the error by the read):
+/// the lane retries its takeover, and nothing is marked on a guess.
 fn classify_read(e: &KafkaError) -> ReadFailure {
     use RDKafkaErrorCode as C;
     let Some(code) = e.rdkafka_error_code() else {
@@ -429,10 +429,7 @@ fn classify_read(e: &KafkaError) -> ReadFailure {
         C::SaslAuthenticationFailed | C::Authentication => ReadFailure::Fail("authentication"),
         C::UnknownTopicOrPartition | C::UnknownTopic | C::UnknownPartition => ReadFailure::Fail("unknown_topic"),
         C::Fatal => ReadFailure::Fail("fatal"),
-        other => {
-            tracing::warn!(code = ?other, "unclassified Kafka error reading progress; the read fails");
-            ReadFailure::Fail("unclassified")
-        }
+        _ => ReadFailure::Fail("unclassified"),
     }
 }
 
@@ -501,6 +498,32 @@ mod tests {
         assert_eq!(json, r#"{"database":"db-1","lane":3,"generation":7,"ids":[10,12,11]}"#);
         assert_eq!(serde_json::from_str::<Progress>(&json).unwrap(), p);
         assert_eq!(Progress::key("db-1", 3), "db-1:3");
+    }
+
+    #[test]
+    fn progress_read_errors_are_classified() {
+        let c = |code| classify_read(&KafkaError::MessageConsumption(code));
+        // The client reconnects or finds the new leader by itself.
+        assert_eq!(
+            c(RDKafkaErrorCode::BrokerTransportFailure),
+            ReadFailure::Transient("broker_unreachable")
+        );
+        assert_eq!(
+            c(RDKafkaErrorCode::NotLeaderForPartition),
+            ReadFailure::Transient("leader_moved")
+        );
+        // A start below the log start is never a jump to its end.
+        assert_eq!(
+            c(RDKafkaErrorCode::AutoOffsetReset),
+            ReadFailure::Fail("offset_out_of_range")
+        );
+        assert_eq!(
+            c(RDKafkaErrorCode::TopicAuthorizationFailed),
+            ReadFailure::Fail("authorization")
+        );
+        // Unknown codes fail the read (the lane retries), visibly.
+        assert_eq!(c(RDKafkaErrorCode::InvalidRecord), ReadFailure::Fail("unclassified"));
+        assert_eq!(classify_read(&KafkaError::Canceled), ReadFailure::Fail("unclassified"));
     }
 
     #[test]
