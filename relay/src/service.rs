@@ -126,7 +126,12 @@ impl Relay {
         let sink = match &producer {
             Some(p) => lane::Sink::Shared(p.clone(), lone.clone()),
             None => {
-                let reader = crate::exactly_once::ensure_progress_topic(&cfg, store.ferry().lanes()).await?;
+                let reader = crate::exactly_once::ensure_progress_topic(
+                    &cfg,
+                    store.ferry().lanes(),
+                    state.metrics.takeover_waits.clone(),
+                )
+                .await?;
                 lane::Sink::Transactional(Arc::new(reader))
             }
         };

@@ -233,31 +233,43 @@ impl Drop for RelayProcess {
 /// A `ferry-relay run` process (1 s lane leases, batches of 50) with extra
 /// flags and environment, for the crash tests.
 pub fn spawn_relay_process(url: &str, brokers: &str, extra: &[&str], env: &[(&str, &str)]) -> RelayProcess {
-    let child = std::process::Command::new(env!("CARGO_BIN_EXE_ferry-relay"))
-        .args([
-            "run",
-            "--database-url",
-            url,
-            "--brokers",
-            brokers,
-            "--lease",
-            "1s",
-            "--poll-interval",
-            "50ms",
-        ])
-        .args(["--batch-size", "50", "--listen", "127.0.0.1:0", "--grace", "5s"])
-        .args(extra)
-        .envs(env.iter().copied())
-        .env(
-            "RUST_LOG",
-            std::env::var("FERRY_TEST_RELAY_LOG").unwrap_or_else(|_| "off".into()),
-        )
-        .stdout(std::process::Stdio::null())
-        .stderr(match std::env::var("FERRY_TEST_RELAY_LOG") {
-            Ok(_) => std::process::Stdio::inherit(),
-            Err(_) => std::process::Stdio::null(),
-        })
-        .spawn()
-        .expect("spawn ferry-relay");
-    RelayProcess(child)
+    let mut cmd = relay_command(url, brokers, extra, env);
+    cmd.env(
+        "RUST_LOG",
+        std::env::var("FERRY_TEST_RELAY_LOG").unwrap_or_else(|_| "off".into()),
+    )
+    .stderr(match std::env::var("FERRY_TEST_RELAY_LOG") {
+        Ok(_) => std::process::Stdio::inherit(),
+        Err(_) => std::process::Stdio::null(),
+    });
+    RelayProcess(cmd.spawn().expect("spawn ferry-relay"))
+}
+
+/// [`spawn_relay_process`] whose warnings and errors go to `log`, one JSON
+/// object a line, for tests about what a relay logs.
+pub fn spawn_relay_process_logging(url: &str, brokers: &str, extra: &[&str], log: &std::path::Path) -> RelayProcess {
+    let file = std::fs::File::create(log).expect("relay log file");
+    let mut cmd = relay_command(url, brokers, extra, &[]);
+    cmd.env("RUST_LOG", "warn").env("FERRY_LOG_FORMAT", "json").stderr(file);
+    RelayProcess(cmd.spawn().expect("spawn ferry-relay"))
+}
+
+fn relay_command(url: &str, brokers: &str, extra: &[&str], env: &[(&str, &str)]) -> std::process::Command {
+    let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_ferry-relay"));
+    cmd.args([
+        "run",
+        "--database-url",
+        url,
+        "--brokers",
+        brokers,
+        "--lease",
+        "1s",
+        "--poll-interval",
+        "50ms",
+    ])
+    .args(["--batch-size", "50", "--listen", "127.0.0.1:0", "--grace", "5s"])
+    .args(extra)
+    .envs(env.iter().copied())
+    .stdout(std::process::Stdio::null());
+    cmd
 }
