@@ -8,6 +8,7 @@ use axum::http::HeaderMap;
 use axum::response::{IntoResponse, Redirect, Response};
 use axum::Form;
 use ferry::{Millis, RunCursor, RunFilter, RunState, RunSummary};
+use ferry_relay::publish::effect_key_of;
 use maud::{html, Markup};
 use uuid::Uuid;
 
@@ -246,7 +247,7 @@ pub(crate) async fn lineage(
     let l = state.ferry.run_lineage(&tenant, run_id).await?;
     let ids: Vec<i64> = l.outbox.iter().map(|o| o.id).collect();
     let (ledger, now, database_id) = tokio::try_join!(
-        state.store.ledger_for_outbox_rows(&ids),
+        state.store.ledger_for_outbox_rows(&tenant, &ids),
         state.store.now(),
         state.ferry.database_id(),
     )?;
@@ -335,7 +336,7 @@ pub(crate) async fn lineage(
                     thead { tr { th { "id" } th { "topic" } th { "effect key" } th { "state" } th { "publish attempts" } th { "last error" } th { "written" } th { "delivered" } } }
                     tbody { @for o in &l.outbox {
                         tr id=(format!("outbox-{}", o.id)) { td.num { (o.id) } td { (o.topic) }
-                            td { code { (o.effect_key.clone().unwrap_or_else(|| format!("{database_id}:{}", o.id))) } }
+                            td { code { (effect_key_of(&tenant, o.effect_key.as_deref(), o.id, Some(&database_id)).unwrap_or_default()) } }
                             td class=(format!("outbox-state {}", state_class(&o.state))) { (o.state) }
                             td.num { (o.publish_attempts) } td { code { (o.last_error.as_deref().unwrap_or("")) } }
                             td { (ts(o.created_at.get())) }
