@@ -67,8 +67,21 @@ impl Ferry {
 
     /// Jobs of `tenant` waiting to be claimed (for backpressure).
     pub async fn queued_depth(&self, tenant: &str) -> Result<i64> {
-        Ok(on_pool!(self.db(), |p, q| {
-            sqlx::query_scalar(q.queued_depth).bind(tenant).fetch_one(p).await?
+        let mut c = self.db().acquire().await?;
+        self.queued_depth_in(c.conn(), tenant).await
+    }
+
+    /// [`Ferry::queued_depth`] inside the caller's transaction, counting the
+    /// runs it accepted and has not committed yet: a service can accept a
+    /// run first, so that a retried request is answered as the replay it is
+    /// whatever the backlog, and then check its limit before committing.
+    pub async fn queued_depth_in<'c>(&self, conn: impl Into<Conn<'c>>, tenant: &str) -> Result<i64> {
+        let conn: Conn<'c> = conn.into();
+        Ok(on_conn!(conn, |c, q| {
+            sqlx::query_scalar(q.queued_depth)
+                .bind(tenant)
+                .fetch_one(&mut *c)
+                .await?
         }))
     }
 

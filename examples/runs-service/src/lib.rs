@@ -251,21 +251,7 @@ async fn create_run(
         .and_then(Value::as_str)
         .unwrap_or("run")
         .to_owned();
-    let depth = state.ferry.queued_depth(&tenant).await.map_err(error_response)?;
-    if depth >= state.config.max_queued_per_tenant {
-        let mut p = problem(
-            StatusCode::TOO_MANY_REQUESTS,
-            "backpressure",
-            "too many queued runs for this tenant",
-        );
-        p.retry_after = Some(state.config.retry_after_secs);
-        return Err(p);
-    }
-    let a = state
-        .ferry
-        .create_run_idempotent(NewRun::new(&tenant, operation, key, command))
-        .await
-        .map_err(error_response)?;
+    let a = admit(&state, NewRun::new(&tenant, operation, key, command)).await?;
     let location = format!("/v1/runs/{}", a.run.run_id);
     let mut r = (StatusCode::ACCEPTED, Json(accepted_body(&a.run))).into_response();
     if let Ok(v) = HeaderValue::from_str(&location) {
@@ -276,6 +262,46 @@ async fn create_run(
             .insert("idempotent-replayed", HeaderValue::from_static("true"));
     }
     Ok(r)
+}
+
+/// Accepts `run` unless it takes its tenant past the queue limit. The limit
+/// applies to new runs only: the run is accepted first and the tenant's
+/// backlog, the new run included, counted in the same transaction, which
+/// rolls back when over the limit. So a retried request is answered as the
+/// replay it is (or as a conflict) whatever the backlog, and a refused one
+/// writes nothing.
+async fn admit(state: &AppState, run: NewRun) -> Result<ferry::Accepted, Problem> {
+    let tenant = run.tenant.clone();
+    let mut tx = state.ferry.begin().await.map_err(error_response)?;
+    let accepted: ferry::Result<Option<ferry::Accepted>> = async {
+        let a = state.ferry.create_run_idempotent_in(tx.conn(), run).await?;
+        if !a.replay && state.ferry.queued_depth_in(tx.conn(), &tenant).await? > state.config.max_queued_per_tenant {
+            return Ok(None);
+        }
+        Ok(Some(a))
+    }
+    .await;
+    match accepted {
+        Ok(Some(a)) => {
+            tx.commit().await.map_err(error_response)?;
+            Ok(a)
+        }
+        Ok(None) => {
+            tx.rollback().await.map_err(error_response)?;
+            let mut p = problem(
+                StatusCode::TOO_MANY_REQUESTS,
+                "backpressure",
+                "too many queued runs for this tenant",
+            );
+            p.retry_after = Some(state.config.retry_after_secs);
+            Err(p)
+        }
+        Err(e) => {
+            // The transaction is rolled back as it drops; the error is the answer.
+            drop(tx);
+            Err(error_response(e))
+        }
+    }
 }
 
 async fn get_run(State(state): State<AppState>, headers: HeaderMap, Path(id): Path<Uuid>) -> Result<Response, Problem> {
