@@ -326,7 +326,7 @@ async fn the_console_role_serves_every_page_and_action() {
         .unwrap();
     let console_db = as_role(&t, "ferry_console").await;
     let tokens = ferry_console::Tokens::parse(&ferry_console::Tokens::line_for("ops", "tok", None, true)).unwrap();
-    let console = ferry_console::Console::new(console_db.clone(), ferry_console::ConsoleConfig::new(tokens));
+    let console = ferry_console::Console::new(console_db.clone(), ferry_console::ConsoleConfig::new(tokens)).unwrap();
     console.sample().await.unwrap();
     console.census().await.unwrap();
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();

@@ -116,7 +116,7 @@ async fn login_sets_a_strict_http_only_session_cookie(engine: Engine) {
     let tampered = cookie.replace("root-ops", "acme-ops");
     assert_eq!(a.send(with_cookie(&tampered)).await.status, StatusCode::SEE_OTHER);
     // Another console process (another server key) does not know it.
-    let other = ferry_console::Console::new(a.db.ferry.clone(), ferry_console::ConsoleConfig::new(tokens()));
+    let other = ferry_console::Console::new(a.db.ferry.clone(), ferry_console::ConsoleConfig::new(tokens())).unwrap();
     let r = tower::ServiceExt::oneshot(other.router(), with_cookie(&cookie))
         .await
         .unwrap();

@@ -40,7 +40,7 @@ pub fn tokens() -> Tokens {
 
 pub async fn app(engine: Engine) -> App {
     let db = TestDb::new(engine).await;
-    let console = Console::new(db.ferry.clone(), ConsoleConfig::new(tokens()));
+    let console = Console::new(db.ferry.clone(), ConsoleConfig::new(tokens())).unwrap();
     App { db, console }
 }
 

@@ -331,3 +331,128 @@ async fn nul_bytes_are_refused_with_400_and_write_nothing() {
     assert_eq!(s.written().await, [0; 4], "nothing was written");
     s.stop().await;
 }
+
+/// One request of the property below.
+#[derive(Debug, Clone)]
+enum Input {
+    /// POST /v1/runs with this `Idempotency-Key` (raw header bytes) and body.
+    Create(Vec<u8>, Vec<u8>),
+    /// GET /v1/runs/{id} and POST /v1/runs/{id}/cancel with this id.
+    Run(String),
+}
+
+fn input() -> impl proptest::strategy::Strategy<Value = Input> {
+    use proptest::prelude::*;
+    let key = prop_oneof![
+        "[!-~]{1,300}".prop_map(String::into_bytes),
+        "\"[!-~]{0,20}\"?".prop_map(String::into_bytes),
+        prop::collection::vec(any::<u8>(), 0..40),
+    ];
+    let json = prop::collection::vec(("[a-z\\x00]{1,8}", any::<String>()), 0..4).prop_map(|kv| {
+        let mut m = serde_json::Map::new();
+        for (k, v) in kv {
+            m.insert(k, Value::String(v));
+        }
+        serde_json::to_vec(&m).unwrap()
+    });
+    let body = prop_oneof![
+        json,
+        any::<String>().prop_map(String::into_bytes),
+        prop::collection::vec(any::<u8>(), 0..64),
+        Just(br#"{"operation": 7}"#.to_vec()),
+        Just(br#"{"operation": ""}"#.to_vec()),
+        Just(br#"[1, 2]"#.to_vec()),
+    ];
+    prop_oneof![
+        (key, body).prop_map(|(k, b)| Input::Create(k, b)),
+        prop_oneof![any::<String>(), "[0-9a-fA-F-]{30,40}"].prop_map(Input::Run),
+    ]
+}
+
+/// Percent-encodes every byte but unreserved ones.
+fn encode_all(s: &str) -> String {
+    s.bytes()
+        .map(|b| {
+            if b.is_ascii_alphanumeric() || b"-_.~".contains(&b) {
+                (b as char).to_string()
+            } else {
+                format!("%{b:02X}")
+            }
+        })
+        .collect()
+}
+
+/// Whatever a client sends as the key, the body or the run id, the answer
+/// is a success or an `application/problem+json` error under 500 with a
+/// stable code (a non-string `operation` used to become `run` silently, a
+/// bad run id got axum's plain-text rejection).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn any_key_body_or_run_id_gets_an_answer_or_a_typed_problem() {
+    use proptest::test_runner::{Config, TestCaseError, TestRunner};
+    let s = start(1000, false).await;
+    let handle = tokio::runtime::Handle::current();
+    let s = tokio::task::spawn_blocking(move || {
+        let mut runner = TestRunner::new(Config {
+            cases: 300,
+            failure_persistence: None,
+            ..Config::default()
+        });
+        let outcome = runner.run(&input(), |i| {
+            handle.block_on(async {
+                let replies = match &i {
+                    Input::Create(key, body) => {
+                        let Ok(key) = reqwest::header::HeaderValue::from_bytes(key) else {
+                            return Ok(()); // no HTTP client can send it
+                        };
+                        let r = s
+                            .client
+                            .post(format!("{}/v1/runs", s.base))
+                            .bearer_auth("tok-acme")
+                            .header("Idempotency-Key", key)
+                            .body(body.clone())
+                            .send()
+                            .await
+                            .unwrap();
+                        vec![r]
+                    }
+                    Input::Run(id) => {
+                        // An empty id is another route (`/v1/runs/`): answered too.
+                        let path = format!("{}/v1/runs/{}", s.base, encode_all(id));
+                        let get = s.client.get(&path).bearer_auth("tok-acme").send().await.unwrap();
+                        let cancel = s
+                            .client
+                            .post(format!("{path}/cancel"))
+                            .bearer_auth("tok-acme")
+                            .send()
+                            .await
+                            .unwrap();
+                        vec![get, cancel]
+                    }
+                };
+                for r in replies {
+                    let status = r.status().as_u16();
+                    if status < 400 {
+                        continue;
+                    }
+                    let kind = r.headers().get("content-type").cloned();
+                    let p: Value = r.json().await.unwrap_or_default();
+                    let code = p["code"].as_str().unwrap_or_default().to_owned();
+                    if status >= 500
+                        || kind.as_ref().and_then(|k| k.to_str().ok()) != Some("application/problem+json")
+                        || code.is_empty()
+                    {
+                        return Err(TestCaseError::fail(format!("{i:?} answered {status}: {p}")));
+                    }
+                }
+                Ok(())
+            })
+        });
+        if let Err(e) = outcome {
+            panic!("{e}");
+        }
+        s
+    })
+    .await
+    .unwrap();
+    s.stop().await;
+}
