@@ -5,6 +5,7 @@ mod accept;
 mod bulk;
 
 mod fingerprint;
+mod input;
 mod inspect;
 mod jobs;
 mod outbox;

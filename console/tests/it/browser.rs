@@ -210,7 +210,7 @@ async fn an_operator_finds_a_run_replays_a_dead_row_and_sees_it_delivered() {
         store.release_lane("seeder", l).await.unwrap();
     }
 
-    let console = Console::new(db.ferry.clone(), ConsoleConfig::new(tokens()));
+    let console = Console::new(db.ferry.clone(), ConsoleConfig::new(tokens())).unwrap();
     console.sample().await.unwrap();
     console.sample().await.unwrap();
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -376,7 +376,7 @@ async fn a_scoped_operator_sees_only_its_tenant_and_no_payloads() {
     let driver = Chromedriver::start();
     let db = TestDb::new(Engine::Postgres).await;
     let s = seed(&db.ferry).await;
-    let console = Console::new(db.ferry.clone(), ConsoleConfig::new(tokens()));
+    let console = Console::new(db.ferry.clone(), ConsoleConfig::new(tokens())).unwrap();
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let base = format!("http://{}", listener.local_addr().unwrap());
     let stop = CancellationToken::new();
