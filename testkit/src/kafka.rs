@@ -6,7 +6,7 @@
 //! `auto.create.topics.enable=false`. It is ready when a metadata request
 //! through librdkafka answers with the broker: no fixed sleep anywhere.
 //!
-//! The broker is a grandchild held by a small `sh` watchdog whose standard
+//! The broker is held by the `sh` watchdog (`watchdog.rs`) whose standard
 //! input is a pipe from the test process: when the test process ends in any
 //! way (including SIGKILL or an abort), the pipe closes and the watchdog
 //! SIGKILLs the broker, so no broker outlives its test binary.
@@ -14,16 +14,18 @@
 //! When the jars are missing, starting fails with a message naming
 //! `scripts/install-kafka`; a test never passes without its broker.
 
-use std::io::{BufRead, BufReader, Read, Write};
+use std::io::Read;
 use std::net::TcpListener;
 use std::path::{Path, PathBuf};
-use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
 use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
 use rdkafka::client::DefaultClientContext;
 use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::ClientConfig;
+
+use crate::watchdog::{Signal, Watchdog};
 
 /// The pinned Apache Kafka version: the one `scripts/kafka/pom.xml` resolves.
 pub fn kafka_version() -> &'static str {
@@ -54,15 +56,6 @@ pub struct Kafka {
     controller_port: u16,
     dir: PathBuf,
     proc: Option<Watchdog>,
-}
-
-/// The `sh` watchdog holding the broker: commands on stdin (`term`, `kill`),
-/// `exited` on stdout once the broker is reaped; EOF on stdin kills it.
-struct Watchdog {
-    child: Child,
-    stdin: ChildStdin,
-    stdout: BufReader<ChildStdout>,
-    broker_pid: u32,
 }
 
 impl Kafka {
@@ -194,12 +187,12 @@ impl Kafka {
     /// SIGTERM (controlled shutdown) and wait until the broker exited: it is
     /// down until [`Kafka::restart`].
     pub fn stop(&mut self) {
-        self.signal("term");
+        self.signal(Signal::Term);
     }
 
     /// SIGKILL the broker (a crash) and wait until it is gone.
     pub fn kill(&mut self) {
-        self.signal("kill");
+        self.signal(Signal::Kill);
     }
 
     /// Starts it again on the same ports and log dir (data is kept), and
@@ -209,12 +202,9 @@ impl Kafka {
         self.spawn();
     }
 
-    fn signal(&mut self, what: &str) {
-        if let Some(mut w) = self.proc.take() {
-            let _ = writeln!(w.stdin, "{what}");
-            let mut line = String::new();
-            let _ = w.stdout.read_line(&mut line);
-            let _ = w.child.wait();
+    fn signal(&mut self, signal: Signal) {
+        if let Some(w) = self.proc.take() {
+            w.stop(signal);
         }
     }
 
@@ -264,22 +254,8 @@ impl Kafka {
     /// `kafka-server-start.sh server.properties`: `kafka.Kafka`, under the
     /// watchdog; returns once a metadata request answers with the broker.
     fn spawn(&mut self) {
-        const WATCHDOG: &str = r#"
-"$@" >>"$FERRY_BROKER_LOG" 2>&1 </dev/null &
-pid=$!
-echo "$pid"
-while read -r cmd; do
-  case "$cmd" in
-    term) kill -TERM "$pid" 2>/dev/null; wait "$pid"; echo exited; exit 0 ;;
-    kill) kill -KILL "$pid" 2>/dev/null; wait "$pid"; echo exited; exit 0 ;;
-  esac
-done
-kill -KILL "$pid" 2>/dev/null
-"#;
-        let mut child = Command::new("sh")
-            .arg("-c")
-            .arg(WATCHDOG)
-            .arg("sh")
+        let mut command = Watchdog::command(&self.dir.join("broker.log"));
+        command
             .arg(Self::java())
             .args(["-Xms256m", "-Xmx768m", "-XX:+UseG1GC", "-Djava.awt.headless=true"])
             .arg(Self::log4j())
@@ -287,24 +263,8 @@ kill -KILL "$pid" 2>/dev/null
             .arg(Self::classpath())
             .arg("kafka.Kafka")
             .arg(self.dir.join("server.properties"))
-            .env("FERRY_BROKER_LOG", self.dir.join("broker.log"))
-            .env_remove("KAFKA_OPTS")
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("sh is required to supervise the broker");
-        let stdin = child.stdin.take().expect("piped stdin");
-        let mut stdout = BufReader::new(child.stdout.take().expect("piped stdout"));
-        let mut line = String::new();
-        stdout.read_line(&mut line).expect("watchdog reports the broker pid");
-        let broker_pid: u32 = line.trim().parse().expect("broker pid");
-        self.proc = Some(Watchdog {
-            child,
-            stdin,
-            stdout,
-            broker_pid,
-        });
+            .env_remove("KAFKA_OPTS");
+        self.proc = Some(Watchdog::spawn(command));
         self.wait_ready();
     }
 
@@ -320,16 +280,7 @@ kill -KILL "$pid" 2>/dev/null
     }
 
     fn broker_alive(&self) -> bool {
-        let Some(w) = &self.proc else { return false };
-        match std::fs::read_to_string(format!("/proc/{}/stat", w.broker_pid)) {
-            // Field 3 is the state; Z is a zombie (exited, not yet reaped).
-            Ok(stat) => stat
-                .rsplit(')')
-                .next()
-                .map(|r| !r.trim_start().starts_with('Z'))
-                .unwrap_or(false),
-            Err(_) => false,
-        }
+        self.proc.as_ref().is_some_and(Watchdog::server_alive)
     }
 
     fn wait_ready(&self) {

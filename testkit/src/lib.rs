@@ -1,14 +1,19 @@
 //! Test support for Ferry and for services built on it, never linked into a
 //! production binary: a real Apache Kafka broker per test ([`Kafka`]), a
 //! fresh PostgreSQL schema or SQLite file per test
-//! ([`fresh_database_url`]), and the `ferry-test-worker` binary the chaos
-//! tests SIGKILL mid-job. Every helper fails with a message naming what is
-//! missing; none lets a test pass without its service.
+//! ([`fresh_database_url`]), a PostgreSQL cluster of a test's own that the
+//! test can stop and restart ([`PgCluster`], for database outages), and the
+//! `ferry-test-worker` binary the chaos tests SIGKILL mid-job. Every helper
+//! fails with a message naming what is missing; none lets a test pass
+//! without its service.
 
 mod db;
 mod harness;
 mod kafka;
+mod pg;
+mod watchdog;
 
 pub use db::{fresh_database_url, postgres_url, TestDbError};
 pub use harness::{fresh_url, manual_clock, TestDb, T0};
 pub use kafka::*;
+pub use pg::PgCluster;

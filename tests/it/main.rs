@@ -1,5 +1,6 @@
 //! Ferry's integration tests, in one binary: the conformance scenarios run on
-//! PostgreSQL and SQLite, plus PostgreSQL-only concurrency and chaos tests.
+//! PostgreSQL and SQLite, plus PostgreSQL-only concurrency and chaos tests
+//! and a database outage under a worker (on a cluster of its own).
 
 mod accept;
 mod bulk;
@@ -8,6 +9,7 @@ mod fingerprint;
 mod input;
 mod inspect;
 mod jobs;
+mod outage;
 mod outbox;
 mod pg;
 mod queues;

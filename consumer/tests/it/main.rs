@@ -1,6 +1,8 @@
 //! ferry-consumer against PostgreSQL and a real Kafka-protocol broker
 //! (invariant 10): effects once per group under duplicates, rebalances and
-//! crashes; stale members refused; poison records dead-lettered.
+//! crashes; stale members refused; poison records dead-lettered; database
+//! outages, simulated on the shared cluster and real (PostgreSQL stopped,
+//! on a cluster of the test's own).
 
 use ferry::store::Arg;
 use std::collections::HashMap;
@@ -11,7 +13,7 @@ use std::time::{Duration, Instant};
 use ferry::{Engine, Ferry};
 use ferry_consumer::store::PartitionLease;
 use ferry_consumer::{Assignment, Consumer, Handler, HandlerError, Record};
-use ferry_testkit::Kafka;
+use ferry_testkit::{Kafka, PgCluster};
 use futures::future::BoxFuture;
 use rdkafka::consumer::{BaseConsumer, Consumer as _};
 use rdkafka::message::{Header, Headers, Message, OwnedHeaders};
@@ -24,13 +26,19 @@ async fn pg() -> (Ferry, String) {
         .await
         .unwrap_or_else(|e| panic!("{e}"));
     let ferry = Ferry::builder(&url).migrate(true).connect().await.unwrap();
-    sqlx::query(
-        "CREATE TABLE effects_applied (effect_key TEXT PRIMARY KEY, applied BIGINT NOT NULL, written_by TEXT NOT NULL)",
-    )
-    .execute(ferry.db().as_postgres().unwrap())
-    .await
-    .unwrap();
+    create_effects_table(&ferry).await;
     (ferry, url)
+}
+
+/// The `effects_applied` table [`Apply`] writes.
+async fn create_effects_table(ferry: &Ferry) {
+    ferry
+        .db()
+        .execute_raw(
+            "CREATE TABLE effects_applied (effect_key TEXT PRIMARY KEY, applied BIGINT NOT NULL, written_by TEXT NOT NULL)",
+        )
+        .await
+        .unwrap();
 }
 
 async fn scalar(ferry: &Ferry, sql: &str) -> i64 {
@@ -978,13 +986,7 @@ impl OwnDatabase {
     /// A migrated [`Ferry`] on it, with the `effects_applied` table of [`Apply`].
     async fn ferry(&self) -> Ferry {
         let ferry = Ferry::builder(&self.url).migrate(true).connect().await.unwrap();
-        ferry
-            .db()
-            .execute_raw(
-                "CREATE TABLE effects_applied (effect_key TEXT PRIMARY KEY, applied BIGINT NOT NULL, written_by TEXT NOT NULL)",
-            )
-            .await
-            .unwrap();
+        create_effects_table(&ferry).await;
         ferry
     }
 
@@ -1196,6 +1198,97 @@ async fn a_database_outage_longer_than_the_retry_budget_never_skips_a_record() {
     assert_eq!(stored_next(&ferry, "go", "outage").await, 2, "nothing moved past it");
     assert_eq!(metrics.dead_lettered.get(), 0);
     db.drop_with(ferry).await;
+}
+
+/// PostgreSQL itself stopped for 45 s (a fast shutdown of a cluster of the
+/// test's own, so the shared one is never restarted), far longer than the
+/// retry budget and the 30 s partition lease, while a record's transaction
+/// is open in the handler and 300 records wait on three partitions. Once it
+/// is back, without anyone's help, every record's effect is applied once,
+/// every ledger row says `applied`, nothing is skipped or dead-lettered, and
+/// the stored offsets reach the end of each partition.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_stopped_for_45_s_mid_record_applies_every_record_once() {
+    // One attempt (the first retryable failure is dead-lettered): an
+    // attempt on a stopped server waits out the pool's 10 s acquire timeout.
+    const BUDGET: u32 = 1;
+    const RECORDS: usize = 300;
+    let broker = Kafka::start();
+    broker.create_topic("stopped", 3);
+    let mut pg = PgCluster::start();
+    let ferry = Ferry::builder(pg.url()).migrate(true).connect().await.unwrap();
+    create_effects_table(&ferry).await;
+    let p = producer(&broker.brokers());
+    produce_range(&p, "stopped", 0, RECORDS).await;
+    let (entered_tx, entered) = tokio::sync::oneshot::channel();
+    let (proceed, proceed_rx) = tokio::sync::oneshot::channel();
+    let c = Consumer::builder(ferry.clone(), broker.brokers(), "stop", &["stopped"])
+        .handler(HoldFirst {
+            apply: Apply { owner: "c".into() },
+            entered: std::sync::Mutex::new(Some(entered_tx)),
+            proceed: std::sync::Mutex::new(Some(proceed_rx)),
+        })
+        .retry(BUDGET, Duration::from_millis(20), Duration::from_millis(200))
+        .kafka("session.timeout.ms", "6000")
+        .kafka("heartbeat.interval.ms", "500")
+        .build()
+        .unwrap();
+    let consumer = Running::spawn(c);
+    let metrics = consumer.metrics();
+    tokio::time::timeout(Duration::from_secs(60), entered)
+        .await
+        .expect("the first record never reached the handler")
+        .unwrap();
+    // The record's transaction is open in the handler: the outage begins.
+    tokio::task::block_in_place(|| pg.stop());
+    let down = Instant::now();
+    proceed.send(()).unwrap();
+    while metrics.infrastructure_retries.get() < u64::from(BUDGET) {
+        assert!(
+            down.elapsed() < Duration::from_secs(44),
+            "the record never failed on the outage"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // The outage lasts 45 s: the fault injected, not a synchronization.
+    tokio::time::sleep(Duration::from_secs(45).saturating_sub(down.elapsed())).await;
+    tokio::task::block_in_place(|| pg.restart());
+
+    let ledger = "SELECT count(*) FROM consumer_ledger WHERE group_id = 'stop'";
+    until_at_least(&ferry, ledger, RECORDS as i64, Duration::from_secs(120)).await;
+    assert_eq!(
+        scalar(
+            &ferry,
+            "SELECT count(*) FROM consumer_ledger WHERE group_id = 'stop' AND outcome = 'applied'"
+        )
+        .await,
+        RECORDS as i64,
+        "every record applied, the one in progress during the outage included"
+    );
+    assert_eq!(
+        scalar(&ferry, "SELECT count(*) FROM effects_applied WHERE applied = 1").await,
+        RECORDS as i64,
+        "each effect applied once"
+    );
+    assert_eq!(
+        scalar(
+            &ferry,
+            "SELECT CAST(COALESCE(sum(next_offset), 0) AS BIGINT) FROM consumer_partitions WHERE group_id = 'stop'"
+        )
+        .await,
+        RECORDS as i64,
+        "the stored offsets reached the end of every partition"
+    );
+    assert_eq!(
+        (metrics.dead_lettered.get(), metrics.dead_letter_failures.get()),
+        (0, 0)
+    );
+    eprintln!(
+        "consumer outage: {} attempts waited on the database, {} lease losses",
+        metrics.infrastructure_retries.get(),
+        metrics.lease_losses.get()
+    );
+    consumer.stop().await;
 }
 
 /// Takes the `gate` row's lock without waiting (`FOR UPDATE NOWAIT`), then

@@ -2,7 +2,10 @@
 //! `POST /v1/runs` with an `Idempotency-Key` (IETF httpapi draft), tenants
 //! from bearer tokens, bounded backpressure (429 + `Retry-After`),
 //! `GET /v1/runs/{id}`, `POST /v1/runs/{id}/cancel`, and a worker in the
-//! same process. Errors are `application/problem+json` with a stable `code`.
+//! same process. Errors are `application/problem+json` with a stable `code`;
+//! while the database is unreachable every request gets 503 `unavailable`
+//! with `Retry-After` (retrying with the same `Idempotency-Key` is safe:
+//! an acceptance commits whole or not at all).
 #![forbid(unsafe_code)]
 
 use std::collections::HashMap;
@@ -31,7 +34,8 @@ pub struct Config {
     pub tokens: HashMap<String, String>,
     /// Queued jobs a tenant may have before new runs get 429.
     pub max_queued_per_tenant: i64,
-    /// `Retry-After` seconds on a 429.
+    /// `Retry-After` seconds on a 429 (backpressure) and on a 503 (the
+    /// database unavailable).
     pub retry_after_secs: u64,
     /// Run the worker in this process.
     pub with_worker: bool,
@@ -301,12 +305,37 @@ fn idempotency_key(headers: &HeaderMap) -> Result<String, Problem> {
     Ok(key.to_owned())
 }
 
-fn error_response(e: ferry::Error) -> Problem {
-    let status = match e.code() {
-        "invalid_input" => StatusCode::BAD_REQUEST,
-        "idempotency_conflict" | "run_terminal" | "duplicate_run" | "invalid_state" => StatusCode::CONFLICT,
-        "not_found" => StatusCode::NOT_FOUND,
-        _ => StatusCode::SERVICE_UNAVAILABLE,
+/// The answer for a library error, by variant. A transient error (the
+/// database unreachable or a connection lost mid-call, a raced change) is
+/// 503 `unavailable` with `Retry-After`: the acceptance committed whole or
+/// not at all, so a retry with the same key creates or replays the run. An
+/// error no retry cures is the service's fault (500), never the client's.
+fn error_response(e: ferry::Error, retry_after_secs: u64) -> Problem {
+    use ferry::Error as E;
+    if e.is_transient() {
+        tracing::warn!(error = %e, code = e.code(), "transient failure: 503");
+        let mut p = problem(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "unavailable",
+            format!("temporarily unavailable; retry in {retry_after_secs} s with the same Idempotency-Key"),
+        );
+        p.retry_after = Some(retry_after_secs);
+        return p;
+    }
+    let status = match &e {
+        E::InvalidInput { .. } => StatusCode::BAD_REQUEST,
+        E::IdempotencyConflict { .. } | E::RunTerminal { .. } | E::DuplicateRun { .. } | E::InvalidState { .. } => {
+            StatusCode::CONFLICT
+        }
+        E::NotFound { .. } => StatusCode::NOT_FOUND,
+        _ => {
+            tracing::error!(error = %e, code = e.code(), "request failed");
+            return problem(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                e.code(),
+                "internal error; see the service's log",
+            );
+        }
     };
     // The error text never carries a full key or a payload.
     problem(status, e.code(), e.to_string())
@@ -372,7 +401,8 @@ async fn create_run(
 /// writes nothing.
 async fn admit(state: &AppState, run: NewRun) -> Result<ferry::Accepted, Problem> {
     let tenant = run.tenant.clone();
-    let mut tx = state.ferry.begin().await.map_err(error_response)?;
+    let retry_after = state.config.retry_after_secs;
+    let mut tx = state.ferry.begin().await.map_err(|e| error_response(e, retry_after))?;
     let accepted: ferry::Result<Option<ferry::Accepted>> = async {
         let a = state.ferry.create_run_idempotent_in(tx.conn(), run).await?;
         if !a.replay && state.ferry.queued_depth_in(tx.conn(), &tenant).await? > state.config.max_queued_per_tenant {
@@ -383,11 +413,11 @@ async fn admit(state: &AppState, run: NewRun) -> Result<ferry::Accepted, Problem
     .await;
     match accepted {
         Ok(Some(a)) => {
-            tx.commit().await.map_err(error_response)?;
+            tx.commit().await.map_err(|e| error_response(e, retry_after))?;
             Ok(a)
         }
         Ok(None) => {
-            tx.rollback().await.map_err(error_response)?;
+            tx.rollback().await.map_err(|e| error_response(e, retry_after))?;
             let mut p = problem(
                 StatusCode::TOO_MANY_REQUESTS,
                 "backpressure",
@@ -399,7 +429,7 @@ async fn admit(state: &AppState, run: NewRun) -> Result<ferry::Accepted, Problem
         Err(e) => {
             // The transaction is rolled back as it drops; the error is the answer.
             drop(tx);
-            Err(error_response(e))
+            Err(error_response(e, retry_after))
         }
     }
 }
@@ -421,8 +451,16 @@ impl<S: Send + Sync> FromRequestParts<S> for RunId {
 
 async fn get_run(State(state): State<AppState>, headers: HeaderMap, RunId(id): RunId) -> Result<Response, Problem> {
     let tenant = tenant(&state, &headers)?;
-    let run = state.ferry.get_run(&tenant, id).await.map_err(error_response)?;
-    let events = state.ferry.list_events(&tenant, id).await.map_err(error_response)?;
+    let run = state
+        .ferry
+        .get_run(&tenant, id)
+        .await
+        .map_err(|e| error_response(e, state.config.retry_after_secs))?;
+    let events = state
+        .ferry
+        .list_events(&tenant, id)
+        .await
+        .map_err(|e| error_response(e, state.config.retry_after_secs))?;
     Ok(Json(json!({ "run": run, "events": events })).into_response())
 }
 
@@ -432,7 +470,7 @@ async fn cancel_run(State(state): State<AppState>, headers: HeaderMap, RunId(id)
         .ferry
         .cancel(&tenant, id, None, &format!("api:{tenant}"), "cancelled through the API")
         .await
-        .map_err(error_response)?;
+        .map_err(|e| error_response(e, state.config.retry_after_secs))?;
     Ok(Json(json!({ "run_id": id, "state": "cancelled" })).into_response())
 }
 

@@ -1,10 +1,12 @@
 //! The example service over real HTTP on 127.0.0.1:0 against PostgreSQL:
-//! retried POSTs, conflicts, tenants, credentials, backpressure and bad
-//! input.
+//! retried POSTs, conflicts, tenants, credentials, backpressure, bad input,
+//! and a database outage in the middle of a load (on a cluster of the test's own).
 
-use std::collections::HashMap;
+use std::collections::{BTreeSet, HashMap};
+use std::time::Duration;
 
-use ferry::{Engine, Ferry};
+use ferry::{Engine, Ferry, NewRun};
+use ferry_testkit::PgCluster;
 use serde_json::{json, Value};
 
 struct Service {
@@ -21,6 +23,10 @@ async fn start(max_queued: i64, with_worker: bool) -> Service {
         .await
         .unwrap_or_else(|e| panic!("{e}"));
     let ferry = Ferry::builder(&url).migrate(true).connect().await.unwrap();
+    start_on(ferry, max_queued, with_worker).await
+}
+
+async fn start_on(ferry: Ferry, max_queued: i64, with_worker: bool) -> Service {
     let config = runs_service::Config {
         tokens: HashMap::from([
             ("tok-acme".into(), "acme".into()),
@@ -455,4 +461,180 @@ async fn any_key_body_or_run_id_gets_an_answer_or_a_typed_problem() {
     .await
     .unwrap();
     s.stop().await;
+}
+
+/// What the outage test's clients have seen so far.
+#[derive(Debug, Default)]
+struct Tally {
+    /// Keys answered 202 (each client moves to its next key only then).
+    accepted: BTreeSet<String>,
+    /// 202s that were replays (a commit whose answer the outage lost).
+    replays: usize,
+    /// 503s, each with `Retry-After` and the `unavailable` code.
+    unavailable: usize,
+    /// Answers that break the contract; the client stops at the first.
+    wrong: Option<String>,
+}
+
+/// Posts keys `c<client>-<n>` one after another; a 503 is retried with the
+/// same key, and the client stops only after an accepted key, so every key
+/// it sent is accepted in the end.
+async fn outage_client(
+    s: std::sync::Arc<Service>,
+    client: usize,
+    stop: tokio::sync::watch::Receiver<bool>,
+    tally: tokio::sync::watch::Sender<Tally>,
+) {
+    let mut n = 0;
+    while !*stop.borrow() {
+        let key = format!("c{client}-{n}");
+        let r = s
+            .post(Some("tok-acme"), Some(&key), &json!({"operation": "charge", "n": n}))
+            .await;
+        match r.status().as_u16() {
+            202 => {
+                let replay = r.headers().contains_key("idempotent-replayed");
+                tally.send_modify(|t| {
+                    t.accepted.insert(key);
+                    t.replays += usize::from(replay);
+                });
+                n += 1;
+            }
+            503 => {
+                let retry_after = r.headers().get("retry-after").cloned();
+                let p: Value = r.json().await.unwrap();
+                let right = retry_after.as_ref().is_some_and(|v| v == "3")
+                    && p["code"] == "unavailable"
+                    && !p.to_string().contains(&key);
+                tally.send_modify(|t| match right {
+                    true => t.unavailable += 1,
+                    false => t.wrong = Some(format!("503 with Retry-After {retry_after:?}: {p}")),
+                });
+                if !right {
+                    return;
+                }
+            }
+            other => {
+                let body = r.text().await.unwrap();
+                tally.send_modify(|t| t.wrong = Some(format!("{other}: {body}")));
+                return;
+            }
+        }
+    }
+}
+
+/// Waits until `done` holds for the tally, failing after `limit`.
+async fn tally_until(
+    tally: &tokio::sync::watch::Sender<Tally>,
+    limit: Duration,
+    what: &str,
+    done: impl Fn(&Tally) -> bool,
+) {
+    let mut rx = tally.subscribe();
+    let waited = tokio::time::timeout(limit, rx.wait_for(|t| t.wrong.is_some() || done(t))).await;
+    let t = tally.borrow();
+    assert!(
+        t.wrong.is_none(),
+        "a client got a wrong answer: {}",
+        t.wrong.as_deref().unwrap_or_default()
+    );
+    assert!(waited.is_ok(), "{what} not within {limit:?}: {t:?}");
+}
+
+/// PostgreSQL stops for 45 s (fast shutdown) under four clients posting
+/// runs: requests meanwhile get 503 with `Retry-After` and the stable code
+/// `unavailable`, the library's acceptance fails with a transient error, and
+/// once the database is back every key is accepted exactly once, each run
+/// whole (run, `run_queued`, job, idempotency record, outbox row).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_database_outage_answers_503_with_retry_after_and_writes_nothing_half() {
+    const CLIENTS: usize = 4;
+    let mut pg = PgCluster::start();
+    let ferry = Ferry::builder(pg.url()).migrate(true).connect().await.unwrap();
+    let s = std::sync::Arc::new(start_on(ferry.clone(), 1_000_000, false).await);
+    let (stop, stopped) = tokio::sync::watch::channel(false);
+    let tally = tokio::sync::watch::Sender::new(Tally::default());
+    let clients: Vec<_> = (0..CLIENTS)
+        .map(|c| tokio::spawn(outage_client(s.clone(), c, stopped.clone(), tally.clone())))
+        .collect();
+    tally_until(
+        &tally,
+        Duration::from_secs(60),
+        "40 runs accepted before the outage",
+        |t| t.accepted.len() >= 40,
+    )
+    .await;
+
+    tokio::task::block_in_place(|| pg.stop());
+    let down = tokio::time::Instant::now();
+    let err = ferry
+        .create_run_idempotent(NewRun::new("acme", "charge", "library-1", json!({"n": 1})))
+        .await
+        .expect_err("no acceptance without the database");
+    assert!(
+        err.is_transient(),
+        "a database outage is retryable: {err} ({})",
+        err.code()
+    );
+    tally_until(&tally, Duration::from_secs(40), "a 503 for every client", |t| {
+        t.unavailable >= CLIENTS
+    })
+    .await;
+    // The outage lasts 45 s: the fault injected, not a synchronization.
+    tokio::time::sleep_until(down + Duration::from_secs(45)).await;
+    tokio::task::block_in_place(|| pg.restart());
+
+    let before = tally.borrow().accepted.len();
+    tally_until(
+        &tally,
+        Duration::from_secs(60),
+        "40 more runs accepted after the outage",
+        |t| t.accepted.len() >= before + 40,
+    )
+    .await;
+    stop.send_replace(true);
+    for c in clients {
+        c.await.unwrap();
+    }
+    let accepted = ferry
+        .create_run_idempotent(NewRun::new("acme", "charge", "library-1", json!({"n": 1})))
+        .await
+        .unwrap();
+    assert!(!accepted.replay, "the failed acceptance wrote nothing");
+
+    let t = tally.borrow();
+    eprintln!(
+        "outage: {} runs accepted, {} answers 503, {} replays after a lost answer",
+        t.accepted.len(),
+        t.unavailable,
+        t.replays
+    );
+    let db = ferry.db();
+    let scalar = |sql: String| async move { db.fetch_i64(&sql).await.unwrap_or_else(|e| panic!("{sql}: {e}")) };
+    let listed = t
+        .accepted
+        .iter()
+        .map(|k| format!("'{k}'"))
+        .collect::<Vec<_>>()
+        .join(",");
+    assert_eq!(
+        scalar(format!("SELECT count(*) FROM idempotency_keys WHERE key IN ({listed})")).await,
+        t.accepted.len() as i64,
+        "an idempotency record for every accepted key"
+    );
+    let whole = t.accepted.len() as i64 + 1;
+    for table in ["runs", "run_events", "jobs", "idempotency_keys", "outbox"] {
+        let n = scalar(format!("SELECT count(*) FROM {table}")).await;
+        assert_eq!(n, whole, "{table}: one row per accepted run, no other");
+    }
+    let broken = scalar(
+        "SELECT count(*) FROM runs r WHERE NOT EXISTS (SELECT 1 FROM jobs j WHERE j.tenant = r.tenant AND j.run_id = r.run_id)
+            OR NOT EXISTS (SELECT 1 FROM run_events e WHERE e.tenant = r.tenant AND e.run_id = r.run_id AND e.seq = 1 AND e.kind = 'run_queued')
+            OR NOT EXISTS (SELECT 1 FROM idempotency_keys k WHERE k.tenant = r.tenant AND k.run_id = r.run_id)"
+            .into(),
+    )
+    .await;
+    assert_eq!(broken, 0, "every run was written whole");
+    drop(t);
+    std::sync::Arc::into_inner(s).expect("clients are done").stop().await;
 }

@@ -3,6 +3,7 @@
 mod effect_keys;
 mod exactly_once;
 mod lanes;
+mod outage;
 mod poison;
 mod queries;
 mod relay;

@@ -302,20 +302,7 @@ async fn a_broker_crash_mid_batch_keeps_first_occurrences_in_order() {
     .await;
     recs.extend(more);
     relay.shutdown().await;
-    let mut seen = HashSet::new();
-    let mut last: HashMap<&str, i64> = HashMap::new();
-    for r in &recs {
-        let id = r.outbox_id();
-        if seen.insert(id) {
-            if let Some(prev) = last.insert(&r.key, id) {
-                assert!(
-                    prev < id,
-                    "key {}: first occurrences out of order ({prev} then {id})",
-                    r.key
-                );
-            }
-        }
-    }
+    first_occurrences(&recs);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -81,6 +81,36 @@ impl Record {
     }
 }
 
+/// The first occurrence of each outbox id in `recs`, checking that a
+/// duplicate is the same row and that each key's first occurrences come in
+/// id order (a lane never produces past a failed row, so it never writes
+/// `i+1, i, i+1`).
+pub fn first_occurrences(recs: &[Record]) -> HashMap<i64, &Record> {
+    let mut first: HashMap<i64, &Record> = HashMap::new();
+    let mut last: HashMap<&str, i64> = HashMap::new();
+    for r in recs {
+        let id = r.outbox_id();
+        match first.get(&id) {
+            Some(f) => assert_eq!(
+                (&f.key, &f.payload),
+                (&r.key, &r.payload),
+                "a duplicate is the same row"
+            ),
+            None => {
+                first.insert(id, r);
+                if let Some(prev) = last.insert(&r.key, id) {
+                    assert!(
+                        prev < id,
+                        "key {}: first occurrences out of order ({prev} then {id})",
+                        r.key
+                    );
+                }
+            }
+        }
+    }
+    first
+}
+
 pub fn consumer(brokers: &str, topics: &[&str]) -> BaseConsumer {
     let c: BaseConsumer = ClientConfig::new()
         .set("bootstrap.servers", brokers)
