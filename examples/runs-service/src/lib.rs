@@ -427,8 +427,8 @@ async fn admit(state: &AppState, run: NewRun) -> Result<ferry::Accepted, Problem
             Err(p)
         }
         Err(e) => {
-            // The transaction is rolled back as it drops; the error is the answer.
-            drop(tx);
+            // The acceptance's error is the answer, whatever the rollback says.
+            let _ = tx.rollback().await;
             Err(error_response(e, retry_after))
         }
     }
