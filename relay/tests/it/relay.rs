@@ -415,7 +415,7 @@ fn noise(n: usize) -> Vec<u8> {
         .collect()
 }
 
-async fn poison_rows(ferry: &Ferry) -> i64 {
+pub async fn poison_rows(ferry: &Ferry) -> i64 {
     let mut poison = 0;
     for i in 0..7 {
         let big = i == 3;

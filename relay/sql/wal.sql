@@ -1,0 +1,81 @@
+-- `--capture wal` (PostgreSQL only): the capture check, the replication slot
+-- and publication catalogs, the catch-up read of the table, and the set-based
+-- marks that the WAL pipeline makes off its critical path. No lane fence: the
+-- replication slot is the fence (PostgreSQL lets one session stream from it).
+
+-- name: wal_capture_allowed [postgres only]
+-- Whether this role may stream logical replication here, and whose outbox it reads.
+SELECT current_setting('wal_level') = 'logical' AS logical,
+       (r.rolreplication OR r.rolsuper) AS may_replicate,
+       current_schema()::text AS schema
+FROM pg_roles r WHERE r.rolname = current_user
+
+-- name: wal_publication [postgres only]
+-- Whether publication $1 exists, and whether it publishes this schema's outbox inserts.
+SELECT EXISTS (SELECT 1 FROM pg_publication WHERE pubname = $1) AS found,
+       EXISTS (SELECT 1 FROM pg_publication p
+               JOIN pg_publication_tables t ON t.pubname = p.pubname
+               WHERE p.pubname = $1 AND p.pubinsert
+                 AND t.schemaname = current_schema() AND t.tablename = 'outbox') AS covers_outbox
+
+-- name: wal_slot [postgres only]
+-- Slot $1: whether a session streams from it, whether PostgreSQL removed
+-- WAL it needed (invalidated), and whether it decodes this database with pgoutput.
+SELECT active,
+       COALESCE(wal_status = 'lost', false) AS lost,
+       (slot_type = 'logical' AND plugin = 'pgoutput' AND database = current_database()) AS usable
+FROM pg_replication_slots WHERE slot_name = $1
+
+-- name: wal_create_slot [postgres only]
+SELECT lsn::text FROM pg_create_logical_replication_slot($1, 'pgoutput')
+
+-- name: wal_drop_slot [postgres only]
+SELECT pg_drop_replication_slot($1)
+
+-- name: wal_slot_needs_catch_up [postgres only]
+-- Before a slot is created: the rows committed before it are not in its
+-- stream, so the table must be read once (set before creating it, so a
+-- crash between the two leaves the flag set).
+INSERT INTO relay_wal_slots (slot, caught_up, updated_at)
+VALUES ($1, false, {now $2})
+ON CONFLICT ON CONSTRAINT relay_wal_slots_pkey
+DO UPDATE SET caught_up = false, updated_at = EXCLUDED.updated_at
+
+-- name: wal_slot_caught_up [postgres only]
+-- NULL (no row) means a slot this relay did not create: caught up only if told so.
+SELECT caught_up FROM relay_wal_slots WHERE slot = $1
+
+-- name: wal_slot_set_caught_up [postgres only]
+INSERT INTO relay_wal_slots (slot, caught_up, updated_at)
+VALUES ($1, true, {now $2})
+ON CONFLICT ON CONSTRAINT relay_wal_slots_pkey
+DO UPDATE SET caught_up = true, updated_at = EXCLUDED.updated_at
+
+-- name: wal_pending_after [postgres only]
+-- The catch-up read: pending rows above id $1, in id order (the primary key).
+SELECT id, tenant, topic, key, payload, headers, effect_key, traceparent, created_at
+FROM outbox
+WHERE state = 'pending' AND id > $1
+ORDER BY id
+LIMIT $2
+
+-- name: wal_mark_delivered [postgres only]
+-- One set-based statement per group of acknowledged transactions, run by the
+-- marker task, never by the publishing loop.
+UPDATE outbox
+SET state = 'delivered', delivered_at = {now $2},
+    publish_attempts = publish_attempts + 1
+WHERE id {ids $1} AND state = 'pending'
+
+-- name: wal_delete_delivered [postgres only]
+DELETE FROM outbox WHERE id {ids $1} AND state = 'pending'
+
+-- name: wal_mark_dead [postgres only]
+-- A row Kafka refused alone (the evidence is about this row only).
+UPDATE outbox
+SET state = 'dead', last_error = $2, publish_attempts = publish_attempts + 1
+WHERE id = $1 AND state = 'pending'
+
+-- name: wal_note_publish_error [postgres only]
+UPDATE outbox SET publish_attempts = publish_attempts + 1, last_error = $2
+WHERE id = $1 AND state = 'pending'

@@ -1,0 +1,183 @@
+//! The database side of `--capture wal` (PostgreSQL only): whether this role
+//! may stream, the publication and the replication slot (catalog reads,
+//! creation, removal), the slot's catch-up flag, the catch-up read of the
+//! table, and the set-based marks. None of it is fenced by a lane: the
+//! replication slot is the fence, since PostgreSQL lets one session at a
+//! time stream from it and only the streaming relay writes these marks.
+
+use sqlx::PgPool;
+
+use super::queries::POSTGRES_ONLY as Q;
+use super::{PendingRow, PendingSqlRow, RelayStore};
+use ferry::{Error, Result};
+
+/// What decides the default capture mode on PostgreSQL.
+#[derive(Debug, Clone, PartialEq, Eq, sqlx::FromRow)]
+pub struct WalSetting {
+    /// `wal_level = logical`: logical decoding is possible at all.
+    pub logical: bool,
+    /// The role has `REPLICATION` (or is a superuser).
+    pub may_replicate: bool,
+    /// `current_schema()`: whose `outbox` the publication covers.
+    pub schema: String,
+}
+
+/// A replication slot as `pg_replication_slots` shows it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, sqlx::FromRow)]
+pub struct SlotState {
+    /// A session streams from it now (another relay, or ours not yet gone).
+    pub active: bool,
+    /// PostgreSQL removed WAL it still needed (`wal_status = 'lost'`): it
+    /// can never stream again and must be dropped and made anew.
+    pub lost: bool,
+    /// A logical `pgoutput` slot of this database.
+    pub usable: bool,
+}
+
+impl RelayStore {
+    fn pg(&self) -> Result<&PgPool> {
+        self.ferry()
+            .db()
+            .as_postgres()
+            .ok_or(Error::Unsupported("WAL capture needs PostgreSQL"))
+    }
+
+    /// Whether `wal_level` is `logical` and this role may replicate.
+    pub async fn wal_setting(&self) -> Result<WalSetting> {
+        Ok(sqlx::query_as(Q.wal_capture_allowed).fetch_one(self.pg()?).await?)
+    }
+
+    /// Whether `publication` exists, and whether it publishes the inserts of
+    /// this schema's `outbox`.
+    pub async fn wal_publication(&self, publication: &str) -> Result<(bool, bool)> {
+        Ok(sqlx::query_as(Q.wal_publication)
+            .bind(publication)
+            .fetch_one(self.pg()?)
+            .await?)
+    }
+
+    /// Creates `publication` on this schema's `outbox`, inserts only. The
+    /// name is one [`crate::config::check_identifier`] accepted, so it needs
+    /// no quoting. A concurrent creation by another relay is not an error.
+    pub async fn create_wal_publication(&self, publication: &str) -> Result<()> {
+        crate::config::check_identifier("publication", publication)
+            .map_err(|_| Error::InvalidInput {
+                field: "publication",
+                reason: "use 1 to 63 lowercase letters, digits and '_'".into(),
+            })?;
+        let ddl = format!("CREATE PUBLICATION {publication} FOR TABLE outbox WITH (publish = 'insert')");
+        match sqlx::query(&ddl).execute(self.pg()?).await {
+            Ok(_) => Ok(()),
+            Err(e) if sqlstate(&e).as_deref() == Some("42710") => Ok(()), // duplicate_object: raced another relay
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    /// Slot `slot`, if it exists.
+    pub async fn wal_slot(&self, slot: &str) -> Result<Option<SlotState>> {
+        Ok(sqlx::query_as(Q.wal_slot)
+            .bind(slot)
+            .fetch_optional(self.pg()?)
+            .await?)
+    }
+
+    /// Creates logical slot `slot` (pgoutput), first flagging that the rows
+    /// already committed must be read from the table once. Another relay
+    /// creating it at the same time is not an error.
+    pub async fn create_wal_slot(&self, slot: &str) -> Result<()> {
+        let pool = self.pg()?;
+        sqlx::query(Q.wal_slot_needs_catch_up)
+            .bind(slot)
+            .bind(self.ferry().clock().param())
+            .execute(pool)
+            .await?;
+        match sqlx::query(Q.wal_create_slot).bind(slot).fetch_one(pool).await {
+            Ok(_) => Ok(()),
+            Err(e) if sqlstate(&e).as_deref() == Some("42710") => Ok(()), // duplicate_object
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    /// Drops slot `slot`; `false` when a session streams from it (55006,
+    /// object_in_use). A slot already gone counts as dropped.
+    pub async fn drop_wal_slot(&self, slot: &str) -> Result<bool> {
+        match sqlx::query(Q.wal_drop_slot).bind(slot).execute(self.pg()?).await {
+            Ok(_) => Ok(true),
+            Err(e) if sqlstate(&e).as_deref() == Some("42704") => Ok(true), // undefined_object
+            Err(e) if sqlstate(&e).as_deref() == Some("55006") => Ok(false),
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    /// Whether the table was read once since `slot` was created; `false`
+    /// for a slot this relay did not create (reading it again costs only
+    /// duplicates).
+    pub async fn wal_slot_caught_up(&self, slot: &str) -> Result<bool> {
+        let found: Option<bool> = sqlx::query_scalar(Q.wal_slot_caught_up)
+            .bind(slot)
+            .fetch_optional(self.pg()?)
+            .await?;
+        Ok(found.unwrap_or(false))
+    }
+
+    /// Records that the table's rows from before `slot` are published.
+    pub async fn set_wal_slot_caught_up(&self, slot: &str) -> Result<()> {
+        sqlx::query(Q.wal_slot_set_caught_up)
+            .bind(slot)
+            .bind(self.ferry().clock().param())
+            .execute(self.pg()?)
+            .await?;
+        Ok(())
+    }
+
+    /// The catch-up read: up to `limit` pending rows above `after`, in id order.
+    pub async fn pending_after(&self, after: i64, limit: u32) -> Result<Vec<PendingRow>> {
+        let rows: Vec<PendingSqlRow> = sqlx::query_as(Q.wal_pending_after)
+            .bind(after)
+            .bind(i64::from(limit))
+            .fetch_all(self.pg()?)
+            .await?;
+        Ok(Self::pending_rows(rows))
+    }
+
+    /// Marks acknowledged rows delivered (or deletes them, with `delete`)
+    /// in one statement; rows no longer pending are left alone.
+    pub async fn wal_mark_delivered(&self, ids: &[i64], delete: bool) -> Result<u64> {
+        if ids.is_empty() {
+            return Ok(0);
+        }
+        let q = if delete {
+            sqlx::query(Q.wal_delete_delivered).bind(ferry::store::Ids(ids))
+        } else {
+            sqlx::query(Q.wal_mark_delivered)
+                .bind(ferry::store::Ids(ids))
+                .bind(self.ferry().clock().param())
+        };
+        Ok(q.execute(self.pg()?).await?.rows_affected())
+    }
+
+    /// Marks row `id`, which Kafka refused alone, dead with `code`.
+    pub async fn wal_mark_dead(&self, id: i64, code: &str) -> Result<()> {
+        sqlx::query(Q.wal_mark_dead)
+            .bind(id)
+            .bind(code)
+            .execute(self.pg()?)
+            .await?;
+        Ok(())
+    }
+
+    /// Records a failed publish of row `id` (attempt count and code).
+    pub async fn wal_note_publish_error(&self, id: i64, code: &str) -> Result<()> {
+        sqlx::query(Q.wal_note_publish_error)
+            .bind(id)
+            .bind(code)
+            .execute(self.pg()?)
+            .await?;
+        Ok(())
+    }
+}
+
+/// The SQLSTATE of a database error.
+fn sqlstate(e: &sqlx::Error) -> Option<String> {
+    e.as_database_error()?.code().map(|c| c.into_owned())
+}

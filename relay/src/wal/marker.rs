@@ -1,0 +1,85 @@
+//! Delivered state without a per-row update on the publishing path: the
+//! marker task takes the acknowledged transactions in commit order,
+//! coalesces whatever has queued up into one set-based statement (up to
+//! [`MARK_MAX`] ids), and only after it committed lets the slot's confirmed
+//! position move to the last transaction it covered. Publishing never
+//! waits for it, but for the bounded queue between them: a marker that
+//! falls behind slows the stream instead of piling up ids.
+
+use std::time::Instant;
+
+use tokio::sync::{mpsc, oneshot, watch};
+use tokio::task::JoinHandle;
+
+use crate::service::RelayState;
+
+/// The most ids one mark statement carries.
+pub const MARK_MAX: usize = 10_000;
+
+/// Transactions (or catch-up pages) queued for the marker before the
+/// stream waits.
+pub const MARK_QUEUE: usize = 4096;
+
+/// Acknowledged rows of one transaction, in commit order.
+#[derive(Debug)]
+pub(super) struct Mark {
+    /// Rows to mark delivered (poison rows marked dead are not here).
+    pub ids: Vec<i64>,
+    /// Where the slot may be confirmed once these are marked.
+    pub lsn: Option<u64>,
+    /// Told once this and everything before it is marked.
+    pub done: Option<oneshot::Sender<()>>,
+}
+
+/// Starts the marker of one session. `confirmed` receives each position
+/// the slot may be confirmed at, after the rows before it are marked.
+/// Database errors are retried (the rows stay acknowledged and unmarked)
+/// until the session drops the sender, then until the task is aborted.
+pub(super) fn spawn(
+    state: std::sync::Arc<RelayState>,
+    delete: bool,
+    confirmed: watch::Sender<u64>,
+) -> (mpsc::Sender<Mark>, JoinHandle<()>) {
+    let (tx, mut rx) = mpsc::channel::<Mark>(MARK_QUEUE);
+    let task = tokio::spawn(async move {
+        let mut backoff = crate::lane::retry_backoff();
+        while let Some(first) = rx.recv().await {
+            let mut ids = first.ids;
+            let mut lsn = first.lsn;
+            let mut done: Vec<oneshot::Sender<()>> = first.done.into_iter().collect();
+            while ids.len() < MARK_MAX {
+                let Ok(more) = rx.try_recv() else { break };
+                ids.extend(more.ids);
+                lsn = more.lsn.or(lsn);
+                done.extend(more.done);
+            }
+            loop {
+                let started = Instant::now();
+                match state.store.wal_mark_delivered(&ids, delete).await {
+                    Ok(n) => {
+                        let t = &state.metrics.timings;
+                        crate::metrics::Timings::add(&t.marks, &t.mark_ns, started.elapsed());
+                        state.metrics.published.inc_by(n);
+                        backoff = crate::lane::retry_backoff();
+                        break;
+                    }
+                    Err(e) => {
+                        tracing::warn!(error = %e, rows = ids.len(), "marking delivered failed; retrying (the slot is not confirmed past them)");
+                        tokio::time::sleep(backoff.next().unwrap_or(std::time::Duration::from_secs(10))).await;
+                    }
+                }
+            }
+            if let Some(l) = lsn {
+                confirmed.send_if_modified(|c| {
+                    let moved = l > *c;
+                    *c = (*c).max(l);
+                    moved
+                });
+            }
+            for d in done {
+                let _ = d.send(());
+            }
+        }
+    });
+    (tx, task)
+}
