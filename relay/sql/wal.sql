@@ -36,26 +36,34 @@ SELECT pg_drop_replication_slot($1)
 -- Before a slot is created: the rows committed before it are not in its
 -- stream, so the table must be read once (set before creating it, so a
 -- crash between the two leaves the flag set).
-INSERT INTO relay_wal_slots (slot, caught_up, updated_at)
-VALUES ($1, false, {now $2})
+INSERT INTO relay_wal_slots (slot, caught_up, catch_up_through, updated_at)
+VALUES ($1, false, NULL, {now $2})
 ON CONFLICT ON CONSTRAINT relay_wal_slots_pkey
-DO UPDATE SET caught_up = false, updated_at = EXCLUDED.updated_at
+DO UPDATE SET caught_up = false, catch_up_through = NULL, updated_at = EXCLUDED.updated_at
 
--- name: wal_slot_caught_up [postgres only]
--- NULL (no row) means a slot this relay did not create: caught up only if told so.
-SELECT caught_up FROM relay_wal_slots WHERE slot = $1
+-- name: wal_slot_catch_up_bound [postgres only]
+-- Right after the slot is created: every row committed before it is visible
+-- now, so its id is at most this.
+UPDATE relay_wal_slots
+SET catch_up_through = (SELECT COALESCE(max(id), 0) FROM outbox)
+WHERE slot = $1
+
+-- name: wal_slot_catch_up [postgres only]
+-- No row means a slot this relay did not create: read the whole table.
+SELECT caught_up, catch_up_through FROM relay_wal_slots WHERE slot = $1
 
 -- name: wal_slot_set_caught_up [postgres only]
-INSERT INTO relay_wal_slots (slot, caught_up, updated_at)
-VALUES ($1, true, {now $2})
+INSERT INTO relay_wal_slots (slot, caught_up, catch_up_through, updated_at)
+VALUES ($1, true, NULL, {now $2})
 ON CONFLICT ON CONSTRAINT relay_wal_slots_pkey
 DO UPDATE SET caught_up = true, updated_at = EXCLUDED.updated_at
 
 -- name: wal_pending_after [postgres only]
--- The catch-up read: pending rows above id $1, in id order (the primary key).
+-- The catch-up read: pending rows above id $1 and up to $3, in id order
+-- (the primary key).
 SELECT id, tenant, topic, key, payload, headers, effect_key, traceparent, created_at
 FROM outbox
-WHERE state = 'pending' AND id > $1
+WHERE state = 'pending' AND id > $1 AND id <= $3
 ORDER BY id
 LIMIT $2
 

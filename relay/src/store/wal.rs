@@ -92,10 +92,12 @@ impl RelayStore {
             .execute(pool)
             .await?;
         match sqlx::query(Q.wal_create_slot).bind(slot).fetch_one(pool).await {
-            Ok(_) => Ok(()),
-            Err(e) if sqlstate(&e).as_deref() == Some("42710") => Ok(()), // duplicate_object
-            Err(e) => Err(e.into()),
+            Ok(_) => {}
+            Err(e) if sqlstate(&e).as_deref() == Some("42710") => {} // duplicate_object
+            Err(e) => return Err(e.into()),
         }
+        sqlx::query(Q.wal_slot_catch_up_bound).bind(slot).execute(pool).await?;
+        Ok(())
     }
 
     /// Drops slot `slot`; `false` when a session streams from it (55006,
@@ -109,15 +111,20 @@ impl RelayStore {
         }
     }
 
-    /// Whether the table was read once since `slot` was created; `false`
-    /// for a slot this relay did not create (reading it again costs only
-    /// duplicates).
-    pub async fn wal_slot_caught_up(&self, slot: &str) -> Result<bool> {
-        let found: Option<bool> = sqlx::query_scalar(Q.wal_slot_caught_up)
+    /// What is left to read from the table for `slot`: `None` when it was
+    /// read once since the slot was created, else the highest id to read
+    /// (`i64::MAX` for a slot this relay did not create, or when the bound
+    /// was never recorded: reading too much costs only duplicates).
+    pub async fn wal_catch_up(&self, slot: &str) -> Result<Option<i64>> {
+        let found: Option<(bool, Option<i64>)> = sqlx::query_as(Q.wal_slot_catch_up)
             .bind(slot)
             .fetch_optional(self.pg()?)
             .await?;
-        Ok(found.unwrap_or(false))
+        Ok(match found {
+            Some((true, _)) => None,
+            Some((false, through)) => Some(through.unwrap_or(i64::MAX)),
+            None => Some(i64::MAX),
+        })
     }
 
     /// Records that the table's rows from before `slot` are published.
@@ -130,11 +137,13 @@ impl RelayStore {
         Ok(())
     }
 
-    /// The catch-up read: up to `limit` pending rows above `after`, in id order.
-    pub async fn pending_after(&self, after: i64, limit: u32) -> Result<Vec<PendingRow>> {
+    /// The catch-up read: up to `limit` pending rows above `after` and up
+    /// to `through`, in id order.
+    pub async fn pending_after(&self, after: i64, through: i64, limit: u32) -> Result<Vec<PendingRow>> {
         let rows: Vec<PendingSqlRow> = sqlx::query_as(Q.wal_pending_after)
             .bind(after)
             .bind(i64::from(limit))
+            .bind(through)
             .fetch_all(self.pg()?)
             .await?;
         Ok(Self::pending_rows(rows))

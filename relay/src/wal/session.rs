@@ -116,9 +116,10 @@ async fn prepare(ctx: &Ctx, reseed: bool) -> Result<(), Ended> {
 }
 
 /// A new slot streams only what commits after it: the rows already pending
-/// are published once from the table, in id order, before the stream (a
-/// row both read here and streamed is published twice, never lost). `Some`
-/// ends the session.
+/// are published once from the table, in id order, before the stream, up to
+/// the highest id committed when the slot was made (a row both read here
+/// and streamed, committed just after the slot with an id below that, is
+/// published twice, never lost). `Some` ends the session.
 async fn catch_up(
     ctx: &Ctx,
     pipeline: &mut Pipeline<'_>,
@@ -127,21 +128,21 @@ async fn catch_up(
 ) -> Option<Ended> {
     let store = &ctx.state.store;
     let slot = &ctx.capture.slot;
-    match store.wal_slot_caught_up(slot).await {
-        Ok(true) => return None,
-        Ok(false) => {}
+    let through = match store.wal_catch_up(slot).await {
+        Ok(None) => return None,
+        Ok(Some(through)) => through,
         Err(e) => {
             tracing::warn!(error = %e, "reading the slot's catch-up flag failed");
             return Some(Ended::Retry("database"));
         }
-    }
-    tracing::info!(%slot, "publishing the rows committed before the slot from the table");
+    };
+    tracing::info!(%slot, through, "publishing the rows committed before the slot from the table");
     let mut after = 0;
     loop {
         if finish.is_cancelled() {
             return Some(Ended::Shutdown);
         }
-        let rows = match store.pending_after(after, ctx.cfg.batch_size).await {
+        let rows = match store.pending_after(after, through, ctx.cfg.batch_size).await {
             Ok(rows) => rows,
             Err(e) => {
                 tracing::warn!(error = %e, "the catch-up read failed");

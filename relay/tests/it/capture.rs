@@ -75,7 +75,11 @@ async fn every_row_once_with_its_headers(capture: Capture) {
     };
     write(0, 50).await;
     let database_id = ferry.database_id().await.unwrap();
-    let relay = start_relay(config(capture, &slot, &url, &broker.brokers()), ferry.clone()).await;
+    let relay = slot.start(config(capture, &slot, &url, &broker.brokers()), ferry.clone()).await;
+    let delivered = "SELECT count(*) FROM outbox WHERE state = 'delivered'";
+    // After the first rows are out, so that none of the next ones commits
+    // while a new slot is being made (those may be published twice).
+    wait_for_count(&ferry, delivered, 100, Duration::from_secs(60)).await;
     write(50, 100).await;
     let c = consumer(&broker.brokers(), &["ferry.run-events", "orders"]);
     let recs = read_until(&c, Duration::from_secs(60), |r| distinct(r) >= 200).await;
@@ -93,13 +97,7 @@ async fn every_row_once_with_its_headers(capture: Capture) {
             assert_eq!(r.headers["ferry-effect-key"], format!("acme/acme/{}/1", r.key));
         }
     }
-    wait_for_count(
-        &ferry,
-        "SELECT count(*) FROM outbox WHERE state = 'delivered'",
-        200,
-        Duration::from_secs(30),
-    )
-    .await;
+    wait_for_count(&ferry, delivered, 200, Duration::from_secs(30)).await;
     relay.shutdown().await;
     if capture == Capture::Wal {
         let pool = ferry.db().as_postgres().unwrap();
@@ -145,7 +143,12 @@ async fn a_plain_writer_and_the_library_keep_commit_order(capture: Capture) {
     let pool = ferry.db().as_postgres().unwrap().clone();
     let k = "k-mixed";
     let lane = ferry::outbox::lane_for(k, ferry.lanes());
-    let relay = start_relay(config(capture, &slot, &url, &broker.brokers()), ferry.clone()).await;
+    let relay = slot.start(config(capture, &slot, &url, &broker.brokers()), ferry.clone()).await;
+    // The relay streams before the late transaction opens: a new slot
+    // waits for every transaction in progress when it is made.
+    crate::relay::write_orders(&ferry, 1, 1).await;
+    let delivered = "SELECT count(*) FROM outbox WHERE state = 'delivered'";
+    wait_for_count(&ferry, delivered, 1, Duration::from_secs(60)).await;
     let others = {
         let ferry = ferry.clone();
         tokio::spawn(async move { crate::relay::write_orders(&ferry, 300, 30).await })
@@ -171,13 +174,7 @@ async fn a_plain_writer_and_the_library_keep_commit_order(capture: Capture) {
     }
     others.await.unwrap();
     let total = scalar(&ferry, "SELECT count(*) FROM outbox").await;
-    wait_for_count(
-        &ferry,
-        "SELECT count(*) FROM outbox WHERE state = 'delivered'",
-        total,
-        Duration::from_secs(60),
-    )
-    .await;
+    wait_for_count(&ferry, delivered, total, Duration::from_secs(60)).await;
     relay.shutdown().await;
     let recs = read_all(&broker.brokers(), "orders", false, Duration::from_secs(30)).await;
     assert_eq!(distinct(&recs) as i64, total, "nothing lost");
@@ -216,7 +213,7 @@ async fn wal_a_restart_resumes_from_the_slot_in_commit_order() {
     let slot = SlotGuard::new().await;
     let pool = ferry.db().as_postgres().unwrap().clone();
     crate::relay::write_orders(&ferry, 100, 10).await;
-    let relay = start_relay(slot.config(&url, &broker.brokers()), ferry.clone()).await;
+    let relay = slot.start(slot.config(&url, &broker.brokers()), ferry.clone()).await;
     let delivered = "SELECT count(*) FROM outbox WHERE state = 'delivered'";
     wait_for_count(&ferry, delivered, 100, Duration::from_secs(60)).await;
     relay.shutdown().await;
@@ -234,7 +231,7 @@ async fn wal_a_restart_resumes_from_the_slot_in_commit_order() {
     late.commit().await.unwrap();
     crate::relay::write_orders(&ferry, 50, 10).await;
 
-    let relay = start_relay(slot.config(&url, &broker.brokers()), ferry.clone()).await;
+    let relay = slot.start(slot.config(&url, &broker.brokers()), ferry.clone()).await;
     wait_for_count(&ferry, delivered, 152, Duration::from_secs(60)).await;
     relay.shutdown().await;
     assert!(confirmed_flush(&pool, &slot.name).await > confirmed, "the slot moved on");
@@ -255,7 +252,7 @@ async fn wal_a_dropped_slot_is_made_anew_and_nothing_is_lost() {
     let (ferry, url) = pg_ferry().await;
     let slot = SlotGuard::new().await;
     let pool = ferry.db().as_postgres().unwrap().clone();
-    let relay = start_relay(slot.config(&url, &broker.brokers()), ferry.clone()).await;
+    let relay = slot.start(slot.config(&url, &broker.brokers()), ferry.clone()).await;
     crate::relay::write_orders(&ferry, 100, 10).await;
     let delivered = "SELECT count(*) FROM outbox WHERE state = 'delivered'";
     wait_for_count(&ferry, delivered, 100, Duration::from_secs(60)).await;
@@ -283,7 +280,7 @@ async fn wal_a_missing_publication_is_created_and_nothing_is_lost() {
     let (ferry, url) = pg_ferry().await;
     let slot = SlotGuard::new().await;
     let pool = ferry.db().as_postgres().unwrap().clone();
-    let relay = start_relay(slot.config(&url, &broker.brokers()), ferry.clone()).await;
+    let relay = slot.start(slot.config(&url, &broker.brokers()), ferry.clone()).await;
     crate::relay::write_orders(&ferry, 100, 10).await;
     let delivered = "SELECT count(*) FROM outbox WHERE state = 'delivered'";
     wait_for_count(&ferry, delivered, 100, Duration::from_secs(60)).await;
@@ -312,7 +309,7 @@ async fn wal_a_poison_record_goes_dead_and_the_stream_flows() {
     broker.create_topic_with("orders", 3, &[("max.message.bytes", "2000")]);
     let (ferry, url) = pg_ferry().await;
     let slot = SlotGuard::new().await;
-    let relay = start_relay(slot.config(&url, &broker.brokers()), ferry.clone()).await;
+    let relay = slot.start(slot.config(&url, &broker.brokers()), ferry.clone()).await;
     let poison = crate::relay::poison_rows(&ferry).await;
     wait_for_count(
         &ferry,

@@ -269,6 +269,9 @@ pub fn spawn_relay_process(url: &str, brokers: &str, extra: &[&str], env: &[(&st
 /// behind are dropped by the first guard of a later run once an hour old.
 pub struct SlotGuard {
     pub name: String,
+    /// The relays started on it: stopped first, or one could make the slot
+    /// anew after the guard dropped it.
+    relays: std::sync::Mutex<Vec<tokio::task::AbortHandle>>,
 }
 
 impl SlotGuard {
@@ -284,7 +287,15 @@ impl SlotGuard {
         }
         SlotGuard {
             name: format!("ferry_test_{born}_{}_{n}", std::process::id()),
+            relays: Default::default(),
         }
+    }
+
+    /// Starts an in-process relay streaming from this slot.
+    pub async fn start(&self, cfg: RelayConfig, ferry: Ferry) -> RunningRelay {
+        let relay = start_relay(cfg, ferry).await;
+        self.relays.lock().unwrap().push(relay.handle.abort_handle());
+        relay
     }
 
     /// A relay configuration streaming from this slot.
@@ -294,13 +305,6 @@ impl SlotGuard {
         cfg.slot = Some(self.name.clone());
         cfg.publication = Some(self.name.clone());
         cfg
-    }
-
-    /// `--capture wal --slot … --publication …` for a relay process.
-    pub fn args(&self) -> Vec<String> {
-        ["--capture", "wal", "--slot", &self.name, "--publication", &self.name]
-            .map(String::from)
-            .to_vec()
     }
 }
 
@@ -350,6 +354,9 @@ async fn drop_stale_slots(born: u64) {
 
 impl Drop for SlotGuard {
     fn drop(&mut self) {
+        for relay in self.relays.lock().unwrap().drain(..) {
+            relay.abort();
+        }
         let name = self.name.clone();
         // A runtime of its own: drop runs inside (or after) the test's.
         let _ = std::thread::spawn(move || {
