@@ -332,6 +332,67 @@ async fn wal_a_poison_record_goes_dead_and_the_stream_flows() {
     assert!(recs.iter().all(|r| r.outbox_id() != poison));
 }
 
+/// Two relay processes share one slot: the first streams, the second finds
+/// the slot in use and stands by. The first is SIGKILLed mid-stream; the
+/// standby takes the slot over and resumes from its confirmed position.
+/// Every committed row reaches Kafka (a duplicate is the same row), and a
+/// key's first occurrences keep their order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn wal_a_sigkilled_relay_loses_nothing_and_its_standby_takes_over() {
+    let broker = Kafka::start();
+    broker.create_topic("orders", 6);
+    let (ferry, url) = pg_ferry().await;
+    let slot = SlotGuard::new().await;
+    let pool = ferry.db().as_postgres().unwrap().clone();
+    let mut active = spawn_relay_process(&url, &broker.brokers(), &slot.args(), &[]);
+    let streaming = "SELECT count(*) FROM pg_replication_slots WHERE active AND slot_name = ";
+    wait_for_count(&ferry, &format!("{streaming}'{}'", slot.name), 1, Duration::from_secs(60)).await;
+    let writer = {
+        let ferry = ferry.clone();
+        tokio::spawn(async move { crate::relay::write_orders(&ferry, 1500, 40).await })
+    };
+    let c = consumer(&broker.brokers(), &["orders"]);
+    let mut recs = read_until(&c, Duration::from_secs(60), |r| distinct(r) >= 300).await;
+    let standby = spawn_relay_process(&url, &broker.brokers(), &slot.args(), &[]);
+    let before: i32 = sqlx::query_scalar("SELECT active_pid FROM pg_replication_slots WHERE slot_name = $1")
+        .bind(&slot.name)
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    active.kill().unwrap(); // SIGKILL mid-stream
+    active.wait().unwrap();
+    writer.await.unwrap();
+    let more = read_until(&c, Duration::from_secs(120), |r| {
+        distinct(&[&recs[..], r].concat()) >= 1500
+    })
+    .await;
+    recs.extend(more);
+    let after: Option<i32> = sqlx::query_scalar("SELECT active_pid FROM pg_replication_slots WHERE slot_name = $1")
+        .bind(&slot.name)
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert!(after.is_some_and(|pid| pid != before), "the standby streams from the slot now");
+    drop(standby);
+    let mut by_id: HashMap<i64, &Record> = HashMap::new();
+    let mut last: HashMap<&str, i64> = HashMap::new();
+    for r in &recs {
+        match by_id.insert(r.outbox_id(), r) {
+            Some(first) => assert_eq!((&first.key, &first.payload), (&r.key, &r.payload), "a duplicate is the same row"),
+            None => {
+                if let Some(prev) = last.insert(&r.key, r.outbox_id()) {
+                    assert!(prev < r.outbox_id(), "key {}: first occurrences out of order", r.key);
+                }
+            }
+        }
+    }
+    eprintln!(
+        "wal: {} duplicates after one SIGKILL and a takeover, for {} rows",
+        recs.len() - by_id.len(),
+        by_id.len()
+    );
+}
+
 /// `--capture wal` is refused on SQLite with a configuration error, before
 /// anything is written.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -298,6 +298,11 @@ impl SlotGuard {
         relay
     }
 
+    /// `--capture wal --slot … --publication …` for a relay process.
+    pub fn args(&self) -> [&str; 6] {
+        ["--capture", "wal", "--slot", &self.name, "--publication", &self.name]
+    }
+
     /// A relay configuration streaming from this slot.
     pub fn config(&self, url: &str, brokers: &str) -> RelayConfig {
         let mut cfg = relay_config(url, brokers);
