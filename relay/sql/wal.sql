@@ -87,3 +87,20 @@ WHERE id = $1 AND state = 'pending'
 -- name: wal_note_publish_error [postgres only]
 UPDATE outbox SET publish_attempts = publish_attempts + 1, last_error = $2
 WHERE id = $1 AND state = 'pending'
+
+-- name: wal_announce_replay [postgres only]
+-- In the transaction that puts dead rows back to pending: WAL capture
+-- streams inserts only, so the replay is announced in the WAL as a
+-- transactional logical message (prefix `ferry.replay.<database id>`, the
+-- ids as JSON), which reaches the stream in this transaction's commit order.
+-- Nothing is written below wal_level = logical (the relay then polls).
+SELECT pg_logical_emit_message(true, 'ferry.replay.' || s.value, $1::text)::text
+FROM ferry_settings s
+WHERE s.name = 'database_id' AND current_setting('wal_level') = 'logical'
+
+-- name: wal_pending_ids [postgres only]
+-- The rows a replay announced, still pending, in id order.
+SELECT id, tenant, topic, key, payload, headers, effect_key, traceparent, created_at
+FROM outbox
+WHERE id {ids $1} AND state = 'pending'
+ORDER BY id

@@ -464,6 +464,8 @@ impl RelayStore {
                     .fetch_all(&mut *c)
                     .await?
             });
+            // WAL capture streams inserts only: announce the replay there.
+            Self::announce_replay(&mut tx, &ids).await?;
             let subject = format!("outbox:{}", serde_json::to_string(&ids).unwrap_or_default());
             self.ferry
                 .audit_in(tx.conn(), actor, "outbox.replay_dead", &subject, reason)

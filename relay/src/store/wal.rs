@@ -175,6 +175,28 @@ impl RelayStore {
         Ok(())
     }
 
+    /// Announces in the WAL, inside `tx`, that rows `ids` were put back to
+    /// pending (see `wal_announce_replay`); nothing on SQLite or below
+    /// `wal_level = logical`.
+    pub(super) async fn announce_replay(tx: &mut ferry::Tx, ids: &[i64]) -> Result<()> {
+        let Some(conn) = tx.postgres() else { return Ok(()) };
+        if ids.is_empty() {
+            return Ok(());
+        }
+        let ids = serde_json::to_string(ids).map_err(|e| Error::Invariant(e.to_string()))?;
+        sqlx::query(Q.wal_announce_replay).bind(ids).fetch_optional(conn).await?;
+        Ok(())
+    }
+
+    /// The announced rows `ids` that are still pending, in id order.
+    pub async fn pending_ids(&self, ids: &[i64]) -> Result<Vec<PendingRow>> {
+        let rows: Vec<PendingSqlRow> = sqlx::query_as(Q.wal_pending_ids)
+            .bind(ferry::store::Ids(ids))
+            .fetch_all(self.pg()?)
+            .await?;
+        Ok(Self::pending_rows(rows))
+    }
+
     /// Records a failed publish of row `id` (attempt count and code).
     pub async fn wal_note_publish_error(&self, id: i64, code: &str) -> Result<()> {
         sqlx::query(Q.wal_note_publish_error)

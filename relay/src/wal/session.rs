@@ -1,8 +1,9 @@
 //! One replication session: make sure the publication and the slot exist
 //! (anew after a reseed), start streaming from the slot (which makes this
 //! relay its only reader until the session ends), read the table once if
-//! the slot is new, then publish the stream until shutdown or a failure;
-//! finally settle what is in flight, mark it and confirm the slot.
+//! the slot is new, then publish the stream (inserted rows, and dead rows
+//! an operator replayed) until shutdown or a failure; finally settle what
+//! is in flight, mark it and confirm the slot.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -192,6 +193,7 @@ async fn stream(
     finish: &CancellationToken,
 ) -> Ended {
     let mut decoder = Decoder::new(ctx.capture.schema.clone());
+    let replay = format!("ferry.replay.{}", ctx.database_id);
     loop {
         if let Some(end) = pipeline.failed() {
             return end.clone();
@@ -219,6 +221,11 @@ async fn stream(
                 },
                 Ok(Some(ReplicationEvent::Commit { end_lsn, .. })) => pipeline.commit(Some(end_lsn.as_u64())).await,
                 Ok(Some(ReplicationEvent::KeepAlive { wal_end, .. })) => pipeline.idle(wal_end.as_u64()).await,
+                Ok(Some(ReplicationEvent::Message { transactional: true, prefix, content, .. })) if prefix == replay => {
+                    if let Err(end) = replayed(ctx, pipeline, &content).await {
+                        return end;
+                    }
+                }
                 // Another application's pg_logical_emit_message: not ours.
                 Ok(Some(ReplicationEvent::Message { .. })) => {}
                 Ok(Some(ReplicationEvent::StoppedAt { .. }) | None) => return Ended::Retry("stream_ended"),
@@ -226,4 +233,23 @@ async fn stream(
             },
         }
     }
+}
+
+/// Dead rows put back to pending, announced in the transaction that did it
+/// (`RelayStore::replay_dead_outbox_where`): published at that
+/// transaction's place in commit order, read from the table (the update
+/// itself is not streamed: the publication is inserts only).
+async fn replayed(ctx: &Ctx, pipeline: &mut Pipeline<'_>, content: &[u8]) -> Result<(), Ended> {
+    let ids: Vec<i64> = serde_json::from_slice(content).map_err(|_| {
+        tracing::error!("a replay announcement could not be read");
+        Ended::Retry("decode")
+    })?;
+    let rows = ctx.state.store.pending_ids(&ids).await.map_err(|e| {
+        tracing::warn!(error = %e, "reading replayed rows failed");
+        Ended::Retry("database")
+    })?;
+    for row in &rows {
+        pipeline.produce(row).await;
+    }
+    Ok(())
 }

@@ -302,9 +302,10 @@ async fn wal_a_missing_publication_is_created_and_nothing_is_lost() {
 }
 
 /// A poison row in the stream: refused in a shared produce request, found
-/// by publishing one record at a time, marked dead; the rest flows.
+/// by publishing one record at a time, marked dead; the rest flows. Once
+/// an operator replays it, the stream publishes it again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn wal_a_poison_record_goes_dead_and_the_stream_flows() {
+async fn wal_a_poison_record_goes_dead_the_stream_flows_and_a_replay_publishes_it() {
     let broker = Kafka::start();
     broker.create_topic_with("orders", 3, &[("max.message.bytes", "2000")]);
     let (ferry, url) = pg_ferry().await;
@@ -330,6 +331,29 @@ async fn wal_a_poison_record_goes_dead_and_the_stream_flows() {
     let recs = read_all(&broker.brokers(), "orders", false, Duration::from_secs(30)).await;
     assert_eq!(distinct(&recs), 6);
     assert!(recs.iter().all(|r| r.outbox_id() != poison));
+    // An operator shrinks the row and replays it (audited): the stream
+    // carries the replay, and the row is published.
+    let relay = slot.start(slot.config(&url, &broker.brokers()), ferry.clone()).await;
+    sqlx::query("UPDATE outbox SET payload = 'small' WHERE id = $1")
+        .bind(poison)
+        .execute(ferry.db().as_postgres().unwrap())
+        .await
+        .unwrap();
+    let replayed = ferry_relay::store::RelayStore::new(ferry.clone())
+        .replay_dead_outbox(Some(poison), "ops", "shrank the record")
+        .await
+        .unwrap();
+    assert_eq!(replayed, vec![poison]);
+    wait_for_count(
+        &ferry,
+        &format!("SELECT count(*) FROM outbox WHERE id = {poison} AND state = 'delivered'"),
+        1,
+        Duration::from_secs(60),
+    )
+    .await;
+    relay.shutdown().await;
+    let recs = read_all(&broker.brokers(), "orders", false, Duration::from_secs(30)).await;
+    assert!(recs.iter().any(|r| r.outbox_id() == poison), "the replayed row reached Kafka");
 }
 
 /// Two relay processes share one slot: the first streams, the second finds
