@@ -356,6 +356,54 @@ async fn wal_a_poison_record_goes_dead_the_stream_flows_and_a_replay_publishes_i
     assert!(recs.iter().any(|r| r.outbox_id() == poison), "the replayed row reached Kafka");
 }
 
+/// `--on-poison=block` in WAL capture: the stream stops at the poison
+/// record (retrying it), and nothing after it in commit order reaches the
+/// topic; the rows before it are delivered, none is dead.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn wal_a_poison_record_blocks_the_stream_and_nothing_behind_it_is_published() {
+    let broker = Kafka::start();
+    broker.create_topic_with("orders", 3, &[("max.message.bytes", "2000")]);
+    let (ferry, url) = pg_ferry().await;
+    let slot = SlotGuard::new().await;
+    let mut cfg = slot.config(&url, &broker.brokers());
+    cfg.on_poison = ferry_relay::OnPoison::Block;
+    let relay = slot.start(cfg, ferry.clone()).await;
+    crate::relay::write_orders(&ferry, 1, 1).await;
+    wait_for_count(
+        &ferry,
+        "SELECT count(*) FROM outbox WHERE state = 'delivered'",
+        1,
+        Duration::from_secs(60),
+    )
+    .await;
+    let poison = crate::relay::poison_rows(&ferry).await;
+    wait_for_count(
+        &ferry,
+        &format!("SELECT CAST(publish_attempts AS BIGINT) FROM outbox WHERE id = {poison}"),
+        3,
+        Duration::from_secs(60),
+    )
+    .await;
+    relay.shutdown().await;
+    assert_eq!(
+        scalar(
+            &ferry,
+            &format!("SELECT count(*) FROM outbox WHERE state = 'pending' AND id >= {poison}")
+        )
+        .await,
+        4,
+        "the poison row and everything after it stay pending"
+    );
+    assert_eq!(scalar(&ferry, "SELECT count(*) FROM outbox WHERE state = 'dead'").await, 0);
+    let behind: Vec<i64> = read_all(&broker.brokers(), "orders", false, Duration::from_secs(30))
+        .await
+        .iter()
+        .map(Record::outbox_id)
+        .filter(|id| *id >= poison)
+        .collect();
+    assert!(behind.is_empty(), "rows at or behind the blocked row reached Kafka: {behind:?}");
+}
+
 /// Two relay processes share one slot: the first streams, the second finds
 /// the slot in use and stands by. The first is SIGKILLed mid-stream; the
 /// standby takes the slot over and resumes from its confirmed position.
