@@ -137,13 +137,15 @@ impl Relay {
         let wake = Arc::new(lane::Wakes::new(store.ferry().lanes()));
         let listen_stop = CancellationToken::new();
         let polling = wal.is_none();
-        if polling { tokio::spawn(listen_for_wakeups(
-            store.clone(),
-            owner.clone(),
-            wake.clone(),
-            cfg.poll_interval,
-            listen_stop.clone(),
-        )); }
+        if polling {
+            tokio::spawn(listen_for_wakeups(
+                store.clone(),
+                owner.clone(),
+                wake.clone(),
+                cfg.poll_interval,
+                listen_stop.clone(),
+            ));
+        }
         // The table gauges, on their own task at a fixed low rate.
         {
             let (state, stop) = (state.clone(), listen_stop.clone());
@@ -172,7 +174,14 @@ impl Relay {
         }
         let wal_finish = CancellationToken::new();
         if let (Some(capture), Some(producer)) = (wal, &producer) {
-            tasks.spawn(crate::wal::run(state.clone(), cfg.clone(), producer.clone(), database_id.clone(), capture, wal_finish.clone()));
+            tasks.spawn(crate::wal::run(
+                state.clone(),
+                cfg.clone(),
+                producer.clone(),
+                database_id.clone(),
+                capture,
+                wal_finish.clone(),
+            ));
         }
         tokio::pin!(shutdown);
         loop {

@@ -60,11 +60,10 @@ impl RelayStore {
     /// name is one [`crate::config::check_identifier`] accepted, so it needs
     /// no quoting. A concurrent creation by another relay is not an error.
     pub async fn create_wal_publication(&self, publication: &str) -> Result<()> {
-        crate::config::check_identifier("publication", publication)
-            .map_err(|_| Error::InvalidInput {
-                field: "publication",
-                reason: "use 1 to 63 lowercase letters, digits and '_'".into(),
-            })?;
+        crate::config::check_identifier("publication", publication).map_err(|_| Error::InvalidInput {
+            field: "publication",
+            reason: "use 1 to 63 lowercase letters, digits and '_'".into(),
+        })?;
         let ddl = format!("CREATE PUBLICATION {publication} FOR TABLE outbox WITH (publish = 'insert')");
         match sqlx::query(&ddl).execute(self.pg()?).await {
             Ok(_) => Ok(()),
@@ -75,10 +74,7 @@ impl RelayStore {
 
     /// Slot `slot`, if it exists.
     pub async fn wal_slot(&self, slot: &str) -> Result<Option<SlotState>> {
-        Ok(sqlx::query_as(Q.wal_slot)
-            .bind(slot)
-            .fetch_optional(self.pg()?)
-            .await?)
+        Ok(sqlx::query_as(Q.wal_slot).bind(slot).fetch_optional(self.pg()?).await?)
     }
 
     /// Creates logical slot `slot` (pgoutput), first flagging that the rows
@@ -184,7 +180,10 @@ impl RelayStore {
             return Ok(());
         }
         let ids = serde_json::to_string(ids).map_err(|e| Error::Invariant(e.to_string()))?;
-        sqlx::query(Q.wal_announce_replay).bind(ids).fetch_optional(conn).await?;
+        sqlx::query(Q.wal_announce_replay)
+            .bind(ids)
+            .fetch_optional(conn)
+            .await?;
         Ok(())
     }
 

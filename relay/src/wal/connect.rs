@@ -31,7 +31,9 @@ pub fn replication_config(
     };
     for (k, v) in u.query_pairs() {
         if k == "sslmode" && !matches!(v.as_ref(), "disable" | "allow" | "prefer") {
-            return Err(bad("asks for TLS, which the relay's PostgreSQL connections do not have"));
+            return Err(bad(
+                "asks for TLS, which the relay's PostgreSQL connections do not have",
+            ));
         }
     }
     let host = u.host_str().unwrap_or("localhost").to_owned();
@@ -61,7 +63,10 @@ pub fn replication_config(
 
 /// `%XX` escapes of a URL part, decoded.
 fn percent_decode(s: &str) -> Option<String> {
-    percent_encoding::percent_decode_str(s).decode_utf8().ok().map(|c| c.into_owned())
+    percent_encoding::percent_decode_str(s)
+        .decode_utf8()
+        .ok()
+        .map(|c| c.into_owned())
 }
 
 /// Why a replication session ended, classified: what the relay does next
@@ -171,7 +176,13 @@ mod tests {
     fn the_database_url_gives_the_replication_settings() {
         let c = replication_config("postgres://ops:p%40ss@db.local:6543/app?options=x", "s", "p", "relay").unwrap();
         assert_eq!(
-            (c.host.as_str(), c.port, c.user.as_str(), c.password.as_str(), c.database.as_str()),
+            (
+                c.host.as_str(),
+                c.port,
+                c.user.as_str(),
+                c.password.as_str(),
+                c.database.as_str()
+            ),
             ("db.local", 6543, "ops", "p@ss", "app")
         );
         assert!(replication_config("sqlite://x.db", "s", "p", "r").is_err());

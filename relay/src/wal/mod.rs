@@ -194,7 +194,10 @@ pub async fn run(
                 reseed = true;
                 Duration::ZERO
             }
-            Ended::Isolate { through_lsn, through_id } => {
+            Ended::Isolate {
+                through_lsn,
+                through_id,
+            } => {
                 tracing::warn!(
                     through_lsn,
                     through_id,

@@ -75,7 +75,14 @@ impl Decoder {
                     let _type_oid = r.u32()?;
                     let _type_modifier = r.u32()?;
                 }
-                self.relations.insert(id, Relation { namespace, name, columns });
+                self.relations.insert(
+                    id,
+                    Relation {
+                        namespace,
+                        name,
+                        columns,
+                    },
+                );
                 Ok(Message::Relation)
             }
             b'I' => {
@@ -93,8 +100,7 @@ impl Decoder {
                 if values.len() != rel.columns.len() {
                     return err("tuple and relation disagree on the column count");
                 }
-                let row: HashMap<&str, Option<&[u8]>> =
-                    rel.columns.iter().map(String::as_str).zip(values).collect();
+                let row: HashMap<&str, Option<&[u8]>> = rel.columns.iter().map(String::as_str).zip(values).collect();
                 outbox_row(&row)
             }
             // A type's name (sent before a row of a non-built-in type) and a
@@ -292,7 +298,10 @@ mod tests {
     #[test]
     fn an_outbox_insert_becomes_a_pending_row() {
         let mut d = Decoder::new("app");
-        assert_eq!(d.decode(&relation(16385, "app", "outbox", COLUMNS)).unwrap(), Message::Relation);
+        assert_eq!(
+            d.decode(&relation(16385, "app", "outbox", COLUMNS)).unwrap(),
+            Message::Relation
+        );
         let Message::Row(row) = d.decode(&insert(16385, &values("pending", "\\x68690a"))).unwrap() else {
             panic!("not a row");
         };
@@ -308,15 +317,24 @@ mod tests {
         let mut d = Decoder::new("app");
         d.decode(&relation(1, "other", "outbox", COLUMNS)).unwrap();
         d.decode(&relation(2, "app", "outbox", COLUMNS)).unwrap();
-        assert_eq!(d.decode(&insert(1, &values("pending", "\\x00"))).unwrap(), Message::Ignored);
-        assert_eq!(d.decode(&insert(2, &values("dead", "\\x00"))).unwrap(), Message::Ignored);
+        assert_eq!(
+            d.decode(&insert(1, &values("pending", "\\x00"))).unwrap(),
+            Message::Ignored
+        );
+        assert_eq!(
+            d.decode(&insert(2, &values("dead", "\\x00"))).unwrap(),
+            Message::Ignored
+        );
         assert_eq!(d.decode(b"U\0\0\0\x02").unwrap(), Message::Ignored);
     }
 
     #[test]
     fn what_cannot_be_read_is_an_error_never_a_skip() {
         let mut d = Decoder::new("app");
-        assert!(d.decode(&insert(9, &values("pending", "\\x00"))).is_err(), "unknown relation");
+        assert!(
+            d.decode(&insert(9, &values("pending", "\\x00"))).is_err(),
+            "unknown relation"
+        );
         d.decode(&relation(9, "app", "outbox", COLUMNS)).unwrap();
         assert!(d.decode(&insert(9, &values("pending", "not hex"))).is_err());
         let mut short = insert(9, &values("pending", "\\x00"));

@@ -132,7 +132,7 @@ impl<'a> Pipeline<'a> {
     /// Whether more may be produced: nothing failed, and while isolating,
     /// nothing is in flight.
     pub(super) fn may_produce(&self) -> bool {
-        self.failed.is_none() && !(self.one_at_a_time && !self.inflight.is_empty())
+        self.failed.is_none() && (!self.one_at_a_time || self.inflight.is_empty())
     }
 
     /// A transaction begins (its commit record at `final_lsn`), or a page
@@ -293,7 +293,10 @@ impl<'a> Pipeline<'a> {
     fn poison_in_request(&mut self, seq: u64, id: i64) {
         let final_lsn = self.txn(seq).and_then(|t| t.final_lsn);
         let (mut lsn, mut through_id) = match &self.failed {
-            Some(Ended::Isolate { through_lsn, through_id }) => (*through_lsn, *through_id),
+            Some(Ended::Isolate {
+                through_lsn,
+                through_id,
+            }) => (*through_lsn, *through_id),
             _ => (None, None),
         };
         match final_lsn {

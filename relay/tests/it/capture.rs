@@ -24,11 +24,7 @@ fn distinct(r: &[Record]) -> usize {
 fn config(capture: Capture, slot: &SlotGuard, url: &str, brokers: &str) -> RelayConfig {
     match capture {
         Capture::Wal => slot.config(url, brokers),
-        Capture::Poll => {
-            let mut cfg = relay_config(url, brokers);
-            cfg.capture = Some(Capture::Poll);
-            cfg
-        }
+        Capture::Poll => relay_config(url, brokers),
     }
 }
 
@@ -75,7 +71,9 @@ async fn every_row_once_with_its_headers(capture: Capture) {
     };
     write(0, 50).await;
     let database_id = ferry.database_id().await.unwrap();
-    let relay = slot.start(config(capture, &slot, &url, &broker.brokers()), ferry.clone()).await;
+    let relay = slot
+        .start(config(capture, &slot, &url, &broker.brokers()), ferry.clone())
+        .await;
     let delivered = "SELECT count(*) FROM outbox WHERE state = 'delivered'";
     // After the first rows are out, so that none of the next ones commits
     // while a new slot is being made (those may be published twice).
@@ -143,7 +141,9 @@ async fn a_plain_writer_and_the_library_keep_commit_order(capture: Capture) {
     let pool = ferry.db().as_postgres().unwrap().clone();
     let k = "k-mixed";
     let lane = ferry::outbox::lane_for(k, ferry.lanes());
-    let relay = slot.start(config(capture, &slot, &url, &broker.brokers()), ferry.clone()).await;
+    let relay = slot
+        .start(config(capture, &slot, &url, &broker.brokers()), ferry.clone())
+        .await;
     // The relay streams before the late transaction opens: a new slot
     // waits for every transaction in progress when it is made.
     crate::relay::write_orders(&ferry, 1, 1).await;
@@ -158,7 +158,12 @@ async fn a_plain_writer_and_the_library_keep_commit_order(capture: Capture) {
         let mut late = pool.begin().await.unwrap();
         let lower = plain_insert(&mut *late, lane, k, &format!("plain {round}")).await;
         let higher = ferry
-            .enqueue(&OutboxMessage::bytes("acme", "orders", k, format!("library {round}").into_bytes()))
+            .enqueue(&OutboxMessage::bytes(
+                "acme",
+                "orders",
+                k,
+                format!("library {round}").into_bytes(),
+            ))
             .await
             .unwrap();
         assert!(higher > lower);
@@ -234,7 +239,10 @@ async fn wal_a_restart_resumes_from_the_slot_in_commit_order() {
     let relay = slot.start(slot.config(&url, &broker.brokers()), ferry.clone()).await;
     wait_for_count(&ferry, delivered, 152, Duration::from_secs(60)).await;
     relay.shutdown().await;
-    assert!(confirmed_flush(&pool, &slot.name).await > confirmed, "the slot moved on");
+    assert!(
+        confirmed_flush(&pool, &slot.name).await > confirmed,
+        "the slot moved on"
+    );
     let recs = read_all(&broker.brokers(), "orders", false, Duration::from_secs(30)).await;
     assert_eq!(distinct(&recs), 152, "nothing lost");
     assert_eq!(recs.len(), 152, "nothing published twice across a clean restart");
@@ -353,7 +361,10 @@ async fn wal_a_poison_record_goes_dead_the_stream_flows_and_a_replay_publishes_i
     .await;
     relay.shutdown().await;
     let recs = read_all(&broker.brokers(), "orders", false, Duration::from_secs(30)).await;
-    assert!(recs.iter().any(|r| r.outbox_id() == poison), "the replayed row reached Kafka");
+    assert!(
+        recs.iter().any(|r| r.outbox_id() == poison),
+        "the replayed row reached Kafka"
+    );
 }
 
 /// `--on-poison=block` in WAL capture: the stream stops at the poison
@@ -394,14 +405,20 @@ async fn wal_a_poison_record_blocks_the_stream_and_nothing_behind_it_is_publishe
         4,
         "the poison row and everything after it stay pending"
     );
-    assert_eq!(scalar(&ferry, "SELECT count(*) FROM outbox WHERE state = 'dead'").await, 0);
+    assert_eq!(
+        scalar(&ferry, "SELECT count(*) FROM outbox WHERE state = 'dead'").await,
+        0
+    );
     let behind: Vec<i64> = read_all(&broker.brokers(), "orders", false, Duration::from_secs(30))
         .await
         .iter()
         .map(Record::outbox_id)
         .filter(|id| *id >= poison)
         .collect();
-    assert!(behind.is_empty(), "rows at or behind the blocked row reached Kafka: {behind:?}");
+    assert!(
+        behind.is_empty(),
+        "rows at or behind the blocked row reached Kafka: {behind:?}"
+    );
 }
 
 /// Two relay processes share one slot: the first streams, the second finds
@@ -418,7 +435,13 @@ async fn wal_a_sigkilled_relay_loses_nothing_and_its_standby_takes_over() {
     let pool = ferry.db().as_postgres().unwrap().clone();
     let mut active = spawn_relay_process(&url, &broker.brokers(), &slot.args(), &[]);
     let streaming = "SELECT count(*) FROM pg_replication_slots WHERE active AND slot_name = ";
-    wait_for_count(&ferry, &format!("{streaming}'{}'", slot.name), 1, Duration::from_secs(60)).await;
+    wait_for_count(
+        &ferry,
+        &format!("{streaming}'{}'", slot.name),
+        1,
+        Duration::from_secs(60),
+    )
+    .await;
     let writer = {
         let ferry = ferry.clone();
         tokio::spawn(async move { crate::relay::write_orders(&ferry, 1500, 40).await })
@@ -444,13 +467,20 @@ async fn wal_a_sigkilled_relay_loses_nothing_and_its_standby_takes_over() {
         .fetch_one(&pool)
         .await
         .unwrap();
-    assert!(after.is_some_and(|pid| pid != before), "the standby streams from the slot now");
+    assert!(
+        after.is_some_and(|pid| pid != before),
+        "the standby streams from the slot now"
+    );
     drop(standby);
     let mut by_id: HashMap<i64, &Record> = HashMap::new();
     let mut last: HashMap<&str, i64> = HashMap::new();
     for r in &recs {
         match by_id.insert(r.outbox_id(), r) {
-            Some(first) => assert_eq!((&first.key, &first.payload), (&r.key, &r.payload), "a duplicate is the same row"),
+            Some(first) => assert_eq!(
+                (&first.key, &first.payload),
+                (&r.key, &r.payload),
+                "a duplicate is the same row"
+            ),
             None => {
                 if let Some(prev) = last.insert(&r.key, r.outbox_id()) {
                     assert!(prev < r.outbox_id(), "key {}: first occurrences out of order", r.key);

@@ -26,8 +26,11 @@ pub async fn pg_ferry() -> (Ferry, String) {
     (ferry, url)
 }
 
+/// A polling relay (the WAL tests override it with [`SlotGuard::config`]:
+/// a relay left on the default would stream from a slot no test drops).
 pub fn relay_config(url: &str, brokers: &str) -> RelayConfig {
     let mut cfg = RelayConfig::new(url, brokers);
+    cfg.capture = Some(ferry_relay::Capture::Poll);
     cfg.poll_interval = Duration::from_millis(50);
     cfg.lease = Duration::from_secs(3);
     cfg.grace = Duration::from_secs(5);
@@ -230,8 +233,8 @@ impl Drop for RelayProcess {
     }
 }
 
-/// A `ferry-relay run` process (1 s lane leases, batches of 50) with extra
-/// flags and environment, for the crash tests.
+/// A polling `ferry-relay run` process (1 s lane leases, batches of 50) with
+/// extra flags and environment, for the crash tests.
 pub fn spawn_relay_process(url: &str, brokers: &str, extra: &[&str], env: &[(&str, &str)]) -> RelayProcess {
     let child = std::process::Command::new(env!("CARGO_BIN_EXE_ferry-relay"))
         .args([
@@ -247,6 +250,8 @@ pub fn spawn_relay_process(url: &str, brokers: &str, extra: &[&str], env: &[(&st
         ])
         .args(["--batch-size", "50", "--listen", "127.0.0.1:0", "--grace", "5s"])
         .args(extra)
+        // Polling unless `extra` says `--capture wal` (which overrides it).
+        .env("FERRY_CAPTURE", "poll")
         .envs(env.iter().copied())
         .env(
             "RUST_LOG",
@@ -320,14 +325,17 @@ fn admin_url() -> String {
 /// Ends the session streaming from `slot` (if any) and drops it; true once
 /// it is gone. A relay may take the slot again between the two: callers loop.
 pub async fn terminate_and_drop_slot(pool: &sqlx::PgPool, slot: &str) -> bool {
-    let _ = sqlx::query("SELECT pg_terminate_backend(active_pid) FROM pg_replication_slots WHERE slot_name = $1 AND active")
-        .bind(slot)
-        .execute(pool)
-        .await;
-    let dropped = sqlx::query("SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots WHERE slot_name = $1")
-        .bind(slot)
-        .execute(pool)
-        .await;
+    let _ = sqlx::query(
+        "SELECT pg_terminate_backend(active_pid) FROM pg_replication_slots WHERE slot_name = $1 AND active",
+    )
+    .bind(slot)
+    .execute(pool)
+    .await;
+    let dropped =
+        sqlx::query("SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots WHERE slot_name = $1")
+            .bind(slot)
+            .execute(pool)
+            .await;
     dropped.is_ok()
         && sqlx::query_scalar::<_, i64>("SELECT count(*) FROM pg_replication_slots WHERE slot_name = $1")
             .bind(slot)
@@ -338,7 +346,9 @@ pub async fn terminate_and_drop_slot(pool: &sqlx::PgPool, slot: &str) -> bool {
 }
 
 async fn drop_stale_slots(born: u64) {
-    let Ok(pool) = sqlx::PgPool::connect(&admin_url()).await else { return };
+    let Ok(pool) = sqlx::PgPool::connect(&admin_url()).await else {
+        return;
+    };
     let names: Vec<String> = sqlx::query_scalar(
         "SELECT slot_name::text FROM pg_replication_slots WHERE slot_name LIKE 'ferry\\_test\\_%' AND NOT active",
     )
@@ -352,7 +362,10 @@ async fn drop_stale_slots(born: u64) {
             .and_then(|b| b.parse::<u64>().ok())
             .is_some_and(|b| b + 3600 < born);
         if old {
-            let _ = sqlx::query("SELECT pg_drop_replication_slot($1)").bind(&name).execute(&pool).await;
+            let _ = sqlx::query("SELECT pg_drop_replication_slot($1)")
+                .bind(&name)
+                .execute(&pool)
+                .await;
         }
     }
 }
@@ -365,9 +378,14 @@ impl Drop for SlotGuard {
         let name = self.name.clone();
         // A runtime of its own: drop runs inside (or after) the test's.
         let _ = std::thread::spawn(move || {
-            let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .unwrap();
             rt.block_on(async {
-                let Ok(pool) = sqlx::PgPool::connect(&admin_url()).await else { return };
+                let Ok(pool) = sqlx::PgPool::connect(&admin_url()).await else {
+                    return;
+                };
                 let deadline = Instant::now() + Duration::from_secs(20);
                 while !terminate_and_drop_slot(&pool, &name).await && Instant::now() < deadline {
                     tokio::time::sleep(Duration::from_millis(100)).await;
