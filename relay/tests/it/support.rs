@@ -269,9 +269,10 @@ pub fn spawn_relay_process(url: &str, brokers: &str, extra: &[&str], env: &[(&st
 
 /// A replication slot (and publication) name of its own for one test
 /// (`ferry_test_<born>_<pid>_<n>`): slot names are cluster-wide and tests
-/// run in parallel on one cluster. Dropped with the guard, even when the
-/// test fails, so leftover slots never hold WAL; slots a crashed run left
-/// behind are dropped by the first guard of a later run once an hour old.
+/// run in parallel on one cluster. Both are dropped with the guard, even
+/// when the test fails, so leftover slots never hold WAL; slots a crashed
+/// run left behind are dropped by the first guard of a later run once an
+/// hour old.
 pub struct SlotGuard {
     pub name: String,
     /// The relays started on it: stopped first, or one could make the slot
@@ -390,6 +391,10 @@ impl Drop for SlotGuard {
                 while !terminate_and_drop_slot(&pool, &name).await && Instant::now() < deadline {
                     tokio::time::sleep(Duration::from_millis(100)).await;
                 }
+                // Publications are per database, not per schema: no leftovers.
+                let _ = sqlx::query(&format!("DROP PUBLICATION IF EXISTS {name}"))
+                    .execute(&pool)
+                    .await;
             });
         })
         .join();
