@@ -1,5 +1,6 @@
-//! The relay service: lane management, one publishing task per held lane,
-//! wake-ups, retention, the HTTP endpoints, and graceful shutdown.
+//! The relay service: lane management, one publishing task per held lane
+//! (or one WAL capture task, `--capture wal`), wake-ups, retention, the HTTP
+//! endpoints, and graceful shutdown.
 
 use std::collections::BTreeMap;
 use std::future::Future;
