@@ -74,9 +74,11 @@ UPDATE outbox
 SET state = 'delivered', delivered_at = {now $2},
     publish_attempts = publish_attempts + 1
 WHERE id {ids $1} AND state = 'pending'
+RETURNING id
 
 -- name: wal_delete_delivered [postgres only]
 DELETE FROM outbox WHERE id {ids $1} AND state = 'pending'
+RETURNING id
 
 -- name: wal_mark_dead [postgres only]
 -- A row Kafka refused alone (the evidence is about this row only).
@@ -104,3 +106,21 @@ SELECT id, tenant, topic, key, payload, headers, effect_key, traceparent, create
 FROM outbox
 WHERE id {ids $1} AND state = 'pending'
 ORDER BY id
+
+-- name: wal_slots [postgres only]
+-- The slots WAL capture made in this schema, for `status`: whether a relay
+-- streams from each, and how many bytes of WAL it holds back.
+SELECT w.slot,
+       COALESCE(s.active, false) AS active,
+       s.slot_name IS NOT NULL AS present,
+       COALESCE((pg_current_wal_lsn() - s.confirmed_flush_lsn)::bigint, 0) AS lag_bytes
+FROM relay_wal_slots w
+LEFT JOIN pg_replication_slots s ON s.slot_name = w.slot
+ORDER BY w.slot
+
+-- name: wal_states [postgres only]
+-- The rows of $1 this statement sees, with their state. Logical decoding
+-- can hand a commit over a moment before the transaction is visible to
+-- new snapshots, so a row the stream carried may be missing here (or, for
+-- a replay, still dead) for that moment.
+SELECT id, state FROM outbox WHERE id {ids $1}

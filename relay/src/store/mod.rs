@@ -19,7 +19,7 @@ mod queries {
 mod wal;
 use queries::QUERIES;
 
-pub use wal::{SlotState, WalSetting};
+pub use wal::{SlotState, WalSetting, WalSlot};
 
 /// A live relay instance and its `--max-lanes`.
 #[derive(Debug, Clone, PartialEq, Eq, sqlx::FromRow)]

@@ -34,6 +34,19 @@ pub struct SlotState {
     pub usable: bool,
 }
 
+/// A slot WAL capture made, as `status` shows it.
+#[derive(Debug, Clone, PartialEq, Eq, sqlx::FromRow)]
+pub struct WalSlot {
+    /// Its name.
+    pub slot: String,
+    /// A relay streams from it now.
+    pub active: bool,
+    /// It still exists (a dropped one is made anew by the next relay).
+    pub present: bool,
+    /// WAL it holds back: the current position minus its confirmed one.
+    pub lag_bytes: i64,
+}
+
 impl RelayStore {
     fn pg(&self) -> Result<&PgPool> {
         self.ferry()
@@ -146,19 +159,29 @@ impl RelayStore {
     }
 
     /// Marks acknowledged rows delivered (or deletes them, with `delete`)
-    /// in one statement; rows no longer pending are left alone.
-    pub async fn wal_mark_delivered(&self, ids: &[i64], delete: bool) -> Result<u64> {
+    /// in one statement; returns the ids it changed (rows no longer
+    /// pending, or not visible yet, are left alone).
+    pub async fn wal_mark_delivered(&self, ids: &[i64], delete: bool) -> Result<Vec<i64>> {
         if ids.is_empty() {
-            return Ok(0);
+            return Ok(Vec::new());
         }
         let q = if delete {
-            sqlx::query(Q.wal_delete_delivered).bind(ferry::store::Ids(ids))
+            sqlx::query_scalar(Q.wal_delete_delivered).bind(ferry::store::Ids(ids))
         } else {
-            sqlx::query(Q.wal_mark_delivered)
+            sqlx::query_scalar(Q.wal_mark_delivered)
                 .bind(ferry::store::Ids(ids))
                 .bind(self.ferry().clock().param())
         };
-        Ok(q.execute(self.pg()?).await?.rows_affected())
+        Ok(q.fetch_all(self.pg()?).await?)
+    }
+
+    /// The rows of `ids` visible now, with their state (`pending`,
+    /// `delivered`, `dead`).
+    pub async fn wal_states(&self, ids: &[i64]) -> Result<Vec<(i64, String)>> {
+        Ok(sqlx::query_as(Q.wal_states)
+            .bind(ferry::store::Ids(ids))
+            .fetch_all(self.pg()?)
+            .await?)
     }
 
     /// Marks row `id`, which Kafka refused alone, dead with `code`.
@@ -194,6 +217,14 @@ impl RelayStore {
             .fetch_all(self.pg()?)
             .await?;
         Ok(Self::pending_rows(rows))
+    }
+
+    /// The slots WAL capture made here; empty on SQLite (it always polls).
+    pub async fn wal_slots(&self) -> Result<Vec<WalSlot>> {
+        let Some(pool) = self.ferry().db().as_postgres() else {
+            return Ok(Vec::new());
+        };
+        Ok(sqlx::query_as(Q.wal_slots).fetch_all(pool).await?)
     }
 
     /// Records a failed publish of row `id` (attempt count and code).

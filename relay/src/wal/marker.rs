@@ -6,12 +6,21 @@
 //! waits for it, but for the bounded queue between them: a marker that
 //! falls behind slows the stream instead of piling up ids.
 
-use std::time::Instant;
+use std::collections::HashSet;
+use std::time::{Duration, Instant};
+
+use backon::ExponentialBackoff;
 
 use tokio::sync::{mpsc, oneshot, watch};
 use tokio::task::JoinHandle;
 
 use crate::service::RelayState;
+
+/// How often, [`VISIBLE_WAIT`] apart, the marker looks again for rows the
+/// stream carried but its statement did not see yet.
+pub const VISIBLE_TRIES: u32 = 50;
+/// See [`VISIBLE_TRIES`].
+pub const VISIBLE_WAIT: Duration = Duration::from_millis(10);
 
 /// The most ids one mark statement carries.
 pub const MARK_MAX: usize = 10_000;
@@ -53,22 +62,7 @@ pub(super) fn spawn(
                 lsn = more.lsn.or(lsn);
                 done.extend(more.done);
             }
-            loop {
-                let started = Instant::now();
-                match state.store.wal_mark_delivered(&ids, delete).await {
-                    Ok(n) => {
-                        let t = &state.metrics.timings;
-                        crate::metrics::Timings::add(&t.marks, &t.mark_ns, started.elapsed());
-                        state.metrics.published.inc_by(n);
-                        backoff = crate::lane::retry_backoff();
-                        break;
-                    }
-                    Err(e) => {
-                        tracing::warn!(error = %e, rows = ids.len(), "marking delivered failed; retrying (the slot is not confirmed past them)");
-                        tokio::time::sleep(backoff.next().unwrap_or(std::time::Duration::from_secs(10))).await;
-                    }
-                }
-            }
+            mark(&state, &mut backoff, ids, delete).await;
             if let Some(l) = lsn {
                 confirmed.send_if_modified(|c| {
                     let moved = l > *c;
@@ -82,4 +76,60 @@ pub(super) fn spawn(
         }
     });
     (tx, task)
+}
+
+/// Marks `ids` delivered (deleted, with `delete`), retrying database errors
+/// with `backoff`. Logical decoding can hand a commit over a moment before
+/// the transaction is visible to new snapshots, so rows the statement did
+/// not find are looked for again, [`VISIBLE_WAIT`] apart, until each is
+/// visible and no longer pending, or [`VISIBLE_TRIES`] pass (a row an
+/// earlier mark of a republished duplicate deleted never shows up again).
+async fn mark(state: &RelayState, backoff: &mut ExponentialBackoff, mut ids: Vec<i64>, delete: bool) {
+    let mut tries = 0;
+    while !ids.is_empty() {
+        let started = Instant::now();
+        let marked = match state.store.wal_mark_delivered(&ids, delete).await {
+            Ok(marked) => marked,
+            Err(e) => {
+                tracing::warn!(error = %e, rows = ids.len(), "marking delivered failed; retrying (the slot is not confirmed past them)");
+                tokio::time::sleep(backoff.next().unwrap_or(Duration::from_secs(10))).await;
+                continue;
+            }
+        };
+        let t = &state.metrics.timings;
+        crate::metrics::Timings::add(&t.marks, &t.mark_ns, started.elapsed());
+        state.metrics.published.inc_by(marked.len() as u64);
+        *backoff = crate::lane::retry_backoff();
+        if marked.len() == ids.len() {
+            return;
+        }
+        let marked: HashSet<i64> = marked.into_iter().collect();
+        ids.retain(|id| !marked.contains(id));
+        // Which of the rest are still to be marked: visible and pending, or
+        // not visible at all.
+        let settled: HashSet<i64> = match state.store.wal_states(&ids).await {
+            Ok(rows) => rows
+                .into_iter()
+                .filter(|(_, s)| s != "pending")
+                .map(|(id, _)| id)
+                .collect(),
+            Err(e) => {
+                tracing::warn!(error = %e, "reading the states of unmarked rows failed; retrying");
+                tokio::time::sleep(backoff.next().unwrap_or(Duration::from_secs(10))).await;
+                continue;
+            }
+        };
+        ids.retain(|id| !settled.contains(id));
+        tries += 1;
+        if tries >= VISIBLE_TRIES {
+            if !ids.is_empty() {
+                tracing::warn!(
+                    rows = ids.len(),
+                    "acknowledged rows never became visible to mark; left pending"
+                );
+            }
+            return;
+        }
+        tokio::time::sleep(VISIBLE_WAIT).await;
+    }
 }

@@ -244,10 +244,23 @@ async fn replayed(ctx: &Ctx, pipeline: &mut Pipeline<'_>, content: &[u8]) -> Res
         tracing::error!("a replay announcement could not be read");
         Ended::Retry("decode")
     })?;
-    let rows = ctx.state.store.pending_ids(&ids).await.map_err(|e| {
+    let db = |e: ferry::Error| {
         tracing::warn!(error = %e, "reading replayed rows failed");
         Ended::Retry("database")
-    })?;
+    };
+    // The replay's commit may reach the stream a moment before it is
+    // visible: wait (a bounded while) until no announced row still reads
+    // as dead. One that does after that died again after an earlier
+    // reading of this announcement (a session that ended before confirming
+    // it), and stays dead.
+    for _ in 0..marker::VISIBLE_TRIES {
+        let states = ctx.state.store.wal_states(&ids).await.map_err(db)?;
+        if !states.iter().any(|(_, s)| s == "dead") {
+            break;
+        }
+        tokio::time::sleep(marker::VISIBLE_WAIT).await;
+    }
+    let rows = ctx.state.store.pending_ids(&ids).await.map_err(db)?;
     for row in &rows {
         pipeline.produce(row).await;
     }

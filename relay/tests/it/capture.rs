@@ -96,6 +96,14 @@ async fn every_row_once_with_its_headers(capture: Capture) {
         }
     }
     wait_for_count(&ferry, delivered, 200, Duration::from_secs(30)).await;
+    let status = ferry_relay::status::report(&ferry_relay::store::RelayStore::new(ferry.clone()))
+        .await
+        .unwrap();
+    assert_eq!(
+        status.contains(&format!("wal slot {}", slot.name)) && status.contains("streaming"),
+        capture == Capture::Wal,
+        "{status}"
+    );
     relay.shutdown().await;
     if capture == Capture::Wal {
         let pool = ferry.db().as_postgres().unwrap();
