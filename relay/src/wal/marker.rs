@@ -133,3 +133,59 @@ async fn mark(state: &RelayState, backoff: &mut ExponentialBackoff, mut ids: Vec
         tokio::time::sleep(VISIBLE_WAIT).await;
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::Arc;
+
+    use tokio_util::sync::CancellationToken;
+
+    use super::*;
+    use crate::metrics::Metrics;
+    use crate::store::RelayStore;
+
+    /// Logical decoding can hand a commit over a moment before the
+    /// transaction is visible, and Kafka's acknowledgement can come back
+    /// inside that moment: a mark that found no pending row must look again
+    /// rather than take the row for marked (it would stay pending forever).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_row_visible_only_after_the_first_mark_is_still_marked() {
+        let t = ferry_testkit::TestDb::new(ferry::Engine::Postgres).await;
+        let state = Arc::new(RelayState {
+            store: RelayStore::new(t.ferry.clone()),
+            metrics: Metrics::new(),
+            owner: "relay-test".into(),
+            ready: AtomicBool::new(false),
+            fatal: CancellationToken::new(),
+        });
+        let pool = t.ferry.db().as_postgres().unwrap().clone();
+        let mut late = pool.begin().await.unwrap();
+        let id: i64 = sqlx::query_scalar(
+            "INSERT INTO outbox (tenant, topic, key, lane, payload, headers, created_at)
+             VALUES ('acme', 'orders', 'k', 0, 'x', '{}'::jsonb, 0) RETURNING id",
+        )
+        .fetch_one(&mut *late)
+        .await
+        .unwrap();
+        let marking = {
+            let state = state.clone();
+            tokio::spawn(async move { mark(&state, &mut crate::lane::retry_backoff(), vec![id], false).await })
+        };
+        // The first statement ran without seeing the row...
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while state.metrics.timings.marks.load(Ordering::Relaxed) == 0 {
+            assert!(Instant::now() < deadline, "the marker never ran");
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        // ...then its transaction becomes visible.
+        late.commit().await.unwrap();
+        marking.await.unwrap();
+        let row: String = sqlx::query_scalar("SELECT state FROM outbox WHERE id = $1")
+            .bind(id)
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+        assert_eq!(row, "delivered");
+    }
+}
