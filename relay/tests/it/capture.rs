@@ -475,15 +475,16 @@ async fn wal_a_sigkilled_relay_loses_nothing_and_its_standby_takes_over() {
     })
     .await;
     recs.extend(more);
-    let after: Option<i32> = sqlx::query_scalar("SELECT active_pid FROM pg_replication_slots WHERE slot_name = $1")
-        .bind(&slot.name)
-        .fetch_one(&pool)
-        .await
-        .unwrap();
-    assert!(
-        after.is_some_and(|pid| pid != before),
-        "the standby streams from the slot now"
-    );
+    wait_for_count(
+        &ferry,
+        &format!(
+            "SELECT count(*) FROM pg_replication_slots WHERE slot_name = '{}' AND active AND active_pid <> {before}",
+            slot.name
+        ),
+        1,
+        Duration::from_secs(30),
+    )
+    .await;
     drop(standby);
     let mut by_id: HashMap<i64, &Record> = HashMap::new();
     let mut last: HashMap<&str, i64> = HashMap::new();
