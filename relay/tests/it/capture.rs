@@ -96,6 +96,8 @@ async fn every_row_once_with_its_headers(capture: Capture) {
         }
     }
     wait_for_count(&ferry, delivered, 200, Duration::from_secs(30)).await;
+    let (ready, _) = http_get(relay.addr, "/readyz").await;
+    assert!(ready.contains("200"), "{ready}");
     let status = ferry_relay::status::report(&ferry_relay::store::RelayStore::new(ferry.clone()))
         .await
         .unwrap();
@@ -506,6 +508,51 @@ async fn wal_a_sigkilled_relay_loses_nothing_and_its_standby_takes_over() {
         "wal: {} duplicates after one SIGKILL and a takeover, for {} rows",
         recs.len() - by_id.len(),
         by_id.len()
+    );
+}
+
+/// Without `--capture`, a PostgreSQL relay streams the WAL when it may
+/// (here: a superuser, `wal_level = logical`), with the slot named after
+/// the database id by default; `--capture poll` and `--exactly-once` poll.
+/// Deciding creates nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_default_capture_on_postgres_is_wal_when_the_role_may_replicate() {
+    let (ferry, url) = pg_ferry().await;
+    let store = ferry_relay::store::RelayStore::new(ferry.clone());
+    let mut cfg = RelayConfig::new(&url, "127.0.0.1:1");
+    let wal = ferry_relay::wal::plan(&cfg, &store, "relay-1")
+        .await
+        .unwrap()
+        .expect("wal");
+    let database_id = ferry.database_id().await.unwrap();
+    assert_eq!(wal.slot, ferry_relay::wal::default_slot(&database_id));
+    assert!(wal.slot.starts_with("ferry_") && wal.slot.len() == 18, "{}", wal.slot);
+    assert_eq!(wal.publication, wal.slot);
+    cfg.exactly_once = true;
+    assert!(ferry_relay::wal::plan(&cfg, &store, "relay-1").await.unwrap().is_none());
+    cfg.exactly_once = false;
+    cfg.capture = Some(Capture::Poll);
+    assert!(ferry_relay::wal::plan(&cfg, &store, "relay-1").await.unwrap().is_none());
+    cfg.capture = Some(Capture::Wal);
+    cfg.exactly_once = true;
+    assert_eq!(
+        ferry_relay::wal::plan(&cfg, &store, "relay-1")
+            .await
+            .unwrap_err()
+            .code(),
+        "config",
+        "--capture wal --exactly-once is refused, not silently polled"
+    );
+    assert_eq!(
+        scalar(
+            &ferry,
+            &format!(
+                "SELECT count(*) FROM pg_replication_slots WHERE slot_name = '{}'",
+                wal.slot
+            )
+        )
+        .await,
+        0
     );
 }
 
