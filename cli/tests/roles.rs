@@ -113,6 +113,15 @@ async fn each_role_is_refused_outside_its_grant() {
         marked += relay.mark_delivered("relay-1", lane, &ids, false).await.unwrap();
     }
     assert_eq!(marked, 3, "run_queued, the order, run_succeeded");
+    // WAL capture's own statements (the slot itself needs REPLICATION,
+    // which these roles do not have: the relay then polls).
+    assert!(!relay.wal_setting().await.unwrap().may_replicate);
+    assert_eq!(relay.wal_catch_up("s").await.unwrap(), Some(i64::MAX));
+    relay.set_wal_slot_caught_up("s").await.unwrap();
+    assert_eq!(relay.wal_catch_up("s").await.unwrap(), None);
+    assert!(relay.pending_after(0, i64::MAX, 10).await.unwrap().is_empty());
+    assert!(relay.wal_mark_delivered(&[-1], false).await.unwrap().is_empty());
+    assert!(relay.wal_states(&[-1]).await.unwrap().is_empty());
     // ...and nothing else.
     refused(&relay_db, "SELECT * FROM runs").await;
     refused(&relay_db, "INSERT INTO outbox (tenant, topic, key, lane, payload, headers, created_at) VALUES ('x', 't', 'k', 0, '', '{}', 0)").await;

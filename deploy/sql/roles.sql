@@ -83,6 +83,11 @@ GRANT SELECT, UPDATE ON relay_lanes TO ferry_relay;
 GRANT SELECT, INSERT, UPDATE, DELETE ON relay_instances TO ferry_relay;
 GRANT INSERT ON ferry_audit TO ferry_relay;
 GRANT USAGE ON SEQUENCE ferry_audit_id_seq TO ferry_relay;
+-- `--capture wal` also needs `ALTER ROLE ferry_relay REPLICATION` and its
+-- publication, which only the outbox's owner may create:
+--   CREATE PUBLICATION <slot name> FOR TABLE outbox WITH (publish = 'insert');
+-- Without the REPLICATION attribute the relay polls (`--capture poll`).
+GRANT SELECT, INSERT, UPDATE ON relay_wal_slots TO ferry_relay;
 
 -- A consumer touches its ledger and partitions; grant it the handler's own
 -- tables separately.

@@ -15,6 +15,17 @@ pub enum OnPoison {
     Block,
 }
 
+/// How the relay finds committed outbox rows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Capture {
+    /// PostgreSQL logical replication of the outbox table (`pgoutput`):
+    /// transactions arrive in commit order, without reading the table.
+    Wal,
+    /// Lanes leased by relay instances and read through the pending index:
+    /// SQLite, and PostgreSQL roles that may not replicate.
+    Poll,
+}
+
 /// Settings of `ferry-relay run` (and the relay inside `demo`).
 #[derive(Debug, Clone, clap::Args)]
 pub struct RelayConfig {
@@ -84,6 +95,22 @@ pub struct RelayConfig {
     /// (`--exactly-once` only). Default: `<transactional id prefix>.progress`.
     #[arg(long, env = "FERRY_PROGRESS_TOPIC")]
     pub progress_topic: Option<String>,
+    /// `wal` or `poll`. Default on PostgreSQL: `wal` when the role may
+    /// replicate and `wal_level=logical`, else `poll` (one log line says
+    /// why); SQLite always polls, and refuses `wal`.
+    #[arg(long, env = "FERRY_CAPTURE", value_enum)]
+    pub capture: Option<Capture>,
+    /// Replication slot of `--capture wal`: one per relay group, shared by
+    /// its standbys (PostgreSQL lets one of them stream at a time). Default:
+    /// `ferry_<first 12 hex digits of the database id>`. Lowercase letters,
+    /// digits and `_`, at most 63.
+    #[arg(long, env = "FERRY_SLOT")]
+    pub slot: Option<String>,
+    /// Publication of `--capture wal` (on `outbox`, inserts only), created
+    /// at start when missing. Default: the slot's name. Lowercase letters,
+    /// digits and `_`, at most 63.
+    #[arg(long, env = "FERRY_PUBLICATION")]
+    pub publication: Option<String>,
 }
 
 impl RelayConfig {
@@ -108,6 +135,9 @@ impl RelayConfig {
             exactly_once: false,
             transactional_id_prefix: "ferry-relay".into(),
             progress_topic: None,
+            capture: None,
+            slot: None,
+            publication: None,
         }
     }
 
@@ -134,6 +164,11 @@ impl RelayConfig {
             }
         }
         check_template(&self.topic_template)?;
+        for (what, name) in [("--slot", &self.slot), ("--publication", &self.publication)] {
+            if let Some(name) = name {
+                check_identifier(what, name)?;
+            }
+        }
         for (k, v) in &self.kafka {
             weakens_delivery(k, v)?;
         }
@@ -235,6 +270,24 @@ fn check_template(t: &str) -> Result<(), RelayError> {
         }
     }
     Ok(())
+}
+
+/// A slot or publication name: what PostgreSQL allows in a slot name
+/// (lowercase letters, digits, `_`, at most 63 bytes), which also makes it
+/// an identifier that needs no quoting in the publication's DDL.
+pub fn check_identifier(what: &str, name: &str) -> Result<(), RelayError> {
+    let ok = !name.is_empty()
+        && name.len() <= 63
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_');
+    if ok {
+        Ok(())
+    } else {
+        Err(RelayError::Config(format!(
+            "{what} {name:?}: use 1 to 63 lowercase letters, digits and '_'"
+        )))
+    }
 }
 
 /// Refuses an override that would let Kafka lose or reorder acknowledged
@@ -471,6 +524,19 @@ mod tests {
         assert_eq!(with("acks", "-1"), Ok(()));
         assert_eq!(with("max.in.flight", "5"), Ok(()));
         assert_eq!(with("linger.ms", "20"), Ok(()));
+    }
+
+    #[test]
+    fn slot_and_publication_names_are_plain_identifiers() {
+        let with = |slot: &str| {
+            let mut c = RelayConfig::new("sqlite://x", "b");
+            c.slot = Some(slot.into());
+            c.validate().map_err(|e| e.code())
+        };
+        assert_eq!(with("ferry_orders_1"), Ok(()));
+        for bad in ["", "Orders", "a-b", "a\"; DROP TABLE outbox; --", &"s".repeat(64)] {
+            assert_eq!(with(bad), Err("config"), "{bad:?} accepted");
+        }
     }
 
     #[test]
