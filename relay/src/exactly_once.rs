@@ -161,6 +161,10 @@ const READ_POLL: Duration = Duration::from_millis(100);
 const WAIT_CHECK: Duration = Duration::from_secs(1);
 /// While a read waits on an open transaction, it says so again this often.
 const WAIT_REPORT_EVERY: Duration = Duration::from_secs(30);
+/// How much one progress read's consumer may prefetch, in KiB: a relay
+/// runs one read per lane at once (64 by default), so librdkafka's default
+/// of 64 MiB each would be 4 GiB for a restart beside a busy shared topic.
+const READ_PREFETCH_KBYTES: &str = "1024";
 /// How far back from the high watermark a read looks first; the window
 /// grows fourfold until a record of the lane turns up or the partition's
 /// start is reached.
@@ -205,7 +209,11 @@ impl ProgressReader {
             .set("auto.offset.reset", "error")
             // The broker answers an empty fetch after this long: the wait
             // between an open transaction's end and the read seeing it.
-            .set("fetch.wait.max.ms", "100");
+            .set("fetch.wait.max.ms", "100")
+            // A read that widens its window over a large partition (a
+            // shared topic) prefetches at most this much, not librdkafka's
+            // 64 MiB: every lane reads at once.
+            .set("queued.max.messages.kbytes", READ_PREFETCH_KBYTES);
         apply_security(&mut consumer, cfg);
         Ok(ProgressReader {
             watermarks: watermarks.create()?,
@@ -498,6 +506,26 @@ mod tests {
         assert_eq!(json, r#"{"database":"db-1","lane":3,"generation":7,"ids":[10,12,11]}"#);
         assert_eq!(serde_json::from_str::<Progress>(&json).unwrap(), p);
         assert_eq!(Progress::key("db-1", 3), "db-1:3");
+    }
+
+    #[test]
+    fn a_progress_read_prefetches_little() {
+        let cfg = RelayConfig::new("postgres://unused", "127.0.0.1:9");
+        let reader = ProgressReader::new(&cfg, Counter::default()).unwrap();
+        let kbytes: u64 = reader
+            .consumer
+            .get("queued.max.messages.kbytes")
+            .unwrap_or("65536")
+            .parse()
+            .unwrap();
+        // librdkafka accepts it (its fetch size follows it down).
+        let _: BaseConsumer = reader.consumer.create().unwrap();
+        let lanes = 64;
+        assert!(
+            kbytes * lanes <= 128 * 1024,
+            "{lanes} concurrent progress reads may prefetch {} MiB",
+            kbytes * lanes / 1024
+        );
     }
 
     #[test]
