@@ -165,7 +165,8 @@ fn cron(expr: &str) -> Result<croner::Cron> {
 
 fn interval_ms(d: Duration) -> Result<i64> {
     let ms = duration_ms(d)?;
-    if ms < 1000 || ms % 1000 != 0 {
+    // Whole seconds: a fraction is refused, never rounded away.
+    if ms < 1000 || d.subsec_nanos() != 0 {
         return Err(Error::invalid("every", "an interval is whole seconds, at least one"));
     }
     Ok(ms)

@@ -683,7 +683,7 @@ async fn console(args: ConsoleArgs) -> Result<(), CliError> {
     if !args.listen.ip().is_loopback() {
         tracing::warn!(listen = %args.listen, "the console listens beyond loopback: keep it inside the cluster");
     }
-    ferry_console::Console::new(ferry, config)
+    ferry_console::Console::new(ferry, config)?
         .serve(listener, ferry_relay::cli::shutdown_signal())
         .await
         .map_err(ferry_console::ConsoleError::from)?;
@@ -760,4 +760,110 @@ async fn jobs(command: JobsCommand) -> Result<(), CliError> {
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::{CommandFactory, Parser};
+    use proptest::prelude::*;
+
+    use super::*;
+
+    /// Each subcommand's required arguments, and the flags that take a
+    /// value there (the positional run id of `runs show` as `""`).
+    const FLAGS: [(&str, &[&str]); 11] = [
+        (
+            "runs list",
+            &[
+                "--tenant",
+                "--state",
+                "--queue",
+                "--operation",
+                "--since-ms",
+                "--before-ms",
+                "--limit",
+                "--cursor",
+            ],
+        ),
+        ("runs show --tenant acme", &[""]),
+        ("jobs list --tenant acme", &["--state", "--limit"]),
+        ("jobs inspect --tenant acme", &["--run"]),
+        ("jobs replay-dead --tenant acme --actor a --reason r", &["--run"]),
+        (
+            "queue limits --queue q --actor a --reason r",
+            &[
+                "--max-leased",
+                "--max-leased-per-tenant",
+                "--rate-burst",
+                "--rate-every",
+            ],
+        ),
+        ("doctor", &["--stuck-after"]),
+        ("console", &["--listen", "--sample-every"]),
+        ("dead list", &["--limit"]),
+        ("dead replay --actor a --reason r", &["--id"]),
+        ("demo", &["--runs", "--timeout"]),
+    ];
+
+    /// Values an operator could type, absurd ones weighted in.
+    fn value() -> impl Strategy<Value = String> {
+        prop_oneof![
+            any::<String>(),
+            "[+-]?[0-9]{1,25}",
+            "[0-9]{1,22}(ms|s|m|h|d)",
+            "r2\\.[+-]?[0-9]{1,20}\\.[0-9a-f]{30,34}\\.[a-z:.]{0,6}",
+            "(queued|succeeded|failed|cancelled|leased|dead)",
+            "[0-9a-f-]{30,40}",
+            "[0-9.:\\[\\]]{1,30}",
+        ]
+    }
+
+    #[test]
+    fn the_command_line_is_well_formed() {
+        Cli::command().debug_assert();
+    }
+
+    proptest! {
+        /// Every flag that takes a value, with any value (twice, in any
+        /// order), is parsed by clap or refused with a typed clap error,
+        /// and what it parsed converts to the library's types or is
+        /// `invalid_input`: never a panic, never a wrapped number.
+        #[test]
+        fn any_flag_value_parses_or_is_refused(
+            command in prop::sample::select(FLAGS.to_vec()),
+            values in prop::collection::vec((any::<prop::sample::Index>(), value()), 1..3),
+        ) {
+            let (words, flags) = command;
+            let mut args = vec!["ferry".to_owned()];
+            args.extend(words.split(' ').map(str::to_owned));
+            if words != "demo" {
+                args.extend(["--database-url".to_owned(), "postgres://x".to_owned()]);
+            }
+            for (i, v) in &values {
+                match *i.get(flags) {
+                    "" => args.extend(["--".to_owned(), v.clone()]),
+                    flag => args.push(format!("{flag}={v}")),
+                }
+            }
+            // A refusal is a typed `clap::Error` (its `kind()`).
+            let Ok(cli) = Cli::try_parse_from(&args) else {
+                return Ok(());
+            };
+            match cli.command {
+                Command::Runs { command: RunsCommand::List { since_ms, before_ms, .. } } => {
+                    for ms in [since_ms, before_ms] {
+                        match millis(ms) {
+                            Ok(m) => prop_assert_eq!(m.map(ferry::Millis::get), ms),
+                            Err(e) => prop_assert_eq!(e.code(), "invalid_input"),
+                        }
+                    }
+                }
+                Command::Doctor { stuck_after, .. } => {
+                    prop_assert!(ferry::time::duration_ms(stuck_after).is_ok());
+                }
+                Command::Console(c) => prop_assert!(c.sample_every <= ferry::time::MAX_DURATION),
+                _ => {}
+            }
+        }
+    }
 }

@@ -99,6 +99,8 @@ pub async fn run(args: DemoArgs) -> Result<(), RelayError> {
 
     // The relay runs while the service accepts, as a sidecar would.
     let mut cfg = RelayConfig::new(&url, &brokers);
+    // Polling: a demo leaves no replication slot behind in the database.
+    cfg.capture = Some(ferry_relay::Capture::Poll);
     cfg.poll_interval = Duration::from_millis(50);
     cfg.lease = Duration::from_secs(3);
     let relay = ferry_relay::service::Relay::new(cfg, ferry.clone())?;

@@ -113,6 +113,15 @@ async fn each_role_is_refused_outside_its_grant() {
         marked += relay.mark_delivered("relay-1", lane, &ids, false).await.unwrap();
     }
     assert_eq!(marked, 3, "run_queued, the order, run_succeeded");
+    // WAL capture's own statements (the slot itself needs REPLICATION,
+    // which these roles do not have: the relay then polls).
+    assert!(!relay.wal_setting().await.unwrap().may_replicate);
+    assert_eq!(relay.wal_catch_up("s").await.unwrap(), Some(i64::MAX));
+    relay.set_wal_slot_caught_up("s").await.unwrap();
+    assert_eq!(relay.wal_catch_up("s").await.unwrap(), None);
+    assert!(relay.pending_after(0, i64::MAX, 10).await.unwrap().is_empty());
+    assert!(relay.wal_mark_delivered(&[-1], false).await.unwrap().is_empty());
+    assert!(relay.wal_states(&[-1]).await.unwrap().is_empty());
     // ...and nothing else.
     refused(&relay_db, "SELECT * FROM runs").await;
     refused(&relay_db, "INSERT INTO outbox (tenant, topic, key, lane, payload, headers, created_at) VALUES ('x', 't', 'k', 0, '', '{}', 0)").await;
@@ -138,6 +147,22 @@ async fn each_role_is_refused_outside_its_grant() {
         .await
         .unwrap();
     assert_eq!(later.fire_due_ticks(10).await.unwrap().len(), 1);
+    // Its only DELETEs are the retention sweeps, each granted for its query...
+    later.sweep_idempotency_keys(100).await.unwrap();
+    service
+        .sweep_attempts(ferry::Millis::new(now).unwrap(), 100)
+        .await
+        .unwrap();
+    // ...so it drops no schedule (the operator's `ferry schedules remove`).
+    assert_eq!(
+        service
+            .unschedule("acme", "minutely", "svc", "test")
+            .await
+            .unwrap_err()
+            .code(),
+        "database"
+    );
+    refused(&service, "DELETE FROM ferry_schedules").await;
 
     // The consumer keeps its partitions and ledger...
     let consumer_db = as_role(&t, "ferry_consumer").await;
@@ -310,7 +335,7 @@ async fn the_console_role_serves_every_page_and_action() {
         .unwrap();
     let console_db = as_role(&t, "ferry_console").await;
     let tokens = ferry_console::Tokens::parse(&ferry_console::Tokens::line_for("ops", "tok", None, true)).unwrap();
-    let console = ferry_console::Console::new(console_db.clone(), ferry_console::ConsoleConfig::new(tokens));
+    let console = ferry_console::Console::new(console_db.clone(), ferry_console::ConsoleConfig::new(tokens)).unwrap();
     console.sample().await.unwrap();
     console.census().await.unwrap();
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();

@@ -85,15 +85,18 @@ ORDER BY created_at DESC
 LIMIT 50
 
 -- name: ledger_for_outbox_rows
--- Consumer ledger entries for outbox rows $2 (ids): each row's effect key is
--- its own or `<database id $1>:<outbox id>`, looked up in every consumer
--- group's ledger by primary key.
+-- Consumer ledger entries for tenant $3's outbox rows $2 (ids), under the
+-- key each row is published with (ferry_relay::publish::effect_key): the
+-- writer's key scoped by the tenant, `<tenant>/<key>`, else
+-- `<database id $1>:<outbox id>`; looked up in every consumer group's
+-- ledger by primary key. A row's own key is never looked up raw: it could
+-- read like another tenant's scoped key.
 SELECT o.id AS outbox_id, l.group_id, l.effect_key, l.topic, l.partition, l."offset" AS record_offset,
        l.outcome, l.processed_at
 FROM outbox o
 CROSS JOIN (SELECT DISTINCT group_id FROM consumer_partitions) g
 JOIN consumer_ledger l
   ON l.group_id = g.group_id
- AND l.effect_key = COALESCE(o.effect_key, $1 || ':' || CAST(o.id AS TEXT))
-WHERE o.id {ids $2}
+ AND l.effect_key = COALESCE(o.tenant || '/' || o.effect_key, $1 || ':' || CAST(o.id AS TEXT))
+WHERE o.id {ids $2} AND o.tenant = $3
 ORDER BY o.id, l.group_id

@@ -6,13 +6,13 @@
 
 use axum::extract::State;
 use axum::http::HeaderMap;
-use axum::Form;
 use ferry_relay::store::DeadFilter;
 use maud::Markup;
 use uuid::Uuid;
 
 use crate::auth::Principal;
 use crate::error::ConsoleError;
+use crate::extract::Form;
 use crate::pages::{done, urlencode, Frame};
 use crate::web::{check_post, AppState};
 

@@ -65,8 +65,10 @@ pub struct Tokens {
 
 impl Tokens {
     /// Parses a token file's text. Refuses a malformed line, a hash that is
-    /// not 64 hex digits, an empty or duplicate name, a token on two lines, an empty tenant list,
-    /// and a file with no token at all (the console would admit nobody).
+    /// not 64 hex digits, an empty or duplicate name, a token on two lines,
+    /// an empty tenant list or a tenant that is not a tenant name
+    /// (`[A-Za-z0-9._:-]`, as Ferry names them), and a file with no token at
+    /// all (the console would admit nobody).
     pub fn parse(text: &str) -> Result<Tokens, ConsoleError> {
         let mut entries: Vec<TokenEntry> = Vec::new();
         for (n, raw) in text.lines().enumerate() {
@@ -93,9 +95,11 @@ impl Tokens {
             if entries.iter().any(|e| e.sha256 == sha256) {
                 return Err(bad(format!("the token of {:?} is already on another line", l.name)));
             }
+            let tenant_name =
+                |t: &String| !t.is_empty() && t.bytes().all(|b| b.is_ascii_alphanumeric() || b"._:-".contains(&b));
             if l.tenants
                 .as_ref()
-                .is_some_and(|t| t.is_empty() || t.iter().any(String::is_empty))
+                .is_some_and(|t| t.is_empty() || !t.iter().all(tenant_name))
             {
                 return Err(bad("tenants must be absent, null, or a list of tenant names".into()));
             }
@@ -340,6 +344,7 @@ mod tests {
             "{\"name\":\"\",\"sha256\":\"00\"}",
             "{\"name\":\"a b\",\"sha256\":\"0000000000000000000000000000000000000000000000000000000000000000\"}",
             "{\"name\":\"a\",\"sha256\":\"0000000000000000000000000000000000000000000000000000000000000000\",\"tenants\":[]}",
+            "{\"name\":\"a\",\"sha256\":\"0000000000000000000000000000000000000000000000000000000000000000\",\"tenants\":[\"a\\u0000\"]}",
             "{\"name\":\"a\",\"sha256\":\"0000000000000000000000000000000000000000000000000000000000000000\",\"admin\":true}",
         ] {
             assert!(Tokens::parse(bad).is_err(), "{bad:?} was accepted");
@@ -350,6 +355,24 @@ mod tests {
             Tokens::line_for("a", "y", None, false)
         );
         assert!(Tokens::parse(&dup).is_err());
+    }
+
+    proptest::proptest! {
+        /// Any token file text, and any line `line_for` can print, is a
+        /// set of tokens or a `token_file` error.
+        #[test]
+        fn any_token_file_parses_or_is_a_token_file_error(
+            text in proptest::prelude::any::<String>(),
+            name in "[ -~]{0,70}",
+            tenants in proptest::option::of(proptest::collection::vec(proptest::prelude::any::<String>(), 0..3)),
+            payloads in proptest::prelude::any::<bool>(),
+        ) {
+            for text in [text, Tokens::line_for(&name, "token", tenants.as_deref(), payloads)] {
+                if let Err(e) = Tokens::parse(&text) {
+                    proptest::prop_assert_eq!(e.code(), "token_file");
+                }
+            }
+        }
     }
 
     #[test]

@@ -26,6 +26,9 @@ pub enum ConsoleError {
     /// The token file cannot be used.
     #[error("token file: {0}")]
     TokenFile(String),
+    /// A setting of [`crate::ConsoleConfig`] the console cannot run with.
+    #[error("console config: {0}")]
+    Config(String),
     /// Reading the token file or serving failed.
     #[error(transparent)]
     Io(#[from] std::io::Error),
@@ -42,6 +45,7 @@ impl ConsoleError {
             ConsoleError::Csrf(_) => "csrf",
             ConsoleError::BadRequest(_) => "bad_request",
             ConsoleError::TokenFile(_) => "token_file",
+            ConsoleError::Config(_) => "config",
             ConsoleError::Io(_) => "io",
         }
     }
@@ -61,7 +65,9 @@ impl ConsoleError {
             ConsoleError::Unauthorized => StatusCode::UNAUTHORIZED,
             ConsoleError::Forbidden(_) | ConsoleError::Csrf(_) => StatusCode::FORBIDDEN,
             ConsoleError::BadRequest(_) => StatusCode::BAD_REQUEST,
-            ConsoleError::TokenFile(_) | ConsoleError::Io(_) => StatusCode::INTERNAL_SERVER_ERROR,
+            ConsoleError::TokenFile(_) | ConsoleError::Config(_) | ConsoleError::Io(_) => {
+                StatusCode::INTERNAL_SERVER_ERROR
+            }
         }
     }
 }

@@ -28,6 +28,7 @@ use tokio_util::sync::CancellationToken;
 mod actions;
 pub mod auth;
 mod error;
+mod extract;
 mod pages;
 pub mod sampler;
 pub mod store;
@@ -95,8 +96,15 @@ impl std::fmt::Debug for Console {
 
 impl Console {
     /// A console over `ferry`'s database (PostgreSQL or SQLite).
-    pub fn new(ferry: Ferry, config: ConsoleConfig) -> Console {
-        Console {
+    /// [`ConsoleError::Config`] for a `sample_every` of zero or over
+    /// [`ferry::time::MAX_DURATION`] (the sampling timer cannot run on it).
+    pub fn new(ferry: Ferry, config: ConsoleConfig) -> Result<Console, ConsoleError> {
+        if config.sample_every.is_zero() || config.sample_every > ferry::time::MAX_DURATION {
+            return Err(ConsoleError::Config(
+                "sample_every must be more than zero and at most 100 years".into(),
+            ));
+        }
+        Ok(Console {
             inner: Arc::new(Inner {
                 relay: RelayStore::new(ferry.clone()),
                 store: store::ConsoleStore::new(ferry.clone()),
@@ -107,7 +115,7 @@ impl Console {
                 sample_every: config.sample_every,
                 census_every: config.census_every.max(1),
             }),
-        }
+        })
     }
 
     /// The HTTP routes (for serving, or for driving in-process in tests).

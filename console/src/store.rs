@@ -227,8 +227,11 @@ impl ConsoleStore {
         }))
     }
 
-    /// Every consumer group's ledger entries for the outbox rows `ids`.
-    pub async fn ledger_for_outbox_rows(&self, ids: &[i64]) -> Result<Vec<LedgerEntry>> {
+    /// Every consumer group's ledger entries for `tenant`'s outbox rows
+    /// `ids`, each looked up under the effect key the relay publishes it
+    /// with (`ferry_relay::publish::effect_key`); ids of other tenants'
+    /// rows match nothing.
+    pub async fn ledger_for_outbox_rows(&self, tenant: &str, ids: &[i64]) -> Result<Vec<LedgerEntry>> {
         if ids.is_empty() {
             return Ok(Vec::new());
         }
@@ -237,6 +240,7 @@ impl ConsoleStore {
             sqlx::query_as(q.ledger_for_outbox_rows)
                 .bind(&database_id)
                 .bind(ferry::store::Ids(ids))
+                .bind(tenant)
                 .fetch_all(p)
                 .await?
         }))

@@ -12,10 +12,11 @@ use axum::http::request::Parts;
 use axum::http::Method;
 use axum::response::{IntoResponse, Redirect, Response};
 use axum::routing::{get, post};
-use axum::{Form, Router};
+use axum::Router;
 
 use crate::auth::{Auth, Principal, SESSION_COOKIE};
 use crate::error::ConsoleError;
+use crate::extract::Form;
 use crate::{actions, pages, Inner};
 
 /// The Content-Security-Policy of every response: nothing inline, nothing

@@ -47,6 +47,8 @@ GRANT SELECT ON ferry_settings TO ferry_service, ferry_relay, ferry_consumer, fe
 
 -- The service accepts runs, enqueues outbox messages and works its jobs.
 -- Events are append-only; the outbox is write-only (RETURNING id aside).
+-- Its only DELETEs are the retention sweeps: sweep_idempotency_keys
+-- (expired idempotency records) and sweep_attempts (old attempt history).
 GRANT SELECT, INSERT, UPDATE ON runs, jobs, effects TO ferry_service;
 GRANT SELECT, INSERT ON run_events TO ferry_service;
 GRANT SELECT, INSERT, UPDATE, DELETE ON idempotency_keys, job_attempts TO ferry_service;
@@ -61,10 +63,12 @@ GRANT INSERT (tenant, topic, key, lane, payload, headers, effect_key, traceparen
 GRANT SELECT (id, tenant, topic, key, effect_key, state, publish_attempts, last_error, created_at, delivered_at)
     ON outbox TO ferry_service;
 GRANT USAGE ON SEQUENCE outbox_id_seq TO ferry_service;
--- Periodic schedules: registered at startup, fired by any process. Creating,
--- changing and dropping one is audited in its transaction, so the service
--- may append to the audit trail (never read, change or delete it).
-GRANT SELECT, INSERT, UPDATE, DELETE ON ferry_schedules TO ferry_service;
+-- Periodic schedules: registered at startup, fired by any process. Creating
+-- and changing one is audited in its transaction, so the service may append
+-- to the audit trail (never read, change or delete it). Dropping one
+-- (unschedule, delete_schedule) is the operator's `ferry schedules remove`.
+GRANT SELECT, INSERT, UPDATE ON ferry_schedules TO ferry_service;
+REVOKE DELETE ON ferry_schedules FROM ferry_service;
 GRANT INSERT ON ferry_audit TO ferry_service;
 GRANT USAGE ON SEQUENCE ferry_audit_id_seq TO ferry_service;
 -- The claim reads its queue's settings and, in a rate-limited queue, takes
@@ -79,6 +83,11 @@ GRANT SELECT, UPDATE ON relay_lanes TO ferry_relay;
 GRANT SELECT, INSERT, UPDATE, DELETE ON relay_instances TO ferry_relay;
 GRANT INSERT ON ferry_audit TO ferry_relay;
 GRANT USAGE ON SEQUENCE ferry_audit_id_seq TO ferry_relay;
+-- `--capture wal` also needs `ALTER ROLE ferry_relay REPLICATION` and its
+-- publication, which only the outbox's owner may create:
+--   CREATE PUBLICATION <slot name> FOR TABLE outbox WITH (publish = 'insert');
+-- Without the REPLICATION attribute the relay polls (`--capture poll`).
+GRANT SELECT, INSERT, UPDATE ON relay_wal_slots TO ferry_relay;
 
 -- A consumer touches its ledger and partitions; grant it the handler's own
 -- tables separately.

@@ -148,6 +148,8 @@ enum Mode {
 
 fn start(url: &str, brokers: &str, ferry: Ferry, mode: Mode) -> Res<Started> {
     let mut cfg = RelayConfig::new(url, brokers);
+    // The lane relay these figures measure (WAL capture is measured later).
+    cfg.capture = Some(ferry_relay::Capture::Poll);
     cfg.poll_interval = Duration::from_millis(20);
     cfg.lease = Duration::from_secs(5);
     cfg.delete_on_delivery = mode == Mode::Delete;
@@ -380,7 +382,7 @@ fn spawn_relays(url: &str, brokers: &str, k: usize, extra: &[&str]) -> Res<Vec<s
         let port = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
         let child = std::process::Command::new(&bin)
             .args(["run", "--database-url", url, "--brokers", brokers])
-            .args(["--poll-interval", "20ms", "--lease", "5s"])
+            .args(["--poll-interval", "20ms", "--lease", "5s", "--capture", "poll"])
             .args(["--listen", &format!("127.0.0.1:{port}")])
             .args(extra)
             .env("RUST_LOG", "warn")

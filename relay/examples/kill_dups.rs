@@ -21,7 +21,14 @@ type Res<T> = Result<T, Box<dyn std::error::Error + Send + Sync>>;
 fn relay(bin: &str, url: &str, brokers: &str) -> Res<Child> {
     Ok(Command::new(bin)
         .args(["run", "--database-url", url, "--brokers", brokers, "--lease", "2s"])
-        .args(["--poll-interval", "50ms", "--listen", "127.0.0.1:0"])
+        .args([
+            "--poll-interval",
+            "50ms",
+            "--listen",
+            "127.0.0.1:0",
+            "--capture",
+            "poll",
+        ])
         .env("RUST_LOG", "off")
         .stdout(Stdio::null())
         .stderr(Stdio::null())

@@ -15,6 +15,17 @@ pub enum OnPoison {
     Block,
 }
 
+/// How the relay finds committed outbox rows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Capture {
+    /// PostgreSQL logical replication of the outbox table (`pgoutput`):
+    /// transactions arrive in commit order, without reading the table.
+    Wal,
+    /// Lanes leased by relay instances and read through the pending index:
+    /// SQLite, and PostgreSQL roles that may not replicate.
+    Poll,
+}
+
 /// Settings of `ferry-relay run` (and the relay inside `demo`).
 #[derive(Debug, Clone, clap::Args)]
 pub struct RelayConfig {
@@ -84,6 +95,22 @@ pub struct RelayConfig {
     /// (`--exactly-once` only). Default: `<transactional id prefix>.progress`.
     #[arg(long, env = "FERRY_PROGRESS_TOPIC")]
     pub progress_topic: Option<String>,
+    /// `wal` or `poll`. Default on PostgreSQL: `wal` when the role may
+    /// replicate and `wal_level=logical`, else `poll` (one log line says
+    /// why); SQLite always polls, and refuses `wal`.
+    #[arg(long, env = "FERRY_CAPTURE", value_enum)]
+    pub capture: Option<Capture>,
+    /// Replication slot of `--capture wal`: one per relay group, shared by
+    /// its standbys (PostgreSQL lets one of them stream at a time). Default:
+    /// `ferry_<first 12 hex digits of the database id>`. Lowercase letters,
+    /// digits and `_`, at most 63.
+    #[arg(long, env = "FERRY_SLOT")]
+    pub slot: Option<String>,
+    /// Publication of `--capture wal` (on `outbox`, inserts only), created
+    /// at start when missing. Default: the slot's name. Lowercase letters,
+    /// digits and `_`, at most 63.
+    #[arg(long, env = "FERRY_PUBLICATION")]
+    pub publication: Option<String>,
 }
 
 impl RelayConfig {
@@ -108,6 +135,9 @@ impl RelayConfig {
             exactly_once: false,
             transactional_id_prefix: "ferry-relay".into(),
             progress_topic: None,
+            capture: None,
+            slot: None,
+            publication: None,
         }
     }
 
@@ -119,7 +149,26 @@ impl RelayConfig {
         if self.lease < Duration::from_millis(300) {
             return Err(RelayError::Config("lease must be at least 300ms".into()));
         }
+        // Zero would poll the database in a busy loop.
+        if self.poll_interval.is_zero() {
+            return Err(RelayError::Config("poll interval must be at least 1ms".into()));
+        }
+        for (name, d) in [
+            ("poll interval", self.poll_interval),
+            ("lease", self.lease),
+            ("grace", self.grace),
+            ("retention", self.retention),
+        ] {
+            if d > ferry::time::MAX_DURATION {
+                return Err(RelayError::Config(format!("{name} must be at most 100 years")));
+            }
+        }
         check_template(&self.topic_template)?;
+        for (what, name) in [("--slot", &self.slot), ("--publication", &self.publication)] {
+            if let Some(name) = name {
+                check_identifier(what, name)?;
+            }
+        }
         for (k, v) in &self.kafka {
             weakens_delivery(k, v)?;
         }
@@ -223,6 +272,24 @@ fn check_template(t: &str) -> Result<(), RelayError> {
     Ok(())
 }
 
+/// A slot or publication name: what PostgreSQL allows in a slot name
+/// (lowercase letters, digits, `_`, at most 63 bytes), which also makes it
+/// an identifier that needs no quoting in the publication's DDL.
+pub fn check_identifier(what: &str, name: &str) -> Result<(), RelayError> {
+    let ok = !name.is_empty()
+        && name.len() <= 63
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_');
+    if ok {
+        Ok(())
+    } else {
+        Err(RelayError::Config(format!(
+            "{what} {name:?}: use 1 to 63 lowercase letters, digits and '_'"
+        )))
+    }
+}
+
 /// Refuses an override that would let Kafka lose or reorder acknowledged
 /// records: the relay marks a row delivered on acknowledgement, so the
 /// acknowledgement must mean "on every in-sync replica, in order, once".
@@ -245,38 +312,153 @@ fn weakens_delivery(key: &str, value: &str) -> Result<(), RelayError> {
     Ok(())
 }
 
-fn parse_kv(s: &str) -> Result<(String, String), String> {
+/// Parses a `--kafka` override, `key=value` (both trimmed; the key not
+/// empty). Anything else is [`RelayError::Config`].
+fn parse_kv(s: &str) -> Result<(String, String), RelayError> {
     let (k, v) = s
         .split_once('=')
-        .ok_or_else(|| format!("expected key=value, got {s:?}"))?;
+        .ok_or_else(|| RelayError::Config(format!("expected key=value, got {s:?}")))?;
+    if k.trim().is_empty() {
+        return Err(RelayError::Config(format!("no key before '=' in {s:?}")));
+    }
     Ok((k.trim().to_owned(), v.trim().to_owned()))
 }
 
-/// Parses `250ms`, `15s`, `2m`, `1h`, or a bare number of milliseconds.
-pub fn parse_duration(s: &str) -> Result<Duration, String> {
+/// Parses `250ms`, `15s`, `2m`, `1h`, `3d`, or a bare number of
+/// milliseconds, up to [`ferry::time::MAX_DURATION`] (100 years, the most
+/// the store accepts). Anything else, a count that overflows included, is
+/// [`RelayError::Config`]: nothing wraps.
+pub fn parse_duration(s: &str) -> Result<Duration, RelayError> {
     let s = s.trim();
     let split = s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
     let (n, unit) = s.split_at(split);
-    let n: u64 = n.parse().map_err(|_| format!("not a duration: {s:?}"))?;
-    Ok(match unit {
-        "" | "ms" => Duration::from_millis(n),
-        "s" => Duration::from_secs(n),
-        "m" => Duration::from_secs(n * 60),
-        "h" => Duration::from_secs(n * 3600),
-        "d" => Duration::from_secs(n * 86_400),
-        _ => return Err(format!("unknown unit in {s:?}; use ms, s, m, h or d")),
-    })
+    let n: u64 = n
+        .parse()
+        .map_err(|_| RelayError::Config(format!("not a duration: {s:?}")))?;
+    let ms_per_unit: u64 = match unit {
+        "" | "ms" => 1,
+        "s" => 1000,
+        "m" => 60_000,
+        "h" => 3_600_000,
+        "d" => 86_400_000,
+        _ => {
+            return Err(RelayError::Config(format!(
+                "unknown unit in {s:?}; use ms, s, m, h or d"
+            )))
+        }
+    };
+    n.checked_mul(ms_per_unit)
+        .map(Duration::from_millis)
+        .filter(|d| *d <= ferry::time::MAX_DURATION)
+        .ok_or_else(|| RelayError::Config(format!("{s:?} is longer than 100 years")))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
+    use proptest::prelude::*;
+
+    /// Milliseconds per unit `parse_duration` takes.
+    fn unit_ms(unit: &str) -> u128 {
+        match unit {
+            "" | "ms" => 1,
+            "s" => 1000,
+            "m" => 60_000,
+            "h" => 3_600_000,
+            _ => 86_400_000,
+        }
+    }
+
+    proptest! {
+        /// Any text is a duration within 100 years or a `config` error.
+        #[test]
+        fn any_duration_text_parses_or_is_a_config_error(s in any::<String>()) {
+            match parse_duration(&s) {
+                Ok(d) => prop_assert!(d <= ferry::time::MAX_DURATION),
+                Err(e) => prop_assert_eq!(e.code(), "config"),
+            }
+        }
+
+        /// A count of any size in any unit is exactly that many units, or
+        /// refused when past 100 years: it never wraps (it used to multiply
+        /// unchecked, panicking or wrapping on `307445734561825861m`).
+        #[test]
+        fn counts_never_wrap(
+            n in prop_oneof![any::<u64>(), 0..10_000_000_u64],
+            unit in prop::sample::select(vec!["", "ms", "s", "m", "h", "d"]),
+        ) {
+            let ms = u128::from(n) * unit_ms(unit);
+            match parse_duration(&format!("{n}{unit}")) {
+                Ok(d) => prop_assert_eq!(d.as_millis(), ms),
+                Err(e) => {
+                    prop_assert_eq!(e.code(), "config");
+                    prop_assert!(ms > ferry::time::MAX_DURATION.as_millis());
+                }
+            }
+        }
+
+        /// A `--kafka` override is a non-empty key and a value, or `config`.
+        #[test]
+        fn any_override_text_parses_or_is_a_config_error(s in any::<String>()) {
+            match parse_kv(&s) {
+                Ok((k, v)) => {
+                    prop_assert!(!k.is_empty() && k == k.trim() && v == v.trim());
+                    prop_assert!(s.contains('='));
+                }
+                Err(e) => prop_assert_eq!(e.code(), "config"),
+            }
+        }
+
+        /// Every flag of `ferry-relay run`, with any value, is parsed and
+        /// validated into a usable configuration or refused with a typed
+        /// error (clap's, or `config`), never a panic.
+        #[test]
+        fn any_flags_parse_and_validate_or_are_refused(
+            flags in prop::collection::vec(
+                (
+                    prop::sample::select(vec![
+                        "--max-lanes", "--batch-size", "--poll-interval", "--lease", "--grace",
+                        "--retention", "--topic-template", "--on-poison", "--compression",
+                        "--listen", "--kafka", "--relay-id", "--transactional-id-prefix",
+                        "--progress-topic",
+                    ]),
+                    prop_oneof![
+                        any::<String>(),
+                        "[0-9]{1,25}(ms|s|m|h|d)?",
+                        "-?[0-9]{1,12}",
+                        "\\{(topic|tenant)\\}[._-]?\\{(topic|tenant)\\}",
+                    ],
+                ),
+                0..6,
+            )
+        ) {
+            use clap::Parser;
+            #[derive(clap::Parser)]
+            struct Cli {
+                #[command(flatten)]
+                relay: RelayConfig,
+            }
+            let mut args = vec!["relay".to_owned(), "--database-url".into(), "sqlite://x".into()];
+            for (flag, value) in flags {
+                args.push(format!("{flag}={value}"));
+            }
+            if let Ok(cli) = Cli::try_parse_from(&args) {
+                if let Err(e) = cli.relay.validate() {
+                    prop_assert_eq!(e.code(), "config");
+                }
+            }
+        }
+    }
+
     #[test]
     fn durations_and_routes() {
         assert_eq!(parse_duration("250ms").unwrap(), Duration::from_millis(250));
         assert_eq!(parse_duration("2m").unwrap(), Duration::from_secs(120));
         assert!(parse_duration("2 weeks").is_err());
+        assert_eq!(parse_duration("36500d").unwrap(), Duration::from_secs(36_500 * 86_400));
+        assert_eq!(parse_duration("36501d").unwrap_err().code(), "config");
+        assert_eq!(parse_duration("307445734561825861m").unwrap_err().code(), "config");
         let mut c = RelayConfig::new("sqlite://x", "b");
         c.topic_template = "outbox.event.{topic}".into();
         assert_eq!(c.route("order", "acme"), "outbox.event.order");
@@ -342,6 +524,19 @@ mod tests {
         assert_eq!(with("acks", "-1"), Ok(()));
         assert_eq!(with("max.in.flight", "5"), Ok(()));
         assert_eq!(with("linger.ms", "20"), Ok(()));
+    }
+
+    #[test]
+    fn slot_and_publication_names_are_plain_identifiers() {
+        let with = |slot: &str| {
+            let mut c = RelayConfig::new("sqlite://x", "b");
+            c.slot = Some(slot.into());
+            c.validate().map_err(|e| e.code())
+        };
+        assert_eq!(with("ferry_orders_1"), Ok(()));
+        for bad in ["", "Orders", "a-b", "a\"; DROP TABLE outbox; --", &"s".repeat(64)] {
+            assert_eq!(with(bad), Err("config"), "{bad:?} accepted");
+        }
     }
 
     #[test]

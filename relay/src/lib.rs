@@ -5,7 +5,9 @@
 //! lanes with generations that only go up and split them fairly; each held
 //! lane is published in `id` order through an idempotent producer
 //! (`acks=all`), and rows are marked delivered only after acknowledgement,
-//! under the lane generation.
+//! under the lane generation. On PostgreSQL the relay can instead read the
+//! outbox's inserts from the write-ahead log (`--capture wal`, [`wal`]),
+//! in commit order, through one replication slot per relay group.
 #![forbid(unsafe_code)]
 #![deny(clippy::print_stdout)]
 
@@ -21,7 +23,8 @@ pub mod publish;
 pub mod service;
 pub mod status;
 pub mod store;
+pub mod wal;
 
-pub use config::{OnPoison, RelayConfig};
+pub use config::{Capture, OnPoison, RelayConfig};
 pub use error::RelayError;
 pub use service::{run, Relay};

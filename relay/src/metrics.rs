@@ -38,6 +38,13 @@ pub struct Metrics {
     pub lanes_owned: Gauge,
     /// Lane leases lost.
     pub lease_losses: Counter,
+    /// Lanes whose exactly-once takeover (fencing, reading and marking the
+    /// last progress record) has not finished: nothing of them is published
+    /// meanwhile.
+    pub lanes_taking_over: Gauge,
+    /// Takeovers that found another producer's transaction open on the
+    /// lane's progress partition and waited for it before publishing.
+    pub takeover_waits: Counter,
     /// Fatal producer errors (the relay then drains and exits non-zero so its
     /// orchestrator restarts it with a new producer).
     pub producer_fatal: Counter,
@@ -141,6 +148,8 @@ impl Metrics {
             oldest_pending_age: Gauge::default(),
             lanes_owned: Gauge::default(),
             lease_losses: Counter::default(),
+            lanes_taking_over: Gauge::default(),
+            takeover_waits: Counter::default(),
             producer_fatal: Counter::default(),
             publish_latency: Histogram::new([0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0]),
             registry: Registry::default(),
@@ -169,6 +178,16 @@ impl Metrics {
         );
         registry.register("lanes_owned", "Lanes this relay holds", m.lanes_owned.clone());
         registry.register("lease_losses", "Lane leases lost", m.lease_losses.clone());
+        registry.register(
+            "lanes_taking_over",
+            "Lanes whose exactly-once takeover has not finished",
+            m.lanes_taking_over.clone(),
+        );
+        registry.register(
+            "takeover_waits",
+            "Exactly-once takeovers that waited for another producer's open transaction on the progress topic",
+            m.takeover_waits.clone(),
+        );
         registry.register(
             "producer_fatal",
             "Fatal producer errors; the relay exits to be restarted",
@@ -251,6 +270,7 @@ impl Otel {
             ("ferry_relay_published", m.published.clone()),
             ("ferry_relay_dead", m.dead.clone()),
             ("ferry_relay_lease_losses", m.lease_losses.clone()),
+            ("ferry_relay_takeover_waits", m.takeover_waits.clone()),
             ("ferry_relay_producer_fatal", m.producer_fatal.clone()),
         ] {
             observed.push(Box::new(
@@ -264,6 +284,7 @@ impl Otel {
             ("ferry_relay_backlog_rows", m.backlog.clone()),
             ("ferry_relay_dead_rows", m.dead_rows.clone()),
             ("ferry_relay_lanes_owned", m.lanes_owned.clone()),
+            ("ferry_relay_lanes_taking_over", m.lanes_taking_over.clone()),
         ] {
             observed.push(Box::new(
                 meter

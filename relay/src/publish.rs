@@ -105,9 +105,16 @@ pub fn delivered(
 /// - otherwise `<database_id>:<outbox id>` (no `/`, so it never equals a
 ///   writer's key); `None` without a database id.
 pub fn effect_key(row: &PendingRow, database_id: Option<&str>) -> Option<String> {
-    match (&row.effect_key, database_id) {
-        (Some(key), _) => Some(format!("{}/{key}", row.tenant)),
-        (None, Some(db)) => Some(format!("{db}:{}", row.id)),
+    effect_key_of(&row.tenant, row.effect_key.as_deref(), row.id, database_id)
+}
+
+/// [`effect_key`] from the parts of an outbox row: its tenant, the writer's
+/// effect key and its id, for readers that show or look up the key a row is
+/// published under (the console's lineage) without holding a [`PendingRow`].
+pub fn effect_key_of(tenant: &str, writer_key: Option<&str>, id: i64, database_id: Option<&str>) -> Option<String> {
+    match (writer_key, database_id) {
+        (Some(key), _) => Some(format!("{tenant}/{key}")),
+        (None, Some(db)) => Some(format!("{db}:{id}")),
         (None, None) => None,
     }
 }

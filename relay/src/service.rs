@@ -1,5 +1,6 @@
-//! The relay service: lane management, one publishing task per held lane,
-//! wake-ups, retention, the HTTP endpoints, and graceful shutdown.
+//! The relay service: lane management, one publishing task per held lane
+//! (or one WAL capture task, `--capture wal`), wake-ups, retention, the HTTP
+//! endpoints, and graceful shutdown.
 
 use std::collections::BTreeMap;
 use std::future::Future;
@@ -126,22 +127,32 @@ impl Relay {
         let sink = match &producer {
             Some(p) => lane::Sink::Shared(p.clone(), lone.clone()),
             None => {
-                let reader = crate::exactly_once::ensure_progress_topic(&cfg, store.ferry().lanes()).await?;
+                let reader = crate::exactly_once::ensure_progress_topic(
+                    &cfg,
+                    store.ferry().lanes(),
+                    state.metrics.takeover_waits.clone(),
+                )
+                .await?;
                 lane::Sink::Transactional(Arc::new(reader))
             }
         };
+        // WAL capture replaces the lanes (and their wake-ups) by one task.
+        let wal = crate::wal::plan(&cfg, &store, &owner).await?;
         let cfg = Arc::new(cfg);
         let http_stop = CancellationToken::new();
         let http = tokio::spawn(crate::http::serve(listener, state.clone(), http_stop.clone()));
         let wake = Arc::new(lane::Wakes::new(store.ferry().lanes()));
         let listen_stop = CancellationToken::new();
-        tokio::spawn(listen_for_wakeups(
-            store.clone(),
-            owner.clone(),
-            wake.clone(),
-            cfg.poll_interval,
-            listen_stop.clone(),
-        ));
+        let polling = wal.is_none();
+        if polling {
+            tokio::spawn(listen_for_wakeups(
+                store.clone(),
+                owner.clone(),
+                wake.clone(),
+                cfg.poll_interval,
+                listen_stop.clone(),
+            ));
+        }
         // The table gauges, on their own task at a fixed low rate.
         {
             let (state, stop) = (state.clone(), listen_stop.clone());
@@ -168,6 +179,17 @@ impl Relay {
         if !cfg.delete_on_delivery {
             tokio::spawn(sweep_delivered(store.clone(), cfg.retention, sweep_stop.clone()));
         }
+        let wal_finish = CancellationToken::new();
+        if let (Some(capture), Some(producer)) = (wal, &producer) {
+            tasks.spawn(crate::wal::run(
+                state.clone(),
+                cfg.clone(),
+                producer.clone(),
+                database_id.clone(),
+                capture,
+                wal_finish.clone(),
+            ));
+        }
         tokio::pin!(shutdown);
         loop {
             tokio::select! {
@@ -177,7 +199,7 @@ impl Relay {
                     tracing::error!("fatal producer error: draining and exiting so the producer is rebuilt");
                     break;
                 }
-                _ = tick.tick() => {
+                _ = tick.tick(), if polling => {
                     let leases: BTreeMap<i32, LaneLease> = held.iter().map(|(l, t)| (*l, t.lease)).collect();
                     draining.retain(|_, (_, done)| !done.is_cancelled());
                     // A lane task that ended on its own (lane lost while
@@ -232,6 +254,7 @@ impl Relay {
         for t in held.values() {
             t.finish.cancel();
         }
+        wal_finish.cancel();
         wake.all();
         // Keep the leases alive while the last batches are published and
         // marked, or their marks would be refused once the leases expire.

@@ -1,6 +1,6 @@
-//! `status`: the outbox backlog, its oldest pending age, dead rows, and which
-//! relay holds how many lanes, as printed by `ferry-relay status` and
-//! `ferry status`.
+//! `status`: the outbox backlog, its oldest pending age, dead rows, which
+//! relay holds how many lanes, and the WAL capture's slots (streaming or
+//! not, WAL held back), as printed by `ferry-relay status` and `ferry status`.
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
@@ -26,6 +26,14 @@ pub async fn report(store: &RelayStore) -> Result<String, RelayError> {
     }
     for (owner, lanes) in by_owner {
         let _ = writeln!(out, "{owner:<40} {} lanes", lanes.len());
+    }
+    for s in store.wal_slots().await? {
+        let state = match (s.present, s.active) {
+            (false, _) => "dropped",
+            (true, true) => "streaming",
+            (true, false) => "idle",
+        };
+        let _ = writeln!(out, "wal slot {:<31} {state}, {} bytes behind", s.slot, s.lag_bytes);
     }
     Ok(out)
 }

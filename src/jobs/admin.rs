@@ -67,16 +67,35 @@ impl Ferry {
 
     /// Jobs of `tenant` waiting to be claimed (for backpressure).
     pub async fn queued_depth(&self, tenant: &str) -> Result<i64> {
-        Ok(on_pool!(self.db(), |p, q| {
-            sqlx::query_scalar(q.queued_depth).bind(tenant).fetch_one(p).await?
+        let mut c = self.db().acquire().await?;
+        self.queued_depth_in(c.conn(), tenant).await
+    }
+
+    /// [`Ferry::queued_depth`] inside the caller's transaction, counting the
+    /// runs it accepted and has not committed yet: a service can accept a
+    /// run first, so that a retried request is answered as the replay it is
+    /// whatever the backlog, and then check its limit before committing.
+    pub async fn queued_depth_in<'c>(&self, conn: impl Into<Conn<'c>>, tenant: &str) -> Result<i64> {
+        let conn: Conn<'c> = conn.into();
+        Ok(on_conn!(conn, |c, q| {
+            sqlx::query_scalar(q.queued_depth)
+                .bind(tenant)
+                .fetch_one(&mut *c)
+                .await?
         }))
     }
 
-    /// Replays a dead run as a **new** run under a new operation identity
-    /// (`<operation>.replay`, keyed by the dead run id), linked through
-    /// `replay_of`. The dead run gets a `replay_requested` audit event naming
-    /// `actor` and `reason`. A second replay of the same run is refused with
-    /// [`Error::AlreadyReplayed`] unless `force`.
+    /// Replays a dead run as a **new** run of the same operation (so the
+    /// worker or [`crate::worker::Router`] that serves the operation serves
+    /// the replay), with the dead run's request, queue, attempt budget and
+    /// priority, linked through `replay_of`. The replay is told apart by its
+    /// idempotency key, `replay:<dead run id>:<the dead run's event count>`
+    /// (under 60 bytes whatever the operation), and by `replay_of`: should a
+    /// run that does not replay this one hold that key, the replay is
+    /// [`Error::IdempotencyConflict`] and nothing is written. The dead run
+    /// gets a `replay_requested` audit event naming `actor` and `reason`. A second
+    /// replay of the same run is refused with [`Error::AlreadyReplayed`]
+    /// unless `force`.
     pub async fn replay_dead(
         &self,
         tenant: &str,
@@ -139,18 +158,27 @@ impl Ferry {
                 .fetch_one(&mut *c)
                 .await?
         });
-        let nth = dead.last_event_seq; // distinct per replay: every replay appends an event
-        let mut new = NewRun::new(
-            tenant,
-            format!("{}.replay", dead.operation),
-            format!("{run_id}.{nth}"),
-            dead.request.clone(),
-        )
-        .queue(job.queue)
-        .max_attempts(job.max_attempts as u32)
-        .priority(job.priority);
+        // Distinct per replay: every replay appends an event to the dead run.
+        let key = replay_key(run_id, dead.last_event_seq);
+        let mut new = NewRun::new(tenant, dead.operation, key.clone(), dead.request)
+            .queue(job.queue)
+            .max_attempts(job.max_attempts as u32)
+            .priority(job.priority);
         new.replay_of = Some(run_id);
         let accepted = self.create_run_idempotent_in(conn.reborrow(), new).await?;
+        if accepted.replay {
+            // The key was taken, and nothing was written. By this run's
+            // replay: it is the answer again. By any other run (a client
+            // that chose such a key): refused.
+            if accepted.run.replay_of == Some(run_id) {
+                return Ok(accepted);
+            }
+            return Err(Error::IdempotencyConflict {
+                operation: accepted.run.operation,
+                key_hash: crate::fingerprint::redact(&key),
+                existing_run: accepted.run.run_id,
+            });
+        }
         let body = json!({ "actor": actor, "reason": reason, "new_run_id": accepted.run.run_id });
         self.append_event_in(conn, tenant, run_id, "replay_requested", &body)
             .await?;
@@ -168,4 +196,11 @@ impl Ferry {
                 .await?
         }))
     }
+}
+
+/// The idempotency key of the replay of dead run `run_id` made when the
+/// dead run's newest event was `seq`: `replay:<run id>:<seq>`, under 60
+/// bytes whatever the operation, so a replay of a replay is keyed alike.
+fn replay_key(run_id: Uuid, seq: i64) -> String {
+    format!("replay:{}:{seq}", run_id.simple())
 }

@@ -217,7 +217,9 @@ pub struct OutboxRow {
     pub topic: String,
     /// Record key.
     pub key: String,
-    /// The key consumers dedupe on (`None`: the database id and outbox id).
+    /// The writer's effect key. Consumers dedupe on it scoped by tenant,
+    /// `<tenant>/<key>`, as the relay publishes it (`None`: on
+    /// `<database id>:<outbox id>`).
     pub effect_key: Option<String>,
     /// `pending`, `delivered` or `dead`.
     pub state: String,

@@ -518,7 +518,7 @@ async fn dead_jobs_are_listed_and_replayed_once(kind: Kind) {
     assert!(!replay.replay);
     assert_ne!(replay.run.run_id, run.run_id, "a new run");
     assert_eq!(replay.run.replay_of, Some(run.run_id));
-    assert_eq!(replay.run.operation, "charge.replay");
+    assert_eq!(replay.run.operation, "charge", "the operation is kept");
     let audit = t.ferry.list_events("acme", run.run_id).await.unwrap().pop().unwrap();
     assert_eq!(
         (
@@ -550,6 +550,92 @@ async fn dead_jobs_are_listed_and_replayed_once(kind: Kind) {
             .unwrap_err()
             .code(),
         "invalid_state"
+    );
+}
+
+/// Kills the one claimable job of `queue` terminally.
+async fn kill_next(t: &TestDb, queue: &str) -> uuid::Uuid {
+    let c = t.ferry.claim(queue, "w", LEASE, 1).await.unwrap().pop().unwrap();
+    let mut rng = StdRng::seed_from_u64(0);
+    t.ferry
+        .fail(&c.lease, &JobError::terminal("boom"), &RetryPolicy::default(), &mut rng)
+        .await
+        .unwrap();
+    c.lease.run_id
+}
+
+/// A replay keeps its operation at any allowed length (it used to become
+/// `<operation>.replay`, which no `Router` route matched and which a
+/// 122-byte operation could not hold), a replay of a replay works, and the
+/// replay's key is its own: a client run that holds it is a conflict, and
+/// the refused replay writes nothing.
+async fn replays_keep_the_operation_at_any_length_and_chain(kind: Kind) {
+    let t = TestDb::with_clock(kind, manual_clock()).await;
+    let operation = "o".repeat(128);
+    let run = NewRun::new("acme", &*operation, "long-1", json!({"n": 1})).queue("q");
+    let first = t.ferry.create_run_idempotent(run).await.unwrap().run;
+    assert_eq!(kill_next(&t, "q").await, first.run_id);
+    let replay = t
+        .ferry
+        .replay_dead("acme", first.run_id, "ops", "fixed", false)
+        .await
+        .unwrap();
+    assert!(!replay.replay);
+    assert_eq!(
+        (replay.run.operation.as_str(), replay.run.replay_of, &replay.run.request),
+        (operation.as_str(), Some(first.run_id), &json!({"n": 1}))
+    );
+    // The replay dies too; it is replayed in turn, under the same operation.
+    assert_eq!(kill_next(&t, "q").await, replay.run.run_id);
+    let again = t
+        .ferry
+        .replay_dead("acme", replay.run.run_id, "ops", "fixed again", false)
+        .await
+        .unwrap();
+    assert_eq!(
+        (again.run.operation.as_str(), again.run.replay_of),
+        (operation.as_str(), Some(replay.run.run_id))
+    );
+    let claimed = t.ferry.claim("q", "w", LEASE, 10).await.unwrap();
+    assert_eq!(
+        claimed
+            .iter()
+            .map(|c| (c.lease.run_id, c.operation.as_str()))
+            .collect::<Vec<_>>(),
+        vec![(again.run.run_id, operation.as_str())]
+    );
+    // A client run under the key the next replay of `third` would take.
+    let third = t
+        .ferry
+        .create_run_idempotent(NewRun::new("acme", "charge", "c-3", json!({"n": 3})).queue("z"))
+        .await
+        .unwrap()
+        .run;
+    kill_next(&t, "z").await;
+    let seq = t.ferry.get_run("acme", third.run_id).await.unwrap().last_event_seq;
+    let squatter = NewRun::new(
+        "acme",
+        "charge",
+        format!("replay:{}:{seq}", third.run_id.simple()),
+        json!({"n": 3}),
+    )
+    .queue("elsewhere");
+    let squatter = t.ferry.create_run_idempotent(squatter).await.unwrap().run;
+    let runs = t.scalar("SELECT count(*) FROM runs").await;
+    let e = t
+        .ferry
+        .replay_dead("acme", third.run_id, "ops", "x", false)
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(&e, Error::IdempotencyConflict { existing_run, .. } if *existing_run == squatter.run_id),
+        "{e:?}"
+    );
+    assert_eq!(t.scalar("SELECT count(*) FROM runs").await, runs, "nothing written");
+    assert_eq!(
+        t.ferry.list_events("acme", third.run_id).await.unwrap().len() as i64,
+        seq,
+        "no replay_requested event"
     );
 }
 
@@ -985,6 +1071,7 @@ on_both_engines!(
     cancel_versus_complete_in_both_orders,
     effect_ledger,
     dead_jobs_are_listed_and_replayed_once,
+    replays_keep_the_operation_at_any_length_and_chain,
     attempt_history_is_bounded_by_retention,
     release_then_claim_again_completes,
     nul_bytes_are_invalid_input_and_write_nothing,

@@ -6,6 +6,7 @@ mod accept;
 mod bulk;
 
 mod fingerprint;
+mod input;
 mod inspect;
 mod jobs;
 mod outage;

@@ -2,7 +2,7 @@
 //! renew, graceful shutdown that releases only jobs it still owns, and
 //! dispatch by operation with typed commands (`Router`).
 
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -493,18 +493,27 @@ async fn run_router_until_terminal(t: &TestDb, router: Router, ids: &[uuid::Uuid
     let running = tokio::spawn(worker.run(async move {
         let _ = stop_rx.await;
     }));
-    tokio::time::timeout(Duration::from_secs(30), async {
-        for id in ids {
-            while t.ferry.get_run("acme", *id).await.unwrap().state == RunState::Queued {
-                tokio::time::sleep(Duration::from_millis(10)).await;
-            }
-        }
-    })
-    .await
-    .expect("every routed run ends");
+    for id in ids {
+        until_terminal(t, *id).await;
+    }
     stop_tx.send(()).unwrap();
     running.await.unwrap().unwrap();
     stats
+}
+
+/// Polls run `id` of `acme` until it ends (bounded) and returns its state.
+async fn until_terminal(t: &TestDb, id: uuid::Uuid) -> RunState {
+    tokio::time::timeout(Duration::from_secs(30), async {
+        loop {
+            let state = t.ferry.get_run("acme", id).await.unwrap().state;
+            if state.is_terminal() {
+                return state;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    })
+    .await
+    .expect("the routed run ends")
 }
 
 /// The body of the run's last event, which must be of `kind`.
@@ -537,6 +546,51 @@ async fn a_handler_enqueues_one_follow_up_across_retries(kind: Kind) {
     assert_eq!((child.operation.as_str(), child.parent_run_id), ("ship", Some(order)));
     let result = last_event(&t, order, "run_succeeded").await;
     assert_eq!(result["result"], json!({ "child": child.run_id, "replay": true }));
+}
+
+/// A run that died under a `Router` is replayed through the public API and
+/// the same router, still running, completes the replay: the replay keeps
+/// the operation its route matches (it used to run as `charge.replay` and
+/// die again as `unknown_operation`).
+async fn a_run_dead_under_a_router_replays_under_the_same_router(kind: Kind) {
+    let t = TestDb::new(kind).await;
+    let declined = Arc::new(AtomicBool::new(true));
+    let card = declined.clone();
+    let router = Router::new().route("charge", move |cmd: ChargeCommand, ctx: JobContext| {
+        let declined = card.load(Ordering::SeqCst);
+        async move {
+            if declined {
+                return Err(JobError::terminal("card_declined"));
+            }
+            Ok(json!({ "charged": cmd.amount, "replay_of": ctx.replay_of() }))
+        }
+    });
+    let worker = Worker::new(t.ferry.clone(), fast_config("router"), router);
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let running = tokio::spawn(worker.run(async move {
+        let _ = stop_rx.await;
+    }));
+    let dead = accept_op(&t, "charge", "k-charge", json!({"amount": 7, "currency": "EUR"})).await;
+    assert_eq!(until_terminal(&t, dead).await, RunState::Failed);
+    assert_eq!(last_event(&t, dead, "run_failed").await["error_code"], "card_declined");
+    declined.store(false, Ordering::SeqCst);
+    let replay = t
+        .ferry
+        .replay_dead("acme", dead, "ops@example", "card updated", false)
+        .await
+        .unwrap()
+        .run;
+    let state = until_terminal(&t, replay.run_id).await;
+    let events = t.ferry.list_events("acme", replay.run_id).await.unwrap();
+    let last = events.last().map(|e| (e.kind.as_str(), e.body["error_code"].clone()));
+    assert_eq!(state, RunState::Succeeded, "the replay ended with {last:?}");
+    assert_eq!(replay.operation, "charge");
+    assert_eq!(
+        last_event(&t, replay.run_id, "run_succeeded").await["result"],
+        json!({ "charged": 7, "replay_of": dead })
+    );
+    stop_tx.send(()).unwrap();
+    running.await.unwrap().unwrap();
 }
 
 async fn router_runs_typed_commands_by_operation(kind: Kind) {
@@ -602,5 +656,6 @@ on_both_engines!(
     router_runs_typed_commands_by_operation,
     router_kills_a_bad_command_after_one_attempt,
     router_kills_an_unknown_operation,
+    a_run_dead_under_a_router_replays_under_the_same_router,
     a_handler_enqueues_one_follow_up_across_retries,
 );

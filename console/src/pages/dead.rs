@@ -1,13 +1,14 @@
 //! Dead outbox rows and dead jobs, grouped by tenant and error code with
 //! counts, each row and each group with its replay action.
 
-use axum::extract::{Query, State};
+use axum::extract::State;
 use ferry_relay::store::DeadFilter;
 use maud::{html, Markup};
 
 use super::{age, csrf_field, layout, reason_field, ts, urlencode, Frame};
 use crate::auth::Principal;
 use crate::error::ConsoleError;
+use crate::extract::Query;
 use crate::web::AppState;
 
 const LIST: u32 = 50;

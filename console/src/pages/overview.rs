@@ -5,12 +5,13 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt::Write as _;
 
-use axum::extract::{Query, State};
+use axum::extract::State;
 use maud::{html, Markup, PreEscaped};
 
 use super::{age, csrf_field, layout, reason_field, ts, Frame};
 use crate::auth::Principal;
 use crate::error::ConsoleError;
+use crate::extract::Query;
 use crate::sampler::{Census, Sample};
 use crate::web::AppState;
 

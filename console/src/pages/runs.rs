@@ -3,11 +3,11 @@
 //! and one run's lineage (`Ferry::run_lineage` plus each consumer group's
 //! ledger entries for its outbox rows): "where is my event?" on one page.
 
-use axum::extract::{Path, Query, State};
+use axum::extract::State;
 use axum::http::HeaderMap;
 use axum::response::{IntoResponse, Redirect, Response};
-use axum::Form;
 use ferry::{Millis, RunCursor, RunFilter, RunState, RunSummary};
+use ferry_relay::publish::effect_key_of;
 use maud::{html, Markup};
 use uuid::Uuid;
 
@@ -15,6 +15,7 @@ use super::dead::replay_job_form;
 use super::{age, csrf_field, layout, reason_field, ts, urlencode, Frame};
 use crate::auth::Principal;
 use crate::error::ConsoleError;
+use crate::extract::{Form, Path, Query};
 use crate::web::{check_post, AppState};
 
 /// Runs per page.
@@ -48,32 +49,40 @@ fn given(s: &Option<String>) -> Option<&str> {
     s.as_deref().map(str::trim).filter(|s| !s.is_empty())
 }
 
-/// Parses `YYYY-MM-DD[THH:MM[:SS]]` (UTC) or epoch milliseconds.
+/// Parses `YYYY-MM-DD[THH:MM[:SS]]` (UTC; a day of the calendar, in the
+/// years 1970 to 9999) or non-negative epoch milliseconds. Anything else,
+/// a 31st of February or a year past 9999 included, is `bad_request`:
+/// nothing is rolled over into another day or wrapped.
 pub(crate) fn parse_instant(s: &str) -> Result<Millis, ConsoleError> {
     let bad = || ConsoleError::BadRequest(format!("{s:?} is not YYYY-MM-DDTHH:MM (UTC) or epoch ms"));
     if let Ok(ms) = s.parse::<i64>() {
         return Millis::new(ms).map_err(|_| bad());
     }
     let (date, time) = s.split_once(['T', ' ']).unwrap_or((s, "00:00"));
-    let d: Vec<i64> = date
-        .split('-')
-        .map(str::parse)
-        .collect::<Result<_, _>>()
-        .map_err(|_| bad())?;
-    let t: Vec<i64> = time
-        .split(':')
-        .map(str::parse)
-        .collect::<Result<_, _>>()
-        .map_err(|_| bad())?;
-    let ([y, m, day], [hh, mm, rest @ ..]) = (d.as_slice(), t.as_slice()) else {
-        return Err(bad());
+    let (mut date, mut time) = (date.split('-'), time.split(':'));
+    // One field: decimal digits only (no sign, no space), within `range`.
+    let field = |parts: &mut std::str::Split<'_, char>, range: std::ops::RangeInclusive<i64>| {
+        parts
+            .next()
+            .filter(|p| !p.is_empty() && p.bytes().all(|b| b.is_ascii_digit()))
+            .and_then(|p| p.parse::<i64>().ok())
+            .filter(|n| range.contains(n))
     };
-    let ss = rest.first().copied().unwrap_or(0);
-    if !(1..=12).contains(m) || !(1..=31).contains(day) || *hh > 23 || *mm > 59 || ss > 59 {
+    let y = field(&mut date, 1970..=9999).ok_or_else(bad)?;
+    let m = field(&mut date, 1..=12).ok_or_else(bad)?;
+    let day = field(&mut date, 1..=days_in_month(y, m)).ok_or_else(bad)?;
+    let hh = field(&mut time, 0..=23).ok_or_else(bad)?;
+    let mm = field(&mut time, 0..=59).ok_or_else(bad)?;
+    let ss = match time.clone().next() {
+        None => 0,
+        Some(_) => field(&mut time, 0..=59).ok_or_else(bad)?,
+    };
+    if date.next().is_some() || time.next().is_some() {
         return Err(bad());
     }
-    // Days from civil (Howard Hinnant's algorithm).
-    let y = if *m <= 2 { y - 1 } else { *y };
+    // Days from civil (Howard Hinnant's algorithm); the bounds above keep
+    // every step far from overflow.
+    let y = if m <= 2 { y - 1 } else { y };
     let era = y.div_euclid(400);
     let yoe = y - era * 400;
     let mp = (m + 9) % 12;
@@ -81,6 +90,16 @@ pub(crate) fn parse_instant(s: &str) -> Result<Millis, ConsoleError> {
     let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
     let days = era * 146_097 + doe - 719_468;
     Millis::new(((days * 86_400) + hh * 3600 + mm * 60 + ss) * 1000).map_err(|_| bad())
+}
+
+/// Days in month `m` (1 to 12) of year `y`, in the Gregorian calendar.
+fn days_in_month(y: i64, m: i64) -> i64 {
+    match m {
+        2 if y % 4 == 0 && (y % 100 != 0 || y % 400 == 0) => 29,
+        2 => 28,
+        4 | 6 | 9 | 11 => 30,
+        _ => 31,
+    }
 }
 
 pub(crate) async fn search(
@@ -246,7 +265,7 @@ pub(crate) async fn lineage(
     let l = state.ferry.run_lineage(&tenant, run_id).await?;
     let ids: Vec<i64> = l.outbox.iter().map(|o| o.id).collect();
     let (ledger, now, database_id) = tokio::try_join!(
-        state.store.ledger_for_outbox_rows(&ids),
+        state.store.ledger_for_outbox_rows(&tenant, &ids),
         state.store.now(),
         state.ferry.database_id(),
     )?;
@@ -335,7 +354,7 @@ pub(crate) async fn lineage(
                     thead { tr { th { "id" } th { "topic" } th { "effect key" } th { "state" } th { "publish attempts" } th { "last error" } th { "written" } th { "delivered" } } }
                     tbody { @for o in &l.outbox {
                         tr id=(format!("outbox-{}", o.id)) { td.num { (o.id) } td { (o.topic) }
-                            td { code { (o.effect_key.clone().unwrap_or_else(|| format!("{database_id}:{}", o.id))) } }
+                            td { code { (effect_key_of(&tenant, o.effect_key.as_deref(), o.id, Some(&database_id)).unwrap_or_default()) } }
                             td class=(format!("outbox-state {}", state_class(&o.state))) { (o.state) }
                             td.num { (o.publish_attempts) } td { code { (o.last_error.as_deref().unwrap_or("")) } }
                             td { (ts(o.created_at.get())) }
@@ -368,6 +387,7 @@ pub(crate) async fn lineage(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use proptest::prelude::*;
 
     #[test]
     fn instants_parse_as_utc() {
@@ -377,6 +397,76 @@ mod tests {
         assert_eq!(parse_instant("1800000000123").unwrap().get(), 1_800_000_000_123);
         for bad in ["2020-13-01", "yesterday", "2020-01-01T25:00", "-5"] {
             assert!(parse_instant(bad).is_err(), "{bad}");
+        }
+    }
+
+    /// The instant chrono gives a date and time, `None` for a day the
+    /// calendar does not have.
+    fn chrono_ms(y: i32, m: u32, d: u32, hh: u32, mm: u32, ss: u32) -> Option<i64> {
+        let at = chrono::NaiveDate::from_ymd_opt(y, m, d)?.and_hms_opt(hh, mm, ss)?;
+        Some(at.and_utc().timestamp_millis())
+    }
+
+    #[test]
+    fn absurd_dates_are_refused_not_wrapped() {
+        for bad in [
+            "99999999-01-01",
+            "999999999999-12-31T23:59",
+            "2024-02-30",
+            "2023-02-29",
+            "2024-04-31",
+            "1969-12-31",
+            "-5-01-01",
+            "2024-+1-01",
+            "2024-01-01T24:00",
+            "2024-01-01T10:00:",
+            "2024-01-01-01",
+            "-1",
+        ] {
+            assert_eq!(parse_instant(bad).unwrap_err().code(), "bad_request", "{bad}");
+        }
+        assert_eq!(parse_instant("2024-02-29T12:30:15").unwrap().get(), 1_709_209_815_000);
+        assert_eq!(parse_instant("9999-12-31 23:59:59").unwrap().get(), 253_402_300_799_000);
+        assert_eq!(parse_instant("42").unwrap().get(), 42);
+    }
+
+    proptest! {
+        /// Any text is an instant or `bad_request`, never a panic.
+        #[test]
+        fn any_text_is_an_instant_or_bad_request(s in any::<String>()) {
+            if let Err(e) = parse_instant(&s) {
+                prop_assert_eq!(e.code(), "bad_request");
+            }
+        }
+
+        /// Every field combination near the bounds: accepted exactly when
+        /// the calendar has that moment (years 1970 to 9999), and then the
+        /// instant chrono computes.
+        #[test]
+        fn dates_match_the_calendar(
+            y in prop_oneof![1900..10_100_i64, any::<i64>()],
+            m in 0..14_i64,
+            d in 0..33_i64,
+            hh in 0..26_i64,
+            mm in 0..62_i64,
+            ss in prop::option::of(0..62_i64),
+            sep in prop::sample::select(vec!["T", " "]),
+        ) {
+            let text = match ss {
+                Some(ss) => format!("{y:04}-{m:02}-{d:02}{sep}{hh:02}:{mm:02}:{ss:02}"),
+                None => format!("{y:04}-{m:02}-{d:02}{sep}{hh:02}:{mm:02}"),
+            };
+            let field = |v: i64| u32::try_from(v).ok();
+            let want = (1970..=9999)
+                .contains(&y)
+                .then(|| {
+                    let (y, m, d, hh, mm, ss) =
+                        (i32::try_from(y).ok()?, field(m)?, field(d)?, field(hh)?, field(mm)?, field(ss.unwrap_or(0))?);
+                    // chrono takes a leap second (ss = 60); a user's clock text does not.
+                    (ss < 60).then(|| chrono_ms(y, m, d, hh, mm, ss)).flatten()
+                })
+                .flatten();
+            prop_assert_eq!(parse_instant(&text).ok().map(Millis::get), want, "{}", text);
         }
     }
 }

@@ -210,7 +210,7 @@ async fn an_operator_finds_a_run_replays_a_dead_row_and_sees_it_delivered() {
         store.release_lane("seeder", l).await.unwrap();
     }
 
-    let console = Console::new(db.ferry.clone(), ConsoleConfig::new(tokens()));
+    let console = Console::new(db.ferry.clone(), ConsoleConfig::new(tokens())).unwrap();
     console.sample().await.unwrap();
     console.sample().await.unwrap();
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -294,6 +294,8 @@ async fn an_operator_finds_a_run_replays_a_dead_row_and_sees_it_delivered() {
     let broker = Kafka::start();
     broker.create_topic(ferry::DEFAULT_EVENTS_TOPIC, 3);
     let mut cfg = RelayConfig::new(&db.url, broker.brokers());
+    // Polling: a WAL relay would leave its replication slot behind.
+    cfg.capture = Some(ferry_relay::Capture::Poll);
     cfg.poll_interval = Duration::from_millis(50);
     cfg.kafka = vec![("message.timeout.ms".into(), "10000".into())];
     let relay = Relay::new(cfg, db.reopen().await).unwrap();
@@ -376,7 +378,7 @@ async fn a_scoped_operator_sees_only_its_tenant_and_no_payloads() {
     let driver = Chromedriver::start();
     let db = TestDb::new(Engine::Postgres).await;
     let s = seed(&db.ferry).await;
-    let console = Console::new(db.ferry.clone(), ConsoleConfig::new(tokens()));
+    let console = Console::new(db.ferry.clone(), ConsoleConfig::new(tokens())).unwrap();
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let base = format!("http://{}", listener.local_addr().unwrap());
     let stop = CancellationToken::new();

@@ -21,6 +21,7 @@ on_both_engines!(
     a_group_replay_goes_no_further_than_the_rows_shown,
     the_overview_figures_match_the_database,
     runs_are_found_by_key_and_paged_and_their_lineage_shows_where_events_went,
+    the_lineage_shows_ledger_entries_under_the_published_key_of_the_row_s_tenant,
 );
 
 async fn every_console_query_prepares(engine: Engine) {
@@ -115,7 +116,7 @@ async fn login_sets_a_strict_http_only_session_cookie(engine: Engine) {
     let tampered = cookie.replace("root-ops", "acme-ops");
     assert_eq!(a.send(with_cookie(&tampered)).await.status, StatusCode::SEE_OTHER);
     // Another console process (another server key) does not know it.
-    let other = ferry_console::Console::new(a.db.ferry.clone(), ferry_console::ConsoleConfig::new(tokens()));
+    let other = ferry_console::Console::new(a.db.ferry.clone(), ferry_console::ConsoleConfig::new(tokens())).unwrap();
     let r = tower::ServiceExt::oneshot(other.router(), with_cookie(&cookie))
         .await
         .unwrap();
@@ -564,18 +565,83 @@ async fn runs_are_found_by_key_and_paged_and_their_lineage_shows_where_events_we
             s.acme_dead_run
         ))
         .await;
-    a.db.exec("INSERT INTO consumer_partitions (group_id, topic, partition, generation) VALUES ('projector', 'ferry.run-events', 0, 1)")
-        .await
-        .unwrap();
-    a.db.exec(&format!(
-        "INSERT INTO consumer_ledger (group_id, effect_key, topic, partition, \"offset\", processed_at) \
-         SELECT 'projector', effect_key, 'ferry.run-events', 0, 41, 5 FROM outbox WHERE id = {id}"
-    ))
-    .await
-    .unwrap();
+    let keys = consume(&a.db.ferry, "projector", &[id]).await;
     let r = a.get(ROOT, &format!("/runs/acme/{}", s.acme_dead_run)).await;
-    let ledger = &r.body[r.body.find("id=\"ledger\"").expect("a ledger table")..];
-    assert!(ledger.contains("projector") && ledger.contains(">41<"));
+    assert_eq!(
+        ledger_rows(&r.body),
+        vec![(id, "projector".to_owned(), keys[0].clone())]
+    );
+}
+
+/// The `(outbox id, group, effect key)` of each row of a lineage page's
+/// consumer ledger table.
+fn ledger_rows(page: &str) -> Vec<(i64, String, String)> {
+    let Some(at) = page.find("id=\"ledger\"") else {
+        return Vec::new();
+    };
+    let table = &page[at..at + page[at..].find("</table>").expect("the table ends")];
+    let between = |s: &str, open: &str, close: &str| -> String {
+        let from = s.find(open).expect("the cell") + open.len();
+        s[from..from + s[from..].find(close).expect("the cell ends")].to_owned()
+    };
+    table
+        .split("<tr>")
+        .filter(|row| row.starts_with("<td class=\"num\">"))
+        .map(|row| {
+            let id = between(row, "<td class=\"num\">", "</td>").parse().unwrap();
+            let group = between(row, "</td><td>", "</td>");
+            (id, group, between(row, "<code>", "</code>"))
+        })
+        .collect()
+}
+
+/// A run's lineage shows each consumer group's ledger entries under the
+/// effect key its rows were published with, `<tenant>/<key>` for a writer's
+/// key (it used to look the raw key up, so no keyed row, run events
+/// included, ever showed an entry), and never another tenant's entry: an
+/// acme row whose own key reads `globex/x` does not show globex's entry for
+/// its key `x`, published as `globex/x`.
+async fn the_lineage_shows_ledger_entries_under_the_published_key_of_the_row_s_tenant(engine: Engine) {
+    let a = app(engine).await;
+    let f = &a.db.ferry;
+    let run = f
+        .create_run_idempotent(ferry::NewRun::new("acme", "charge", "order-1", serde_json::json!({})))
+        .await
+        .unwrap()
+        .run
+        .run_id;
+    let queued = a
+        .scalar(&format!(
+            "SELECT id FROM outbox WHERE tenant = 'acme' AND key = '{run}'"
+        ))
+        .await;
+    let enqueue = |m: ferry::OutboxMessage| async move { f.enqueue(&m).await.unwrap() };
+    let bytes = |tenant: &str, key: &str| ferry::OutboxMessage::bytes(tenant, "orders", key, b"x".to_vec());
+    let mimic = enqueue(bytes("acme", &run.to_string()).effect_key("globex/x")).await;
+    let unkeyed = enqueue(bytes("acme", &run.to_string())).await;
+    let globex = enqueue(bytes("globex", "parcel-1").effect_key("x")).await;
+    // The group processes all but acme's mimic row.
+    let keys = consume(f, "projector", &[queued, unkeyed, globex]).await;
+    let database_id = f.database_id().await.unwrap();
+    assert_eq!(
+        keys,
+        [
+            format!("acme/acme/{run}/1"),
+            format!("{database_id}:{unkeyed}"),
+            "globex/x".to_owned()
+        ]
+    );
+    let page = a.get(ROOT, &format!("/runs/acme/{run}")).await;
+    assert_eq!(page.status, StatusCode::OK);
+    let group = || "projector".to_owned();
+    assert_eq!(
+        ledger_rows(&page.body),
+        vec![(queued, group(), keys[0].clone()), (unkeyed, group(), keys[1].clone())],
+        "the run event's entry and the unkeyed row's; nothing for the mimic row"
+    );
+    // The outbox table shows each row's published effect key.
+    assert!(page.body.contains("<code>acme/globex/x</code>"), "row {mimic}");
+    assert!(page.body.contains(&format!("<code>acme/acme/{run}/1</code>")));
 }
 
 /// The dead page's group form carries the highest id it counted, and a group

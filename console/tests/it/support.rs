@@ -7,10 +7,15 @@ use axum::body::Body;
 use axum::http::{header, HeaderMap, Request, StatusCode};
 use ferry::{Engine, JobError, NewRun, OutboxMessage, RetryPolicy};
 use ferry_console::{Console, ConsoleConfig, Tokens};
+use ferry_consumer::store::ConsumerStore;
+use ferry_consumer::{process_record, Handler, HandlerError, Processed, Record};
+use ferry_relay::publish::headers_for;
 use ferry_relay::store::RelayStore;
 use ferry_testkit::TestDb;
+use futures::future::BoxFuture;
 use http_body_util::BodyExt;
 use rand::SeedableRng;
+use rdkafka::message::Headers;
 use serde_json::json;
 use tower::ServiceExt;
 
@@ -35,7 +40,7 @@ pub fn tokens() -> Tokens {
 
 pub async fn app(engine: Engine) -> App {
     let db = TestDb::new(engine).await;
-    let console = Console::new(db.ferry.clone(), ConsoleConfig::new(tokens()));
+    let console = Console::new(db.ferry.clone(), ConsoleConfig::new(tokens())).unwrap();
     App { db, console }
 }
 
@@ -229,7 +234,7 @@ pub async fn seed(f: &ferry::Ferry) -> Seeded {
         .map(|id| (*id, "message_too_large"))
         .chain([(globex_dead_row, "topic_authorization_failed")])
     {
-        let lane = dead_lane(f, id).await;
+        let lane = lane_of(f, id).await;
         let lease = *leases
             .iter()
             .find(|l| l.lane == lane)
@@ -248,7 +253,7 @@ pub async fn seed(f: &ferry::Ferry) -> Seeded {
     }
 }
 
-async fn dead_lane(f: &ferry::Ferry, id: i64) -> i32 {
+async fn lane_of(f: &ferry::Ferry, id: i64) -> i32 {
     i32::try_from(
         f.db()
             .fetch_i64(&format!("SELECT CAST(lane AS BIGINT) FROM outbox WHERE id = {id}"))
@@ -256,4 +261,60 @@ async fn dead_lane(f: &ferry::Ferry, id: i64) -> i32 {
             .unwrap(),
     )
     .unwrap()
+}
+
+/// A consumer handler that writes no effects of its own.
+struct NoEffects;
+
+impl Handler for NoEffects {
+    fn handle<'a>(&'a self, _: &'a Record, _: &'a mut ferry::Tx) -> BoxFuture<'a, Result<(), HandlerError>> {
+        Box::pin(async { Ok(()) })
+    }
+}
+
+/// Consumer group `group` processes the pending outbox rows `ids` (in
+/// order) through the real pipeline's code, the broker's hop aside: the
+/// relay store reads each row (`pending_batch`), the relay builds the
+/// record's headers (`headers_for`, so the effect key is the one
+/// published), and the consumer takes the record's effect key
+/// (`Record::effect_key`) and commits its ledger row and offset under a
+/// partition lease (`process_record`). Returns the effect keys written.
+pub async fn consume(f: &ferry::Ferry, group: &str, ids: &[i64]) -> Vec<String> {
+    let relay = RelayStore::new(f.clone());
+    let consumer = ConsumerStore::new(f.clone());
+    let database_id = f.database_id().await.unwrap();
+    let mut keys = Vec::new();
+    for (offset, id) in (0_i64..).zip(ids) {
+        let lane = lane_of(f, *id).await;
+        let row = relay
+            .pending_batch(lane, 10_000)
+            .await
+            .unwrap()
+            .into_iter()
+            .find(|r| r.id == *id)
+            .expect("the row is pending");
+        let headers = headers_for(&row, Some(&database_id));
+        let record = Record {
+            topic: row.topic.clone(),
+            partition: 0,
+            offset,
+            key: Some(row.key.clone().into_bytes()),
+            payload: Some(row.payload.clone()),
+            headers: headers
+                .iter()
+                .map(|h| (h.key.to_owned(), h.value.unwrap_or_default().to_vec()))
+                .collect(),
+        };
+        let (lease, _) = consumer
+            .acquire_partition(group, &record.topic, 0, "consumer-1", Duration::from_secs(30))
+            .await
+            .unwrap();
+        let key = record.effect_key().expect("the relay publishes an effect key");
+        let done = process_record(&consumer, &lease, &record, &key, &NoEffects)
+            .await
+            .unwrap();
+        assert_eq!(done, Processed::Applied);
+        keys.push(key);
+    }
+    keys
 }

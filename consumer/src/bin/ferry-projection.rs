@@ -13,7 +13,7 @@ use std::time::Duration;
 
 use ferry::store::Arg;
 use ferry::Ferry;
-use ferry_consumer::{Assignment, Consumer, Handler, HandlerError, Record};
+use ferry_consumer::{Assignment, Consumer, ConsumerError, Handler, HandlerError, Record};
 use futures::future::BoxFuture;
 
 struct Projection {
@@ -47,6 +47,28 @@ impl Handler for Projection {
     }
 }
 
+/// `FERRY_ASSIGNMENT`: `eager` or `cooperative`; anything else is
+/// [`ConsumerError::Config`] (it used to mean `cooperative` silently).
+fn assignment(v: &str) -> Result<Assignment, ConsumerError> {
+    match v.trim() {
+        "eager" => Ok(Assignment::Eager),
+        "cooperative" => Ok(Assignment::CooperativeSticky),
+        _ => Err(ConsumerError::Config(
+            "FERRY_ASSIGNMENT must be eager or cooperative".into(),
+        )),
+    }
+}
+
+/// `FERRY_MICRO_BATCH`: records per transaction, a whole number from 1 up;
+/// anything else is [`ConsumerError::Config`] (it used to mean 50 silently).
+fn micro_batch(v: &str) -> Result<usize, ConsumerError> {
+    v.trim()
+        .parse::<usize>()
+        .ok()
+        .filter(|n| *n >= 1)
+        .ok_or_else(|| ConsumerError::Config("FERRY_MICRO_BATCH must be a whole number from 1 up".into()))
+}
+
 async fn shutdown() {
     let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).ok();
     tokio::select! {
@@ -70,11 +92,8 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     }
     let topics = env("FERRY_TOPICS", "ferry.run-events");
     let topics: Vec<&str> = topics.split(',').collect();
-    let assignment = if env("FERRY_ASSIGNMENT", "cooperative") == "eager" {
-        Assignment::Eager
-    } else {
-        Assignment::CooperativeSticky
-    };
+    let assignment = assignment(&env("FERRY_ASSIGNMENT", "cooperative"))?;
+    let micro_batch = micro_batch(&env("FERRY_MICRO_BATCH", "50"))?;
     let crash_at = std::env::var("FERRY_CRASH_AT").ok();
     let handler = Projection {
         marker: std::env::temp_dir().join(format!(
@@ -93,7 +112,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     .handler(handler)
     .assignment(assignment)
     .lease(Duration::from_secs(10))
-    .micro_batch(env("FERRY_MICRO_BATCH", "50").parse().unwrap_or(50))
+    .micro_batch(micro_batch)
     .kafka("session.timeout.ms", "6000")
     .kafka("heartbeat.interval.ms", "500");
     if let Ok(dlq) = std::env::var("FERRY_DLQ") {
@@ -101,4 +120,26 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     }
     builder.run(shutdown()).await?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    proptest! {
+        /// Any value of either variable is used as given or refused with
+        /// `config`, never replaced by a default.
+        #[test]
+        fn any_setting_is_used_or_refused(v in prop_oneof![any::<String>(), "[+-]?[0-9]{1,25}", "(eager|cooperative)"]) {
+            match micro_batch(&v) {
+                Ok(n) => prop_assert_eq!(Some(n), v.trim().parse().ok()),
+                Err(e) => prop_assert_eq!(e.code(), "config"),
+            }
+            match assignment(&v) {
+                Ok(a) => prop_assert_eq!(a == Assignment::Eager, v.trim() == "eager"),
+                Err(e) => prop_assert_eq!(e.code(), "config"),
+            }
+        }
+    }
 }

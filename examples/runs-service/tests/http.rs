@@ -1,6 +1,6 @@
 //! The example service over real HTTP on 127.0.0.1:0 against PostgreSQL:
-//! retried POSTs, conflicts, tenants, credentials, backpressure, and a
-//! database outage in the middle of a load (on a cluster of the test's own).
+//! retried POSTs, conflicts, tenants, credentials, backpressure, bad input,
+//! and a database outage in the middle of a load (on a cluster of the test's own).
 
 use std::collections::{BTreeSet, HashMap};
 use std::time::Duration;
@@ -11,6 +11,8 @@ use serde_json::{json, Value};
 
 struct Service {
     base: String,
+    /// The service's database, to count what a request wrote.
+    ferry: Ferry,
     client: reqwest::Client,
     stop: Option<tokio::sync::oneshot::Sender<()>>,
     handle: tokio::task::JoinHandle<std::io::Result<()>>,
@@ -37,11 +39,12 @@ async fn start_on(ferry: Ferry, max_queued: i64, with_worker: bool) -> Service {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let base = format!("http://{}", listener.local_addr().unwrap());
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let handle = tokio::spawn(runs_service::run(ferry, config, listener, async move {
+    let handle = tokio::spawn(runs_service::run(ferry.clone(), config, listener, async move {
         let _ = stopped.await;
     }));
     Service {
         base,
+        ferry,
         client: reqwest::Client::new(),
         stop: Some(stop),
         handle,
@@ -58,6 +61,20 @@ impl Service {
             r = r.header("Idempotency-Key", format!("\"{k}\""));
         }
         r.send().await.unwrap()
+    }
+
+    /// Rows in runs, jobs, idempotency_keys and outbox.
+    async fn written(&self) -> [i64; 4] {
+        let mut out = [0; 4];
+        for (n, table) in out.iter_mut().zip(["runs", "jobs", "idempotency_keys", "outbox"]) {
+            *n = self
+                .ferry
+                .db()
+                .fetch_i64(&format!("SELECT count(*) FROM {table}"))
+                .await
+                .unwrap();
+        }
+        out
     }
 
     async fn stop(mut self) {
@@ -266,6 +283,206 @@ async fn a_database_error_no_retry_cures_is_a_500_without_retry_after() {
     assert!(r.headers().get("retry-after").is_none());
     let p: Value = r.json().await.unwrap();
     assert_eq!(p["code"], "database", "{p}");
+    s.stop().await;
+}
+
+/// A tenant over its queue limit still gets the answer to a retried POST:
+/// the replay (it used to get 429, so a client retrying after a lost
+/// response could not learn its run), or the conflict. Only a new run gets
+/// 429, and it writes nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retried_post_is_answered_before_the_queue_limit() {
+    let s = start(1, false).await;
+    let body = json!({"operation": "charge", "amount": 5});
+    let first = s.post(Some("tok-acme"), Some("key-1"), &body).await;
+    assert_eq!(first.status(), 202);
+    let first: Value = first.json().await.unwrap();
+    let new = s.post(Some("tok-acme"), Some("key-2"), &json!({"amount": 6})).await;
+    assert_eq!(new.status(), 429, "a new run past the limit");
+    assert_eq!(s.written().await, [1, 1, 1, 1], "the refused run wrote nothing");
+    let retried = s.post(Some("tok-acme"), Some("key-1"), &body).await;
+    assert_eq!(retried.status(), 202);
+    assert_eq!(retried.headers()["idempotent-replayed"], "true");
+    let retried: Value = retried.json().await.unwrap();
+    assert_eq!(retried["run_id"], first["run_id"]);
+    let conflict = s
+        .post(
+            Some("tok-acme"),
+            Some("key-1"),
+            &json!({"operation": "charge", "amount": 7}),
+        )
+        .await;
+    assert_eq!(conflict.status(), 409);
+    assert_eq!(s.written().await, [1, 1, 1, 1]);
+    s.stop().await;
+}
+
+/// NUL in a POST, escaped in any string or key of the command, raw in the
+/// body, or in the `Idempotency-Key` header, is a 400 and writes nothing
+/// (PostgreSQL cannot store NUL in text or JSON).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nul_bytes_are_refused_with_400_and_write_nothing() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let s = start(1000, false).await;
+    let bodies = [
+        r#"{"operation": "charge", "note": "a\u0000b"}"#,
+        r#"{"operation": "charge", "nested": [{"k\u0000": 1}]}"#,
+        r#"{"operation": "char\u0000ge"}"#,
+        "{\"operation\": \"charge\", \"note\": \"a\u{0}b\"}",
+    ];
+    for (i, body) in bodies.iter().enumerate() {
+        let r = s
+            .client
+            .post(format!("{}/v1/runs", s.base))
+            .bearer_auth("tok-acme")
+            .header("Idempotency-Key", format!("nul-{i}"))
+            .header("content-type", "application/json")
+            .body(body.to_string())
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 400, "body {i}");
+        assert_eq!(r.headers()["content-type"], "application/problem+json");
+        let p: Value = r.json().await.unwrap();
+        assert_eq!(p["code"], "invalid_input", "body {i}: {p}");
+    }
+    // A NUL in the key header: HTTP clients refuse to send one, so raw bytes.
+    let mut conn = tokio::net::TcpStream::connect(s.base.trim_start_matches("http://"))
+        .await
+        .unwrap();
+    let request = "POST /v1/runs HTTP/1.1\r\nHost: t\r\nAuthorization: Bearer tok-acme\r\n\
+                   Idempotency-Key: a\u{0}b\r\nContent-Type: application/json\r\n\
+                   Content-Length: 2\r\nConnection: close\r\n\r\n{}";
+    conn.write_all(request.as_bytes()).await.unwrap();
+    let mut answer = String::new();
+    conn.read_to_string(&mut answer).await.unwrap();
+    assert!(answer.starts_with("HTTP/1.1 400"), "{answer}");
+    assert_eq!(s.written().await, [0; 4], "nothing was written");
+    s.stop().await;
+}
+
+/// One request of the property below.
+#[derive(Debug, Clone)]
+enum Input {
+    /// POST /v1/runs with this `Idempotency-Key` (raw header bytes) and body.
+    Create(Vec<u8>, Vec<u8>),
+    /// GET /v1/runs/{id} and POST /v1/runs/{id}/cancel with this id.
+    Run(String),
+}
+
+fn input() -> impl proptest::strategy::Strategy<Value = Input> {
+    use proptest::prelude::*;
+    let key = prop_oneof![
+        "[!-~]{1,300}".prop_map(String::into_bytes),
+        "\"[!-~]{0,20}\"?".prop_map(String::into_bytes),
+        prop::collection::vec(any::<u8>(), 0..40),
+    ];
+    let json = prop::collection::vec(("[a-z\\x00]{1,8}", any::<String>()), 0..4).prop_map(|kv| {
+        let mut m = serde_json::Map::new();
+        for (k, v) in kv {
+            m.insert(k, Value::String(v));
+        }
+        serde_json::to_vec(&m).unwrap()
+    });
+    let body = prop_oneof![
+        json,
+        any::<String>().prop_map(String::into_bytes),
+        prop::collection::vec(any::<u8>(), 0..64),
+        Just(br#"{"operation": 7}"#.to_vec()),
+        Just(br#"{"operation": ""}"#.to_vec()),
+        Just(br#"[1, 2]"#.to_vec()),
+    ];
+    prop_oneof![
+        (key, body).prop_map(|(k, b)| Input::Create(k, b)),
+        prop_oneof![any::<String>(), "[0-9a-fA-F-]{30,40}"].prop_map(Input::Run),
+    ]
+}
+
+/// Percent-encodes every byte but unreserved ones.
+fn encode_all(s: &str) -> String {
+    s.bytes()
+        .map(|b| {
+            if b.is_ascii_alphanumeric() || b"-_.~".contains(&b) {
+                (b as char).to_string()
+            } else {
+                format!("%{b:02X}")
+            }
+        })
+        .collect()
+}
+
+/// Whatever a client sends as the key, the body or the run id, the answer
+/// is a success or an `application/problem+json` error under 500 with a
+/// stable code (a non-string `operation` used to become `run` silently, a
+/// bad run id got axum's plain-text rejection).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn any_key_body_or_run_id_gets_an_answer_or_a_typed_problem() {
+    use proptest::test_runner::{Config, TestCaseError, TestRunner};
+    let s = start(1000, false).await;
+    let handle = tokio::runtime::Handle::current();
+    let s = tokio::task::spawn_blocking(move || {
+        let mut runner = TestRunner::new(Config {
+            cases: 300,
+            failure_persistence: None,
+            ..Config::default()
+        });
+        let outcome = runner.run(&input(), |i| {
+            handle.block_on(async {
+                let replies = match &i {
+                    Input::Create(key, body) => {
+                        let Ok(key) = reqwest::header::HeaderValue::from_bytes(key) else {
+                            return Ok(()); // no HTTP client can send it
+                        };
+                        let r = s
+                            .client
+                            .post(format!("{}/v1/runs", s.base))
+                            .bearer_auth("tok-acme")
+                            .header("Idempotency-Key", key)
+                            .body(body.clone())
+                            .send()
+                            .await
+                            .unwrap();
+                        vec![r]
+                    }
+                    Input::Run(id) => {
+                        // An empty id is another route (`/v1/runs/`): answered too.
+                        let path = format!("{}/v1/runs/{}", s.base, encode_all(id));
+                        let get = s.client.get(&path).bearer_auth("tok-acme").send().await.unwrap();
+                        let cancel = s
+                            .client
+                            .post(format!("{path}/cancel"))
+                            .bearer_auth("tok-acme")
+                            .send()
+                            .await
+                            .unwrap();
+                        vec![get, cancel]
+                    }
+                };
+                for r in replies {
+                    let status = r.status().as_u16();
+                    if status < 400 {
+                        continue;
+                    }
+                    let kind = r.headers().get("content-type").cloned();
+                    let p: Value = r.json().await.unwrap_or_default();
+                    let code = p["code"].as_str().unwrap_or_default().to_owned();
+                    if status >= 500
+                        || kind.as_ref().and_then(|k| k.to_str().ok()) != Some("application/problem+json")
+                        || code.is_empty()
+                    {
+                        return Err(TestCaseError::fail(format!("{i:?} answered {status}: {p}")));
+                    }
+                }
+                Ok(())
+            })
+        });
+        if let Err(e) = outcome {
+            panic!("{e}");
+        }
+        s
+    })
+    .await
+    .unwrap();
     s.stop().await;
 }
 

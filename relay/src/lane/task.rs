@@ -189,7 +189,8 @@ impl Lane {
         }
     }
 
-    /// Exactly once, without a producer yet: takes the lane over.
+    /// Exactly once, without a producer yet: takes the lane over (`Stop`
+    /// when the lane is lost or the relay shuts down meanwhile).
     async fn ensure_producer(&mut self) -> Flow {
         let (Some(reader), None) = (&self.reader, &self.txn) else {
             return Flow::Next;
@@ -200,6 +201,7 @@ impl Lane {
             reader,
             &self.database_id,
             self.lease,
+            &self.finish,
             &self.abort,
         )
         .await

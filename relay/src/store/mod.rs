@@ -16,7 +16,10 @@ use ferry::{Error, Ferry, Millis, Result};
 mod queries {
     include!(concat!(env!("OUT_DIR"), "/queries.rs"));
 }
+mod wal;
 use queries::QUERIES;
+
+pub use wal::{SlotState, WalSetting, WalSlot};
 
 /// A live relay instance and its `--max-lanes`.
 #[derive(Debug, Clone, PartialEq, Eq, sqlx::FromRow)]
@@ -61,7 +64,7 @@ pub struct PendingRow {
 }
 
 #[derive(sqlx::FromRow)]
-struct PendingSqlRow {
+pub(crate) struct PendingSqlRow {
     id: i64,
     tenant: String,
     topic: String,
@@ -178,7 +181,11 @@ impl RelayStore {
 
     /// Prepares every relay query on this database (the conformance check).
     pub async fn check_queries(&self) -> Result<()> {
-        ferry::store::check_queries(self.db(), QUERIES.get(self.db().engine()).all()).await
+        ferry::store::check_queries(self.db(), QUERIES.get(self.db().engine()).all()).await?;
+        if self.db().as_postgres().is_some() {
+            ferry::store::check_queries(self.db(), queries::POSTGRES_ONLY.all()).await?;
+        }
+        Ok(())
     }
 
     /// Announces relay `owner` alive for `ttl` with its lane cap, sweeps
@@ -296,7 +303,7 @@ impl RelayStore {
         }))
     }
 
-    fn pending_rows(rows: Vec<PendingSqlRow>) -> Vec<PendingRow> {
+    pub(crate) fn pending_rows(rows: Vec<PendingSqlRow>) -> Vec<PendingRow> {
         rows.into_iter()
             .map(|r| PendingRow {
                 id: r.id,
@@ -457,6 +464,8 @@ impl RelayStore {
                     .fetch_all(&mut *c)
                     .await?
             });
+            // WAL capture streams inserts only: announce the replay there.
+            Self::announce_replay(&mut tx, &ids).await?;
             let subject = format!("outbox:{}", serde_json::to_string(&ids).unwrap_or_default());
             self.ferry
                 .audit_in(tx.conn(), actor, "outbox.replay_dead", &subject, reason)

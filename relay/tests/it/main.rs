@@ -1,5 +1,6 @@
 //! ferry-relay against PostgreSQL and Apache Kafka.
 
+mod capture;
 mod effect_keys;
 mod exactly_once;
 mod lanes;

@@ -30,7 +30,7 @@ fn noise(seed: u64, n: usize) -> Vec<u8> {
         .collect()
 }
 
-async fn poison_rows(ferry: &Ferry) -> i64 {
+pub(crate) async fn poison_rows(ferry: &Ferry) -> i64 {
     let mut poison = 0;
     for i in 0..7 {
         let big = i == 3;

@@ -26,8 +26,11 @@ pub async fn pg_ferry() -> (Ferry, String) {
     (ferry, url)
 }
 
+/// A polling relay (the WAL tests override it with [`SlotGuard::config`]:
+/// a relay left on the default would stream from a slot no test drops).
 pub fn relay_config(url: &str, brokers: &str) -> RelayConfig {
     let mut cfg = RelayConfig::new(url, brokers);
+    cfg.capture = Some(ferry_relay::Capture::Poll);
     cfg.poll_interval = Duration::from_millis(50);
     cfg.lease = Duration::from_secs(3);
     cfg.grace = Duration::from_secs(5);
@@ -260,34 +263,207 @@ impl Drop for RelayProcess {
     }
 }
 
-/// A `ferry-relay run` process (1 s lane leases, batches of 50) with extra
-/// flags and environment, for the crash tests.
+/// A polling `ferry-relay run` process (1 s lane leases, batches of 50) with
+/// extra flags and environment, for the crash tests.
 pub fn spawn_relay_process(url: &str, brokers: &str, extra: &[&str], env: &[(&str, &str)]) -> RelayProcess {
-    let child = std::process::Command::new(env!("CARGO_BIN_EXE_ferry-relay"))
-        .args([
-            "run",
-            "--database-url",
-            url,
-            "--brokers",
-            brokers,
-            "--lease",
-            "1s",
-            "--poll-interval",
-            "50ms",
-        ])
-        .args(["--batch-size", "50", "--listen", "127.0.0.1:0", "--grace", "5s"])
-        .args(extra)
-        .envs(env.iter().copied())
-        .env(
-            "RUST_LOG",
-            std::env::var("FERRY_TEST_RELAY_LOG").unwrap_or_else(|_| "off".into()),
-        )
-        .stdout(std::process::Stdio::null())
-        .stderr(match std::env::var("FERRY_TEST_RELAY_LOG") {
-            Ok(_) => std::process::Stdio::inherit(),
-            Err(_) => std::process::Stdio::null(),
+    let mut cmd = relay_command(url, brokers, extra, env);
+    cmd.env(
+        "RUST_LOG",
+        std::env::var("FERRY_TEST_RELAY_LOG").unwrap_or_else(|_| "off".into()),
+    )
+    .stderr(match std::env::var("FERRY_TEST_RELAY_LOG") {
+        Ok(_) => std::process::Stdio::inherit(),
+        Err(_) => std::process::Stdio::null(),
+    });
+    RelayProcess(cmd.spawn().expect("spawn ferry-relay"))
+}
+
+/// [`spawn_relay_process`] whose warnings and errors go to `log`, one JSON
+/// object a line, for tests about what a relay logs.
+pub fn spawn_relay_process_logging(url: &str, brokers: &str, extra: &[&str], log: &std::path::Path) -> RelayProcess {
+    let file = std::fs::File::create(log).expect("relay log file");
+    let mut cmd = relay_command(url, brokers, extra, &[]);
+    cmd.env("RUST_LOG", "warn").env("FERRY_LOG_FORMAT", "json").stderr(file);
+    RelayProcess(cmd.spawn().expect("spawn ferry-relay"))
+}
+
+fn relay_command(url: &str, brokers: &str, extra: &[&str], env: &[(&str, &str)]) -> std::process::Command {
+    let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_ferry-relay"));
+    cmd.args([
+        "run",
+        "--database-url",
+        url,
+        "--brokers",
+        brokers,
+        "--lease",
+        "1s",
+        "--poll-interval",
+        "50ms",
+    ])
+    .args(["--batch-size", "50", "--listen", "127.0.0.1:0", "--grace", "5s"])
+    .args(extra)
+    // Polling unless `extra` says `--capture wal` (which overrides it).
+    .env("FERRY_CAPTURE", "poll")
+    .envs(env.iter().copied())
+    .stdout(std::process::Stdio::null());
+    cmd
+}
+
+/// A replication slot (and publication) name of its own for one test
+/// (`ferry_test_<born>_<pid>_<n>`): slot names are cluster-wide and tests
+/// run in parallel on one cluster. Both are dropped with the guard, even
+/// when the test fails, so leftover slots never hold WAL; slots a crashed
+/// run left behind are dropped by the first guard of a later run once an
+/// hour old.
+pub struct SlotGuard {
+    pub name: String,
+    /// The relays started on it: stopped first, or one could make the slot
+    /// anew after the guard dropped it.
+    relays: std::sync::Mutex<Vec<tokio::task::AbortHandle>>,
+}
+
+impl SlotGuard {
+    pub async fn new() -> SlotGuard {
+        static SEQ: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        let n = SEQ.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let born = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_secs();
+        if n == 0 {
+            drop_stale_slots(born).await;
+        }
+        SlotGuard {
+            name: format!("ferry_test_{born}_{}_{n}", std::process::id()),
+            relays: Default::default(),
+        }
+    }
+
+    /// Starts an in-process relay streaming from this slot.
+    pub async fn start(&self, cfg: RelayConfig, ferry: Ferry) -> RunningRelay {
+        let relay = start_relay(cfg, ferry).await;
+        self.relays.lock().unwrap().push(relay.handle.abort_handle());
+        relay
+    }
+
+    /// `--capture wal --slot … --publication …` for a relay process.
+    pub fn args(&self) -> [&str; 6] {
+        ["--capture", "wal", "--slot", &self.name, "--publication", &self.name]
+    }
+
+    /// A relay configuration streaming from this slot.
+    pub fn config(&self, url: &str, brokers: &str) -> RelayConfig {
+        let mut cfg = relay_config(url, brokers);
+        cfg.capture = Some(ferry_relay::Capture::Wal);
+        cfg.slot = Some(self.name.clone());
+        cfg.publication = Some(self.name.clone());
+        cfg
+    }
+}
+
+fn admin_url() -> String {
+    std::env::var("DATABASE_URL").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".into())
+}
+
+/// Ends the session streaming from `slot` (if any) and drops it; true once
+/// it is gone. A relay may take the slot again between the two: callers loop.
+pub async fn terminate_and_drop_slot(pool: &sqlx::PgPool, slot: &str) -> bool {
+    let _ = sqlx::query(
+        "SELECT pg_terminate_backend(active_pid) FROM pg_replication_slots WHERE slot_name = $1 AND active",
+    )
+    .bind(slot)
+    .execute(pool)
+    .await;
+    let dropped =
+        sqlx::query("SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots WHERE slot_name = $1")
+            .bind(slot)
+            .execute(pool)
+            .await;
+    dropped.is_ok()
+        && sqlx::query_scalar::<_, i64>("SELECT count(*) FROM pg_replication_slots WHERE slot_name = $1")
+            .bind(slot)
+            .fetch_one(pool)
+            .await
+            .map(|n| n == 0)
+            .unwrap_or(false)
+}
+
+async fn drop_stale_slots(born: u64) {
+    let Ok(pool) = sqlx::PgPool::connect(&admin_url()).await else {
+        return;
+    };
+    let names: Vec<String> = sqlx::query_scalar(
+        "SELECT slot_name::text FROM pg_replication_slots WHERE slot_name LIKE 'ferry\\_test\\_%' AND NOT active",
+    )
+    .fetch_all(&pool)
+    .await
+    .unwrap_or_default();
+    for name in names {
+        let old = name
+            .split('_')
+            .nth(2)
+            .and_then(|b| b.parse::<u64>().ok())
+            .is_some_and(|b| b + 3600 < born);
+        if old {
+            let _ = sqlx::query("SELECT pg_drop_replication_slot($1)")
+                .bind(&name)
+                .execute(&pool)
+                .await;
+        }
+    }
+}
+
+impl Drop for SlotGuard {
+    fn drop(&mut self) {
+        for relay in self.relays.lock().unwrap().drain(..) {
+            relay.abort();
+        }
+        let name = self.name.clone();
+        // A runtime of its own: drop runs inside (or after) the test's.
+        let _ = std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .unwrap();
+            rt.block_on(async {
+                let Ok(pool) = sqlx::PgPool::connect(&admin_url()).await else {
+                    return;
+                };
+                let deadline = Instant::now() + Duration::from_secs(20);
+                while !terminate_and_drop_slot(&pool, &name).await && Instant::now() < deadline {
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+                // Publications are per database, not per schema: no leftovers.
+                let _ = sqlx::query(&format!("DROP PUBLICATION IF EXISTS {name}"))
+                    .execute(&pool)
+                    .await;
+            });
         })
-        .spawn()
-        .expect("spawn ferry-relay");
-    RelayProcess(child)
+        .join();
+    }
+}
+
+/// The slot's `confirmed_flush_lsn` as a number (0 when it has none).
+pub async fn confirmed_flush(pool: &sqlx::PgPool, slot: &str) -> i64 {
+    sqlx::query_scalar(
+        "SELECT COALESCE((confirmed_flush_lsn - '0/0'::pg_lsn)::bigint, 0) FROM pg_replication_slots WHERE slot_name = $1",
+    )
+    .bind(slot)
+    .fetch_optional(pool)
+    .await
+    .unwrap()
+    .unwrap_or(0)
+}
+
+/// Waits until `sql` (a count) reaches `want`; fails after `limit`.
+pub async fn wait_for_count(ferry: &Ferry, sql: &str, want: i64, limit: Duration) {
+    let deadline = Instant::now() + limit;
+    loop {
+        let n = scalar(ferry, sql).await;
+        if n >= want {
+            return;
+        }
+        assert!(Instant::now() < deadline, "{sql}: {n} after {limit:?}, wanted {want}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
 }

@@ -1,0 +1,126 @@
+-- `--capture wal` (PostgreSQL only): the capture check, the replication slot
+-- and publication catalogs, the catch-up read of the table, and the set-based
+-- marks that the WAL pipeline makes off its critical path. No lane fence: the
+-- replication slot is the fence (PostgreSQL lets one session stream from it).
+
+-- name: wal_capture_allowed [postgres only]
+-- Whether this role may stream logical replication here, and whose outbox it reads.
+SELECT current_setting('wal_level') = 'logical' AS logical,
+       (r.rolreplication OR r.rolsuper) AS may_replicate,
+       current_schema()::text AS schema
+FROM pg_roles r WHERE r.rolname = current_user
+
+-- name: wal_publication [postgres only]
+-- Whether publication $1 exists, and whether it publishes this schema's outbox inserts.
+SELECT EXISTS (SELECT 1 FROM pg_publication WHERE pubname = $1) AS found,
+       EXISTS (SELECT 1 FROM pg_publication p
+               JOIN pg_publication_tables t ON t.pubname = p.pubname
+               WHERE p.pubname = $1 AND p.pubinsert
+                 AND t.schemaname = current_schema() AND t.tablename = 'outbox') AS covers_outbox
+
+-- name: wal_slot [postgres only]
+-- Slot $1: whether a session streams from it, whether PostgreSQL removed
+-- WAL it needed (invalidated), and whether it decodes this database with pgoutput.
+SELECT active,
+       COALESCE(wal_status = 'lost', false) AS lost,
+       (slot_type = 'logical' AND plugin = 'pgoutput' AND database = current_database()) AS usable
+FROM pg_replication_slots WHERE slot_name = $1
+
+-- name: wal_create_slot [postgres only]
+SELECT lsn::text FROM pg_create_logical_replication_slot($1, 'pgoutput')
+
+-- name: wal_drop_slot [postgres only]
+SELECT pg_drop_replication_slot($1)
+
+-- name: wal_slot_needs_catch_up [postgres only]
+-- Before a slot is created: the rows committed before it are not in its
+-- stream, so the table must be read once (set before creating it, so a
+-- crash between the two leaves the flag set).
+INSERT INTO relay_wal_slots (slot, caught_up, catch_up_through, updated_at)
+VALUES ($1, false, NULL, {now $2})
+ON CONFLICT ON CONSTRAINT relay_wal_slots_pkey
+DO UPDATE SET caught_up = false, catch_up_through = NULL, updated_at = EXCLUDED.updated_at
+
+-- name: wal_slot_catch_up_bound [postgres only]
+-- Right after the slot is created: every row committed before it is visible
+-- now, so its id is at most this.
+UPDATE relay_wal_slots
+SET catch_up_through = (SELECT COALESCE(max(id), 0) FROM outbox)
+WHERE slot = $1
+
+-- name: wal_slot_catch_up [postgres only]
+-- No row means a slot this relay did not create: read the whole table.
+SELECT caught_up, catch_up_through FROM relay_wal_slots WHERE slot = $1
+
+-- name: wal_slot_set_caught_up [postgres only]
+INSERT INTO relay_wal_slots (slot, caught_up, catch_up_through, updated_at)
+VALUES ($1, true, NULL, {now $2})
+ON CONFLICT ON CONSTRAINT relay_wal_slots_pkey
+DO UPDATE SET caught_up = true, updated_at = EXCLUDED.updated_at
+
+-- name: wal_pending_after [postgres only]
+-- The catch-up read: pending rows above id $1 and up to $3, in id order
+-- (the primary key).
+SELECT id, tenant, topic, key, payload, headers, effect_key, traceparent, created_at
+FROM outbox
+WHERE state = 'pending' AND id > $1 AND id <= $3
+ORDER BY id
+LIMIT $2
+
+-- name: wal_mark_delivered [postgres only]
+-- One set-based statement per group of acknowledged transactions, run by the
+-- marker task, never by the publishing loop.
+UPDATE outbox
+SET state = 'delivered', delivered_at = {now $2},
+    publish_attempts = publish_attempts + 1
+WHERE id {ids $1} AND state = 'pending'
+RETURNING id
+
+-- name: wal_delete_delivered [postgres only]
+DELETE FROM outbox WHERE id {ids $1} AND state = 'pending'
+RETURNING id
+
+-- name: wal_mark_dead [postgres only]
+-- A row Kafka refused alone (the evidence is about this row only).
+UPDATE outbox
+SET state = 'dead', last_error = $2, publish_attempts = publish_attempts + 1
+WHERE id = $1 AND state = 'pending'
+
+-- name: wal_note_publish_error [postgres only]
+UPDATE outbox SET publish_attempts = publish_attempts + 1, last_error = $2
+WHERE id = $1 AND state = 'pending'
+
+-- name: wal_announce_replay [postgres only]
+-- In the transaction that puts dead rows back to pending: WAL capture
+-- streams inserts only, so the replay is announced in the WAL as a
+-- transactional logical message (prefix `ferry.replay.<database id>`, the
+-- ids as JSON), which reaches the stream in this transaction's commit order.
+-- Nothing is written below wal_level = logical (the relay then polls).
+SELECT pg_logical_emit_message(true, 'ferry.replay.' || s.value, $1::text)::text
+FROM ferry_settings s
+WHERE s.name = 'database_id' AND current_setting('wal_level') = 'logical'
+
+-- name: wal_pending_ids [postgres only]
+-- The rows a replay announced, still pending, in id order.
+SELECT id, tenant, topic, key, payload, headers, effect_key, traceparent, created_at
+FROM outbox
+WHERE id {ids $1} AND state = 'pending'
+ORDER BY id
+
+-- name: wal_slots [postgres only]
+-- The slots WAL capture made in this schema, for `status`: whether a relay
+-- streams from each, and how many bytes of WAL it holds back.
+SELECT w.slot,
+       COALESCE(s.active, false) AS active,
+       s.slot_name IS NOT NULL AS present,
+       COALESCE((pg_current_wal_lsn() - s.confirmed_flush_lsn)::bigint, 0) AS lag_bytes
+FROM relay_wal_slots w
+LEFT JOIN pg_replication_slots s ON s.slot_name = w.slot
+ORDER BY w.slot
+
+-- name: wal_states [postgres only]
+-- The rows of $1 this statement sees, with their state. Logical decoding
+-- can hand a commit over a moment before the transaction is visible to
+-- new snapshots, so a row the stream carried may be missing here (or, for
+-- a replay, still dead) for that moment.
+SELECT id, state FROM outbox WHERE id {ids $1}

@@ -1,0 +1,244 @@
+//! The database side of `--capture wal` (PostgreSQL only): whether this role
+//! may stream, the publication and the replication slot (catalog reads,
+//! creation, removal), the slot's catch-up flag, the catch-up read of the
+//! table, and the set-based marks. None of it is fenced by a lane: the
+//! replication slot is the fence, since PostgreSQL lets one session at a
+//! time stream from it and only the streaming relay writes these marks.
+
+use sqlx::PgPool;
+
+use super::queries::POSTGRES_ONLY as Q;
+use super::{PendingRow, PendingSqlRow, RelayStore};
+use ferry::{Error, Result};
+
+/// What decides the default capture mode on PostgreSQL.
+#[derive(Debug, Clone, PartialEq, Eq, sqlx::FromRow)]
+pub struct WalSetting {
+    /// `wal_level = logical`: logical decoding is possible at all.
+    pub logical: bool,
+    /// The role has `REPLICATION` (or is a superuser).
+    pub may_replicate: bool,
+    /// `current_schema()`: whose `outbox` the publication covers.
+    pub schema: String,
+}
+
+/// A replication slot as `pg_replication_slots` shows it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, sqlx::FromRow)]
+pub struct SlotState {
+    /// A session streams from it now (another relay, or ours not yet gone).
+    pub active: bool,
+    /// PostgreSQL removed WAL it still needed (`wal_status = 'lost'`): it
+    /// can never stream again and must be dropped and made anew.
+    pub lost: bool,
+    /// A logical `pgoutput` slot of this database.
+    pub usable: bool,
+}
+
+/// A slot WAL capture made, as `status` shows it.
+#[derive(Debug, Clone, PartialEq, Eq, sqlx::FromRow)]
+pub struct WalSlot {
+    /// Its name.
+    pub slot: String,
+    /// A relay streams from it now.
+    pub active: bool,
+    /// It still exists (a dropped one is made anew by the next relay).
+    pub present: bool,
+    /// WAL it holds back: the current position minus its confirmed one.
+    pub lag_bytes: i64,
+}
+
+impl RelayStore {
+    fn pg(&self) -> Result<&PgPool> {
+        self.ferry()
+            .db()
+            .as_postgres()
+            .ok_or(Error::Unsupported("WAL capture needs PostgreSQL"))
+    }
+
+    /// Whether `wal_level` is `logical` and this role may replicate.
+    pub async fn wal_setting(&self) -> Result<WalSetting> {
+        Ok(sqlx::query_as(Q.wal_capture_allowed).fetch_one(self.pg()?).await?)
+    }
+
+    /// Whether `publication` exists, and whether it publishes the inserts of
+    /// this schema's `outbox`.
+    pub async fn wal_publication(&self, publication: &str) -> Result<(bool, bool)> {
+        Ok(sqlx::query_as(Q.wal_publication)
+            .bind(publication)
+            .fetch_one(self.pg()?)
+            .await?)
+    }
+
+    /// Creates `publication` on this schema's `outbox`, inserts only. The
+    /// name is one [`crate::config::check_identifier`] accepted, so it needs
+    /// no quoting. A concurrent creation by another relay is not an error.
+    pub async fn create_wal_publication(&self, publication: &str) -> Result<()> {
+        crate::config::check_identifier("publication", publication).map_err(|_| Error::InvalidInput {
+            field: "publication",
+            reason: "use 1 to 63 lowercase letters, digits and '_'".into(),
+        })?;
+        let ddl = format!("CREATE PUBLICATION {publication} FOR TABLE outbox WITH (publish = 'insert')");
+        match sqlx::query(&ddl).execute(self.pg()?).await {
+            Ok(_) => Ok(()),
+            Err(e) if sqlstate(&e).as_deref() == Some("42710") => Ok(()), // duplicate_object: raced another relay
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    /// Slot `slot`, if it exists.
+    pub async fn wal_slot(&self, slot: &str) -> Result<Option<SlotState>> {
+        Ok(sqlx::query_as(Q.wal_slot).bind(slot).fetch_optional(self.pg()?).await?)
+    }
+
+    /// Creates logical slot `slot` (pgoutput), first flagging that the rows
+    /// already committed must be read from the table once. Another relay
+    /// creating it at the same time is not an error.
+    pub async fn create_wal_slot(&self, slot: &str) -> Result<()> {
+        let pool = self.pg()?;
+        sqlx::query(Q.wal_slot_needs_catch_up)
+            .bind(slot)
+            .bind(self.ferry().clock().param())
+            .execute(pool)
+            .await?;
+        match sqlx::query(Q.wal_create_slot).bind(slot).fetch_one(pool).await {
+            Ok(_) => {}
+            Err(e) if sqlstate(&e).as_deref() == Some("42710") => {} // duplicate_object
+            Err(e) => return Err(e.into()),
+        }
+        sqlx::query(Q.wal_slot_catch_up_bound).bind(slot).execute(pool).await?;
+        Ok(())
+    }
+
+    /// Drops slot `slot`; `false` when a session streams from it (55006,
+    /// object_in_use). A slot already gone counts as dropped.
+    pub async fn drop_wal_slot(&self, slot: &str) -> Result<bool> {
+        match sqlx::query(Q.wal_drop_slot).bind(slot).execute(self.pg()?).await {
+            Ok(_) => Ok(true),
+            Err(e) if sqlstate(&e).as_deref() == Some("42704") => Ok(true), // undefined_object
+            Err(e) if sqlstate(&e).as_deref() == Some("55006") => Ok(false),
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    /// What is left to read from the table for `slot`: `None` when it was
+    /// read once since the slot was created, else the highest id to read
+    /// (`i64::MAX` for a slot this relay did not create, or when the bound
+    /// was never recorded: reading too much costs only duplicates).
+    pub async fn wal_catch_up(&self, slot: &str) -> Result<Option<i64>> {
+        let found: Option<(bool, Option<i64>)> = sqlx::query_as(Q.wal_slot_catch_up)
+            .bind(slot)
+            .fetch_optional(self.pg()?)
+            .await?;
+        Ok(match found {
+            Some((true, _)) => None,
+            Some((false, through)) => Some(through.unwrap_or(i64::MAX)),
+            None => Some(i64::MAX),
+        })
+    }
+
+    /// Records that the table's rows from before `slot` are published.
+    pub async fn set_wal_slot_caught_up(&self, slot: &str) -> Result<()> {
+        sqlx::query(Q.wal_slot_set_caught_up)
+            .bind(slot)
+            .bind(self.ferry().clock().param())
+            .execute(self.pg()?)
+            .await?;
+        Ok(())
+    }
+
+    /// The catch-up read: up to `limit` pending rows above `after` and up
+    /// to `through`, in id order.
+    pub async fn pending_after(&self, after: i64, through: i64, limit: u32) -> Result<Vec<PendingRow>> {
+        let rows: Vec<PendingSqlRow> = sqlx::query_as(Q.wal_pending_after)
+            .bind(after)
+            .bind(i64::from(limit))
+            .bind(through)
+            .fetch_all(self.pg()?)
+            .await?;
+        Ok(Self::pending_rows(rows))
+    }
+
+    /// Marks acknowledged rows delivered (or deletes them, with `delete`)
+    /// in one statement; returns the ids it changed (rows no longer
+    /// pending, or not visible yet, are left alone).
+    pub async fn wal_mark_delivered(&self, ids: &[i64], delete: bool) -> Result<Vec<i64>> {
+        if ids.is_empty() {
+            return Ok(Vec::new());
+        }
+        let q = if delete {
+            sqlx::query_scalar(Q.wal_delete_delivered).bind(ferry::store::Ids(ids))
+        } else {
+            sqlx::query_scalar(Q.wal_mark_delivered)
+                .bind(ferry::store::Ids(ids))
+                .bind(self.ferry().clock().param())
+        };
+        Ok(q.fetch_all(self.pg()?).await?)
+    }
+
+    /// The rows of `ids` visible now, with their state (`pending`,
+    /// `delivered`, `dead`).
+    pub async fn wal_states(&self, ids: &[i64]) -> Result<Vec<(i64, String)>> {
+        Ok(sqlx::query_as(Q.wal_states)
+            .bind(ferry::store::Ids(ids))
+            .fetch_all(self.pg()?)
+            .await?)
+    }
+
+    /// Marks row `id`, which Kafka refused alone, dead with `code`.
+    pub async fn wal_mark_dead(&self, id: i64, code: &str) -> Result<()> {
+        sqlx::query(Q.wal_mark_dead)
+            .bind(id)
+            .bind(code)
+            .execute(self.pg()?)
+            .await?;
+        Ok(())
+    }
+
+    /// Announces in the WAL, inside `tx`, that rows `ids` were put back to
+    /// pending (see `wal_announce_replay`); nothing on SQLite or below
+    /// `wal_level = logical`.
+    pub(super) async fn announce_replay(tx: &mut ferry::Tx, ids: &[i64]) -> Result<()> {
+        let Some(conn) = tx.postgres() else { return Ok(()) };
+        if ids.is_empty() {
+            return Ok(());
+        }
+        let ids = serde_json::to_string(ids).map_err(|e| Error::Invariant(e.to_string()))?;
+        sqlx::query(Q.wal_announce_replay)
+            .bind(ids)
+            .fetch_optional(conn)
+            .await?;
+        Ok(())
+    }
+
+    /// The announced rows `ids` that are still pending, in id order.
+    pub async fn pending_ids(&self, ids: &[i64]) -> Result<Vec<PendingRow>> {
+        let rows: Vec<PendingSqlRow> = sqlx::query_as(Q.wal_pending_ids)
+            .bind(ferry::store::Ids(ids))
+            .fetch_all(self.pg()?)
+            .await?;
+        Ok(Self::pending_rows(rows))
+    }
+
+    /// The slots WAL capture made here; empty on SQLite (it always polls).
+    pub async fn wal_slots(&self) -> Result<Vec<WalSlot>> {
+        let Some(pool) = self.ferry().db().as_postgres() else {
+            return Ok(Vec::new());
+        };
+        Ok(sqlx::query_as(Q.wal_slots).fetch_all(pool).await?)
+    }
+
+    /// Records a failed publish of row `id` (attempt count and code).
+    pub async fn wal_note_publish_error(&self, id: i64, code: &str) -> Result<()> {
+        sqlx::query(Q.wal_note_publish_error)
+            .bind(id)
+            .bind(code)
+            .execute(self.pg()?)
+            .await?;
+        Ok(())
+    }
+}
+
+/// The SQLSTATE of a database error.
+fn sqlstate(e: &sqlx::Error) -> Option<String> {
+    e.as_database_error()?.code().map(|c| c.into_owned())
+}

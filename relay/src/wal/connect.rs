@@ -1,0 +1,191 @@
+//! The replication connection: its settings, taken from the relay's
+//! `DATABASE_URL`, and the explicit classification of everything that can
+//! end a replication session.
+
+use std::time::Duration;
+
+use pgwire_replication::{Lsn, PgWireError, ReplicationConfig};
+
+use crate::error::RelayError;
+
+/// How often the replication client reports the confirmed position while
+/// it changes (the slot's `confirmed_flush_lsn` trails the marks by this).
+pub const STATUS_INTERVAL: Duration = Duration::from_secs(1);
+
+/// The replication session's settings for `url` (`postgres://user:password@host:port/db`;
+/// `PGPASSWORD` when the URL has no password), streaming `slot` with
+/// `publication` from the slot's confirmed position.
+pub fn replication_config(
+    url: &str,
+    slot: &str,
+    publication: &str,
+    application_name: &str,
+) -> Result<ReplicationConfig, RelayError> {
+    let bad = |why: &str| RelayError::Config(format!("--capture wal: the database URL {why}"));
+    let u = url::Url::parse(url).map_err(|_| bad("is not a URL"))?;
+    if !matches!(u.scheme(), "postgres" | "postgresql") {
+        return Err(bad("is not postgres://"));
+    }
+    let decode = |s: &str| {
+        percent_decode(s).ok_or_else(|| bad("has a user, password or database that is not valid percent-encoded UTF-8"))
+    };
+    for (k, v) in u.query_pairs() {
+        if k == "sslmode" && !matches!(v.as_ref(), "disable" | "allow" | "prefer") {
+            return Err(bad(
+                "asks for TLS, which the relay's PostgreSQL connections do not have",
+            ));
+        }
+    }
+    let host = u.host_str().unwrap_or("localhost").to_owned();
+    let user = match u.username() {
+        "" => std::env::var("PGUSER").unwrap_or_else(|_| "postgres".into()),
+        user => decode(user)?,
+    };
+    let password = match u.password() {
+        Some(p) => decode(p)?,
+        None => std::env::var("PGPASSWORD").unwrap_or_default(),
+    };
+    let database = match u.path().trim_start_matches('/') {
+        "" => user.clone(),
+        db => decode(db)?,
+    };
+    Ok(
+        ReplicationConfig::new(host, user, password, database, slot, publication)
+            .with_port(u.port().unwrap_or(5432))
+            .with_start_lsn(Lsn::ZERO)
+            .with_status_interval(STATUS_INTERVAL)
+            .with_wakeup_interval(Duration::from_secs(5))
+            // The decoder reads bytea in hex, whatever the server's default.
+            .with_options("-c bytea_output=hex")
+            .with_application_name(application_name),
+    )
+}
+
+/// `%XX` escapes of a URL part, decoded.
+fn percent_decode(s: &str) -> Option<String> {
+    percent_encoding::percent_decode_str(s)
+        .decode_utf8()
+        .ok()
+        .map(|c| c.into_owned())
+}
+
+/// Why a replication session ended, classified: what the relay does next
+/// depends only on this.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Ended {
+    /// The relay is shutting down: everything acknowledged was marked and
+    /// confirmed.
+    Shutdown,
+    /// Another session streams from the slot (SQLSTATE 55006): wait as a
+    /// standby and try again.
+    SlotInUse,
+    /// The slot cannot carry on: it was dropped (42704 on the slot), lost
+    /// the WAL it needed (55000), or its publication is gone (42704 on the
+    /// publication: the slot's historic catalog never sees a new one). The
+    /// slot is made anew and the table read once (it is the source of truth).
+    Reseed(&'static str),
+    /// A record Kafka refused as poison in a produce request shared with
+    /// others: the stream resumes from the slot one record at a time up to
+    /// the transaction whose commit is at `through_lsn`, and the catch-up
+    /// read up to row `through_id`.
+    Isolate {
+        /// The last streamed transaction with a refused record.
+        through_lsn: Option<u64>,
+        /// The last catch-up row refused.
+        through_id: Option<i64>,
+    },
+    /// Worth retrying after a backoff: the database or the broker was
+    /// unreachable, the session was terminated, a record failed for a
+    /// transient reason, or a poison row blocks (`--on-poison=block`).
+    Retry(&'static str),
+    /// The shared producer failed fatally: the relay exits to be restarted.
+    Fatal,
+}
+
+/// The classification of a replication client error. PostgreSQL's errors
+/// carry their SQLSTATE in the client's message (`… (SQLSTATE 55006)`);
+/// codes not named here are `unclassified` and retried, never guessed at.
+pub fn classify(e: &PgWireError) -> Ended {
+    match e {
+        PgWireError::Io(_) | PgWireError::Task(_) => Ended::Retry("replication_io"),
+        PgWireError::Auth(_) => Ended::Retry("replication_auth"),
+        PgWireError::Tls(_) => Ended::Retry("replication_tls"),
+        PgWireError::Protocol(_) | PgWireError::Internal(_) | PgWireError::MessageTooLarge { .. } => {
+            Ended::Retry("replication_protocol")
+        }
+        PgWireError::Server(message) => classify_server(message),
+        _ => Ended::Retry("unclassified"),
+    }
+}
+
+fn classify_server(message: &str) -> Ended {
+    let code = message
+        .rsplit_once("(SQLSTATE ")
+        .and_then(|(_, rest)| rest.get(..5))
+        .unwrap_or("");
+    match code {
+        "55006" => Ended::SlotInUse,
+        "42704" if message.contains("publication") => Ended::Reseed("publication_missing"),
+        "42704" => Ended::Reseed("slot_missing"),
+        "55000" => Ended::Reseed("slot_invalidated"),
+        // Terminated, the server shutting down or starting, a lost connection.
+        "57P01" | "57P02" | "57P03" => Ended::Retry("replication_terminated"),
+        c if c.starts_with("08") => Ended::Retry("replication_io"),
+        // Wrong credentials or privileges: an operator fixes them.
+        c if c.starts_with("28") || c == "42501" => Ended::Retry("replication_permission"),
+        "53300" => Ended::Retry("too_many_connections"),
+        _ => {
+            tracing::warn!(%message, "unclassified replication error; retried");
+            Ended::Retry("unclassified")
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn server_errors_are_classified_by_sqlstate() {
+        let s = |m: &str| classify(&PgWireError::Server(m.into()));
+        assert_eq!(
+            s("replication slot \"a\" is active for PID 7 (SQLSTATE 55006)"),
+            Ended::SlotInUse
+        );
+        assert_eq!(
+            s("replication slot \"a\" does not exist (SQLSTATE 42704)"),
+            Ended::Reseed("slot_missing")
+        );
+        assert_eq!(
+            s("publication \"p\" does not exist (SQLSTATE 42704)"),
+            Ended::Reseed("publication_missing")
+        );
+        assert_eq!(
+            s("can no longer get changes from replication slot \"a\" (SQLSTATE 55000)"),
+            Ended::Reseed("slot_invalidated")
+        );
+        assert_eq!(
+            s("terminating connection due to administrator command (SQLSTATE 57P01)"),
+            Ended::Retry("replication_terminated")
+        );
+        assert_eq!(s("something new (SQLSTATE XX999)"), Ended::Retry("unclassified"));
+        assert_eq!(s("no code at all"), Ended::Retry("unclassified"));
+    }
+
+    #[test]
+    fn the_database_url_gives_the_replication_settings() {
+        let c = replication_config("postgres://ops:p%40ss@db.local:6543/app?options=x", "s", "p", "relay").unwrap();
+        assert_eq!(
+            (
+                c.host.as_str(),
+                c.port,
+                c.user.as_str(),
+                c.password.as_str(),
+                c.database.as_str()
+            ),
+            ("db.local", 6543, "ops", "p@ss", "app")
+        );
+        assert!(replication_config("sqlite://x.db", "s", "p", "r").is_err());
+        assert!(replication_config("postgres://h/db?sslmode=require", "s", "p", "r").is_err());
+    }
+}

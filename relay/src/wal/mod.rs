@@ -1,0 +1,227 @@
+//! `--capture wal`: the relay reads the outbox's inserts from PostgreSQL's
+//! write-ahead log by logical replication (`pgoutput`, a publication on
+//! `outbox` with inserts only, one named slot per relay group) instead of
+//! polling lanes.
+//!
+//! - **Order.** Logical decoding hands transactions over in commit order,
+//!   so a key's records are produced in commit order whoever wrote them (a
+//!   plain SQL `INSERT` included), without the per-key advisory lock.
+//! - **At least once.** Records stream through the shared idempotent
+//!   producer with many transactions in flight; the slot's confirmed
+//!   position moves only past transactions whose every record Kafka
+//!   acknowledged and whose rows are marked delivered, so a restart (or a
+//!   standby taking over) resumes from the slot and loses nothing.
+//! - **Delivered state** is written by a marker task in set-based
+//!   statements off the publishing path (`marker`).
+//! - **Fencing.** PostgreSQL lets one session stream from a slot; a standby
+//!   relay finds it in use, waits and retries, and takes over when the
+//!   active relay's session ends.
+//! - **The table is the source of truth.** A new slot (the first start, or
+//!   one made anew after it was dropped, invalidated or lost its
+//!   publication) streams only what commits after it, so the pending rows
+//!   are first published from the table, in id order.
+//!
+//! The parts: `connect` (the replication settings from the database URL and
+//! the classification of how a session ends), `pgoutput` (decoding rows),
+//! `pipeline` (produce, count acknowledgements per transaction, hand
+//! settled transactions on in commit order), `marker`, and `session` (one
+//! session, start to end). [`run`] is the loop over sessions.
+
+use std::sync::Arc;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use rdkafka::producer::FutureProducer;
+use tokio_util::sync::CancellationToken;
+
+use crate::config::{Capture, RelayConfig};
+use crate::error::RelayError;
+use crate::service::RelayState;
+use crate::store::RelayStore;
+
+mod connect;
+mod marker;
+mod pgoutput;
+mod pipeline;
+mod session;
+
+use connect::Ended;
+
+/// What `--capture wal` streams from, settled at start.
+#[derive(Debug, Clone)]
+pub struct WalCapture {
+    /// The replication slot (one per relay group).
+    pub slot: String,
+    /// The publication on `outbox`.
+    pub publication: String,
+    /// The schema whose `outbox` is published (the connection's
+    /// `current_schema()`).
+    pub schema: String,
+    /// The replication connection's settings.
+    pub replication: pgwire_replication::ReplicationConfig,
+}
+
+/// The default slot (and publication) name: `ferry_` and the first 12 hex
+/// digits of the database id, so databases (and schemas) sharing one
+/// PostgreSQL cluster never share a slot.
+pub fn default_slot(database_id: &str) -> String {
+    let hex: String = database_id
+        .chars()
+        .filter(char::is_ascii_hexdigit)
+        .take(12)
+        .collect::<String>()
+        .to_ascii_lowercase();
+    format!("ferry_{hex}")
+}
+
+/// Decides the capture mode: `Some` to stream the WAL, `None` to poll.
+/// SQLite always polls (and refuses `--capture wal`); on PostgreSQL the
+/// default is `wal` when `wal_level = logical` and the role may replicate,
+/// else `poll`, said in one log line. `--exactly-once` polls for now.
+pub async fn plan(cfg: &RelayConfig, store: &RelayStore, owner: &str) -> Result<Option<WalCapture>, RelayError> {
+    let refuse = |why: &str| RelayError::Config(format!("--capture wal: {why}"));
+    if store.ferry().db().as_postgres().is_none() {
+        return match cfg.capture {
+            Some(Capture::Wal) => Err(refuse("needs PostgreSQL; SQLite always polls")),
+            _ => Ok(None),
+        };
+    }
+    if cfg.capture == Some(Capture::Poll) {
+        tracing::info!("capture: poll (--capture poll)");
+        return Ok(None);
+    }
+    let setting = store.wal_setting().await?;
+    let why_not = if cfg.exactly_once {
+        Some("--exactly-once publishes from polled lanes for now")
+    } else if !setting.logical {
+        Some("wal_level is not logical")
+    } else if !setting.may_replicate {
+        Some("the role has no REPLICATION attribute")
+    } else {
+        None
+    };
+    if let Some(why) = why_not {
+        if cfg.capture == Some(Capture::Wal) {
+            return Err(refuse(why));
+        }
+        tracing::info!("capture: poll ({why})");
+        return Ok(None);
+    }
+    let slot = match &cfg.slot {
+        Some(s) => s.clone(),
+        None => default_slot(&store.ferry().database_id().await?),
+    };
+    let publication = cfg.publication.clone().unwrap_or_else(|| slot.clone());
+    let replication =
+        connect::replication_config(&cfg.database_url, &slot, &publication, &format!("ferry-relay {owner}"))?;
+    tracing::info!(%slot, %publication, "capture: wal");
+    Ok(Some(WalCapture {
+        slot,
+        publication,
+        schema: setting.schema,
+        replication,
+    }))
+}
+
+/// Where a poison row is being isolated (one record in flight at a time):
+/// the stream's transactions up to a commit position, the catch-up read's
+/// rows up to an id. It lasts across sessions until passed.
+#[derive(Debug, Default)]
+struct Isolation {
+    through_lsn: Option<u64>,
+    through_id: Option<i64>,
+}
+
+impl Isolation {
+    /// Whether the transaction committing at `final_lsn` is isolated; the
+    /// isolation ends at the first transaction past it.
+    fn covers_lsn(&mut self, final_lsn: u64) -> bool {
+        match self.through_lsn {
+            Some(t) if final_lsn <= t => true,
+            _ => {
+                self.through_lsn = None;
+                false
+            }
+        }
+    }
+
+    /// Whether catch-up row `id` is isolated.
+    fn covers_id(&self, id: i64) -> bool {
+        self.through_id.is_some_and(|t| id <= t)
+    }
+}
+
+/// Streams the outbox from the WAL until `finish`: one session after
+/// another, waiting as a standby while another relay holds the slot,
+/// making the slot anew when it cannot go on, backing off after failures.
+/// Cancels `state.fatal` when the producer failed fatally.
+pub async fn run(
+    state: Arc<RelayState>,
+    cfg: Arc<RelayConfig>,
+    producer: FutureProducer,
+    database_id: Arc<str>,
+    capture: WalCapture,
+    finish: CancellationToken,
+) {
+    let ctx = session::Ctx {
+        state,
+        cfg,
+        producer,
+        database_id,
+        capture,
+    };
+    let mut backoff = crate::lane::retry_backoff();
+    let mut iso = Isolation::default();
+    let mut reseed = false;
+    while !finish.is_cancelled() {
+        let ended = session::run(&ctx, &mut iso, reseed, &finish).await;
+        reseed = false;
+        let wait = match ended {
+            Ended::Shutdown => break,
+            Ended::Fatal => {
+                tracing::error!("fatal producer error; the relay stops and exits to be restarted");
+                ctx.state.fatal.cancel();
+                break;
+            }
+            Ended::SlotInUse => {
+                // A standby: healthy, waiting for the slot.
+                ctx.state.ready.store(true, std::sync::atomic::Ordering::Relaxed);
+                tracing::debug!(slot = %ctx.capture.slot, "the slot is in use; standing by");
+                backoff = crate::lane::retry_backoff();
+                ctx.cfg.lease / 3
+            }
+            Ended::Reseed(why) => {
+                tracing::warn!(slot = %ctx.capture.slot, why, "the slot cannot go on; making it anew");
+                reseed = true;
+                Duration::ZERO
+            }
+            Ended::Isolate {
+                through_lsn,
+                through_id,
+            } => {
+                tracing::warn!(
+                    through_lsn,
+                    through_id,
+                    "a produce request was refused whole; publishing one record at a time to find the poison row"
+                );
+                iso.through_lsn = through_lsn.or(iso.through_lsn);
+                iso.through_id = through_id.or(iso.through_id);
+                Duration::ZERO
+            }
+            Ended::Retry(code) => {
+                tracing::warn!(code, "WAL capture stopped; resuming from the slot after a backoff");
+                backoff.next().unwrap_or(Duration::from_secs(10))
+            }
+        };
+        tokio::select! {
+            _ = tokio::time::sleep(wait) => {}
+            _ = finish.cancelled() => break,
+        }
+    }
+}
+
+fn now_ms() -> i64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_millis() as i64)
+        .unwrap_or(0)
+}

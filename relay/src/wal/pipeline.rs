@@ -1,0 +1,380 @@
+//! The WAL publishing pipeline: records are produced as their rows arrive
+//! (many transactions in flight through the shared idempotent producer,
+//! which keeps each partition in order), acknowledgements are counted per
+//! transaction, and the transactions whose every record is acknowledged are
+//! handed, in commit order, to the marker (see `marker`), which marks their
+//! rows and then lets the slot's confirmed position move past them.
+//!
+//! At the first record that fails nothing more is produced: what is in
+//! flight is awaited, the acknowledged prefix of transactions is still
+//! handed over, and the session ends with the failure's classification.
+
+use std::collections::VecDeque;
+use std::future::Future;
+use std::pin::Pin;
+use std::task::{Context, Poll};
+
+use futures::stream::{FuturesUnordered, StreamExt};
+use rdkafka::error::{KafkaError, RDKafkaErrorCode};
+use rdkafka::producer::{DeliveryFuture, FutureProducer};
+use tokio::sync::{mpsc, oneshot};
+
+use super::connect::Ended;
+use super::marker::Mark;
+use crate::config::{OnPoison, RelayConfig};
+use crate::publish::{self, Outcome};
+use crate::service::RelayState;
+use crate::store::PendingRow;
+
+/// One transaction of the stream (or one page of the catch-up read), until
+/// the marker has it.
+#[derive(Debug)]
+struct Txn {
+    /// Its place in the pipeline (strictly increasing).
+    seq: u64,
+    /// The commit record's position (`None` for a catch-up page).
+    final_lsn: Option<u64>,
+    /// Where the slot may be confirmed once it is marked: the end of its
+    /// commit record; `None` for a catch-up page.
+    end_lsn: Option<u64>,
+    /// Its Commit arrived (a catch-up page: its last row was produced).
+    committed: bool,
+    /// Records produced and not yet settled.
+    outstanding: usize,
+    /// Its acknowledged rows, to be marked delivered.
+    acked: Vec<i64>,
+}
+
+/// A delivery in flight: the future and what it is about.
+struct Delivery {
+    seq: u64,
+    id: i64,
+    created_at: i64,
+    fut: DeliveryFuture,
+}
+
+/// A settled delivery: transaction, row id, row creation time, outcome.
+pub(super) struct Settled {
+    seq: u64,
+    id: i64,
+    created_at: i64,
+    outcome: Outcome,
+}
+
+impl Future for Delivery {
+    type Output = Settled;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Settled> {
+        let this = self.get_mut();
+        Pin::new(&mut this.fut).poll(cx).map(|r| Settled {
+            seq: this.seq,
+            id: this.id,
+            created_at: this.created_at,
+            outcome: publish::delivered(r),
+        })
+    }
+}
+
+/// The pipeline of one replication session.
+pub(super) struct Pipeline<'a> {
+    state: &'a RelayState,
+    cfg: &'a RelayConfig,
+    producer: &'a FutureProducer,
+    database_id: &'a str,
+    /// Transactions not yet handed to the marker, in commit order.
+    txns: VecDeque<Txn>,
+    next_seq: u64,
+    inflight: FuturesUnordered<Delivery>,
+    marks: mpsc::Sender<Mark>,
+    /// The highest position handed to the marker.
+    handed: u64,
+    /// How the session must end, set at the first failed record.
+    failed: Option<Ended>,
+    /// Isolating a poison row: one record in flight at a time, so a
+    /// refusal is evidence about that row alone.
+    pub(super) one_at_a_time: bool,
+}
+
+impl<'a> Pipeline<'a> {
+    /// An empty pipeline handing settled transactions to `marks`.
+    pub(super) fn new(
+        state: &'a RelayState,
+        cfg: &'a RelayConfig,
+        producer: &'a FutureProducer,
+        database_id: &'a str,
+        marks: mpsc::Sender<Mark>,
+    ) -> Self {
+        Pipeline {
+            state,
+            cfg,
+            producer,
+            database_id,
+            txns: VecDeque::new(),
+            next_seq: 0,
+            inflight: FuturesUnordered::new(),
+            marks,
+            handed: 0,
+            failed: None,
+            one_at_a_time: false,
+        }
+    }
+
+    /// Records in flight.
+    pub(super) fn in_flight(&self) -> usize {
+        self.inflight.len()
+    }
+
+    /// How the session must end, once a record failed.
+    pub(super) fn failed(&self) -> Option<&Ended> {
+        self.failed.as_ref()
+    }
+
+    /// Whether more may be produced: nothing failed, and while isolating,
+    /// nothing is in flight.
+    pub(super) fn may_produce(&self) -> bool {
+        self.failed.is_none() && (!self.one_at_a_time || self.inflight.is_empty())
+    }
+
+    /// A transaction begins (its commit record at `final_lsn`), or a page
+    /// of the catch-up read (`None`).
+    pub(super) fn begin(&mut self, final_lsn: Option<u64>) {
+        self.txns.push_back(Txn {
+            seq: self.next_seq,
+            final_lsn,
+            end_lsn: None,
+            committed: false,
+            outstanding: 0,
+            acked: Vec::new(),
+        });
+        self.next_seq += 1;
+    }
+
+    /// The open transaction committed (ending at `end_lsn`).
+    pub(super) async fn commit(&mut self, end_lsn: Option<u64>) {
+        if let Some(t) = self.txns.back_mut() {
+            t.committed = true;
+            t.end_lsn = end_lsn;
+        }
+        self.advance().await;
+    }
+
+    /// Hands `row` to the producer as part of the open transaction; while
+    /// the producer's queue is full, waits for the oldest deliveries.
+    pub(super) async fn produce(&mut self, row: &PendingRow) {
+        let topic = self.cfg.route(&row.topic, &row.tenant);
+        while self.failed.is_none() {
+            let Some(seq) = self.txns.back().map(|t| t.seq) else {
+                self.failed = Some(Ended::Retry("row_outside_transaction"));
+                return;
+            };
+            match self
+                .producer
+                .send_result(publish::record(&topic, row, self.database_id))
+            {
+                Ok(fut) => {
+                    self.inflight.push(Delivery {
+                        seq,
+                        id: row.id,
+                        created_at: row.created_at.get(),
+                        fut,
+                    });
+                    if let Some(t) = self.txns.back_mut() {
+                        t.outstanding += 1;
+                    }
+                    return;
+                }
+                Err((KafkaError::MessageProduction(RDKafkaErrorCode::QueueFull), _)) => match self.next().await {
+                    Some(settled) => self.settle(settled).await,
+                    None => {
+                        self.failed = Some(Ended::Retry("queue_full"));
+                        return;
+                    }
+                },
+                // Refused by the client before sending: certainly this row's.
+                Err((e, _)) => {
+                    if let Some(t) = self.txns.back_mut() {
+                        t.outstanding += 1;
+                    }
+                    let settled = Settled {
+                        seq,
+                        id: row.id,
+                        created_at: row.created_at.get(),
+                        outcome: publish::classify(&e),
+                    };
+                    self.apply(settled, true).await;
+                    return;
+                }
+            }
+        }
+    }
+
+    /// The next settled delivery (cancel-safe: nothing is lost when the
+    /// future is dropped); `None` when nothing is in flight.
+    pub(super) async fn next(&mut self) -> Option<Settled> {
+        self.inflight.next().await
+    }
+
+    /// Applies a delivery's outcome.
+    pub(super) async fn settle(&mut self, settled: Settled) {
+        let alone = self.one_at_a_time;
+        self.apply(settled, alone).await;
+    }
+
+    /// Awaits everything in flight (after a failure or at the end).
+    pub(super) async fn settle_all(&mut self) {
+        while let Some(s) = self.next().await {
+            self.settle(s).await;
+        }
+    }
+
+    /// A keepalive at `wal_end` while nothing is open or in flight: every
+    /// transaction before it was handled, so the slot may move there too
+    /// (WAL of other tables is released while the outbox is quiet).
+    pub(super) async fn idle(&mut self, wal_end: u64) {
+        if self.txns.is_empty() && self.inflight.is_empty() && self.failed.is_none() && wal_end > self.handed {
+            self.hand(Mark {
+                ids: Vec::new(),
+                lsn: Some(wal_end),
+                done: None,
+            })
+            .await;
+        }
+    }
+
+    /// Waits until the marker has marked everything handed to it so far.
+    pub(super) async fn flush_marks(&mut self) -> bool {
+        let (tx, rx) = oneshot::channel();
+        self.hand(Mark {
+            ids: Vec::new(),
+            lsn: None,
+            done: Some(tx),
+        })
+        .await;
+        rx.await.is_ok()
+    }
+
+    /// One row's outcome. `alone`: the outcome is certainly this row's
+    /// (refused by the client, or the only record in flight), not its
+    /// produce request's.
+    async fn apply(&mut self, s: Settled, alone: bool) {
+        let m = &self.state.metrics;
+        match s.outcome {
+            Outcome::Acked { .. } => {
+                m.observe_latency(super::now_ms() - s.created_at);
+                self.settled(s.seq, Some(s.id));
+                self.advance().await;
+            }
+            Outcome::Poison(code) => {
+                m.publish_error(code);
+                if !alone {
+                    self.poison_in_request(s.seq, s.id);
+                } else if self.cfg.on_poison == OnPoison::Dead {
+                    self.dead(s.seq, s.id, code).await;
+                } else {
+                    tracing::error!(id = s.id, code, "poison record blocks the stream (--on-poison=block)");
+                    self.note(s.id, code).await;
+                    self.fail(Ended::Retry(code));
+                }
+            }
+            Outcome::Transient(code) => {
+                m.publish_error(code);
+                self.note(s.id, code).await;
+                self.fail(Ended::Retry(code));
+            }
+            Outcome::Fatal => {
+                m.publish_error("fatal");
+                self.failed = Some(Ended::Fatal);
+            }
+        }
+    }
+
+    /// A record refused with others: isolate up to the latest transaction
+    /// (or catch-up row) refused so far.
+    fn poison_in_request(&mut self, seq: u64, id: i64) {
+        let final_lsn = self.txn(seq).and_then(|t| t.final_lsn);
+        let (mut lsn, mut through_id) = match &self.failed {
+            Some(Ended::Isolate {
+                through_lsn,
+                through_id,
+            }) => (*through_lsn, *through_id),
+            _ => (None, None),
+        };
+        match final_lsn {
+            Some(l) => lsn = Some(lsn.map_or(l, |x| x.max(l))),
+            None => through_id = Some(through_id.map_or(id, |x| x.max(id))),
+        }
+        if matches!(self.failed, None | Some(Ended::Isolate { .. })) {
+            self.failed = Some(Ended::Isolate {
+                through_lsn: lsn,
+                through_id,
+            });
+        }
+    }
+
+    /// Marks a row Kafka refused alone dead (`--on-poison=dead`): settled.
+    async fn dead(&mut self, seq: u64, id: i64, code: &'static str) {
+        tracing::error!(id, code, "record refused by Kafka; marked dead");
+        match self.state.store.wal_mark_dead(id, code).await {
+            Ok(()) => {
+                self.state.metrics.dead.inc();
+                self.settled(seq, None);
+                self.advance().await;
+            }
+            Err(e) => {
+                tracing::warn!(id, error = %e, "marking a poison row dead failed");
+                self.fail(Ended::Retry("mark_dead"));
+            }
+        }
+    }
+
+    /// Counts a failed attempt on the row (best effort: the failure is
+    /// handled whether or not this is written).
+    async fn note(&self, id: i64, code: &str) {
+        if let Err(e) = self.state.store.wal_note_publish_error(id, code).await {
+            tracing::debug!(id, error = %e, "recording a publish error failed");
+        }
+    }
+
+    /// The first failure decides how the session ends; a fatal one wins.
+    fn fail(&mut self, how: Ended) {
+        if self.failed.is_none() {
+            self.failed = Some(how);
+        }
+    }
+
+    fn txn(&mut self, seq: u64) -> Option<&mut Txn> {
+        let front = self.txns.front()?.seq;
+        self.txns.get_mut(usize::try_from(seq.checked_sub(front)?).ok()?)
+    }
+
+    /// One record of transaction `seq` settled (acknowledged: its id).
+    fn settled(&mut self, seq: u64, acked: Option<i64>) {
+        if let Some(t) = self.txn(seq) {
+            t.outstanding -= 1;
+            t.acked.extend(acked);
+        }
+    }
+
+    /// Hands every leading transaction whose records all settled to the
+    /// marker, in commit order.
+    async fn advance(&mut self) {
+        while self.txns.front().is_some_and(|t| t.committed && t.outstanding == 0) {
+            let t = self.txns.pop_front().expect("front exists");
+            self.hand(Mark {
+                ids: t.acked,
+                lsn: t.end_lsn,
+                done: None,
+            })
+            .await;
+        }
+    }
+
+    async fn hand(&mut self, mark: Mark) {
+        if let Some(l) = mark.lsn {
+            self.handed = self.handed.max(l);
+        }
+        if self.marks.send(mark).await.is_err() {
+            self.fail(Ended::Retry("marker_stopped"));
+        }
+    }
+}

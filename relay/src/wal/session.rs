@@ -1,0 +1,268 @@
+//! One replication session: make sure the publication and the slot exist
+//! (anew after a reseed), start streaming from the slot (which makes this
+//! relay its only reader until the session ends), read the table once if
+//! the slot is new, then publish the stream (inserted rows, and dead rows
+//! an operator replayed) until shutdown or a failure; finally settle what
+//! is in flight, mark it and confirm the slot.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use pgwire_replication::{FeedbackObserver, Lsn, ReplicationClient, ReplicationEvent};
+use tokio::sync::{watch, Notify};
+use tokio_util::sync::CancellationToken;
+
+use super::connect::{classify, Ended, STATUS_INTERVAL};
+use super::pgoutput::{Decoder, Message};
+use super::pipeline::Pipeline;
+use super::{marker, Isolation, WalCapture};
+use crate::config::RelayConfig;
+use crate::service::RelayState;
+
+/// The most records in flight before the stream waits for
+/// acknowledgements (the idempotent producer keeps each partition in order,
+/// so this bounds memory, not order).
+pub const MAX_IN_FLIGHT: usize = 50_000;
+
+/// What a session works with.
+pub(super) struct Ctx {
+    pub state: Arc<RelayState>,
+    pub cfg: Arc<RelayConfig>,
+    pub producer: rdkafka::producer::FutureProducer,
+    pub database_id: Arc<str>,
+    pub capture: WalCapture,
+}
+
+/// Runs one session; how it ended decides what the relay does next.
+pub(super) async fn run(ctx: &Ctx, iso: &mut Isolation, reseed: bool, finish: &CancellationToken) -> Ended {
+    if let Err(end) = prepare(ctx, reseed).await {
+        return end;
+    }
+    let sent = Arc::new(Notify::new());
+    let observed = sent.clone();
+    let repl = ctx
+        .capture
+        .replication
+        .clone()
+        .with_feedback_observer(FeedbackObserver::new(move |_| observed.notify_waiters()));
+    let mut client = match ReplicationClient::connect(repl).await {
+        Ok(c) => c,
+        Err(e) => return classify(&e),
+    };
+    if let Err(e) = client.wait_started().await {
+        return classify(&e);
+    }
+    ctx.state.ready.store(true, std::sync::atomic::Ordering::Relaxed);
+    tracing::info!(slot = %ctx.capture.slot, "streaming from the replication slot");
+    let (confirmed_tx, mut confirmed) = watch::channel(0u64);
+    let (marks, marker_task) = marker::spawn(ctx.state.clone(), ctx.cfg.delete_on_delivery, confirmed_tx);
+    let mut pipeline = Pipeline::new(&ctx.state, &ctx.cfg, &ctx.producer, &ctx.database_id, marks);
+    let end = match catch_up(ctx, &mut pipeline, iso, finish).await {
+        Some(end) => end,
+        None => stream(ctx, &mut pipeline, &mut client, &mut confirmed, iso, finish).await,
+    };
+    // Wind down: settle what is in flight, mark the acknowledged prefix,
+    // confirm it, and only then let the slot go.
+    pipeline.settle_all().await;
+    drop(pipeline);
+    let _ = marker_task.await;
+    let last = *confirmed.borrow_and_update();
+    if last > 0 {
+        client.update_applied_lsn(Lsn::from_u64(last));
+    }
+    let deadline = tokio::time::Instant::now() + STATUS_INTERVAL * 3;
+    while client.feedback_pending_since().is_some() && client.is_running() {
+        if tokio::time::timeout_at(deadline, sent.notified()).await.is_err() {
+            break;
+        }
+    }
+    let _ = tokio::time::timeout(Duration::from_secs(5), client.shutdown()).await;
+    end
+}
+
+/// The publication and the slot, created when missing; after a reseed (or
+/// when PostgreSQL invalidated it) the slot is dropped and made anew, which
+/// flags the table for one catch-up read.
+async fn prepare(ctx: &Ctx, reseed: bool) -> Result<(), Ended> {
+    let store = &ctx.state.store;
+    let (slot, publication) = (&ctx.capture.slot, &ctx.capture.publication);
+    let db = |e: ferry::Error| {
+        tracing::warn!(error = %e, code = e.code(), "preparing the replication slot failed");
+        Ended::Retry("database")
+    };
+    let (found, covers) = store.wal_publication(publication).await.map_err(db)?;
+    if !found {
+        tracing::info!(%publication, "creating the publication on outbox (inserts only)");
+        store.create_wal_publication(publication).await.map_err(db)?;
+    } else if !covers {
+        tracing::error!(%publication, "the publication exists but does not publish this schema's outbox inserts");
+        return Err(Ended::Retry("publication_mismatch"));
+    }
+    let existing = store.wal_slot(slot).await.map_err(db)?;
+    if let Some(s) = existing {
+        if !s.usable {
+            tracing::error!(%slot, "the slot exists but is not a pgoutput slot of this database");
+            return Err(Ended::Retry("slot_unusable"));
+        }
+        if !(s.lost || reseed) {
+            return Ok(());
+        }
+        if s.active || !store.drop_wal_slot(slot).await.map_err(db)? {
+            return Err(Ended::SlotInUse);
+        }
+        tracing::warn!(%slot, lost = s.lost, "dropped the replication slot; the table will be read once");
+    }
+    tracing::info!(%slot, "creating the replication slot");
+    store.create_wal_slot(slot).await.map_err(db)
+}
+
+/// A new slot streams only what commits after it: the rows already pending
+/// are published once from the table, in id order, before the stream, up to
+/// the highest id committed when the slot was made (a row both read here
+/// and streamed, committed just after the slot with an id below that, is
+/// published twice, never lost). `Some` ends the session.
+async fn catch_up(
+    ctx: &Ctx,
+    pipeline: &mut Pipeline<'_>,
+    iso: &mut Isolation,
+    finish: &CancellationToken,
+) -> Option<Ended> {
+    let store = &ctx.state.store;
+    let slot = &ctx.capture.slot;
+    let through = match store.wal_catch_up(slot).await {
+        Ok(None) => return None,
+        Ok(Some(through)) => through,
+        Err(e) => {
+            tracing::warn!(error = %e, "reading the slot's catch-up flag failed");
+            return Some(Ended::Retry("database"));
+        }
+    };
+    tracing::info!(%slot, through, "publishing the rows committed before the slot from the table");
+    let mut after = 0;
+    loop {
+        if finish.is_cancelled() {
+            return Some(Ended::Shutdown);
+        }
+        let rows = match store.pending_after(after, through, ctx.cfg.batch_size).await {
+            Ok(rows) => rows,
+            Err(e) => {
+                tracing::warn!(error = %e, "the catch-up read failed");
+                return Some(Ended::Retry("database"));
+            }
+        };
+        let Some(last) = rows.last().map(|r| r.id) else { break };
+        pipeline.begin(None);
+        for row in &rows {
+            pipeline.one_at_a_time = iso.covers_id(row.id);
+            while pipeline.in_flight() > 0 && !pipeline.may_produce() {
+                if let Some(s) = pipeline.next().await {
+                    pipeline.settle(s).await;
+                }
+            }
+            if pipeline.failed().is_some() {
+                break;
+            }
+            pipeline.produce(row).await;
+        }
+        pipeline.commit(None).await;
+        pipeline.settle_all().await;
+        if let Some(end) = pipeline.failed() {
+            return Some(end.clone());
+        }
+        after = last;
+    }
+    pipeline.one_at_a_time = false;
+    iso.through_id = None;
+    if !pipeline.flush_marks().await {
+        return Some(Ended::Retry("marker_stopped"));
+    }
+    if let Err(e) = store.set_wal_slot_caught_up(slot).await {
+        tracing::warn!(error = %e, "recording the catch-up failed; it will be read again");
+        return Some(Ended::Retry("database"));
+    }
+    None
+}
+
+/// Publishes the stream until shutdown or a failure.
+async fn stream(
+    ctx: &Ctx,
+    pipeline: &mut Pipeline<'_>,
+    client: &mut ReplicationClient,
+    confirmed: &mut watch::Receiver<u64>,
+    iso: &mut Isolation,
+    finish: &CancellationToken,
+) -> Ended {
+    let mut decoder = Decoder::new(ctx.capture.schema.clone());
+    let replay = format!("ferry.replay.{}", ctx.database_id);
+    loop {
+        if let Some(end) = pipeline.failed() {
+            return end.clone();
+        }
+        let read = pipeline.may_produce() && pipeline.in_flight() < MAX_IN_FLIGHT;
+        tokio::select! {
+            biased;
+            _ = finish.cancelled() => return Ended::Shutdown,
+            Ok(()) = confirmed.changed() => {
+                client.update_applied_lsn(Lsn::from_u64(*confirmed.borrow_and_update()));
+            }
+            Some(settled) = pipeline.next(), if pipeline.in_flight() > 0 => pipeline.settle(settled).await,
+            event = client.recv(), if read => match event {
+                Ok(Some(ReplicationEvent::Begin { final_lsn, .. })) => {
+                    pipeline.one_at_a_time = iso.covers_lsn(final_lsn.as_u64());
+                    pipeline.begin(Some(final_lsn.as_u64()));
+                }
+                Ok(Some(ReplicationEvent::XLogData { data, .. })) => match decoder.decode(&data) {
+                    Ok(Message::Row(row)) => pipeline.produce(&row).await,
+                    Ok(Message::Ignored | Message::Relation) => {}
+                    Err(e) => {
+                        tracing::error!(error = %e, "a replication message could not be decoded");
+                        return Ended::Retry("decode");
+                    }
+                },
+                Ok(Some(ReplicationEvent::Commit { end_lsn, .. })) => pipeline.commit(Some(end_lsn.as_u64())).await,
+                Ok(Some(ReplicationEvent::KeepAlive { wal_end, .. })) => pipeline.idle(wal_end.as_u64()).await,
+                Ok(Some(ReplicationEvent::Message { transactional: true, prefix, content, .. })) if prefix == replay => {
+                    if let Err(end) = replayed(ctx, pipeline, &content).await {
+                        return end;
+                    }
+                }
+                // Another application's pg_logical_emit_message: not ours.
+                Ok(Some(ReplicationEvent::Message { .. })) => {}
+                Ok(Some(ReplicationEvent::StoppedAt { .. }) | None) => return Ended::Retry("stream_ended"),
+                Err(e) => return classify(&e),
+            },
+        }
+    }
+}
+
+/// Dead rows put back to pending, announced in the transaction that did it
+/// (`RelayStore::replay_dead_outbox_where`): published at that
+/// transaction's place in commit order, read from the table (the update
+/// itself is not streamed: the publication is inserts only).
+async fn replayed(ctx: &Ctx, pipeline: &mut Pipeline<'_>, content: &[u8]) -> Result<(), Ended> {
+    let ids: Vec<i64> = serde_json::from_slice(content).map_err(|_| {
+        tracing::error!("a replay announcement could not be read");
+        Ended::Retry("decode")
+    })?;
+    let db = |e: ferry::Error| {
+        tracing::warn!(error = %e, "reading replayed rows failed");
+        Ended::Retry("database")
+    };
+    // The replay's commit may reach the stream a moment before it is
+    // visible: wait (a bounded while) until no announced row still reads
+    // as dead. One that does after that died again after an earlier
+    // reading of this announcement (a session that ended before confirming
+    // it), and stays dead.
+    for _ in 0..marker::VISIBLE_TRIES {
+        let states = ctx.state.store.wal_states(&ids).await.map_err(db)?;
+        if !states.iter().any(|(_, s)| s == "dead") {
+            break;
+        }
+        tokio::time::sleep(marker::VISIBLE_WAIT).await;
+    }
+    let rows = ctx.state.store.pending_ids(&ids).await.map_err(db)?;
+    for row in &rows {
+        pipeline.produce(row).await;
+    }
+    Ok(())
+}
