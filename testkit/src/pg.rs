@@ -10,8 +10,8 @@
 //! As root, whom PostgreSQL refuses, the cluster runs as the `postgres` user.
 //!
 //! [`PgCluster::stop`] is a fast shutdown (SIGINT, what `pg_ctl stop -m
-//! fast` sends), [`PgCluster::restart`] starts it again on the same port and
-//! data. The postmaster runs in the foreground under the testkit's watchdog
+//! fast` sends) that fails the test if it does not finish within a minute,
+//! [`PgCluster::restart`] starts it again on the same port and data. The postmaster runs in the foreground under the testkit's watchdog
 //! rather than daemonized by `pg_ctl`, so no cluster outlives its test binary
 //! (an immediate shutdown when dropped, SIGKILL when the test process dies);
 //! the directory is removed on drop. Readiness is the postmaster's own
@@ -30,6 +30,9 @@ use crate::watchdog::{Signal, Watchdog};
 
 /// How long a start may take before the harness gives up and quotes the log.
 const READY_WITHIN: Duration = Duration::from_secs(60);
+
+/// How long a fast shutdown may take before the harness fails the test.
+const STOP_WITHIN: Duration = Duration::from_secs(60);
 
 /// One PostgreSQL cluster owned by a test: stopped and removed on drop.
 pub struct PgCluster {
@@ -86,10 +89,26 @@ impl PgCluster {
 
     /// Fast shutdown (SIGINT: open transactions roll back, sessions are
     /// ended, a checkpoint is written) and waits until the postmaster
-    /// exited: the database is down until [`PgCluster::restart`].
+    /// exited: the database is down until [`PgCluster::restart`]. Panics
+    /// quoting the log when the shutdown does not finish within a minute
+    /// (a client PostgreSQL waits for, such as a replication client that
+    /// never confirms the end of the WAL, holds it up).
     pub fn stop(&mut self) {
+        let Some(w) = self.proc.as_mut() else { return };
+        w.send(Signal::Int);
+        let deadline = Instant::now() + STOP_WITHIN;
+        while w.server_alive() {
+            if Instant::now() > deadline {
+                panic!(
+                    "PostgreSQL's fast shutdown on port {} did not finish within {STOP_WITHIN:?} (it waits, among others, for every replication client to confirm the end of the WAL); its log:\n{}",
+                    self.port,
+                    self.log_tail(20)
+                );
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
         if let Some(w) = self.proc.take() {
-            w.stop(Signal::Int);
+            w.reap();
         }
     }
 
@@ -211,9 +230,13 @@ impl PgCluster {
 }
 
 impl Drop for PgCluster {
+    /// An immediate shutdown, also of a server stuck in a fast shutdown
+    /// [`PgCluster::stop`] gave up on; then the directory is removed.
     fn drop(&mut self) {
-        if let Some(w) = self.proc.take() {
-            w.stop(Signal::Quit);
+        if let Some(mut w) = self.proc.take() {
+            w.send(Signal::Quit);
+            w.send_directly(Signal::Quit);
+            w.reap();
         }
         let _ = std::fs::remove_dir_all(&self.dir);
     }

@@ -96,7 +96,28 @@ impl Watchdog {
 
     /// Sends `signal` to the server and waits until it exited.
     pub(crate) fn stop(mut self, signal: Signal) {
+        self.send(signal);
+        self.reap();
+    }
+
+    /// Has the watchdog send `signal` to the server; [`Watchdog::reap`]
+    /// once it exited.
+    pub(crate) fn send(&mut self, signal: Signal) {
         let _ = writeln!(self.stdin, "{}", signal.name());
+    }
+
+    /// Sends `signal` to the server from this process, for a server that
+    /// did not exit on the signal [`Watchdog::send`] sent (the watchdog
+    /// waits for it and reads nothing more meanwhile).
+    pub(crate) fn send_directly(&self, signal: Signal) {
+        let _ = std::process::Command::new("kill")
+            .arg(format!("-{}", signal.name()))
+            .arg(self.server_pid.to_string())
+            .status();
+    }
+
+    /// Waits until the server exited and the watchdog with it.
+    pub(crate) fn reap(mut self) {
         let mut line = String::new();
         let _ = self.stdout.read_line(&mut line);
         let _ = self.child.wait();

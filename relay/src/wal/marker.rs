@@ -5,11 +5,17 @@
 //! position move to the last transaction it covered. Publishing never
 //! waits for it, but for the bounded queue between them: a marker that
 //! falls behind slows the stream instead of piling up ids.
+//!
+//! A database error ends the marker, and with it the session: a session
+//! that cannot mark cannot confirm, and PostgreSQL's fast shutdown waits
+//! for every replication client to confirm the end of the WAL, so a
+//! session that held on while its marks were refused ("the database
+//! system is shutting down") would hold the shutdown up for ever. The
+//! slot stays before the unmarked rows; the next session publishes them
+//! again.
 
 use std::collections::HashSet;
 use std::time::{Duration, Instant};
-
-use backon::ExponentialBackoff;
 
 use tokio::sync::{mpsc, oneshot, watch};
 use tokio::task::JoinHandle;
@@ -41,9 +47,10 @@ pub(super) struct Mark {
 }
 
 /// Starts the marker of one session. `confirmed` receives each position
-/// the slot may be confirmed at, after the rows before it are marked.
-/// Database errors are retried (the rows stay acknowledged and unmarked)
-/// until the session drops the sender, then until the task is aborted.
+/// the slot may be confirmed at, after the rows before it are marked. The
+/// task ends when the session drops the sender, or at the first database
+/// error (the rows stay acknowledged and unmarked; the session sees the
+/// marker gone and ends).
 pub(super) fn spawn(
     state: std::sync::Arc<RelayState>,
     delete: bool,
@@ -51,7 +58,6 @@ pub(super) fn spawn(
 ) -> (mpsc::Sender<Mark>, JoinHandle<()>) {
     let (tx, mut rx) = mpsc::channel::<Mark>(MARK_QUEUE);
     let task = tokio::spawn(async move {
-        let mut backoff = crate::lane::retry_backoff();
         while let Some(first) = rx.recv().await {
             let mut ids = first.ids;
             let mut lsn = first.lsn;
@@ -62,7 +68,10 @@ pub(super) fn spawn(
                 lsn = more.lsn.or(lsn);
                 done.extend(more.done);
             }
-            mark(&state, &mut backoff, ids, delete).await;
+            if let Err(e) = mark(&state, ids, delete).await {
+                tracing::warn!(error = %e, code = e.code(), "marking delivered failed; ending the session (the slot is not confirmed past these rows, so the next session publishes them again)");
+                return;
+            }
             if let Some(l) = lsn {
                 confirmed.send_if_modified(|c| {
                     let moved = l > *c;
@@ -78,47 +87,36 @@ pub(super) fn spawn(
     (tx, task)
 }
 
-/// Marks `ids` delivered (deleted, with `delete`), retrying database errors
-/// with `backoff`. Logical decoding can hand a commit over a moment before
-/// the transaction is visible to new snapshots, so rows the statement did
-/// not find are looked for again, [`VISIBLE_WAIT`] apart, until each is
-/// visible and no longer pending, or [`VISIBLE_TRIES`] pass (a row an
-/// earlier mark of a republished duplicate deleted never shows up again).
-async fn mark(state: &RelayState, backoff: &mut ExponentialBackoff, mut ids: Vec<i64>, delete: bool) {
+/// Marks `ids` delivered (deleted, with `delete`); a database error is
+/// returned at once. Logical decoding can hand a commit over a moment
+/// before the transaction is visible to new snapshots, so rows the
+/// statement did not find are looked for again, [`VISIBLE_WAIT`] apart,
+/// until each is visible and no longer pending, or [`VISIBLE_TRIES`] pass (a
+/// row an earlier mark of a republished duplicate deleted never shows up
+/// again).
+async fn mark(state: &RelayState, mut ids: Vec<i64>, delete: bool) -> ferry::Result<()> {
     let mut tries = 0;
     while !ids.is_empty() {
         let started = Instant::now();
-        let marked = match state.store.wal_mark_delivered(&ids, delete).await {
-            Ok(marked) => marked,
-            Err(e) => {
-                tracing::warn!(error = %e, rows = ids.len(), "marking delivered failed; retrying (the slot is not confirmed past them)");
-                tokio::time::sleep(backoff.next().unwrap_or(Duration::from_secs(10))).await;
-                continue;
-            }
-        };
+        let marked = state.store.wal_mark_delivered(&ids, delete).await?;
         let t = &state.metrics.timings;
         crate::metrics::Timings::add(&t.marks, &t.mark_ns, started.elapsed());
         state.metrics.published.inc_by(marked.len() as u64);
-        *backoff = crate::lane::retry_backoff();
         if marked.len() == ids.len() {
-            return;
+            return Ok(());
         }
         let marked: HashSet<i64> = marked.into_iter().collect();
         ids.retain(|id| !marked.contains(id));
         // Which of the rest are still to be marked: visible and pending, or
         // not visible at all.
-        let settled: HashSet<i64> = match state.store.wal_states(&ids).await {
-            Ok(rows) => rows
-                .into_iter()
-                .filter(|(_, s)| s != "pending")
-                .map(|(id, _)| id)
-                .collect(),
-            Err(e) => {
-                tracing::warn!(error = %e, "reading the states of unmarked rows failed; retrying");
-                tokio::time::sleep(backoff.next().unwrap_or(Duration::from_secs(10))).await;
-                continue;
-            }
-        };
+        let settled: HashSet<i64> = state
+            .store
+            .wal_states(&ids)
+            .await?
+            .into_iter()
+            .filter(|(_, s)| s != "pending")
+            .map(|(id, _)| id)
+            .collect();
         ids.retain(|id| !settled.contains(id));
         tries += 1;
         if tries >= VISIBLE_TRIES {
@@ -128,10 +126,11 @@ async fn mark(state: &RelayState, backoff: &mut ExponentialBackoff, mut ids: Vec
                     "acknowledged rows never became visible to mark; left pending"
                 );
             }
-            return;
+            return Ok(());
         }
         tokio::time::sleep(VISIBLE_WAIT).await;
     }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -170,7 +169,7 @@ mod tests {
         .unwrap();
         let marking = {
             let state = state.clone();
-            tokio::spawn(async move { mark(&state, &mut crate::lane::retry_backoff(), vec![id], false).await })
+            tokio::spawn(async move { mark(&state, vec![id], false).await })
         };
         // The first statement ran without seeing the row...
         let deadline = Instant::now() + Duration::from_secs(10);
@@ -180,7 +179,7 @@ mod tests {
         }
         // ...then its transaction becomes visible.
         late.commit().await.unwrap();
-        marking.await.unwrap();
+        marking.await.unwrap().unwrap();
         let row: String = sqlx::query_scalar("SELECT state FROM outbox WHERE id = $1")
             .bind(id)
             .fetch_one(&pool)

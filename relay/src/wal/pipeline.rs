@@ -119,6 +119,12 @@ impl<'a> Pipeline<'a> {
         }
     }
 
+    /// The marker's queue, for a session to see the marker gone
+    /// ([`mpsc::Sender::closed`]) while nothing is handed to it.
+    pub(super) fn marker(&self) -> mpsc::Sender<Mark> {
+        self.marks.clone()
+    }
+
     /// Records in flight.
     pub(super) fn in_flight(&self) -> usize {
         self.inflight.len()

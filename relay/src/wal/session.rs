@@ -183,7 +183,9 @@ async fn catch_up(
     None
 }
 
-/// Publishes the stream until shutdown or a failure.
+/// Publishes the stream until shutdown or a failure, the marker's
+/// included: a session that cannot mark lets the slot go at once (see
+/// `marker`), whether or not anything more is handed to the marker.
 async fn stream(
     ctx: &Ctx,
     pipeline: &mut Pipeline<'_>,
@@ -194,6 +196,7 @@ async fn stream(
 ) -> Ended {
     let mut decoder = Decoder::new(ctx.capture.schema.clone());
     let replay = format!("ferry.replay.{}", ctx.database_id);
+    let marker = pipeline.marker();
     loop {
         if let Some(end) = pipeline.failed() {
             return end.clone();
@@ -202,6 +205,7 @@ async fn stream(
         tokio::select! {
             biased;
             _ = finish.cancelled() => return Ended::Shutdown,
+            _ = marker.closed() => return Ended::Retry("marker_stopped"),
             Ok(()) = confirmed.changed() => {
                 client.update_applied_lsn(Lsn::from_u64(*confirmed.borrow_and_update()));
             }
