@@ -37,8 +37,9 @@ pub struct RelayConfig {
     pub brokers: String,
     /// Any librdkafka producer property, `key=value`; repeatable. Applied
     /// last, but never weakening delivery: `acks` other than `all`,
-    /// `enable.idempotence=false` and more than 5 in-flight requests are
-    /// refused at startup. Values may contain commas (a multi-host
+    /// `enable.idempotence=false`, more than 5 in-flight requests and (at
+    /// least once) a finite `message.timeout.ms` are refused at startup.
+    /// Values may contain commas (a multi-host
     /// `bootstrap.servers`); in `FERRY_KAFKA`, separate pairs with `;`.
     #[arg(long = "kafka", value_parser = parse_kv, env = "FERRY_KAFKA", value_delimiter = ';')]
     pub kafka: Vec<(String, String)>,
@@ -170,7 +171,7 @@ impl RelayConfig {
             }
         }
         for (k, v) in &self.kafka {
-            weakens_delivery(k, v)?;
+            weakens_delivery(k, v, self.exactly_once)?;
         }
         if self.exactly_once && (self.transactional_id_prefix.is_empty() || self.progress_topic().is_empty()) {
             return Err(RelayError::Config(
@@ -293,20 +294,24 @@ pub fn check_identifier(what: &str, name: &str) -> Result<(), RelayError> {
 /// Refuses an override that would let Kafka lose or reorder acknowledged
 /// records: the relay marks a row delivered on acknowledgement, so the
 /// acknowledgement must mean "on every in-sync replica, in order, once".
-fn weakens_delivery(key: &str, value: &str) -> Result<(), RelayError> {
+/// At least once, a finite message timeout is refused too: a record that
+/// times out lets the ones behind it overtake it (see
+/// [`crate::publish::producer_config`]).
+fn weakens_delivery(key: &str, value: &str, exactly_once: bool) -> Result<(), RelayError> {
     let v = value.trim().to_ascii_lowercase();
     let refused = match key.trim() {
         "acks" | "request.required.acks" => !matches!(v.as_str(), "all" | "-1"),
         "enable.idempotence" => v != "true",
         "max.in.flight" | "max.in.flight.requests.per.connection" => v.parse::<u32>().map_or(true, |n| n > 5),
         "transactional.id" => true,
+        "message.timeout.ms" | "delivery.timeout.ms" => !exactly_once && v != "0",
         // Per-key order needs keys where Java clients put them.
         "partitioner" => v != "murmur2_random",
         _ => false,
     };
     if refused {
         return Err(RelayError::Config(format!(
-            "--kafka {key}={value} would weaken delivery: the relay needs acks=all, enable.idempotence=true, at most 5 in-flight requests and the murmur2_random partitioner, and sets transactional.id itself (--exactly-once)"
+            "--kafka {key}={value} would weaken delivery: the relay needs acks=all, enable.idempotence=true, at most 5 in-flight requests, the murmur2_random partitioner and (at least once) message.timeout.ms=0, so a record is retried until acknowledged and never overtaken, and sets transactional.id itself (--exactly-once)"
         )));
     }
     Ok(())
@@ -524,6 +529,16 @@ mod tests {
         assert_eq!(with("acks", "-1"), Ok(()));
         assert_eq!(with("max.in.flight", "5"), Ok(()));
         assert_eq!(with("linger.ms", "20"), Ok(()));
+        assert_eq!(with("message.timeout.ms", "10000"), Err("config"));
+        assert_eq!(with("delivery.timeout.ms", "300000"), Err("config"));
+        assert_eq!(with("message.timeout.ms", "0"), Ok(()));
+        let exactly_once = |k: &str, v: &str| {
+            let mut c = RelayConfig::new("sqlite://x", "b");
+            c.exactly_once = true;
+            c.kafka = vec![(k.into(), v.into())];
+            c.validate().map_err(|e| e.code())
+        };
+        assert_eq!(exactly_once("message.timeout.ms", "10000"), Ok(()));
     }
 
     #[test]

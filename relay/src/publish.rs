@@ -45,6 +45,17 @@ pub const CLIENT_MAX_MESSAGE_BYTES: &str = "100000000";
 /// The settings of every relay producer (idempotent, `acks=all`,
 /// `murmur2_random`), with the operator's overrides applied last.
 ///
+/// At least once, a record is retried until Kafka acknowledges it
+/// (`message.timeout.ms=0`, as Kafka Connect sets `delivery.timeout.ms` to
+/// its maximum for source tasks): with a finite timeout, librdkafka drops a
+/// record that timed out in its queue and delivers the ones behind it (its
+/// INTRODUCTION, "Message timeout considerations"), so after a broker
+/// outage longer than the timeout a key's later row would reach the topic
+/// before its earlier one is produced again. A broker outage stalls the
+/// relay instead; its lag shows it. Exactly once, an aborted transaction
+/// hides such a gap from `read_committed` readers, and librdkafka needs the
+/// timeout within `transaction.timeout.ms`, so it stays at 30 s.
+///
 /// `message.max.bytes` is raised from librdkafka's 1,000,000 to
 /// [`CLIENT_MAX_MESSAGE_BYTES`], so the topic's own `max.message.bytes` (which
 /// may be larger than the client's default) is what refuses a big row, and
@@ -58,7 +69,7 @@ pub fn producer_config(cfg: &RelayConfig) -> ClientConfig {
         .set("partitioner", "murmur2_random")
         .set("compression.type", &cfg.compression)
         .set("linger.ms", "5")
-        .set("message.timeout.ms", "30000")
+        .set("message.timeout.ms", if cfg.exactly_once { "30000" } else { "0" })
         .set("message.max.bytes", CLIENT_MAX_MESSAGE_BYTES);
     for (k, v) in &cfg.kafka {
         c.set(k, v);

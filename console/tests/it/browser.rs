@@ -297,7 +297,6 @@ async fn an_operator_finds_a_run_replays_a_dead_row_and_sees_it_delivered() {
     // Polling: a WAL relay would leave its replication slot behind.
     cfg.capture = Some(ferry_relay::Capture::Poll);
     cfg.poll_interval = Duration::from_millis(50);
-    cfg.kafka = vec![("message.timeout.ms".into(), "10000".into())];
     let relay = Relay::new(cfg, db.reopen().await).unwrap();
     let relay_stop = CancellationToken::new();
     let relay_listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();

@@ -281,10 +281,11 @@ async fn a_broker_outage_drains_after_restart() {
     );
 }
 
-/// The broker is SIGKILLed while batches are in flight (a transient failure
-/// mid-batch) and restarted: nothing is lost, and the first occurrence of
-/// each row on the topic keeps per-key id order (a lane never produces past
-/// a failed row, so it never writes `i+1, i, i+1`).
+/// The broker is SIGKILLed while batches are in flight and stays down until
+/// a row written after it has waited 12 s (longer than the 10 s message
+/// timeout these tests once set), then restarts: no record fails (each is
+/// retried until acknowledged), nothing is lost, and the first occurrence
+/// of each row on the topic keeps per-key id order (never `i+1, i, i+1`).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_broker_crash_mid_batch_keeps_first_occurrences_in_order() {
     let mut broker = Kafka::start();
@@ -294,13 +295,17 @@ async fn a_broker_crash_mid_batch_keeps_first_occurrences_in_order() {
     let relay = start_relay(relay_config(&url, &broker.brokers()), ferry.clone()).await;
     let c = consumer(&broker.brokers(), &["orders"]);
     let mut recs = read_until(&c, Duration::from_secs(60), |r| distinct(r) >= 300).await;
+    let before = scalar(&ferry, "SELECT coalesce(max(id), 0) FROM outbox").await;
     broker.kill();
+    write_orders(&ferry, 100, 20).await;
+    wait_for_a_row_pending_for(&ferry, before, Duration::from_secs(12)).await;
     broker.restart();
     let more = read_until(&c, Duration::from_secs(120), |r| {
-        distinct(&[&recs[..], r].concat()) >= 3000
+        distinct(&[&recs[..], r].concat()) >= 3100
     })
     .await;
     recs.extend(more);
+    assert_no_record_timed_out(relay.addr).await;
     relay.shutdown().await;
     first_occurrences(&recs);
 }

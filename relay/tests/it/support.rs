@@ -34,7 +34,6 @@ pub fn relay_config(url: &str, brokers: &str) -> RelayConfig {
     cfg.poll_interval = Duration::from_millis(50);
     cfg.lease = Duration::from_secs(3);
     cfg.grace = Duration::from_secs(5);
-    cfg.kafka = vec![("message.timeout.ms".into(), "10000".into())];
     cfg
 }
 
@@ -453,6 +452,29 @@ pub async fn confirmed_flush(pool: &sqlx::PgPool, slot: &str) -> i64 {
     .await
     .unwrap()
     .unwrap_or(0)
+}
+
+/// Waits until a row written after `after_id` has been pending for longer
+/// than `age` (with the broker down: an outage at least that long for the
+/// records in flight).
+pub async fn wait_for_a_row_pending_for(ferry: &Ferry, after_id: i64, age: Duration) {
+    let sql = format!(
+        "SELECT count(*) FROM outbox WHERE id > {after_id} AND state = 'pending' \
+         AND created_at < (extract(epoch FROM clock_timestamp()) * 1000)::bigint - {}",
+        age.as_millis()
+    );
+    wait_for_count(ferry, &sql, 1, age + Duration::from_secs(60)).await;
+}
+
+/// Asserts that no record failed for a timeout: at least once, a record is
+/// retried until acknowledged (a timed-out one would let the records
+/// behind it overtake it).
+pub async fn assert_no_record_timed_out(addr: std::net::SocketAddr) {
+    let (_, metrics) = http_get(addr, "/metrics").await;
+    assert!(
+        !metrics.contains("ferry_relay_publish_errors_total{code=\"timeout\"}"),
+        "records timed out during the outage: {metrics}"
+    );
 }
 
 /// Waits until `sql` (a count) reaches `want`; fails after `limit`.
