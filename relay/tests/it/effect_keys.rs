@@ -2,19 +2,20 @@
 //! outbox rows share ids, relayed into one topic and consumed by one group,
 //! both have their effects applied (a bare outbox id would make the second
 //! a duplicate for the whole ledger retention). Caller-chosen effect keys
-//! are scoped by tenant.
+//! are scoped by tenant. In both capture modes.
 
 use ferry::store::Arg;
 use std::time::{Duration, Instant};
 
 use ferry::{Ferry, OutboxMessage};
 use ferry_consumer::{Consumer, Handler, HandlerError, Record};
+use ferry_relay::Capture;
 use ferry_testkit::Kafka;
 use futures::future::BoxFuture;
 use serde_json::json;
 use tokio_util::sync::CancellationToken;
 
-use crate::support::{pg_ferry, relay_config, scalar, start_relay};
+use crate::support::{config_for, in_both_capture_modes, pg_ferry, scalar};
 
 /// Records every application with the effect key it was applied under.
 struct Applied;
@@ -41,8 +42,7 @@ async fn rows(ferry: &Ferry, sql: &str) -> Vec<String> {
         .unwrap()
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn two_databases_with_the_same_outbox_ids_both_apply() {
+async fn two_databases_with_the_same_outbox_ids_both_apply(capture: Capture) {
     let broker = Kafka::start();
     broker.create_topic("orders", 1);
     let (a, url_a) = pg_ferry().await;
@@ -65,8 +65,10 @@ async fn two_databases_with_the_same_outbox_ids_both_apply() {
             .unwrap();
         assert_eq!(id, 2);
     }
-    let relay_a = start_relay(relay_config(&url_a, &broker.brokers()), a.clone()).await;
-    let relay_b = start_relay(relay_config(&url_b, &broker.brokers()), b.clone()).await;
+    let (cfg_a, guard_a) = config_for(capture, &url_a, &broker.brokers()).await;
+    let (cfg_b, guard_b) = config_for(capture, &url_b, &broker.brokers()).await;
+    let relay_a = guard_a.start(cfg_a, a.clone()).await;
+    let relay_b = guard_b.start(cfg_b, b.clone()).await;
     // One consumer group, its ledger in database a.
     sqlx::query("CREATE TABLE applied (effect_key TEXT NOT NULL, payload TEXT NOT NULL)")
         .execute(a.db().as_postgres().unwrap())
@@ -125,3 +127,5 @@ async fn two_databases_with_the_same_outbox_ids_both_apply() {
         want
     );
 }
+
+in_both_capture_modes!(two_databases_with_the_same_outbox_ids_both_apply);

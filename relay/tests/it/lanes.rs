@@ -1,7 +1,9 @@
 //! Lane ownership against PostgreSQL and Apache Kafka: lanes the database
 //! says a relay holds but it has no task for are published, mixed
 //! `--max-lanes` settings leave no lane unowned, publish errors are fenced,
-//! and expired relay instances are swept.
+//! and expired relay instances are swept. Poll capture only: lane leases
+//! are how polled lanes are owned; WAL capture holds no lanes (one relay
+//! streams from the slot, `capture.rs`).
 
 use std::time::{Duration, Instant};
 

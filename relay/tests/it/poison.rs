@@ -2,7 +2,9 @@
 //! refuses is marked dead (or blocks its lane) only on evidence about that
 //! row alone, never because it shared a refused produce request with other
 //! lanes' rows; and a refusal never lets a lane's later rows overtake
-//! earlier ones of the same key.
+//! earlier ones of the same key. At least once, in both capture modes
+//! (`in_both_capture_modes!`); exactly once polls (`--capture wal
+//! --exactly-once` is refused for now).
 
 use std::collections::HashSet;
 use std::time::{Duration, Instant};
@@ -10,7 +12,7 @@ use std::time::{Duration, Instant};
 use ferry::outbox::lane_for;
 use ferry::{Ferry, OutboxMessage};
 use ferry_relay::store::RelayStore;
-use ferry_relay::OnPoison;
+use ferry_relay::{Capture, OnPoison, RelayConfig};
 
 use crate::support::*;
 use ferry_testkit::Kafka;
@@ -109,38 +111,64 @@ fn too_large_refusals(relay: &RunningRelay) -> u64 {
         .map_or(0, |n| n.trim().parse().unwrap())
 }
 
-/// A relay whose shared producer lingers, so records of different lanes
-/// bound for one partition meet in one produce request.
-fn lingering_config(url: &str, brokers: &str) -> ferry_relay::RelayConfig {
-    let mut cfg = relay_config(url, brokers);
+/// `cfg` with a shared producer that lingers, so records of different
+/// lanes bound for one partition meet in one produce request.
+fn lingering(mut cfg: RelayConfig) -> RelayConfig {
     cfg.kafka.push(("linger.ms".into(), "200".into()));
     cfg
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_poison_record_goes_dead_and_the_lane_flows() {
+/// Starts a relay of `guard`'s capture mode and waits until it publishes
+/// (in WAL capture: streams from its slot), so the rows written next are
+/// captured as they commit.
+async fn capturing(guard: &CaptureGuard, cfg: RelayConfig, ferry: &Ferry) -> RunningRelay {
+    let relay = guard.start(cfg, ferry.clone()).await;
+    ferry
+        .enqueue(&OutboxMessage::bytes("acme", "orders", "before", b"first".to_vec()))
+        .await
+        .unwrap();
+    wait_for_count(
+        ferry,
+        "SELECT count(*) FROM outbox WHERE state = 'delivered'",
+        1,
+        Duration::from_secs(60),
+    )
+    .await;
+    relay
+}
+
+/// A poison row among its key's rows, written while the relay captures:
+/// refused in a shared produce request, found by publishing one record at
+/// a time, marked dead; the rest flows. Once an operator shrinks it and
+/// replays it (audited), it is published.
+async fn a_poison_record_goes_dead_and_the_lane_flows(capture: Capture) {
     let broker = Kafka::start();
     poison_topic(&broker, "orders", 3);
     let (ferry, url) = pg_ferry().await;
+    let (cfg, guard) = config_for(capture, &url, &broker.brokers()).await;
+    let relay = capturing(&guard, cfg.clone(), &ferry).await;
     let poison = poison_rows(&ferry).await;
-    let relay = start_relay(relay_config(&url, &broker.brokers()), ferry.clone()).await;
     let c = consumer(&broker.brokers(), &["orders"]);
-    let recs = read_until(&c, Duration::from_secs(60), |r| {
-        r.iter().map(Record::outbox_id).collect::<HashSet<_>>().len() >= 6
-    })
-    .await;
+    let recs = read_until(&c, Duration::from_secs(60), |r| distinct(r) >= 7).await;
     assert!(recs.iter().all(|r| r.outbox_id() != poison));
     until_settled(&ferry).await;
     assert_eq!(dead(&ferry).await, vec![(poison, Some("message_too_large".into()))]);
     relay.shutdown().await;
     assert_eq!(
         scalar(&ferry, "SELECT count(*) FROM outbox WHERE state = 'delivered'").await,
-        6
+        7
     );
-    // An operator puts it back (audited).
+    // An operator shrinks the row and puts it back (audited): the relay
+    // publishes it (in WAL capture, from the replay's announcement).
+    let relay = guard.start(cfg, ferry.clone()).await;
+    sqlx::query("UPDATE outbox SET payload = 'small' WHERE id = $1")
+        .bind(poison)
+        .execute(ferry.db().as_postgres().unwrap())
+        .await
+        .unwrap();
     assert_eq!(
         RelayStore::new(ferry.clone())
-            .replay_dead_outbox(Some(poison), "ops", "raised the broker limit")
+            .replay_dead_outbox(Some(poison), "ops", "shrank the record")
             .await
             .unwrap(),
         vec![poison]
@@ -153,6 +181,19 @@ async fn a_poison_record_goes_dead_and_the_lane_flows() {
         .await,
         1
     );
+    wait_for_count(
+        &ferry,
+        &format!("SELECT count(*) FROM outbox WHERE id = {poison} AND state = 'delivered'"),
+        1,
+        Duration::from_secs(60),
+    )
+    .await;
+    relay.shutdown().await;
+    let recs = read_all(&broker.brokers(), "orders", false, Duration::from_secs(30)).await;
+    assert!(
+        recs.iter().any(|r| r.outbox_id() == poison),
+        "the replayed row reached Kafka"
+    );
 }
 
 /// Lanes share one producer, and librdkafka puts records of different lanes
@@ -160,8 +201,9 @@ async fn a_poison_record_goes_dead_and_the_lane_flows() {
 /// refuses whole. Five times over, acme's 50 kB row (one lane) and globex's
 /// 10-byte row (another lane) go to the one partition of a topic that takes
 /// 2,000 bytes: only the big rows are dead, every small one is delivered.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_row_refused_with_another_lane_s_poison_row_is_delivered() {
+/// (In WAL capture the rows are read from the table for the new slot,
+/// through the same shared producer.)
+async fn a_row_refused_with_another_lane_s_poison_row_is_delivered(capture: Capture) {
     let broker = Kafka::start();
     poison_topic(&broker, "orders", 1);
     let (ferry, url) = pg_ferry().await;
@@ -173,7 +215,8 @@ async fn a_row_refused_with_another_lane_s_poison_row_is_delivered() {
         let msg = OutboxMessage::bytes("globex", "orders", &keys[1], format!("small-{i:04}").into_bytes());
         small.push(ferry.enqueue(&msg).await.unwrap());
     }
-    let relay = start_relay(lingering_config(&url, &broker.brokers()), ferry.clone()).await;
+    let (cfg, guard) = config_for(capture, &url, &broker.brokers()).await;
+    let relay = guard.start(lingering(cfg), ferry.clone()).await;
     until_settled(&ferry).await;
     // Each big row is refused twice (with its request, then alone): more
     // means a small row was refused with a big one, the case under test.
@@ -193,8 +236,7 @@ async fn a_row_refused_with_another_lane_s_poison_row_is_delivered() {
 /// No poison row at all: six valid 1,000-byte rows of six lanes meet in one
 /// produce request to the one partition of a topic that takes 2,000 bytes,
 /// and the broker refuses it for their sum. None is dead: each is delivered.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn valid_rows_refused_for_their_sum_are_all_delivered() {
+async fn valid_rows_refused_for_their_sum_are_all_delivered(capture: Capture) {
     let broker = Kafka::start();
     poison_topic(&broker, "orders", 1);
     let (ferry, url) = pg_ferry().await;
@@ -203,7 +245,8 @@ async fn valid_rows_refused_for_their_sum_are_all_delivered() {
         let msg = OutboxMessage::bytes("acme", "orders", key, noise(i as u64, 1_000));
         ids.push(ferry.enqueue(&msg).await.unwrap());
     }
-    let relay = start_relay(lingering_config(&url, &broker.brokers()), ferry.clone()).await;
+    let (cfg, guard) = config_for(capture, &url, &broker.brokers()).await;
+    let relay = guard.start(lingering(cfg), ferry.clone()).await;
     until_settled(&ferry).await;
     // A valid row alone is never refused: these refusals were of requests
     // holding several rows, the case under test.
@@ -224,7 +267,7 @@ async fn valid_rows_refused_for_their_sum_are_all_delivered() {
 /// while the rows of that transaction are still pending. Key K's rows id1,
 /// id2 (too large), id3 and id4, in batches of three: id2 is dead, and a
 /// `read_committed` reader sees K's other rows in id order (id4 never
-/// overtakes the aborted id1 and id3).
+/// overtakes the aborted id1 and id3). Poll capture only: exactly once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_row_refused_before_sending_lets_no_later_row_overtake_its_transaction() {
     let broker = Kafka::start();
@@ -261,17 +304,22 @@ async fn a_row_refused_before_sending_lets_no_later_row_overtake_its_transaction
     assert_eq!(k, vec![ids[0], ids[2], ids[3]], "K's rows in id order");
 }
 
-/// Block mode: the lane stops at the poison record, and nothing behind it
-/// (same key, same lane) ever reaches the topic, on any retry.
-async fn poison_blocks(exactly_once: bool) {
+/// Block mode, the poison row written while the relay captures: the lane
+/// (in WAL capture, the stream) stops at the poison record and keeps
+/// retrying it alone; the rows before it are delivered, none is dead, and
+/// nothing behind it (same key) is produced again on any retry. Rows in
+/// flight in a later produce request when it was refused may have landed
+/// once (the at-least-once exception README names); exactly once, a
+/// `read_committed` reader sees none of them.
+async fn poison_blocks(capture: Capture, exactly_once: bool) {
     let broker = Kafka::start();
     poison_topic(&broker, "orders", 3);
     let (ferry, url) = pg_ferry().await;
-    let poison = poison_rows(&ferry).await;
-    let mut cfg = relay_config(&url, &broker.brokers());
+    let (mut cfg, guard) = config_for(capture, &url, &broker.brokers()).await;
     cfg.on_poison = OnPoison::Block;
     cfg.exactly_once = exactly_once;
-    let relay = start_relay(cfg, ferry.clone()).await;
+    let relay = capturing(&guard, cfg, &ferry).await;
+    let poison = poison_rows(&ferry).await;
     let start = Instant::now();
     while scalar(
         &ferry,
@@ -289,7 +337,7 @@ async fn poison_blocks(exactly_once: bool) {
     relay.shutdown().await;
     assert_eq!(
         scalar(&ferry, "SELECT count(*) FROM outbox WHERE state = 'delivered'").await,
-        3,
+        4,
         "only rows before it"
     );
     assert_eq!(
@@ -305,25 +353,37 @@ async fn poison_blocks(exactly_once: bool) {
         0
     );
     let on_topic = read_all(&broker.brokers(), "orders", exactly_once, Duration::from_secs(30)).await;
+    assert!(
+        on_topic.iter().all(|r| r.outbox_id() != poison),
+        "the poison row never reached Kafka"
+    );
     let behind: Vec<i64> = on_topic
         .iter()
         .map(Record::outbox_id)
         .filter(|id| *id > poison)
         .collect();
-    assert!(
-        behind.is_empty(),
-        "rows behind the blocked row reached Kafka: {behind:?}"
+    let once: HashSet<i64> = behind.iter().copied().collect();
+    assert_eq!(
+        once.len(),
+        behind.len(),
+        "rows behind the blocked row were produced again: {behind:?}"
     );
+    if exactly_once {
+        assert!(
+            behind.is_empty(),
+            "rows behind the blocked row were committed: {behind:?}"
+        );
+    }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_poison_record_blocks_the_lane_and_nothing_behind_it_is_published() {
-    poison_blocks(false).await;
+async fn a_poison_record_blocks_the_lane_and_nothing_behind_it_is_produced_again(capture: Capture) {
+    poison_blocks(capture, false).await;
 }
 
+/// Poll capture only: exactly once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_poison_record_blocks_an_exactly_once_lane() {
-    poison_blocks(true).await;
+    poison_blocks(Capture::Poll, true).await;
 }
 
 /// Block mode, the poison row refused by the client before sending (larger
@@ -331,7 +391,7 @@ async fn a_poison_record_blocks_an_exactly_once_lane() {
 /// key, all in one batch: the rows before it are delivered and marked once,
 /// never held back with it nor republished on every retry; nothing behind
 /// it reaches the topic.
-async fn a_client_refusal_blocks_only_what_is_behind_it(exactly_once: bool) {
+async fn a_client_refusal_blocks_only_what_is_behind_it(capture: Capture, exactly_once: bool) {
     let broker = Kafka::start();
     broker.create_topic("orders", 1);
     let (ferry, url) = pg_ferry().await;
@@ -350,11 +410,11 @@ async fn a_client_refusal_blocks_only_what_is_behind_it(exactly_once: bool) {
         );
     }
     let poison = ids[3];
-    let mut cfg = relay_config(&url, &broker.brokers());
+    let (mut cfg, guard) = config_for(capture, &url, &broker.brokers()).await;
     cfg.on_poison = OnPoison::Block;
     cfg.exactly_once = exactly_once;
     cfg.kafka.push(("message.max.bytes".into(), "10000".into()));
-    let relay = start_relay(cfg, ferry.clone()).await;
+    let relay = guard.start(cfg, ferry.clone()).await;
     let start = Instant::now();
     let attempts = format!("SELECT CAST(publish_attempts AS BIGINT) FROM outbox WHERE id = {poison}");
     let mut every = tokio::time::interval(Duration::from_millis(20));
@@ -380,14 +440,14 @@ async fn a_client_refusal_blocks_only_what_is_behind_it(exactly_once: bool) {
     assert_eq!(k, ids[..3].to_vec(), "each row before it once, nothing behind it");
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_client_refusal_in_block_mode_holds_back_only_the_rows_behind_it() {
-    a_client_refusal_blocks_only_what_is_behind_it(false).await;
+async fn a_client_refusal_in_block_mode_holds_back_only_the_rows_behind_it(capture: Capture) {
+    a_client_refusal_blocks_only_what_is_behind_it(capture, false).await;
 }
 
+/// Poll capture only: exactly once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_refusal_in_block_mode_holds_back_only_the_rows_behind_it_exactly_once() {
-    a_client_refusal_blocks_only_what_is_behind_it(true).await;
+    a_client_refusal_blocks_only_what_is_behind_it(Capture::Poll, true).await;
 }
 
 /// Exactly once, a transaction large enough that the broker refuses its
@@ -395,7 +455,7 @@ async fn a_client_refusal_in_block_mode_holds_back_only_the_rows_behind_it_exact
 /// handed to the producer, which then refuses them before sending (the
 /// transaction already needs an abort): the broker's refusal of the earlier
 /// row decides, so the poison row is found and dead, not the lane stalled
-/// on a later valid row on every retry.
+/// on a later valid row on every retry. Poll capture only: exactly once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_early_row_s_refusal_outranks_later_rows_refused_before_sending() {
     let broker = Kafka::start();
@@ -440,3 +500,11 @@ async fn an_early_row_s_refusal_outranks_later_rows_refused_before_sending() {
     relay.shutdown().await;
     assert_eq!(dead(&ferry).await, vec![(poison, Some("message_too_large".into()))]);
 }
+
+in_both_capture_modes!(
+    a_poison_record_goes_dead_and_the_lane_flows,
+    a_row_refused_with_another_lane_s_poison_row_is_delivered,
+    valid_rows_refused_for_their_sum_are_all_delivered,
+    a_poison_record_blocks_the_lane_and_nothing_behind_it_is_produced_again,
+    a_client_refusal_in_block_mode_holds_back_only_the_rows_behind_it,
+);

@@ -1,12 +1,15 @@
 //! Invariant 9 against PostgreSQL and Apache Kafka: every committed row published at
 //! least once, same-key rows in id order, marks only after acks and only under
 //! the lane generation, and nothing lost to crashes, outages or shutdown.
+//! Every scenario whose promise holds in both capture modes runs in both
+//! (`in_both_capture_modes!`); the ones about polled lanes poll only.
 
 use std::collections::{HashMap, HashSet};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
 use ferry::{Clock, Ferry, Millis, NewRun, OutboxMessage};
+use ferry_relay::Capture;
 use serde_json::json;
 
 use crate::support::*;
@@ -52,33 +55,45 @@ fn java_murmur2(data: &[u8]) -> i32 {
     h
 }
 
-fn distinct(r: &[Record]) -> usize {
-    r.iter().map(Record::outbox_id).collect::<HashSet<_>>().len()
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn end_to_end_every_row_once_with_the_right_partition() {
+/// Rows written before the relay starts (the backlog; in WAL capture, read
+/// from the table once for the new slot) and while it runs (streamed):
+/// every one reaches Kafka once, on the Java client's partition, with its
+/// headers, tenant, effect key and trace context; every row ends
+/// delivered, the metrics count them, and no lane stays owned.
+async fn end_to_end_every_row_once_with_the_right_partition(capture: Capture) {
     let broker = Kafka::start();
     broker.create_topic("ferry.run-events", 6);
     broker.create_topic("orders", 6);
     let (ferry, url) = pg_ferry().await;
     let tenants = ["acme", "globex", "initech"];
-    for i in 0..150 {
-        let tenant = tenants[i % 3];
-        let mut tx = ferry.begin().await.unwrap();
-        let run = NewRun::new(tenant, "charge", format!("k{i}"), json!({"i": i})).traceparent(TP);
-        ferry.create_run_idempotent_in(tx.conn(), run).await.unwrap();
-        let msg = OutboxMessage::json(tenant, "orders", format!("order-{i}"), &json!({"i": i}))
-            .unwrap()
-            .header("source", "test")
-            .traceparent(TP);
-        ferry.enqueue_in(tx.conn(), &msg).await.unwrap();
-        tx.commit().await.unwrap();
-    }
+    let write = |from: usize, to: usize| {
+        let ferry = ferry.clone();
+        async move {
+            for i in from..to {
+                let tenant = tenants[i % 3];
+                let mut tx = ferry.begin().await.unwrap();
+                let run = NewRun::new(tenant, "charge", format!("k{i}"), json!({"i": i})).traceparent(TP);
+                ferry.create_run_idempotent_in(tx.conn(), run).await.unwrap();
+                let msg = OutboxMessage::json(tenant, "orders", format!("order-{i}"), &json!({"i": i}))
+                    .unwrap()
+                    .header("source", "test")
+                    .traceparent(TP);
+                ferry.enqueue_in(tx.conn(), &msg).await.unwrap();
+                tx.commit().await.unwrap();
+            }
+        }
+    };
+    write(0, 75).await;
+    let database_id = ferry.database_id().await.unwrap();
+    let (cfg, guard) = config_for(capture, &url, &broker.brokers()).await;
+    let relay = guard.start(cfg, ferry.clone()).await;
+    let delivered = "SELECT count(*) FROM outbox WHERE state = 'delivered'";
+    // After the backlog is out, so that no later row commits while a new
+    // slot is being made (such a row may be published twice).
+    wait_for_count(&ferry, delivered, 150, Duration::from_secs(60)).await;
+    write(75, 150).await;
     let total = scalar(&ferry, "SELECT count(*) FROM outbox").await as usize;
     assert_eq!(total, 300);
-    let database_id = ferry.database_id().await.unwrap();
-    let relay = start_relay(relay_config(&url, &broker.brokers()), ferry.clone()).await;
     let c = consumer(&broker.brokers(), &["ferry.run-events", "orders"]);
     let recs = read_until(&c, Duration::from_secs(60), |r| distinct(r) >= total).await;
     assert_eq!(recs.len(), total, "exactly once in the normal case");
@@ -108,37 +123,58 @@ async fn end_to_end_every_row_once_with_the_right_partition() {
             other => panic!("unexpected topic {other}"),
         }
     }
+    wait_for_count(&ferry, delivered, 300, Duration::from_secs(30)).await;
+    // The counter follows the marks' commits by an instant.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while relay.state.metrics.published.get() < 300 {
+        assert!(Instant::now() < deadline, "the published counter never reached 300");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
     let (status, _) = http_get(relay.addr, "/healthz").await;
     assert!(status.contains("200"));
     let (status, _) = http_get(relay.addr, "/readyz").await;
     assert!(status.contains("200"));
     let (_, metrics) = http_get(relay.addr, "/metrics").await;
     assert!(metrics.contains("ferry_relay_published_total 300"), "{metrics}");
-    assert!(metrics.contains("ferry_relay_backlog_rows 0"));
-    assert!(metrics.contains("ferry_relay_publish_latency_seconds_count 300"));
-    relay.shutdown().await;
-    assert_eq!(
-        scalar(&ferry, "SELECT count(*) FROM outbox WHERE state = 'delivered'").await,
-        300
+    assert!(metrics.contains("ferry_relay_backlog_rows 0"), "{metrics}");
+    assert!(
+        metrics.contains("ferry_relay_publish_latency_seconds_count 300"),
+        "{metrics}"
     );
+    let status = ferry_relay::status::report(&ferry_relay::store::RelayStore::new(ferry.clone()))
+        .await
+        .unwrap();
+    if let Some(slot) = guard.slot() {
+        assert!(
+            status.contains(&format!("wal slot {}", slot.name)) && status.contains("streaming"),
+            "{status}"
+        );
+    }
+    relay.shutdown().await;
+    assert_eq!(scalar(&ferry, delivered).await, 300);
     assert_eq!(
         scalar(&ferry, "SELECT count(*) FROM relay_lanes WHERE owner IS NOT NULL").await,
         0,
-        "lanes released"
+        "lanes released (WAL capture holds none)"
     );
+    if let Some(slot) = guard.slot() {
+        let pool = ferry.db().as_postgres().unwrap();
+        assert!(confirmed_flush(pool, &slot.name).await > 0, "the slot was confirmed");
+    }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn same_key_rows_arrive_in_id_order_with_concurrent_writers_and_two_relays() {
+/// Four writers append to twelve runs at once while two relays run: each
+/// run's events reach Kafka in order. Polling, the relays share the lanes;
+/// in WAL capture, one streams from the slot and the other stands by.
+async fn same_key_rows_arrive_in_id_order_with_concurrent_writers_and_two_relays(capture: Capture) {
     let broker = Kafka::start();
     broker.create_topic("ferry.run-events", 6);
     let (ferry, url) = pg_ferry().await;
-    let a = start_relay(relay_config(&url, &broker.brokers()), ferry.clone()).await;
-    let b = start_relay(
-        relay_config(&url, &broker.brokers()),
-        Ferry::builder(&url).connect().await.unwrap(),
-    )
-    .await;
+    let (cfg, guard) = config_for(capture, &url, &broker.brokers()).await;
+    let a = guard.start(cfg.clone(), ferry.clone()).await;
+    let b = guard
+        .start(cfg, Ferry::builder(&url).connect().await.unwrap())
+        .await;
     let mut runs = Vec::new();
     for i in 0..12 {
         runs.push(
@@ -189,7 +225,13 @@ async fn same_key_rows_arrive_in_id_order_with_concurrent_writers_and_two_relays
     let (pa, pb) = (a.state.metrics.published.get(), b.state.metrics.published.get());
     a.shutdown().await;
     b.shutdown().await;
-    assert!(pa > 0 && pb > 0, "both relays published (a: {pa}, b: {pb})");
+    match capture {
+        Capture::Poll => assert!(pa > 0 && pb > 0, "both relays published (a: {pa}, b: {pb})"),
+        Capture::Wal => assert!(
+            pa == 0 || pb == 0,
+            "one relay streams from the slot, the other stands by (a: {pa}, b: {pb})"
+        ),
+    }
 }
 
 pub async fn write_orders(ferry: &Ferry, n: usize, keys: usize) {
@@ -199,16 +241,18 @@ pub async fn write_orders(ferry: &Ferry, n: usize, keys: usize) {
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_sigkilled_relay_loses_nothing() {
+/// A relay process SIGKILLed three times mid-stream and restarted: every
+/// committed row reaches Kafka, and a duplicate is the same row.
+async fn a_sigkilled_relay_loses_nothing(capture: Capture) {
     let broker = Kafka::start();
     broker.create_topic("orders", 6);
     let (ferry, url) = pg_ferry().await;
+    let guard = CaptureGuard::new(capture).await;
     write_orders(&ferry, 1500, 40).await;
     let c = consumer(&broker.brokers(), &["orders"]);
     let mut recs = Vec::new();
     for round in 1..=3 {
-        let mut child = spawn_relay_process(&url, &broker.brokers(), &[], &[]);
+        let mut child = spawn_relay_process(&url, &broker.brokers(), &guard.args(), &[]);
         let want = round * 300;
         let more = read_until(&c, Duration::from_secs(60), |r| {
             distinct(&[&recs[..], r].concat()) >= want
@@ -218,7 +262,7 @@ async fn a_sigkilled_relay_loses_nothing() {
         child.kill().unwrap(); // SIGKILL mid-stream
         child.wait().unwrap();
     }
-    let mut child = spawn_relay_process(&url, &broker.brokers(), &[], &[]);
+    let mut child = spawn_relay_process(&url, &broker.brokers(), &guard.args(), &[]);
     let more = read_until(&c, Duration::from_secs(90), |r| {
         distinct(&[&recs[..], r].concat()) >= 1500
     })
@@ -249,18 +293,20 @@ async fn a_sigkilled_relay_loses_nothing() {
     // what a kill republishes to the last mark interval plus what was in flight.
     let duplicates = recs.len() - by_id.len();
     eprintln!(
-        "at least once: {duplicates} duplicates over 3 SIGKILLs ({} per kill) for {} rows",
+        "at least once, {capture:?}: {duplicates} duplicates over 3 SIGKILLs ({} per kill) for {} rows",
         duplicates / 3,
         by_id.len()
     );
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_broker_outage_drains_after_restart() {
+/// The broker stopped while rows are written, then restarted: the backlog
+/// drains.
+async fn a_broker_outage_drains_after_restart(capture: Capture) {
     let mut broker = Kafka::start();
     broker.create_topic("orders", 6);
     let (ferry, url) = pg_ferry().await;
-    let relay = start_relay(relay_config(&url, &broker.brokers()), ferry.clone()).await;
+    let (cfg, guard) = config_for(capture, &url, &broker.brokers()).await;
+    let relay = guard.start(cfg, ferry.clone()).await;
     write_orders(&ferry, 100, 10).await;
     let c = consumer(&broker.brokers(), &["orders"]);
     let mut recs = read_until(&c, Duration::from_secs(60), |r| distinct(r) >= 100).await;
@@ -281,18 +327,27 @@ async fn a_broker_outage_drains_after_restart() {
     );
 }
 
-/// The broker is SIGKILLed while batches are in flight and stays down until
-/// a row written after it has waited 12 s (longer than the 10 s message
-/// timeout these tests once set), then restarts: no record fails (each is
-/// retried until acknowledged), nothing is lost, and the first occurrence
-/// of each row on the topic keeps per-key id order (never `i+1, i, i+1`).
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_broker_crash_mid_batch_keeps_first_occurrences_in_order() {
+/// The broker is SIGKILLed while a writer keeps the relay busy (batches,
+/// or streamed transactions, in flight) and stays down until a row written
+/// after it has waited 12 s (longer than the 10 s message timeout these
+/// tests once set), then restarts: no record fails (each is retried until
+/// acknowledged), nothing is lost, and the first occurrence of each row on
+/// the topic keeps per-key id order (never `i+1, i, i+1`; with a finite
+/// timeout, the records queued behind a timed-out one overtook it).
+async fn a_broker_crash_mid_stream_loses_nothing_and_keeps_first_occurrences_in_order(capture: Capture) {
     let mut broker = Kafka::start();
     broker.create_topic("orders", 6);
     let (ferry, url) = pg_ferry().await;
-    write_orders(&ferry, 3000, 20).await;
-    let relay = start_relay(relay_config(&url, &broker.brokers()), ferry.clone()).await;
+    let (cfg, guard) = config_for(capture, &url, &broker.brokers()).await;
+    let relay = guard.start(cfg, ferry.clone()).await;
+    // Capturing (in WAL capture, the slot made) before the writer starts.
+    write_orders(&ferry, 1, 1).await;
+    let delivered = "SELECT count(*) FROM outbox WHERE state = 'delivered'";
+    wait_for_count(&ferry, delivered, 1, Duration::from_secs(60)).await;
+    let writer = {
+        let ferry = ferry.clone();
+        tokio::spawn(async move { write_orders(&ferry, 2000, 20).await })
+    };
     let c = consumer(&broker.brokers(), &["orders"]);
     let mut recs = read_until(&c, Duration::from_secs(60), |r| distinct(r) >= 300).await;
     let before = scalar(&ferry, "SELECT coalesce(max(id), 0) FROM outbox").await;
@@ -300,16 +355,21 @@ async fn a_broker_crash_mid_batch_keeps_first_occurrences_in_order() {
     write_orders(&ferry, 100, 20).await;
     wait_for_a_row_pending_for(&ferry, before, Duration::from_secs(12)).await;
     broker.restart();
+    writer.await.unwrap();
     let more = read_until(&c, Duration::from_secs(120), |r| {
-        distinct(&[&recs[..], r].concat()) >= 3100
+        distinct(&[&recs[..], r].concat()) >= 2101
     })
     .await;
     recs.extend(more);
+    wait_for_count(&ferry, delivered, 2101, Duration::from_secs(60)).await;
     assert_no_record_timed_out(relay.addr).await;
     relay.shutdown().await;
     first_occurrences(&recs);
 }
 
+/// Poll capture only: lane leases and their generations are what polled
+/// lanes are fenced by (WAL capture holds no lanes; its fence is the slot,
+/// `capture::wal_a_sigkilled_relay_loses_nothing_and_its_standby_takes_over`).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_relay_that_lost_its_lane_cannot_mark() {
     let (_, url) = pg_ferry().await;
@@ -394,14 +454,16 @@ async fn a_relay_that_lost_its_lane_cannot_mark() {
     );
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn sigterm_marks_everything_acknowledged_within_the_grace() {
+/// SIGTERM mid-drain: the relay process exits cleanly within its grace,
+/// and every row it saw acknowledged is marked delivered.
+async fn sigterm_marks_everything_acknowledged_within_the_grace(capture: Capture) {
     let broker = Kafka::start();
     broker.create_topic("orders", 6);
     let (ferry, url) = pg_ferry().await;
+    let guard = CaptureGuard::new(capture).await;
     write_orders(&ferry, 3000, 50).await;
     let c = consumer(&broker.brokers(), &["orders"]);
-    let mut child = spawn_relay_process(&url, &broker.brokers(), &[], &[]);
+    let mut child = spawn_relay_process(&url, &broker.brokers(), &guard.args(), &[]);
     let mut recs = read_until(&c, Duration::from_secs(60), |r| distinct(r) >= 300).await;
     let asked = Instant::now();
     let _ = Command::new("kill").args(["-TERM", &child.id().to_string()]).status();
@@ -444,8 +506,7 @@ async fn sigterm_marks_everything_acknowledged_within_the_grace() {
 /// (ClusterAuthorizationFailed on InitProducerId), which librdkafka raises as
 /// a fatal error: the relay must fail readiness, count it, drain without
 /// losing a row and exit with an error, and a restarted relay publishes.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_fatal_producer_error_fails_readiness_and_exits_to_be_restarted() {
+async fn a_fatal_producer_error_fails_readiness_and_exits_to_be_restarted(capture: Capture) {
     use rdkafka::mocking::MockCluster;
     use rdkafka::types::{RDKafkaApiKey, RDKafkaRespErr};
     let mock = MockCluster::new(1).unwrap();
@@ -456,7 +517,8 @@ async fn a_fatal_producer_error_fails_readiness_and_exits_to_be_restarted() {
     );
     let (ferry, url) = pg_ferry().await;
     write_orders(&ferry, 20, 5).await;
-    let relay = start_relay(relay_config(&url, &mock.bootstrap_servers()), ferry.clone()).await;
+    let (cfg, guard) = config_for(capture, &url, &mock.bootstrap_servers()).await;
+    let relay = guard.start(cfg.clone(), ferry.clone()).await;
     let state = relay.state.clone();
     let err = tokio::time::timeout(Duration::from_secs(60), relay.handle)
         .await
@@ -474,7 +536,7 @@ async fn a_fatal_producer_error_fails_readiness_and_exits_to_be_restarted() {
     );
     // The orchestrator restarts it: a new producer publishes everything.
     mock.clear_request_errors(RDKafkaApiKey::InitProducerId);
-    let relay = start_relay(relay_config(&url, &mock.bootstrap_servers()), ferry.clone()).await;
+    let relay = guard.start(cfg, ferry.clone()).await;
     let start = Instant::now();
     while scalar(&ferry, "SELECT count(*) FROM outbox WHERE state = 'delivered'").await < 20 {
         assert!(
@@ -491,6 +553,11 @@ async fn a_fatal_producer_error_fails_readiness_and_exits_to_be_restarted() {
 /// lane and the relay moved past them). It must still be published. A
 /// writer keeps the lane busy meanwhile, so the lane stays on its read-ahead
 /// path (a read-ahead "after the last id read" would pass over it).
+///
+/// Poll capture only: it is about a lane's read-ahead, and its late
+/// transaction is open when the relay starts, which a new WAL slot waits
+/// for (WAL capture's late commits:
+/// `capture::a_plain_writer_and_the_library_keep_commit_order`).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_lower_id_that_commits_late_is_still_published_while_the_lane_streams() {
     let broker = Kafka::start();
@@ -564,8 +631,9 @@ async fn a_lower_id_that_commits_late_is_still_published_while_the_lane_streams(
 /// written right after that commit, so its id is higher still. K's rows must
 /// reach Kafka in id order: a read-ahead that reads "after the last id read"
 /// finds the second row and publishes it before the first. Five rounds.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_late_commit_keeps_its_place_before_the_same_key_s_next_row() {
+/// (In WAL capture the first row commits first, so commit order is id
+/// order too.)
+async fn a_late_commit_keeps_its_place_before_the_same_key_s_next_row(capture: Capture) {
     let broker = Kafka::start();
     broker.create_topic("order", 3);
     let (ferry, url) = pg_ferry().await;
@@ -575,7 +643,8 @@ async fn a_late_commit_keeps_its_place_before_the_same_key_s_next_row() {
         .map(|i| format!("j-{i}"))
         .find(|j| ferry::outbox::lane_for(j, ferry.lanes()) == lane)
         .unwrap();
-    let a = start_relay(relay_config(&url, &broker.brokers()), ferry.clone()).await;
+    let (cfg, guard) = config_for(capture, &url, &broker.brokers()).await;
+    let a = guard.start(cfg, ferry.clone()).await;
     let busy = tokio_util::sync::CancellationToken::new();
     let writer = {
         let (f, busy, j) = (ferry.clone(), busy.clone(), j.clone());
@@ -588,6 +657,15 @@ async fn a_late_commit_keeps_its_place_before_the_same_key_s_next_row() {
             }
         })
     };
+    // Capturing (in WAL capture, the slot made: making it waits for the
+    // transactions in progress) before the first late transaction opens.
+    wait_for_count(
+        &ferry,
+        "SELECT count(*) FROM outbox WHERE state = 'delivered'",
+        1,
+        Duration::from_secs(60),
+    )
+    .await;
     let mut pairs = Vec::new();
     for round in 0..5 {
         let mut tx = ferry.begin().await.unwrap();
@@ -627,14 +705,20 @@ async fn a_late_commit_keeps_its_place_before_the_same_key_s_next_row() {
     writer.await.unwrap();
     a.shutdown().await;
     let recs = read_all(&broker.brokers(), "order", false, Duration::from_secs(10)).await;
-    let mut order = Vec::new();
-    for r in recs.iter().filter(|r| r.key == k) {
-        if !order.contains(&r.outbox_id()) {
-            order.push(r.outbox_id());
-        }
-    }
+    let order = order_of(&recs, k);
     let mut sorted = order.clone();
     sorted.sort();
     assert_eq!(order, sorted, "key {k} published out of id order (pairs {pairs:?})");
     assert_eq!(order.len(), want.len());
 }
+
+in_both_capture_modes!(
+    end_to_end_every_row_once_with_the_right_partition,
+    same_key_rows_arrive_in_id_order_with_concurrent_writers_and_two_relays,
+    a_sigkilled_relay_loses_nothing,
+    a_broker_outage_drains_after_restart,
+    a_broker_crash_mid_stream_loses_nothing_and_keeps_first_occurrences_in_order,
+    sigterm_marks_everything_acknowledged_within_the_grace,
+    a_fatal_producer_error_fails_readiness_and_exits_to_be_restarted,
+    a_late_commit_keeps_its_place_before_the_same_key_s_next_row,
+);

@@ -5,7 +5,7 @@ use std::collections::{HashMap, HashSet};
 use std::time::{Duration, Instant};
 
 use ferry::{Engine, Ferry};
-use ferry_relay::{Relay, RelayConfig};
+use ferry_relay::{Capture, Relay, RelayConfig};
 use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::message::{Headers, Message};
 use rdkafka::ClientConfig;
@@ -26,8 +26,9 @@ pub async fn pg_ferry() -> (Ferry, String) {
     (ferry, url)
 }
 
-/// A polling relay (the WAL tests override it with [`SlotGuard::config`]:
-/// a relay left on the default would stream from a slot no test drops).
+/// A polling relay, for the tests about polled lanes only (the
+/// conformance tests take theirs from [`config_for`]; a relay left on the
+/// default capture would stream from a slot no test drops).
 pub fn relay_config(url: &str, brokers: &str) -> RelayConfig {
     let mut cfg = RelayConfig::new(url, brokers);
     cfg.capture = Some(ferry_relay::Capture::Poll);
@@ -35,6 +36,81 @@ pub fn relay_config(url: &str, brokers: &str) -> RelayConfig {
     cfg.lease = Duration::from_secs(3);
     cfg.grace = Duration::from_secs(5);
     cfg
+}
+
+/// Runs `scenario(capture)` once per capture mode, as the tests
+/// `<scenario>::poll` and `<scenario>::wal`: one conformance suite, since
+/// every promise of invariant 9 holds whichever way rows are captured.
+/// (`cargo test -p ferry-relay --test it ::wal` runs the WAL half.)
+macro_rules! in_both_capture_modes {
+    ($($scenario:ident),* $(,)?) => {
+        $(
+            mod $scenario {
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn poll() {
+                    super::$scenario(::ferry_relay::Capture::Poll).await
+                }
+
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn wal() {
+                    super::$scenario(::ferry_relay::Capture::Wal).await
+                }
+            }
+        )*
+    };
+}
+pub(crate) use in_both_capture_modes;
+
+/// A test's capture mode: the relay configuration for it and, in WAL
+/// capture, the test's own replication slot, dropped with this guard (after
+/// the relays started through [`CaptureGuard::start`] are stopped).
+pub struct CaptureGuard {
+    slot: Option<SlotGuard>,
+}
+
+impl CaptureGuard {
+    pub async fn new(capture: Capture) -> CaptureGuard {
+        let slot = match capture {
+            Capture::Wal => Some(SlotGuard::new().await),
+            Capture::Poll => None,
+        };
+        CaptureGuard { slot }
+    }
+
+    /// A relay configuration capturing this way (polling: [`relay_config`];
+    /// WAL: streaming from the test's slot).
+    pub fn config(&self, url: &str, brokers: &str) -> RelayConfig {
+        match &self.slot {
+            Some(slot) => slot.config(url, brokers),
+            None => relay_config(url, brokers),
+        }
+    }
+
+    /// Starts an in-process relay, stopped before the slot is dropped.
+    pub async fn start(&self, cfg: RelayConfig, ferry: Ferry) -> RunningRelay {
+        match &self.slot {
+            Some(slot) => slot.start(cfg, ferry).await,
+            None => start_relay(cfg, ferry).await,
+        }
+    }
+
+    /// The flags for a relay process capturing this way (it polls without
+    /// them).
+    pub fn args(&self) -> Vec<&str> {
+        self.slot.as_ref().map(|s| s.args().to_vec()).unwrap_or_default()
+    }
+
+    /// The WAL capture's slot (`None` when polling).
+    pub fn slot(&self) -> Option<&SlotGuard> {
+        self.slot.as_ref()
+    }
+}
+
+/// The relay configuration of `capture` for one test, and the guard that
+/// drops its slot.
+pub async fn config_for(capture: Capture, url: &str, brokers: &str) -> (RelayConfig, CaptureGuard) {
+    let guard = CaptureGuard::new(capture).await;
+    (guard.config(url, brokers), guard)
 }
 
 pub struct RunningRelay {
@@ -111,6 +187,22 @@ pub fn first_occurrences(recs: &[Record]) -> HashMap<i64, &Record> {
         }
     }
     first
+}
+
+/// How many distinct outbox ids `recs` holds.
+pub fn distinct(recs: &[Record]) -> usize {
+    recs.iter().map(Record::outbox_id).collect::<HashSet<_>>().len()
+}
+
+/// Key `key`'s outbox ids in `recs`' order, first occurrences only.
+pub fn order_of(recs: &[Record], key: &str) -> Vec<i64> {
+    let mut order = Vec::new();
+    for r in recs.iter().filter(|r| r.key == key) {
+        if !order.contains(&r.outbox_id()) {
+            order.push(r.outbox_id());
+        }
+    }
+    order
 }
 
 pub fn consumer(brokers: &str, topics: &[&str]) -> BaseConsumer {
@@ -262,8 +354,9 @@ impl Drop for RelayProcess {
     }
 }
 
-/// A polling `ferry-relay run` process (1 s lane leases, batches of 50) with
-/// extra flags and environment, for the crash tests.
+/// A `ferry-relay run` process (1 s lane leases, batches of 50), polling
+/// unless `extra` holds [`CaptureGuard::args`], with extra flags and
+/// environment, for the crash tests.
 pub fn spawn_relay_process(url: &str, brokers: &str, extra: &[&str], env: &[(&str, &str)]) -> RelayProcess {
     let mut cmd = relay_command(url, brokers, extra, env);
     cmd.env(
