@@ -43,6 +43,9 @@ struct Txn {
     outstanding: usize,
     /// Its acknowledged rows, to be marked delivered.
     acked: Vec<i64>,
+    /// The lowest id of its rows that failed (a catch-up page's
+    /// acknowledged rows below it are marked when the session fails).
+    failed_from: Option<i64>,
 }
 
 /// A delivery in flight: the future and what it is about.
@@ -151,6 +154,7 @@ impl<'a> Pipeline<'a> {
             committed: false,
             outstanding: 0,
             acked: Vec::new(),
+            failed_from: None,
         });
         self.next_seq += 1;
     }
@@ -247,6 +251,29 @@ impl<'a> Pipeline<'a> {
         }
     }
 
+    /// After a failure, with nothing in flight: hands the leading catch-up
+    /// pages' acknowledged rows below their first failed row to the marker.
+    /// A page confirms no slot position and the next catch-up reads only
+    /// the rows still pending, so marking them is safe, and they are not
+    /// published again on every retry of the failed row (a blocked poison
+    /// row). A streamed transaction is never handed in part: the slot would
+    /// move past its failed row.
+    pub(super) async fn hand_acked_pages(&mut self) {
+        while self.inflight.is_empty() && self.txns.front().is_some_and(|t| t.final_lsn.is_none()) {
+            let t = self.txns.pop_front().expect("front exists");
+            let ids = match t.failed_from {
+                Some(from) => t.acked.into_iter().filter(|id| *id < from).collect(),
+                None => t.acked,
+            };
+            self.hand(Mark {
+                ids,
+                lsn: None,
+                done: None,
+            })
+            .await;
+        }
+    }
+
     /// Waits until the marker has marked everything handed to it so far.
     pub(super) async fn flush_marks(&mut self) -> bool {
         let (tx, rx) = oneshot::channel();
@@ -272,6 +299,9 @@ impl<'a> Pipeline<'a> {
             }
             Outcome::Poison(code) => {
                 m.publish_error(code);
+                if !(alone && self.cfg.on_poison == OnPoison::Dead) {
+                    self.failed_row(s.seq, s.id);
+                }
                 if !alone {
                     self.poison_in_request(s.seq, s.id);
                 } else if self.cfg.on_poison == OnPoison::Dead {
@@ -284,13 +314,22 @@ impl<'a> Pipeline<'a> {
             }
             Outcome::Transient(code) => {
                 m.publish_error(code);
+                self.failed_row(s.seq, s.id);
                 self.note(s.id, code).await;
                 self.fail(Ended::Retry(code));
             }
             Outcome::Fatal => {
                 m.publish_error("fatal");
+                self.failed_row(s.seq, s.id);
                 self.failed = Some(Ended::Fatal);
             }
+        }
+    }
+
+    /// Row `id` of transaction `seq` failed (it stays pending).
+    fn failed_row(&mut self, seq: u64, id: i64) {
+        if let Some(t) = self.txn(seq) {
+            t.failed_from = Some(t.failed_from.map_or(id, |f| f.min(id)));
         }
     }
 

@@ -166,8 +166,9 @@ async fn catch_up(
         }
         pipeline.commit(None).await;
         pipeline.settle_all().await;
-        if let Some(end) = pipeline.failed() {
-            return Some(end.clone());
+        if let Some(end) = pipeline.failed().cloned() {
+            pipeline.hand_acked_pages().await;
+            return Some(end);
         }
         after = last;
     }
