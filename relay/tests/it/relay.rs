@@ -172,9 +172,7 @@ async fn same_key_rows_arrive_in_id_order_with_concurrent_writers_and_two_relays
     let (ferry, url) = pg_ferry().await;
     let (cfg, guard) = config_for(capture, &url, &broker.brokers()).await;
     let a = guard.start(cfg.clone(), ferry.clone()).await;
-    let b = guard
-        .start(cfg, Ferry::builder(&url).connect().await.unwrap())
-        .await;
+    let b = guard.start(cfg, Ferry::builder(&url).connect().await.unwrap()).await;
     let mut runs = Vec::new();
     for i in 0..12 {
         runs.push(
