@@ -89,6 +89,10 @@ pub struct WalProgress {
     /// published from the table (empty for the stream). Exact ids, not "up
     /// to": a lower id that commits late is streamed, not read.
     pub catch_up: Vec<i64>,
+    /// The highest id the slot's table reads published, carried from one
+    /// record to the next: a streamed row at or below it may have been
+    /// published by the read, so it is produced only while still pending.
+    pub catch_up_through: i64,
 }
 
 impl WalProgress {
@@ -580,11 +584,12 @@ mod tests {
             slot: "ferry_ab".into(),
             end_lsn: 42,
             catch_up: vec![7, 9],
+            catch_up_through: 9,
         };
         let json = serde_json::to_string(&p).unwrap();
         assert_eq!(
             json,
-            r#"{"database":"db-1","slot":"ferry_ab","end_lsn":42,"catch_up":[7,9]}"#
+            r#"{"database":"db-1","slot":"ferry_ab","end_lsn":42,"catch_up":[7,9],"catch_up_through":9}"#
         );
         assert_eq!(serde_json::from_str::<WalProgress>(&json).unwrap(), p);
         assert_eq!(WalProgress::key("db-1", "ferry_ab"), "db-1:wal:ferry_ab");

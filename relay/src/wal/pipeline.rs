@@ -189,13 +189,7 @@ impl<'a> Pipeline<'a> {
     /// Exactly once, a row of a transaction already in Kafka is only
     /// marked, and a row this relay marked dead is left out.
     pub(super) async fn produce(&mut self, row: &PendingRow) {
-        if let Some(t) = self.txns.back_mut().filter(|t| t.skip) {
-            t.acked.push(row.id);
-            return;
-        }
-        if self.eo.as_ref().is_some_and(|eo| eo.dead.contains(&row.id))
-            || !self.open_kafka(row.payload.len() + row.key.len())
-        {
+        if self.eo.is_some() && !self.exactly_once_produces(row).await {
             return;
         }
         let topic = self.cfg.route(&row.topic, &row.tenant);

@@ -22,7 +22,10 @@
 //!   produced again: its rows are marked and the slot moves past it. A new
 //!   slot's table read commits one page per transaction with the page's
 //!   exact ids, marked before the next page, and a session that finds the
-//!   read unfinished marks the last page's ids first.
+//!   read unfinished marks the last page's ids first. A row committed just
+//!   after the slot was made is both read and streamed: a streamed row at
+//!   or below the highest id the read published is produced only while it
+//!   is pending.
 //! - **Any failure** aborts the Kafka transaction and ends the session: the
 //!   next one resumes from the slot's confirmed position and the progress
 //!   record. A row refused alone is marked dead (`--on-poison=dead`) and
@@ -37,11 +40,12 @@ use std::time::{Duration, Instant};
 use rdkafka::producer::{FutureProducer, FutureRecord, Producer};
 
 use super::super::connect::Ended;
-use super::super::marker::Mark;
+use super::super::marker::{self, Mark};
 use super::super::session::Ctx;
 use super::Pipeline;
 use crate::exactly_once::{self, ProgressReader, WalProgress, TXN_TIMEOUT, WAL_PARTITION};
 use crate::publish::{self, Outcome};
+use crate::store::PendingRow;
 
 /// A Kafka transaction commits once it carries this many records...
 pub const COMMIT_ROWS: usize = 5_000;
@@ -111,6 +115,7 @@ pub(in crate::wal) async fn take_over(
         slot: slot.clone(),
         end_lsn: 0,
         catch_up: Vec::new(),
+        catch_up_through: 0,
     });
     tracing::info!(
         %slot,
@@ -162,9 +167,26 @@ impl Transactional {
 }
 
 impl Pipeline<'_> {
-    /// Exactly once: opens a Kafka transaction unless one is open, and
-    /// counts `bytes` more of a record in it; false ends the session.
-    pub(super) fn open_kafka(&mut self, bytes: usize) -> bool {
+    /// Exactly once, before `row` is produced: whether it is. A row of a
+    /// transaction in Kafka already is only marked; a row this relay
+    /// marked dead is left out; a streamed row the table read may have
+    /// published (its id at or below the read's highest) is produced only
+    /// while it is pending (a row that commits just after the slot is made
+    /// is both streamed and read). Otherwise the Kafka transaction opens
+    /// (unless open) and counts the row. False after a failure too.
+    pub(super) async fn exactly_once_produces(&mut self, row: &PendingRow) -> bool {
+        if let Some(t) = self.txns.back_mut().filter(|t| t.skip) {
+            t.acked.push(row.id);
+            return false;
+        }
+        let Some(eo) = self.eo.as_ref() else { return true };
+        if eo.dead.contains(&row.id) {
+            return false;
+        }
+        let streamed = self.txns.back().is_some_and(|t| t.final_lsn.is_some());
+        if streamed && row.id <= eo.committed.catch_up_through && !self.still_pending(row.id).await {
+            return false;
+        }
         let Some(eo) = self.eo.as_mut() else { return true };
         if eo.open_since.is_none() {
             if let Err(e) = self.producer.begin_transaction() {
@@ -175,8 +197,28 @@ impl Pipeline<'_> {
             eo.open_since = Some(Instant::now());
         }
         eo.rows += 1;
-        eo.bytes += bytes;
+        eo.bytes += row.payload.len() + row.key.len();
         true
+    }
+
+    /// Whether row `id` is pending, waiting (a bounded while) for a commit
+    /// the stream carried before it is visible; a row never seen is gone
+    /// (delivered and deleted). A database error ends the session.
+    async fn still_pending(&mut self, id: i64) -> bool {
+        for _ in 0..marker::VISIBLE_TRIES {
+            match self.state.store.wal_states(&[id]).await {
+                Ok(states) => match states.first() {
+                    Some((_, state)) => return state == "pending",
+                    None => tokio::time::sleep(marker::VISIBLE_WAIT).await,
+                },
+                Err(e) => {
+                    tracing::warn!(id, error = %e, "reading a row's state failed");
+                    self.fail(Ended::Retry("database"));
+                    return false;
+                }
+            }
+        }
+        false
     }
 
     /// Exactly once, at the start of an unfinished table read: marks the
@@ -250,6 +292,15 @@ impl Pipeline<'_> {
                 .filter(|m| m.lsn.is_none())
                 .flat_map(|m| m.ids.iter().copied())
                 .collect(),
+            catch_up_through: 0,
+        };
+        let progress = WalProgress {
+            catch_up_through: progress
+                .catch_up
+                .iter()
+                .copied()
+                .fold(eo.committed.catch_up_through, i64::max),
+            ..progress
         };
         let value = serde_json::to_vec(&progress).expect("progress serializes");
         let record = FutureRecord::to(&eo.topic)
