@@ -71,10 +71,7 @@ async fn published_but_pending(ferry: &Ferry, brokers: &str) -> usize {
 }
 
 fn signal(p: &RelayProcess, sig: &str) {
-    Command::new("kill")
-        .args([sig, &p.id().to_string()])
-        .status()
-        .unwrap();
+    Command::new("kill").args([sig, &p.id().to_string()]).status().unwrap();
 }
 
 /// SIGTERM, and a clean exit.
@@ -282,12 +279,19 @@ async fn wal_exactly_once_poison(on_poison: OnPoison) {
     }
     relay.shutdown().await;
     let recs = read_all(&brokers, "orders", true, Duration::from_secs(30)).await;
-    assert!(recs.iter().all(|r| r.outbox_id() != poison), "the poison row was never seen");
+    assert!(
+        recs.iter().all(|r| r.outbox_id() != poison),
+        "the poison row was never seen"
+    );
     match on_poison {
         OnPoison::Dead => {
             assert_eq!(scalar(&ferry, dead_rows).await, 1);
             assert_eq!(
-                scalar(&ferry, &format!("SELECT count(*) FROM outbox WHERE id = {poison} AND state = 'dead'")).await,
+                scalar(
+                    &ferry,
+                    &format!("SELECT count(*) FROM outbox WHERE id = {poison} AND state = 'dead'")
+                )
+                .await,
                 1
             );
             assert_once_in_commit_order(&recs, 7);

@@ -259,10 +259,7 @@ impl Pipeline<'_> {
         let (Some(eo), Some(due)) = (self.eo.as_ref(), self.commit_due()) else {
             return false;
         };
-        self.one_at_a_time
-            || eo.rows >= COMMIT_ROWS
-            || eo.bytes >= COMMIT_BYTES
-            || tokio::time::Instant::now() >= due
+        self.one_at_a_time || eo.rows >= COMMIT_ROWS || eo.bytes >= COMMIT_BYTES || tokio::time::Instant::now() >= due
     }
 
     /// Commits the open Kafka transaction with its progress record, once
@@ -349,13 +346,17 @@ impl Pipeline<'_> {
         if clean {
             self.commit_kafka().await;
         }
-        let Some(eo) = self.eo.as_mut() else { return HashSet::new() };
+        let Some(eo) = self.eo.as_mut() else {
+            return HashSet::new();
+        };
         if eo.open_since.take().is_some() {
             let p = self.producer.clone();
             match tokio::task::spawn_blocking(move || p.abort_transaction(TXN_TIMEOUT)).await {
                 Ok(Ok(())) => tracing::debug!("aborted the open Kafka transaction"),
                 // The next session's init_transactions aborts it.
-                Ok(Err(e)) => tracing::warn!(error = %e, "abort_transaction failed; the next session's producer aborts it"),
+                Ok(Err(e)) => {
+                    tracing::warn!(error = %e, "abort_transaction failed; the next session's producer aborts it")
+                }
                 Err(_) => tracing::warn!("abort_transaction did not finish; the next session's producer aborts it"),
             }
         }
