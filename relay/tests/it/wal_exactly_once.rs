@@ -242,7 +242,7 @@ async fn wal_exactly_once_a_stale_owner_cannot_commit_after_a_standby_took_over(
     stop(b);
     drop(a);
     let recs = read_all(&brokers, "orders", true, Duration::from_secs(60)).await;
-    assert_once_in_commit_order(&recs, total as usize);
+    assert_once_in_commit_order(&recs, total);
 }
 
 /// A poison row among seven one-row transactions of one key (the topic's
