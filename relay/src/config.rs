@@ -195,6 +195,12 @@ impl RelayConfig {
         format!("{}-lane-{lane}", self.transactional_id_prefix)
     }
 
+    /// The `transactional.id` of WAL capture from `slot` (`--exactly-once
+    /// --capture wal`): one producer per slot, which has one reader at a time.
+    pub fn wal_transactional_id(&self, slot: &str) -> String {
+        format!("{}-wal-{slot}", self.transactional_id_prefix)
+    }
+
     /// The Kafka topic for a row. With `{tenant}` in the template, both
     /// parts are escaped so that different (topic, tenant) pairs never share
     /// a Kafka topic, not even under Kafka's rule that `.` and `_` collide,

@@ -21,6 +21,10 @@
 //!   rather than miss the lane's last record and publish its rows again.
 //! - Lanes are taken concurrently: each read has its own short-lived
 //!   consumer, so no lane waits for another lane's read.
+//! - WAL capture (`--capture wal`) has no lanes: one transactional producer
+//!   per slot (`<prefix>-wal-<slot>`), whose progress record
+//!   ([`WalProgress`]) is a WAL position, read by the same reader under the
+//!   same rules (`wal::transactional`).
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
@@ -62,6 +66,39 @@ impl Progress {
     /// record per lane and database even in a shared topic.
     pub fn key(database_id: &str, lane: i32) -> String {
         format!("{database_id}:{lane}")
+    }
+}
+
+/// The progress topic's partition WAL capture writes and reads: a relay in
+/// WAL capture has no lanes, and one slot's records need one partition.
+pub const WAL_PARTITION: i32 = 0;
+
+/// WAL capture's progress record, written in every Kafka transaction of a
+/// slot's transactional producer (KIP-618's source offset).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WalProgress {
+    /// The database the rows belong to.
+    pub database: String,
+    /// The replication slot.
+    pub slot: String,
+    /// The end of the commit record of the last PostgreSQL transaction the
+    /// Kafka transaction carried (or an earlier one carried): every streamed
+    /// transaction ending at or before it is in Kafka already.
+    pub end_lsn: u64,
+    /// A new slot's table read: exactly the ids this Kafka transaction
+    /// published from the table (empty for the stream). Exact ids, not "up
+    /// to": a lower id that commits late is streamed, not read.
+    pub catch_up: Vec<i64>,
+    /// The highest id the slot's table reads published, carried from one
+    /// record to the next: a streamed row at or below it may have been
+    /// published by the read, so it is produced only while still pending.
+    pub catch_up_through: i64,
+}
+
+impl WalProgress {
+    /// The record key: `<database id>:wal:<slot>` (never a lane's key).
+    pub fn key(database_id: &str, slot: &str) -> String {
+        format!("{database_id}:wal:{slot}")
     }
 }
 
@@ -143,8 +180,14 @@ fn apply_security(c: &mut ClientConfig, cfg: &RelayConfig) {
 /// coordinator finished (committed or aborted) their last transaction.
 /// Blocking; run it off the async threads.
 pub fn lane_producer(cfg: &RelayConfig, lane: i32) -> Result<FutureProducer, KafkaError> {
+    transactional_producer(cfg, &cfg.transactional_id(lane))
+}
+
+/// A transactional producer of `transactional_id`, initialised (see
+/// [`lane_producer`]). Blocking.
+pub fn transactional_producer(cfg: &RelayConfig, transactional_id: &str) -> Result<FutureProducer, KafkaError> {
     let mut c = crate::publish::producer_config(cfg);
-    c.set("transactional.id", cfg.transactional_id(lane))
+    c.set("transactional.id", transactional_id)
         .set("transaction.timeout.ms", "60000");
     let p: FutureProducer = c.create()?;
     p.init_transactions(TXN_TIMEOUT)?;
@@ -238,13 +281,38 @@ impl ProgressReader {
         lane: i32,
         given_up: impl Fn() -> bool,
     ) -> Result<Option<Progress>, RelayError> {
+        self.read_last(lane, Progress::key(database_id, lane), given_up)
+    }
+
+    /// The slot's last committed [`WalProgress`], read as [`Self::read`]
+    /// reads a lane's, from [`WAL_PARTITION`]. Call it after the slot's
+    /// transactional producer was initialised.
+    pub fn read_wal(
+        &self,
+        database_id: &str,
+        slot: &str,
+        given_up: impl Fn() -> bool,
+    ) -> Result<Option<WalProgress>, RelayError> {
+        self.read_last(WAL_PARTITION, WalProgress::key(database_id, slot), given_up)
+    }
+
+    /// The last record of `key` in `partition` below its high watermark as
+    /// it stands now, decoded.
+    fn read_last<T: serde::de::DeserializeOwned>(
+        &self,
+        partition: i32,
+        key: String,
+        given_up: impl Fn() -> bool,
+    ) -> Result<Option<T>, RelayError> {
         // The client is never assigned anything: its queue holds only the
         // errors of its connections since the last read (a broker restart,
         // say), which its requests below retry past.
         while let Some(Err(e)) = self.watermarks.poll(Duration::ZERO) {
             tracing::debug!(error = %e, "progress watermark client");
         }
-        let (low, high) = self.watermarks.fetch_watermarks(&self.topic, lane, REQUEST_TIMEOUT)?;
+        let (low, high) = self
+            .watermarks
+            .fetch_watermarks(&self.topic, partition, REQUEST_TIMEOUT)?;
         if high <= low {
             return Ok(None);
         }
@@ -252,34 +320,43 @@ impl ProgressReader {
         let mut read = LaneRead {
             reader: self,
             consumer: &consumer,
-            lane,
-            key: Progress::key(database_id, lane),
+            lane: partition,
+            key,
             high,
             waited: None,
         };
         let mut window = FIRST_WINDOW;
         let mut start = (high - window).max(low);
         let mut tpl = TopicPartitionList::new();
-        tpl.add_partition_offset(&self.topic, lane, Offset::Offset(start))?;
+        tpl.add_partition_offset(&self.topic, partition, Offset::Offset(start))?;
         consumer.assign(&tpl)?;
         loop {
             let last = read.read_past_high(&given_up)?;
-            if last.is_some() || start == low {
-                return Ok(last);
+            if let Some((offset, payload)) = last {
+                return serde_json::from_slice(&payload).map(Some).map_err(|e| {
+                    RelayError::Config(format!(
+                        "corrupt progress record at {}/{partition}@{offset}: {e}",
+                        self.topic
+                    ))
+                });
+            }
+            if start == low {
+                return Ok(None);
             }
             window *= 4;
             start = (high - window).max(low);
-            consumer.seek(&self.topic, lane, Offset::Offset(start), REQUEST_TIMEOUT)?;
+            consumer.seek(&self.topic, partition, Offset::Offset(start), REQUEST_TIMEOUT)?;
         }
     }
 }
 
-/// One takeover's read of its lane's partition.
+/// One takeover's read of its lane's partition (or WAL capture's).
 struct LaneRead<'a> {
     reader: &'a ProgressReader,
     consumer: &'a BaseConsumer,
+    /// The partition read.
     lane: i32,
-    /// The lane's record key ([`Progress::key`]).
+    /// The record key ([`Progress::key`], [`WalProgress::key`]).
     key: String,
     /// The high watermark seen after `init_transactions`: the read is done
     /// only once it has read past it.
@@ -297,13 +374,12 @@ struct Wait {
 
 impl LaneRead<'_> {
     /// Reads from the assigned position until the consumer's position
-    /// reaches the high watermark, and returns the last record of the lane
-    /// below it. The position passes committed records and transaction
+    /// reaches the high watermark, and returns the last record of the key
+    /// below it (its offset and payload). The position passes committed records and transaction
     /// markers alike, and only what lies below the last stable offset is
     /// ever delivered, so reaching `high` means every transaction below it
     /// was settled and read.
-    fn read_past_high(&mut self, given_up: &impl Fn() -> bool) -> Result<Option<Progress>, RelayError> {
-        let topic = &self.reader.topic;
+    fn read_past_high(&mut self, given_up: &impl Fn() -> bool) -> Result<Option<(i64, Vec<u8>)>, RelayError> {
         let mut last = None;
         let mut checked = Instant::now();
         loop {
@@ -322,14 +398,7 @@ impl LaneRead<'_> {
             }
             match self.consumer.poll(READ_POLL) {
                 Some(Ok(m)) if m.offset() < self.high && m.key() == Some(self.key.as_bytes()) => {
-                    let p: Progress = serde_json::from_slice(m.payload().unwrap_or_default()).map_err(|e| {
-                        RelayError::Config(format!(
-                            "corrupt progress record at {topic}/{}@{}: {e}",
-                            self.lane,
-                            m.offset()
-                        ))
-                    })?;
-                    last = Some(p);
+                    last = Some((m.offset(), m.payload().unwrap_or_default().to_vec()));
                 }
                 // Another lane's or database's record, or one written after
                 // the takeover began.
@@ -506,6 +575,25 @@ mod tests {
         assert_eq!(json, r#"{"database":"db-1","lane":3,"generation":7,"ids":[10,12,11]}"#);
         assert_eq!(serde_json::from_str::<Progress>(&json).unwrap(), p);
         assert_eq!(Progress::key("db-1", 3), "db-1:3");
+    }
+
+    #[test]
+    fn wal_progress_records_carry_the_position_and_never_a_lane_s_key() {
+        let p = WalProgress {
+            database: "db-1".into(),
+            slot: "ferry_ab".into(),
+            end_lsn: 42,
+            catch_up: vec![7, 9],
+            catch_up_through: 9,
+        };
+        let json = serde_json::to_string(&p).unwrap();
+        assert_eq!(
+            json,
+            r#"{"database":"db-1","slot":"ferry_ab","end_lsn":42,"catch_up":[7,9],"catch_up_through":9}"#
+        );
+        assert_eq!(serde_json::from_str::<WalProgress>(&json).unwrap(), p);
+        assert_eq!(WalProgress::key("db-1", "ferry_ab"), "db-1:wal:ferry_ab");
+        assert_ne!(WalProgress::key("db-1", "0"), Progress::key("db-1", 0));
     }
 
     #[test]

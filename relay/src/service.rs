@@ -180,11 +180,15 @@ impl Relay {
             tokio::spawn(sweep_delivered(store.clone(), cfg.retention, sweep_stop.clone()));
         }
         let wal_finish = CancellationToken::new();
-        if let (Some(capture), Some(producer)) = (wal, &producer) {
+        if let Some(capture) = wal {
+            let publisher = match &sink {
+                lane::Sink::Shared(p, _) => crate::wal::Publisher::Shared(p.clone()),
+                lane::Sink::Transactional(reader) => crate::wal::Publisher::Transactional(reader.clone()),
+            };
             tasks.spawn(crate::wal::run(
                 state.clone(),
                 cfg.clone(),
-                producer.clone(),
+                publisher,
                 database_id.clone(),
                 capture,
                 wal_finish.clone(),

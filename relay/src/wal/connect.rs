@@ -94,6 +94,11 @@ pub enum Ended {
         /// The last catch-up row refused.
         through_id: Option<i64>,
     },
+    /// Exactly once: a row was marked dead inside a Kafka transaction,
+    /// which was aborted (the producer cannot commit after a refused
+    /// record): the next session starts at once, from the slot and the
+    /// progress record, and leaves the dead row out.
+    Aborted,
     /// Worth retrying after a backoff: the database or the broker was
     /// unreachable, the session was terminated, a record failed for a
     /// transient reason, or a poison row blocks (`--on-poison=block`).

@@ -16,6 +16,10 @@
 //! - **Fencing.** PostgreSQL lets one session stream from a slot; a standby
 //!   relay finds it in use, waits and retries, and takes over when the
 //!   active relay's session ends.
+//! - **Exactly once** (`--exactly-once`): one transactional producer per
+//!   slot; whole PostgreSQL transactions go into Kafka transactions with a
+//!   progress record holding the last one's end position, and a session
+//!   skips what that record covers (`transactional`).
 //! - **The table is the source of truth.** A new slot (the first start, or
 //!   one made anew after it was dropped, invalidated or lost its
 //!   publication) streams only what commits after it, so the pending rows
@@ -24,9 +28,11 @@
 //! The parts: `connect` (the replication settings from the database URL and
 //! the classification of how a session ends), `pgoutput` (decoding rows),
 //! `pipeline` (produce, count acknowledgements per transaction, hand
-//! settled transactions on in commit order), `marker`, and `session` (one
-//! session, start to end). [`run`] is the loop over sessions.
+//! settled transactions on in commit order; its `transactional` part is
+//! exactly once), `marker`, and `session` (one session, start to end). [`run`] is
+//! the loop over sessions.
 
+use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -35,6 +41,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::config::{Capture, RelayConfig};
 use crate::error::RelayError;
+use crate::exactly_once::ProgressReader;
 use crate::service::RelayState;
 use crate::store::RelayStore;
 
@@ -76,7 +83,10 @@ pub fn default_slot(database_id: &str) -> String {
 /// Decides the capture mode: `Some` to stream the WAL, `None` to poll.
 /// SQLite always polls (and refuses `--capture wal`); on PostgreSQL the
 /// default is `wal` when `wal_level = logical` and the role may replicate,
-/// else `poll`, said in one log line. `--exactly-once` polls for now.
+/// else `poll`, said in one log line. `--exactly-once` polls unless
+/// `--capture wal` asks for WAL capture: an exactly-once deployment's
+/// capture changes only when an operator says so (the lanes' last progress
+/// records are not read by WAL capture).
 pub async fn plan(cfg: &RelayConfig, store: &RelayStore, owner: &str) -> Result<Option<WalCapture>, RelayError> {
     let refuse = |why: &str| RelayError::Config(format!("--capture wal: {why}"));
     if store.ferry().db().as_postgres().is_none() {
@@ -90,8 +100,8 @@ pub async fn plan(cfg: &RelayConfig, store: &RelayStore, owner: &str) -> Result<
         return Ok(None);
     }
     let setting = store.wal_setting().await?;
-    let why_not = if cfg.exactly_once {
-        Some("--exactly-once publishes from polled lanes for now")
+    let why_not = if cfg.exactly_once && cfg.capture.is_none() {
+        Some("--exactly-once without --capture wal")
     } else if !setting.logical {
         Some("wal_level is not logical")
     } else if !setting.may_replicate {
@@ -129,6 +139,9 @@ pub async fn plan(cfg: &RelayConfig, store: &RelayStore, owner: &str) -> Result<
 struct Isolation {
     through_lsn: Option<u64>,
     through_id: Option<i64>,
+    /// Exactly once: rows this relay marked dead, which a later session
+    /// streams again (their Kafka transaction was aborted) and leaves out.
+    dead: HashSet<i64>,
 }
 
 impl Isolation {
@@ -150,6 +163,16 @@ impl Isolation {
     }
 }
 
+/// What WAL capture publishes through.
+#[derive(Clone)]
+pub enum Publisher {
+    /// At least once: the relay's shared idempotent producer.
+    Shared(FutureProducer),
+    /// Exactly once: each session makes the slot's transactional producer;
+    /// this reads the slot's progress on the progress topic.
+    Transactional(Arc<ProgressReader>),
+}
+
 /// Streams the outbox from the WAL until `finish`: one session after
 /// another, waiting as a standby while another relay holds the slot,
 /// making the slot anew when it cannot go on, backing off after failures.
@@ -157,7 +180,7 @@ impl Isolation {
 pub async fn run(
     state: Arc<RelayState>,
     cfg: Arc<RelayConfig>,
-    producer: FutureProducer,
+    publisher: Publisher,
     database_id: Arc<str>,
     capture: WalCapture,
     finish: CancellationToken,
@@ -165,7 +188,7 @@ pub async fn run(
     let ctx = session::Ctx {
         state,
         cfg,
-        producer,
+        publisher,
         database_id,
         capture,
     };
@@ -205,6 +228,10 @@ pub async fn run(
                 );
                 iso.through_lsn = through_lsn.or(iso.through_lsn);
                 iso.through_id = through_id.or(iso.through_id);
+                Duration::ZERO
+            }
+            Ended::Aborted => {
+                tracing::info!("the Kafka transaction was aborted to leave a dead row out; resuming from the slot");
                 Duration::ZERO
             }
             Ended::Retry(code) => {

@@ -8,6 +8,10 @@
 //! At the first record that fails nothing more is produced: what is in
 //! flight is awaited, the acknowledged prefix of transactions is still
 //! handed over, and the session ends with the failure's classification.
+//!
+//! Exactly once (`transactional`), the records go through the slot's
+//! transactional producer, and transactions reach the marker only once
+//! their Kafka transaction committed.
 
 use std::collections::VecDeque;
 use std::future::Future;
@@ -25,6 +29,10 @@ use crate::config::{OnPoison, RelayConfig};
 use crate::publish::{self, Outcome};
 use crate::service::RelayState;
 use crate::store::PendingRow;
+
+mod transactional;
+
+pub(super) use transactional::{take_over, Transactional};
 
 /// One transaction of the stream (or one page of the catch-up read), until
 /// the marker has it.
@@ -46,6 +54,9 @@ struct Txn {
     /// The lowest id of its rows that failed (a catch-up page's
     /// acknowledged rows below it are marked when the session fails).
     failed_from: Option<i64>,
+    /// Exactly once: the progress record says it is in Kafka already, so
+    /// its rows are marked, never produced.
+    skip: bool,
 }
 
 /// A delivery in flight: the future and what it is about.
@@ -96,6 +107,8 @@ pub(super) struct Pipeline<'a> {
     /// Isolating a poison row: one record in flight at a time, so a
     /// refusal is evidence about that row alone.
     pub(super) one_at_a_time: bool,
+    /// Exactly once: the session's Kafka transactions (`None`: at least once).
+    eo: Option<Transactional>,
 }
 
 impl<'a> Pipeline<'a> {
@@ -106,6 +119,7 @@ impl<'a> Pipeline<'a> {
         producer: &'a FutureProducer,
         database_id: &'a str,
         marks: mpsc::Sender<Mark>,
+        eo: Option<Transactional>,
     ) -> Self {
         Pipeline {
             state,
@@ -119,6 +133,7 @@ impl<'a> Pipeline<'a> {
             handed: 0,
             failed: None,
             one_at_a_time: false,
+            eo,
         }
     }
 
@@ -147,6 +162,10 @@ impl<'a> Pipeline<'a> {
     /// A transaction begins (its commit record at `final_lsn`), or a page
     /// of the catch-up read (`None`).
     pub(super) fn begin(&mut self, final_lsn: Option<u64>) {
+        let skip = match (&self.eo, final_lsn) {
+            (Some(eo), Some(f)) => eo.covers(f),
+            _ => false,
+        };
         self.txns.push_back(Txn {
             seq: self.next_seq,
             final_lsn,
@@ -155,6 +174,7 @@ impl<'a> Pipeline<'a> {
             outstanding: 0,
             acked: Vec::new(),
             failed_from: None,
+            skip,
         });
         self.next_seq += 1;
     }
@@ -170,7 +190,12 @@ impl<'a> Pipeline<'a> {
 
     /// Hands `row` to the producer as part of the open transaction; while
     /// the producer's queue is full, waits for the oldest deliveries.
+    /// Exactly once, a row of a transaction already in Kafka is only
+    /// marked, and a row this relay marked dead is left out.
     pub(super) async fn produce(&mut self, row: &PendingRow) {
+        if self.eo.is_some() && !self.exactly_once_produces(row).await {
+            return;
+        }
         let topic = self.cfg.route(&row.topic, &row.tenant);
         while self.failed.is_none() {
             let Some(seq) = self.txns.back().map(|t| t.seq) else {
@@ -241,7 +266,13 @@ impl<'a> Pipeline<'a> {
     /// transaction before it was handled, so the slot may move there too
     /// (WAL of other tables is released while the outbox is quiet).
     pub(super) async fn idle(&mut self, wal_end: u64) {
-        if self.txns.is_empty() && self.inflight.is_empty() && self.failed.is_none() && wal_end > self.handed {
+        let kafka_open = self.eo.as_ref().is_some_and(Transactional::is_open);
+        if self.txns.is_empty()
+            && self.inflight.is_empty()
+            && self.failed.is_none()
+            && !kafka_open
+            && wal_end > self.handed
+        {
             self.hand(Mark {
                 ids: Vec::new(),
                 lsn: Some(wal_end),
@@ -257,8 +288,12 @@ impl<'a> Pipeline<'a> {
     /// the rows still pending, so marking them is safe, and they are not
     /// published again on every retry of the failed row (a blocked poison
     /// row). A streamed transaction is never handed in part: the slot would
-    /// move past its failed row.
+    /// move past its failed row. Exactly once, nothing is handed: the
+    /// failure aborted the Kafka transaction, so no acknowledgement counts.
     pub(super) async fn hand_acked_pages(&mut self) {
+        if self.eo.is_some() {
+            return;
+        }
         while self.inflight.is_empty() && self.txns.front().is_some_and(|t| t.final_lsn.is_none()) {
             let t = self.txns.pop_front().expect("front exists");
             let ids = match t.failed_from {
@@ -305,7 +340,13 @@ impl<'a> Pipeline<'a> {
                 if !alone {
                     self.poison_in_request(s.seq, s.id);
                 } else if self.cfg.on_poison == OnPoison::Dead {
-                    self.dead(s.seq, s.id, code).await;
+                    let marked = self.dead(s.seq, s.id, code).await;
+                    // Exactly once, the refusal dooms the Kafka transaction:
+                    // it is aborted and streamed again without the row.
+                    if let (true, Some(eo)) = (marked, self.eo.as_mut()) {
+                        eo.dead.insert(s.id);
+                        self.fail(Ended::Aborted);
+                    }
                 } else {
                     tracing::error!(id = s.id, code, "poison record blocks the stream (--on-poison=block)");
                     self.note(s.id, code).await;
@@ -356,18 +397,21 @@ impl<'a> Pipeline<'a> {
         }
     }
 
-    /// Marks a row Kafka refused alone dead (`--on-poison=dead`): settled.
-    async fn dead(&mut self, seq: u64, id: i64, code: &'static str) {
+    /// Marks a row Kafka refused alone dead (`--on-poison=dead`): settled;
+    /// whether it was marked.
+    async fn dead(&mut self, seq: u64, id: i64, code: &'static str) -> bool {
         tracing::error!(id, code, "record refused by Kafka; marked dead");
         match self.state.store.wal_mark_dead(id, code).await {
             Ok(()) => {
                 self.state.metrics.dead.inc();
                 self.settled(seq, None);
                 self.advance().await;
+                true
             }
             Err(e) => {
                 tracing::warn!(id, error = %e, "marking a poison row dead failed");
                 self.fail(Ended::Retry("mark_dead"));
+                false
             }
         }
     }
@@ -405,12 +449,19 @@ impl<'a> Pipeline<'a> {
     async fn advance(&mut self) {
         while self.txns.front().is_some_and(|t| t.committed && t.outstanding == 0) {
             let t = self.txns.pop_front().expect("front exists");
-            self.hand(Mark {
+            let mark = Mark {
                 ids: t.acked,
                 lsn: t.end_lsn,
                 done: None,
-            })
-            .await;
+            };
+            // Exactly once, the marker has it after its Kafka commit.
+            let now = match self.eo.as_mut() {
+                Some(eo) => eo.stage(mark, t.skip),
+                None => Some(mark),
+            };
+            if let Some(mark) = now {
+                self.hand(mark).await;
+            }
         }
     }
 

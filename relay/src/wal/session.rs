@@ -3,7 +3,9 @@
 //! relay its only reader until the session ends), read the table once if
 //! the slot is new, then publish the stream (inserted rows, and dead rows
 //! an operator replayed) until shutdown or a failure; finally settle what
-//! is in flight, mark it and confirm the slot.
+//! is in flight, mark it and confirm the slot. Exactly once, the session
+//! takes the slot's transactional producer over once the slot streams to
+//! it, and commits (or aborts) its last Kafka transaction as it ends.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -14,8 +16,8 @@ use tokio_util::sync::CancellationToken;
 
 use super::connect::{classify, Ended, STATUS_INTERVAL};
 use super::pgoutput::{Decoder, Message};
-use super::pipeline::Pipeline;
-use super::{marker, Isolation, WalCapture};
+use super::pipeline::{self, Pipeline};
+use super::{marker, Isolation, Publisher, WalCapture};
 use crate::config::RelayConfig;
 use crate::service::RelayState;
 
@@ -28,7 +30,7 @@ pub const MAX_IN_FLIGHT: usize = 50_000;
 pub(super) struct Ctx {
     pub state: Arc<RelayState>,
     pub cfg: Arc<RelayConfig>,
-    pub producer: rdkafka::producer::FutureProducer,
+    pub publisher: Publisher,
     pub database_id: Arc<str>,
     pub capture: WalCapture,
 }
@@ -54,9 +56,20 @@ pub(super) async fn run(ctx: &Ctx, iso: &mut Isolation, reseed: bool, finish: &C
     }
     ctx.state.ready.store(true, std::sync::atomic::Ordering::Relaxed);
     tracing::info!(slot = %ctx.capture.slot, "streaming from the replication slot");
+    // Exactly once: only now, with the slot ours, fence earlier producers.
+    let (producer, eo) = match &ctx.publisher {
+        Publisher::Shared(p) => (p.clone(), None),
+        Publisher::Transactional(reader) => match pipeline::take_over(ctx, reader, iso.dead.clone(), finish).await {
+            Ok((p, eo)) => (p, Some(eo)),
+            Err(end) => {
+                let _ = tokio::time::timeout(Duration::from_secs(5), client.shutdown()).await;
+                return end;
+            }
+        },
+    };
     let (confirmed_tx, mut confirmed) = watch::channel(0u64);
     let (marks, marker_task) = marker::spawn(ctx.state.clone(), ctx.cfg.delete_on_delivery, confirmed_tx);
-    let mut pipeline = Pipeline::new(&ctx.state, &ctx.cfg, &ctx.producer, &ctx.database_id, marks);
+    let mut pipeline = Pipeline::new(&ctx.state, &ctx.cfg, &producer, &ctx.database_id, marks, eo);
     let end = match catch_up(ctx, &mut pipeline, iso, finish).await {
         Some(end) => end,
         None => stream(ctx, &mut pipeline, &mut client, &mut confirmed, iso, finish).await,
@@ -64,6 +77,8 @@ pub(super) async fn run(ctx: &Ctx, iso: &mut Isolation, reseed: bool, finish: &C
     // Wind down: settle what is in flight, mark the acknowledged prefix,
     // confirm it, and only then let the slot go.
     pipeline.settle_all().await;
+    let clean = end == Ended::Shutdown && pipeline.failed().is_none();
+    iso.dead.extend(pipeline.close_kafka(clean).await);
     drop(pipeline);
     let _ = marker_task.await;
     let last = *confirmed.borrow_and_update();
@@ -138,12 +153,25 @@ async fn catch_up(
         }
     };
     tracing::info!(%slot, through, "publishing the rows committed before the slot from the table");
+    // Exactly once: the last page a previous session committed is marked
+    // first (each page is marked before the next one is published).
+    if !pipeline.mark_catch_up_published().await {
+        return Some(Ended::Retry("marker_stopped"));
+    }
+    let exactly_once = matches!(ctx.publisher, Publisher::Transactional(_));
     let mut after = 0;
     loop {
         if finish.is_cancelled() {
             return Some(Ended::Shutdown);
         }
-        let rows = match store.pending_after(after, through, ctx.cfg.batch_size).await {
+        // Exactly once, a row being isolated is a page (and a Kafka
+        // transaction) of its own, so a blocked row holds no other back.
+        let limit = if exactly_once && iso.covers_id(after + 1) {
+            1
+        } else {
+            ctx.cfg.batch_size
+        };
+        let rows = match store.pending_after(after, through, limit).await {
             Ok(rows) => rows,
             Err(e) => {
                 tracing::warn!(error = %e, "the catch-up read failed");
@@ -166,9 +194,13 @@ async fn catch_up(
         }
         pipeline.commit(None).await;
         pipeline.settle_all().await;
+        pipeline.commit_kafka().await;
         if let Some(end) = pipeline.failed().cloned() {
             pipeline.hand_acked_pages().await;
             return Some(end);
+        }
+        if exactly_once && !pipeline.flush_marks().await {
+            return Some(Ended::Retry("marker_stopped"));
         }
         after = last;
     }
@@ -203,6 +235,7 @@ async fn stream(
             return end.clone();
         }
         let read = pipeline.may_produce() && pipeline.in_flight() < MAX_IN_FLIGHT;
+        let commit_due = pipeline.commit_due();
         tokio::select! {
             biased;
             _ = finish.cancelled() => return Ended::Shutdown,
@@ -211,6 +244,10 @@ async fn stream(
                 client.update_applied_lsn(Lsn::from_u64(*confirmed.borrow_and_update()));
             }
             Some(settled) = pipeline.next(), if pipeline.in_flight() > 0 => pipeline.settle(settled).await,
+            // Exactly once: the stream paused between transactions.
+            _ = tokio::time::sleep_until(commit_due.unwrap_or_else(far_future)), if commit_due.is_some() => {
+                pipeline.commit_kafka().await;
+            }
             event = client.recv(), if read => match event {
                 Ok(Some(ReplicationEvent::Begin { final_lsn, .. })) => {
                     pipeline.one_at_a_time = iso.covers_lsn(final_lsn.as_u64());
@@ -224,8 +261,16 @@ async fn stream(
                         return Ended::Retry("decode");
                     }
                 },
-                Ok(Some(ReplicationEvent::Commit { end_lsn, .. })) => pipeline.commit(Some(end_lsn.as_u64())).await,
-                Ok(Some(ReplicationEvent::KeepAlive { wal_end, .. })) => pipeline.idle(wal_end.as_u64()).await,
+                Ok(Some(ReplicationEvent::Commit { end_lsn, .. })) => {
+                    pipeline.commit(Some(end_lsn.as_u64())).await;
+                    if pipeline.wants_commit() {
+                        pipeline.commit_kafka().await;
+                    }
+                }
+                Ok(Some(ReplicationEvent::KeepAlive { wal_end, .. })) => {
+                    pipeline.commit_kafka().await;
+                    pipeline.idle(wal_end.as_u64()).await;
+                }
                 Ok(Some(ReplicationEvent::Message { transactional: true, prefix, content, .. })) if prefix == replay => {
                     if let Err(end) = replayed(ctx, pipeline, &content).await {
                         return end;
@@ -238,6 +283,11 @@ async fn stream(
             },
         }
     }
+}
+
+/// A deadline that never comes (for a disabled timer branch).
+fn far_future() -> tokio::time::Instant {
+    tokio::time::Instant::now() + Duration::from_secs(86_400)
 }
 
 /// Dead rows put back to pending, announced in the transaction that did it

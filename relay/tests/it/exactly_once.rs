@@ -23,7 +23,7 @@ use ferry_testkit::Kafka;
 
 const EOS: &[&str] = &["--exactly-once", "--transactional-id-prefix", "t-eos"];
 
-fn committed_reader(brokers: &str, topic: &str) -> BaseConsumer {
+pub(crate) fn committed_reader(brokers: &str, topic: &str) -> BaseConsumer {
     let c: BaseConsumer = ClientConfig::new()
         .set("bootstrap.servers", brokers)
         .set("group.id", format!("eos-{}", uuid::Uuid::now_v7().simple()))

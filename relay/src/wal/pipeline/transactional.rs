@@ -1,0 +1,365 @@
+//! Exactly once in WAL capture (`--exactly-once --capture wal`), after
+//! Kafka Connect's exactly-once sources (KIP-618):
+//!
+//! - **One producer per slot**, `transactional.id = <prefix>-wal-<slot>`,
+//!   made by each session once the slot streams to it (the slot has one
+//!   reader at a time): its `init_transactions` fences every earlier
+//!   session's producer and settles its last transaction.
+//! - **Whole PostgreSQL transactions** go into a Kafka transaction together
+//!   with a progress record ([`WalProgress`]): the end of the last one's
+//!   commit record. Several are batched into one Kafka transaction (it
+//!   commits when the stream pauses between transactions, after
+//!   [`COMMIT_EVERY`], or past [`COMMIT_ROWS`] records or [`COMMIT_BYTES`]);
+//!   one is never split, however large (its bound is the producer's
+//!   `transaction.timeout.ms`).
+//! - **Commit, then mark.** Only after the commit are the transactions'
+//!   rows handed to the marker, which marks them and then lets the slot's
+//!   confirmed position move past them, as at least once does.
+//! - **Session start.** After `init_transactions` the slot's last committed
+//!   progress record is read `read_committed` (waiting out other producers'
+//!   open transactions below the high watermark, as a lane's takeover does);
+//!   every streamed transaction it covers is in Kafka already, so it is not
+//!   produced again: its rows are marked and the slot moves past it. A new
+//!   slot's table read commits one page per transaction with the page's
+//!   exact ids, marked before the next page, and a session that finds the
+//!   read unfinished marks the last page's ids first. A row committed just
+//!   after the slot was made is both read and streamed: a streamed row at
+//!   or below the highest id the read published is produced only while it
+//!   is pending.
+//! - **Any failure** aborts the Kafka transaction and ends the session: the
+//!   next one resumes from the slot's confirmed position and the progress
+//!   record. A row refused alone is marked dead (`--on-poison=dead`) and
+//!   its transaction aborted; the next session streams it again without
+//!   the dead row, so its other rows are re-sent in order and nothing
+//!   overtakes them.
+
+use std::collections::HashSet;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use rdkafka::producer::{FutureProducer, FutureRecord, Producer};
+
+use super::super::connect::Ended;
+use super::super::marker::{self, Mark};
+use super::super::session::Ctx;
+use super::Pipeline;
+use crate::exactly_once::{self, ProgressReader, WalProgress, TXN_TIMEOUT, WAL_PARTITION};
+use crate::publish::{self, Outcome};
+use crate::store::PendingRow;
+
+/// A Kafka transaction commits once it carries this many records...
+pub const COMMIT_ROWS: usize = 5_000;
+/// ...or this many payload and key bytes...
+pub const COMMIT_BYTES: usize = 8 << 20;
+/// ...or has been open this long (at the next commit of a PostgreSQL
+/// transaction, or at once while none is open).
+pub const COMMIT_EVERY: Duration = Duration::from_millis(100);
+
+/// One session's Kafka transactions.
+pub(in crate::wal) struct Transactional {
+    /// The progress topic.
+    topic: String,
+    /// The slot's progress record key ([`WalProgress::key`]).
+    key: String,
+    /// The last committed progress record: the stream skips what it covers.
+    committed: WalProgress,
+    /// Since when a Kafka transaction is open.
+    open_since: Option<Instant>,
+    /// Records and bytes in the open Kafka transaction.
+    rows: usize,
+    bytes: usize,
+    /// The settled PostgreSQL transactions (or table pages) of the open
+    /// Kafka transaction, in commit order, for the marker once it commits.
+    staged: Vec<Mark>,
+    /// Rows marked dead by this relay, left out when streamed again.
+    pub(in crate::wal) dead: HashSet<i64>,
+}
+
+/// Session start, once the slot streams to this session: the slot's
+/// transactional producer (which fences every earlier one) and its last
+/// committed progress. The read may wait for another producer's open
+/// transaction on the progress partition; it stops at shutdown.
+pub(in crate::wal) async fn take_over(
+    ctx: &Ctx,
+    reader: &Arc<ProgressReader>,
+    dead: HashSet<i64>,
+    finish: &tokio_util::sync::CancellationToken,
+) -> Result<(FutureProducer, Transactional), Ended> {
+    let started = Instant::now();
+    let slot = ctx.capture.slot.clone();
+    let (done, taken) = tokio::sync::oneshot::channel();
+    let (cfg, r, db, s) = (ctx.cfg.clone(), reader.clone(), ctx.database_id.clone(), slot.clone());
+    tokio::task::spawn_blocking(move || {
+        let result = match exactly_once::transactional_producer(&cfg, &cfg.wal_transactional_id(&s)) {
+            Ok(p) => r
+                .read_wal(&db, &s, || done.is_closed())
+                .map(|progress| (p, progress))
+                .map_err(|e| ("progress_read", e.to_string())),
+            Err(e) => Err(("init_transactions", e.to_string())),
+        };
+        let _ = done.send(result);
+    });
+    let (producer, progress) = tokio::select! {
+        r = taken => match r {
+            Ok(Ok(v)) => v,
+            Ok(Err((code, error))) => {
+                tracing::warn!(%slot, code, error, "taking the slot's transactional producer over failed");
+                return Err(Ended::Retry(code));
+            }
+            Err(_) => return Err(Ended::Retry("init_transactions")),
+        },
+        _ = finish.cancelled() => return Err(Ended::Shutdown),
+    };
+    let committed = progress.unwrap_or_else(|| WalProgress {
+        database: ctx.database_id.to_string(),
+        slot: slot.clone(),
+        end_lsn: 0,
+        catch_up: Vec::new(),
+        catch_up_through: 0,
+    });
+    tracing::info!(
+        %slot,
+        transactional_id = %ctx.cfg.wal_transactional_id(&slot),
+        end_lsn = committed.end_lsn,
+        took_ms = started.elapsed().as_millis() as u64,
+        "the slot's producer fenced its predecessors; streamed transactions up to the progress record are skipped"
+    );
+    Ok((
+        producer,
+        Transactional {
+            topic: ctx.cfg.progress_topic(),
+            key: WalProgress::key(&ctx.database_id, &slot),
+            committed,
+            open_since: None,
+            rows: 0,
+            bytes: 0,
+            staged: Vec::new(),
+            dead,
+        },
+    ))
+}
+
+impl Transactional {
+    /// Whether a streamed transaction committing at `final_lsn` is in Kafka
+    /// already: it ends after `final_lsn`, and every transaction that
+    /// commits later starts its commit record at or after the end of this
+    /// one's, so `final_lsn < end_lsn` is `end ≤ end_lsn`.
+    pub(super) fn covers(&self, final_lsn: u64) -> bool {
+        final_lsn < self.committed.end_lsn
+    }
+
+    /// Stages a settled transaction for the marker, unless it may go at
+    /// once: nothing is staged before it, and it is in Kafka already
+    /// (`skipped`) or has nothing in the open Kafka transaction (none is
+    /// open: its rows were all left out as dead).
+    pub(super) fn stage(&mut self, mark: Mark, skipped: bool) -> Option<Mark> {
+        if (skipped || self.open_since.is_none()) && self.staged.is_empty() {
+            return Some(mark);
+        }
+        self.staged.push(mark);
+        None
+    }
+
+    /// Whether a Kafka transaction is open.
+    pub(super) fn is_open(&self) -> bool {
+        self.open_since.is_some()
+    }
+}
+
+impl Pipeline<'_> {
+    /// Exactly once, before `row` is produced: whether it is. A row of a
+    /// transaction in Kafka already is only marked; a row this relay
+    /// marked dead is left out; a streamed row the table read may have
+    /// published (its id at or below the read's highest) is produced only
+    /// while it is pending (a row that commits just after the slot is made
+    /// is both streamed and read). Otherwise the Kafka transaction opens
+    /// (unless open) and counts the row. False after a failure too.
+    pub(super) async fn exactly_once_produces(&mut self, row: &PendingRow) -> bool {
+        if let Some(t) = self.txns.back_mut().filter(|t| t.skip) {
+            t.acked.push(row.id);
+            return false;
+        }
+        let Some(eo) = self.eo.as_ref() else { return true };
+        if eo.dead.contains(&row.id) {
+            return false;
+        }
+        let streamed = self.txns.back().is_some_and(|t| t.final_lsn.is_some());
+        if streamed && row.id <= eo.committed.catch_up_through && !self.still_pending(row.id).await {
+            return false;
+        }
+        let Some(eo) = self.eo.as_mut() else { return true };
+        if eo.open_since.is_none() {
+            if let Err(e) = self.producer.begin_transaction() {
+                tracing::warn!(error = %e, "begin_transaction failed; ending the session");
+                self.fail(Ended::Retry("begin_transaction"));
+                return false;
+            }
+            eo.open_since = Some(Instant::now());
+        }
+        eo.rows += 1;
+        eo.bytes += row.payload.len() + row.key.len();
+        true
+    }
+
+    /// Whether row `id` is pending, waiting (a bounded while) for a commit
+    /// the stream carried before it is visible; a row never seen is gone
+    /// (delivered and deleted). A database error ends the session.
+    async fn still_pending(&mut self, id: i64) -> bool {
+        for _ in 0..marker::VISIBLE_TRIES {
+            match self.state.store.wal_states(&[id]).await {
+                Ok(states) => match states.first() {
+                    Some((_, state)) => return state == "pending",
+                    None => tokio::time::sleep(marker::VISIBLE_WAIT).await,
+                },
+                Err(e) => {
+                    tracing::warn!(id, error = %e, "reading a row's state failed");
+                    self.fail(Ended::Retry("database"));
+                    return false;
+                }
+            }
+        }
+        false
+    }
+
+    /// Exactly once, at the start of an unfinished table read: marks the
+    /// ids of its last committed page (each page is marked before the next
+    /// is published, so only that one may be unmarked); false when the
+    /// marker stopped.
+    pub(in crate::wal) async fn mark_catch_up_published(&mut self) -> bool {
+        let Some(eo) = self.eo.as_mut() else { return true };
+        let ids = std::mem::take(&mut eo.committed.catch_up);
+        if ids.is_empty() {
+            return true;
+        }
+        tracing::info!(rows = ids.len(), "marking the table read's last committed page");
+        self.hand(Mark {
+            ids,
+            lsn: None,
+            done: None,
+        })
+        .await;
+        self.flush_marks().await
+    }
+
+    /// When the open Kafka transaction is due to commit, if it may commit
+    /// now (no PostgreSQL transaction is half in it).
+    pub(in crate::wal) fn commit_due(&self) -> Option<tokio::time::Instant> {
+        let eo = self.eo.as_ref()?;
+        let since = eo.open_since?;
+        self.txns
+            .back()
+            .is_none_or(|t| t.committed)
+            .then(|| tokio::time::Instant::from_std(since + COMMIT_EVERY))
+    }
+
+    /// Whether the open Kafka transaction should commit now: it may, and
+    /// it is full, old enough, or a poison row is being isolated (each
+    /// PostgreSQL transaction alone, so a blocked one holds no other back).
+    pub(in crate::wal) fn wants_commit(&self) -> bool {
+        let (Some(eo), Some(due)) = (self.eo.as_ref(), self.commit_due()) else {
+            return false;
+        };
+        self.one_at_a_time || eo.rows >= COMMIT_ROWS || eo.bytes >= COMMIT_BYTES || tokio::time::Instant::now() >= due
+    }
+
+    /// Commits the open Kafka transaction with its progress record, once
+    /// every record of it is acknowledged, then hands its transactions to
+    /// the marker. A failure ends the session (the transaction is aborted
+    /// as the session winds down); nothing of it is marked.
+    pub(in crate::wal) async fn commit_kafka(&mut self) {
+        if self.commit_due().is_none() {
+            return;
+        }
+        self.settle_all().await;
+        if self.failed.is_some() {
+            return;
+        }
+        let Some(eo) = self.eo.as_ref() else { return };
+        let progress = WalProgress {
+            database: eo.committed.database.clone(),
+            slot: eo.committed.slot.clone(),
+            end_lsn: eo
+                .staged
+                .iter()
+                .filter_map(|m| m.lsn)
+                .fold(eo.committed.end_lsn, u64::max),
+            catch_up: eo
+                .staged
+                .iter()
+                .filter(|m| m.lsn.is_none())
+                .flat_map(|m| m.ids.iter().copied())
+                .collect(),
+            catch_up_through: 0,
+        };
+        let progress = WalProgress {
+            catch_up_through: progress
+                .catch_up
+                .iter()
+                .copied()
+                .fold(eo.committed.catch_up_through, i64::max),
+            ..progress
+        };
+        let value = serde_json::to_vec(&progress).expect("progress serializes");
+        let record = FutureRecord::to(&eo.topic)
+            .partition(WAL_PARTITION)
+            .key(eo.key.as_bytes())
+            .payload(&value[..]);
+        let outcome = match self.producer.send_result(record) {
+            Ok(delivery) => publish::delivered(delivery.await),
+            Err((e, _)) => publish::classify(&e),
+        };
+        match outcome {
+            Outcome::Acked { .. } => {}
+            // A refused progress record says nothing about the rows.
+            Outcome::Poison(_) => return self.fail(Ended::Retry("progress_record_refused")),
+            Outcome::Transient(code) => return self.fail(Ended::Retry(code)),
+            Outcome::Fatal => return self.fail(Ended::Fatal),
+        }
+        let p = self.producer.clone();
+        match tokio::task::spawn_blocking(move || p.commit_transaction(TXN_TIMEOUT)).await {
+            Ok(Ok(())) => {}
+            // Committed or not, the next session's progress read says which.
+            Ok(Err(e)) => {
+                tracing::warn!(error = %e, "commit_transaction failed; ending the session");
+                return self.fail(Ended::Retry("commit_transaction"));
+            }
+            Err(_) => return self.fail(Ended::Retry("commit_transaction")),
+        }
+        exactly_once::failpoint_after_commit();
+        let Some(eo) = self.eo.as_mut() else { return };
+        eo.committed = progress;
+        eo.open_since = None;
+        eo.rows = 0;
+        eo.bytes = 0;
+        let staged = std::mem::take(&mut eo.staged);
+        for mark in staged {
+            self.hand(mark).await;
+        }
+    }
+
+    /// As the session ends: commits the open Kafka transaction when the
+    /// session ends cleanly (shutdown, nothing failed, no PostgreSQL
+    /// transaction half in it), else aborts it, so nothing of it becomes
+    /// visible; the rows stay pending and the slot before them. The rows
+    /// this session marked dead are returned.
+    pub(in crate::wal) async fn close_kafka(&mut self, clean: bool) -> HashSet<i64> {
+        if clean {
+            self.commit_kafka().await;
+        }
+        let Some(eo) = self.eo.as_mut() else {
+            return HashSet::new();
+        };
+        if eo.open_since.take().is_some() {
+            let p = self.producer.clone();
+            match tokio::task::spawn_blocking(move || p.abort_transaction(TXN_TIMEOUT)).await {
+                Ok(Ok(())) => tracing::debug!("aborted the open Kafka transaction"),
+                // The next session's init_transactions aborts it.
+                Ok(Err(e)) => {
+                    tracing::warn!(error = %e, "abort_transaction failed; the next session's producer aborts it")
+                }
+                Err(_) => tracing::warn!("abort_transaction did not finish; the next session's producer aborts it"),
+            }
+        }
+        std::mem::take(&mut eo.dead)
+    }
+}

@@ -1,0 +1,324 @@
+//! `--exactly-once --capture wal` against PostgreSQL and Apache Kafka:
+//! relays SIGKILLed mid-stream, crashed right after a Kafka commit and
+//! before the rows are marked (the table read of a new slot and the
+//! stream), a stale owner resumed after a standby took the slot, and poison
+//! rows under both `--on-poison` modes. A `read_committed` reader must see
+//! every row exactly once, each key in commit order (one writer commits in
+//! id order). Every test streams from a slot of its own ([`SlotGuard`]).
+
+use std::collections::HashMap;
+use std::os::unix::process::ExitStatusExt;
+use std::process::Command;
+use std::time::Duration;
+
+use ferry::Ferry;
+use ferry_relay::OnPoison;
+
+use crate::exactly_once::committed_reader;
+use crate::relay::write_orders;
+use crate::support::*;
+use ferry_testkit::Kafka;
+
+const EOS: &[&str] = &["--exactly-once", "--transactional-id-prefix", "t-eos"];
+const DELIVERED: &str = "SELECT count(*) FROM outbox WHERE state = 'delivered'";
+
+/// `--capture wal` on the test's slot, exactly once, and `extra`.
+fn args<'a>(slot: &'a SlotGuard, extra: &[&'a str]) -> Vec<&'a str> {
+    [&slot.args()[..], EOS, extra].concat()
+}
+
+fn distinct(recs: &[Record]) -> usize {
+    recs.iter()
+        .map(Record::outbox_id)
+        .collect::<std::collections::HashSet<_>>()
+        .len()
+}
+
+/// Every id of `recs` exactly once, `total` of them, and each key's ids in
+/// increasing order (the order one writer committed them in).
+fn assert_once_in_commit_order(recs: &[Record], total: usize) {
+    let mut count: HashMap<i64, usize> = HashMap::new();
+    for r in recs {
+        *count.entry(r.outbox_id()).or_default() += 1;
+    }
+    let mut dups: Vec<_> = count.iter().filter(|(_, n)| **n > 1).collect();
+    dups.sort();
+    assert!(
+        dups.is_empty(),
+        "{} rows duplicated for a read_committed reader: {:?}",
+        dups.len(),
+        &dups[..dups.len().min(10)]
+    );
+    assert_eq!(count.len(), total, "every row exactly once");
+    let mut last: HashMap<&str, i64> = HashMap::new();
+    for r in recs {
+        let id = r.outbox_id();
+        if let Some(prev) = last.insert(&r.key, id) {
+            assert!(prev < id, "key {} out of commit order: {prev} then {id}", r.key);
+        }
+    }
+}
+
+/// After a crash: how many rows a `read_committed` reader sees that are
+/// still pending (published, committed, not marked). No producer may run.
+async fn published_but_pending(ferry: &Ferry, brokers: &str) -> usize {
+    let recs = read_all(brokers, "orders", true, Duration::from_secs(60)).await;
+    let pending: Vec<i64> = sqlx::query_scalar("SELECT id FROM outbox WHERE state = 'pending'")
+        .fetch_all(ferry.db().as_postgres().unwrap())
+        .await
+        .unwrap();
+    recs.iter().filter(|r| pending.contains(&r.outbox_id())).count()
+}
+
+fn signal(p: &RelayProcess, sig: &str) {
+    Command::new("kill").args([sig, &p.id().to_string()]).status().unwrap();
+}
+
+/// SIGTERM, and a clean exit.
+fn stop(mut p: RelayProcess) {
+    signal(&p, "-TERM");
+    assert!(p.wait().unwrap().success(), "the relay exits cleanly");
+}
+
+/// Relays SIGKILLed four times while rows stream in: no row is lost, none
+/// is seen twice by a `read_committed` reader, each key in commit order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn wal_exactly_once_survives_sigkills_mid_stream() {
+    let broker = Kafka::start();
+    broker.create_topic("orders", 6);
+    let brokers = broker.brokers();
+    let (ferry, url) = pg_ferry().await;
+    let slot = SlotGuard::new().await;
+    let reader = committed_reader(&brokers, "orders");
+    let mut recs: Vec<Record> = Vec::new();
+    let per_round = 600;
+    for round in 1..=4 {
+        let mut child = spawn_relay_process(&url, &brokers, &args(&slot, &[]), &[]);
+        let writes = {
+            let ferry = ferry.clone();
+            tokio::spawn(async move { write_orders(&ferry, per_round, 30).await })
+        };
+        // Killed with half a round's rows still to come.
+        let want = round * per_round - per_round / 2;
+        let more = read_until(&reader, Duration::from_secs(120), |r| {
+            distinct(&[&recs[..], r].concat()) >= want
+        })
+        .await;
+        recs.extend(more);
+        child.kill().unwrap();
+        child.wait().unwrap();
+        writes.await.unwrap();
+    }
+    let total = 4 * per_round;
+    let last = spawn_relay_process(&url, &brokers, &args(&slot, &[]), &[]);
+    wait_for_count(&ferry, DELIVERED, total as i64, Duration::from_secs(120)).await;
+    stop(last);
+    let recs = read_all(&brokers, "orders", true, Duration::from_secs(60)).await;
+    assert_once_in_commit_order(&recs, total);
+}
+
+/// The worst moment: the relay dies right after a Kafka commit and before
+/// that transaction's rows are marked and the slot confirmed past them
+/// (the project's `crash-after-commit` failpoint), once in a new slot's
+/// table read and once in the stream. The next session finds the rows in
+/// the progress record and publishes none of them again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn wal_exactly_once_a_crash_between_the_kafka_commit_and_the_mark_publishes_nothing_twice() {
+    let broker = Kafka::start();
+    broker.create_topic("orders", 6);
+    let brokers = broker.brokers();
+    let (ferry, url) = pg_ferry().await;
+    let slot = SlotGuard::new().await;
+
+    // 1. Rows written before the slot exists: the table read (pages of 50)
+    //    crashes after its second page's commit.
+    write_orders(&ferry, 200, 20).await;
+    let mut child = spawn_relay_process(
+        &url,
+        &brokers,
+        &args(&slot, &[]),
+        &[("FERRY_RELAY_FAILPOINT", "crash-after-commit:2")],
+    );
+    let status = child.wait().unwrap();
+    assert_eq!(status.signal(), Some(6), "the failpoint aborted the relay ({status})");
+    assert!(
+        published_but_pending(&ferry, &brokers).await > 0,
+        "the crash left committed rows unmarked"
+    );
+    let next = spawn_relay_process(&url, &brokers, &args(&slot, &[]), &[]);
+    wait_for_count(&ferry, DELIVERED, 200, Duration::from_secs(120)).await;
+    stop(next);
+
+    // 2. The stream: rows arrive in chunks, each committed before the next
+    //    is written, until the third Kafka commit crashes the relay.
+    let mut child = spawn_relay_process(
+        &url,
+        &brokers,
+        &args(&slot, &[]),
+        &[("FERRY_RELAY_FAILPOINT", "crash-after-commit:3")],
+    );
+    let reader = committed_reader(&brokers, "orders");
+    let mut seen: Vec<Record> = read_until(&reader, Duration::from_secs(60), |r| distinct(r) >= 200).await;
+    let mut written = 200;
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        assert!(written < 200 + 50 * 10, "the relay never crashed");
+        write_orders(&ferry, 50, 20).await;
+        written += 50;
+        // Visible once committed, or the crash came first.
+        let more = read_until(&reader, Duration::from_secs(60), |r| {
+            distinct(&[&seen[..], r].concat()) >= written || child.try_wait().unwrap().is_some()
+        })
+        .await;
+        seen.extend(more);
+    };
+    assert_eq!(status.signal(), Some(6), "the failpoint aborted the relay ({status})");
+    assert!(
+        published_but_pending(&ferry, &brokers).await > 0,
+        "the crash left committed rows unmarked"
+    );
+    let last = spawn_relay_process(&url, &brokers, &args(&slot, &[]), &[]);
+    wait_for_count(&ferry, DELIVERED, written as i64, Duration::from_secs(120)).await;
+    stop(last);
+    let recs = read_all(&brokers, "orders", true, Duration::from_secs(60)).await;
+    assert_once_in_commit_order(&recs, written);
+}
+
+/// A stale owner: the active relay is paused (SIGSTOP) and its replication
+/// session cut (as `wal_sender_timeout` would), a standby takes the slot
+/// and publishes (its `init_transactions` fences the paused relay's
+/// producer), then the paused relay resumes (SIGCONT) with its Kafka
+/// transaction open. It cannot commit: every row once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn wal_exactly_once_a_stale_owner_cannot_commit_after_a_standby_took_over() {
+    let broker = Kafka::start();
+    broker.create_topic("orders", 6);
+    let brokers = broker.brokers();
+    let (ferry, url) = pg_ferry().await;
+    let slot = SlotGuard::new().await;
+    let pool = ferry.db().as_postgres().unwrap().clone();
+    let a = spawn_relay_process(&url, &brokers, &args(&slot, &["--relay-id", "relay-a"]), &[]);
+    let active = format!(
+        "SELECT count(*) FROM pg_replication_slots WHERE active AND slot_name = '{}'",
+        slot.name
+    );
+    wait_for_count(&ferry, &active, 1, Duration::from_secs(60)).await;
+    let total = 2000;
+    let writes = {
+        let ferry = ferry.clone();
+        tokio::spawn(async move { write_orders(&ferry, total, 30).await })
+    };
+    wait_for_count(&ferry, DELIVERED, 300, Duration::from_secs(60)).await;
+    let a_pid: i32 = sqlx::query_scalar("SELECT active_pid FROM pg_replication_slots WHERE slot_name = $1")
+        .bind(&slot.name)
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    signal(&a, "-STOP");
+    let _ = sqlx::query("SELECT pg_terminate_backend($1)")
+        .bind(a_pid)
+        .execute(&pool)
+        .await
+        .unwrap();
+    let at_stop = scalar(&ferry, DELIVERED).await;
+    let b = spawn_relay_process(&url, &brokers, &args(&slot, &["--relay-id", "relay-b"]), &[]);
+    wait_for_count(
+        &ferry,
+        &format!(
+            "SELECT count(*) FROM pg_replication_slots WHERE active AND slot_name = '{}' AND active_pid <> {a_pid}",
+            slot.name
+        ),
+        1,
+        Duration::from_secs(60),
+    )
+    .await;
+    // B committed and marked transactions of its own.
+    wait_for_count(&ferry, DELIVERED, at_stop + 200, Duration::from_secs(60)).await;
+    signal(&a, "-CONT");
+    writes.await.unwrap();
+    wait_for_count(&ferry, DELIVERED, total as i64, Duration::from_secs(120)).await;
+    stop(b);
+    drop(a);
+    let recs = read_all(&brokers, "orders", true, Duration::from_secs(60)).await;
+    assert_once_in_commit_order(&recs, total);
+}
+
+/// A poison row among seven one-row transactions of one key (the topic's
+/// `max.message.bytes` refuses it). Dead: it is found alone, marked dead,
+/// its Kafka transaction aborted and streamed again without it; the six
+/// others are seen once, in order. Block: the rows before it are published
+/// (each transaction alone while isolating), it and everything behind it
+/// stay pending, and none of them is seen.
+async fn wal_exactly_once_poison(on_poison: OnPoison) {
+    let broker = Kafka::start();
+    broker.create_topic_with("orders", 3, &[("max.message.bytes", "2000")]);
+    let brokers = broker.brokers();
+    let (ferry, url) = pg_ferry().await;
+    let slot = SlotGuard::new().await;
+    let mut cfg = slot.config(&url, &brokers);
+    cfg.exactly_once = true;
+    cfg.on_poison = on_poison;
+    let relay = slot.start(cfg, ferry.clone()).await;
+    write_orders(&ferry, 1, 1).await;
+    wait_for_count(&ferry, DELIVERED, 1, Duration::from_secs(60)).await;
+    let poison = crate::poison::poison_rows(&ferry).await;
+    let dead_rows = "SELECT count(*) FROM outbox WHERE state = 'dead'";
+    match on_poison {
+        OnPoison::Dead => wait_for_count(&ferry, DELIVERED, 7, Duration::from_secs(60)).await,
+        OnPoison::Block => {
+            wait_for_count(
+                &ferry,
+                &format!("SELECT CAST(publish_attempts AS BIGINT) FROM outbox WHERE id = {poison}"),
+                3,
+                Duration::from_secs(60),
+            )
+            .await
+        }
+    }
+    relay.shutdown().await;
+    let recs = read_all(&brokers, "orders", true, Duration::from_secs(30)).await;
+    assert!(
+        recs.iter().all(|r| r.outbox_id() != poison),
+        "the poison row was never seen"
+    );
+    match on_poison {
+        OnPoison::Dead => {
+            assert_eq!(scalar(&ferry, dead_rows).await, 1);
+            assert_eq!(
+                scalar(
+                    &ferry,
+                    &format!("SELECT count(*) FROM outbox WHERE id = {poison} AND state = 'dead'")
+                )
+                .await,
+                1
+            );
+            assert_once_in_commit_order(&recs, 7);
+        }
+        OnPoison::Block => {
+            assert_eq!(scalar(&ferry, dead_rows).await, 0);
+            assert_eq!(
+                scalar(
+                    &ferry,
+                    &format!("SELECT count(*) FROM outbox WHERE state = 'pending' AND id >= {poison}")
+                )
+                .await,
+                4,
+                "the poison row and everything behind it stay pending"
+            );
+            assert_eq!(scalar(&ferry, DELIVERED).await, 4, "the rows before it are delivered");
+            assert_once_in_commit_order(&recs, 4);
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn wal_exactly_once_a_poison_row_goes_dead_and_the_rest_is_seen_once() {
+    wal_exactly_once_poison(OnPoison::Dead).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn wal_exactly_once_a_poison_row_blocks_and_nothing_behind_it_is_seen() {
+    wal_exactly_once_poison(OnPoison::Block).await;
+}
