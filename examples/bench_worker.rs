@@ -16,7 +16,9 @@
 //! slots (16 per call). Each row prints
 //! the worker's counters (statements, jobs per statement, idle waits).
 //!
-//!     cargo run --release --example bench_worker -- [--jobs N] [--rounds R]
+//! `--batch-handlers` runs only the worker rows up to the batch handlers'.
+//!
+//!     cargo run --release --example bench_worker -- [--jobs N] [--rounds R] [--batch-handlers]
 #![allow(clippy::print_stdout)]
 
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -56,7 +58,9 @@ async fn main() -> Res<()> {
             ..Default::default()
         };
         worker_row(&base, jobs, "Worker, 16 slots, library defaults", defaults16.clone()).await?;
-        raw_rows(&base, jobs, 16, 16).await?;
+        if !args.iter().any(|a| a == "--batch-handlers") {
+            raw_rows(&base, jobs, 16, 16).await?;
+        }
         for (slots, batch) in [(200usize, 100u32), (100, 50)] {
             let cfg = WorkerConfig {
                 concurrency: slots,
@@ -78,6 +82,10 @@ async fn main() -> Res<()> {
                 cfg,
             )
             .await?;
+        }
+        if args.iter().any(|a| a == "--batch-handlers") {
+            println!();
+            continue;
         }
         raw_rows(&base, jobs, 16, 100).await?;
         one_claim_per_job(&base, jobs).await?;
