@@ -304,8 +304,70 @@ async fn a_batch_completes_as_a_single_completion_does(kind: Kind) {
     }
 }
 
+/// A job of a running batch call whose run is cancelled is given up alone
+/// at its next renewal (its context's token fires), while the call goes on
+/// and its other job completes.
+async fn a_cancelled_job_leaves_its_batch_call_alone(kind: Kind) {
+    let t = TestDb::with_clock(kind, manual_clock()).await;
+    let mut ids = Vec::new();
+    for i in 0..2 {
+        ids.push(accept(&t, "q", &format!("k-{i}"), json!({"i": i, "fate": "ok"}), 5).await);
+    }
+    let (ferry, victim_id) = (t.ferry.clone(), ids[0]);
+    let router = Router::new().batch_route("tally", 16, move |jobs: Vec<(Tally, JobContext)>| {
+        let ferry = ferry.clone();
+        async move {
+            let (_, victim) = jobs
+                .iter()
+                .find(|(_, ctx)| ctx.run_id() == victim_id)
+                .expect("in the batch");
+            ferry.cancel("acme", victim_id, None, "ops", "stop it").await.unwrap();
+            // The worker learns it at a renewal and cancels this job alone.
+            victim.cancellation().cancelled().await;
+            let others_live = jobs
+                .iter()
+                .filter(|(_, ctx)| ctx.run_id() != victim_id)
+                .all(|(_, ctx)| !ctx.cancellation().is_cancelled());
+            assert!(others_live, "only the cancelled job's token fired");
+            jobs.iter().map(|(cmd, _)| Ok(json!({ "i": cmd.i }))).collect()
+        }
+    });
+    let mut cfg = config(2);
+    cfg.renew_every = Some(Duration::from_millis(10));
+    let worker = Worker::new(t.ferry.clone(), cfg, router);
+    let stats = worker.stats();
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let running = tokio::spawn(worker.run(async move {
+        let _ = stop_rx.await;
+    }));
+    tokio::time::timeout(Duration::from_secs(30), async {
+        while !t.ferry.get_run("acme", ids[1]).await.unwrap().state.is_terminal() {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    })
+    .await
+    .expect("the other job completes");
+    stop_tx.send(()).unwrap();
+    running.await.unwrap().unwrap();
+    assert_eq!(
+        t.ferry.get_run("acme", ids[0]).await.unwrap().state,
+        RunState::Cancelled
+    );
+    assert_eq!(
+        t.ferry.get_run("acme", ids[1]).await.unwrap().state,
+        RunState::Succeeded
+    );
+    assert_eq!(stats.completed.load(Ordering::SeqCst), 1);
+    assert_eq!(
+        stats.lost.load(Ordering::SeqCst),
+        1,
+        "the cancelled job was given up, its answer dropped"
+    );
+}
+
 on_both_engines!(
     a_batch_call_answers_per_job,
     a_stale_job_in_a_batch_is_not_completed,
     a_batch_completes_as_a_single_completion_does,
+    a_cancelled_job_leaves_its_batch_call_alone,
 );
