@@ -11,18 +11,21 @@
 //! Rows: `WorkerConfig { concurrency: 16, ..Default::default() }`; the best
 //! mode (200 slots, batch 100; 100 slots, batch 50); one claim per job at 16
 //! slots (16 loops of `claim(1)` + `complete`, 16 loops of
-//! `complete_and_claim(1)`, and the `Worker` with batch 1). Each row prints
+//! `complete_and_claim(1)`, and the `Worker` with batch 1); batch handlers
+//! (`Router::batch_route`, issue #21) at 200 slots (100 per call) and 16
+//! slots (16 per call). Each row prints
 //! the worker's counters (statements, jobs per statement, idle waits).
 //!
-//!     cargo run --release --example bench_worker -- [--jobs N] [--rounds R]
+//! `--batch-handlers` runs only the worker rows up to the batch handlers'.
+//!
+//!     cargo run --release --example bench_worker -- [--jobs N] [--rounds R] [--batch-handlers]
 #![allow(clippy::print_stdout)]
 
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use ferry::store::queries::{POSTGRES_ONLY, QUERIES};
-use ferry::worker::{Worker, WorkerConfig, WorkerStats};
+use ferry::worker::{Handler, JobContext, Router, Worker, WorkerConfig, WorkerStats};
 use ferry::Ferry;
 use serde_json::json;
 use sqlx::types::Json;
@@ -55,7 +58,9 @@ async fn main() -> Res<()> {
             ..Default::default()
         };
         worker_row(&base, jobs, "Worker, 16 slots, library defaults", defaults16.clone()).await?;
-        raw_rows(&base, jobs, 16, 16).await?;
+        if !args.iter().any(|a| a == "--batch-handlers") {
+            raw_rows(&base, jobs, 16, 16).await?;
+        }
         for (slots, batch) in [(200usize, 100u32), (100, 50)] {
             let cfg = WorkerConfig {
                 concurrency: slots,
@@ -63,6 +68,24 @@ async fn main() -> Res<()> {
                 ..Default::default()
             };
             worker_row(&base, jobs, &format!("Worker, {slots} slots, batch {batch}"), cfg).await?;
+        }
+        for (slots, batch) in [(200usize, 100u32), (16, 16)] {
+            let cfg = WorkerConfig {
+                concurrency: slots,
+                batch,
+                ..Default::default()
+            };
+            batch_row(
+                &base,
+                jobs,
+                &format!("Worker, {slots} slots, batch handler ({batch} per call)"),
+                cfg,
+            )
+            .await?;
+        }
+        if args.iter().any(|a| a == "--batch-handlers") {
+            println!();
+            continue;
         }
         raw_rows(&base, jobs, 16, 100).await?;
         one_claim_per_job(&base, jobs).await?;
@@ -80,27 +103,31 @@ async fn main() -> Res<()> {
 
 /// The `Worker` with `cfg` and a no-op handler until all `jobs` are done.
 async fn worker_row(base: &str, jobs: usize, name: &str, cfg: WorkerConfig) -> Res<()> {
+    let noop = |_job: ferry::Claimed, _ctx: JobContext| async { Ok::<_, ferry::JobError>(json!({})) };
+    handler_row(base, jobs, name, cfg, noop).await
+}
+
+/// The `Worker` with `cfg` and a no-op batch handler (`Router::batch_route`,
+/// up to `cfg.batch` jobs per call) until all `jobs` are done.
+async fn batch_row(base: &str, jobs: usize, name: &str, cfg: WorkerConfig) -> Res<()> {
+    let size = cfg.batch as usize;
+    let router = Router::new().batch_route("op", size, |jobs: Vec<(serde_json::Value, JobContext)>| {
+        std::future::ready(jobs.iter().map(|_| Ok(json!({}))).collect())
+    });
+    handler_row(base, jobs, name, cfg, router).await
+}
+
+/// The `Worker` with `cfg` and `handler` until all `jobs` are done.
+async fn handler_row<H: Handler>(base: &str, jobs: usize, name: &str, cfg: WorkerConfig, handler: H) -> Res<()> {
     let (f, pool) = fresh(base, "worker").await?;
     seed(&pool, jobs).await?;
-    let count = Arc::new(AtomicU64::new(0));
-    let (tx, mut rx) = tokio::sync::mpsc::channel::<()>(1);
-    let c = count.clone();
-    let worker = Worker::new(f.clone(), cfg, move |_job: ferry::Claimed, _ctx| {
-        let (c, tx) = (c.clone(), tx.clone());
-        async move {
-            if c.fetch_add(1, Ordering::Relaxed) + 1 == jobs as u64 {
-                let _ = tx.try_send(());
-            }
-            Ok(json!({}))
-        }
-    });
+    let worker = Worker::new(f.clone(), cfg, handler);
     let stats = worker.stats();
     let start = Instant::now();
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
     let running = tokio::spawn(worker.run(async move {
         let _ = stopped.await;
     }));
-    rx.recv().await;
     // Every completion committed, not only every handler returned.
     while stats.completed.load(Ordering::Relaxed) < jobs as u64 {
         tokio::time::sleep(Duration::from_micros(200)).await;

@@ -33,13 +33,11 @@ pub(super) struct Attempt {
     pub(super) claim_sent: tokio::time::Instant,
 }
 
-/// How the handler's run under the lease ended.
-enum Ended {
+/// How the handler's run under the lease (or, for a batch, the leases)
+/// ended, with its answer `T`.
+pub(super) enum Ended<T> {
     /// The handler returned; `signalled` if shutdown had been signalled.
-    Done {
-        outcome: std::result::Result<Value, JobError>,
-        signalled: bool,
-    },
+    Done { outcome: T, signalled: bool },
     /// The grace period ran out: the handler is to be dropped and the job released.
     Stopped,
     /// The attempt was given up ([`Attempt::abandon`]); nothing more is published.
@@ -77,17 +75,30 @@ impl Attempt {
             // Returning drops the handler's future.
             Ended::Abandoned => return,
         };
+        self.answer(&lease, outcome, signalled, slot).await
+    }
+
+    /// Records the handler's answer for `lease`: completed (the slot goes
+    /// with the completion: the completer claims the next job for it in the
+    /// same commit, or gives it back), released (a retryable error after
+    /// shutdown was signalled) or failed; otherwise the slot is given back
+    /// at once.
+    pub(super) async fn answer(
+        &self,
+        lease: &Lease,
+        outcome: std::result::Result<Value, JobError>,
+        signalled: bool,
+        slot: OwnedSemaphorePermit,
+    ) {
         match outcome {
-            // The slot goes with the completion: the completer claims the
-            // next job for it in the same commit, or gives it back.
-            Ok(result) => self.complete(&lease, result, slot).await,
+            Ok(result) => self.complete(lease, result, slot).await,
             Err(err) if signalled && err.class == ErrorClass::Retryable => {
                 drop(slot);
-                self.release(&lease).await
+                self.release(lease).await
             }
             Err(err) => {
                 drop(slot);
-                self.record_failure(&lease, &err).await
+                self.record_failure(lease, &err).await
             }
         }
     }
@@ -101,7 +112,7 @@ impl Attempt {
         watch: &LeaseWatch,
         cancel: &CancellationToken,
         lease: &Lease,
-    ) -> Ended
+    ) -> Ended<std::result::Result<Value, JobError>>
     where
         F: Future<Output = std::result::Result<Value, JobError>>,
     {
@@ -163,7 +174,7 @@ impl Attempt {
 
     /// How often the lease is renewed: `renew_every`, or a third of the
     /// lease, at least 1 ms.
-    fn renew_period(&self) -> Duration {
+    pub(super) fn renew_period(&self) -> Duration {
         self.cfg
             .renew_every
             .unwrap_or(self.cfg.lease / 3)
@@ -172,7 +183,7 @@ impl Attempt {
 
     /// One renewal of `lease`, sent now; it resolves to `None` if it is
     /// still pending when the known expiry passes.
-    fn renewal<'a>(&'a self, lease: &'a Lease, watch: &LeaseWatch) -> impl Future<Output = Renewed> + 'a {
+    pub(super) fn renewal<'a>(&'a self, lease: &'a Lease, watch: &LeaseWatch) -> impl Future<Output = Renewed> + 'a {
         let sent = tokio::time::Instant::now();
         let renewal = self.ferry.renew_at(lease, self.cfg.lease);
         let deadline = watch.local_deadline();
@@ -239,11 +250,17 @@ impl Attempt {
 
     /// Gives the attempt up: the handler's token is cancelled, its context
     /// refuses further writes, and returning drops its future.
-    fn abandon(&self, watch: &LeaseWatch, cancel: &CancellationToken, lease: &Lease, code: &str) -> Ended {
+    fn abandon<T>(&self, watch: &LeaseWatch, cancel: &CancellationToken, lease: &Lease, code: &str) -> Ended<T> {
+        self.give_up(watch, cancel, lease, code);
+        Ended::Abandoned
+    }
+
+    /// Gives one lease up: its handler's token is cancelled and its context
+    /// refuses further writes; counted as lost.
+    pub(super) fn give_up(&self, watch: &LeaseWatch, cancel: &CancellationToken, lease: &Lease, code: &str) {
         watch.revoke();
         cancel.cancel();
         self.stats.lost.fetch_add(1, Ordering::Relaxed);
         tracing::info!(run_id = %lease.run_id, code, "attempt abandoned");
-        Ended::Abandoned
     }
 }

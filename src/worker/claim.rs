@@ -226,29 +226,58 @@ impl<H: Handler> ClaimLoop<H> {
         ControlFlow::Continue(())
     }
 
-    /// Spawns one task per claimed job, each holding one slot.
+    /// Spawns one task per claimed job, each holding one slot; the jobs of
+    /// an operation the handler batches ([`Handler::batch_size`]) go in
+    /// calls of at most that many, one task per call, each job still
+    /// holding its slot.
     pub(super) fn spawn(
         &mut self,
         claimed: Vec<Claimed>,
         permits: Vec<OwnedSemaphorePermit>,
         claim_sent: tokio::time::Instant,
     ) {
+        let mut batches: Vec<(usize, Vec<Claimed>, Vec<OwnedSemaphorePermit>)> = Vec::new();
         // Fewer jobs than slots: the extra permits drop here.
         for (job, slot) in claimed.into_iter().zip(permits) {
-            let attempt = Attempt {
-                completions: self.completions.clone(),
-                ferry: self.ferry.clone(),
-                cfg: self.cfg.clone(),
-                stats: self.stats.clone(),
-                rng: self.rng.clone(),
-                soft: self.soft.clone(),
-                hard: self.hard.clone(),
-                claim_sent,
+            let attempt = self.attempt(claim_sent);
+            let handler = self.handler.clone();
+            let Some(size) = handler.batch_size(&job.operation) else {
+                self.tasks.spawn(async move {
+                    attempt.run(handler, job, slot).await;
+                });
+                continue;
             };
+            let open = batches
+                .iter_mut()
+                .find(|(size, jobs, _)| jobs.len() < *size && jobs[0].operation == job.operation);
+            match open {
+                Some((_, jobs, slots)) => {
+                    jobs.push(job);
+                    slots.push(slot);
+                }
+                None => batches.push((size.max(1), vec![job], vec![slot])),
+            }
+        }
+        for (_, jobs, slots) in batches {
+            let attempt = self.attempt(claim_sent);
             let handler = self.handler.clone();
             self.tasks.spawn(async move {
-                attempt.run(handler, job, slot).await;
+                attempt.run_batch(handler, jobs, slots).await;
             });
+        }
+    }
+
+    /// What an attempt (or a batch call) of jobs claimed at `claim_sent` needs.
+    fn attempt(&self, claim_sent: tokio::time::Instant) -> Attempt {
+        Attempt {
+            completions: self.completions.clone(),
+            ferry: self.ferry.clone(),
+            cfg: self.cfg.clone(),
+            stats: self.stats.clone(),
+            rng: self.rng.clone(),
+            soft: self.soft.clone(),
+            hard: self.hard.clone(),
+            claim_sent,
         }
     }
 }

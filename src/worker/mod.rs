@@ -14,9 +14,11 @@
 //! handler's context (`context`) and what it knows of its lease
 //! (`lease_watch`), the claim loop (`claim`), one attempt with its renewals
 //! (`attempt`), batched completions (`completer`), shutdown and release
-//! (`shutdown`), and dispatch by operation ([`Router`]).
+//! (`shutdown`), dispatch by operation ([`Router`]), and batch handlers
+//! that take many jobs of one operation in one call (`batch`).
 
 mod attempt;
+mod batch;
 mod claim;
 mod completer;
 mod config;
@@ -36,7 +38,7 @@ use crate::Ferry;
 
 pub use config::{WorkerConfig, WorkerStats};
 pub use context::JobContext;
-pub use router::{Router, INVALID_COMMAND, UNKNOWN_OPERATION};
+pub use router::{Router, BATCH_ANSWER_COUNT, INVALID_COMMAND, UNKNOWN_OPERATION};
 
 /// A job handler: an async function of the claimed job and its context.
 /// Closures `Fn(Claimed, JobContext) -> impl Future<Output = Result<Value, JobError>>` are handlers,
@@ -51,6 +53,28 @@ pub trait Handler: Send + Sync + 'static {
         job: Claimed,
         ctx: JobContext,
     ) -> impl Future<Output = std::result::Result<Value, JobError>> + Send;
+
+    /// The most jobs of `operation` one [`Handler::handle_batch`] call
+    /// takes, or `None` (the default) when its jobs are handled one by one.
+    /// The worker groups the jobs of each claim by operation and hands a
+    /// batched operation's jobs over in calls of at most this many.
+    fn batch_size(&self, operation: &str) -> Option<usize> {
+        let _ = operation;
+        None
+    }
+
+    /// Works one attempt of each job (all of one operation that
+    /// [`Handler::batch_size`] batches), each with its own context and
+    /// lease, and answers per job, in order: `Ok` completes that run,
+    /// `Err` is recorded for that job alone, exactly as [`Handler::handle`]'s
+    /// answer. The default handles each job with [`Handler::handle`],
+    /// concurrently.
+    fn handle_batch(
+        &self,
+        jobs: Vec<(Claimed, JobContext)>,
+    ) -> impl Future<Output = Vec<std::result::Result<Value, JobError>>> + Send {
+        futures::future::join_all(jobs.into_iter().map(|(job, ctx)| self.handle(job, ctx)))
+    }
 }
 
 impl<F, Fut> Handler for F
