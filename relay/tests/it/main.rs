@@ -10,3 +10,4 @@ mod queries;
 mod relay;
 mod support;
 mod trace;
+mod wal_faults;
