@@ -118,7 +118,7 @@ impl WalSlotGauges {
                     self.safe_wal_size.remove(&l);
                 }
             }
-            let wal_status = s.wal_status.clone().unwrap_or_else(|| "dropped".into());
+            let wal_status = status_label(s);
             self.status
                 .get_or_create(&SlotStatusLabel {
                     slot: s.slot.clone(),
@@ -128,6 +128,12 @@ impl WalSlotGauges {
         }
         *self.latest.lock().unwrap_or_else(|p| p.into_inner()) = slots.to_vec();
     }
+}
+
+/// A slot's `wal_status` label: PostgreSQL's, or `dropped` when the slot no
+/// longer exists.
+fn status_label(s: &crate::store::WalSlot) -> String {
+    s.wal_status.clone().unwrap_or_else(|| "dropped".into())
 }
 
 /// How many commit-to-ack samples are kept (a ring: the newest win).
@@ -420,6 +426,24 @@ impl Otel {
                     .build(),
             ));
         }
+        let latest = m.wal_slots.latest.clone();
+        observed.push(Box::new(
+            meter
+                .u64_observable_gauge("ferry_relay_wal_slot_status")
+                .with_callback(move |o| {
+                    for s in latest.lock().unwrap_or_else(|p| p.into_inner()).iter() {
+                        let status = status_label(s);
+                        o.observe(
+                            1,
+                            &[
+                                opentelemetry::KeyValue::new("slot", s.slot.clone()),
+                                opentelemetry::KeyValue::new("wal_status", status),
+                            ],
+                        );
+                    }
+                })
+                .build(),
+        ));
         Otel {
             publish_errors: Some(meter.u64_counter("ferry_relay_publish_errors").build()),
             publish_latency: Some(
