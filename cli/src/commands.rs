@@ -48,6 +48,10 @@ pub enum Command {
         /// Exit non-zero when a warning or critical finding has items.
         #[arg(long)]
         strict: bool,
+        /// WAL an inactive capture slot may hold back, in bytes, before
+        /// `wal_slot_inactive_lag` warns.
+        #[arg(long, default_value_t = 1 << 30)]
+        inactive_slot_lag_bytes: i64,
     },
     /// Inspect and repair jobs (every change is audited).
     Jobs {
@@ -408,9 +412,11 @@ pub async fn run(cli: Cli) -> Result<(), CliError> {
             db,
             stuck_after,
             strict,
+            inactive_slot_lag_bytes,
         } => {
             let ferry = Ferry::builder(&db.database_url).connect().await?;
-            let findings = crate::doctor::run(&ferry, stuck_after, 20).await?;
+            let mut findings = crate::doctor::run(&ferry, stuck_after, 20).await?;
+            findings.extend(crate::doctor::wal_capture(&ferry, inactive_slot_lag_bytes).await?);
             let mut bad = 0;
             for f in &findings {
                 let status = if f.items.is_empty() {

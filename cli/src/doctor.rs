@@ -1,7 +1,9 @@
 //! Investigations an operator runs when something looks wrong, as queries:
-//! duplicate paid generations, two workers completing one run, and jobs
-//! leased forever. Each finding comes with a suggested action. Read-only:
-//! repairs go through the ordinary fenced transitions (cancel, replay).
+//! duplicate paid generations, two workers completing one run, jobs leased
+//! forever, and WAL capture slots that hold WAL back (a dead relay's slot
+//! keeps every WAL segment since its confirmed position). Each finding comes
+//! with a suggested action. Read-only: repairs go through the ordinary
+//! fenced transitions (cancel, replay).
 
 use std::time::Duration;
 
@@ -131,6 +133,80 @@ pub async fn run(ferry: &Ferry, stuck_after: Duration, limit: u32) -> Result<Vec
         ));
         Ok(out)
     }
+}
+
+/// WAL capture on PostgreSQL (nothing on SQLite, or where no relay ever
+/// made a slot): an info finding `wal_capture` with the capture mode and
+/// each slot's state and lag in bytes and time, and three warnings:
+/// `wal_slot_inactive_lag` (no relay streams from a slot that holds back
+/// more than `inactive_lag_bytes` of WAL), `wal_slot_wal_status` (PostgreSQL
+/// is about to remove, `unreserved`, or removed, `lost`, WAL a slot needs)
+/// and `wal_keep_size_unbounded` (`max_slot_wal_keep_size = -1` while a
+/// Ferry slot exists: a dead relay's slot can fill the disk).
+pub async fn wal_capture(ferry: &Ferry, inactive_lag_bytes: i64) -> Result<Vec<Finding>> {
+    if ferry.db().as_postgres().is_none() {
+        return Ok(Vec::new());
+    }
+    let store = ferry_relay::store::RelayStore::new(ferry.clone());
+    let now = store.outbox_backlog().await?.now;
+    let capture = ferry_relay::status::CaptureState::read(&store, now).await?;
+    if capture.slots.is_empty() {
+        return Ok(Vec::new());
+    }
+    let mut state = vec![format!("capture: {}", capture.mode)];
+    let (mut lagging, mut at_risk) = (Vec::new(), Vec::new());
+    for s in &capture.slots {
+        state.push(format!("{}: {}", s.slot, ferry_relay::status::describe_slot(s)));
+        if s.present && !s.active && s.lag_bytes > inactive_lag_bytes {
+            lagging.push(format!(
+                "{}: inactive, lag {} bytes (more than {inactive_lag_bytes})",
+                s.slot, s.lag_bytes
+            ));
+        }
+        if let Some(w @ ("unreserved" | "lost")) = s.wal_status.as_deref() {
+            at_risk.push(format!("{}: wal_status {w}", s.slot));
+        }
+    }
+    let present: Vec<&str> = capture
+        .slots
+        .iter()
+        .filter(|s| s.present)
+        .map(|s| s.slot.as_str())
+        .collect();
+    let unbounded = if !present.is_empty() && store.wal_keep_size().await?.is_none() {
+        vec![format!(
+            "max_slot_wal_keep_size: -1 (unbounded) with slots {}",
+            present.join(", ")
+        )]
+    } else {
+        Vec::new()
+    };
+    Ok(vec![
+        Finding {
+            check: "wal_capture",
+            severity: Severity::Info,
+            items: state,
+            action: "",
+        },
+        Finding {
+            check: "wal_slot_inactive_lag",
+            severity: Severity::Warning,
+            items: lagging,
+            action: "no relay streams from this slot and it holds WAL back: start a relay of its group (`ferry-relay run --capture wal --slot <slot>`), or, if the group is gone for good, drop the slot (`SELECT pg_drop_replication_slot('<slot>')`): the next relay makes it anew and publishes the pending rows from the table",
+        },
+        Finding {
+            check: "wal_slot_wal_status",
+            severity: Severity::Warning,
+            items: at_risk,
+            action: "PostgreSQL removed (lost) or will remove at the next checkpoint (unreserved) WAL this slot needs: a relay drops a lost slot and makes it anew, publishing the pending rows from the table (nothing is lost, some rows may be published twice); find why its relay fell that far behind (stopped, or blocked on a poison row)",
+        },
+        Finding {
+            check: "wal_keep_size_unbounded",
+            severity: Severity::Warning,
+            items: unbounded,
+            action: "bound the WAL a slot may hold: ALTER SYSTEM SET max_slot_wal_keep_size = '10GB'; SELECT pg_reload_conf(); (size it to the outage the relay must survive; past it the slot is invalidated and recovered from the table)",
+        },
+    ])
 }
 
 fn finding(check: &'static str, severity: Severity, rows: Vec<(String, String)>, action: &'static str) -> Finding {

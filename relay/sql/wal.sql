@@ -108,15 +108,28 @@ WHERE id {ids $1} AND state = 'pending'
 ORDER BY id
 
 -- name: wal_slots [postgres only]
--- The slots WAL capture made in this schema, for `status`: whether a relay
--- streams from each, and how many bytes of WAL it holds back.
+-- The slots WAL capture made in this schema, for `status`, `doctor` and the
+-- relay's gauges: whether a relay streams from each, how many bytes of WAL
+-- it holds back (the current position minus its confirmed one), its time
+-- lag (how long the oldest row not yet delivered has waited: the slot's
+-- confirmed position has passed no pending row; 0 when none waits), and
+-- PostgreSQL's `wal_status` and `safe_wal_size` (NULL when it has none).
 SELECT w.slot,
        COALESCE(s.active, false) AS active,
        s.slot_name IS NOT NULL AS present,
-       COALESCE((pg_current_wal_lsn() - s.confirmed_flush_lsn)::bigint, 0) AS lag_bytes
+       COALESCE((pg_current_wal_lsn() - s.confirmed_flush_lsn)::bigint, 0) AS lag_bytes,
+       COALESCE((SELECT {now $1} - min(o.created_at) FROM outbox o WHERE o.state = 'pending'), 0) AS lag_ms,
+       s.wal_status::text AS wal_status,
+       s.safe_wal_size::bigint AS safe_wal_size
 FROM relay_wal_slots w
 LEFT JOIN pg_replication_slots s ON s.slot_name = w.slot
 ORDER BY w.slot
+
+-- name: wal_keep_size [postgres only]
+-- `max_slot_wal_keep_size` in bytes, -1 when unbounded (a slot then holds
+-- WAL for ever while its relay is gone).
+SELECT CASE WHEN setting::bigint < 0 THEN -1 ELSE setting::bigint * 1024 * 1024 END
+FROM pg_settings WHERE name = 'max_slot_wal_keep_size'
 
 -- name: wal_states [postgres only]
 -- The rows of $1 this statement sees, with their state. Logical decoding

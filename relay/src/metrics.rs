@@ -17,6 +17,23 @@ pub struct CodeLabel {
     pub code: String,
 }
 
+/// Label of a WAL capture slot's gauges.
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct SlotLabel {
+    /// The replication slot.
+    pub slot: String,
+}
+
+/// Label of a slot's `wal_status` gauge (1 for the status it has now).
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct SlotStatusLabel {
+    /// The replication slot.
+    pub slot: String,
+    /// PostgreSQL's `wal_status` (`reserved`, `extended`, `unreserved`,
+    /// `lost`), or `dropped` when the slot no longer exists.
+    pub wal_status: String,
+}
+
 /// Every relay metric.
 #[derive(Debug)]
 pub struct Metrics {
@@ -50,6 +67,9 @@ pub struct Metrics {
     pub producer_fatal: Counter,
     /// Seconds from commit to broker acknowledgement.
     pub publish_latency: Histogram,
+    /// The WAL capture slots of this schema, from `pg_replication_slots`
+    /// (set at scrape and every few seconds): see [`WalSlotGauges`].
+    pub wal_slots: WalSlotGauges,
     /// OpenTelemetry instruments mirroring the ones above.
     otel: Otel,
     /// The latest commit-to-ack samples (ms), for exact quantiles in the demo
@@ -59,6 +79,61 @@ pub struct Metrics {
     pub timings: Timings,
     /// Where the next sample goes once the ring is full.
     latency_next: AtomicU64,
+}
+
+/// Per-slot gauges of WAL capture, the signals that a slot holds WAL back:
+/// a dead relay's slot keeps every WAL segment since its confirmed position
+/// until `max_slot_wal_keep_size` (if set) invalidates it.
+#[derive(Debug, Default)]
+pub struct WalSlotGauges {
+    /// WAL held back: the current position minus the confirmed one.
+    pub lag_bytes: Family<SlotLabel, Gauge>,
+    /// Time lag: how long the oldest row not yet delivered has waited.
+    pub lag_seconds: Family<SlotLabel, Gauge<f64, AtomicU64>>,
+    /// 1 while a relay streams from the slot.
+    pub active: Family<SlotLabel, Gauge>,
+    /// Bytes of WAL that may still be written before PostgreSQL invalidates
+    /// the slot; absent when unbounded (`max_slot_wal_keep_size = -1`).
+    pub safe_wal_size: Family<SlotLabel, Gauge>,
+    /// 1 for the slot's current `wal_status`.
+    pub status: Family<SlotStatusLabel, Gauge>,
+    /// The latest samples, for the OpenTelemetry callbacks.
+    latest: std::sync::Arc<std::sync::Mutex<Vec<crate::store::WalSlot>>>,
+}
+
+impl WalSlotGauges {
+    /// Sets every gauge from `slots` (what `RelayStore::wal_slots` read).
+    pub fn set(&self, slots: &[crate::store::WalSlot]) {
+        self.status.clear();
+        for s in slots {
+            let l = SlotLabel { slot: s.slot.clone() };
+            self.lag_bytes.get_or_create(&l).set(s.lag_bytes);
+            self.lag_seconds.get_or_create(&l).set(s.lag_ms as f64 / 1000.0);
+            self.active.get_or_create(&l).set(i64::from(s.active));
+            match s.safe_wal_size {
+                Some(n) => {
+                    self.safe_wal_size.get_or_create(&l).set(n);
+                }
+                None => {
+                    self.safe_wal_size.remove(&l);
+                }
+            }
+            let wal_status = status_label(s);
+            self.status
+                .get_or_create(&SlotStatusLabel {
+                    slot: s.slot.clone(),
+                    wal_status,
+                })
+                .set(1);
+        }
+        *self.latest.lock().unwrap_or_else(|p| p.into_inner()) = slots.to_vec();
+    }
+}
+
+/// A slot's `wal_status` label: PostgreSQL's, or `dropped` when the slot no
+/// longer exists.
+fn status_label(s: &crate::store::WalSlot) -> String {
+    s.wal_status.clone().unwrap_or_else(|| "dropped".into())
 }
 
 /// How many commit-to-ack samples are kept (a ring: the newest win).
@@ -151,6 +226,7 @@ impl Metrics {
             lanes_taking_over: Gauge::default(),
             takeover_waits: Counter::default(),
             producer_fatal: Counter::default(),
+            wal_slots: WalSlotGauges::default(),
             publish_latency: Histogram::new([0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0]),
             registry: Registry::default(),
             latency_samples: std::sync::Mutex::new(Vec::new()),
@@ -197,6 +273,32 @@ impl Metrics {
             "publish_latency_seconds",
             "Seconds from commit to broker acknowledgement",
             m.publish_latency.clone(),
+        );
+        let w = &m.wal_slots;
+        registry.register(
+            "wal_slot_lag_bytes",
+            "WAL a capture slot holds back: the current position minus its confirmed one",
+            w.lag_bytes.clone(),
+        );
+        registry.register(
+            "wal_slot_lag_seconds",
+            "How long the oldest outbox row not yet delivered has waited (the slot's time lag)",
+            w.lag_seconds.clone(),
+        );
+        registry.register(
+            "wal_slot_active",
+            "1 while a relay streams from the capture slot",
+            w.active.clone(),
+        );
+        registry.register(
+            "wal_slot_safe_wal_size_bytes",
+            "WAL that may still be written before PostgreSQL invalidates the slot (absent when unbounded)",
+            w.safe_wal_size.clone(),
+        );
+        registry.register(
+            "wal_slot_status",
+            "1 for the capture slot's wal_status (reserved, extended, unreserved, lost, dropped)",
+            w.status.clone(),
         );
         let otel = Otel::new(&m);
         Metrics { registry, otel, ..m }
@@ -298,6 +400,48 @@ impl Otel {
             meter
                 .f64_observable_gauge("ferry_relay_oldest_pending_age_seconds")
                 .with_callback(move |o| o.observe(age.get(), &[]))
+                .build(),
+        ));
+        type Pick = fn(&crate::store::WalSlot) -> Option<f64>;
+        let picks: [(&'static str, Pick); 4] = [
+            ("ferry_relay_wal_slot_lag_bytes", |s| Some(s.lag_bytes as f64)),
+            ("ferry_relay_wal_slot_lag_seconds", |s| Some(s.lag_ms as f64 / 1000.0)),
+            ("ferry_relay_wal_slot_active", |s| Some(f64::from(u8::from(s.active)))),
+            ("ferry_relay_wal_slot_safe_wal_size_bytes", |s| {
+                s.safe_wal_size.map(|n| n as f64)
+            }),
+        ];
+        for (name, pick) in picks {
+            let latest = m.wal_slots.latest.clone();
+            observed.push(Box::new(
+                meter
+                    .f64_observable_gauge(name)
+                    .with_callback(move |o| {
+                        for s in latest.lock().unwrap_or_else(|p| p.into_inner()).iter() {
+                            if let Some(v) = pick(s) {
+                                o.observe(v, &[opentelemetry::KeyValue::new("slot", s.slot.clone())]);
+                            }
+                        }
+                    })
+                    .build(),
+            ));
+        }
+        let latest = m.wal_slots.latest.clone();
+        observed.push(Box::new(
+            meter
+                .u64_observable_gauge("ferry_relay_wal_slot_status")
+                .with_callback(move |o| {
+                    for s in latest.lock().unwrap_or_else(|p| p.into_inner()).iter() {
+                        let status = status_label(s);
+                        o.observe(
+                            1,
+                            &[
+                                opentelemetry::KeyValue::new("slot", s.slot.clone()),
+                                opentelemetry::KeyValue::new("wal_status", status),
+                            ],
+                        );
+                    }
+                })
                 .build(),
         ));
         Otel {

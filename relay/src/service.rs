@@ -47,8 +47,8 @@ struct LaneTask {
 }
 
 impl RelayState {
-    /// Refreshes the gauges that come from the table (backlog, oldest
-    /// pending age, dead rows); done every [`GAUGES_EVERY`] off the lane
+    /// Refreshes the gauges that come from the database (backlog, oldest
+    /// pending age, dead rows, the WAL capture slots); done every [`GAUGES_EVERY`] off the lane
     /// path, and at each scrape.
     pub async fn refresh_gauges(&self) {
         if let Ok(b) = self.store.outbox_backlog().await {
@@ -57,6 +57,9 @@ impl RelayState {
         }
         if let Ok(n) = self.store.outbox_dead_count().await {
             self.metrics.dead_rows.set(n);
+        }
+        if let Ok(slots) = self.store.wal_slots().await {
+            self.metrics.wal_slots.set(&slots);
         }
     }
 }

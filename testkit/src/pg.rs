@@ -112,11 +112,73 @@ impl PgCluster {
         }
     }
 
+    /// Immediate shutdown (SIGQUIT, what `pg_ctl stop -m immediate` sends:
+    /// every process exits at once, no checkpoint, crash recovery at the
+    /// next start) and waits until the postmaster exited.
+    pub fn crash(&mut self) {
+        let Some(mut w) = self.proc.take() else { return };
+        w.send(Signal::Quit);
+        w.reap();
+    }
+
     /// Starts it again on the same port and data (stopping it first if it
     /// runs) and waits until it accepts connections.
     pub fn restart(&mut self) {
         self.stop();
         self.spawn();
+    }
+
+    /// Sets server settings with `ALTER SYSTEM` and reloads the
+    /// configuration (settings a reload applies, such as
+    /// `max_slot_wal_keep_size`, `wal_sender_timeout` or
+    /// `logical_decoding_work_mem`); they survive [`PgCluster::restart`].
+    pub async fn configure(&self, settings: &[(&str, &str)]) {
+        let mut c = <sqlx::PgConnection as sqlx::Connection>::connect(&self.url())
+            .await
+            .expect("connect to the test cluster");
+        for (name, value) in settings {
+            sqlx::raw_sql(&format!("ALTER SYSTEM SET {name} = '{value}'"))
+                .execute(&mut c)
+                .await
+                .unwrap_or_else(|e| panic!("ALTER SYSTEM SET {name} = '{value}': {e}"));
+        }
+        sqlx::raw_sql("SELECT pg_reload_conf()")
+            .execute(&mut c)
+            .await
+            .expect("pg_reload_conf");
+    }
+
+    /// Writes WAL (a filler table's rows, a segment switch, a checkpoint)
+    /// until PostgreSQL invalidates replication slot `slot` (`wal_status =
+    /// 'lost'`); needs a small `max_slot_wal_keep_size` (see
+    /// [`PgCluster::configure`]). Panics if the slot is still not lost
+    /// after 50 segments.
+    pub async fn invalidate_slot(&self, slot: &str) {
+        let mut c = <sqlx::PgConnection as sqlx::Connection>::connect(&self.url())
+            .await
+            .expect("connect to the test cluster");
+        sqlx::raw_sql("CREATE TABLE IF NOT EXISTS ferry_testkit_filler (n int)")
+            .execute(&mut c)
+            .await
+            .expect("filler table");
+        for _ in 0..50 {
+            let status: Option<String> =
+                sqlx::query_scalar("SELECT wal_status::text FROM pg_replication_slots WHERE slot_name = $1")
+                    .bind(slot)
+                    .fetch_one(&mut c)
+                    .await
+                    .unwrap_or_else(|e| panic!("slot {slot}: {e}"));
+            if status.as_deref() == Some("lost") {
+                return;
+            }
+            sqlx::raw_sql(
+                "INSERT INTO ferry_testkit_filler SELECT generate_series(1, 1000); SELECT pg_switch_wal(); CHECKPOINT",
+            )
+            .execute(&mut c)
+            .await
+            .expect("write WAL and checkpoint");
+        }
+        panic!("slot {slot} was not invalidated after 50 WAL segments: is max_slot_wal_keep_size small?");
     }
 
     /// The end of the server's log (for assertion messages).

@@ -11,3 +11,4 @@ mod relay;
 mod support;
 mod trace;
 mod wal_exactly_once;
+mod wal_faults;

@@ -22,7 +22,7 @@ const KEYS: usize = 40;
 
 /// Enqueues rows `from..to` over [`KEYS`] keys, each retried until it
 /// commits; only transient errors (the database down) are retried.
-async fn write_through_outage(ferry: Ferry, from: usize, to: usize) {
+pub(crate) async fn write_through_outage(ferry: Ferry, from: usize, to: usize) {
     for i in from..to {
         let msg = OutboxMessage::json("acme", "orders", format!("key-{}", i % KEYS), &json!({ "i": i })).unwrap();
         while let Err(e) = ferry.enqueue(&msg).await {
@@ -45,7 +45,7 @@ async fn readyz_until(relay: &RunningRelay, want: &str, limit: Duration) {
 }
 
 /// Polls the relay's database with `sql` until it returns at least `want`.
-async fn until_at_least(ferry: &Ferry, sql: &str, want: i64, limit: Duration) -> i64 {
+pub(crate) async fn until_at_least(ferry: &Ferry, sql: &str, want: i64, limit: Duration) -> i64 {
     let deadline = Instant::now() + limit;
     loop {
         if let Ok(n) = ferry.db().fetch_i64(sql).await {

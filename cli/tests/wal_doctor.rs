@@ -1,0 +1,80 @@
+//! `doctor` and `status` on WAL capture slots, on a PostgreSQL cluster of
+//! the test's own (it changes `max_slot_wal_keep_size` and invalidates a
+//! slot): nothing where no relay made a slot; an inactive slot holding WAL
+//! back, and an unbounded `max_slot_wal_keep_size`, warn; a lost slot warns.
+
+use ferry::Ferry;
+use ferry_cli::doctor::{Finding, Severity};
+use ferry_relay::store::RelayStore;
+use ferry_testkit::PgCluster;
+
+fn items<'a>(findings: &'a [Finding], check: &str) -> &'a [String] {
+    &findings
+        .iter()
+        .find(|f| f.check == check)
+        .unwrap_or_else(|| panic!("no check {check} in {findings:?}"))
+        .items
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn doctor_warns_about_slots_that_hold_wal_back() {
+    let pg = PgCluster::start();
+    let ferry = Ferry::builder(pg.url()).migrate(true).connect().await.unwrap();
+    let pool = ferry.db().as_postgres().unwrap().clone();
+    assert!(
+        ferry_cli::doctor::wal_capture(&ferry, 0).await.unwrap().is_empty(),
+        "no slot, no WAL finding"
+    );
+
+    // A slot no relay streams from, and WAL written since it was made.
+    let store = RelayStore::new(ferry.clone());
+    store.create_wal_slot("ferry_doctor").await.unwrap();
+    sqlx::raw_sql("CREATE TABLE filler AS SELECT generate_series(1, 1000) AS n")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let f = ferry_cli::doctor::wal_capture(&ferry, 0).await.unwrap();
+    let capture = items(&f, "wal_capture");
+    assert_eq!(
+        capture[0], "capture: none (no relay streams from a slot or holds a lane)",
+        "{capture:?}"
+    );
+    assert!(
+        capture[1].starts_with("ferry_doctor: inactive, lag ") && capture[1].contains("wal_status reserved"),
+        "{capture:?}"
+    );
+    let lagging = items(&f, "wal_slot_inactive_lag");
+    assert!(
+        lagging.len() == 1 && lagging[0].starts_with("ferry_doctor: inactive, lag "),
+        "{lagging:?}"
+    );
+    assert_eq!(
+        items(&f, "wal_keep_size_unbounded"),
+        ["max_slot_wal_keep_size: -1 (unbounded) with slots ferry_doctor"]
+    );
+    assert!(items(&f, "wal_slot_wal_status").is_empty());
+    for w in [
+        "wal_slot_inactive_lag",
+        "wal_slot_wal_status",
+        "wal_keep_size_unbounded",
+    ] {
+        let sev = f.iter().find(|x| x.check == w).unwrap().severity;
+        assert_eq!(sev, Severity::Warning, "{w}");
+    }
+    let roomy = ferry_cli::doctor::wal_capture(&ferry, i64::MAX).await.unwrap();
+    assert!(items(&roomy, "wal_slot_inactive_lag").is_empty(), "below the threshold");
+
+    // A bounded retention, exceeded: PostgreSQL invalidates the slot.
+    pg.configure(&[("max_slot_wal_keep_size", "1MB")]).await;
+    pg.invalidate_slot("ferry_doctor").await;
+    let f = ferry_cli::doctor::wal_capture(&ferry, i64::MAX).await.unwrap();
+    assert_eq!(items(&f, "wal_slot_wal_status"), ["ferry_doctor: wal_status lost"]);
+    assert!(items(&f, "wal_keep_size_unbounded").is_empty(), "{f:?}");
+    let status = ferry_relay::status::report(&store).await.unwrap();
+    assert!(
+        status
+            .lines()
+            .any(|l| l.starts_with("wal slot ferry_doctor") && l.contains("wal_status lost")),
+        "{status}"
+    );
+}

@@ -1,0 +1,495 @@
+//! What only WAL capture has to survive and show: the slot's lag and
+//! activity in the relay's metrics and in `status`, a slot PostgreSQL
+//! invalidated (`max_slot_wal_keep_size`) recovered from the table, and
+//! faults in the middle of the stream. Tests that change server settings or
+//! stop PostgreSQL run on a cluster of their own (`PgCluster`); the others
+//! stream from a slot of their own on the shared one ([`SlotGuard`]).
+
+use std::time::Duration;
+
+use ferry::{Ferry, OutboxMessage};
+use ferry_relay::{Capture, RelayConfig};
+use ferry_testkit::{Kafka, PgCluster};
+use rdkafka::consumer::Consumer;
+use serde_json::json;
+
+use crate::support::*;
+
+/// The value of `metric{slot="<slot>"}` (or of its labelled variant with
+/// `extra` labels) in a Prometheus exposition; `None` when absent.
+fn slot_metric(text: &str, metric: &str, slot: &str, extra: &str) -> Option<f64> {
+    let head = format!("{metric}{{slot=\"{slot}\"{extra}}} ");
+    text.lines()
+        .find_map(|l| l.strip_prefix(&head))
+        .map(|v| v.trim().parse().unwrap())
+}
+
+/// The slot's lag as PostgreSQL reports it now.
+async fn lag_now(pool: &sqlx::PgPool, slot: &str) -> i64 {
+    sqlx::query_scalar(
+        "SELECT (pg_current_wal_lsn() - confirmed_flush_lsn)::bigint FROM pg_replication_slots WHERE slot_name = $1",
+    )
+    .bind(slot)
+    .fetch_one(pool)
+    .await
+    .unwrap()
+}
+
+/// While the relay streams, the slot is active in the metrics and in
+/// `status`; once it stopped and rows wait, the metrics show the WAL the
+/// slot holds back (what `pg_replication_slots` shows around the scrape)
+/// and the time the oldest waiting row has waited, and `status` shows it
+/// inactive with its lag.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn wal_slot_lag_and_activity_show_in_the_metrics_and_status() {
+    let broker = Kafka::start();
+    broker.create_topic("orders", 2);
+    let (ferry, url) = pg_ferry().await;
+    let slot = SlotGuard::new().await;
+    let pool = ferry.db().as_postgres().unwrap().clone();
+    let relay = slot.start(slot.config(&url, &broker.brokers()), ferry.clone()).await;
+    let active = format!(
+        "SELECT count(*) FROM pg_replication_slots WHERE active AND slot_name = '{}'",
+        slot.name
+    );
+    wait_for_count(&ferry, &active, 1, Duration::from_secs(60)).await;
+    let state = relay.state.clone();
+    state.refresh_gauges().await;
+    let m = state.metrics.render();
+    assert_eq!(
+        slot_metric(&m, "ferry_relay_wal_slot_active", &slot.name, ""),
+        Some(1.0),
+        "{m}"
+    );
+    assert_eq!(
+        slot_metric(
+            &m,
+            "ferry_relay_wal_slot_status",
+            &slot.name,
+            ",wal_status=\"reserved\""
+        ),
+        Some(1.0),
+        "{m}"
+    );
+    let store = ferry_relay::store::RelayStore::new(ferry.clone());
+    let status = ferry_relay::status::report(&store).await.unwrap();
+    assert!(status.contains("capture             wal\n"), "{status}");
+    assert!(
+        status.contains(&format!("wal slot {:<31} active (streaming), lag ", slot.name)),
+        "{status}"
+    );
+    relay.shutdown().await;
+
+    // Rows written while no relay streams, the oldest 30 s ago.
+    for i in 0..50 {
+        sqlx::query(
+            "INSERT INTO outbox (tenant, topic, key, lane, payload, headers, created_at)
+             VALUES ('acme', 'orders', 'k', 0, convert_to($1, 'UTF8'), '{}'::jsonb,
+                     (extract(epoch FROM clock_timestamp()) * 1000)::bigint - 30000)",
+        )
+        .bind(format!("{{\"i\":{i}}}"))
+        .execute(&pool)
+        .await
+        .unwrap();
+    }
+    let before = lag_now(&pool, &slot.name).await;
+    state.refresh_gauges().await;
+    let after = lag_now(&pool, &slot.name).await;
+    let m = state.metrics.render();
+    let bytes = slot_metric(&m, "ferry_relay_wal_slot_lag_bytes", &slot.name, "").unwrap() as i64;
+    assert!(
+        before > 0 && (before..=after).contains(&bytes),
+        "lag {bytes} bytes, PostgreSQL said {before}..{after}"
+    );
+    let secs = slot_metric(&m, "ferry_relay_wal_slot_lag_seconds", &slot.name, "").unwrap();
+    assert!(
+        (30.0..90.0).contains(&secs),
+        "time lag {secs}s for a row written 30 s ago"
+    );
+    assert_eq!(
+        slot_metric(&m, "ferry_relay_wal_slot_active", &slot.name, ""),
+        Some(0.0),
+        "{m}"
+    );
+    let status = ferry_relay::status::report(&store).await.unwrap();
+    let line = status
+        .lines()
+        .find(|l| l.starts_with(&format!("wal slot {} ", slot.name)))
+        .unwrap_or_else(|| panic!("{status}"));
+    assert!(
+        line.contains(" inactive, lag ") && line.contains(", wal_status reserved"),
+        "{line}"
+    );
+    assert!(status.contains("capture             none"), "{status}");
+}
+
+/// A relay of `--capture wal` on slot `slot` of a test cluster.
+fn cluster_relay(pg: &PgCluster, brokers: &str, slot: &str) -> RelayConfig {
+    let mut cfg = relay_config(&pg.url(), brokers);
+    cfg.capture = Some(Capture::Wal);
+    cfg.slot = Some(slot.into());
+    cfg.batch_size = 200;
+    cfg
+}
+
+/// Enqueues rows `from..to` of [`KEYS`] keys on `orders`.
+async fn enqueue(ferry: &Ferry, from: usize, to: usize) {
+    for i in from..to {
+        let msg = OutboxMessage::json("acme", "orders", format!("key-{}", i % KEYS), &json!({ "i": i })).unwrap();
+        ferry.enqueue(&msg).await.unwrap();
+    }
+}
+
+const KEYS: usize = 20;
+
+/// Every committed row is on `recs` and each key's first occurrences keep
+/// id order; returns the number of duplicates.
+fn nothing_lost(recs: &[Record], ids: &[i64]) -> usize {
+    let first = first_occurrences(recs);
+    let lost: Vec<&i64> = ids.iter().filter(|id| !first.contains_key(id)).collect();
+    assert!(
+        lost.is_empty(),
+        "{} committed rows never published: {:?}",
+        lost.len(),
+        &lost[..lost.len().min(10)]
+    );
+    recs.len() - first.len()
+}
+
+/// Every outbox id, in order.
+async fn all_ids(ferry: &Ferry) -> Vec<i64> {
+    sqlx::query_scalar("SELECT id FROM outbox ORDER BY id")
+        .fetch_all(ferry.db().as_postgres().unwrap())
+        .await
+        .unwrap()
+}
+
+/// With `max_slot_wal_keep_size = 1MB`, the relay stopped and rows written,
+/// PostgreSQL removes WAL the slot needs (`wal_status = 'lost'`); the next
+/// relay drops the slot, makes it anew and publishes the rows not delivered
+/// from the table, then streams on. Nothing is lost.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn wal_an_invalidated_slot_is_made_anew_and_the_undelivered_rows_are_published() {
+    let broker = Kafka::start();
+    broker.create_topic("orders", 4);
+    let pg = PgCluster::start();
+    pg.configure(&[("max_slot_wal_keep_size", "1MB")]).await;
+    let ferry = Ferry::builder(pg.url()).migrate(true).connect().await.unwrap();
+    let cfg = cluster_relay(&pg, &broker.brokers(), "ferry_lost");
+    let relay = start_relay(cfg.clone(), ferry.clone()).await;
+    enqueue(&ferry, 0, 100).await;
+    let delivered = "SELECT count(*) FROM outbox WHERE state = 'delivered'";
+    wait_for_count(&ferry, delivered, 100, Duration::from_secs(60)).await;
+    relay.shutdown().await;
+
+    enqueue(&ferry, 100, 300).await;
+    pg.invalidate_slot("ferry_lost").await;
+    let relay = start_relay(cfg, ferry.clone()).await;
+    enqueue(&ferry, 300, 400).await;
+    wait_for_count(&ferry, delivered, 400, Duration::from_secs(60)).await;
+    let status: String = sqlx::query_scalar(
+        "SELECT wal_status::text FROM pg_replication_slots WHERE slot_name = 'ferry_lost' AND active",
+    )
+    .fetch_one(ferry.db().as_postgres().unwrap())
+    .await
+    .unwrap();
+    assert_eq!(status, "reserved", "the slot was made anew and streams");
+    relay.shutdown().await;
+    let recs = read_all(&broker.brokers(), "orders", false, Duration::from_secs(60)).await;
+    let duplicates = nothing_lost(&recs, &all_ids(&ferry).await);
+    eprintln!("invalidated slot: {duplicates} duplicates for 400 rows");
+}
+
+const DELIVERED: &str = "SELECT count(*) FROM outbox WHERE state = 'delivered'";
+
+/// One transaction's worth of plain SQL inserts: `n` rows of key `key` (or
+/// of 20 keys `key-<g % 20>` when `key` is `None`), ids in one block;
+/// returns their ids.
+async fn insert_many<'c>(conn: impl sqlx::PgExecutor<'c>, n: i64, key: Option<&str>) -> Vec<i64> {
+    sqlx::query_scalar(
+        "INSERT INTO outbox (tenant, topic, key, lane, payload, headers, created_at)
+         SELECT 'acme', 'orders', COALESCE($2, 'key-' || (g % 20)), 0,
+                convert_to('{\"g\":' || g || '}', 'UTF8'), '{}'::jsonb,
+                (extract(epoch FROM clock_timestamp()) * 1000)::bigint
+         FROM generate_series(1, $1) g
+         RETURNING id",
+    )
+    .bind(n)
+    .bind(key)
+    .fetch_all(conn)
+    .await
+    .unwrap()
+}
+
+/// A relay process is SIGKILLed while it publishes one 20,000-row
+/// transaction (some of its rows delivered, not all); a second relay
+/// resumes from the slot. Every row is on the topic, each key's first
+/// occurrences in order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn wal_a_relay_sigkilled_in_the_middle_of_a_large_transaction_loses_nothing() {
+    let broker = Kafka::start();
+    broker.create_topic("orders", 6);
+    let (ferry, url) = pg_ferry().await;
+    let slot = SlotGuard::new().await;
+    let pool = ferry.db().as_postgres().unwrap().clone();
+    let mut first = spawn_relay_process(&url, &broker.brokers(), &slot.args(), &[]);
+    let active = format!(
+        "SELECT count(*) FROM pg_replication_slots WHERE active AND slot_name = '{}'",
+        slot.name
+    );
+    wait_for_count(&ferry, &active, 1, Duration::from_secs(60)).await;
+    let c = consumer(&broker.brokers(), &["orders"]);
+    insert_many(&pool, 20_000, None).await;
+    // Some of its records on the topic; the transaction is marked (all its
+    // rows at once) only once Kafka acknowledged every one.
+    let seen = read_until(&c, Duration::from_secs(60), |r| !r.is_empty()).await;
+    first.kill().unwrap(); // SIGKILL mid-transaction
+    first.wait().unwrap();
+    let at_kill = scalar(&ferry, DELIVERED).await;
+    assert_eq!(at_kill, 0, "the relay was killed after the whole transaction settled");
+    let second = spawn_relay_process(&url, &broker.brokers(), &slot.args(), &[]);
+    wait_for_count(&ferry, DELIVERED, 20_000, Duration::from_secs(180)).await;
+    drop(second);
+    let recs = read_all(&broker.brokers(), "orders", false, Duration::from_secs(120)).await;
+    let duplicates = nothing_lost(&recs, &all_ids(&ferry).await);
+    eprintln!(
+        "SIGKILL mid-transaction ({} records seen before it): {duplicates} duplicates",
+        seen.len()
+    );
+}
+
+/// PostgreSQL restarts (a fast or an immediate shutdown) while the relay
+/// streams and a writer keeps enqueueing: the relay resumes from the slot on
+/// its own and nothing is lost.
+async fn a_postgres_restart_while_streaming_loses_nothing(immediate: bool) {
+    let broker = Kafka::start();
+    broker.create_topic("orders", 4);
+    let mut pg = PgCluster::start();
+    let ferry = Ferry::builder(pg.url()).migrate(true).connect().await.unwrap();
+    let cfg = cluster_relay(&pg, &broker.brokers(), "ferry_restart");
+    let relay = start_relay(cfg, Ferry::builder(pg.url()).connect().await.unwrap()).await;
+    let writer = tokio::spawn(crate::outage::write_through_outage(ferry.clone(), 0, 3000));
+    crate::outage::until_at_least(&ferry, DELIVERED, 500, Duration::from_secs(90)).await;
+    tokio::task::block_in_place(|| {
+        if immediate {
+            pg.crash();
+        }
+        pg.restart();
+    });
+    writer.await.unwrap();
+    let total = ferry.db().fetch_i64("SELECT count(*) FROM outbox").await.unwrap();
+    crate::outage::until_at_least(&ferry, DELIVERED, total, Duration::from_secs(120)).await;
+    relay.shutdown().await;
+    let recs = read_all(&broker.brokers(), "orders", false, Duration::from_secs(60)).await;
+    let duplicates = nothing_lost(&recs, &all_ids(&ferry).await);
+    eprintln!("PostgreSQL restart (immediate: {immediate}): {duplicates} duplicates for {total} rows");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn wal_a_fast_postgres_restart_while_streaming_loses_nothing() {
+    a_postgres_restart_while_streaming_loses_nothing(false).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn wal_an_immediate_postgres_restart_while_streaming_loses_nothing() {
+    a_postgres_restart_while_streaming_loses_nothing(true).await;
+}
+
+/// `ALTER TABLE outbox ADD COLUMN` while the relay streams and a writer
+/// enqueues: pgoutput sends a new `Relation` message with one more column,
+/// the decoder takes it, and nothing is lost (rows written with the new
+/// column set too).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn wal_a_migration_while_streaming_loses_nothing() {
+    let broker = Kafka::start();
+    broker.create_topic("orders", 4);
+    let (ferry, url) = pg_ferry().await;
+    let slot = SlotGuard::new().await;
+    let pool = ferry.db().as_postgres().unwrap().clone();
+    let relay = slot.start(slot.config(&url, &broker.brokers()), ferry.clone()).await;
+    let writer = {
+        let ferry = ferry.clone();
+        tokio::spawn(async move { enqueue(&ferry, 0, 1000).await })
+    };
+    wait_for_count(&ferry, DELIVERED, 200, Duration::from_secs(60)).await;
+    sqlx::raw_sql("ALTER TABLE outbox ADD COLUMN note text DEFAULT 'added'")
+        .execute(&pool)
+        .await
+        .unwrap();
+    writer.await.unwrap();
+    sqlx::query(
+        "INSERT INTO outbox (tenant, topic, key, lane, payload, headers, created_at, note)
+         VALUES ('acme', 'orders', 'key-0', 0, convert_to('{}', 'UTF8'), '{}'::jsonb, 0, 'set')",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    wait_for_count(&ferry, DELIVERED, 1001, Duration::from_secs(60)).await;
+    relay.shutdown().await;
+    let recs = read_all(&broker.brokers(), "orders", false, Duration::from_secs(60)).await;
+    let duplicates = nothing_lost(&recs, &all_ids(&ferry).await);
+    eprintln!("migration while streaming: {duplicates} duplicates for 1001 rows");
+}
+
+/// Two transactions of 2,000 rows of one key, each larger than
+/// `logical_decoding_work_mem = 64kB` (PostgreSQL spills them to disk), the
+/// one with the lower ids committing last: every row is published, the
+/// key's records in commit order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn wal_transactions_larger_than_logical_decoding_work_mem_are_published_in_commit_order() {
+    let broker = Kafka::start();
+    broker.create_topic("orders", 4);
+    let pg = PgCluster::start();
+    pg.configure(&[("logical_decoding_work_mem", "64kB")]).await;
+    let ferry = Ferry::builder(pg.url()).migrate(true).connect().await.unwrap();
+    let pool = ferry.db().as_postgres().unwrap().clone();
+    let relay = start_relay(cluster_relay(&pg, &broker.brokers(), "ferry_spill"), ferry.clone()).await;
+    let active = "SELECT count(*) FROM pg_replication_slots WHERE active AND slot_name = 'ferry_spill'";
+    wait_for_count(&ferry, active, 1, Duration::from_secs(60)).await;
+    let mut first = pool.begin().await.unwrap();
+    let low = insert_many(&mut *first, 2000, Some("big")).await;
+    let mut second = pool.begin().await.unwrap();
+    let high = insert_many(&mut *second, 2000, Some("big")).await;
+    second.commit().await.unwrap();
+    first.commit().await.unwrap();
+    wait_for_count(&ferry, DELIVERED, 4000, Duration::from_secs(120)).await;
+    let spilled: i64 = sqlx::query_scalar(
+        "SELECT COALESCE(sum(spill_bytes), 0)::bigint FROM pg_stat_replication_slots WHERE slot_name = 'ferry_spill'",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert!(spilled > 0, "the transactions did not exceed logical_decoding_work_mem");
+    relay.shutdown().await;
+    let recs = read_all(&broker.brokers(), "orders", false, Duration::from_secs(60)).await;
+    let mut seen = std::collections::HashSet::new();
+    let order: Vec<i64> = recs
+        .iter()
+        .map(Record::outbox_id)
+        .filter(|id| seen.insert(*id))
+        .collect();
+    let commit_order: Vec<i64> = high.iter().chain(&low).copied().collect();
+    assert_eq!(order.len(), 4000, "every row published");
+    assert!(order == commit_order, "the key's records are not in commit order");
+}
+
+/// Sends `signal` (`STOP`, `CONT`, `TERM`) to process `pid`.
+fn signal(pid: u32, signal: &str) {
+    let ok = std::process::Command::new("kill")
+        .arg(format!("-{signal}"))
+        .arg(pid.to_string())
+        .status()
+        .unwrap()
+        .success();
+    assert!(ok, "kill -{signal} {pid}");
+}
+
+/// The backend pid streaming from `slot` (none while no session does).
+async fn streaming_pid(pool: &sqlx::PgPool, slot: &str) -> Option<i32> {
+    sqlx::query_scalar("SELECT active_pid FROM pg_replication_slots WHERE slot_name = $1 AND active")
+        .bind(slot)
+        .fetch_optional(pool)
+        .await
+        .ok()
+        .flatten()
+}
+
+/// Fencing with a frozen relay. Two relay processes on one slot; the active
+/// one is SIGSTOPped while a writer enqueues. Its walsender gets no reply
+/// and ends the session after `wal_sender_timeout` (2 s here), and the
+/// standby takes the slot over within that plus its retry interval. Once
+/// the standby published everything, the old relay is SIGCONTed: its
+/// session is gone, so it cannot confirm the slot, and its marks touch only
+/// rows still pending; whatever it produces then is its unconfirmed tail
+/// (what the walsender sent it before ending the session, which its socket
+/// buffers held while it was frozen: all committed before the takeover),
+/// never a row committed after the takeover. Nothing is lost.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn wal_a_frozen_relay_is_fenced_and_publishes_nothing_new_after_sigcont() {
+    let wal_sender_timeout = Duration::from_secs(2);
+    let broker = Kafka::start();
+    broker.create_topic("orders", 4);
+    let pg = PgCluster::start();
+    pg.configure(&[("wal_sender_timeout", "2s")]).await;
+    let ferry = Ferry::builder(pg.url()).migrate(true).connect().await.unwrap();
+    let pool = ferry.db().as_postgres().unwrap().clone();
+    let args = ["--capture", "wal", "--slot", "ferry_fence"];
+    let mut old = spawn_relay_process(&pg.url(), &broker.brokers(), &args, &[]);
+    let active = "SELECT count(*) FROM pg_replication_slots WHERE active AND slot_name = 'ferry_fence'";
+    wait_for_count(&ferry, active, 1, Duration::from_secs(60)).await;
+    let before = streaming_pid(&pool, "ferry_fence").await.unwrap();
+    let standby = spawn_relay_process(&pg.url(), &broker.brokers(), &args, &[]);
+    let writer = tokio::spawn(crate::outage::write_through_outage(ferry.clone(), 0, 3000));
+    wait_for_count(&ferry, DELIVERED, 300, Duration::from_secs(60)).await;
+
+    signal(old.id(), "STOP");
+    let stopped = tokio::time::Instant::now();
+    let deadline = stopped + Duration::from_secs(60);
+    loop {
+        if streaming_pid(&pool, "ferry_fence").await.is_some_and(|p| p != before) {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the standby never took the slot over"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let took = stopped.elapsed();
+    // The walsender ended the old session before the standby's began, so
+    // nothing committed from here on can ever reach the old relay (what it
+    // received before, up to its socket buffers, is its unconfirmed tail).
+    let max_at_takeover = scalar(&ferry, "SELECT COALESCE(max(id), 0) FROM outbox").await;
+    eprintln!("takeover {took:?} after SIGSTOP (wal_sender_timeout {wal_sender_timeout:?}, lease 1 s)");
+    assert!(
+        took <= wal_sender_timeout + Duration::from_secs(5),
+        "takeover took {took:?}"
+    );
+    writer.await.unwrap();
+    let total = scalar(&ferry, "SELECT count(*) FROM outbox").await;
+    wait_for_count(&ferry, DELIVERED, total, Duration::from_secs(120)).await;
+    let probe: rdkafka::consumer::BaseConsumer = rdkafka::ClientConfig::new()
+        .set("bootstrap.servers", broker.brokers())
+        .create()
+        .unwrap();
+    let hwm: Vec<i64> = (0..4)
+        .map(|p| probe.fetch_watermarks("orders", p, Duration::from_secs(10)).unwrap().1)
+        .collect();
+
+    signal(old.id(), "CONT");
+    crate::outage::write_through_outage(ferry.clone(), 3000, 3100).await;
+    wait_for_count(&ferry, DELIVERED, total + 100, Duration::from_secs(60)).await;
+    // The old relay drains and exits: all it could still produce is sent.
+    signal(old.id(), "TERM");
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    while old.try_wait().unwrap().is_none() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the old relay did not exit on SIGTERM"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    drop(standby);
+
+    let recs = read_all(&broker.brokers(), "orders", false, Duration::from_secs(60)).await;
+    let mut position = [0i64; 4];
+    let mut seen = std::collections::HashSet::new();
+    let mut tail = 0;
+    for r in &recs {
+        let p = r.partition as usize;
+        let fresh = seen.insert(r.outbox_id());
+        if position[p] >= hwm[p] && !fresh {
+            assert!(
+                r.outbox_id() <= max_at_takeover,
+                "row {} (committed after the takeover, published by the standby) published again after SIGCONT",
+                r.outbox_id()
+            );
+            tail += 1;
+        }
+        position[p] += 1;
+    }
+    let duplicates = nothing_lost(&recs, &all_ids(&ferry).await);
+    eprintln!(
+        "SIGSTOP/SIGCONT: {duplicates} duplicates, {tail} of them after SIGCONT (the old relay's unconfirmed tail)"
+    );
+}
