@@ -735,9 +735,10 @@ impl CpuSplit {
     }
 }
 
-/// The pid of the walsender streaming from `slot`, once it is active.
+/// The pid of the walsender streaming from `slot`, once it is active (a
+/// minute at most: Debezium's JVM takes a while to start).
 async fn walsender_pid(admin: &sqlx::PgPool, slot: &str) -> Res<u32> {
-    for _ in 0..200 {
+    for _ in 0..3000 {
         let pid: Option<i32> =
             sqlx::query_scalar("SELECT active_pid FROM pg_replication_slots WHERE slot_name = $1 AND active")
                 .bind(slot)
