@@ -19,7 +19,14 @@
 //! - `--memory`: a relay process's peak RSS (VmHWM) and throughput from a 10k
 //!   to a 1M backlog;
 //! - `--bloat`: dead tuples and table size after 1M rows, marking and
-//!   deleting, and a drain while another session holds a snapshot open.
+//!   deleting, and a drain while another session holds a snapshot open;
+//! - `--wal`: WAL capture (issue #20) beside its baselines: a 1M-row drain
+//!   at 100 B and 1 KiB by `--capture wal`, `--capture poll`, a raw produce
+//!   and `pg_recvlogical` (with `--debezium`, Debezium's embedded outbox
+//!   EventRouter too, `bench/debezium/run`), where the CPU went, commit → ack
+//!   latency at 1k and 10k rows/s, and a `ferry-relay` process's VmHWM over
+//!   the 1M backlog in WAL capture. Every replication slot it makes is
+//!   dropped at the end, whatever the outcome.
 #![allow(clippy::print_stdout, missing_docs)]
 
 use std::time::{Duration, Instant};
@@ -40,7 +47,7 @@ async fn main() -> Res<()> {
     let n: usize = if quick { 20_000 } else { 100_000 };
     let broker = ferry_testkit::Kafka::start();
     let brokers = broker.brokers();
-    let modes = ["--warm", "--latency", "--scaling", "--memory", "--bloat"];
+    let modes = ["--warm", "--latency", "--scaling", "--memory", "--bloat", "--wal"];
     if modes.iter().any(|m| has(m)) {
         println!(
             "ferry-relay benchmarks (PostgreSQL → Apache Kafka), {}\n",
@@ -61,6 +68,12 @@ async fn main() -> Res<()> {
         }
         if has("--bloat") {
             bloat(&brokers, &broker, quick).await?;
+        }
+        if has("--wal") {
+            let ran = wal(&brokers, &broker, quick, has("--debezium")).await;
+            // Whatever happened: a leftover slot holds WAL for ever.
+            drop_bench_slots(&format!("ferry_bench_{}_", std::process::id())).await?;
+            ran?;
         }
         return Ok(());
     }
@@ -147,6 +160,11 @@ enum Mode {
 }
 
 fn start(url: &str, brokers: &str, ferry: Ferry, mode: Mode) -> Res<Started> {
+    start_with(poll_config(url, brokers, mode), ferry)
+}
+
+/// The polling relay's configuration in `mode`.
+fn poll_config(url: &str, brokers: &str, mode: Mode) -> RelayConfig {
     let mut cfg = RelayConfig::new(url, brokers);
     // The lane relay these figures measure (WAL capture is measured later).
     cfg.capture = Some(ferry_relay::Capture::Poll);
@@ -160,6 +178,11 @@ fn start(url: &str, brokers: &str, ferry: Ferry, mode: Mode) -> Res<Started> {
         cfg.transactional_id_prefix = format!("bench-{id}");
         cfg.progress_topic = Some(format!("bench-progress-{id}"));
     }
+    cfg
+}
+
+/// Starts an in-process relay with `cfg`.
+fn start_with(cfg: RelayConfig, ferry: Ferry) -> Res<Started> {
     let relay = Relay::new(cfg, ferry)?;
     let state = relay.state();
     let stop = CancellationToken::new();
@@ -374,17 +397,18 @@ fn relay_binary() -> Res<std::path::PathBuf> {
     Ok(bin)
 }
 
-/// `k` relay processes on one database; returns the children.
-fn spawn_relays(url: &str, brokers: &str, k: usize, extra: &[&str]) -> Res<Vec<std::process::Child>> {
+/// `k` relay processes on one database, capturing as `capture` says
+/// (`--capture …` and its flags); returns the children.
+fn spawn_relays(url: &str, brokers: &str, k: usize, capture: &[&str]) -> Res<Vec<std::process::Child>> {
     let bin = relay_binary()?;
     let mut out = Vec::new();
     for _ in 0..k {
         let port = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
         let child = std::process::Command::new(&bin)
             .args(["run", "--database-url", url, "--brokers", brokers])
-            .args(["--poll-interval", "20ms", "--lease", "5s", "--capture", "poll"])
+            .args(["--poll-interval", "20ms", "--lease", "5s"])
             .args(["--listen", &format!("127.0.0.1:{port}")])
-            .args(extra)
+            .args(capture)
             .env("RUST_LOG", "warn")
             .stdout(std::process::Stdio::null())
             .stderr(std::process::Stdio::null())
@@ -418,7 +442,7 @@ async fn drain_processes(brokers: &str, topic: &str, n: usize, k: usize) -> Res<
     let (ferry, url) = fresh().await?;
     seed(&ferry, topic, n, 100).await?;
     let started = Instant::now();
-    let children = spawn_relays(&url, brokers, k, &[])?;
+    let children = spawn_relays(&url, brokers, k, &["--capture", "poll"])?;
     wait_delivered(&ferry).await?;
     let rate = n as f64 / started.elapsed().as_secs_f64();
     let hwm = vm_hwm_kib(children[0].id());
@@ -562,4 +586,566 @@ async fn table_stats(pool: &sqlx::PgPool) -> Res<String> {
         "n_dead_tup {dead}, n_live_tup {live}, size {:.1} MiB",
         size as f64 / 1048576.0
     ))
+}
+
+// ---- WAL capture beside its baselines (issue #20). ----
+
+/// The admin connection (the cluster's `postgres` database, where the
+/// testkit's schemas live): slots, publications and `pg_recvlogical`.
+fn admin_url() -> String {
+    std::env::var("DATABASE_URL").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".into())
+}
+
+/// A slot (and publication) name of this run: `ferry_bench_<pid>_<n>`.
+fn slot_name() -> String {
+    static SEQ: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let n = SEQ.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    format!("ferry_bench_{}_{n}", std::process::id())
+}
+
+/// Drops every slot and publication whose name starts with `prefix`, ending
+/// the session streaming from a slot first; retries while a relay still
+/// holds one, and fails if one is left.
+async fn drop_bench_slots(prefix: &str) -> Res<()> {
+    let admin = sqlx::PgPool::connect(&admin_url()).await?;
+    let like = format!("{}%", prefix.replace('_', "\\_"));
+    for _ in 0..100 {
+        sqlx::query(
+            "SELECT pg_terminate_backend(active_pid) FROM pg_replication_slots WHERE slot_name LIKE $1 AND active",
+        )
+        .bind(&like)
+        .execute(&admin)
+        .await?;
+        let slots: Vec<String> = sqlx::query_scalar(
+            "SELECT slot_name::text FROM pg_replication_slots WHERE slot_name LIKE $1 AND NOT active",
+        )
+        .bind(&like)
+        .fetch_all(&admin)
+        .await?;
+        for slot in slots {
+            // It may have become active again in between: the next round.
+            let _ = sqlx::query("SELECT pg_drop_replication_slot($1)")
+                .bind(&slot)
+                .execute(&admin)
+                .await;
+        }
+        let left: i64 = sqlx::query_scalar("SELECT count(*) FROM pg_replication_slots WHERE slot_name LIKE $1")
+            .bind(&like)
+            .fetch_one(&admin)
+            .await?;
+        if left == 0 {
+            let pubs: Vec<String> =
+                sqlx::query_scalar("SELECT pubname::text FROM pg_publication WHERE pubname LIKE $1")
+                    .bind(&like)
+                    .fetch_all(&admin)
+                    .await?;
+            for p in pubs {
+                sqlx::query(&format!("DROP PUBLICATION IF EXISTS {p}"))
+                    .execute(&admin)
+                    .await?;
+            }
+            return Ok(());
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    Err(format!("replication slots {prefix}* still there: drop them by hand").into())
+}
+
+/// Drops the slots a killed earlier run of this benchmark left (its
+/// process gone).
+async fn drop_orphan_slots() -> Res<()> {
+    let admin = sqlx::PgPool::connect(&admin_url()).await?;
+    let names: Vec<String> =
+        sqlx::query_scalar("SELECT slot_name::text FROM pg_replication_slots WHERE slot_name LIKE 'ferry\\_bench\\_%'")
+            .fetch_all(&admin)
+            .await?;
+    for name in names {
+        let pid = name.split('_').nth(2).unwrap_or("");
+        if !pid.is_empty() && !std::path::Path::new(&format!("/proc/{pid}")).exists() {
+            drop_bench_slots(&format!("ferry_bench_{pid}_")).await?;
+        }
+    }
+    Ok(())
+}
+
+/// A WAL-capturing relay's configuration on `slot` (also its publication).
+fn wal_config(url: &str, brokers: &str, slot: &str) -> RelayConfig {
+    let mut cfg = poll_config(url, brokers, Mode::Mark);
+    cfg.capture = Some(ferry_relay::Capture::Wal);
+    cfg.slot = Some(slot.into());
+    cfg.publication = Some(slot.into());
+    cfg
+}
+
+/// CPU seconds (user + system) of process `pid` so far; 0 once it is gone.
+fn cpu_secs(pid: u32) -> f64 {
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .ok()
+        .and_then(|s| {
+            // The fields after the command name, which may hold spaces.
+            let rest = s.rsplit_once(')')?.1.to_owned();
+            let f: Vec<&str> = rest.split_whitespace().collect();
+            let ticks: f64 = f.get(11)?.parse::<f64>().ok()? + f.get(12)?.parse::<f64>().ok()?;
+            Some(ticks / 100.0)
+        })
+        .unwrap_or(0.0)
+}
+
+/// The Kafka broker this process started: the `kafka.Kafka` JVM (under the
+/// testkit's watchdog) whose directory is `ferry-kafka-<this pid>-…`.
+fn broker_pid() -> Option<u32> {
+    let mine = format!("ferry-kafka-{}-", std::process::id());
+    std::fs::read_dir("/proc").ok()?.flatten().find_map(|e| {
+        let pid: u32 = e.file_name().to_str()?.parse().ok()?;
+        let cmd = std::fs::read(format!("/proc/{pid}/cmdline")).ok()?;
+        let cmd = String::from_utf8_lossy(&cmd);
+        (cmd.contains("kafka.Kafka") && cmd.contains(&mine)).then_some(pid)
+    })
+}
+
+/// CPU seconds spent during a drain by the relay (this process or a relay
+/// process), PostgreSQL's walsender (or all of PostgreSQL's backends when
+/// polling) and the broker: which part bounds the drain.
+struct CpuSplit {
+    pids: Vec<(&'static str, u32)>,
+    before: Vec<f64>,
+    started: Instant,
+}
+
+impl CpuSplit {
+    fn start(pids: Vec<(&'static str, u32)>) -> CpuSplit {
+        let before = pids.iter().map(|(_, p)| cpu_secs(*p)).collect();
+        CpuSplit {
+            pids,
+            before,
+            started: Instant::now(),
+        }
+    }
+
+    /// Each part's CPU as a share of one core over the wall time.
+    fn finish(self) -> String {
+        let wall = self.started.elapsed().as_secs_f64();
+        let parts: Vec<String> = self
+            .pids
+            .iter()
+            .zip(&self.before)
+            .map(|((name, p), b)| format!("{name} {:.0}%", 100.0 * (cpu_secs(*p) - b) / wall))
+            .collect();
+        format!("CPU over {wall:.1} s (100% = one core): {}", parts.join(", "))
+    }
+}
+
+/// The pid of the walsender streaming from `slot`, once it is active (a
+/// minute at most: Debezium's JVM takes a while to start).
+async fn walsender_pid(admin: &sqlx::PgPool, slot: &str) -> Res<u32> {
+    for _ in 0..3000 {
+        let pid: Option<i32> =
+            sqlx::query_scalar("SELECT active_pid FROM pg_replication_slots WHERE slot_name = $1 AND active")
+                .bind(slot)
+                .fetch_optional(admin)
+                .await?
+                .flatten();
+        if let Some(pid) = pid {
+            return Ok(pid as u32);
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    Err(format!("nothing streams from {slot}").into())
+}
+
+/// Everything `--wal` measures, in one run.
+async fn wal(brokers: &str, broker: &ferry_testkit::Kafka, quick: bool, debezium: bool) -> Res<()> {
+    drop_orphan_slots().await?;
+    let debezium = debezium && debezium_available();
+    let n = if quick { 100_000 } else { 1_000_000 };
+    println!("load before: {}", uptime());
+    for size in [100usize, 1024] {
+        let topic = format!("bench-wal-{size}");
+        broker.create_topic(&topic, 6);
+        // The broker warmed first, as the relays find it.
+        raw_produce(brokers, &topic, n.min(100_000), size).await?;
+        let raw = raw_produce(brokers, &topic, n, size).await?;
+        let (recv, recv_cpu) = recvlogical_drain(n, size).await?;
+        let ceiling = raw.min(recv);
+        let (wal_rate, wal_cpu) = wal_drain(brokers, &topic, n, size).await?;
+        let (poll_rate, poll_cpu) = poll_drain(brokers, &topic, n, size).await?;
+        let dbz = if debezium {
+            Some(debezium_drain(brokers, &topic, n, size).await?)
+        } else {
+            None
+        };
+        let line = |what: &str, rate: f64| {
+            println!(
+                "{:<52} {rate:>12.0} {:>14}",
+                format!("{what}, drain {n} × {size} B (rows/s)"),
+                format!("{:.2}× ceiling", rate / ceiling)
+            )
+        };
+        line("--capture wal", wal_rate);
+        println!("    {wal_cpu}");
+        line("--capture poll", poll_rate);
+        println!("    {poll_cpu}");
+        if let Some((rate, cpu)) = &dbz {
+            line("Debezium 3.6.1 embedded, outbox EventRouter", *rate);
+            println!("    {cpu}");
+        }
+        line("raw rdkafka produce (ceiling)", raw);
+        line("pg_recvlogical → /dev/null (ceiling)", recv);
+        println!("    {recv_cpu}");
+        println!(
+            "    goal: wal ≥ 0.7 × the slower ceiling ({ceiling:.0}): {:.2}, {}; load after: {}",
+            wal_rate / ceiling,
+            if wal_rate >= 0.7 * ceiling { "met" } else { "missed" },
+            uptime()
+        );
+    }
+    wal_latency(brokers, broker, quick, debezium).await?;
+    let (rate, hwm, cpu) = wal_process_drain(brokers, broker, n).await?;
+    println!(
+        "{:<52} {rate:>12.0} {:>14}",
+        format!("ferry-relay process, --capture wal, drain {n} × 100 B"),
+        "-"
+    );
+    println!("    {cpu}");
+    println!(
+        "{:<52} {:>9.1} MiB {:>14}   {}",
+        "  its VmHWM",
+        hwm as f64 / 1024.0,
+        "goal ≤ 64 MiB",
+        if hwm <= 64 * 1024 { "met" } else { "missed" }
+    );
+    println!("load after: {}", uptime());
+    Ok(())
+}
+
+/// `uptime`'s load averages.
+fn uptime() -> String {
+    std::fs::read_to_string("/proc/loadavg")
+        .map(|s| s.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
+        .unwrap_or_default()
+}
+
+/// Starts a WAL relay on `slot` and lets one row through it, so the slot
+/// and publication exist and the (empty) catch-up read is done; stops it.
+async fn make_slot(brokers: &str, url: &str, ferry: &Ferry, slot: &str, topic: &str) -> Res<()> {
+    let (stop, handle, _) = start_with(wal_config(url, brokers, slot), ferry.clone())?;
+    ferry
+        .enqueue(&OutboxMessage::bytes("bench", topic, "first", vec![b'x'; 8]))
+        .await?;
+    wait_delivered(ferry).await?;
+    stop.cancel();
+    handle.await??;
+    Ok(())
+}
+
+/// `--capture wal` drains `n` rows committed after its slot was made (so
+/// they come from the WAL, not the one-time table read).
+async fn wal_drain(brokers: &str, topic: &str, n: usize, size: usize) -> Res<(f64, String)> {
+    let (ferry, url) = fresh().await?;
+    let slot = slot_name();
+    make_slot(brokers, &url, &ferry, &slot, topic).await?;
+    seed(&ferry, topic, n, size).await?;
+    let admin = sqlx::PgPool::connect(&admin_url()).await?;
+    let started = Instant::now();
+    let (stop, handle, _) = start_with(wal_config(&url, brokers, &slot), ferry.clone())?;
+    let walsender = walsender_pid(&admin, &slot).await?;
+    let cpu = CpuSplit::start(vec![
+        ("relay (bench process)", std::process::id()),
+        ("walsender", walsender),
+        ("broker", broker_pid().unwrap_or(0)),
+    ]);
+    wait_delivered(&ferry).await?;
+    let rate = n as f64 / started.elapsed().as_secs_f64();
+    let cpu = cpu.finish();
+    stop.cancel();
+    handle.await??;
+    drop_bench_slots(&slot).await?;
+    Ok((rate, cpu))
+}
+
+/// `--capture poll` drains `n` rows (1 relay, marking delivered).
+async fn poll_drain(brokers: &str, topic: &str, n: usize, size: usize) -> Res<(f64, String)> {
+    let (ferry, url) = fresh().await?;
+    seed(&ferry, topic, n, size).await?;
+    let started = Instant::now();
+    let cpu = CpuSplit::start(vec![
+        ("relay (bench process)", std::process::id()),
+        ("broker", broker_pid().unwrap_or(0)),
+    ]);
+    let (stop, handle, _) = start(&url, brokers, ferry.clone(), Mode::Mark)?;
+    wait_delivered(&ferry).await?;
+    let rate = n as f64 / started.elapsed().as_secs_f64();
+    let cpu = cpu.finish();
+    stop.cancel();
+    handle.await??;
+    Ok((rate, cpu))
+}
+
+/// A publication of `url`'s outbox (inserts only) and a pgoutput slot, both
+/// named `slot`, made before any row; returns the schema.
+async fn slot_before_rows(admin: &sqlx::PgPool, ferry: &Ferry, slot: &str) -> Res<String> {
+    let pool = ferry.db().as_postgres().ok_or("PostgreSQL only")?;
+    let schema: String = sqlx::query_scalar("SELECT current_schema()::text")
+        .fetch_one(pool)
+        .await?;
+    sqlx::query(&format!(
+        "CREATE PUBLICATION {slot} FOR TABLE \"{schema}\".outbox WITH (publish = 'insert')"
+    ))
+    .execute(admin)
+    .await?;
+    sqlx::query("SELECT pg_create_logical_replication_slot($1, 'pgoutput')")
+        .bind(slot)
+        .execute(admin)
+        .await?;
+    Ok(schema)
+}
+
+/// `pg_recvlogical` streams `n` rows through a fresh pgoutput slot to
+/// `/dev/null`, up to the WAL position after the last of them: what
+/// decoding and sending the rows costs PostgreSQL alone.
+async fn recvlogical_drain(n: usize, size: usize) -> Res<(f64, String)> {
+    let (ferry, _) = fresh().await?;
+    let admin = sqlx::PgPool::connect(&admin_url()).await?;
+    let slot = slot_name();
+    slot_before_rows(&admin, &ferry, &slot).await?;
+    seed(&ferry, "bench-recvlogical", n, size).await?;
+    let end: String = sqlx::query_scalar("SELECT pg_current_wal_lsn()::text")
+        .fetch_one(&admin)
+        .await?;
+    let started = Instant::now();
+    let mut child = tokio::process::Command::new("pg_recvlogical")
+        .args([
+            "-d",
+            &admin_url(),
+            "--slot",
+            &slot,
+            "--start",
+            "--no-loop",
+            "--endpos",
+            &end,
+        ])
+        .args(["-o", "proto_version=1", "-o", &format!("publication_names={slot}")])
+        .args(["-f", "/dev/null"])
+        .spawn()?;
+    let walsender = walsender_pid(&admin, &slot).await?;
+    // pg_recvlogical itself has exited when the split is read: its
+    // walsender's share is the one that says something.
+    let cpu = CpuSplit::start(vec![("walsender", walsender)]);
+    let status = child.wait().await?;
+    let rate = n as f64 / started.elapsed().as_secs_f64();
+    let cpu = cpu.finish();
+    drop_bench_slots(&slot).await?;
+    if !status.success() {
+        return Err(format!("pg_recvlogical: {status}").into());
+    }
+    Ok((rate, cpu))
+}
+
+/// Commit → ack p50/p99 at 1k and 10k rows/s offered, `--capture wal`
+/// against `--capture poll` (writers' NOTIFY coalescing at its default),
+/// with Debezium at 1k rows/s beside them when asked.
+async fn wal_latency(brokers: &str, broker: &ferry_testkit::Kafka, quick: bool, debezium: bool) -> Res<()> {
+    broker.create_topic("bench-latency", 6);
+    let secs = if quick { 5 } else { 10 };
+    for rate in [1_000u64, 10_000] {
+        let goal = if rate == 1_000 { "≤10 / ≤25" } else { "- / ≤50" };
+        for wal in [true, false] {
+            let (ferry, url) = fresh().await?;
+            let slot = slot_name();
+            let cfg = if wal {
+                wal_config(&url, brokers, &slot)
+            } else {
+                poll_config(&url, brokers, Mode::Mark)
+            };
+            let (stop, handle, state) = start_with(cfg, ferry.clone())?;
+            let writers = Ferry::builder(&url).max_connections(WRITERS as u32).connect().await?;
+            steady(&writers, rate, Duration::from_secs(3)).await?;
+            wait_delivered(&ferry).await?;
+            state.metrics.reset_latency();
+            let (sent, took) = steady(&writers, rate, Duration::from_secs(secs)).await?;
+            wait_delivered(&ferry).await?;
+            stop.cancel();
+            handle.await??;
+            if wal {
+                drop_bench_slots(&slot).await?;
+            }
+            let q = |x| state.metrics.latency_quantile(x).unwrap_or(0);
+            println!(
+                "{:<64} {:>6} / {:>3} ms {:>14}   (load {})",
+                format!(
+                    "commit → ack p50 / p99, --capture {}, {rate} rows/s offered ({:.0} achieved)",
+                    if wal { "wal" } else { "poll" },
+                    sent as f64 / took
+                ),
+                q(0.5),
+                q(0.99),
+                goal,
+                uptime()
+            );
+        }
+        if debezium && rate == 1_000 {
+            for poll_ms in [None, Some(10u64)] {
+                let (p50, p99, achieved) = debezium_latency(brokers, rate, secs, poll_ms).await?;
+                println!(
+                    "{:<64} {p50:>6} / {p99:>3} ms {goal:>14}   (load {})",
+                    format!(
+                        "commit → ack p50 / p99, Debezium, poll.interval.ms {}, {rate} rows/s offered ({achieved:.0} achieved)",
+                        poll_ms.map_or("default".into(), |m| m.to_string())
+                    ),
+                    uptime()
+                );
+            }
+        }
+    }
+    Ok(())
+}
+
+/// A release `ferry-relay` process in WAL capture drains `n` rows committed
+/// after its slot was made; (rows/s, its VmHWM KiB, the CPU split).
+async fn wal_process_drain(brokers: &str, broker: &ferry_testkit::Kafka, n: usize) -> Res<(f64, u64, String)> {
+    broker.create_topic("bench-wal-memory", 6);
+    let (ferry, url) = fresh().await?;
+    let admin = sqlx::PgPool::connect(&admin_url()).await?;
+    let slot = slot_name();
+    let capture = ["--capture", "wal", "--slot", &slot, "--publication", &slot];
+    let first = spawn_relays(&url, brokers, 1, &capture)?;
+    ferry
+        .enqueue(&OutboxMessage::bytes(
+            "bench",
+            "bench-wal-memory",
+            "first",
+            vec![b'x'; 8],
+        ))
+        .await?;
+    wait_delivered(&ferry).await?;
+    stop_relays(first);
+    seed(&ferry, "bench-wal-memory", n, 100).await?;
+    let started = Instant::now();
+    let children = spawn_relays(&url, brokers, 1, &capture)?;
+    let walsender = walsender_pid(&admin, &slot).await?;
+    let cpu = CpuSplit::start(vec![
+        ("ferry-relay", children[0].id()),
+        ("walsender", walsender),
+        ("broker", broker_pid().unwrap_or(0)),
+    ]);
+    wait_delivered(&ferry).await?;
+    let rate = n as f64 / started.elapsed().as_secs_f64();
+    let cpu = cpu.finish();
+    let hwm = vm_hwm_kib(children[0].id());
+    stop_relays(children);
+    drop_bench_slots(&slot).await?;
+    Ok((rate, hwm, cpu))
+}
+
+/// `bench/debezium/run`, present and with `mvn` to build it.
+fn debezium_script() -> std::path::PathBuf {
+    std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../bench/debezium/run")
+}
+
+fn debezium_available() -> bool {
+    let mvn = std::process::Command::new("mvn")
+        .arg("-v")
+        .stdout(std::process::Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success());
+    if !mvn {
+        println!("--debezium: no mvn on PATH, Debezium skipped");
+    }
+    mvn && debezium_script().exists()
+}
+
+/// `bench/debezium/run <mode>` against this run's database and broker.
+fn debezium_command(brokers: &str, schema: &str, slot: &str, mode: &str) -> tokio::process::Command {
+    let mut cmd = tokio::process::Command::new(debezium_script());
+    cmd.arg(mode)
+        .env("BENCH_BROKERS", brokers)
+        .env("BENCH_DATABASE_URL", admin_url())
+        .env("BENCH_SCHEMA", schema)
+        .env("BENCH_SLOT", slot)
+        .stdout(std::process::Stdio::piped());
+    cmd
+}
+
+/// Debezium drains `n` rows committed after its slot (snapshot.mode
+/// no_data) to `topic`; (rows/s it printed, the CPU split).
+async fn debezium_drain(brokers: &str, topic: &str, n: usize, size: usize) -> Res<(f64, String)> {
+    let (ferry, _) = fresh().await?;
+    let admin = sqlx::PgPool::connect(&admin_url()).await?;
+    let slot = slot_name();
+    let schema = slot_before_rows(&admin, &ferry, &slot).await?;
+    seed(&ferry, topic, n, size).await?;
+    let mut child = debezium_command(brokers, &schema, &slot, "drain")
+        .env("BENCH_ROWS", n.to_string())
+        .spawn()?;
+    let walsender = walsender_pid(&admin, &slot).await?;
+    let cpu = CpuSplit::start(vec![
+        ("Debezium JVM", child.id().unwrap_or(0)),
+        ("walsender", walsender),
+        ("broker", broker_pid().unwrap_or(0)),
+    ]);
+    let out = read_lines(&mut child).await?;
+    let cpu = cpu.finish();
+    let status = child.wait().await?;
+    drop_bench_slots(&slot).await?;
+    let rate = out
+        .iter()
+        .find_map(|l| l.strip_prefix("rows/s "))
+        .and_then(|v| v.trim().parse().ok())
+        .ok_or_else(|| format!("Debezium ({status}) printed no rate: {out:?}"))?;
+    Ok((rate, cpu))
+}
+
+/// The child's stdout lines until it closes.
+async fn read_lines(child: &mut tokio::process::Child) -> Res<Vec<String>> {
+    use tokio::io::AsyncBufReadExt;
+    let out = child.stdout.take().ok_or("no stdout")?;
+    let mut lines = tokio::io::BufReader::new(out).lines();
+    let mut all = Vec::new();
+    while let Some(l) = lines.next_line().await? {
+        all.push(l);
+    }
+    Ok(all)
+}
+
+/// Debezium's commit → ack p50/p99 at `rate` rows/s: it prints `ready` once
+/// its task streams; a 3 s warm-up ends with a row keyed `__warm` (it forgets
+/// the samples before it), the measured `secs` with one keyed `__end`.
+async fn debezium_latency(brokers: &str, rate: u64, secs: u64, poll_ms: Option<u64>) -> Res<(i64, i64, f64)> {
+    use tokio::io::AsyncBufReadExt;
+    let (ferry, url) = fresh().await?;
+    let admin = sqlx::PgPool::connect(&admin_url()).await?;
+    let slot = slot_name();
+    let schema = slot_before_rows(&admin, &ferry, &slot).await?;
+    let mut cmd = debezium_command(brokers, &schema, &slot, "latency");
+    if let Some(ms) = poll_ms {
+        cmd.env("BENCH_POLL_INTERVAL_MS", ms.to_string());
+    }
+    let mut child = cmd.spawn()?;
+    let mut lines = tokio::io::BufReader::new(child.stdout.take().ok_or("no stdout")?).lines();
+    while let Some(l) = lines.next_line().await? {
+        if l == "ready" {
+            break;
+        }
+    }
+    let writers = Ferry::builder(&url).max_connections(WRITERS as u32).connect().await?;
+    let mark = |key: &str| OutboxMessage::bytes("bench", "bench-latency", key, vec![0u8; 100]);
+    steady(&writers, rate, Duration::from_secs(3)).await?;
+    writers.enqueue(&mark("__warm")).await?;
+    let (sent, took) = steady(&writers, rate, Duration::from_secs(secs)).await?;
+    writers.enqueue(&mark("__end")).await?;
+    let mut q = (None, None);
+    while let Some(l) = lines.next_line().await? {
+        if let Some(v) = l.strip_prefix("p50 ") {
+            q.0 = v.trim().parse().ok();
+        }
+        if let Some(v) = l.strip_prefix("p99 ") {
+            q.1 = v.trim().parse().ok();
+        }
+    }
+    let status = child.wait().await?;
+    drop_bench_slots(&slot).await?;
+    match q {
+        (Some(p50), Some(p99)) => Ok((p50, p99, sent as f64 / took)),
+        _ => Err(format!("Debezium ({status}) printed no latency").into()),
+    }
 }
