@@ -317,7 +317,7 @@ async fn replayed(ctx: &Ctx, pipeline: &mut Pipeline<'_>, content: &[u8]) -> Res
     }
     let rows = ctx.state.store.pending_ids(&ids).await.map_err(db)?;
     for row in &rows {
-        pipeline.produce(row).await;
+        pipeline.produce_replayed(row).await;
     }
     Ok(())
 }

@@ -322,3 +322,63 @@ async fn wal_exactly_once_a_poison_row_goes_dead_and_the_rest_is_seen_once() {
 async fn wal_exactly_once_a_poison_row_blocks_and_nothing_behind_it_is_seen() {
     wal_exactly_once_poison(OnPoison::Block).await;
 }
+
+/// A row this relay marked dead is left out of its aborted transaction when
+/// that is streamed again; once an operator shrinks it and replays it
+/// (while the same relay runs), the replay's announcement publishes it: a
+/// `read_committed` reader sees it once, and it is delivered (never left
+/// pending behind a slot confirmed past its announcement).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn wal_exactly_once_a_dead_row_replayed_while_the_relay_runs_is_published_once() {
+    let broker = Kafka::start();
+    broker.create_topic_with("orders", 3, &[("max.message.bytes", "2000")]);
+    let brokers = broker.brokers();
+    let (ferry, url) = pg_ferry().await;
+    let slot = SlotGuard::new().await;
+    let mut cfg = slot.config(&url, &brokers);
+    cfg.exactly_once = true;
+    cfg.on_poison = OnPoison::Dead;
+    let relay = slot.start(cfg, ferry.clone()).await;
+    write_orders(&ferry, 1, 1).await;
+    wait_for_count(&ferry, DELIVERED, 1, Duration::from_secs(60)).await;
+    let poison = crate::poison::poison_rows(&ferry).await;
+    wait_for_count(&ferry, DELIVERED, 7, Duration::from_secs(60)).await;
+    let is_dead = format!("SELECT count(*) FROM outbox WHERE id = {poison} AND state = 'dead'");
+    assert_eq!(scalar(&ferry, &is_dead).await, 1);
+    sqlx::query("UPDATE outbox SET payload = 'small' WHERE id = $1")
+        .bind(poison)
+        .execute(ferry.db().as_postgres().unwrap())
+        .await
+        .unwrap();
+    assert_eq!(
+        ferry_relay::store::RelayStore::new(ferry.clone())
+            .replay_dead_outbox(Some(poison), "ops", "shrank the record")
+            .await
+            .unwrap(),
+        vec![poison]
+    );
+    // Rows written after the replay are delivered only once the stream
+    // passed the announcement.
+    write_orders(&ferry, 1, 1).await;
+    wait_for_count(
+        &ferry,
+        "SELECT count(*) FROM outbox WHERE state = 'delivered' AND id = (SELECT max(id) FROM outbox)",
+        1,
+        Duration::from_secs(60),
+    )
+    .await;
+    relay.shutdown().await;
+    let recs = read_all(&brokers, "orders", true, Duration::from_secs(30)).await;
+    let seen = recs.iter().filter(|r| r.outbox_id() == poison).count();
+    assert_eq!(
+        scalar(
+            &ferry,
+            &format!("SELECT count(*) FROM outbox WHERE id = {poison} AND state = 'delivered'")
+        )
+        .await,
+        1,
+        "the replayed row is delivered (seen {seen} times)"
+    );
+    assert_eq!(seen, 1, "a read_committed reader sees the replayed row once");
+    assert_eq!(distinct(&recs), 9);
+}

@@ -169,18 +169,20 @@ impl Transactional {
 impl Pipeline<'_> {
     /// Exactly once, before `row` is produced: whether it is. A row of a
     /// transaction in Kafka already is only marked; a row this relay
-    /// marked dead is left out; a streamed row the table read may have
+    /// marked dead is left out of its insert's transaction, but not out of
+    /// an operator's replay of it (`replayed`: it is pending again, and the
+    /// replay is where it belongs now); a streamed row the table read may have
     /// published (its id at or below the read's highest) is produced only
     /// while it is pending (a row that commits just after the slot is made
     /// is both streamed and read). Otherwise the Kafka transaction opens
     /// (unless open) and counts the row. False after a failure too.
-    pub(super) async fn exactly_once_produces(&mut self, row: &PendingRow) -> bool {
+    pub(super) async fn exactly_once_produces(&mut self, row: &PendingRow, replayed: bool) -> bool {
         if let Some(t) = self.txns.back_mut().filter(|t| t.skip) {
             t.acked.push(row.id);
             return false;
         }
         let Some(eo) = self.eo.as_ref() else { return true };
-        if eo.dead.contains(&row.id) {
+        if !replayed && eo.dead.contains(&row.id) {
             return false;
         }
         let streamed = self.txns.back().is_some_and(|t| t.final_lsn.is_some());
