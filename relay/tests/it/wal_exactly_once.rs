@@ -382,3 +382,79 @@ async fn wal_exactly_once_a_dead_row_replayed_while_the_relay_runs_is_published_
     assert_eq!(seen, 1, "a read_committed reader sees the replayed row once");
     assert_eq!(distinct(&recs), 9);
 }
+
+/// The slot is gone (a failover or a restore: the new primary's WAL may
+/// sit below the position the last progress record names) and is made
+/// anew. That position belongs to the old slot: a transaction the new slot
+/// streams below it is published, never taken for one already in Kafka
+/// (marked delivered, seen by no reader).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn wal_exactly_once_a_new_slot_ignores_the_old_slot_s_position() {
+    use rdkafka::producer::{FutureProducer, FutureRecord};
+    let broker = Kafka::start();
+    broker.create_topic("orders", 3);
+    let brokers = broker.brokers();
+    let (ferry, url) = pg_ferry().await;
+    let slot = SlotGuard::new().await;
+    let mut cfg = slot.config(&url, &brokers);
+    cfg.exactly_once = true;
+    let relay = slot.start(cfg.clone(), ferry.clone()).await;
+    write_orders(&ferry, 1, 1).await;
+    wait_for_count(&ferry, DELIVERED, 1, Duration::from_secs(60)).await;
+    relay.shutdown().await;
+    // The last progress record names a position ahead of this database's
+    // WAL, as one written against the old primary's history does.
+    let pool = ferry.db().as_postgres().unwrap().clone();
+    let now: i64 = sqlx::query_scalar("SELECT (pg_current_wal_lsn() - '0/0')::bigint")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    let database = ferry.database_id().await.unwrap();
+    let value = serde_json::to_vec(&ferry_relay::exactly_once::WalProgress {
+        database: database.to_string(),
+        slot: slot.name.clone(),
+        end_lsn: now as u64 + (1 << 40),
+        catch_up: Vec::new(),
+        catch_up_through: 0,
+    })
+    .unwrap();
+    let key = ferry_relay::exactly_once::WalProgress::key(&database, &slot.name);
+    let producer: FutureProducer = rdkafka::ClientConfig::new()
+        .set("bootstrap.servers", &brokers)
+        .create()
+        .unwrap();
+    producer
+        .send(
+            FutureRecord::to(&cfg.progress_topic())
+                .partition(ferry_relay::exactly_once::WAL_PARTITION)
+                .key(&key)
+                .payload(&value),
+            Duration::from_secs(30),
+        )
+        .await
+        .unwrap();
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while !terminate_and_drop_slot(&pool, &slot.name).await {
+        assert!(std::time::Instant::now() < deadline, "could not drop the slot");
+    }
+    let relay = slot.start(cfg, ferry.clone()).await;
+    // The new slot is being made (its catch-up flag was cleared before)
+    // and then read once: what commits after that is streamed.
+    for sql in [
+        "SELECT count(*) FROM pg_replication_slots WHERE slot_name = $1 AND active",
+        "SELECT count(*) FROM relay_wal_slots WHERE slot = $1 AND caught_up",
+    ] {
+        wait_for_count(
+            &ferry,
+            &sql.replace("$1", &format!("'{}'", slot.name)),
+            1,
+            Duration::from_secs(60),
+        )
+        .await;
+    }
+    write_orders(&ferry, 5, 1).await;
+    wait_for_count(&ferry, DELIVERED, 6, Duration::from_secs(60)).await;
+    relay.shutdown().await;
+    let recs = read_all(&brokers, "orders", true, Duration::from_secs(30)).await;
+    assert_once_in_commit_order(&recs, 6);
+}
