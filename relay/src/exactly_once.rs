@@ -186,12 +186,22 @@ pub fn lane_producer(cfg: &RelayConfig, lane: i32) -> Result<FutureProducer, Kaf
 /// A transactional producer of `transactional_id`, initialised (see
 /// [`lane_producer`]). Blocking.
 pub fn transactional_producer(cfg: &RelayConfig, transactional_id: &str) -> Result<FutureProducer, KafkaError> {
-    let mut c = crate::publish::producer_config(cfg);
-    c.set("transactional.id", transactional_id)
-        .set("transaction.timeout.ms", "60000");
-    let p: FutureProducer = c.create()?;
+    let p: FutureProducer = transactional_config(cfg, transactional_id).create()?;
     p.init_transactions(TXN_TIMEOUT)?;
     Ok(p)
+}
+
+/// The settings of a transactional producer of `transactional_id`:
+/// `transaction.timeout.ms` is 60 s unless the operator's `--kafka` sets
+/// it (WAL capture never splits a PostgreSQL transaction, so only a longer
+/// timeout lets one pass that takes longer to publish).
+fn transactional_config(cfg: &RelayConfig, transactional_id: &str) -> ClientConfig {
+    let mut c = crate::publish::producer_config(cfg);
+    c.set("transactional.id", transactional_id);
+    if !cfg.kafka.iter().any(|(k, _)| k.trim() == "transaction.timeout.ms") {
+        c.set("transaction.timeout.ms", "60000");
+    }
+    c
 }
 
 /// How long the reader's metadata and offset requests may take.
@@ -562,6 +572,23 @@ pub fn classify_txn(e: &KafkaError) -> TxnFailure {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A PostgreSQL transaction in WAL capture is never split, so one that
+    /// takes longer than `transaction.timeout.ms` to publish can only pass
+    /// with a longer timeout: the operator's `--kafka` value is kept.
+    #[test]
+    fn an_operator_s_transaction_timeout_is_kept() {
+        let mut cfg = RelayConfig::new("postgres://unused", "127.0.0.1:9");
+        cfg.exactly_once = true;
+        let timeout = |cfg: &RelayConfig| {
+            transactional_config(cfg, "t-wal-s")
+                .get("transaction.timeout.ms")
+                .map(str::to_string)
+        };
+        assert_eq!(timeout(&cfg).as_deref(), Some("60000"));
+        cfg.kafka.push(("transaction.timeout.ms".into(), "600000".into()));
+        assert_eq!(timeout(&cfg).as_deref(), Some("600000"));
+    }
 
     #[test]
     fn progress_records_carry_the_exact_ids() {

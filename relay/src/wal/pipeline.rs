@@ -193,7 +193,19 @@ impl<'a> Pipeline<'a> {
     /// Exactly once, a row of a transaction already in Kafka is only
     /// marked, and a row this relay marked dead is left out.
     pub(super) async fn produce(&mut self, row: &PendingRow) {
-        if self.eo.is_some() && !self.exactly_once_produces(row).await {
+        self.produce_row(row, false).await;
+    }
+
+    /// [`Self::produce`] for a dead row an operator put back to pending,
+    /// read from the table at its replay's announcement: exactly once, it
+    /// is produced even though this relay marked it dead (and left it out
+    /// of its insert's transaction).
+    pub(super) async fn produce_replayed(&mut self, row: &PendingRow) {
+        self.produce_row(row, true).await;
+    }
+
+    async fn produce_row(&mut self, row: &PendingRow, replayed: bool) {
+        if self.eo.is_some() && !self.exactly_once_produces(row, replayed).await {
             return;
         }
         let topic = self.cfg.route(&row.topic, &row.tenant);

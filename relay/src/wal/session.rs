@@ -158,6 +158,7 @@ async fn catch_up(
     if !pipeline.mark_catch_up_published().await {
         return Some(Ended::Retry("marker_stopped"));
     }
+    pipeline.forget_old_slot_position();
     let exactly_once = matches!(ctx.publisher, Publisher::Transactional(_));
     let mut after = 0;
     loop {
@@ -208,6 +209,9 @@ async fn catch_up(
     iso.through_id = None;
     if !pipeline.flush_marks().await {
         return Some(Ended::Retry("marker_stopped"));
+    }
+    if !pipeline.record_forgotten_position().await {
+        return Some(pipeline.failed().cloned().unwrap_or(Ended::Retry("progress_record")));
     }
     if let Err(e) = store.set_wal_slot_caught_up(slot).await {
         tracing::warn!(error = %e, "recording the catch-up failed; it will be read again");
@@ -317,7 +321,7 @@ async fn replayed(ctx: &Ctx, pipeline: &mut Pipeline<'_>, content: &[u8]) -> Res
     }
     let rows = ctx.state.store.pending_ids(&ids).await.map_err(db)?;
     for row in &rows {
-        pipeline.produce(row).await;
+        pipeline.produce_replayed(row).await;
     }
     Ok(())
 }

@@ -322,3 +322,139 @@ async fn wal_exactly_once_a_poison_row_goes_dead_and_the_rest_is_seen_once() {
 async fn wal_exactly_once_a_poison_row_blocks_and_nothing_behind_it_is_seen() {
     wal_exactly_once_poison(OnPoison::Block).await;
 }
+
+/// A row this relay marked dead is left out of its aborted transaction when
+/// that is streamed again; once an operator shrinks it and replays it
+/// (while the same relay runs), the replay's announcement publishes it: a
+/// `read_committed` reader sees it once, and it is delivered (never left
+/// pending behind a slot confirmed past its announcement).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn wal_exactly_once_a_dead_row_replayed_while_the_relay_runs_is_published_once() {
+    let broker = Kafka::start();
+    broker.create_topic_with("orders", 3, &[("max.message.bytes", "2000")]);
+    let brokers = broker.brokers();
+    let (ferry, url) = pg_ferry().await;
+    let slot = SlotGuard::new().await;
+    let mut cfg = slot.config(&url, &brokers);
+    cfg.exactly_once = true;
+    cfg.on_poison = OnPoison::Dead;
+    let relay = slot.start(cfg, ferry.clone()).await;
+    write_orders(&ferry, 1, 1).await;
+    wait_for_count(&ferry, DELIVERED, 1, Duration::from_secs(60)).await;
+    let poison = crate::poison::poison_rows(&ferry).await;
+    wait_for_count(&ferry, DELIVERED, 7, Duration::from_secs(60)).await;
+    let is_dead = format!("SELECT count(*) FROM outbox WHERE id = {poison} AND state = 'dead'");
+    assert_eq!(scalar(&ferry, &is_dead).await, 1);
+    sqlx::query("UPDATE outbox SET payload = 'small' WHERE id = $1")
+        .bind(poison)
+        .execute(ferry.db().as_postgres().unwrap())
+        .await
+        .unwrap();
+    assert_eq!(
+        ferry_relay::store::RelayStore::new(ferry.clone())
+            .replay_dead_outbox(Some(poison), "ops", "shrank the record")
+            .await
+            .unwrap(),
+        vec![poison]
+    );
+    // Rows written after the replay are delivered only once the stream
+    // passed the announcement.
+    write_orders(&ferry, 1, 1).await;
+    wait_for_count(
+        &ferry,
+        "SELECT count(*) FROM outbox WHERE state = 'delivered' AND id = (SELECT max(id) FROM outbox)",
+        1,
+        Duration::from_secs(60),
+    )
+    .await;
+    relay.shutdown().await;
+    let recs = read_all(&brokers, "orders", true, Duration::from_secs(30)).await;
+    let seen = recs.iter().filter(|r| r.outbox_id() == poison).count();
+    assert_eq!(
+        scalar(
+            &ferry,
+            &format!("SELECT count(*) FROM outbox WHERE id = {poison} AND state = 'delivered'")
+        )
+        .await,
+        1,
+        "the replayed row is delivered (seen {seen} times)"
+    );
+    assert_eq!(seen, 1, "a read_committed reader sees the replayed row once");
+    assert_eq!(distinct(&recs), 9);
+}
+
+/// The slot is gone (a failover or a restore: the new primary's WAL may
+/// sit below the position the last progress record names) and is made
+/// anew. That position belongs to the old slot: a transaction the new slot
+/// streams below it is published, never taken for one already in Kafka
+/// (marked delivered, seen by no reader).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn wal_exactly_once_a_new_slot_ignores_the_old_slot_s_position() {
+    use rdkafka::producer::{FutureProducer, FutureRecord};
+    let broker = Kafka::start();
+    broker.create_topic("orders", 3);
+    let brokers = broker.brokers();
+    let (ferry, url) = pg_ferry().await;
+    let slot = SlotGuard::new().await;
+    let mut cfg = slot.config(&url, &brokers);
+    cfg.exactly_once = true;
+    let relay = slot.start(cfg.clone(), ferry.clone()).await;
+    write_orders(&ferry, 1, 1).await;
+    wait_for_count(&ferry, DELIVERED, 1, Duration::from_secs(60)).await;
+    relay.shutdown().await;
+    // The last progress record names a position ahead of this database's
+    // WAL, as one written against the old primary's history does.
+    let pool = ferry.db().as_postgres().unwrap().clone();
+    let now: i64 = sqlx::query_scalar("SELECT (pg_current_wal_lsn() - '0/0')::bigint")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    let database = ferry.database_id().await.unwrap();
+    let value = serde_json::to_vec(&ferry_relay::exactly_once::WalProgress {
+        database: database.to_string(),
+        slot: slot.name.clone(),
+        end_lsn: now as u64 + (1 << 40),
+        catch_up: Vec::new(),
+        catch_up_through: 0,
+    })
+    .unwrap();
+    let key = ferry_relay::exactly_once::WalProgress::key(&database, &slot.name);
+    let producer: FutureProducer = rdkafka::ClientConfig::new()
+        .set("bootstrap.servers", &brokers)
+        .create()
+        .unwrap();
+    producer
+        .send(
+            FutureRecord::to(&cfg.progress_topic())
+                .partition(ferry_relay::exactly_once::WAL_PARTITION)
+                .key(&key)
+                .payload(&value),
+            Duration::from_secs(30),
+        )
+        .await
+        .unwrap();
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while !terminate_and_drop_slot(&pool, &slot.name).await {
+        assert!(std::time::Instant::now() < deadline, "could not drop the slot");
+    }
+    let relay = slot.start(cfg, ferry.clone()).await;
+    // The new slot is being made (its catch-up flag was cleared before)
+    // and then read once: what commits after that is streamed.
+    for sql in [
+        "SELECT count(*) FROM pg_replication_slots WHERE slot_name = $1 AND active",
+        "SELECT count(*) FROM relay_wal_slots WHERE slot = $1 AND caught_up",
+    ] {
+        wait_for_count(
+            &ferry,
+            &sql.replace("$1", &format!("'{}'", slot.name)),
+            1,
+            Duration::from_secs(60),
+        )
+        .await;
+    }
+    write_orders(&ferry, 5, 1).await;
+    wait_for_count(&ferry, DELIVERED, 6, Duration::from_secs(60)).await;
+    relay.shutdown().await;
+    let recs = read_all(&brokers, "orders", true, Duration::from_secs(30)).await;
+    assert_once_in_commit_order(&recs, 6);
+}

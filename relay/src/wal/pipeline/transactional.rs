@@ -73,6 +73,9 @@ pub(in crate::wal) struct Transactional {
     staged: Vec<Mark>,
     /// Rows marked dead by this relay, left out when streamed again.
     pub(in crate::wal) dead: HashSet<i64>,
+    /// A new slot's table read forgot the progress record's position (see
+    /// [`Pipeline::forget_old_slot_position`]), and no record says so yet.
+    forgotten: bool,
 }
 
 /// Session start, once the slot streams to this session: the slot's
@@ -135,6 +138,7 @@ pub(in crate::wal) async fn take_over(
             bytes: 0,
             staged: Vec::new(),
             dead,
+            forgotten: false,
         },
     ))
 }
@@ -169,18 +173,20 @@ impl Transactional {
 impl Pipeline<'_> {
     /// Exactly once, before `row` is produced: whether it is. A row of a
     /// transaction in Kafka already is only marked; a row this relay
-    /// marked dead is left out; a streamed row the table read may have
+    /// marked dead is left out of its insert's transaction, but not out of
+    /// an operator's replay of it (`replayed`: it is pending again, and the
+    /// replay is where it belongs now); a streamed row the table read may have
     /// published (its id at or below the read's highest) is produced only
     /// while it is pending (a row that commits just after the slot is made
     /// is both streamed and read). Otherwise the Kafka transaction opens
     /// (unless open) and counts the row. False after a failure too.
-    pub(super) async fn exactly_once_produces(&mut self, row: &PendingRow) -> bool {
+    pub(super) async fn exactly_once_produces(&mut self, row: &PendingRow, replayed: bool) -> bool {
         if let Some(t) = self.txns.back_mut().filter(|t| t.skip) {
             t.acked.push(row.id);
             return false;
         }
         let Some(eo) = self.eo.as_ref() else { return true };
-        if eo.dead.contains(&row.id) {
+        if !replayed && eo.dead.contains(&row.id) {
             return false;
         }
         let streamed = self.txns.back().is_some_and(|t| t.final_lsn.is_some());
@@ -239,6 +245,45 @@ impl Pipeline<'_> {
         })
         .await;
         self.flush_marks().await
+    }
+
+    /// Exactly once, as a new slot's table read begins: the progress
+    /// record's position is the old slot's, and the new slot streams only
+    /// what commits after it was made, so the position says nothing about
+    /// its stream; after a failover or a restore (a new primary's WAL may
+    /// sit below it) it would have the stream's transactions taken for ones
+    /// in Kafka already and marked unpublished. It is forgotten (the
+    /// rows from before the slot are the read's, by their state), and
+    /// [`Self::record_forgotten_position`] commits that before the read is
+    /// recorded as done: no stream of this slot commits in Kafka before then.
+    pub(in crate::wal) fn forget_old_slot_position(&mut self) {
+        if let Some(eo) = self.eo.as_mut().filter(|eo| eo.committed.end_lsn != 0) {
+            tracing::info!(
+                end_lsn = eo.committed.end_lsn,
+                "a new slot: the progress record's position is the old slot's and is forgotten"
+            );
+            eo.committed.end_lsn = 0;
+            eo.forgotten = true;
+        }
+    }
+
+    /// Exactly once, at the end of a new slot's table read: commits a
+    /// progress record without the old slot's position, unless a page's
+    /// did; false when that failed (the session ends).
+    pub(in crate::wal) async fn record_forgotten_position(&mut self) -> bool {
+        let Some(eo) = self.eo.as_mut().filter(|eo| eo.forgotten) else {
+            return true;
+        };
+        if eo.open_since.is_none() {
+            if let Err(e) = self.producer.begin_transaction() {
+                tracing::warn!(error = %e, "begin_transaction failed; ending the session");
+                self.fail(Ended::Retry("begin_transaction"));
+                return false;
+            }
+            eo.open_since = Some(Instant::now());
+        }
+        self.commit_kafka().await;
+        self.failed.is_none()
     }
 
     /// When the open Kafka transaction is due to commit, if it may commit
@@ -328,6 +373,7 @@ impl Pipeline<'_> {
         exactly_once::failpoint_after_commit();
         let Some(eo) = self.eo.as_mut() else { return };
         eo.committed = progress;
+        eo.forgotten = false;
         eo.open_since = None;
         eo.rows = 0;
         eo.bytes = 0;
