@@ -8,9 +8,9 @@
 //! Each rate step offers `rate` runs/s for `--secs` seconds (one acceptance
 //! call every 10 ms with `rate / 100` runs, not waiting for the previous
 //! call), then waits until every accepted run has its effect. It reports
-//! the acceptance rate achieved, the effects/s during the offer (after its
-//! first 5 s), the backlog when the offer ended and how long it took to
-//! drain, and p50/p99/max from acceptance (the run's `created_at`, database
+//! the acceptance rate achieved, the effects/s during the offer (from its
+//! 5th second on, or its second half if shorter), the backlog when the
+//! offer ended and how long it took to drain, and p50/p99/max from acceptance (the run's `created_at`, database
 //! clock) to the effect (`clock_timestamp()` in the consumer's effect
 //! statement, just before its commit). CPU per component is read from
 //! `/proc`: each component runs on a tokio runtime of its own whose threads
@@ -71,7 +71,11 @@ fn main() -> Res<()> {
 async fn bench(brokers: &str, rt: &[Handle], secs: u64, rates: &[u64]) -> Res<()> {
     let base = ferry_testkit::fresh_database_url(Engine::Postgres).await?;
     let url = |component: &str| format!("{base}&application_name=ferry_bench_pipeline_{component}");
-    let ferry = Ferry::builder(url("accept")).max_connections(8).migrate(true).connect().await?;
+    let ferry = Ferry::builder(url("accept"))
+        .max_connections(8)
+        .migrate(true)
+        .connect()
+        .await?;
     let pool = ferry.db().as_postgres().ok_or("PostgreSQL only")?.clone();
     sqlx::query("CREATE TABLE bench_effects (run_id UUID PRIMARY KEY, effect_ms BIGINT NOT NULL)")
         .execute(&pool)
@@ -236,7 +240,7 @@ async fn step(ferry: &Ferry, pool: &PgPool, slot: &str, clk_tck: f64, rate: u64,
     .fetch_one(pool)
     .await?;
     println!(
-        "{name}: {n} runs, accepted {:.0}/s, effects {steady:.0}/s during the offer (after its first 5 s), \
+        "{name}: {n} runs, accepted {:.0}/s, effects {steady:.0}/s in the offer's steady part, \
          backlog {backlog} when it ended, drained in {drain_s:.1} s; acceptance → effect p50 {p50} ms, p99 {p99} ms, max {max} ms",
         n as f64 / offered_s
     );
@@ -260,7 +264,11 @@ async fn cpu(pool: &PgPool, slot: &str) -> Res<BTreeMap<String, u64>> {
         let comm = std::fs::read_to_string(dir.join("comm")).unwrap_or_default();
         let group = if comm.starts_with("rdk:") {
             "librdkafka"
-        } else if let Some(c) = ["accept"].iter().chain(COMPONENTS.iter()).find(|c| comm.starts_with(**c)) {
+        } else if let Some(c) = ["accept"]
+            .iter()
+            .chain(COMPONENTS.iter())
+            .find(|c| comm.starts_with(**c))
+        {
             c
         } else {
             "other"
@@ -352,10 +360,12 @@ fn uptime() -> String {
 async fn drop_slot(pool: &PgPool, slot: &str) -> Res<()> {
     let deadline = Instant::now() + Duration::from_secs(30);
     loop {
-        sqlx::query("SELECT pg_terminate_backend(active_pid) FROM pg_replication_slots WHERE slot_name = $1 AND active")
-            .bind(slot)
-            .execute(pool)
-            .await?;
+        sqlx::query(
+            "SELECT pg_terminate_backend(active_pid) FROM pg_replication_slots WHERE slot_name = $1 AND active",
+        )
+        .bind(slot)
+        .execute(pool)
+        .await?;
         let dropped = sqlx::query(
             "SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots WHERE slot_name = $1 AND NOT active",
         )
@@ -374,6 +384,8 @@ async fn drop_slot(pool: &PgPool, slot: &str) -> Res<()> {
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    sqlx::query(&format!("DROP PUBLICATION IF EXISTS {slot}")).execute(pool).await?;
+    sqlx::query(&format!("DROP PUBLICATION IF EXISTS {slot}"))
+        .execute(pool)
+        .await?;
     Ok(())
 }

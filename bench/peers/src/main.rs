@@ -77,7 +77,12 @@ async fn main() -> Res<()> {
         let defaults = WorkerConfig::default();
         ferry_worker(&base, jobs, "Ferry Worker, 16 slots, defaults", cfg(16, defaults.batch)).await?;
         awa_worker(&base, jobs, "awa Client, 16 workers, defaults", 16).await?;
-        graphile(&base, "graphile-worker, concurrency 16, defaults", &["work", &n, "16", "-1", "-1", "1"]).await?;
+        graphile(
+            &base,
+            "graphile-worker, concurrency 16, defaults",
+            &["work", &n, "16", "-1", "-1", "1"],
+        )
+        .await?;
         ferry_worker(&base, jobs, "Ferry Worker, 100 slots, batch 50", cfg(100, 50)).await?;
         awa_worker(&base, jobs, "awa Client, 100 workers", 100).await?;
         ferry_worker(&base, jobs, "Ferry Worker, 200 slots, batch 100", cfg(200, 100)).await?;
@@ -89,8 +94,20 @@ async fn main() -> Res<()> {
         awa_worker(&base, jobs, "awa Client, 200 workers", 200).await?;
         let batched = ["work", &n, "16", "500", "10", "1"];
         graphile(&base, "graphile-worker, 16, local queue 500, complete batch", &batched).await?;
-        ferry_batch(&base, jobs, "Ferry Worker, 200 slots, batch handler (100/call)", cfg(200, 100)).await?;
-        ferry_batch(&base, jobs, "Ferry Worker, 16 slots, batch handler (16/call)", cfg(16, 16)).await?;
+        ferry_batch(
+            &base,
+            jobs,
+            "Ferry Worker, 200 slots, batch handler (100/call)",
+            cfg(200, 100),
+        )
+        .await?;
+        ferry_batch(
+            &base,
+            jobs,
+            "Ferry Worker, 16 slots, batch handler (16/call)",
+            cfg(16, 16),
+        )
+        .await?;
         let batch_jobs = ["work", &n, "16", "-1", "-1", "100"];
         graphile(&base, "graphile-worker, 16, batch jobs (100 entries/job)", &batch_jobs).await?;
         ferry_bulk(&base, jobs).await?;
