@@ -221,10 +221,12 @@ async fn insert_many<'c>(conn: impl sqlx::PgExecutor<'c>, n: i64, key: Option<&s
     .unwrap()
 }
 
-/// A relay process is SIGKILLed while it publishes one 20,000-row
-/// transaction (some of its rows delivered, not all); a second relay
-/// resumes from the slot. Every row is on the topic, each key's first
-/// occurrences in order.
+/// A relay process is SIGKILLed while it publishes one 20,001-row
+/// transaction: some of its `orders` rows are on the topic, but its last
+/// row's topic does not exist yet, so the transaction cannot settle and no
+/// row of it may be marked (whatever the machine's speed). The topic is then
+/// made and a second relay resumes from the slot: every row is published,
+/// each key's first occurrences in order.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn wal_a_relay_sigkilled_in_the_middle_of_a_large_transaction_loses_nothing() {
     let broker = Kafka::start();
@@ -239,19 +241,33 @@ async fn wal_a_relay_sigkilled_in_the_middle_of_a_large_transaction_loses_nothin
     );
     wait_for_count(&ferry, &active, 1, Duration::from_secs(60)).await;
     let c = consumer(&broker.brokers(), &["orders"]);
-    insert_many(&pool, 20_000, None).await;
-    // Some of its records on the topic; the transaction is marked (all its
-    // rows at once) only once Kafka acknowledged every one.
+    let mut tx = pool.begin().await.unwrap();
+    insert_many(&mut *tx, 20_000, None).await;
+    sqlx::query(
+        "INSERT INTO outbox (tenant, topic, key, lane, payload, headers, created_at)
+         VALUES ('acme', 'later', 'last', 0, convert_to('{}', 'UTF8'), '{}'::jsonb, 0)",
+    )
+    .execute(&mut *tx)
+    .await
+    .unwrap();
+    tx.commit().await.unwrap();
     let seen = read_until(&c, Duration::from_secs(60), |r| !r.is_empty()).await;
     first.kill().unwrap(); // SIGKILL mid-transaction
     first.wait().unwrap();
     let at_kill = scalar(&ferry, DELIVERED).await;
-    assert_eq!(at_kill, 0, "the relay was killed after the whole transaction settled");
+    assert_eq!(at_kill, 0, "rows of an unsettled transaction were marked");
+    broker.create_topic("later", 1);
     let second = spawn_relay_process(&url, &broker.brokers(), &slot.args(), &[]);
-    wait_for_count(&ferry, DELIVERED, 20_000, Duration::from_secs(180)).await;
+    wait_for_count(&ferry, DELIVERED, 20_001, Duration::from_secs(180)).await;
     drop(second);
     let recs = read_all(&broker.brokers(), "orders", false, Duration::from_secs(120)).await;
-    let duplicates = nothing_lost(&recs, &all_ids(&ferry).await);
+    let orders: Vec<i64> = sqlx::query_scalar("SELECT id FROM outbox WHERE topic = 'orders' ORDER BY id")
+        .fetch_all(&pool)
+        .await
+        .unwrap();
+    let duplicates = nothing_lost(&recs, &orders);
+    let later = read_all(&broker.brokers(), "later", false, Duration::from_secs(60)).await;
+    assert_eq!(later.len(), 1, "the transaction's last row is published once");
     eprintln!(
         "SIGKILL mid-transaction ({} records seen before it): {duplicates} duplicates",
         seen.len()
