@@ -178,6 +178,35 @@ impl RelayConfig {
                 "--exactly-once needs a transactional id prefix and a progress topic".into(),
             ));
         }
+        if self.exactly_once {
+            self.check_transaction_timeout()?;
+        }
+        Ok(())
+    }
+
+    /// Exactly once, librdkafka refuses a transactional producer whose
+    /// `message.timeout.ms` (30 s unless overridden) exceeds its
+    /// `transaction.timeout.ms`: refused here at startup, instead of on
+    /// every session or lane takeover.
+    fn check_transaction_timeout(&self) -> Result<(), RelayError> {
+        let ms = |key: &str, default: u64| {
+            self.kafka
+                .iter()
+                .rev()
+                .find(|(k, _)| k.trim() == key)
+                .map_or(Ok(default), |(_, v)| v.trim().parse::<u64>())
+        };
+        let (Ok(message), Ok(transaction)) = (ms("message.timeout.ms", 30_000), ms("transaction.timeout.ms", 60_000))
+        else {
+            return Err(RelayError::Config(
+                "--kafka message.timeout.ms and transaction.timeout.ms take milliseconds".into(),
+            ));
+        };
+        if message == 0 || message > transaction {
+            return Err(RelayError::Config(format!(
+                "--exactly-once needs message.timeout.ms ({message}) between 1 and transaction.timeout.ms ({transaction})"
+            )));
+        }
         Ok(())
     }
 
@@ -545,6 +574,10 @@ mod tests {
             c.validate().map_err(|e| e.code())
         };
         assert_eq!(exactly_once("message.timeout.ms", "10000"), Ok(()));
+        assert_eq!(exactly_once("transaction.timeout.ms", "20000"), Err("config"));
+        assert_eq!(exactly_once("transaction.timeout.ms", "600000"), Ok(()));
+        assert_eq!(exactly_once("transaction.timeout.ms", "soon"), Err("config"));
+        assert_eq!(exactly_once("message.timeout.ms", "0"), Err("config"));
     }
 
     #[test]
