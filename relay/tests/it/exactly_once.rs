@@ -133,25 +133,7 @@ async fn exactly_once_survives_sigkill_crash_after_commit_and_zombies() {
     // duplicate from a crash or a zombie would be here.
     let recs = read_all(&broker.brokers(), "orders", true, Duration::from_secs(60)).await;
 
-    let mut count: HashMap<i64, usize> = HashMap::new();
-    for r in &recs {
-        *count.entry(r.outbox_id()).or_default() += 1;
-    }
-    let dups: Vec<_> = count.iter().filter(|(_, n)| **n > 1).collect();
-    assert!(
-        dups.is_empty(),
-        "{} rows duplicated for a read_committed reader: {:?}",
-        dups.len(),
-        &dups[..dups.len().min(10)]
-    );
-    assert_eq!(count.len(), total, "every row exactly once");
-    let mut last: HashMap<&str, i64> = HashMap::new();
-    for r in &recs {
-        let id = r.outbox_id();
-        if let Some(prev) = last.insert(&r.key, id) {
-            assert!(prev < id, "key {} out of order: {prev} then {id}", r.key);
-        }
-    }
+    assert_once_in_commit_order(&recs, total);
 }
 
 /// One key per lane, in lane order.

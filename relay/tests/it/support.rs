@@ -547,6 +547,57 @@ pub async fn confirmed_flush(pool: &sqlx::PgPool, slot: &str) -> i64 {
     .unwrap_or(0)
 }
 
+/// Every committed row in `ids` is on `recs` (a duplicate is the same row)
+/// and each key's first occurrences keep id order; the number of extra
+/// copies.
+pub fn nothing_lost(recs: &[Record], ids: &[i64]) -> usize {
+    let first = first_occurrences(recs);
+    let lost: Vec<&i64> = ids.iter().filter(|id| !first.contains_key(id)).collect();
+    assert!(
+        lost.is_empty(),
+        "{} committed rows never published: {:?}",
+        lost.len(),
+        &lost[..lost.len().min(10)]
+    );
+    recs.len() - first.len()
+}
+
+/// Every id of `recs` exactly once, `total` of them, and each key's ids in
+/// increasing order (the order one writer committed them in).
+pub fn assert_once_in_commit_order(recs: &[Record], total: usize) {
+    let mut count: HashMap<i64, usize> = HashMap::new();
+    for r in recs {
+        *count.entry(r.outbox_id()).or_default() += 1;
+    }
+    let mut dups: Vec<_> = count.iter().filter(|(_, n)| **n > 1).collect();
+    dups.sort();
+    assert!(
+        dups.is_empty(),
+        "{} rows duplicated for a read_committed reader: {:?}",
+        dups.len(),
+        &dups[..dups.len().min(10)]
+    );
+    assert_eq!(count.len(), total, "every row exactly once");
+    let mut last: HashMap<&str, i64> = HashMap::new();
+    for r in recs {
+        let id = r.outbox_id();
+        if let Some(prev) = last.insert(&r.key, id) {
+            assert!(prev < id, "key {} out of commit order: {prev} then {id}", r.key);
+        }
+    }
+}
+
+/// Sends `signal` (`STOP`, `CONT`, `TERM`) to process `pid`.
+pub fn signal(pid: u32, signal: &str) {
+    let ok = std::process::Command::new("kill")
+        .arg(format!("-{signal}"))
+        .arg(pid.to_string())
+        .status()
+        .unwrap()
+        .success();
+    assert!(ok, "kill -{signal} {pid}");
+}
+
 /// Waits until a row written after `after_id` has been pending for longer
 /// than `age` (with the broker down: an outage at least that long for the
 /// records in flight).

@@ -6,9 +6,7 @@
 //! every row exactly once, each key in commit order (one writer commits in
 //! id order). Every test streams from a slot of its own ([`SlotGuard`]).
 
-use std::collections::HashMap;
 use std::os::unix::process::ExitStatusExt;
-use std::process::Command;
 use std::time::Duration;
 
 use ferry::Ferry;
@@ -27,38 +25,6 @@ fn args<'a>(slot: &'a SlotGuard, extra: &[&'a str]) -> Vec<&'a str> {
     [&slot.args()[..], EOS, extra].concat()
 }
 
-fn distinct(recs: &[Record]) -> usize {
-    recs.iter()
-        .map(Record::outbox_id)
-        .collect::<std::collections::HashSet<_>>()
-        .len()
-}
-
-/// Every id of `recs` exactly once, `total` of them, and each key's ids in
-/// increasing order (the order one writer committed them in).
-fn assert_once_in_commit_order(recs: &[Record], total: usize) {
-    let mut count: HashMap<i64, usize> = HashMap::new();
-    for r in recs {
-        *count.entry(r.outbox_id()).or_default() += 1;
-    }
-    let mut dups: Vec<_> = count.iter().filter(|(_, n)| **n > 1).collect();
-    dups.sort();
-    assert!(
-        dups.is_empty(),
-        "{} rows duplicated for a read_committed reader: {:?}",
-        dups.len(),
-        &dups[..dups.len().min(10)]
-    );
-    assert_eq!(count.len(), total, "every row exactly once");
-    let mut last: HashMap<&str, i64> = HashMap::new();
-    for r in recs {
-        let id = r.outbox_id();
-        if let Some(prev) = last.insert(&r.key, id) {
-            assert!(prev < id, "key {} out of commit order: {prev} then {id}", r.key);
-        }
-    }
-}
-
 /// After a crash: how many rows a `read_committed` reader sees that are
 /// still pending (published, committed, not marked). No producer may run.
 async fn published_but_pending(ferry: &Ferry, brokers: &str) -> usize {
@@ -70,13 +36,9 @@ async fn published_but_pending(ferry: &Ferry, brokers: &str) -> usize {
     recs.iter().filter(|r| pending.contains(&r.outbox_id())).count()
 }
 
-fn signal(p: &RelayProcess, sig: &str) {
-    Command::new("kill").args([sig, &p.id().to_string()]).status().unwrap();
-}
-
 /// SIGTERM, and a clean exit.
 fn stop(mut p: RelayProcess) {
-    signal(&p, "-TERM");
+    signal(p.id(), "TERM");
     assert!(p.wait().unwrap().success(), "the relay exits cleanly");
 }
 
@@ -216,7 +178,7 @@ async fn wal_exactly_once_a_stale_owner_cannot_commit_after_a_standby_took_over(
         .fetch_one(&pool)
         .await
         .unwrap();
-    signal(&a, "-STOP");
+    signal(a.id(), "STOP");
     let _ = sqlx::query("SELECT pg_terminate_backend($1)")
         .bind(a_pid)
         .execute(&pool)
@@ -236,7 +198,7 @@ async fn wal_exactly_once_a_stale_owner_cannot_commit_after_a_standby_took_over(
     .await;
     // B committed and marked transactions of its own.
     wait_for_count(&ferry, DELIVERED, at_stop + 200, Duration::from_secs(60)).await;
-    signal(&a, "-CONT");
+    signal(a.id(), "CONT");
     writes.await.unwrap();
     wait_for_count(&ferry, DELIVERED, total as i64, Duration::from_secs(120)).await;
     stop(b);

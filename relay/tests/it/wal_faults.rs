@@ -142,20 +142,6 @@ async fn enqueue(ferry: &Ferry, from: usize, to: usize) {
 
 const KEYS: usize = 20;
 
-/// Every committed row is on `recs` and each key's first occurrences keep
-/// id order; returns the number of duplicates.
-fn nothing_lost(recs: &[Record], ids: &[i64]) -> usize {
-    let first = first_occurrences(recs);
-    let lost: Vec<&i64> = ids.iter().filter(|id| !first.contains_key(id)).collect();
-    assert!(
-        lost.is_empty(),
-        "{} committed rows never published: {:?}",
-        lost.len(),
-        &lost[..lost.len().min(10)]
-    );
-    recs.len() - first.len()
-}
-
 /// Every outbox id, in order.
 async fn all_ids(ferry: &Ferry) -> Vec<i64> {
     sqlx::query_scalar("SELECT id FROM outbox ORDER BY id")
@@ -387,17 +373,6 @@ async fn wal_transactions_larger_than_logical_decoding_work_mem_are_published_in
     let commit_order: Vec<i64> = high.iter().chain(&low).copied().collect();
     assert_eq!(order.len(), 4000, "every row published");
     assert!(order == commit_order, "the key's records are not in commit order");
-}
-
-/// Sends `signal` (`STOP`, `CONT`, `TERM`) to process `pid`.
-fn signal(pid: u32, signal: &str) {
-    let ok = std::process::Command::new("kill")
-        .arg(format!("-{signal}"))
-        .arg(pid.to_string())
-        .status()
-        .unwrap()
-        .success();
-    assert!(ok, "kill -{signal} {pid}");
 }
 
 /// The backend pid streaming from `slot` (none while no session does).
