@@ -598,6 +598,9 @@ pub fn signal(pid: u32, signal: &str) {
     assert!(ok, "kill -{signal} {pid}");
 }
 
+/// Counts the rows marked delivered.
+pub const DELIVERED: &str = "SELECT count(*) FROM outbox WHERE state = 'delivered'";
+
 /// Waits until a row written after `after_id` has been pending for longer
 /// than `age` (with the broker down: an outage at least that long for the
 /// records in flight).

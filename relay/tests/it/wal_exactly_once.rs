@@ -18,7 +18,6 @@ use crate::support::*;
 use ferry_testkit::Kafka;
 
 const EOS: &[&str] = &["--exactly-once", "--transactional-id-prefix", "t-eos"];
-const DELIVERED: &str = "SELECT count(*) FROM outbox WHERE state = 'delivered'";
 
 /// `--capture wal` on the test's slot, exactly once, and `extra`.
 fn args<'a>(slot: &'a SlotGuard, extra: &[&'a str]) -> Vec<&'a str> {

@@ -186,8 +186,6 @@ async fn wal_an_invalidated_slot_is_made_anew_and_the_undelivered_rows_are_publi
     eprintln!("invalidated slot: {duplicates} duplicates for 400 rows");
 }
 
-const DELIVERED: &str = "SELECT count(*) FROM outbox WHERE state = 'delivered'";
-
 /// One transaction's worth of plain SQL inserts: `n` rows of key `key` (or
 /// of 20 keys `key-<g % 20>` when `key` is `None`), ids in one block;
 /// returns their ids.
