@@ -72,9 +72,25 @@ pub fn producer_config(cfg: &RelayConfig) -> ClientConfig {
         .set("message.timeout.ms", if cfg.exactly_once { "30000" } else { "0" })
         .set("message.max.bytes", CLIENT_MAX_MESSAGE_BYTES);
     for (k, v) in &cfg.kafka {
-        c.set(k, v);
+        c.set(canonical_key(k), v);
     }
     c
+}
+
+/// librdkafka's own name for a property the relay sets under it, so an
+/// override under the other name replaces the relay's value: with both in
+/// the [`ClientConfig`] (a hash map), which one librdkafka applies last is
+/// chance (`delivery.timeout.ms=10000` beside the relay's
+/// `message.timeout.ms=30000`, exactly once with `transaction.timeout.ms`
+/// 20000: a transactional producer refused, or not, at random).
+fn canonical_key(key: &str) -> &str {
+    match key.trim() {
+        "delivery.timeout.ms" => "message.timeout.ms",
+        "request.required.acks" => "acks",
+        "queue.buffering.max.ms" => "linger.ms",
+        "compression.codec" => "compression.type",
+        k => k,
+    }
 }
 
 /// The settings of the relay's lone producer (`lane::LoneProducer`): the
@@ -270,6 +286,19 @@ mod tests {
             Outcome::Transient("broker_unreachable")
         );
         assert_eq!(classify(&KafkaError::Canceled), Outcome::Transient("canceled"));
+    }
+
+    #[test]
+    fn an_override_under_another_name_replaces_the_relay_s_setting() {
+        let mut cfg = RelayConfig::new("sqlite://x", "b");
+        cfg.exactly_once = true;
+        cfg.kafka = vec![
+            ("delivery.timeout.ms".into(), "10000".into()),
+            ("transaction.timeout.ms".into(), "20000".into()),
+        ];
+        let c = producer_config(&cfg);
+        assert_eq!(c.get("message.timeout.ms"), Some("10000"));
+        assert_eq!(c.get("delivery.timeout.ms"), None);
     }
 
     #[test]
