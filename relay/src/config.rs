@@ -189,15 +189,19 @@ impl RelayConfig {
     /// `transaction.timeout.ms`: refused here at startup, instead of on
     /// every session or lane takeover.
     fn check_transaction_timeout(&self) -> Result<(), RelayError> {
-        let ms = |key: &str, default: u64| {
+        // The last override of any of a setting's names wins, as in
+        // librdkafka (`delivery.timeout.ms` is `message.timeout.ms`).
+        let ms = |keys: &[&str], default: u64| {
             self.kafka
                 .iter()
                 .rev()
-                .find(|(k, _)| k.trim() == key)
+                .find(|(k, _)| keys.contains(&k.trim()))
                 .map_or(Ok(default), |(_, v)| v.trim().parse::<u64>())
         };
-        let (Ok(message), Ok(transaction)) = (ms("message.timeout.ms", 30_000), ms("transaction.timeout.ms", 60_000))
-        else {
+        let (Ok(message), Ok(transaction)) = (
+            ms(&["message.timeout.ms", "delivery.timeout.ms"], 30_000),
+            ms(&["transaction.timeout.ms"], 60_000),
+        ) else {
             return Err(RelayError::Config(
                 "--kafka message.timeout.ms and transaction.timeout.ms take milliseconds".into(),
             ));
@@ -578,6 +582,30 @@ mod tests {
         assert_eq!(exactly_once("transaction.timeout.ms", "600000"), Ok(()));
         assert_eq!(exactly_once("transaction.timeout.ms", "soon"), Err("config"));
         assert_eq!(exactly_once("message.timeout.ms", "0"), Err("config"));
+    }
+
+    #[test]
+    fn exactly_once_checks_the_delivery_timeout_alias_too() {
+        // librdkafka's `delivery.timeout.ms` is `message.timeout.ms` by
+        // another name: applied last, it would replace the relay's 30 s.
+        let exactly_once = |kafka: &[(&str, &str)]| {
+            let mut c = RelayConfig::new("sqlite://x", "b");
+            c.exactly_once = true;
+            c.kafka = kafka.iter().map(|(k, v)| ((*k).into(), (*v).into())).collect();
+            c.validate().map_err(|e| e.code())
+        };
+        assert_eq!(exactly_once(&[("delivery.timeout.ms", "0")]), Err("config"));
+        assert_eq!(exactly_once(&[("delivery.timeout.ms", "120000")]), Err("config"));
+        assert_eq!(exactly_once(&[("delivery.timeout.ms", "10000")]), Ok(()));
+        // The last of the two names wins, as in librdkafka.
+        assert_eq!(
+            exactly_once(&[("message.timeout.ms", "10000"), ("delivery.timeout.ms", "0")]),
+            Err("config")
+        );
+        assert_eq!(
+            exactly_once(&[("delivery.timeout.ms", "0"), ("message.timeout.ms", "10000")]),
+            Ok(())
+        );
     }
 
     #[test]

@@ -72,20 +72,49 @@ pub fn producer_config(cfg: &RelayConfig) -> ClientConfig {
         .set("message.timeout.ms", if cfg.exactly_once { "30000" } else { "0" })
         .set("message.max.bytes", CLIENT_MAX_MESSAGE_BYTES);
     for (k, v) in &cfg.kafka {
-        c.set(k, v);
+        c.set(canonical_key(k), v);
     }
     c
+}
+
+/// librdkafka's own name for a property the relay sets under it, so an
+/// override under the other name replaces the relay's value: with both in
+/// the [`ClientConfig`] (a hash map), which one librdkafka applies last is
+/// chance (`delivery.timeout.ms=10000` beside the relay's
+/// `message.timeout.ms=30000`, exactly once with `transaction.timeout.ms`
+/// 20000: a transactional producer refused, or not, at random).
+fn canonical_key(key: &str) -> &str {
+    match key.trim() {
+        "delivery.timeout.ms" => "message.timeout.ms",
+        "request.required.acks" => "acks",
+        "queue.buffering.max.ms" => "linger.ms",
+        "compression.codec" => "compression.type",
+        k => k,
+    }
 }
 
 /// The settings of the relay's lone producer (`lane::LoneProducer`): the
 /// shared producer's, with batching off (`linger.ms=0`, one record per
 /// batch) set after the operator's overrides, so a lone re-send is never
 /// held back to wait for company.
+///
+/// At least once, a lone re-send times out after [`LONE_MESSAGE_TIMEOUT_MS`]
+/// (a transient outcome; its lane retries from it later): it is the only
+/// record in flight, so nothing can overtake it, and its gate is shared by
+/// every lane, so one unavailable partition must not stall the poison
+/// handling of every other lane until it returns.
 pub fn lone_producer_config(cfg: &RelayConfig) -> ClientConfig {
     let mut c = producer_config(cfg);
     c.set("linger.ms", "0").set("batch.num.messages", "1");
+    if !cfg.exactly_once {
+        c.remove("delivery.timeout.ms")
+            .set("message.timeout.ms", LONE_MESSAGE_TIMEOUT_MS);
+    }
     c
 }
+
+/// At least once, the lone producer's `message.timeout.ms`.
+pub const LONE_MESSAGE_TIMEOUT_MS: &str = "30000";
 
 /// The record of a row, routed by the topic template, with its headers
 /// ([`headers_for`]) scoped by `database_id`.
@@ -257,6 +286,29 @@ mod tests {
             Outcome::Transient("broker_unreachable")
         );
         assert_eq!(classify(&KafkaError::Canceled), Outcome::Transient("canceled"));
+    }
+
+    #[test]
+    fn an_override_under_another_name_replaces_the_relay_s_setting() {
+        let mut cfg = RelayConfig::new("sqlite://x", "b");
+        cfg.exactly_once = true;
+        cfg.kafka = vec![
+            ("delivery.timeout.ms".into(), "10000".into()),
+            ("transaction.timeout.ms".into(), "20000".into()),
+        ];
+        let c = producer_config(&cfg);
+        assert_eq!(c.get("message.timeout.ms"), Some("10000"));
+        assert_eq!(c.get("delivery.timeout.ms"), None);
+    }
+
+    #[test]
+    fn a_lone_re_send_times_out_at_least_once() {
+        let mut cfg = RelayConfig::new("sqlite://x", "b");
+        cfg.kafka = vec![("delivery.timeout.ms".into(), "0".into())];
+        let c = lone_producer_config(&cfg);
+        assert_eq!(c.get("message.timeout.ms"), Some(LONE_MESSAGE_TIMEOUT_MS));
+        assert_eq!(c.get("delivery.timeout.ms"), None);
+        assert_eq!(producer_config(&cfg).get("message.timeout.ms"), Some("0"));
     }
 
     #[test]
