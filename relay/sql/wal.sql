@@ -109,13 +109,15 @@ ORDER BY id
 
 -- name: wal_slots [postgres only]
 -- The slots WAL capture made in this schema, for `status`, `doctor` and the
--- relay's gauges: whether a relay streams from each, how many bytes of WAL
+-- relay's gauges: whether a relay streams from each (a walsender holds it:
+-- `active` alone is also true while `pg_create_logical_replication_slot`
+-- builds the slot), how many bytes of WAL
 -- it holds back (the current position minus its confirmed one), its time
 -- lag (how long the oldest row not yet delivered has waited: the slot's
 -- confirmed position has passed no pending row; 0 when none waits), and
 -- PostgreSQL's `wal_status` and `safe_wal_size` (NULL when it has none).
 SELECT w.slot,
-       COALESCE(s.active, false) AS active,
+       EXISTS (SELECT 1 FROM pg_stat_replication r WHERE r.pid = s.active_pid) AS active,
        s.slot_name IS NOT NULL AS present,
        COALESCE((pg_current_wal_lsn() - s.confirmed_flush_lsn)::bigint, 0) AS lag_bytes,
        COALESCE((SELECT {now $1} - min(o.created_at) FROM outbox o WHERE o.state = 'pending'), 0) AS lag_ms,

@@ -207,14 +207,7 @@ async fn wal_a_sigkilled_relay_loses_nothing_and_its_standby_takes_over() {
     let slot = SlotGuard::new().await;
     let pool = ferry.db().as_postgres().unwrap().clone();
     let mut active = spawn_relay_process(&url, &broker.brokers(), &slot.args(), &[]);
-    let streaming = "SELECT count(*) FROM pg_replication_slots WHERE active AND slot_name = ";
-    wait_for_count(
-        &ferry,
-        &format!("{streaming}'{}'", slot.name),
-        1,
-        Duration::from_secs(60),
-    )
-    .await;
+    let before = wait_for_streaming(&pool, &slot.name, None, Duration::from_secs(60)).await;
     let writer = {
         let ferry = ferry.clone();
         tokio::spawn(async move { crate::relay::write_orders(&ferry, 1500, 40).await })
@@ -222,11 +215,6 @@ async fn wal_a_sigkilled_relay_loses_nothing_and_its_standby_takes_over() {
     let c = consumer(&broker.brokers(), &["orders"]);
     let mut recs = read_until(&c, Duration::from_secs(60), |r| distinct(r) >= 300).await;
     let standby = spawn_relay_process(&url, &broker.brokers(), &slot.args(), &[]);
-    let before: i32 = sqlx::query_scalar("SELECT active_pid FROM pg_replication_slots WHERE slot_name = $1")
-        .bind(&slot.name)
-        .fetch_one(&pool)
-        .await
-        .unwrap();
     active.kill().unwrap(); // SIGKILL mid-stream
     active.wait().unwrap();
     writer.await.unwrap();
@@ -235,16 +223,7 @@ async fn wal_a_sigkilled_relay_loses_nothing_and_its_standby_takes_over() {
     })
     .await;
     recs.extend(more);
-    wait_for_count(
-        &ferry,
-        &format!(
-            "SELECT count(*) FROM pg_replication_slots WHERE slot_name = '{}' AND active AND active_pid <> {before}",
-            slot.name
-        ),
-        1,
-        Duration::from_secs(30),
-    )
-    .await;
+    wait_for_streaming(&pool, &slot.name, Some(before), Duration::from_secs(30)).await;
     drop(standby);
     let first = first_occurrences(&recs);
     eprintln!(

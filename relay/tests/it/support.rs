@@ -625,6 +625,39 @@ pub async fn assert_no_record_timed_out(addr: std::net::SocketAddr) {
 }
 
 /// Waits until `sql` (a count) reaches `want`; fails after `limit`.
+/// The walsender streaming from `slot`, if one does. A slot is also
+/// `active` while `pg_create_logical_replication_slot` builds it (its
+/// creator holds it until a consistent point, seconds on a busy server), so
+/// only a pid that `pg_stat_replication` lists as a walsender counts.
+pub async fn streaming_pid(pool: &sqlx::PgPool, slot: &str) -> Option<i32> {
+    sqlx::query_scalar(
+        "SELECT s.active_pid FROM pg_replication_slots s JOIN pg_stat_replication r ON r.pid = s.active_pid
+         WHERE s.slot_name = $1",
+    )
+    .bind(slot)
+    .fetch_optional(pool)
+    .await
+    .ok()
+    .flatten()
+}
+
+/// Waits until a walsender other than `except` streams from `slot`, and
+/// returns its pid.
+pub async fn wait_for_streaming(pool: &sqlx::PgPool, slot: &str, except: Option<i32>, limit: Duration) -> i32 {
+    let deadline = Instant::now() + limit;
+    loop {
+        match streaming_pid(pool, slot).await {
+            Some(pid) if Some(pid) != except => return pid,
+            _ => {}
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no session streams from slot {slot} after {limit:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
 pub async fn wait_for_count(ferry: &Ferry, sql: &str, want: i64, limit: Duration) {
     let deadline = Instant::now() + limit;
     loop {

@@ -161,22 +161,13 @@ async fn wal_exactly_once_a_stale_owner_cannot_commit_after_a_standby_took_over(
     let slot = SlotGuard::new().await;
     let pool = ferry.db().as_postgres().unwrap().clone();
     let a = spawn_relay_process(&url, &brokers, &args(&slot, &["--relay-id", "relay-a"]), &[]);
-    let active = format!(
-        "SELECT count(*) FROM pg_replication_slots WHERE active AND slot_name = '{}'",
-        slot.name
-    );
-    wait_for_count(&ferry, &active, 1, Duration::from_secs(60)).await;
+    let a_pid = wait_for_streaming(&pool, &slot.name, None, Duration::from_secs(60)).await;
     let total = 2000;
     let writes = {
         let ferry = ferry.clone();
         tokio::spawn(async move { write_orders(&ferry, total, 30).await })
     };
     wait_for_count(&ferry, DELIVERED, 300, Duration::from_secs(60)).await;
-    let a_pid: i32 = sqlx::query_scalar("SELECT active_pid FROM pg_replication_slots WHERE slot_name = $1")
-        .bind(&slot.name)
-        .fetch_one(&pool)
-        .await
-        .unwrap();
     signal(a.id(), "STOP");
     let _ = sqlx::query("SELECT pg_terminate_backend($1)")
         .bind(a_pid)
@@ -185,16 +176,7 @@ async fn wal_exactly_once_a_stale_owner_cannot_commit_after_a_standby_took_over(
         .unwrap();
     let at_stop = scalar(&ferry, DELIVERED).await;
     let b = spawn_relay_process(&url, &brokers, &args(&slot, &["--relay-id", "relay-b"]), &[]);
-    wait_for_count(
-        &ferry,
-        &format!(
-            "SELECT count(*) FROM pg_replication_slots WHERE active AND slot_name = '{}' AND active_pid <> {a_pid}",
-            slot.name
-        ),
-        1,
-        Duration::from_secs(60),
-    )
-    .await;
+    wait_for_streaming(&pool, &slot.name, Some(a_pid), Duration::from_secs(60)).await;
     // B committed and marked transactions of its own.
     wait_for_count(&ferry, DELIVERED, at_stop + 200, Duration::from_secs(60)).await;
     signal(a.id(), "CONT");

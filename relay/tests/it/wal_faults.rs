@@ -48,11 +48,7 @@ async fn wal_slot_lag_and_activity_show_in_the_metrics_and_status() {
     let slot = SlotGuard::new().await;
     let pool = ferry.db().as_postgres().unwrap().clone();
     let relay = slot.start(slot.config(&url, &broker.brokers()), ferry.clone()).await;
-    let active = format!(
-        "SELECT count(*) FROM pg_replication_slots WHERE active AND slot_name = '{}'",
-        slot.name
-    );
-    wait_for_count(&ferry, &active, 1, Duration::from_secs(60)).await;
+    wait_for_streaming(&pool, &slot.name, None, Duration::from_secs(60)).await;
     let state = relay.state.clone();
     state.refresh_gauges().await;
     let m = state.metrics.render();
@@ -121,6 +117,39 @@ async fn wal_slot_lag_and_activity_show_in_the_metrics_and_status() {
         "{line}"
     );
     assert!(status.contains("capture             none"), "{status}");
+}
+
+/// A slot is `active` in `pg_replication_slots` while
+/// `pg_create_logical_replication_slot` waits for the transactions running
+/// when it started; no relay streams from it then, and the gauges and
+/// `status` must not say one does (they said so before they asked
+/// `pg_stat_replication` for a walsender).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn wal_a_slot_being_created_is_not_shown_as_streaming() {
+    let (ferry, _url) = pg_ferry().await;
+    let slot = SlotGuard::new().await;
+    let pool = ferry.db().as_postgres().unwrap().clone();
+    let mut running = pool.begin().await.unwrap();
+    sqlx::query("SELECT txid_current()")
+        .execute(&mut *running)
+        .await
+        .unwrap();
+    let store = ferry_relay::store::RelayStore::new(ferry.clone());
+    let creating = {
+        let (store, name) = (store.clone(), slot.name.clone());
+        tokio::spawn(async move { store.create_wal_slot(&name).await })
+    };
+    let held = format!(
+        "SELECT count(*) FROM pg_replication_slots WHERE active AND slot_name = '{}'",
+        slot.name
+    );
+    wait_for_count(&ferry, &held, 1, Duration::from_secs(60)).await;
+    let shown = store.wal_slots().await.unwrap();
+    let ours = shown.iter().find(|s| s.slot == slot.name).expect("the slot is listed");
+    assert!(ours.present && !ours.active, "{ours:?}");
+    assert_eq!(streaming_pid(&pool, &slot.name).await, None);
+    running.commit().await.unwrap();
+    creating.await.unwrap().unwrap();
 }
 
 /// A relay of `--capture wal` on slot `slot` of a test cluster.
@@ -219,11 +248,7 @@ async fn wal_a_relay_sigkilled_in_the_middle_of_a_large_transaction_loses_nothin
     let slot = SlotGuard::new().await;
     let pool = ferry.db().as_postgres().unwrap().clone();
     let mut first = spawn_relay_process(&url, &broker.brokers(), &slot.args(), &[]);
-    let active = format!(
-        "SELECT count(*) FROM pg_replication_slots WHERE active AND slot_name = '{}'",
-        slot.name
-    );
-    wait_for_count(&ferry, &active, 1, Duration::from_secs(60)).await;
+    wait_for_streaming(&pool, &slot.name, None, Duration::from_secs(60)).await;
     let c = consumer(&broker.brokers(), &["orders"]);
     let mut tx = pool.begin().await.unwrap();
     insert_many(&mut *tx, 20_000, None).await;
@@ -344,8 +369,7 @@ async fn wal_transactions_larger_than_logical_decoding_work_mem_are_published_in
     let ferry = Ferry::builder(pg.url()).migrate(true).connect().await.unwrap();
     let pool = ferry.db().as_postgres().unwrap().clone();
     let relay = start_relay(cluster_relay(&pg, &broker.brokers(), "ferry_spill"), ferry.clone()).await;
-    let active = "SELECT count(*) FROM pg_replication_slots WHERE active AND slot_name = 'ferry_spill'";
-    wait_for_count(&ferry, active, 1, Duration::from_secs(60)).await;
+    wait_for_streaming(&pool, "ferry_spill", None, Duration::from_secs(60)).await;
     let mut first = pool.begin().await.unwrap();
     let low = insert_many(&mut *first, 2000, Some("big")).await;
     let mut second = pool.begin().await.unwrap();
@@ -373,16 +397,6 @@ async fn wal_transactions_larger_than_logical_decoding_work_mem_are_published_in
     assert!(order == commit_order, "the key's records are not in commit order");
 }
 
-/// The backend pid streaming from `slot` (none while no session does).
-async fn streaming_pid(pool: &sqlx::PgPool, slot: &str) -> Option<i32> {
-    sqlx::query_scalar("SELECT active_pid FROM pg_replication_slots WHERE slot_name = $1 AND active")
-        .bind(slot)
-        .fetch_optional(pool)
-        .await
-        .ok()
-        .flatten()
-}
-
 /// Fencing with a frozen relay. Two relay processes on one slot; the active
 /// one is SIGSTOPped while a writer enqueues. Its walsender gets no reply
 /// and ends the session after `wal_sender_timeout` (2 s here), and the
@@ -404,9 +418,7 @@ async fn wal_a_frozen_relay_is_fenced_and_publishes_nothing_new_after_sigcont() 
     let pool = ferry.db().as_postgres().unwrap().clone();
     let args = ["--capture", "wal", "--slot", "ferry_fence"];
     let mut old = spawn_relay_process(&pg.url(), &broker.brokers(), &args, &[]);
-    let active = "SELECT count(*) FROM pg_replication_slots WHERE active AND slot_name = 'ferry_fence'";
-    wait_for_count(&ferry, active, 1, Duration::from_secs(60)).await;
-    let before = streaming_pid(&pool, "ferry_fence").await.unwrap();
+    let before = wait_for_streaming(&pool, "ferry_fence", None, Duration::from_secs(60)).await;
     let standby = spawn_relay_process(&pg.url(), &broker.brokers(), &args, &[]);
     let writer = tokio::spawn(crate::outage::write_through_outage(ferry.clone(), 0, 3000));
     wait_for_count(&ferry, DELIVERED, 300, Duration::from_secs(60)).await;
