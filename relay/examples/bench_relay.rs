@@ -739,12 +739,14 @@ impl CpuSplit {
 /// minute at most: Debezium's JVM takes a while to start).
 async fn walsender_pid(admin: &sqlx::PgPool, slot: &str) -> Res<u32> {
     for _ in 0..3000 {
-        let pid: Option<i32> =
-            sqlx::query_scalar("SELECT active_pid FROM pg_replication_slots WHERE slot_name = $1 AND active")
-                .bind(slot)
-                .fetch_optional(admin)
-                .await?
-                .flatten();
+        let pid: Option<i32> = sqlx::query_scalar(
+            "SELECT s.active_pid FROM pg_replication_slots s JOIN pg_stat_replication r ON r.pid = s.active_pid
+                 WHERE s.slot_name = $1",
+        )
+        .bind(slot)
+        .fetch_optional(admin)
+        .await?
+        .flatten();
         if let Some(pid) = pid {
             return Ok(pid as u32);
         }
@@ -847,16 +849,39 @@ async fn wal_drain(brokers: &str, topic: &str, n: usize, size: usize) -> Res<(f6
     seed(&ferry, topic, n, size).await?;
     let admin = sqlx::PgPool::connect(&admin_url()).await?;
     let started = Instant::now();
-    let (stop, handle, _) = start_with(wal_config(&url, brokers, &slot), ferry.clone())?;
+    let (stop, handle, state) = start_with(wal_config(&url, brokers, &slot), ferry.clone())?;
     let walsender = walsender_pid(&admin, &slot).await?;
     let cpu = CpuSplit::start(vec![
         ("relay (bench process)", std::process::id()),
         ("walsender", walsender),
         ("broker", broker_pid().unwrap_or(0)),
     ]);
+    // When the broker had acknowledged every row (the marks follow).
+    let acked = {
+        let state = state.clone();
+        tokio::spawn(async move {
+            while state
+                .metrics
+                .timings
+                .wal_acked
+                .load(std::sync::atomic::Ordering::Relaxed)
+                < n as u64
+            {
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+            started.elapsed()
+        })
+    };
     wait_delivered(&ferry).await?;
-    let rate = n as f64 / started.elapsed().as_secs_f64();
-    let cpu = cpu.finish();
+    let took = started.elapsed();
+    let rate = n as f64 / took.as_secs_f64();
+    let cpu = format!(
+        "{}\n    all acknowledged after {:.2} s, all marked after {:.2} s; stages: {}",
+        cpu.finish(),
+        acked.await?.as_secs_f64(),
+        took.as_secs_f64(),
+        state.metrics.timings.summary()
+    );
     stop.cancel();
     handle.await??;
     drop_bench_slots(&slot).await?;
@@ -982,6 +1007,9 @@ async fn wal_latency(brokers: &str, broker: &ferry_testkit::Kafka, quick: bool, 
                 goal,
                 uptime()
             );
+            if wal {
+                println!("    stages: {}", state.metrics.timings.summary());
+            }
         }
         if debezium && rate == 1_000 {
             for poll_ms in [None, Some(10u64)] {

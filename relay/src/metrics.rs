@@ -169,6 +169,22 @@ pub struct Timings {
     pub idles: AtomicU64,
     /// Idle time (ns).
     pub idle_ns: AtomicU64,
+    /// WAL capture: replication events received, and the time the session
+    /// waited for them with nothing else to do (ns).
+    pub wal_events: AtomicU64,
+    /// See [`Self::wal_events`].
+    pub wal_wait_ns: AtomicU64,
+    /// WAL capture: hand-overs to the marker that found its queue full, and
+    /// the time the stream waited for room (ns).
+    pub wal_hand_waits: AtomicU64,
+    /// See [`Self::wal_hand_waits`].
+    pub wal_hand_wait_ns: AtomicU64,
+    /// WAL capture: records acknowledged by the broker (marking follows).
+    pub wal_acked: AtomicU64,
+    /// WAL capture: produce calls that found the producer's queue full.
+    pub wal_queue_full: AtomicU64,
+    /// WAL capture: mark statements run again for rows not yet visible.
+    pub mark_retries: AtomicU64,
 }
 
 impl Timings {
@@ -185,7 +201,9 @@ impl Timings {
         let per = |ns: &AtomicU64, n: &AtomicU64| if g(n) == 0 { 0.0 } else { ms(ns) / g(n) as f64 };
         format!(
             "reads {} ({} full, {} prefetched, {} rows, {:.0} ms on the lane path, {:.2} ms each); \
-             batches {} ({:.0} ms, {:.2} ms each); marks {} ({:.0} ms, {:.2} ms each); idle waits {} ({:.0} ms)",
+             batches {} ({:.0} ms, {:.2} ms each); marks {} ({:.0} ms, {:.2} ms each, {} for rows not yet visible); \
+             idle waits {} ({:.0} ms); wal events {} ({:.0} ms waited for); marker queue full {} ({:.0} ms); \
+             producer queue full {}",
             g(&self.reads),
             g(&self.full_reads),
             g(&self.prefetched),
@@ -198,8 +216,14 @@ impl Timings {
             g(&self.marks),
             ms(&self.mark_ns),
             per(&self.mark_ns, &self.marks),
+            g(&self.mark_retries),
             g(&self.idles),
             ms(&self.idle_ns),
+            g(&self.wal_events),
+            ms(&self.wal_wait_ns),
+            g(&self.wal_hand_waits),
+            ms(&self.wal_hand_wait_ns),
+            g(&self.wal_queue_full),
         )
     }
 }

@@ -119,6 +119,7 @@ async fn mark(state: &RelayState, mut ids: Vec<i64>, delete: bool) -> ferry::Res
             .collect();
         ids.retain(|id| !settled.contains(id));
         tries += 1;
+        t.mark_retries.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         if tries >= VISIBLE_TRIES {
             if !ids.is_empty() {
                 tracing::warn!(

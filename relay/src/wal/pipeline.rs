@@ -230,13 +230,17 @@ impl<'a> Pipeline<'a> {
                     }
                     return;
                 }
-                Err((KafkaError::MessageProduction(RDKafkaErrorCode::QueueFull), _)) => match self.next().await {
-                    Some(settled) => self.settle(settled).await,
-                    None => {
-                        self.failed = Some(Ended::Retry("queue_full"));
-                        return;
+                Err((KafkaError::MessageProduction(RDKafkaErrorCode::QueueFull), _)) => {
+                    let t = &self.state.metrics.timings;
+                    t.wal_queue_full.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    match self.next().await {
+                        Some(settled) => self.settle(settled).await,
+                        None => {
+                            self.failed = Some(Ended::Retry("queue_full"));
+                            return;
+                        }
                     }
-                },
+                }
                 // Refused by the client before sending: certainly this row's.
                 Err((e, _)) => {
                     if let Some(t) = self.txns.back_mut() {
@@ -341,6 +345,7 @@ impl<'a> Pipeline<'a> {
         match s.outcome {
             Outcome::Acked { .. } => {
                 m.observe_latency(super::now_ms() - s.created_at);
+                m.timings.wal_acked.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                 self.settled(s.seq, Some(s.id));
                 self.advance().await;
             }
@@ -481,7 +486,16 @@ impl<'a> Pipeline<'a> {
         if let Some(l) = mark.lsn {
             self.handed = self.handed.max(l);
         }
-        if self.marks.send(mark).await.is_err() {
+        let mark = match self.marks.try_send(mark) {
+            Ok(()) => return,
+            Err(mpsc::error::TrySendError::Closed(_)) => return self.fail(Ended::Retry("marker_stopped")),
+            Err(mpsc::error::TrySendError::Full(mark)) => mark,
+        };
+        let started = std::time::Instant::now();
+        let sent = self.marks.send(mark).await;
+        let t = &self.state.metrics.timings;
+        crate::metrics::Timings::add(&t.wal_hand_waits, &t.wal_hand_wait_ns, started.elapsed());
+        if sent.is_err() {
             self.fail(Ended::Retry("marker_stopped"));
         }
     }

@@ -240,6 +240,7 @@ async fn stream(
         }
         let read = pipeline.may_produce() && pipeline.in_flight() < MAX_IN_FLIGHT;
         let commit_due = pipeline.commit_due();
+        let waiting = std::time::Instant::now();
         tokio::select! {
             biased;
             _ = finish.cancelled() => return Ended::Shutdown,
@@ -252,41 +253,50 @@ async fn stream(
             _ = tokio::time::sleep_until(commit_due.unwrap_or_else(far_future)), if commit_due.is_some() => {
                 pipeline.commit_kafka().await;
             }
-            event = client.recv(), if read => match event {
-                Ok(Some(ReplicationEvent::Begin { final_lsn, .. })) => {
-                    pipeline.one_at_a_time = iso.covers_lsn(final_lsn.as_u64());
-                    pipeline.begin(Some(final_lsn.as_u64()));
-                }
-                Ok(Some(ReplicationEvent::XLogData { data, .. })) => match decoder.decode(&data) {
-                    Ok(Message::Row(row)) => pipeline.produce(&row).await,
-                    Ok(Message::Ignored | Message::Relation) => {}
-                    Err(e) => {
-                        tracing::error!(error = %e, "a replication message could not be decoded");
-                        return Ended::Retry("decode");
+            event = client.recv(), if read => {
+                waited(ctx, waiting);
+                match event {
+                    Ok(Some(ReplicationEvent::Begin { final_lsn, .. })) => {
+                        pipeline.one_at_a_time = iso.covers_lsn(final_lsn.as_u64());
+                        pipeline.begin(Some(final_lsn.as_u64()));
                     }
-                },
-                Ok(Some(ReplicationEvent::Commit { end_lsn, .. })) => {
-                    pipeline.commit(Some(end_lsn.as_u64())).await;
-                    if pipeline.wants_commit() {
+                    Ok(Some(ReplicationEvent::XLogData { data, .. })) => match decoder.decode(&data) {
+                        Ok(Message::Row(row)) => pipeline.produce(&row).await,
+                        Ok(Message::Ignored | Message::Relation) => {}
+                        Err(e) => {
+                            tracing::error!(error = %e, "a replication message could not be decoded");
+                            return Ended::Retry("decode");
+                        }
+                    },
+                    Ok(Some(ReplicationEvent::Commit { end_lsn, .. })) => {
+                        pipeline.commit(Some(end_lsn.as_u64())).await;
+                        if pipeline.wants_commit() {
+                            pipeline.commit_kafka().await;
+                        }
+                    }
+                    Ok(Some(ReplicationEvent::KeepAlive { wal_end, .. })) => {
                         pipeline.commit_kafka().await;
+                        pipeline.idle(wal_end.as_u64()).await;
                     }
-                }
-                Ok(Some(ReplicationEvent::KeepAlive { wal_end, .. })) => {
-                    pipeline.commit_kafka().await;
-                    pipeline.idle(wal_end.as_u64()).await;
-                }
-                Ok(Some(ReplicationEvent::Message { transactional: true, prefix, content, .. })) if prefix == replay => {
-                    if let Err(end) = replayed(ctx, pipeline, &content).await {
-                        return end;
+                    Ok(Some(ReplicationEvent::Message { transactional: true, prefix, content, .. })) if prefix == replay => {
+                        if let Err(end) = replayed(ctx, pipeline, &content).await {
+                            return end;
+                        }
                     }
+                    // Another application's pg_logical_emit_message: not ours.
+                    Ok(Some(ReplicationEvent::Message { .. })) => {}
+                    Ok(Some(ReplicationEvent::StoppedAt { .. }) | None) => return Ended::Retry("stream_ended"),
+                    Err(e) => return classify(&e),
                 }
-                // Another application's pg_logical_emit_message: not ours.
-                Ok(Some(ReplicationEvent::Message { .. })) => {}
-                Ok(Some(ReplicationEvent::StoppedAt { .. }) | None) => return Ended::Retry("stream_ended"),
-                Err(e) => return classify(&e),
-            },
+            }
         }
     }
+}
+
+/// Counts a replication event and the time the session waited for it.
+fn waited(ctx: &Ctx, since: std::time::Instant) {
+    let t = &ctx.state.metrics.timings;
+    crate::metrics::Timings::add(&t.wal_events, &t.wal_wait_ns, since.elapsed());
 }
 
 /// A deadline that never comes (for a disabled timer branch).
