@@ -769,7 +769,8 @@ async fn wal(brokers: &str, broker: &ferry_testkit::Kafka, quick: bool, debezium
         let raw = raw_produce(brokers, &topic, n, size).await?;
         let (recv, recv_cpu) = recvlogical_drain(n, size).await?;
         let ceiling = raw.min(recv);
-        let (wal_rate, wal_cpu) = wal_drain(brokers, &topic, n, size).await?;
+        let (wal_rate, wal_cpu) = wal_drain(brokers, &topic, n, size, false).await?;
+        let (del_rate, del_cpu) = wal_drain(brokers, &topic, n, size, true).await?;
         let (poll_rate, poll_cpu) = poll_drain(brokers, &topic, n, size).await?;
         let dbz = if debezium {
             Some(debezium_drain(brokers, &topic, n, size).await?)
@@ -785,6 +786,8 @@ async fn wal(brokers: &str, broker: &ferry_testkit::Kafka, quick: bool, debezium
         };
         line("--capture wal", wal_rate);
         println!("    {wal_cpu}");
+        line("--capture wal --delete-on-delivery", del_rate);
+        println!("    {del_cpu}");
         line("--capture poll", poll_rate);
         println!("    {poll_cpu}");
         if let Some((rate, cpu)) = &dbz {
@@ -842,14 +845,16 @@ async fn make_slot(brokers: &str, url: &str, ferry: &Ferry, slot: &str, topic: &
 
 /// `--capture wal` drains `n` rows committed after its slot was made (so
 /// they come from the WAL, not the one-time table read).
-async fn wal_drain(brokers: &str, topic: &str, n: usize, size: usize) -> Res<(f64, String)> {
+async fn wal_drain(brokers: &str, topic: &str, n: usize, size: usize, delete: bool) -> Res<(f64, String)> {
     let (ferry, url) = fresh().await?;
     let slot = slot_name();
     make_slot(brokers, &url, &ferry, &slot, topic).await?;
     seed(&ferry, topic, n, size).await?;
     let admin = sqlx::PgPool::connect(&admin_url()).await?;
     let started = Instant::now();
-    let (stop, handle, state) = start_with(wal_config(&url, brokers, &slot), ferry.clone())?;
+    let mut cfg = wal_config(&url, brokers, &slot);
+    cfg.delete_on_delivery = delete;
+    let (stop, handle, state) = start_with(cfg, ferry.clone())?;
     let walsender = walsender_pid(&admin, &slot).await?;
     let cpu = CpuSplit::start(vec![
         ("relay (bench process)", std::process::id()),

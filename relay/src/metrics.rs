@@ -174,8 +174,8 @@ pub struct Timings {
     pub wal_events: AtomicU64,
     /// See [`Self::wal_events`].
     pub wal_wait_ns: AtomicU64,
-    /// WAL capture: hand-overs to the marker that found its queue full, and
-    /// the time the stream waited for room (ns).
+    /// WAL capture: hand-overs to the marker that found no room (too many
+    /// rows not yet marked), and the time the stream waited for room (ns).
     pub wal_hand_waits: AtomicU64,
     /// See [`Self::wal_hand_waits`].
     pub wal_hand_wait_ns: AtomicU64,
@@ -202,7 +202,7 @@ impl Timings {
         format!(
             "reads {} ({} full, {} prefetched, {} rows, {:.0} ms on the lane path, {:.2} ms each); \
              batches {} ({:.0} ms, {:.2} ms each); marks {} ({:.0} ms, {:.2} ms each, {} for rows not yet visible); \
-             idle waits {} ({:.0} ms); wal events {} ({:.0} ms waited for); marker queue full {} ({:.0} ms); \
+             idle waits {} ({:.0} ms); wal events {} ({:.0} ms waited for); waits for the marker {} ({:.0} ms); \
              producer queue full {}",
             g(&self.reads),
             g(&self.full_reads),

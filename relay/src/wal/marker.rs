@@ -3,8 +3,10 @@
 //! coalesces whatever has queued up into one set-based statement (up to
 //! [`MARK_MAX`] ids), and only after it committed lets the slot's confirmed
 //! position move to the last transaction it covered. Publishing never
-//! waits for it, but for the bounded queue between them: a marker that
-//! falls behind slows the stream instead of piling up ids.
+//! waits for it, but for the room between them, counted in rows
+//! ([`MARK_ROOM`]), not transactions: a stream of one-row transactions
+//! runs on while one large statement commits, and a marker that falls
+//! behind for good slows the stream instead of piling up ids.
 //!
 //! A database error ends the marker, and with it the session: a session
 //! that cannot mark cannot confirm, and PostgreSQL's fast shutdown waits
@@ -15,9 +17,10 @@
 //! again.
 
 use std::collections::HashSet;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use tokio::sync::{mpsc, oneshot, watch};
+use tokio::sync::{mpsc, oneshot, watch, OwnedSemaphorePermit, Semaphore};
 use tokio::task::JoinHandle;
 
 use crate::service::RelayState;
@@ -31,9 +34,11 @@ pub const VISIBLE_WAIT: Duration = Duration::from_millis(10);
 /// The most ids one mark statement carries.
 pub const MARK_MAX: usize = 10_000;
 
-/// Transactions (or catch-up pages) queued for the marker before the
-/// stream waits.
-pub const MARK_QUEUE: usize = 4096;
+/// Rows handed to the marker and not yet marked before the stream waits
+/// (a transaction or page without rows counts as one; one larger than this
+/// waits until the marker has nothing else). About 10 MB at most, with
+/// one-row transactions.
+pub const MARK_ROOM: usize = 100_000;
 
 /// Acknowledged rows of one transaction, in commit order.
 #[derive(Debug)]
@@ -46,27 +51,67 @@ pub(super) struct Mark {
     pub done: Option<oneshot::Sender<()>>,
 }
 
+/// The session's side of the marker: hands marks over in commit order,
+/// within [`MARK_ROOM`].
+#[derive(Clone)]
+pub(super) struct Marks {
+    tx: mpsc::UnboundedSender<(Mark, OwnedSemaphorePermit)>,
+    room: Arc<Semaphore>,
+}
+
+/// The marker ended (a database error); nothing more is marked.
+#[derive(Debug)]
+pub(super) struct MarkerStopped;
+
+impl Marks {
+    /// Hands `mark` over once there is room for its rows; the time spent
+    /// waiting for room is counted in the benchmarks' timings.
+    pub(super) async fn send(&self, state: &RelayState, mark: Mark) -> Result<(), MarkerStopped> {
+        let rows = u32::try_from(mark.ids.len().clamp(1, MARK_ROOM)).expect("MARK_ROOM fits in u32");
+        let permit = match self.room.clone().try_acquire_many_owned(rows) {
+            Ok(p) => p,
+            Err(_) => {
+                let started = Instant::now();
+                let p = self
+                    .room
+                    .clone()
+                    .acquire_many_owned(rows)
+                    .await
+                    .map_err(|_| MarkerStopped)?;
+                let t = &state.metrics.timings;
+                crate::metrics::Timings::add(&t.wal_hand_waits, &t.wal_hand_wait_ns, started.elapsed());
+                p
+            }
+        };
+        self.tx.send((mark, permit)).map_err(|_| MarkerStopped)
+    }
+
+    /// Resolves once the marker has ended.
+    pub(super) async fn closed(&self) {
+        self.tx.closed().await
+    }
+}
+
 /// Starts the marker of one session. `confirmed` receives each position
 /// the slot may be confirmed at, after the rows before it are marked. The
-/// task ends when the session drops the sender, or at the first database
-/// error (the rows stay acknowledged and unmarked; the session sees the
-/// marker gone and ends).
-pub(super) fn spawn(
-    state: std::sync::Arc<RelayState>,
-    delete: bool,
-    confirmed: watch::Sender<u64>,
-) -> (mpsc::Sender<Mark>, JoinHandle<()>) {
-    let (tx, mut rx) = mpsc::channel::<Mark>(MARK_QUEUE);
+/// task ends when the session drops every [`Marks`], or at the first
+/// database error (the rows stay acknowledged and unmarked; the session
+/// sees the marker gone and ends).
+pub(super) fn spawn(state: Arc<RelayState>, delete: bool, confirmed: watch::Sender<u64>) -> (Marks, JoinHandle<()>) {
+    let (tx, mut rx) = mpsc::unbounded_channel::<(Mark, OwnedSemaphorePermit)>();
+    let room = Arc::new(Semaphore::new(MARK_ROOM));
     let task = tokio::spawn(async move {
-        while let Some(first) = rx.recv().await {
+        while let Some((first, permit)) = rx.recv().await {
             let mut ids = first.ids;
             let mut lsn = first.lsn;
             let mut done: Vec<oneshot::Sender<()>> = first.done.into_iter().collect();
+            let mut room = vec![permit];
             while ids.len() < MARK_MAX {
-                let Ok(more) = rx.try_recv() else { break };
+                let Ok((more, permit)) = rx.try_recv() else { break };
                 ids.extend(more.ids);
                 lsn = more.lsn.or(lsn);
                 done.extend(more.done);
+                room.push(permit);
             }
             if let Err(e) = mark(&state, ids, delete).await {
                 tracing::warn!(error = %e, code = e.code(), "marking delivered failed; ending the session (the slot is not confirmed past these rows, so the next session publishes them again)");
@@ -82,9 +127,10 @@ pub(super) fn spawn(
             for d in done {
                 let _ = d.send(());
             }
+            drop(room);
         }
     });
-    (tx, task)
+    (Marks { tx, room }, task)
 }
 
 /// Marks `ids` delivered (deleted, with `delete`); a database error is

@@ -21,10 +21,10 @@ use std::task::{Context, Poll};
 use futures::stream::{FuturesUnordered, StreamExt};
 use rdkafka::error::{KafkaError, RDKafkaErrorCode};
 use rdkafka::producer::{DeliveryFuture, FutureProducer};
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::oneshot;
 
 use super::connect::Ended;
-use super::marker::Mark;
+use super::marker::{Mark, Marks};
 use crate::config::{OnPoison, RelayConfig};
 use crate::publish::{self, Outcome};
 use crate::service::RelayState;
@@ -99,7 +99,7 @@ pub(super) struct Pipeline<'a> {
     txns: VecDeque<Txn>,
     next_seq: u64,
     inflight: FuturesUnordered<Delivery>,
-    marks: mpsc::Sender<Mark>,
+    marks: Marks,
     /// The highest position handed to the marker.
     handed: u64,
     /// How the session must end, set at the first failed record.
@@ -118,7 +118,7 @@ impl<'a> Pipeline<'a> {
         cfg: &'a RelayConfig,
         producer: &'a FutureProducer,
         database_id: &'a str,
-        marks: mpsc::Sender<Mark>,
+        marks: Marks,
         eo: Option<Transactional>,
     ) -> Self {
         Pipeline {
@@ -138,8 +138,8 @@ impl<'a> Pipeline<'a> {
     }
 
     /// The marker's queue, for a session to see the marker gone
-    /// ([`mpsc::Sender::closed`]) while nothing is handed to it.
-    pub(super) fn marker(&self) -> mpsc::Sender<Mark> {
+    /// ([`Marks::closed`]) while nothing is handed to it.
+    pub(super) fn marker(&self) -> Marks {
         self.marks.clone()
     }
 
@@ -486,16 +486,7 @@ impl<'a> Pipeline<'a> {
         if let Some(l) = mark.lsn {
             self.handed = self.handed.max(l);
         }
-        let mark = match self.marks.try_send(mark) {
-            Ok(()) => return,
-            Err(mpsc::error::TrySendError::Closed(_)) => return self.fail(Ended::Retry("marker_stopped")),
-            Err(mpsc::error::TrySendError::Full(mark)) => mark,
-        };
-        let started = std::time::Instant::now();
-        let sent = self.marks.send(mark).await;
-        let t = &self.state.metrics.timings;
-        crate::metrics::Timings::add(&t.wal_hand_waits, &t.wal_hand_wait_ns, started.elapsed());
-        if sent.is_err() {
+        if self.marks.send(self.state, mark).await.is_err() {
             self.fail(Ended::Retry("marker_stopped"));
         }
     }
