@@ -165,16 +165,17 @@ async fn mark(state: &RelayState, mut ids: Vec<i64>, delete: bool) -> ferry::Res
             .collect();
         ids.retain(|id| !settled.contains(id));
         tries += 1;
-        t.mark_retries.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        if tries >= VISIBLE_TRIES {
-            if !ids.is_empty() {
-                tracing::warn!(
-                    rows = ids.len(),
-                    "acknowledged rows never became visible to mark; left pending"
-                );
-            }
+        if ids.is_empty() {
             return Ok(());
         }
+        if tries >= VISIBLE_TRIES {
+            tracing::warn!(
+                rows = ids.len(),
+                "acknowledged rows never became visible to mark; left pending"
+            );
+            return Ok(());
+        }
+        t.mark_retries.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         tokio::time::sleep(VISIBLE_WAIT).await;
     }
     Ok(())
@@ -233,5 +234,39 @@ mod tests {
             .await
             .unwrap();
         assert_eq!(row, "delivered");
+    }
+
+    /// A republished duplicate (its row marked by an earlier session) is
+    /// found settled after the first statement: no statement runs again,
+    /// so none is counted as one for rows not yet visible, and the marker
+    /// does not wait [`VISIBLE_WAIT`] for nothing.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_row_marked_before_is_not_counted_as_a_retry() {
+        let t = ferry_testkit::TestDb::new(ferry::Engine::Postgres).await;
+        let state = RelayState {
+            store: RelayStore::new(t.ferry.clone()),
+            metrics: Metrics::new(),
+            owner: "relay-test".into(),
+            ready: AtomicBool::new(false),
+            fatal: CancellationToken::new(),
+        };
+        let pool = t.ferry.db().as_postgres().unwrap().clone();
+        let id: i64 = sqlx::query_scalar(
+            "INSERT INTO outbox (tenant, topic, key, lane, payload, headers, created_at, state)
+             VALUES ('acme', 'orders', 'k', 0, 'x', '{}'::jsonb, 0, 'delivered') RETURNING id",
+        )
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+        let started = Instant::now();
+        mark(&state, vec![id], false).await.unwrap();
+        let t = &state.metrics.timings;
+        assert_eq!(t.marks.load(Ordering::Relaxed), 1, "one statement ran");
+        assert_eq!(
+            t.mark_retries.load(Ordering::Relaxed),
+            0,
+            "no statement ran again, after {:?}",
+            started.elapsed()
+        );
     }
 }
