@@ -100,6 +100,7 @@ impl Marks {
 pub(super) fn spawn(state: Arc<RelayState>, delete: bool, confirmed: watch::Sender<u64>) -> (Marks, JoinHandle<()>) {
     let (tx, mut rx) = mpsc::unbounded_channel::<(Mark, OwnedSemaphorePermit)>();
     let room = Arc::new(Semaphore::new(MARK_ROOM));
+    let ended = room.clone();
     let task = tokio::spawn(async move {
         while let Some((first, permit)) = rx.recv().await {
             let mut ids = first.ids;
@@ -115,6 +116,10 @@ pub(super) fn spawn(state: Arc<RelayState>, delete: bool, confirmed: watch::Send
             }
             if let Err(e) = mark(&state, ids, delete).await {
                 tracing::warn!(error = %e, code = e.code(), "marking delivered failed; ending the session (the slot is not confirmed past these rows, so the next session publishes them again)");
+                // Before the batch's room comes back: a stream waiting for
+                // it is told the marker stopped, not handed a mark that
+                // nothing will take.
+                ended.close();
                 return;
             }
             if let Some(l) = lsn {
@@ -234,6 +239,44 @@ mod tests {
             .await
             .unwrap();
         assert_eq!(row, "delivered");
+    }
+
+    /// The marker ends at a database error while the stream waits for room
+    /// (a mark as large as the room ahead of it): the stream is told the
+    /// marker stopped instead of waiting for room for ever, and a session
+    /// waiting on `done` sees it dropped.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_stream_waiting_for_room_sees_the_marker_stop() {
+        let t = ferry_testkit::TestDb::new(ferry::Engine::Postgres).await;
+        let state = Arc::new(RelayState {
+            store: RelayStore::new(t.ferry.clone()),
+            metrics: Metrics::new(),
+            owner: "relay-test".into(),
+            ready: AtomicBool::new(false),
+            fatal: CancellationToken::new(),
+        });
+        t.ferry.db().as_postgres().unwrap().close().await;
+        let (confirmed, _) = watch::channel(0);
+        let (marks, task) = spawn(state.clone(), false, confirmed);
+        let all = Mark {
+            ids: (1..=MARK_ROOM as i64 + 1).collect(),
+            lsn: Some(1),
+            done: None,
+        };
+        marks.send(&state, all).await.unwrap();
+        let (tx, rx) = oneshot::channel();
+        let next = Mark {
+            ids: vec![0],
+            lsn: Some(2),
+            done: Some(tx),
+        };
+        let sent = tokio::time::timeout(Duration::from_secs(30), marks.send(&state, next)).await;
+        assert!(matches!(sent, Ok(Err(MarkerStopped))), "{sent:?}");
+        assert!(rx.await.is_err(), "done was dropped");
+        tokio::time::timeout(Duration::from_secs(30), marks.closed())
+            .await
+            .unwrap();
+        task.await.unwrap();
     }
 
     /// A republished duplicate (its row marked by an earlier session) is
