@@ -992,6 +992,7 @@ async fn wal_latency(brokers: &str, broker: &ferry_testkit::Kafka, quick: bool, 
             steady(&writers, rate, Duration::from_secs(3)).await?;
             wait_delivered(&ferry).await?;
             state.metrics.reset_latency();
+            state.metrics.timings.reset();
             let (sent, took) = steady(&writers, rate, Duration::from_secs(secs)).await?;
             wait_delivered(&ferry).await?;
             stop.cancel();

@@ -194,6 +194,53 @@ impl Timings {
         ns.fetch_add(d.as_nanos() as u64, Ordering::Relaxed);
     }
 
+    /// Forgets every count and time (after a benchmark's warm-up, beside
+    /// [`Metrics::reset_latency`], so both describe the same window).
+    pub fn reset(&self) {
+        let Timings {
+            reads,
+            read_ns,
+            rows_read,
+            prefetched,
+            full_reads,
+            batches,
+            batch_ns,
+            marks,
+            mark_ns,
+            idles,
+            idle_ns,
+            wal_events,
+            wal_wait_ns,
+            wal_hand_waits,
+            wal_hand_wait_ns,
+            wal_acked,
+            wal_queue_full,
+            mark_retries,
+        } = self;
+        for a in [
+            reads,
+            read_ns,
+            rows_read,
+            prefetched,
+            full_reads,
+            batches,
+            batch_ns,
+            marks,
+            mark_ns,
+            idles,
+            idle_ns,
+            wal_events,
+            wal_wait_ns,
+            wal_hand_waits,
+            wal_hand_wait_ns,
+            wal_acked,
+            wal_queue_full,
+            mark_retries,
+        ] {
+            a.store(0, Ordering::Relaxed);
+        }
+    }
+
     /// One line: counts and mean/total times.
     pub fn summary(&self) -> String {
         let g = |a: &AtomicU64| a.load(Ordering::Relaxed);
@@ -478,5 +525,27 @@ impl Otel {
             ),
             _observed: observed,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A benchmark prints the stage timings of its measured window beside
+    /// the latency of that window: the warm-up's must not be in them.
+    #[test]
+    fn the_stage_timings_start_again_after_a_reset() {
+        let t = Timings::default();
+        Timings::add(&t.marks, &t.mark_ns, std::time::Duration::from_millis(3));
+        Timings::add(
+            &t.wal_hand_waits,
+            &t.wal_hand_wait_ns,
+            std::time::Duration::from_secs(2),
+        );
+        t.wal_acked.fetch_add(7, Ordering::Relaxed);
+        t.mark_retries.fetch_add(1, Ordering::Relaxed);
+        t.reset();
+        assert_eq!(t.summary(), Timings::default().summary());
     }
 }

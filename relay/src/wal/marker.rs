@@ -100,6 +100,7 @@ impl Marks {
 pub(super) fn spawn(state: Arc<RelayState>, delete: bool, confirmed: watch::Sender<u64>) -> (Marks, JoinHandle<()>) {
     let (tx, mut rx) = mpsc::unbounded_channel::<(Mark, OwnedSemaphorePermit)>();
     let room = Arc::new(Semaphore::new(MARK_ROOM));
+    let ended = room.clone();
     let task = tokio::spawn(async move {
         while let Some((first, permit)) = rx.recv().await {
             let mut ids = first.ids;
@@ -115,6 +116,10 @@ pub(super) fn spawn(state: Arc<RelayState>, delete: bool, confirmed: watch::Send
             }
             if let Err(e) = mark(&state, ids, delete).await {
                 tracing::warn!(error = %e, code = e.code(), "marking delivered failed; ending the session (the slot is not confirmed past these rows, so the next session publishes them again)");
+                // Before the batch's room comes back: a stream waiting for
+                // it is told the marker stopped, not handed a mark that
+                // nothing will take.
+                ended.close();
                 return;
             }
             if let Some(l) = lsn {
@@ -165,16 +170,17 @@ async fn mark(state: &RelayState, mut ids: Vec<i64>, delete: bool) -> ferry::Res
             .collect();
         ids.retain(|id| !settled.contains(id));
         tries += 1;
-        t.mark_retries.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        if tries >= VISIBLE_TRIES {
-            if !ids.is_empty() {
-                tracing::warn!(
-                    rows = ids.len(),
-                    "acknowledged rows never became visible to mark; left pending"
-                );
-            }
+        if ids.is_empty() {
             return Ok(());
         }
+        if tries >= VISIBLE_TRIES {
+            tracing::warn!(
+                rows = ids.len(),
+                "acknowledged rows never became visible to mark; left pending"
+            );
+            return Ok(());
+        }
+        t.mark_retries.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         tokio::time::sleep(VISIBLE_WAIT).await;
     }
     Ok(())
@@ -233,5 +239,77 @@ mod tests {
             .await
             .unwrap();
         assert_eq!(row, "delivered");
+    }
+
+    /// The marker ends at a database error while the stream waits for room
+    /// (a mark as large as the room ahead of it): the stream is told the
+    /// marker stopped instead of waiting for room for ever, and a session
+    /// waiting on `done` sees it dropped.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_stream_waiting_for_room_sees_the_marker_stop() {
+        let t = ferry_testkit::TestDb::new(ferry::Engine::Postgres).await;
+        let state = Arc::new(RelayState {
+            store: RelayStore::new(t.ferry.clone()),
+            metrics: Metrics::new(),
+            owner: "relay-test".into(),
+            ready: AtomicBool::new(false),
+            fatal: CancellationToken::new(),
+        });
+        t.ferry.db().as_postgres().unwrap().close().await;
+        let (confirmed, _) = watch::channel(0);
+        let (marks, task) = spawn(state.clone(), false, confirmed);
+        let all = Mark {
+            ids: (1..=MARK_ROOM as i64 + 1).collect(),
+            lsn: Some(1),
+            done: None,
+        };
+        marks.send(&state, all).await.unwrap();
+        let (tx, rx) = oneshot::channel();
+        let next = Mark {
+            ids: vec![0],
+            lsn: Some(2),
+            done: Some(tx),
+        };
+        let sent = tokio::time::timeout(Duration::from_secs(30), marks.send(&state, next)).await;
+        assert!(matches!(sent, Ok(Err(MarkerStopped))), "{sent:?}");
+        assert!(rx.await.is_err(), "done was dropped");
+        tokio::time::timeout(Duration::from_secs(30), marks.closed())
+            .await
+            .unwrap();
+        task.await.unwrap();
+    }
+
+    /// A republished duplicate (its row marked by an earlier session) is
+    /// found settled after the first statement: no statement runs again,
+    /// so none is counted as one for rows not yet visible, and the marker
+    /// does not wait [`VISIBLE_WAIT`] for nothing.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_row_marked_before_is_not_counted_as_a_retry() {
+        let t = ferry_testkit::TestDb::new(ferry::Engine::Postgres).await;
+        let state = RelayState {
+            store: RelayStore::new(t.ferry.clone()),
+            metrics: Metrics::new(),
+            owner: "relay-test".into(),
+            ready: AtomicBool::new(false),
+            fatal: CancellationToken::new(),
+        };
+        let pool = t.ferry.db().as_postgres().unwrap().clone();
+        let id: i64 = sqlx::query_scalar(
+            "INSERT INTO outbox (tenant, topic, key, lane, payload, headers, created_at, state)
+             VALUES ('acme', 'orders', 'k', 0, 'x', '{}'::jsonb, 0, 'delivered') RETURNING id",
+        )
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+        let started = Instant::now();
+        mark(&state, vec![id], false).await.unwrap();
+        let t = &state.metrics.timings;
+        assert_eq!(t.marks.load(Ordering::Relaxed), 1, "one statement ran");
+        assert_eq!(
+            t.mark_retries.load(Ordering::Relaxed),
+            0,
+            "no statement ran again, after {:?}",
+            started.elapsed()
+        );
     }
 }
