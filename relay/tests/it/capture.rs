@@ -207,13 +207,15 @@ async fn wal_a_sigkilled_relay_loses_nothing_and_its_standby_takes_over() {
     let slot = SlotGuard::new().await;
     let pool = ferry.db().as_postgres().unwrap().clone();
     let mut active = spawn_relay_process(&url, &broker.brokers(), &slot.args(), &[]);
-    let before = wait_for_streaming(&pool, &slot.name, None, Duration::from_secs(60)).await;
+    wait_for_streaming(&pool, &slot.name, None, Duration::from_secs(60)).await;
     let writer = {
         let ferry = ferry.clone();
         tokio::spawn(async move { crate::relay::write_orders(&ferry, 1500, 40).await })
     };
     let c = consumer(&broker.brokers(), &["orders"]);
     let mut recs = read_until(&c, Duration::from_secs(60), |r| distinct(r) >= 300).await;
+    // The active relay's walsender now, before a standby exists.
+    let before = wait_for_streaming(&pool, &slot.name, None, Duration::from_secs(60)).await;
     let standby = spawn_relay_process(&url, &broker.brokers(), &slot.args(), &[]);
     active.kill().unwrap(); // SIGKILL mid-stream
     active.wait().unwrap();

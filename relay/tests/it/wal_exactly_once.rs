@@ -161,13 +161,15 @@ async fn wal_exactly_once_a_stale_owner_cannot_commit_after_a_standby_took_over(
     let slot = SlotGuard::new().await;
     let pool = ferry.db().as_postgres().unwrap().clone();
     let a = spawn_relay_process(&url, &brokers, &args(&slot, &["--relay-id", "relay-a"]), &[]);
-    let a_pid = wait_for_streaming(&pool, &slot.name, None, Duration::from_secs(60)).await;
+    wait_for_streaming(&pool, &slot.name, None, Duration::from_secs(60)).await;
     let total = 2000;
     let writes = {
         let ferry = ferry.clone();
         tokio::spawn(async move { write_orders(&ferry, total, 30).await })
     };
     wait_for_count(&ferry, DELIVERED, 300, Duration::from_secs(60)).await;
+    // A's walsender now (a session of A restarted on a transient error has a new one).
+    let a_pid = wait_for_streaming(&pool, &slot.name, None, Duration::from_secs(60)).await;
     signal(a.id(), "STOP");
     let _ = sqlx::query("SELECT pg_terminate_backend($1)")
         .bind(a_pid)
