@@ -303,6 +303,7 @@ pub struct Schedule {
 }
 
 /// A due schedule's place in the firing order.
+#[derive(sqlx::FromRow)]
 struct DueKey {
     next_tick: i64,
     tenant: String,
@@ -573,7 +574,7 @@ impl Ferry {
     /// row, or [`Error::CorruptRow`] for a row this version cannot read (so
     /// one unreadable row does not fail the others).
     async fn due_page(&self, now: i64, after: &DueKey, limit: u32) -> Result<Vec<(DueKey, Result<ScheduleRow>)>> {
-        use sqlx::{FromRow, Row};
+        use sqlx::FromRow;
         let mut c = self.db().acquire().await?;
         Ok(on_conn!(c.conn(), |c, q| {
             let rows = sqlx::query(q.list_due_schedules)
@@ -586,11 +587,7 @@ impl Ferry {
                 .await?;
             let mut page = Vec::with_capacity(rows.len());
             for r in &rows {
-                let key = DueKey {
-                    next_tick: r.try_get("next_tick")?,
-                    tenant: r.try_get("tenant")?,
-                    name: r.try_get("name")?,
-                };
+                let key = DueKey::from_row(r)?;
                 let row = ScheduleRow::from_row(r).map_err(|e| Error::CorruptRow {
                     what: "ferry_schedules row",
                     value: format!("{}/{}: {e}", key.tenant, key.name),

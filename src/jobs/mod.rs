@@ -14,6 +14,7 @@
 //! which differ per engine, are in the store.
 
 mod admin;
+mod claim;
 mod lease;
 mod terminal;
 

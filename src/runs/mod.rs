@@ -15,6 +15,8 @@
 //! and a run's lineage.
 
 mod accept;
+mod bulk;
+mod document;
 mod events;
 mod inspect;
 
