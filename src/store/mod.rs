@@ -4,7 +4,8 @@
 //!
 //! PostgreSQL is the production engine and SQLite (WAL mode) the embedded one.
 //! Code that runs a query is written once with [`on_conn!`] and compiled for
-//! each engine; only the SQL text, kept in `store/sql/<engine>/*.sql`, differs.
+//! each engine; only the SQL text differs: each crate's `sql/*.sql`, written
+//! once for both engines and rendered per engine at build time (`queries`).
 
 use std::str::FromStr;
 use std::time::Duration;
