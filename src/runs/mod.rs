@@ -9,7 +9,7 @@
 //!
 //! [`Ferry::create_runs_idempotent`] accepts many runs in one transaction,
 //! answering each as the single call would (set-based on PostgreSQL, in
-//! `store/bulk.rs`).
+//! `runs/bulk.rs`).
 //!
 //! The types are here; `accept` holds the acceptance transaction,
 //! `events` reading runs and appending events, and `inspect` listing runs
