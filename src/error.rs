@@ -131,13 +131,13 @@ pub enum Error {
     #[error("schema not migrated: {0}")]
     NotMigrated(String),
     /// A named query does not prepare on this database (found by
-    /// [`crate::store::check_queries`]): the schema and the code disagree.
+    /// `store::check_queries`): the schema and the code disagree.
     #[error("query {name} does not prepare on {engine:?}: {message}")]
     Query {
         /// The query's name in its `sql/` file.
         name: &'static str,
         /// The engine it was prepared on.
-        engine: crate::store::Engine,
+        engine: crate::engine::Engine,
         /// The database's message.
         message: String,
     },

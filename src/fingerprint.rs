@@ -1,5 +1,6 @@
 //! Request fingerprints: SHA-256 over a versioned canonical form of the
-//! validated command (invariant 3).
+//! validated command, which decides whether a key's replay is the same
+//! request or a conflict.
 //!
 //! The canonical form is JSON with object keys sorted by their UTF-8 bytes,
 //! no insignificant whitespace, and numbers normalized (`1`, `1.0` and `1e0`

@@ -22,6 +22,7 @@
 
 mod audit;
 pub mod effects;
+mod engine;
 pub mod error;
 pub mod fingerprint;
 pub mod jobs;
@@ -42,6 +43,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 pub use effects::{EffectRecord, EffectState, Reservation, Resolution};
+pub use engine::Engine;
 pub use error::{Error, Result};
 pub use fingerprint::{fingerprint, redact, Fingerprint, FINGERPRINT_VERSION};
 pub use jobs::{AttemptOutcome, Claimed, DeadJob, ErrorClass, JobAttempt, JobError, JobState, Lease};
@@ -55,7 +57,7 @@ pub use runs::{
     MAX_PRIORITY, MIN_PRIORITY,
 };
 pub use schedules::{Every, FiredTick, Missed, Schedule, ScheduleChange};
-pub use store::{connect, connect_with, migrate, Conn, ConnectOptions, Db, Engine, Tx};
+pub use store::{connect, connect_with, migrate, Conn, ConnectOptions, Db, Tx};
 pub use time::{Clock, Millis};
 
 /// Default topic for run events (`run_queued`, `run_succeeded`, ...).

@@ -13,8 +13,9 @@ use uuid::Uuid;
 use crate::auth::Principal;
 use crate::error::ConsoleError;
 use crate::extract::Form;
+use crate::guard::check_post;
 use crate::pages::{done, urlencode, Frame};
-use crate::web::{check_post, AppState};
+use crate::AppState;
 
 /// Fields every action form has.
 #[derive(Debug, serde::Deserialize)]

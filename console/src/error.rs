@@ -78,7 +78,11 @@ impl IntoResponse for ConsoleError {
         if status.is_server_error() {
             tracing::error!(code = self.code(), "console: {self}");
         }
-        let mut r = (status, crate::pages::error_page(status, self.code(), &self.to_string())).into_response();
+        let mut r = (
+            status,
+            crate::pages::bare::error_page(status, self.code(), &self.to_string()),
+        )
+            .into_response();
         if status == StatusCode::UNAUTHORIZED {
             r.headers_mut().insert(
                 axum::http::header::WWW_AUTHENTICATE,

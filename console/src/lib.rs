@@ -29,6 +29,7 @@ mod actions;
 pub mod auth;
 mod error;
 mod extract;
+mod guard;
 mod pages;
 pub mod sampler;
 pub mod store;
@@ -81,6 +82,9 @@ pub(crate) struct Inner {
     sample_every: Duration,
     census_every: u32,
 }
+
+/// Shared state of the handlers.
+pub(crate) type AppState = Arc<Inner>;
 
 /// The console: its state and router. Cheap to clone.
 #[derive(Clone)]

@@ -1,9 +1,7 @@
 //! The HTTP plumbing: the router, the security headers on every response,
-//! authentication (bearer token or session cookie) as an extractor, the
-//! same-origin and CSRF checks every POST passes, login and logout, and the
-//! static assets compiled into the binary.
+//! authentication (bearer token or session cookie) as an extractor, login
+//! and logout, and the static assets compiled into the binary.
 
-use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use axum::extract::{FromRequestParts, State};
@@ -17,7 +15,8 @@ use axum::Router;
 use crate::auth::{Auth, Principal, SESSION_COOKIE};
 use crate::error::ConsoleError;
 use crate::extract::Form;
-use crate::{actions, pages, Inner};
+use crate::guard::{check_post, same_origin};
+use crate::{actions, pages, AppState};
 
 /// The Content-Security-Policy of every response: nothing inline, nothing
 /// from elsewhere, no framing, forms only back to the console.
@@ -26,9 +25,6 @@ pub const CSP: &str = "default-src 'none'; style-src 'self'; script-src 'self'; 
 
 const CSS: &str = include_str!("../assets/console.css");
 const JS: &str = include_str!("../assets/console.js");
-
-/// Shared state of the handlers.
-pub(crate) type AppState = Arc<Inner>;
 
 /// Every route, wrapped in the security headers.
 pub(crate) fn router(state: AppState) -> Router {
@@ -137,43 +133,8 @@ impl FromRequestParts<AppState> for Principal {
     }
 }
 
-/// Refuses a POST that a browser says came from another site, or whose
-/// `Origin` is not this host. A browser's `Sec-Fetch-Site` decides when it is
-/// sent: under `Referrer-Policy: no-referrer` the same browser sends
-/// `Origin: null` on its own forms, so `Origin` is only checked without it.
-pub(crate) fn same_origin(headers: &HeaderMap) -> Result<(), ConsoleError> {
-    if let Some(site) = headers.get("sec-fetch-site") {
-        return match site.to_str() {
-            Ok("same-origin" | "none") => Ok(()),
-            _ => Err(ConsoleError::Csrf("cross-site request")),
-        };
-    }
-    if let Some(origin) = headers.get(header::ORIGIN) {
-        let host = headers.get(header::HOST).and_then(|h| h.to_str().ok()).unwrap_or("");
-        let origin = origin.to_str().unwrap_or("null");
-        let ok = !host.is_empty() && (origin == format!("http://{host}") || origin == format!("https://{host}"));
-        if !ok {
-            return Err(ConsoleError::Csrf("cross-origin request"));
-        }
-    }
-    Ok(())
-}
-
-/// The checks of every state-changing POST: same origin, then the
-/// credential's CSRF token.
-pub(crate) fn check_post(principal: &Principal, headers: &HeaderMap, csrf: &str) -> Result<(), ConsoleError> {
-    same_origin(headers)?;
-    if csrf.is_empty() {
-        return Err(ConsoleError::Csrf("the CSRF token is missing"));
-    }
-    if !Auth::csrf_ok(principal, csrf) {
-        return Err(ConsoleError::Csrf("the CSRF token does not match this session"));
-    }
-    Ok(())
-}
-
 async fn login_page() -> Response {
-    pages::login(None).into_response()
+    pages::bare::login(None).into_response()
 }
 
 #[derive(serde::Deserialize)]
@@ -204,7 +165,7 @@ async fn login(State(state): State<AppState>, headers: HeaderMap, Form(form): Fo
             tracing::warn!("console login refused");
             (
                 axum::http::StatusCode::UNAUTHORIZED,
-                pages::login(Some("That token is not in the token file.")),
+                pages::bare::login(Some("That token is not in the token file.")),
             )
                 .into_response()
         }

@@ -1,5 +1,5 @@
 //! `ferry-consumer`: Kafka consumer-group consumers whose handler effects
-//! commit at most once per group (invariant 10).
+//! commit at most once per group.
 //!
 //! Each record is one database transaction: the partition lease is checked
 //! at this member's generation, the ledger row `(group, effect key)` is

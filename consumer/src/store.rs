@@ -1,6 +1,6 @@
 //! The consumer's database side, without Kafka: partition leases whose
 //! generation only goes up, the dedupe ledger, and offsets stored in the same
-//! transaction as a handler's effects (invariant 10). Its SQL is
+//! transaction as a handler's effects. Its SQL is
 //! `consumer/sql/`, rendered for both engines at build time; this module is
 //! the only place in the consumer that talks to the database.
 

@@ -148,7 +148,7 @@ async fn fresh() -> Res<(Ferry, String)> {
 type Started = (
     CancellationToken,
     tokio::task::JoinHandle<Result<(), ferry_relay::RelayError>>,
-    std::sync::Arc<ferry_relay::service::RelayState>,
+    std::sync::Arc<ferry_relay::state::RelayState>,
 );
 
 /// How the relay under test publishes.

@@ -11,7 +11,7 @@ use axum::routing::get;
 use axum::Router;
 use tokio_util::sync::CancellationToken;
 
-use crate::service::RelayState;
+use crate::state::RelayState;
 
 /// Serves until `stop` is cancelled.
 pub async fn serve(listener: tokio::net::TcpListener, state: Arc<RelayState>, stop: CancellationToken) {

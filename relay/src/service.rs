@@ -17,26 +17,9 @@ use tokio_util::sync::CancellationToken;
 use crate::config::RelayConfig;
 use crate::error::RelayError;
 use crate::lane;
-use crate::lanes;
 use crate::metrics::Metrics;
 use crate::publish;
-
-/// A running relay's shared parts, for the HTTP endpoints and tests.
-#[derive(Debug)]
-pub struct RelayState {
-    /// The relay's database side (pool, clock, its queries).
-    pub store: RelayStore,
-    /// The relay's metrics, rendered on `/metrics` and mirrored to
-    /// OpenTelemetry; the lane tasks count into them.
-    pub metrics: Metrics,
-    /// This relay's lease identity.
-    pub owner: String,
-    /// Set once the first lane tick succeeded.
-    pub ready: AtomicBool,
-    /// Cancelled when the shared producer failed fatally: `/readyz` fails,
-    /// the relay drains and [`Relay::run`] returns an error.
-    pub fatal: CancellationToken,
-}
+use crate::state::RelayState;
 
 struct LaneTask {
     lease: LaneLease,
@@ -219,7 +202,7 @@ impl Relay {
                         }
                     }
                     let busy: BTreeMap<i32, LaneLease> = draining.iter().map(|(l, (lease, _))| (*l, *lease)).collect();
-                    let plan = match lanes::tick(&store, &cfg, &owner, &leases, &busy).await {
+                    let plan = match lane::tick(&store, &cfg, &owner, &leases, &busy).await {
                         Ok(p) => p,
                         Err(e) => {
                             tracing::warn!(error = %e, code = e.code(), "lane tick failed");

@@ -1,5 +1,5 @@
 //! Durable jobs: claims under expiring leases whose generation only goes up,
-//! and fenced transitions (invariants 4–8).
+//! and fenced transitions.
 //!
 //! Every renew, complete, retry, fail and effect write matches
 //! `state = 'leased' AND owner AND generation AND lease_expires_at > now`;
@@ -14,6 +14,7 @@
 //! which differ per engine, are in the store.
 
 mod admin;
+mod claim;
 mod lease;
 mod terminal;
 

@@ -47,20 +47,16 @@ impl Ferry {
         let span = tracing::Span::current();
         span.record("queue", queue).record("limit", limit);
         let limited = self.limited_hint(queue);
-        let out = match self.db() {
-            crate::store::Db::Postgres(p) if !limited => {
-                let mut c = p.acquire().await?;
-                self.complete_and_claim_on(Conn::Postgres(&mut c), items, args, false)
-                    .await?
-            }
+        let out = if self.db().writes_in_one_statement() && !limited {
+            let mut c = self.db().acquire().await?;
+            self.complete_and_claim_on(c.conn(), items, args, false).await?
+        } else {
             // SQLite, and a queue this process found limited on PostgreSQL:
             // the limited claim takes the queue's row lock, which needs a
             // transaction.
-            _ => {
-                let mut tx = self.begin().await?;
-                let r = self.complete_and_claim_on(tx.conn(), items, args, limited).await;
-                tx.finish(r).await?
-            }
+            let mut tx = self.begin().await?;
+            let r = self.complete_and_claim_on(tx.conn(), items, args, limited).await;
+            tx.finish(r).await?
         };
         span.record("claimed", out.1.len());
         Ok(out)

@@ -1,4 +1,5 @@
-//! Runs, their events, and the acceptance transaction (invariants 1–3).
+//! Runs, their events, and the acceptance transaction (atomic: run, first
+//! event, job, idempotency record and outbox row commit together).
 //!
 //! [`Ferry::create_run_idempotent`] commits the run, `run_queued` at seq 1,
 //! the claimable job, the idempotency record and the event's outbox row
@@ -8,13 +9,15 @@
 //!
 //! [`Ferry::create_runs_idempotent`] accepts many runs in one transaction,
 //! answering each as the single call would (set-based on PostgreSQL, in
-//! `store/bulk.rs`).
+//! `runs/bulk.rs`).
 //!
 //! The types are here; `accept` holds the acceptance transaction,
 //! `events` reading runs and appending events, and `inspect` listing runs
 //! and a run's lineage.
 
 mod accept;
+mod bulk;
+mod document;
 mod events;
 mod inspect;
 
@@ -35,7 +38,7 @@ use crate::outbox::{self};
 use crate::time::duration_ms;
 use crate::Ferry;
 
-/// Event kinds that end a run; exactly one of them per run (invariant 6).
+/// Event kinds that end a run; exactly one of them per run.
 pub const TERMINAL_KINDS: [&str; 3] = ["run_succeeded", "run_failed", "run_cancelled"];
 
 /// The lowest (and default) claim priority of a run.

@@ -4,7 +4,8 @@
 //!
 //! PostgreSQL is the production engine and SQLite (WAL mode) the embedded one.
 //! Code that runs a query is written once with [`on_conn!`] and compiled for
-//! each engine; only the SQL text, kept in `store/sql/<engine>/*.sql`, differs.
+//! each engine; only the SQL text differs: each crate's `sql/*.sql`, written
+//! once for both engines and rendered per engine at build time (`queries`).
 
 use std::str::FromStr;
 use std::time::Duration;
@@ -13,19 +14,11 @@ use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, SqliteSynchronous};
 use sqlx::{PgConnection, PgPool, SqliteConnection, SqlitePool};
 
+pub use crate::engine::Engine;
 use crate::error::{Error, Result};
 
 static PG_MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("./migrations/postgres");
 static SQLITE_MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("./migrations/sqlite");
-
-/// Which engine a pool talks to.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Engine {
-    /// PostgreSQL 13+.
-    Postgres,
-    /// SQLite in WAL mode, one process.
-    Sqlite,
-}
 
 /// A connection pool on either engine.
 #[derive(Debug, Clone)]
@@ -117,6 +110,14 @@ impl Db {
             Db::Postgres(p) => Tx::Postgres(p.begin().await?),
             Db::Sqlite(p) => Tx::Sqlite(p.begin_with("BEGIN IMMEDIATE").await?),
         })
+    }
+
+    /// Whether this engine does several writes in one autocommitted
+    /// statement (PostgreSQL's data-modifying CTEs), so a caller may run
+    /// such a statement on a pooled connection without a transaction. SQLite
+    /// runs the same writes one by one, which needs a transaction around them.
+    pub(crate) fn writes_in_one_statement(&self) -> bool {
+        matches!(self, Db::Postgres(_))
     }
 
     /// Closes the pool.
@@ -276,10 +277,25 @@ impl Conn<'_> {
             Conn::Sqlite(c) => Conn::Sqlite(c),
         }
     }
+
+    /// Whether a row lock taken on this connection ends with its statement:
+    /// a PostgreSQL connection outside a transaction (autocommit). SQLite
+    /// takes no row locks (its writer lock is the whole database's), so
+    /// never. A step that must hold a row until commit refuses such a
+    /// connection before it writes anything.
+    pub(crate) async fn releases_row_locks_per_statement(&mut self) -> Result<bool> {
+        Ok(match self {
+            Conn::Postgres(c) => {
+                let in_tx: bool = sqlx::query_scalar(queries::POSTGRES_ONLY.in_transaction)
+                    .fetch_one(&mut **c)
+                    .await?;
+                !in_tx
+            }
+            Conn::Sqlite(_) => false,
+        })
+    }
 }
 
-mod bulk;
-mod engine;
 mod millis;
 mod portable;
 pub use portable::{Arg, PooledConn};

@@ -1,5 +1,5 @@
 //! Leases, fencing, retries, dead jobs, cancellation and the effect ledger
-//! (invariants 4–8), on both engines, with an injected clock: no sleeping.
+//! on both engines, with an injected clock: no sleeping.
 
 use std::time::Duration;
 

@@ -3,6 +3,7 @@
 //! and a database outage under a worker (on a cluster of its own).
 
 mod accept;
+mod architecture;
 mod batch;
 mod bulk;
 

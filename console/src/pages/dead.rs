@@ -9,7 +9,7 @@ use super::{age, csrf_field, layout, reason_field, ts, urlencode, Frame};
 use crate::auth::Principal;
 use crate::error::ConsoleError;
 use crate::extract::Query;
-use crate::web::AppState;
+use crate::AppState;
 
 const LIST: u32 = 50;
 

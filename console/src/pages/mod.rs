@@ -1,12 +1,12 @@
-//! Server-rendered pages (maud): the shared layout, formatting helpers, the
-//! login and error pages. No inline script or style: the CSP forbids both,
+//! Server-rendered pages (maud): the shared layout and formatting helpers
+//! (the login and error pages, outside the layout, are in [`bare`]). No inline script or style: the CSP forbids both,
 //! so the stylesheet and the one small script are served from `/static/`.
 
-use axum::http::StatusCode;
 use maud::{html, Markup, DOCTYPE};
 
 use crate::auth::Principal;
 
+pub(crate) mod bare;
 pub(crate) mod dead;
 pub(crate) mod overview;
 pub(crate) mod runs;
@@ -85,52 +85,6 @@ pub(crate) fn csrf_field(p: &Principal) -> Markup {
 /// The reason field every action asks for.
 pub(crate) fn reason_field() -> Markup {
     html! { input name="reason" required minlength="3" maxlength="4096" placeholder="reason (audited)"; }
-}
-
-/// The login form.
-pub(crate) fn login(message: Option<&str>) -> Markup {
-    html! {
-        (DOCTYPE)
-        html lang="en" {
-            head {
-                meta charset="utf-8";
-                title { "Ferry · sign in" }
-                link rel="stylesheet" href="/static/console.css";
-            }
-            body.login {
-                main {
-                    h1 { "Ferry console" }
-                    @if let Some(m) = message { p.error #login-error { (m) } }
-                    form method="post" action="/login" {
-                        label for="token" { "Token" }
-                        input #token type="password" name="token" autocomplete="off" required;
-                        button #sign-in type="submit" { "Sign in" }
-                    }
-                }
-            }
-        }
-    }
-}
-
-/// An error page: the status, the stable code and a safe message.
-pub(crate) fn error_page(status: StatusCode, code: &str, message: &str) -> Markup {
-    html! {
-        (DOCTYPE)
-        html lang="en" {
-            head {
-                meta charset="utf-8";
-                title { "Ferry · " (status.as_u16()) }
-                link rel="stylesheet" href="/static/console.css";
-            }
-            body {
-                main {
-                    h1 { (status.as_u16()) " " (status.canonical_reason().unwrap_or("")) }
-                    p.error { code #error-code { (code) } ": " (message) }
-                    p { a href="/" { "Back to the overview" } }
-                }
-            }
-        }
-    }
 }
 
 /// A result page after an action.

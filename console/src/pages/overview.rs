@@ -13,7 +13,7 @@ use crate::auth::Principal;
 use crate::error::ConsoleError;
 use crate::extract::Query;
 use crate::sampler::{Census, Sample};
-use crate::web::AppState;
+use crate::AppState;
 
 /// The `?tenant=` filter every page takes.
 #[derive(Debug, Default, serde::Deserialize)]

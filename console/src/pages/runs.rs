@@ -16,7 +16,8 @@ use super::{age, csrf_field, layout, reason_field, ts, urlencode, Frame};
 use crate::auth::Principal;
 use crate::error::ConsoleError;
 use crate::extract::{Form, Path, Query};
-use crate::web::{check_post, AppState};
+use crate::guard::check_post;
+use crate::AppState;
 
 /// Runs per page.
 const PAGE: u32 = 50;

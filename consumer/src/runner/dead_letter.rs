@@ -12,21 +12,11 @@ use rdkafka::producer::{FutureProducer, FutureRecord};
 use rdkafka::ClientConfig;
 
 use super::rebalance::LeaseContext;
-use super::retry::{Retry, Step};
+use super::retry::{PendingDeadLetter, Retry, Step};
 use super::{Consumer, Leases};
 use crate::error::{classify, ConsumerError, Fault};
 use crate::process::{record_dead_letter, ProcessError};
 use crate::record::Record;
-
-/// A dead letter not yet finished.
-#[derive(Debug, Clone)]
-pub(super) struct PendingDeadLetter {
-    /// The `ferry-error-code` header.
-    pub(super) code: String,
-    /// The dead-letter topic already has the record: only the ledger write
-    /// is left (a retry does not publish it twice).
-    pub(super) published: bool,
-}
 
 /// Why a dead letter did not finish.
 enum DeadLetterFailure {

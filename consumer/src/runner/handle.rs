@@ -14,10 +14,10 @@ use rdkafka::producer::FutureProducer;
 use rdkafka::topic_partition_list::{Offset, TopicPartitionList};
 use tracing::Instrument;
 
-use super::dead_letter::{unkeyed_ledger_key, PendingDeadLetter};
+use super::dead_letter::unkeyed_ledger_key;
 use super::leases::{current_lease, pause};
 use super::rebalance::LeaseContext;
-use super::retry::{Retry, Step};
+use super::retry::{PendingDeadLetter, Retry, Step};
 use super::{Consumer, Leases, TopicPartition};
 use crate::error::{classify, Fault, HandlerClass};
 use crate::process::{process_batch, process_record, ProcessError, Processed};

@@ -1,12 +1,11 @@
-//! A record waiting, its partition paused, for its next attempt, and what
-//! follows an attempt.
+//! A record waiting, its partition paused, for its next attempt (with the
+//! dead letter it may still owe), and what follows an attempt.
 
 use std::time::{Duration, Instant};
 
 use crate::store::PartitionLease;
 use backon::{BackoffBuilder, ExponentialBuilder};
 
-use super::dead_letter::PendingDeadLetter;
 use super::Consumer;
 use crate::record::Record;
 
@@ -24,6 +23,16 @@ pub(super) struct Retry {
     /// Set when the record is being dead-lettered and that failed: the next
     /// attempt only finishes the dead letter.
     pub(super) dead_letter: Option<PendingDeadLetter>,
+}
+
+/// A dead letter not yet finished.
+#[derive(Debug, Clone)]
+pub(super) struct PendingDeadLetter {
+    /// The `ferry-error-code` header.
+    pub(super) code: String,
+    /// The dead-letter topic already has the record: only the ledger write
+    /// is left (a retry does not publish it twice).
+    pub(super) published: bool,
 }
 
 /// What follows a record's attempt (short-lived, so the retry is not boxed).

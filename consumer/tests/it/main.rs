@@ -1,5 +1,5 @@
-//! ferry-consumer against PostgreSQL and a real Kafka-protocol broker
-//! (invariant 10): effects once per group under duplicates, rebalances and
+//! ferry-consumer against PostgreSQL and a real Kafka-protocol broker:
+//! effects once per group under duplicates, rebalances and
 //! crashes; stale members refused; poison records dead-lettered; database
 //! outages, simulated on the shared cluster and real (PostgreSQL stopped,
 //! on a cluster of the test's own).

@@ -16,7 +16,7 @@ use super::marker::Marker;
 use super::{now_ms, poison, BatchEnd, LoneProducer};
 use crate::config::RelayConfig;
 use crate::publish::{self, Outcome};
-use crate::service::RelayState;
+use crate::state::RelayState;
 use crate::store::{LaneLease, PendingRow};
 
 /// At least once: streams the batch, marks acknowledged rows progressively,

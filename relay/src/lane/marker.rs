@@ -6,7 +6,7 @@ use std::time::Instant;
 
 use super::{BatchEnd, MARK_EVERY, MARK_ROWS};
 use crate::config::RelayConfig;
-use crate::service::RelayState;
+use crate::state::RelayState;
 use crate::store::LaneLease;
 
 /// Acknowledged ids not yet marked, flushed in one fenced statement.

@@ -11,6 +11,10 @@
 //!   progress record with their exact ids; the rows are marked right after
 //!   the commit and before the next transaction (see [`crate::exactly_once`]).
 //!
+//! Which lanes this relay holds is decided beside them, in `share`
+//! ([`tick`]: heartbeat, renew, take a fair share of the free lanes, give
+//! back extras).
+//!
 //! The parts, each in its own file:
 //! - `task`: [`run`], the lane loop (take over, read, publish one batch in a
 //!   `ferry.relay.batch` span, then act on how it ended);
@@ -35,11 +39,13 @@ use crate::exactly_once::ProgressReader;
 mod at_least_once;
 mod marker;
 mod poison;
+mod share;
 mod take_over;
 mod task;
 mod transactional;
 
 pub use poison::LoneProducer;
+pub use share::{fair_share, tick, LanePlan};
 pub use task::run;
 
 /// A lane reads ahead (its pending rows besides the batch in flight) while a

@@ -22,7 +22,7 @@ use rdkafka::ClientConfig;
 use super::BatchEnd;
 use crate::config::{OnPoison, RelayConfig};
 use crate::publish::{self, Outcome};
-use crate::service::RelayState;
+use crate::state::RelayState;
 use crate::store::{LaneLease, PendingRow};
 
 /// The relay's producer for lone re-sends (at least once): one record in

@@ -15,7 +15,7 @@ use super::BatchEnd;
 use crate::config::RelayConfig;
 use crate::error::RelayError;
 use crate::exactly_once::{self, Progress, ProgressReader};
-use crate::service::RelayState;
+use crate::state::RelayState;
 use crate::store::LaneLease;
 
 /// Exactly once, on taking the lane: fence earlier producers of the lane's

@@ -17,7 +17,7 @@ use super::{pause, retry_backoff, BatchEnd, LoneProducer, Sink, Wakes, RESCAN_EV
 use crate::config::RelayConfig;
 use crate::exactly_once::ProgressReader;
 use crate::metrics::Timings;
-use crate::service::RelayState;
+use crate::state::RelayState;
 use crate::store::{LaneLease, PendingRow};
 
 /// Publishes one lane until told to finish (after its in-flight batch) or

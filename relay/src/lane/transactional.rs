@@ -14,7 +14,7 @@ use super::{now_ms, poison, retry_backoff, BatchEnd};
 use crate::config::RelayConfig;
 use crate::exactly_once::{self, Progress, TxnFailure, TXN_TIMEOUT};
 use crate::publish::{self, Outcome};
-use crate::service::RelayState;
+use crate::state::RelayState;
 use crate::store::{LaneLease, PendingRow};
 
 /// Exactly once: one transaction with the rows and the progress record,

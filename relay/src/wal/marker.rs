@@ -23,7 +23,7 @@ use std::time::{Duration, Instant};
 use tokio::sync::{mpsc, oneshot, watch, OwnedSemaphorePermit, Semaphore};
 use tokio::task::JoinHandle;
 
-use crate::service::RelayState;
+use crate::state::RelayState;
 
 /// How often, [`VISIBLE_WAIT`] apart, the marker looks again for rows the
 /// stream carried but its statement did not see yet.

@@ -42,7 +42,7 @@ use tokio_util::sync::CancellationToken;
 use crate::config::{Capture, RelayConfig};
 use crate::error::RelayError;
 use crate::exactly_once::ProgressReader;
-use crate::service::RelayState;
+use crate::state::RelayState;
 use crate::store::RelayStore;
 
 mod connect;
@@ -185,7 +185,7 @@ pub async fn run(
     capture: WalCapture,
     finish: CancellationToken,
 ) {
-    let ctx = session::Ctx {
+    let ctx = Ctx {
         state,
         cfg,
         publisher,
@@ -251,4 +251,14 @@ fn now_ms() -> i64 {
         .duration_since(UNIX_EPOCH)
         .map(|d| d.as_millis() as i64)
         .unwrap_or(0)
+}
+
+/// What a session works with (its tasks and its exactly-once pipeline
+/// read it).
+pub(super) struct Ctx {
+    pub state: Arc<RelayState>,
+    pub cfg: Arc<RelayConfig>,
+    pub publisher: Publisher,
+    pub database_id: Arc<str>,
+    pub capture: WalCapture,
 }

@@ -27,7 +27,7 @@ use super::connect::Ended;
 use super::marker::{Mark, Marks};
 use crate::config::{OnPoison, RelayConfig};
 use crate::publish::{self, Outcome};
-use crate::service::RelayState;
+use crate::state::RelayState;
 use crate::store::PendingRow;
 
 mod transactional;

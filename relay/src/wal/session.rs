@@ -17,23 +17,12 @@ use tokio_util::sync::CancellationToken;
 use super::connect::{classify, Ended, STATUS_INTERVAL};
 use super::pgoutput::{Decoder, Message};
 use super::pipeline::{self, Pipeline};
-use super::{marker, Isolation, Publisher, WalCapture};
-use crate::config::RelayConfig;
-use crate::service::RelayState;
+use super::{marker, Ctx, Isolation, Publisher};
 
 /// The most records in flight before the stream waits for
 /// acknowledgements (the idempotent producer keeps each partition in order,
 /// so this bounds memory, not order).
 pub const MAX_IN_FLIGHT: usize = 50_000;
-
-/// What a session works with.
-pub(super) struct Ctx {
-    pub state: Arc<RelayState>,
-    pub cfg: Arc<RelayConfig>,
-    pub publisher: Publisher,
-    pub database_id: Arc<str>,
-    pub capture: WalCapture,
-}
 
 /// Runs one session; how it ended decides what the relay does next.
 pub(super) async fn run(ctx: &Ctx, iso: &mut Isolation, reseed: bool, finish: &CancellationToken) -> Ended {

@@ -3,8 +3,8 @@
 //! resuming from the slot, recovery when the slot or its publication is
 //! gone (the table is the source of truth), a standby taking the slot over,
 //! and how the capture mode is chosen. Every WAL test streams from a slot
-//! of its own, dropped at the end by [`SlotGuard`]. The rest of invariant 9
-//! runs in both modes in `relay.rs`, `poison.rs`, `outage.rs`,
+//! of its own, dropped at the end by [`SlotGuard`]. The rest of the relay's
+//! promises run in both modes in `relay.rs`, `poison.rs`, `outage.rs`,
 //! `effect_keys.rs` and `trace.rs`.
 
 use std::time::Duration;

@@ -40,7 +40,7 @@ pub fn relay_config(url: &str, brokers: &str) -> RelayConfig {
 
 /// Runs `scenario(capture)` once per capture mode, as the tests
 /// `<scenario>::poll` and `<scenario>::wal`: one conformance suite, since
-/// every promise of invariant 9 holds whichever way rows are captured.
+/// every promise of the relay holds whichever way rows are captured.
 /// (`cargo test -p ferry-relay --test it ::wal` runs the WAL half.)
 macro_rules! in_both_capture_modes {
     ($($scenario:ident),* $(,)?) => {
@@ -116,7 +116,7 @@ pub async fn config_for(capture: Capture, url: &str, brokers: &str) -> (RelayCon
 pub struct RunningRelay {
     pub stop: CancellationToken,
     pub handle: tokio::task::JoinHandle<Result<(), ferry_relay::RelayError>>,
-    pub state: std::sync::Arc<ferry_relay::service::RelayState>,
+    pub state: std::sync::Arc<ferry_relay::state::RelayState>,
     pub addr: std::net::SocketAddr,
 }
 

@@ -41,7 +41,7 @@ use rdkafka::producer::{FutureProducer, FutureRecord, Producer};
 
 use super::super::connect::Ended;
 use super::super::marker::{self, Mark};
-use super::super::session::Ctx;
+use super::super::Ctx;
 use super::Pipeline;
 use crate::exactly_once::{self, ProgressReader, WalProgress, TXN_TIMEOUT, WAL_PARTITION};
 use crate::publish::{self, Outcome};

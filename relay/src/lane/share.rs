@@ -1,4 +1,4 @@
-//! Lane leases: heartbeat, renew what is held, take a fair share of the free
+//! Lane leases (the share of the lanes this relay publishes): heartbeat, renew what is held, take a fair share of the free
 //! lanes, give back extras. Generations only go up, so a relay that lost a
 //! lane can never mark its rows.
 

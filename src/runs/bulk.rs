@@ -17,7 +17,7 @@ use std::collections::{HashMap, HashSet};
 
 use serde_json::Value;
 use sqlx::types::Json;
-use sqlx::{PgConnection, Row};
+use sqlx::{FromRow, PgConnection};
 use uuid::Uuid;
 
 use crate::error::{violated_constraint, Error, Result};
@@ -50,6 +50,20 @@ struct Record {
     run_id: Uuid,
     live: bool,
     run: Option<Run>,
+}
+
+/// A row of `find_idempotency_keys`: the key's record, then the run it
+/// names (read as a [`RunRow`] when `run_id` is not NULL).
+#[derive(sqlx::FromRow)]
+struct KeyRecordRow {
+    /// The input position of the key's group, from 1.
+    ord: i64,
+    request_fingerprint: String,
+    fingerprint_version: i32,
+    key_run_id: Uuid,
+    live: bool,
+    /// The run's id, NULL when the run row is missing.
+    run_id: Option<Uuid>,
 }
 
 /// What an item comes to before the winners are written.
@@ -348,26 +362,13 @@ impl Ferry {
             .await?;
         let mut records = HashMap::with_capacity(rows.len());
         for row in rows {
-            let ord: i64 = row.try_get("ord")?;
-            let run_row: Option<Uuid> = row.try_get("run_id")?;
-            let run = match run_row {
-                Some(run_id) => Some(Run::try_from(RunRow {
-                    tenant: row.try_get("tenant")?,
-                    run_id,
-                    operation: row.try_get("operation")?,
-                    state: row.try_get("state")?,
-                    version: row.try_get("version")?,
-                    request: row.try_get("request")?,
-                    deadline_at: row.try_get("deadline_at")?,
-                    replay_of: row.try_get("replay_of")?,
-                    scheduled_at: row.try_get("scheduled_at")?,
-                    parent_run_id: row.try_get("parent_run_id")?,
-                    created_at: row.try_get("created_at")?,
-                    updated_at: row.try_get("updated_at")?,
-                    last_event_seq: row.try_get("last_event_seq")?,
-                })?),
+            let key = KeyRecordRow::from_row(&row)?;
+            // The run's columns are NULL when the key names no run.
+            let run = match key.run_id {
+                Some(_) => Some(Run::try_from(RunRow::from_row(&row)?)?),
                 None => None,
             };
+            let ord = key.ord;
             let g = usize::try_from(ord - 1)
                 .ok()
                 .and_then(|k| which.get(k))
@@ -375,10 +376,10 @@ impl Ferry {
             records.insert(
                 *g,
                 Record {
-                    fingerprint: row.try_get("request_fingerprint")?,
-                    version: row.try_get("fingerprint_version")?,
-                    run_id: row.try_get("key_run_id")?,
-                    live: row.try_get("live")?,
+                    fingerprint: key.request_fingerprint,
+                    version: key.fingerprint_version,
+                    run_id: key.key_run_id,
+                    live: key.live,
                     run,
                 },
             );

@@ -7,6 +7,7 @@
 
 use serde_json::Value;
 use sqlx::types::Json;
+use sqlx::FromRow;
 use uuid::Uuid;
 
 use crate::error::{Error, Result};
@@ -101,15 +102,10 @@ impl Ferry {
         // Under autocommit lock_queue's row lock is already gone, and the
         // claim and the token spending would each commit on their own: no
         // limit would hold. Refused before anything is leased.
-        if let Conn::Postgres(c) = conn.reborrow() {
-            let in_tx: bool = sqlx::query_scalar(crate::store::queries::POSTGRES_ONLY.in_transaction)
-                .fetch_one(&mut *c)
-                .await?;
-            if !in_tx {
-                return Err(Error::Unsupported(
-                    "a limited queue's claim needs a transaction (pass a Tx, not a bare connection)",
-                ));
-            }
+        if conn.releases_row_locks_per_statement().await? {
+            return Err(Error::Unsupported(
+                "a limited queue's claim needs a transaction (pass a Tx, not a bare connection)",
+            ));
         }
         let allowed = if rated { limit.min(tokens) } else { limit };
         if paused || allowed <= 0 {
@@ -286,17 +282,13 @@ impl Ferry {
             .await?;
         let mut done = std::collections::HashSet::with_capacity(rows.len());
         for row in &rows {
-            use sqlx::Row;
-            if !row.try_get::<bool, _>("moved")? {
+            let row = CompletedRow::from_row(row)?;
+            if !row.moved {
                 return Err(Error::Invariant(
                     "a leased job's run was already terminal; the batch was rolled back".into(),
                 ));
             }
-            done.insert((
-                row.try_get::<String, _>("tenant")?,
-                row.try_get::<Uuid, _>("run_id")?,
-                row.try_get::<i64, _>("lease_generation")?,
-            ));
+            done.insert(row.lease.key());
         }
         Ok(self.answer_completions(c, items, &done).await)
     }
@@ -343,16 +335,10 @@ impl Ferry {
                 let mut done = std::collections::HashSet::new();
                 let mut claimed = Vec::new();
                 for row in &rows {
-                    use sqlx::Row;
-                    let kind: &str = row.try_get("kind")?;
-                    if kind == "claimed" {
+                    if RowKind::from_row(row)?.kind == "claimed" {
                         claimed.push(claimed_from_pg_row(row)?);
                     } else {
-                        done.insert((
-                            row.try_get::<String, _>("tenant")?,
-                            row.try_get::<Uuid, _>("run_id")?,
-                            row.try_get::<i64, _>("lease_generation")?,
-                        ));
+                        done.insert(CompletedLease::from_row(row)?.key());
                     }
                 }
                 let out = self.answer_completions(c, items, &done).await;
@@ -367,10 +353,51 @@ impl Ferry {
     }
 }
 
+/// A row of `claim_jobs` (or a claimed row of `complete_and_claim`) on
+/// PostgreSQL: the job, and the run data the statement reads with it.
+#[derive(sqlx::FromRow)]
+struct ClaimedPgRow {
+    #[sqlx(flatten)]
+    job: ClaimRow,
+    operation: String,
+    request: Json<Value>,
+    replay_of: Option<Uuid>,
+}
+
+/// The lease a completion statement (`complete_batch`,
+/// `complete_and_claim`) completed.
+#[derive(sqlx::FromRow)]
+struct CompletedLease {
+    tenant: String,
+    run_id: Uuid,
+    lease_generation: i64,
+}
+
+impl CompletedLease {
+    /// What [`Ferry::answer_completions`] matches a lease against.
+    fn key(self) -> (String, Uuid, i64) {
+        (self.tenant, self.run_id, self.lease_generation)
+    }
+}
+
+/// A row of `complete_batch`: the completed lease, and whether its run
+/// moved (false when the run was already terminal).
+#[derive(sqlx::FromRow)]
+struct CompletedRow {
+    moved: bool,
+    #[sqlx(flatten)]
+    lease: CompletedLease,
+}
+
+/// Which half of `complete_and_claim` a row belongs to: `claimed` or a
+/// completion.
+#[derive(sqlx::FromRow)]
+struct RowKind {
+    kind: String,
+}
+
 /// A row of `claim_jobs` (or the claimed rows of `complete_and_claim`) on PostgreSQL.
 fn claimed_from_pg_row(row: &sqlx::postgres::PgRow) -> Result<Claimed> {
-    use sqlx::{FromRow, Row};
-    let base = ClaimRow::from_row(row)?;
-    let request: Json<Value> = row.try_get("request")?;
-    Ok(base.into_claimed(row.try_get("operation")?, request.0, row.try_get("replay_of")?))
+    let row = ClaimedPgRow::from_row(row)?;
+    Ok(row.job.into_claimed(row.operation, row.request.0, row.replay_of))
 }
