@@ -28,7 +28,7 @@ use crate::error::{Error, Result};
 use crate::runs::{Accepted, NewRun};
 use crate::store::{on_conn, on_pool, Conn};
 use crate::time::{duration_ms, Millis};
-use crate::Ferry;
+use crate::{Ferry, Operator, Role};
 
 /// When a schedule ticks.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
@@ -273,7 +273,7 @@ pub fn tick_key(name: &str, tick: i64) -> String {
     format!("schedule:{name}:{tick}")
 }
 
-/// A registered schedule ([`Ferry::list_schedules`]).
+/// A registered schedule ([`Operator::list_schedules`]).
 #[derive(Debug, Clone, PartialEq, serde::Serialize)]
 pub struct Schedule {
     /// Tenant of its runs.
@@ -436,7 +436,8 @@ impl Ferry {
                 .await?
         });
         if created.is_some() {
-            self.audit_in(conn, actor, "schedule.create", &subject, &described)
+            self.operator()
+                .audit_in(conn, actor, "schedule.create", &subject, &described)
                 .await?;
             return Ok(ScheduleChange::Created);
         }
@@ -471,11 +472,14 @@ impl Ferry {
                 .execute(&mut *c)
                 .await?;
         });
-        self.audit_in(conn, actor, "schedule.update", &subject, &described)
+        self.operator()
+            .audit_in(conn, actor, "schedule.update", &subject, &described)
             .await?;
         Ok(ScheduleChange::Updated)
     }
+}
 
+impl Operator<'_> {
     /// Drops schedule `name` of `tenant` (its runs stay), audited under
     /// `actor` with `reason`. False when there was none (nothing audited).
     pub async fn unschedule(&self, tenant: &str, name: &str, actor: &str, reason: &str) -> Result<bool> {
@@ -513,7 +517,9 @@ impl Ferry {
         });
         rows.iter().map(ScheduleRow::public).collect()
     }
+}
 
+impl Ferry {
     /// Fires the ticks due now of up to `limit` schedules, most overdue
     /// first: for each, in one transaction, moves its tick cursor by
     /// compare-and-set and accepts one run per tick its [`Missed`] policy

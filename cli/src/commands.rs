@@ -489,7 +489,7 @@ async fn runs(command: RunsCommand) -> Result<(), CliError> {
                 created_from: millis(since_ms)?,
                 created_before: millis(before_ms)?,
             };
-            let page = ferry.list_runs(&filter, cursor.as_ref(), limit).await?;
+            let page = ferry.operator().list_runs(&filter, cursor.as_ref(), limit).await?;
             for r in &page.runs {
                 println!(
                     "{}  {:<12} {:<16} {:<10} {:<9} job {:<9} attempts {}/{}  created {}  scheduled {}  parent {}  {}",
@@ -514,7 +514,7 @@ async fn runs(command: RunsCommand) -> Result<(), CliError> {
         }
         RunsCommand::Show { db, tenant, run } => {
             let ferry = Ferry::builder(&db.database_url).connect().await?;
-            let l = ferry.run_lineage(&tenant, run).await?;
+            let l = ferry.operator().run_lineage(&tenant, run).await?;
             let r = &l.run;
             println!(
                 "run {} {} {} version {} queue {} job {} attempts {}/{}",
@@ -589,7 +589,7 @@ async fn schedules(command: SchedulesCommand) -> Result<(), CliError> {
     match command {
         SchedulesCommand::List { db, tenant } => {
             let ferry = Ferry::builder(&db.database_url).connect().await?;
-            for s in ferry.list_schedules(tenant.as_deref()).await? {
+            for s in ferry.operator().list_schedules(tenant.as_deref()).await? {
                 println!(
                     "{:<12} {:<20} {:<22} {:<16} queue {:<10} missed {:?}  last {}  next {}",
                     s.tenant,
@@ -611,7 +611,7 @@ async fn schedules(command: SchedulesCommand) -> Result<(), CliError> {
             reason,
         } => {
             let ferry = Ferry::builder(&db.database_url).connect().await?;
-            if ferry.unschedule(&tenant, &name, &actor, &reason).await? {
+            if ferry.operator().unschedule(&tenant, &name, &actor, &reason).await? {
                 println!("removed {tenant}/{name}");
             } else {
                 println!("no schedule {tenant}/{name}");
@@ -625,7 +625,7 @@ async fn queue(command: QueueCommand) -> Result<(), CliError> {
     match command {
         QueueCommand::List { db } => {
             let ferry = Ferry::builder(&db.database_url).connect().await?;
-            for q in ferry.list_queues().await? {
+            for q in ferry.operator().list_queues().await? {
                 println!(
                     "{:<20} {:<7} leased {:<5} {}{}",
                     q.queue,
@@ -638,12 +638,18 @@ async fn queue(command: QueueCommand) -> Result<(), CliError> {
         }
         QueueCommand::Pause { db, queue, audited } => {
             let ferry = Ferry::builder(&db.database_url).connect().await?;
-            ferry.pause_queue(&queue, &audited.actor, &audited.reason).await?;
+            ferry
+                .operator()
+                .pause_queue(&queue, &audited.actor, &audited.reason)
+                .await?;
             println!("paused {queue}");
         }
         QueueCommand::Resume { db, queue, audited } => {
             let ferry = Ferry::builder(&db.database_url).connect().await?;
-            ferry.resume_queue(&queue, &audited.actor, &audited.reason).await?;
+            ferry
+                .operator()
+                .resume_queue(&queue, &audited.actor, &audited.reason)
+                .await?;
             println!("resumed {queue}");
         }
         QueueCommand::Limits {
@@ -664,6 +670,7 @@ async fn queue(command: QueueCommand) -> Result<(), CliError> {
             };
             let ferry = Ferry::builder(&db.database_url).connect().await?;
             ferry
+                .operator()
                 .set_queue_limits(&queue, limits, &audited.actor, &audited.reason)
                 .await?;
             println!("{queue}: {}", limits.describe());
@@ -705,7 +712,7 @@ async fn jobs(command: JobsCommand) -> Result<(), CliError> {
             limit,
         } => {
             let ferry = Ferry::builder(&db.database_url).connect().await?;
-            for j in ferry.list_jobs(&tenant, state, limit).await? {
+            for j in ferry.operator().list_jobs(&tenant, state, limit).await? {
                 println!(
                     "{}  {:<10} {:<12} attempts {}/{}  {}",
                     j.run_id,
@@ -730,7 +737,7 @@ async fn jobs(command: JobsCommand) -> Result<(), CliError> {
             for e in ferry.list_events(&tenant, run).await? {
                 println!("  event {:>3} {:<18} {}", e.seq, e.kind, e.body);
             }
-            for a in ferry.list_attempts(&tenant, run).await? {
+            for a in ferry.operator().list_attempts(&tenant, run).await? {
                 println!(
                     "  attempt {} gen {} {} {} {}",
                     a.attempt,
@@ -749,7 +756,7 @@ async fn jobs(command: JobsCommand) -> Result<(), CliError> {
             reason,
         } => {
             let ferry = Ferry::builder(&db.database_url).connect().await?;
-            ferry.cancel_audited(&tenant, run, &actor, &reason).await?;
+            ferry.operator().cancel_audited(&tenant, run, &actor, &reason).await?;
             println!("cancelled {run}");
         }
         JobsCommand::ReplayDead {
@@ -761,7 +768,10 @@ async fn jobs(command: JobsCommand) -> Result<(), CliError> {
             force,
         } => {
             let ferry = Ferry::builder(&db.database_url).connect().await?;
-            let a = ferry.replay_dead_audited(&tenant, run, &actor, &reason, force).await?;
+            let a = ferry
+                .operator()
+                .replay_dead_audited(&tenant, run, &actor, &reason, force)
+                .await?;
             println!("replayed {run} as {}", a.run.run_id);
         }
     }

@@ -129,7 +129,7 @@ pub async fn run(ferry: &Ferry, stuck_after: Duration, limit: u32) -> Result<Vec
             "exhausted_unterminated",
             Severity::Warning,
             exhausted,
-            "attempts exhausted but not terminalized: run a worker on the queue (it reaps them) or Ferry::reap_exhausted",
+            "attempts exhausted but not terminalized: run a worker on the queue (it reaps them) or ferry.jobs().reap_exhausted",
         ));
         Ok(out)
     }

@@ -148,6 +148,7 @@ pub(crate) async fn replay_job(
     let (tenant, run) = f.target(&principal)?;
     let accepted = state
         .ferry
+        .operator()
         .replay_dead_audited(&tenant, run, &principal.name, &reason, false)
         .await?;
     tracing::info!(actor = %principal.name, %tenant, %run, "console: jobs.replay_dead");
@@ -175,6 +176,7 @@ pub(crate) async fn cancel_run(
     let (tenant, run) = f.target(&principal)?;
     state
         .ferry
+        .operator()
         .cancel_audited(&tenant, run, &principal.name, &reason)
         .await?;
     tracing::info!(actor = %principal.name, %tenant, %run, "console: jobs.cancel");
@@ -236,9 +238,17 @@ async fn queue_action(
         return Err(ConsoleError::BadRequest("queue is required".into()));
     }
     if pause {
-        state.ferry.pause_queue(queue, &principal.name, &reason).await?;
+        state
+            .ferry
+            .operator()
+            .pause_queue(queue, &principal.name, &reason)
+            .await?;
     } else {
-        state.ferry.resume_queue(queue, &principal.name, &reason).await?;
+        state
+            .ferry
+            .operator()
+            .resume_queue(queue, &principal.name, &reason)
+            .await?;
     }
     tracing::info!(actor = %principal.name, queue, pause, "console: queue pause/resume");
     let frame = Frame {

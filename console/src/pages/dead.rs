@@ -43,7 +43,7 @@ pub(crate) async fn page(
         state.store.now(),
     )?;
     let jobs = match t {
-        Some(t) => state.ferry.list_dead(t, code.as_deref(), LIST).await?,
+        Some(t) => state.ferry.operator().list_dead(t, code.as_deref(), LIST).await?,
         None => Vec::new(),
     };
     let frame = Frame {

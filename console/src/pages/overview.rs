@@ -41,6 +41,7 @@ pub(crate) async fn page(
             }
         }
     };
+    let operator = state.ferry.operator();
     let (lanes, owners, relays, census, dead, partitions, queues, now) = tokio::try_join!(
         state.store.outbox_lanes(t),
         state.relay.lane_owners(),
@@ -48,7 +49,7 @@ pub(crate) async fn page(
         jobs,
         state.store.outbox_dead_groups(t),
         state.store.consumer_partitions(),
-        state.ferry.list_queues(),
+        operator.list_queues(),
         state.store.now(),
     )?;
     let paused: BTreeSet<&str> = queues.iter().filter(|q| q.paused).map(|q| q.queue.as_str()).collect();

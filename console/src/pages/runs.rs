@@ -1,6 +1,6 @@
 //! Runs: search (by run id, by tenant and idempotency key, by state,
-//! operation, queue and time, in keyset pages through `Ferry::list_runs`),
-//! and one run's lineage (`Ferry::run_lineage` plus each consumer group's
+//! operation, queue and time, in keyset pages through `Operator::list_runs`),
+//! and one run's lineage (`Operator::run_lineage` plus each consumer group's
 //! ledger entries for its outbox rows): "where is my event?" on one page.
 
 use axum::extract::State;
@@ -124,7 +124,7 @@ pub(crate) async fn search(
         created_before: given(&q.before).map(parse_instant).transpose()?,
     };
     let after: Option<RunCursor> = given(&q.after).map(str::parse).transpose()?;
-    let page = state.ferry.list_runs(&filter, after.as_ref(), PAGE).await?;
+    let page = state.ferry.operator().list_runs(&filter, after.as_ref(), PAGE).await?;
     let frame = Frame {
         principal: &principal,
         tenant: tenant.as_deref(),
@@ -262,7 +262,7 @@ pub(crate) async fn lineage(
     Path((tenant, run_id)): Path<(String, Uuid)>,
 ) -> Result<Markup, ConsoleError> {
     principal.check(&tenant)?;
-    let l = state.ferry.run_lineage(&tenant, run_id).await?;
+    let l = state.ferry.operator().run_lineage(&tenant, run_id).await?;
     let ids: Vec<i64> = l.outbox.iter().map(|o| o.id).collect();
     let (ledger, now, database_id) = tokio::try_join!(
         state.store.ledger_for_outbox_rows(&tenant, &ids),

@@ -468,6 +468,7 @@ impl RelayStore {
             Self::announce_replay(&mut tx, &ids).await?;
             let subject = format!("outbox:{}", serde_json::to_string(&ids).unwrap_or_default());
             self.ferry
+                .operator()
                 .audit_in(tx.conn(), actor, "outbox.replay_dead", &subject, reason)
                 .await?;
             Ok(ids)
