@@ -39,6 +39,7 @@ pub mod queues;
 pub mod retry;
 pub mod runs;
 pub mod schedules;
+pub mod signal;
 pub mod store;
 pub mod telemetry;
 pub mod time;

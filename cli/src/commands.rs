@@ -5,7 +5,6 @@
 #![allow(clippy::print_stdout)]
 
 use ferry::Ferry;
-use ferry_relay::store::RelayStore;
 
 use crate::error::CliError;
 
@@ -43,7 +42,7 @@ pub enum Command {
         #[command(flatten)]
         db: DbArgs,
         /// How long past expiry a lease may sit before it counts as stuck.
-        #[arg(long, value_parser = ferry_relay::config::parse_duration, default_value = "5m")]
+        #[arg(long, value_parser = ferry::time::parse_duration, default_value = "5m")]
         stuck_after: std::time::Duration,
         /// Exit non-zero when a warning or critical finding has items.
         #[arg(long)]
@@ -232,7 +231,7 @@ pub enum QueueCommand {
         #[arg(long, requires = "rate_every")]
         rate_burst: Option<u32>,
         /// Rate limit: one more claim per this interval (e.g. `200ms`, `1s`).
-        #[arg(long, requires = "rate_burst", value_parser = ferry_relay::config::parse_duration)]
+        #[arg(long, requires = "rate_burst", value_parser = ferry::time::parse_duration)]
         rate_every: Option<std::time::Duration>,
         /// Actor and reason.
         #[command(flatten)]
@@ -255,7 +254,7 @@ pub struct ConsoleArgs {
     #[arg(long, env = "FERRY_CONSOLE_TOKEN_FILE")]
     pub token_file: Option<std::path::PathBuf>,
     /// How often the overview's backlog and throughput are sampled.
-    #[arg(long, value_parser = ferry_relay::config::parse_duration, default_value = "5s")]
+    #[arg(long, value_parser = ferry::time::parse_duration, default_value = "5s")]
     pub sample_every: std::time::Duration,
     /// Mark the session cookie `Secure` (when TLS is terminated in front).
     #[arg(long)]
@@ -381,13 +380,13 @@ pub async fn run(cli: Cli) -> Result<(), CliError> {
         }
         Command::Status(db) => {
             let ferry = Ferry::builder(&db.database_url).connect().await?;
-            print!("{}", ferry_relay::status::report(&RelayStore::new(ferry)).await?);
+            print!("{}", ferry.operator().status_report().await?);
             Ok(())
         }
         Command::Dead { command } => match command {
             DeadCommand::List { db, limit } => {
-                let store = RelayStore::new(Ferry::builder(&db.database_url).connect().await?);
-                for r in store.list_dead_outbox(limit).await? {
+                let ferry = Ferry::builder(&db.database_url).connect().await?;
+                for r in ferry.operator().list_dead_outbox(limit).await? {
                     println!(
                         "{:>10}  {:<12} {:<24} {:<24} {}  attempts={}",
                         r.id,
@@ -401,8 +400,8 @@ pub async fn run(cli: Cli) -> Result<(), CliError> {
                 Ok(())
             }
             DeadCommand::Replay { db, id, actor, reason } => {
-                let store = RelayStore::new(Ferry::builder(&db.database_url).connect().await?);
-                let ids = store.replay_dead_outbox(id, &actor, &reason).await?;
+                let ferry = Ferry::builder(&db.database_url).connect().await?;
+                let ids = ferry.operator().replay_dead_outbox(id, &actor, &reason).await?;
                 println!("{} rows back to pending", ids.len());
                 Ok(())
             }
@@ -697,7 +696,7 @@ async fn console(args: ConsoleArgs) -> Result<(), CliError> {
         tracing::warn!(listen = %args.listen, "the console listens beyond loopback: keep it inside the cluster");
     }
     ferry_console::Console::new(ferry, config)?
-        .serve(listener, ferry_relay::cli::shutdown_signal())
+        .serve(listener, ferry::signal::shutdown_signal())
         .await
         .map_err(ferry_console::ConsoleError::from)?;
     Ok(())

@@ -243,6 +243,8 @@ async fn each_role_is_refused_outside_its_grant() {
         .unwrap();
     assert_eq!(
         RelayStore::new(operator.clone())
+            .ferry()
+            .operator()
             .list_dead_outbox(10)
             .await
             .unwrap()
@@ -251,6 +253,8 @@ async fn each_role_is_refused_outside_its_grant() {
     );
     assert_eq!(
         RelayStore::new(operator.clone())
+            .ferry()
+            .operator()
             .replay_dead_outbox(None, "alice", "test")
             .await
             .unwrap()

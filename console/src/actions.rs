@@ -6,7 +6,7 @@
 
 use axum::extract::State;
 use axum::http::HeaderMap;
-use ferry_relay::store::DeadFilter;
+use ferry::operator::DeadFilter;
 use maud::Markup;
 use uuid::Uuid;
 
@@ -94,7 +94,8 @@ pub(crate) async fn replay_outbox(
         max_id,
     };
     let ids = state
-        .relay
+        .ferry
+        .operator()
         .replay_dead_outbox_where(&filter, &principal.name, &reason)
         .await?;
     tracing::info!(actor = %principal.name, rows = ids.len(), "console: outbox.replay_dead");

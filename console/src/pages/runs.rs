@@ -6,8 +6,8 @@
 use axum::extract::State;
 use axum::http::HeaderMap;
 use axum::response::{IntoResponse, Redirect, Response};
+use ferry::outbox::effect_key_of;
 use ferry::{Millis, RunCursor, RunFilter, RunState, RunSummary};
-use ferry_relay::publish::effect_key_of;
 use maud::{html, Markup};
 use uuid::Uuid;
 

@@ -1,12 +1,22 @@
-//! Operator actions with their audit entry: each runs the action and appends
-//! to `ferry_audit` (actor, action, subject, reason) in one transaction, so an
+//! The operator's handle, [`Operator`] (`ferry.operator()`), and its
+//! actions with their audit entry: each runs the action and appends to
+//! `ferry_audit` (actor, action, subject, reason) in one transaction, so an
 //! action that happened is always audited and an audited action always
 //! happened. The `ferry` command line and the web console both call these.
+//! `outbox` holds the dead rows and their replay, `relays` the relays'
+//! state and the status report; the job, queue, run and schedule calls are
+//! beside their domain.
+
+mod outbox;
+mod relays;
 
 use uuid::Uuid;
 
 use crate::runs::Accepted;
 use crate::{Ferry, Result, Role};
+
+pub use outbox::{Backlog, DeadFilter, DeadRow};
+pub use relays::{CaptureState, LaneOwner, LiveRelay, WalSlot};
 
 /// The operator calls, from [`Ferry::operator`]: dead jobs and their replay,
 /// cancel with its audit entry, queue pauses and limits, run listing and
