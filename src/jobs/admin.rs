@@ -8,7 +8,7 @@ use super::*;
 use crate::error::{Error, Result};
 use crate::runs::{get_run_in, Accepted, NewRun, RunState};
 use crate::store::{on_conn, on_pool, Conn};
-use crate::{Operator, Role};
+use crate::{Ferry, Operator, Role};
 
 impl Operator<'_> {
     /// Dead jobs of `tenant`, optionally only those with `error_code`, with
@@ -68,14 +68,14 @@ impl Jobs<'_> {
     }
 }
 
-impl Operator<'_> {
+impl Ferry {
     /// Jobs of `tenant` waiting to be claimed (for backpressure).
     pub async fn queued_depth(&self, tenant: &str) -> Result<i64> {
         let mut c = self.db().acquire().await?;
         self.queued_depth_in(c.conn(), tenant).await
     }
 
-    /// [`Operator::queued_depth`] inside the caller's transaction, counting the
+    /// [`Ferry::queued_depth`] inside the caller's transaction, counting the
     /// runs it accepted and has not committed yet: a service can accept a
     /// run first, so that a retried request is answered as the replay it is
     /// whatever the backlog, and then check its limit before committing.
@@ -88,7 +88,9 @@ impl Operator<'_> {
                 .await?
         }))
     }
+}
 
+impl Operator<'_> {
     /// Replays a dead run as a **new** run of the same operation (so the
     /// worker or [`crate::worker::Router`] that serves the operation serves
     /// the replay), with the dead run's request, queue, attempt budget and

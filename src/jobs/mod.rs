@@ -8,9 +8,10 @@
 //! Terminal transitions write the job, the run, the terminal event and its
 //! outbox row in one transaction.
 //!
-//! The module is split by role: the types here, `lease` (claim, renew,
-//! release, the fence), `terminal` (complete, fail, cancel, reap) and
-//! `admin` (operator queries and replay). The claim and batch completion,
+//! The module is split by role: the types and the [`Jobs`] handle here,
+//! `lease` (claim, renew, release, the fence), `terminal` (complete, fail,
+//! cancel, reap) and `admin` (the queue depth a service's admission reads,
+//! the attempt sweep, and the operator's queries and replay). The claim and batch completion,
 //! which differ per engine, are in the store.
 
 mod admin;

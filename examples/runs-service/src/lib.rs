@@ -405,9 +405,7 @@ async fn admit(state: &AppState, run: NewRun) -> Result<ferry::Accepted, Problem
     let mut tx = state.ferry.begin().await.map_err(|e| error_response(e, retry_after))?;
     let accepted: ferry::Result<Option<ferry::Accepted>> = async {
         let a = state.ferry.create_run_idempotent_in(tx.conn(), run).await?;
-        if !a.replay
-            && state.ferry.operator().queued_depth_in(tx.conn(), &tenant).await? > state.config.max_queued_per_tenant
-        {
+        if !a.replay && state.ferry.queued_depth_in(tx.conn(), &tenant).await? > state.config.max_queued_per_tenant {
             return Ok(None);
         }
         Ok(Some(a))
