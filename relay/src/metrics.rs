@@ -102,7 +102,7 @@ pub struct WalSlotGauges {
 }
 
 impl WalSlotGauges {
-    /// Sets every gauge from `slots` (what `RelayStore::wal_slots` read).
+    /// Sets every gauge from `slots` (what `Operator::wal_slots` read).
     pub fn set(&self, slots: &[ferry::operator::WalSlot]) {
         self.status.clear();
         for s in slots {

@@ -212,7 +212,7 @@ impl Ferry {
         }
     }
 
-    /// [`Jobs::complete_batch`] inside `conn`'s transaction: one set-based
+    /// [`Jobs::complete_batch`](crate::Jobs::complete_batch) inside `conn`'s transaction: one set-based
     /// statement on PostgreSQL, a savepoint per lease on SQLite.
     pub(crate) async fn complete_batch_in(&self, conn: Conn<'_>, items: &[(Lease, Value)]) -> Result<Vec<Result<()>>> {
         match conn {
@@ -304,10 +304,10 @@ impl Ferry {
         Ok(self.answer_completions(c, items, &done).await)
     }
 
-    /// [`Jobs::complete_and_claim`] inside `conn`'s transaction (or, on
+    /// [`Jobs::complete_and_claim`](crate::Jobs::complete_and_claim) inside `conn`'s transaction (or, on
     /// PostgreSQL, as one autocommitted statement when `conn` is outside
-    /// one): completes `items` exactly like [`Jobs::complete_batch`] and
-    /// claims up to `limit` jobs of `queue` exactly like [`Jobs::claim`].
+    /// one): completes `items` exactly like [`Jobs::complete_batch`](crate::Jobs::complete_batch) and
+    /// claims up to `limit` jobs of `queue` exactly like [`Jobs::claim`](crate::Jobs::claim).
     /// `limited` (the caller's reading of the hint, with `conn` in a
     /// transaction) completes first and then claims through [`Ferry::claim_in`],
     /// which takes a limited queue's row lock.

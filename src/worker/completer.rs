@@ -1,6 +1,6 @@
 //! The completer: one task that commits finished attempts' completions in
 //! batches and, in the same statement, claims the next jobs for the slots
-//! those attempts free ([`Jobs::complete_and_claim`]); the claimed jobs are
+//! those attempts free ([`Jobs::complete_and_claim`](crate::Jobs::complete_and_claim)); the claimed jobs are
 //! handed to the claim loop, which spawns them on the slots.
 
 use std::sync::atomic::Ordering;
