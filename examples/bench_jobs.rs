@@ -144,9 +144,12 @@ async fn enqueue_and_claim(base: &str, n: usize) -> Res<()> {
         let ferry_rate = drain(workers, move |_| {
             let f = f.clone();
             async move {
-                let claimed = f.claim("default", "bench", Duration::from_secs(60), batch).await?;
+                let claimed = f
+                    .jobs()
+                    .claim("default", "bench", Duration::from_secs(60), batch)
+                    .await?;
                 for c in &claimed {
-                    f.complete(&c.lease, &json!({})).await?;
+                    f.jobs().complete(&c.lease, &json!({})).await?;
                 }
                 Ok(claimed.len() as u64)
             }
@@ -256,7 +259,7 @@ async fn limits_cost(base: &str, quick: bool) -> Res<()> {
         let (f, pool) = fresh(base, "limits").await?;
         seed_tenants(&pool, jobs, 10).await?;
         if let Some(l) = limits {
-            f.set_queue_limits("default", l, "bench", "bench").await?;
+            f.operator().set_queue_limits("default", l, "bench", "bench").await?;
         }
         let r = run_worker(f, &pool, jobs, 16, 16).await?;
         println!(
@@ -277,10 +280,12 @@ async fn limits_cost(base: &str, quick: bool) -> Res<()> {
     let mut lat = [Vec::new(), Vec::new()];
     // 1000 claims without limits, then 1000 with (the backlog shrinks by 1 %).
     for (limited, limits) in [QueueLimits::default(), loose].into_iter().enumerate() {
-        f.set_queue_limits("default", limits, "bench", "bench").await?;
+        f.operator()
+            .set_queue_limits("default", limits, "bench", "bench")
+            .await?;
         for _ in 0..1000 {
             let t = Instant::now();
-            f.claim("default", "bench", Duration::from_secs(600), 1).await?;
+            f.jobs().claim("default", "bench", Duration::from_secs(600), 1).await?;
             lat[limited].push(t.elapsed());
         }
     }
@@ -305,7 +310,7 @@ async fn claim_latency(base: &str, quick: bool) -> Res<()> {
         let mut raw_lat = Vec::new();
         for _ in 0..1000 {
             let t = Instant::now();
-            f.claim("default", "bench", Duration::from_secs(60), 1).await?;
+            f.jobs().claim("default", "bench", Duration::from_secs(60), 1).await?;
             ferry_lat.push(t.elapsed());
             let t = Instant::now();
             raw_claim(&pool, 1).await?;

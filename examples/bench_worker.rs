@@ -175,9 +175,9 @@ async fn one_claim_per_job(base: &str, jobs: usize) -> Res<()> {
             let lease = Duration::from_secs(60);
             let mut n = 0;
             loop {
-                let claimed = f.claim("default", "bench", lease, 1).await?;
+                let claimed = f.jobs().claim("default", "bench", lease, 1).await?;
                 let Some(c) = claimed.first() else { return Ok(n) };
-                f.complete(&c.lease, &json!({})).await?;
+                f.jobs().complete(&c.lease, &json!({})).await?;
                 n += 1;
             }
         }
@@ -191,9 +191,10 @@ async fn one_claim_per_job(base: &str, jobs: usize) -> Res<()> {
         async move {
             let lease = Duration::from_secs(60);
             let mut n = 0;
-            let mut held = f.claim("default", "bench", lease, 1).await?;
+            let mut held = f.jobs().claim("default", "bench", lease, 1).await?;
             while let Some(c) = held.pop() {
                 let (done, next) = f
+                    .jobs()
                     .complete_and_claim(&[(c.lease, json!({}))], "default", "bench", lease, 1)
                     .await?;
                 done.into_iter().collect::<Result<Vec<()>, _>>()?;

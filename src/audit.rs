@@ -2,9 +2,9 @@
 //! replay, pause) is written in the same transaction as the action itself.
 
 use crate::store::{on_conn, Conn};
-use crate::{Ferry, Result};
+use crate::{Operator, Result, Role};
 
-impl Ferry {
+impl Operator<'_> {
     /// Appends an operator action to `ferry_audit` inside the caller's
     /// transaction, naming the actor, the action, its subject and the reason.
     pub async fn audit_in<'c>(

@@ -6,9 +6,9 @@
 use uuid::Uuid;
 
 use crate::error::{Error, Result};
-use crate::jobs::Lease;
+use crate::jobs::{Jobs, Lease};
 use crate::store::{on_conn, Conn};
-use crate::Ferry;
+use crate::{Ferry, Role};
 
 /// Where an effect stands.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
@@ -79,7 +79,7 @@ struct EffectRow {
     error_code: Option<String>,
 }
 
-/// The answer to [`Ferry::reserve_effect`].
+/// The answer to [`Jobs::reserve_effect`].
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Reservation {
     /// Reserved for this generation: make the external call now.
@@ -87,7 +87,7 @@ pub enum Reservation {
     /// Already succeeded earlier: do not call again; use `provider_ref`.
     AlreadyDone(EffectRecord),
     /// An earlier generation left it `reserved` or `unknown`: call
-    /// [`Ferry::reconcile_effect`] before anything else.
+    /// [`Jobs::reconcile_effect`] before anything else.
     NeedsReconcile(EffectRecord),
 }
 
@@ -108,7 +108,7 @@ pub enum Resolution {
     NotApplied,
 }
 
-impl Ferry {
+impl Jobs<'_> {
     /// Reserves `(step, operation)` under `lease` before an external call.
     /// Returns the existing record when there is one.
     pub async fn reserve_effect(&self, lease: &Lease, step: &str, operation: &str) -> Result<Reservation> {
@@ -220,12 +220,6 @@ impl Ferry {
         Ok(Reservation::Proceed(record))
     }
 
-    /// Reads a record (no fence: reads are harmless).
-    pub async fn get_effect(&self, tenant: &str, run_id: Uuid, step: &str, operation: &str) -> Result<EffectRecord> {
-        let mut c = self.db().acquire().await?;
-        get_effect(c.conn(), tenant, run_id, step, operation).await
-    }
-
     async fn close_effect(
         &self,
         lease: &Lease,
@@ -255,6 +249,14 @@ impl Ferry {
         }
         .await;
         tx.finish(r).await
+    }
+}
+
+impl Ferry {
+    /// Reads a record (no fence: reads are harmless).
+    pub async fn get_effect(&self, tenant: &str, run_id: Uuid, step: &str, operation: &str) -> Result<EffectRecord> {
+        let mut c = self.db().acquire().await?;
+        get_effect(c.conn(), tenant, run_id, step, operation).await
     }
 }
 

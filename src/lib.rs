@@ -4,8 +4,14 @@
 //! One transaction commits the run, its first event, a claimable job, the
 //! idempotency record and an outbox row ([`Ferry::create_run_idempotent`]).
 //! Workers claim jobs under expiring, generation-fenced leases
-//! ([`Ferry::claim`], [`worker::Worker`]); every later transition is a
+//! ([`Jobs::claim`], [`worker::Worker`]); every later transition is a
 //! compare-and-set on the lease. `ferry-relay` carries the outbox to Kafka.
+//!
+//! Each role has its own handle: [`Ferry`] holds what a service calls
+//! (acceptance, the outbox, runs and events, cancel, schedules),
+//! [`Ferry::jobs`] the lease protocol and maintenance a worker runs, and
+//! [`Ferry::operator`] the audited operator calls the command line and the
+//! console make.
 //!
 //! ```no_run
 //! # async fn demo() -> ferry::Result<()> {
@@ -28,12 +34,13 @@ pub mod fingerprint;
 pub mod jobs;
 pub mod limits;
 mod notify;
-mod operator;
+pub mod operator;
 pub mod outbox;
 pub mod queues;
 pub mod retry;
 pub mod runs;
 pub mod schedules;
+pub mod signal;
 pub mod store;
 pub mod telemetry;
 pub mod time;
@@ -46,9 +53,10 @@ pub use effects::{EffectRecord, EffectState, Reservation, Resolution};
 pub use engine::Engine;
 pub use error::{Error, Result};
 pub use fingerprint::{fingerprint, redact, Fingerprint, FINGERPRINT_VERSION};
-pub use jobs::{AttemptOutcome, Claimed, DeadJob, ErrorClass, JobAttempt, JobError, JobState, Lease};
+pub use jobs::{AttemptOutcome, Claimed, DeadJob, ErrorClass, JobAttempt, JobError, JobState, Jobs, Lease};
 pub use limits::Limits;
 pub use notify::CHANNEL as NOTIFY_CHANNEL;
+pub use operator::Operator;
 pub use outbox::OutboxMessage;
 pub use queues::{QueueInfo, QueueLimits, RateLimit};
 pub use retry::RetryPolicy;
@@ -64,7 +72,9 @@ pub use time::{Clock, Millis};
 pub const DEFAULT_EVENTS_TOPIC: &str = "ferry.run-events";
 
 /// The handle a service keeps: a pool, the clock, the limits and the outbox
-/// settings. Cheap to clone.
+/// settings. Cheap to clone. Its methods are the service API; the worker's
+/// lease protocol is on [`Ferry::jobs`] and the operator's calls on
+/// [`Ferry::operator`].
 #[derive(Debug, Clone)]
 pub struct Ferry {
     inner: Arc<Inner>,
@@ -247,6 +257,21 @@ impl Ferry {
         self.inner.db.begin().await
     }
 
+    /// The lease protocol (claim, renew, complete, fail, effect writes, all
+    /// fenced by the lease generation) and maintenance (reaping, sweeps):
+    /// what [`worker::Worker`] and [`worker::JobContext`] call.
+    pub fn jobs(&self) -> Jobs<'_> {
+        Jobs { ferry: self }
+    }
+
+    /// The operator calls (dead jobs and rows, replay and cancel with their
+    /// audit entry, queue pauses and limits, run listing and lineage,
+    /// schedule administration): what the `ferry` command line and the
+    /// console call.
+    pub fn operator(&self) -> Operator<'_> {
+        Operator { ferry: self }
+    }
+
     pub(crate) fn now(&self) -> Option<i64> {
         self.inner.clock.param()
     }
@@ -270,5 +295,50 @@ impl Ferry {
         } else {
             set.remove(queue);
         }
+    }
+}
+
+/// What a role handle ([`Jobs`], [`Operator`]) reaches through the [`Ferry`]
+/// it borrows: the pool, the clock, the limits and the claim hint. Private to
+/// the crate, so a handle's public surface is its role's calls alone.
+pub(crate) trait Role {
+    /// The handle this role borrows.
+    fn ferry(&self) -> &Ferry;
+
+    /// [`Ferry::db`].
+    fn db(&self) -> &Db {
+        self.ferry().db()
+    }
+
+    /// [`Ferry::limits`].
+    fn limits(&self) -> &Limits {
+        self.ferry().limits()
+    }
+
+    /// The instant the clock injects into statements (`None`: the database's).
+    fn now(&self) -> Option<i64> {
+        self.ferry().now()
+    }
+
+    /// [`Ferry::begin`].
+    fn begin(&self) -> impl std::future::Future<Output = Result<Tx>> + Send {
+        self.ferry().begin()
+    }
+
+    /// Whether this process last found `queue` limited (a hint).
+    fn limited_hint(&self, queue: &str) -> bool {
+        self.ferry().limited_hint(queue)
+    }
+}
+
+impl Role for Jobs<'_> {
+    fn ferry(&self) -> &Ferry {
+        self.ferry
+    }
+}
+
+impl Role for Operator<'_> {
+    fn ferry(&self) -> &Ferry {
+        self.ferry
     }
 }

@@ -261,6 +261,24 @@ pub(crate) async fn insert(
     Ok(id)
 }
 
+/// The effect key a row is published under (`ferry-effect-key`), from the
+/// parts of an outbox row: its tenant, the writer's effect key and its id.
+/// Unambiguous across databases and tenants:
+/// - the writer's key, scoped by tenant: `<tenant>/<effect_key>` (a tenant
+///   never contains `/`, so the first `/` ends it);
+/// - otherwise `<database_id>:<outbox id>` (no `/`, so it never equals a
+///   writer's key); `None` without a database id.
+///
+/// The relay stamps it on every record; the console shows it in a run's
+/// lineage.
+pub fn effect_key_of(tenant: &str, writer_key: Option<&str>, id: i64, database_id: Option<&str>) -> Option<String> {
+    match (writer_key, database_id) {
+        (Some(key), _) => Some(format!("{tenant}/{key}")),
+        (None, Some(db)) => Some(format!("{db}:{id}")),
+        (None, None) => None,
+    }
+}
+
 impl Ferry {
     /// Enqueues `msg` inside the caller's transaction; it is published only if
     /// that transaction commits. Returns the outbox id.

@@ -15,7 +15,7 @@ use std::time::Duration;
 use crate::error::{Error, Result};
 use crate::store::{on_conn, on_pool, Conn};
 use crate::time::{duration_ms, Millis};
-use crate::Ferry;
+use crate::{Operator, Role};
 
 /// A token bucket: one claim per `every`, with up to `burst` saved up (a
 /// queue starts full). Each claimed job takes one token.
@@ -81,7 +81,7 @@ impl QueueLimits {
     }
 }
 
-/// A queue with settings, as [`Ferry::list_queues`] reports it.
+/// A queue with settings, as [`Operator::list_queues`] reports it.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
 pub struct QueueInfo {
     /// The queue.
@@ -136,7 +136,7 @@ impl QueueRow {
     }
 }
 
-impl Ferry {
+impl Operator<'_> {
     /// Pauses `queue`: from the next claim on, its jobs are not claimed
     /// (a claim already running may still commit its batch). Leases already
     /// taken are untouched: their handlers renew, complete and fail as
@@ -151,7 +151,7 @@ impl Ferry {
         self.set_paused(queue, false, actor, reason).await
     }
 
-    /// [`Ferry::pause_queue`] (`paused`) or [`Ferry::resume_queue`] inside
+    /// [`Operator::pause_queue`] (`paused`) or [`Operator::resume_queue`] inside
     /// the caller's transaction, with its audit row.
     pub async fn set_queue_paused_in<'c>(
         &self,
@@ -196,7 +196,7 @@ impl Ferry {
         tx.finish(r).await
     }
 
-    /// [`Ferry::set_queue_limits`] inside the caller's transaction.
+    /// [`Operator::set_queue_limits`] inside the caller's transaction.
     pub async fn set_queue_limits_in<'c>(
         &self,
         conn: impl Into<Conn<'c>>,

@@ -81,12 +81,21 @@ async fn claim_complete_and_fail_are_spans_without_payloads() {
         let run = NewRun::new("acme", "charge", key, json!({"card": secret})).queue("q");
         t.ferry.create_run_idempotent(run).await.unwrap();
     }
-    let mut claimed = t.ferry.claim("q", "w1", Duration::from_secs(30), 2).await.unwrap();
+    let mut claimed = t
+        .ferry
+        .jobs()
+        .claim("q", "w1", Duration::from_secs(30), 2)
+        .await
+        .unwrap();
     assert_eq!(spans.field("ferry.claim", "queue").as_deref(), Some("\"q\""));
     assert_eq!(spans.field("ferry.claim", "claimed").as_deref(), Some("2"));
     let bad = claimed.pop().unwrap();
     let ok = claimed.pop().unwrap();
-    t.ferry.complete(&ok.lease, &json!({"receipt": secret})).await.unwrap();
+    t.ferry
+        .jobs()
+        .complete(&ok.lease, &json!({"receipt": secret}))
+        .await
+        .unwrap();
     assert_eq!(
         spans.field("ferry.complete", "run_id"),
         Some(ok.lease.run_id.to_string())
@@ -95,6 +104,7 @@ async fn claim_complete_and_fail_are_spans_without_payloads() {
     assert_eq!(spans.field("ferry.complete", "tenant").as_deref(), Some("acme"));
     let mut rng = <rand::rngs::StdRng as rand::SeedableRng>::seed_from_u64(1);
     t.ferry
+        .jobs()
         .fail(
             &bad.lease,
             &JobError::terminal("card_declined"),

@@ -37,7 +37,7 @@ pub struct DemoArgs {
     #[arg(long, default_value_t = 2000)]
     pub runs: usize,
     /// How long to wait for every record to come back.
-    #[arg(long, value_parser = ferry_relay::config::parse_duration, default_value = "60s")]
+    #[arg(long, value_parser = ferry::time::parse_duration, default_value = "60s")]
     pub timeout: Duration,
 }
 

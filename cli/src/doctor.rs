@@ -129,7 +129,7 @@ pub async fn run(ferry: &Ferry, stuck_after: Duration, limit: u32) -> Result<Vec
             "exhausted_unterminated",
             Severity::Warning,
             exhausted,
-            "attempts exhausted but not terminalized: run a worker on the queue (it reaps them) or Ferry::reap_exhausted",
+            "attempts exhausted but not terminalized: run a worker on the queue (it reaps them) or ferry.jobs().reap_exhausted",
         ));
         Ok(out)
     }
@@ -147,16 +147,16 @@ pub async fn wal_capture(ferry: &Ferry, inactive_lag_bytes: i64) -> Result<Vec<F
     if ferry.db().as_postgres().is_none() {
         return Ok(Vec::new());
     }
-    let store = ferry_relay::store::RelayStore::new(ferry.clone());
-    let now = store.outbox_backlog().await?.now;
-    let capture = ferry_relay::status::CaptureState::read(&store, now).await?;
+    let operator = ferry.operator();
+    let now = operator.outbox_backlog().await?.now;
+    let capture = operator.capture_state(now).await?;
     if capture.slots.is_empty() {
         return Ok(Vec::new());
     }
     let mut state = vec![format!("capture: {}", capture.mode)];
     let (mut lagging, mut at_risk) = (Vec::new(), Vec::new());
     for s in &capture.slots {
-        state.push(format!("{}: {}", s.slot, ferry_relay::status::describe_slot(s)));
+        state.push(format!("{}: {}", s.slot, s.describe()));
         if s.present && !s.active && s.lag_bytes > inactive_lag_bytes {
             lagging.push(format!(
                 "{}: inactive, lag {} bytes (more than {inactive_lag_bytes})",
@@ -173,7 +173,7 @@ pub async fn wal_capture(ferry: &Ferry, inactive_lag_bytes: i64) -> Result<Vec<F
         .filter(|s| s.present)
         .map(|s| s.slot.as_str())
         .collect();
-    let unbounded = if !present.is_empty() && store.wal_keep_size().await?.is_none() {
+    let unbounded = if !present.is_empty() && operator.wal_keep_size().await?.is_none() {
         vec![format!(
             "max_slot_wal_keep_size: -1 (unbounded) with slots {}",
             present.join(", ")

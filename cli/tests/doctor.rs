@@ -27,8 +27,15 @@ async fn doctor_finds_seeded_faults(kind: Kind) {
         .create_run_idempotent(NewRun::new("acme", "charge", "ok", json!({"n": 0})))
         .await
         .unwrap();
-    let c = t.ferry.claim("default", "w", lease, 1).await.unwrap().pop().unwrap();
-    t.ferry.complete(&c.lease, &json!({})).await.unwrap();
+    let c = t
+        .ferry
+        .jobs()
+        .claim("default", "w", lease, 1)
+        .await
+        .unwrap()
+        .pop()
+        .unwrap();
+    t.ferry.jobs().complete(&c.lease, &json!({})).await.unwrap();
     // A schedule's ticks and the follow-ups of different parents share one
     // request: they are no duplicate acceptances.
     let every = ferry::Every::interval(Duration::from_secs(60)).unwrap();
@@ -63,18 +70,30 @@ async fn doctor_finds_seeded_faults(kind: Kind) {
             .await
             .unwrap();
     }
-    let c = t.ferry.claim("default", "w", lease, 1).await.unwrap().pop().unwrap();
+    let c = t
+        .ferry
+        .jobs()
+        .claim("default", "w", lease, 1)
+        .await
+        .unwrap()
+        .pop()
+        .unwrap();
     for (step, reference) in [("a", "ch_1"), ("b", "ch_2")] {
         assert!(matches!(
-            t.ferry.reserve_effect(&c.lease, step, "psp.charge").await.unwrap(),
+            t.ferry
+                .jobs()
+                .reserve_effect(&c.lease, step, "psp.charge")
+                .await
+                .unwrap(),
             Reservation::Proceed(_)
         ));
         t.ferry
+            .jobs()
             .record_effect_success(&c.lease, step, "psp.charge", reference)
             .await
             .unwrap();
     }
-    t.ferry.complete(&c.lease, &json!({})).await.unwrap();
+    t.ferry.jobs().complete(&c.lease, &json!({})).await.unwrap();
     // Two workers completed one run: a second terminal event, and a
     // completion whose generation is not the current one.
     t.exec("DROP INDEX run_events_one_terminal_idx").await.unwrap();
@@ -98,8 +117,8 @@ async fn doctor_finds_seeded_faults(kind: Kind) {
         )
         .await
         .unwrap();
-    t.ferry.claim("shipping", "gone-1", lease, 1).await.unwrap();
-    t.ferry.claim("mail", "gone-2", lease, 1).await.unwrap();
+    t.ferry.jobs().claim("shipping", "gone-1", lease, 1).await.unwrap();
+    t.ferry.jobs().claim("mail", "gone-2", lease, 1).await.unwrap();
     clock.advance(Duration::from_secs(3600)).unwrap();
 
     let f = ferry_cli::doctor::run(&t.ferry, Duration::from_secs(300), 20)

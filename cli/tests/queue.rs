@@ -39,7 +39,7 @@ async fn queue_commands_change_the_claim_and_are_audited(kind: Kind) {
         ],
     )
     .await;
-    assert!(t.ferry.claim("mail", "w", lease, 10).await.unwrap().is_empty());
+    assert!(t.ferry.jobs().claim("mail", "w", lease, 10).await.unwrap().is_empty());
     ferry_cmd(
         &t,
         &[
@@ -67,9 +67,9 @@ async fn queue_commands_change_the_claim_and_are_audited(kind: Kind) {
         ],
     )
     .await;
-    assert_eq!(t.ferry.claim("mail", "w", lease, 10).await.unwrap().len(), 2);
+    assert_eq!(t.ferry.jobs().claim("mail", "w", lease, 10).await.unwrap().len(), 2);
     ferry_cmd(&t, &["queue", "list"]).await;
-    let listed = t.ferry.list_queues().await.unwrap();
+    let listed = t.ferry.operator().list_queues().await.unwrap();
     assert_eq!(
         (listed[0].limits.max_leased, listed[0].tokens, listed[0].leased),
         (Some(2), 3, 2)

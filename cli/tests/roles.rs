@@ -65,14 +65,15 @@ async fn each_role_is_refused_outside_its_grant() {
         .await
         .unwrap();
     let c = service
+        .jobs()
         .claim("default", "w", Duration::from_secs(30), 1)
         .await
         .unwrap()
         .pop()
         .unwrap();
-    service.complete(&c.lease, &json!({})).await.unwrap();
+    service.jobs().complete(&c.lease, &json!({})).await.unwrap();
     // ...reads lineage (outbox delivery state, not payloads)...
-    let lineage = service.run_lineage("acme", run.run_id).await.unwrap();
+    let lineage = service.operator().run_lineage("acme", run.run_id).await.unwrap();
     assert_eq!(lineage.outbox.len(), 2, "run_queued and run_succeeded");
     // ...but cannot read, mark or delete the outbox, take lanes, or touch ledgers.
     refused(&service, "SELECT payload FROM outbox").await;
@@ -148,14 +149,16 @@ async fn each_role_is_refused_outside_its_grant() {
         .unwrap();
     assert_eq!(later.fire_due_ticks(10).await.unwrap().len(), 1);
     // Its only DELETEs are the retention sweeps, each granted for its query...
-    later.sweep_idempotency_keys(100).await.unwrap();
+    later.jobs().sweep_idempotency_keys(100).await.unwrap();
     service
+        .jobs()
         .sweep_attempts(ferry::Millis::new(now).unwrap(), 100)
         .await
         .unwrap();
     // ...so it drops no schedule (the operator's `ferry schedules remove`).
     assert_eq!(
         service
+            .operator()
             .unschedule("acme", "minutely", "svc", "test")
             .await
             .unwrap_err()
@@ -200,6 +203,7 @@ async fn each_role_is_refused_outside_its_grant() {
         .await
         .unwrap();
     operator
+        .operator()
         .audit_in(tx.conn(), "alice", "jobs.cancel", "acme/run", "test")
         .await
         .unwrap();
@@ -210,6 +214,7 @@ async fn each_role_is_refused_outside_its_grant() {
         .unwrap()
         .run;
     let c = service
+        .jobs()
         .claim("default", "w", Duration::from_secs(30), 1)
         .await
         .unwrap()
@@ -217,6 +222,7 @@ async fn each_role_is_refused_outside_its_grant() {
         .unwrap();
     assert_eq!(c.lease.run_id, dead.run_id);
     service
+        .jobs()
         .fail(
             &c.lease,
             &ferry::JobError::terminal("boom"),
@@ -227,6 +233,7 @@ async fn each_role_is_refused_outside_its_grant() {
         .unwrap();
     let mut tx = operator.begin().await.unwrap();
     operator
+        .operator()
         .replay_dead_in(tx.conn(), "acme", dead.run_id, "alice", "test", false)
         .await
         .unwrap();
@@ -236,6 +243,8 @@ async fn each_role_is_refused_outside_its_grant() {
         .unwrap();
     assert_eq!(
         RelayStore::new(operator.clone())
+            .ferry()
+            .operator()
             .list_dead_outbox(10)
             .await
             .unwrap()
@@ -244,6 +253,8 @@ async fn each_role_is_refused_outside_its_grant() {
     );
     assert_eq!(
         RelayStore::new(operator.clone())
+            .ferry()
+            .operator()
             .replay_dead_outbox(None, "alice", "test")
             .await
             .unwrap()
@@ -252,16 +263,29 @@ async fn each_role_is_refused_outside_its_grant() {
     );
     // ...lists runs, reads lineage (effects included) and drops schedules...
     let page = operator
+        .operator()
         .list_runs(&ferry::RunFilter::tenant("acme"), None, 100)
         .await
         .unwrap();
     assert!(page.runs.len() >= 4, "{page:?}");
-    operator.run_lineage("acme", dead.run_id).await.unwrap();
-    assert!(operator.unschedule("acme", "minutely", "alice", "test").await.unwrap());
+    operator.operator().run_lineage("acme", dead.run_id).await.unwrap();
+    assert!(operator
+        .operator()
+        .unschedule("acme", "minutely", "alice", "test")
+        .await
+        .unwrap());
     // The operator pauses and limits queues; the service claims a
     // rate-limited queue (its bucket) but cannot change the settings.
-    operator.pause_queue("default", "alice", "test").await.unwrap();
-    operator.resume_queue("default", "alice", "test").await.unwrap();
+    operator
+        .operator()
+        .pause_queue("default", "alice", "test")
+        .await
+        .unwrap();
+    operator
+        .operator()
+        .resume_queue("default", "alice", "test")
+        .await
+        .unwrap();
     let rate = ferry::QueueLimits {
         max_leased: Some(5),
         rate: Some(ferry::RateLimit {
@@ -271,6 +295,7 @@ async fn each_role_is_refused_outside_its_grant() {
         ..ferry::QueueLimits::default()
     };
     operator
+        .operator()
         .set_queue_limits("limited", rate, "alice", "test")
         .await
         .unwrap();
@@ -278,12 +303,17 @@ async fn each_role_is_refused_outside_its_grant() {
         .create_run_idempotent(NewRun::new("acme", "charge", "k4", json!({"a": 4})).queue("limited"))
         .await
         .unwrap();
-    let limited = service.claim("limited", "w", Duration::from_secs(30), 5).await.unwrap();
+    let limited = service
+        .jobs()
+        .claim("limited", "w", Duration::from_secs(30), 5)
+        .await
+        .unwrap();
     assert_eq!(limited.len(), 1);
-    let queues = operator.list_queues().await.unwrap();
+    let queues = operator.operator().list_queues().await.unwrap();
     assert_eq!((queues[1].queue.as_str(), queues[1].tokens), ("limited", 1));
     assert_eq!(
         service
+            .operator()
             .pause_queue("default", "mallory", "test")
             .await
             .unwrap_err()

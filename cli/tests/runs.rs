@@ -41,6 +41,7 @@ async fn runs_list_pages_and_show_prints_the_lineage(kind: Kind) {
     }
     let job = t
         .ferry
+        .jobs()
         .claim("payments", "worker-1", Duration::from_secs(30), 1)
         .await
         .unwrap()
@@ -52,7 +53,11 @@ async fn runs_list_pages_and_show_prints_the_lineage(kind: Kind) {
         .enqueue_run_in(&mut tx, &job.lease, NewRun::new("acme", "ship", "ship-1", json!({})))
         .await
         .unwrap();
-    t.ferry.complete_in(&mut tx, &job.lease, &json!({})).await.unwrap();
+    t.ferry
+        .jobs()
+        .complete_in(&mut tx, &job.lease, &json!({}))
+        .await
+        .unwrap();
     tx.commit().await.unwrap();
 
     let first = ferry(

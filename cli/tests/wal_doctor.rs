@@ -70,7 +70,7 @@ async fn doctor_warns_about_slots_that_hold_wal_back() {
     let f = ferry_cli::doctor::wal_capture(&ferry, i64::MAX).await.unwrap();
     assert_eq!(items(&f, "wal_slot_wal_status"), ["ferry_doctor: wal_status lost"]);
     assert!(items(&f, "wal_keep_size_unbounded").is_empty(), "{f:?}");
-    let status = ferry_relay::status::report(&store).await.unwrap();
+    let status = ferry.operator().status_report().await.unwrap();
     assert!(
         status
             .lines()

@@ -6,7 +6,7 @@
 
 use axum::extract::State;
 use axum::http::HeaderMap;
-use ferry_relay::store::DeadFilter;
+use ferry::operator::DeadFilter;
 use maud::Markup;
 use uuid::Uuid;
 
@@ -95,7 +95,8 @@ pub(crate) async fn replay_outbox(
         max_id,
     };
     let ids = state
-        .relay
+        .ferry
+        .operator()
         .replay_dead_outbox_where(&filter, &principal.name, &reason)
         .await?;
     tracing::info!(actor = %principal.name, rows = ids.len(), "console: outbox.replay_dead");
@@ -149,6 +150,7 @@ pub(crate) async fn replay_job(
     let (tenant, run) = f.target(&principal)?;
     let accepted = state
         .ferry
+        .operator()
         .replay_dead_audited(&tenant, run, &principal.name, &reason, false)
         .await?;
     tracing::info!(actor = %principal.name, %tenant, %run, "console: jobs.replay_dead");
@@ -176,6 +178,7 @@ pub(crate) async fn cancel_run(
     let (tenant, run) = f.target(&principal)?;
     state
         .ferry
+        .operator()
         .cancel_audited(&tenant, run, &principal.name, &reason)
         .await?;
     tracing::info!(actor = %principal.name, %tenant, %run, "console: jobs.cancel");
@@ -237,9 +240,17 @@ async fn queue_action(
         return Err(ConsoleError::BadRequest("queue is required".into()));
     }
     if pause {
-        state.ferry.pause_queue(queue, &principal.name, &reason).await?;
+        state
+            .ferry
+            .operator()
+            .pause_queue(queue, &principal.name, &reason)
+            .await?;
     } else {
-        state.ferry.resume_queue(queue, &principal.name, &reason).await?;
+        state
+            .ferry
+            .operator()
+            .resume_queue(queue, &principal.name, &reason)
+            .await?;
     }
     tracing::info!(actor = %principal.name, queue, pause, "console: queue pause/resume");
     let frame = Frame {

@@ -22,7 +22,6 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use ferry::Ferry;
-use ferry_relay::store::RelayStore;
 use tokio_util::sync::CancellationToken;
 
 mod actions;
@@ -74,7 +73,6 @@ impl ConsoleConfig {
 
 pub(crate) struct Inner {
     pub(crate) ferry: Ferry,
-    pub(crate) relay: RelayStore,
     pub(crate) store: store::ConsoleStore,
     pub(crate) auth: auth::Auth,
     pub(crate) sampler: sampler::Sampler,
@@ -110,7 +108,6 @@ impl Console {
         }
         Ok(Console {
             inner: Arc::new(Inner {
-                relay: RelayStore::new(ferry.clone()),
                 store: store::ConsoleStore::new(ferry.clone()),
                 ferry,
                 auth: auth::Auth::new(config.tokens, config.session_ttl),

@@ -229,7 +229,7 @@ impl ConsoleStore {
 
     /// Every consumer group's ledger entries for `tenant`'s outbox rows
     /// `ids`, each looked up under the effect key the relay publishes it
-    /// with (`ferry_relay::publish::effect_key`); ids of other tenants'
+    /// with (`ferry::outbox::effect_key_of`); ids of other tenants'
     /// rows match nothing.
     pub async fn ledger_for_outbox_rows(&self, tenant: &str, ids: &[i64]) -> Result<Vec<LedgerEntry>> {
         if ids.is_empty() {

@@ -9,11 +9,6 @@ ON CONFLICT (owner) DO UPDATE SET expires_at = EXCLUDED.expires_at, max_lanes = 
 -- Instances whose heartbeat expired are gone (a restarted one re-inserts itself).
 DELETE FROM relay_instances WHERE expires_at <= {now $1}
 
--- name: live_relays
-SELECT owner, CAST(max_lanes AS BIGINT) AS max_lanes FROM relay_instances
-WHERE expires_at > {now $1}
-ORDER BY owner
-
 -- name: relay_leave
 DELETE FROM relay_instances WHERE owner = $1
 
@@ -116,38 +111,3 @@ WHERE id IN (
     WHERE state = 'delivered' AND delivered_at <= {now $1} - $2
     LIMIT $3
 )
-
--- name: outbox_backlog
--- Read every few seconds off the lane path (not per lane tick): a count over
--- the pending partial index.
-SELECT count(*) AS pending,
-       COALESCE(min(created_at), 0) AS oldest,
-       {now $1} AS now
-FROM outbox WHERE state = 'pending'
-
--- name: outbox_dead_count
-SELECT count(*) FROM outbox WHERE state = 'dead'
-
--- name: list_dead_outbox
--- Dead rows oldest first, optionally only of tenant $2 and error code $3
--- (the operator filters; outbox_dead_idx keeps it off the delivered rows).
-SELECT id, tenant, topic, key, last_error, publish_attempts, created_at
-FROM outbox
-WHERE state = 'dead'
-  AND ($2{pg:::text} IS NULL OR tenant = $2)
-  AND ($3{pg:::text} IS NULL OR last_error = $3)
-ORDER BY id LIMIT $1
-
--- name: replay_dead_outbox
--- Back to pending: every dead row, or only id $1, only of tenant $2, only
--- with error code $3, only up to id $4.
-UPDATE outbox SET state = 'pending', last_error = NULL
-WHERE state = 'dead'
-  AND ($1{pg:::bigint} IS NULL OR id = $1)
-  AND ($2{pg:::text} IS NULL OR tenant = $2)
-  AND ($3{pg:::text} IS NULL OR last_error = $3)
-  AND ($4{pg:::bigint} IS NULL OR id <= $4)
-RETURNING id
-
--- name: lane_owners
-SELECT lane, owner, generation, lease_expires_at FROM relay_lanes ORDER BY lane

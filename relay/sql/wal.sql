@@ -90,48 +90,12 @@ WHERE id = $1 AND state = 'pending'
 UPDATE outbox SET publish_attempts = publish_attempts + 1, last_error = $2
 WHERE id = $1 AND state = 'pending'
 
--- name: wal_announce_replay [postgres only]
--- In the transaction that puts dead rows back to pending: WAL capture
--- streams inserts only, so the replay is announced in the WAL as a
--- transactional logical message (prefix `ferry.replay.<database id>`, the
--- ids as JSON), which reaches the stream in this transaction's commit order.
--- Nothing is written below wal_level = logical (the relay then polls).
-SELECT pg_logical_emit_message(true, 'ferry.replay.' || s.value, $1::text)::text
-FROM ferry_settings s
-WHERE s.name = 'database_id' AND current_setting('wal_level') = 'logical'
-
 -- name: wal_pending_ids [postgres only]
 -- The rows a replay announced, still pending, in id order.
 SELECT id, tenant, topic, key, payload, headers, effect_key, traceparent, created_at
 FROM outbox
 WHERE id {ids $1} AND state = 'pending'
 ORDER BY id
-
--- name: wal_slots [postgres only]
--- The slots WAL capture made in this schema, for `status`, `doctor` and the
--- relay's gauges: whether a relay streams from each (a walsender holds it:
--- `active` alone is also true while `pg_create_logical_replication_slot`
--- builds the slot), how many bytes of WAL
--- it holds back (the current position minus its confirmed one), its time
--- lag (how long the oldest row not yet delivered has waited: the slot's
--- confirmed position has passed no pending row; 0 when none waits), and
--- PostgreSQL's `wal_status` and `safe_wal_size` (NULL when it has none).
-SELECT w.slot,
-       EXISTS (SELECT 1 FROM pg_stat_replication r WHERE r.pid = s.active_pid) AS active,
-       s.slot_name IS NOT NULL AS present,
-       COALESCE((pg_current_wal_lsn() - s.confirmed_flush_lsn)::bigint, 0) AS lag_bytes,
-       COALESCE((SELECT {now $1} - min(o.created_at) FROM outbox o WHERE o.state = 'pending'), 0) AS lag_ms,
-       s.wal_status::text AS wal_status,
-       s.safe_wal_size::bigint AS safe_wal_size
-FROM relay_wal_slots w
-LEFT JOIN pg_replication_slots s ON s.slot_name = w.slot
-ORDER BY w.slot
-
--- name: wal_keep_size [postgres only]
--- `max_slot_wal_keep_size` in bytes, -1 when unbounded (a slot then holds
--- WAL for ever while its relay is gone).
-SELECT CASE WHEN setting::bigint < 0 THEN -1 ELSE setting::bigint * 1024 * 1024 END
-FROM pg_settings WHERE name = 'max_slot_wal_keep_size'
 
 -- name: wal_states [postgres only]
 -- The rows of $1 this statement sees, with their state. Logical decoding

@@ -9,7 +9,6 @@ use ferry::Ferry;
 
 use crate::config::RelayConfig;
 use crate::error::RelayError;
-use crate::store::RelayStore;
 
 /// `ferry-relay`.
 #[derive(Debug, clap::Parser)]
@@ -43,22 +42,6 @@ pub struct DbArgs {
     pub database_url: String,
 }
 
-/// Resolves on SIGTERM or Ctrl-C.
-pub async fn shutdown_signal() {
-    #[cfg(unix)]
-    {
-        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).ok();
-        tokio::select! {
-            _ = tokio::signal::ctrl_c() => {}
-            _ = async { match term.as_mut() { Some(t) => { t.recv().await; } None => std::future::pending().await } } => {}
-        }
-    }
-    #[cfg(not(unix))]
-    {
-        let _ = tokio::signal::ctrl_c().await;
-    }
-}
-
 /// Runs a parsed command; `run` stops when `shutdown` resolves.
 pub async fn run(cli: Cli, shutdown: impl Future<Output = ()>) -> Result<(), RelayError> {
     match cli.command {
@@ -75,7 +58,7 @@ pub async fn run(cli: Cli, shutdown: impl Future<Output = ()>) -> Result<(), Rel
         }
         Command::Status(db) => {
             let ferry = Ferry::builder(&db.database_url).connect().await?;
-            print!("{}", crate::status::report(&RelayStore::new(ferry)).await?);
+            print!("{}", ferry.operator().status_report().await?);
             Ok(())
         }
     }

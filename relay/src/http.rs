@@ -28,7 +28,7 @@ pub async fn serve(listener: tokio::net::TcpListener, state: Arc<RelayState>, st
 async fn ready(State(state): State<Arc<RelayState>>) -> impl IntoResponse {
     if state.ready.load(Ordering::Relaxed)
         && !state.fatal.is_cancelled()
-        && state.store.outbox_dead_count().await.is_ok()
+        && state.store.ferry().operator().outbox_dead_count().await.is_ok()
     {
         (StatusCode::OK, "ready")
     } else {

@@ -21,7 +21,6 @@ pub mod metrics;
 pub mod publish;
 pub mod service;
 pub mod state;
-pub mod status;
 pub mod store;
 pub mod wal;
 

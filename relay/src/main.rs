@@ -6,7 +6,7 @@ use clap::Parser;
 async fn main() -> std::process::ExitCode {
     let cli = ferry_relay::cli::Cli::parse();
     let _telemetry = ferry::telemetry::init("ferry-relay", "info");
-    match ferry_relay::cli::run(cli, ferry_relay::cli::shutdown_signal()).await {
+    match ferry_relay::cli::run(cli, ferry::signal::shutdown_signal()).await {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(e) => {
             tracing::error!(code = e.code(), "{e}");

@@ -98,12 +98,12 @@ pub struct WalSlotGauges {
     /// 1 for the slot's current `wal_status`.
     pub status: Family<SlotStatusLabel, Gauge>,
     /// The latest samples, for the OpenTelemetry callbacks.
-    latest: std::sync::Arc<std::sync::Mutex<Vec<crate::store::WalSlot>>>,
+    latest: std::sync::Arc<std::sync::Mutex<Vec<ferry::operator::WalSlot>>>,
 }
 
 impl WalSlotGauges {
-    /// Sets every gauge from `slots` (what `RelayStore::wal_slots` read).
-    pub fn set(&self, slots: &[crate::store::WalSlot]) {
+    /// Sets every gauge from `slots` (what `Operator::wal_slots` read).
+    pub fn set(&self, slots: &[ferry::operator::WalSlot]) {
         self.status.clear();
         for s in slots {
             let l = SlotLabel { slot: s.slot.clone() };
@@ -132,7 +132,7 @@ impl WalSlotGauges {
 
 /// A slot's `wal_status` label: PostgreSQL's, or `dropped` when the slot no
 /// longer exists.
-fn status_label(s: &crate::store::WalSlot) -> String {
+fn status_label(s: &ferry::operator::WalSlot) -> String {
     s.wal_status.clone().unwrap_or_else(|| "dropped".into())
 }
 
@@ -473,7 +473,7 @@ impl Otel {
                 .with_callback(move |o| o.observe(age.get(), &[]))
                 .build(),
         ));
-        type Pick = fn(&crate::store::WalSlot) -> Option<f64>;
+        type Pick = fn(&ferry::operator::WalSlot) -> Option<f64>;
         let picks: [(&'static str, Pick); 4] = [
             ("ferry_relay_wal_slot_lag_bytes", |s| Some(s.lag_bytes as f64)),
             ("ferry_relay_wal_slot_lag_seconds", |s| Some(s.lag_ms as f64 / 1000.0)),

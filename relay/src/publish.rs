@@ -139,24 +139,10 @@ pub fn delivered(
     }
 }
 
-/// The `ferry-effect-key` of a row, unambiguous across databases and tenants:
-/// - the writer's key, scoped by tenant: `<tenant>/<effect_key>` (a tenant
-///   never contains `/`, so the first `/` ends it);
-/// - otherwise `<database_id>:<outbox id>` (no `/`, so it never equals a
-///   writer's key); `None` without a database id.
+/// The `ferry-effect-key` of a row ([`ferry::outbox::effect_key_of`]),
+/// unambiguous across databases and tenants; `None` without a database id.
 pub fn effect_key(row: &PendingRow, database_id: Option<&str>) -> Option<String> {
-    effect_key_of(&row.tenant, row.effect_key.as_deref(), row.id, database_id)
-}
-
-/// [`effect_key`] from the parts of an outbox row: its tenant, the writer's
-/// effect key and its id, for readers that show or look up the key a row is
-/// published under (the console's lineage) without holding a [`PendingRow`].
-pub fn effect_key_of(tenant: &str, writer_key: Option<&str>, id: i64, database_id: Option<&str>) -> Option<String> {
-    match (writer_key, database_id) {
-        (Some(key), _) => Some(format!("{tenant}/{key}")),
-        (None, Some(db)) => Some(format!("{db}:{id}")),
-        (None, None) => None,
-    }
+    ferry::outbox::effect_key_of(&row.tenant, row.effect_key.as_deref(), row.id, database_id)
 }
 
 /// The headers of a row's record: the row's own, plus `ferry-outbox-id`,

@@ -34,14 +34,14 @@ impl RelayState {
     /// pending age, dead rows, the WAL capture slots); done every [`GAUGES_EVERY`] off the lane
     /// path, and at each scrape.
     pub async fn refresh_gauges(&self) {
-        if let Ok(b) = self.store.outbox_backlog().await {
+        if let Ok(b) = self.store.ferry().operator().outbox_backlog().await {
             self.metrics.backlog.set(b.pending);
             self.metrics.oldest_pending_age.set(b.oldest_age_ms() as f64 / 1000.0);
         }
-        if let Ok(n) = self.store.outbox_dead_count().await {
+        if let Ok(n) = self.store.ferry().operator().outbox_dead_count().await {
             self.metrics.dead_rows.set(n);
         }
-        if let Ok(slots) = self.store.wal_slots().await {
+        if let Ok(slots) = self.store.ferry().operator().wal_slots().await {
             self.metrics.wal_slots.set(&slots);
         }
     }

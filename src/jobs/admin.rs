@@ -8,9 +8,9 @@ use super::*;
 use crate::error::{Error, Result};
 use crate::runs::{get_run_in, Accepted, NewRun, RunState};
 use crate::store::{on_conn, on_pool, Conn};
-use crate::Ferry;
+use crate::{Ferry, Operator, Role};
 
-impl Ferry {
+impl Operator<'_> {
     /// Dead jobs of `tenant`, optionally only those with `error_code`, with
     /// their attempt history.
     pub async fn list_dead(&self, tenant: &str, error_code: Option<&str>, limit: u32) -> Result<Vec<DeadJob>> {
@@ -50,7 +50,9 @@ impl Ferry {
                 .await?
         }))
     }
+}
 
+impl Jobs<'_> {
     /// Deletes up to `batch` finished attempt rows older than `before`
     /// (retention of attempt history). Returns how many.
     pub async fn sweep_attempts(&self, before: crate::Millis, batch: u32) -> Result<u64> {
@@ -64,7 +66,9 @@ impl Ferry {
         });
         Ok(done)
     }
+}
 
+impl Ferry {
     /// Jobs of `tenant` waiting to be claimed (for backpressure).
     pub async fn queued_depth(&self, tenant: &str) -> Result<i64> {
         let mut c = self.db().acquire().await?;
@@ -84,7 +88,9 @@ impl Ferry {
                 .await?
         }))
     }
+}
 
+impl Operator<'_> {
     /// Replays a dead run as a **new** run of the same operation (so the
     /// worker or [`crate::worker::Router`] that serves the operation serves
     /// the replay), with the dead run's request, queue, attempt budget and
@@ -111,7 +117,7 @@ impl Ferry {
         tx.finish(r).await
     }
 
-    /// [`Ferry::replay_dead`] inside the caller's transaction.
+    /// [`Operator::replay_dead`] inside the caller's transaction.
     pub async fn replay_dead_in<'c>(
         &self,
         conn: impl Into<Conn<'c>>,
@@ -165,7 +171,7 @@ impl Ferry {
             .max_attempts(job.max_attempts as u32)
             .priority(job.priority);
         new.replay_of = Some(run_id);
-        let accepted = self.create_run_idempotent_in(conn.reborrow(), new).await?;
+        let accepted = self.ferry.create_run_idempotent_in(conn.reborrow(), new).await?;
         if accepted.replay {
             // The key was taken, and nothing was written. By this run's
             // replay: it is the answer again. By any other run (a client
@@ -180,7 +186,8 @@ impl Ferry {
             });
         }
         let body = json!({ "actor": actor, "reason": reason, "new_run_id": accepted.run.run_id });
-        self.append_event_in(conn, tenant, run_id, "replay_requested", &body)
+        self.ferry
+            .append_event_in(conn, tenant, run_id, "replay_requested", &body)
             .await?;
         Ok(accepted)
     }

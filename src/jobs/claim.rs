@@ -208,7 +208,7 @@ impl Ferry {
         }
     }
 
-    /// [`Ferry::complete_batch`] inside `conn`'s transaction: one set-based
+    /// [`Jobs::complete_batch`](crate::Jobs::complete_batch) inside `conn`'s transaction: one set-based
     /// statement on PostgreSQL, a savepoint per lease on SQLite.
     pub(crate) async fn complete_batch_in(&self, conn: Conn<'_>, items: &[(Lease, Value)]) -> Result<Vec<Result<()>>> {
         match conn {
@@ -218,7 +218,7 @@ impl Ferry {
                 for (lease, result) in items {
                     // A savepoint per lease keeps a refused one from leaving half its writes.
                     let mut sp = sqlx::Connection::begin(&mut *c).await?;
-                    let one = self.complete_in(Conn::Sqlite(&mut sp), lease, result).await;
+                    let one = self.jobs().complete_in(Conn::Sqlite(&mut sp), lease, result).await;
                     if one.is_ok() {
                         sp.commit().await?;
                     } else {
@@ -268,7 +268,10 @@ impl Ferry {
                 if done.contains(&(lease.tenant.clone(), lease.run_id, lease.generation)) {
                     Ok(())
                 } else {
-                    Err(self.refusal(Conn::Postgres(&mut *c), lease, Transition::Finish).await)
+                    Err(self
+                        .jobs()
+                        .refusal(Conn::Postgres(&mut *c), lease, Transition::Finish)
+                        .await)
                 },
             );
         }
@@ -293,10 +296,10 @@ impl Ferry {
         Ok(self.answer_completions(c, items, &done).await)
     }
 
-    /// [`Ferry::complete_and_claim`] inside `conn`'s transaction (or, on
+    /// [`Jobs::complete_and_claim`](crate::Jobs::complete_and_claim) inside `conn`'s transaction (or, on
     /// PostgreSQL, as one autocommitted statement when `conn` is outside
-    /// one): completes `items` exactly like [`Ferry::complete_batch`] and
-    /// claims up to `limit` jobs of `queue` exactly like [`Ferry::claim`].
+    /// one): completes `items` exactly like [`Jobs::complete_batch`](crate::Jobs::complete_batch) and
+    /// claims up to `limit` jobs of `queue` exactly like [`Jobs::claim`](crate::Jobs::claim).
     /// `limited` (the caller's reading of the hint, with `conn` in a
     /// transaction) completes first and then claims through [`Ferry::claim_in`],
     /// which takes a limited queue's row lock.

@@ -1,16 +1,16 @@
 //! Lease transitions: claim, renew, release, and the fence every terminal
-//! transition takes first; a refused fence is named by [`Ferry::refusal`].
+//! transition takes first; a refused fence is named by [`Jobs::refusal`].
 
 use std::time::Duration;
 
 use super::*;
 use crate::error::{Error, Result};
 use crate::store::{on_conn, on_pool, Conn};
-use crate::Ferry;
+use crate::Role;
 
-impl Ferry {
+impl Jobs<'_> {
     /// Claims up to `limit` eligible jobs of `queue` for `owner`, each under a
-    /// lease of `lease`, never past the run's deadline (like [`Ferry::renew`]). Eligible: due, under the attempt budget, not
+    /// lease of `lease`, never past the run's deadline (like [`Jobs::renew`]). Eligible: due, under the attempt budget, not
     /// cancelled, and queued or leased past expiry. Higher priorities first,
     /// aged by waiting ([`NewRun::priority`](crate::NewRun)). On PostgreSQL this is one
     /// `FOR UPDATE SKIP LOCKED` statement that also writes the attempt rows.
@@ -29,7 +29,7 @@ impl Ferry {
             .record("owner", owner)
             .record("limit", limit);
         let mut tx = self.begin().await?;
-        let result = self.claim_in(tx.conn(), queue, owner, lease_ms, limit).await;
+        let result = self.ferry.claim_in(tx.conn(), queue, owner, lease_ms, limit).await;
         let claimed = tx.finish(result).await?;
         span.record("claimed", claimed.len());
         Ok(claimed)
@@ -42,7 +42,7 @@ impl Ferry {
         crate::Millis::new(self.renew_at(lease, duration).await?.0)
     }
 
-    /// [`Ferry::renew`], also returning the instant the new expiry was
+    /// [`Jobs::renew`], also returning the instant the new expiry was
     /// computed from: `(expires_at, now)`.
     pub(crate) async fn renew_at(&self, lease: &Lease, duration: Duration) -> Result<(i64, i64)> {
         let ms = positive_ms("lease", duration)?;

@@ -8,9 +8,10 @@
 //! Terminal transitions write the job, the run, the terminal event and its
 //! outbox row in one transaction.
 //!
-//! The module is split by role: the types here, `lease` (claim, renew,
-//! release, the fence), `terminal` (complete, fail, cancel, reap) and
-//! `admin` (operator queries and replay). The claim and batch completion,
+//! The module is split by role: the types and the [`Jobs`] handle here,
+//! `lease` (claim, renew, release, the fence), `terminal` (complete, fail,
+//! cancel, reap) and `admin` (the queue depth a service's admission reads,
+//! the attempt sweep, and the operator's queries and replay). The claim and batch completion,
 //! which differ per engine, are in the store.
 
 mod admin;
@@ -30,6 +31,17 @@ use crate::error::{Error, Result};
 use crate::retry::RetryPolicy;
 use crate::store::{on_conn, Conn};
 use crate::time::duration_ms;
+use crate::Ferry;
+
+/// The lease protocol and maintenance, from [`Ferry::jobs`]: claim, renew,
+/// release, complete, fail and the effect writes, each fenced by the lease
+/// generation, plus reaping and the sweeps. [`crate::worker::Worker`] and
+/// [`crate::worker::JobContext`] call it; a service rarely needs to. It
+/// borrows the `Ferry`, so it costs nothing to make.
+#[derive(Debug, Clone, Copy)]
+pub struct Jobs<'a> {
+    pub(crate) ferry: &'a Ferry,
+}
 
 /// Proof of a claim: `(tenant, run_id, owner, generation)`. Every later
 /// transition of the job is a compare-and-set on it.
@@ -262,7 +274,7 @@ impl From<crate::Error> for JobError {
     }
 }
 
-/// What [`crate::Ferry::fail`] did with the attempt.
+/// What [`crate::Jobs::fail`] did with the attempt.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum FailOutcome {
     /// Requeued, claimable again at `available_at`.

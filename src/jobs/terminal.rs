@@ -9,11 +9,11 @@ use super::*;
 use crate::error::{Error, Result};
 use crate::runs::{get_run_in, write_event, Event};
 use crate::store::{on_conn, Conn};
-use crate::Ferry;
+use crate::{Ferry, Role};
 
-impl Ferry {
+impl Jobs<'_> {
     /// Completes many leases in one transaction (one commit): each is fenced
-    /// and terminalized exactly like [`Ferry::complete`]. Returns one result
+    /// and terminalized exactly like [`Jobs::complete`]. Returns one result
     /// per lease, in order; a refused lease does not affect the others.
     #[tracing::instrument(name = "ferry.complete_batch", skip_all, fields(count = items.len()))]
     pub async fn complete_batch(&self, items: &[(Lease, Value)]) -> Result<Vec<Result<()>>> {
@@ -21,15 +21,15 @@ impl Ferry {
             self.limits().json("result", result)?;
         }
         let mut tx = self.begin().await?;
-        let r = self.complete_batch_in(tx.conn(), items).await;
+        let r = self.ferry.complete_batch_in(tx.conn(), items).await;
         tx.finish(r).await
     }
 
     /// Completes `items` and claims the next jobs for the freed slots, in one
     /// commit: each lease is fenced and terminalized exactly like
-    /// [`Ferry::complete`] (one result per lease, in order; a refused lease
+    /// [`Jobs::complete`] (one result per lease, in order; a refused lease
     /// affects neither the others nor the claim), and up to `limit` jobs of
-    /// `queue` are claimed for `owner` exactly like [`Ferry::claim`]. On
+    /// `queue` are claimed for `owner` exactly like [`Jobs::claim`]. On
     /// PostgreSQL it is ONE statement, autocommitted: one round trip (a
     /// refused lease costs one more read to name the refusal, after the
     /// commit). On SQLite it is one transaction. Either both halves commit
@@ -49,20 +49,20 @@ impl Ferry {
         let limited = self.limited_hint(queue);
         let out = if self.db().writes_in_one_statement() && !limited {
             let mut c = self.db().acquire().await?;
-            self.complete_and_claim_on(c.conn(), items, args, false).await?
+            self.ferry.complete_and_claim_on(c.conn(), items, args, false).await?
         } else {
             // SQLite, and a queue this process found limited on PostgreSQL:
             // the limited claim takes the queue's row lock, which needs a
             // transaction.
             let mut tx = self.begin().await?;
-            let r = self.complete_and_claim_on(tx.conn(), items, args, limited).await;
+            let r = self.ferry.complete_and_claim_on(tx.conn(), items, args, limited).await;
             tx.finish(r).await?
         };
         span.record("claimed", out.1.len());
         Ok(out)
     }
 
-    /// [`Ferry::complete_and_claim`] inside the caller's transaction: both
+    /// [`Jobs::complete_and_claim`] inside the caller's transaction: both
     /// halves commit or roll back with it. `conn` must be in a transaction:
     /// in a limited queue the claim holds the queue's settings row until
     /// commit, which is what keeps concurrent claims within the limits. On
@@ -80,7 +80,8 @@ impl Ferry {
         limit: u32,
     ) -> Result<(Vec<Result<()>>, Vec<Claimed>)> {
         let args = self.check_complete_and_claim(items, queue, owner, lease, limit)?;
-        self.complete_and_claim_on(conn.into(), items, args, self.limited_hint(queue))
+        self.ferry
+            .complete_and_claim_on(conn.into(), items, args, self.limited_hint(queue))
             .await
     }
 
@@ -113,7 +114,7 @@ impl Ferry {
         tx.finish(r).await
     }
 
-    /// [`Ferry::complete`] inside the caller's transaction, so a handler
+    /// [`Jobs::complete`] inside the caller's transaction, so a handler
     /// commits its own domain writes and the job's completion atomically.
     /// Fenced exactly like `complete`: a lost lease is [`Error::LostLease`]
     /// and the caller must roll back. `conn` is a [`Conn`], a `&mut Tx`, or
@@ -261,7 +262,9 @@ impl Ferry {
             }
         }
     }
+}
 
+impl Ferry {
     /// Cancels a run: the job becomes unclaimable, the run `cancelled`, and
     /// `run_cancelled` (with who asked and why) is appended with its outbox
     /// row, atomically. With `expected_version` it is a compare-and-set on the
@@ -312,15 +315,16 @@ impl Ferry {
             });
         };
         let body = json!({ "actor": actor, "reason": reason });
-        self.terminate(
-            conn.reborrow(),
-            (tenant, run_id),
-            Terminal::Cancelled,
-            expected_version,
-            &body,
-            now,
-        )
-        .await?;
+        self.jobs()
+            .terminate(
+                conn.reborrow(),
+                (tenant, run_id),
+                Terminal::Cancelled,
+                expected_version,
+                &body,
+                now,
+            )
+            .await?;
         on_conn!(conn, |c, q| {
             sqlx::query(q.close_attempt)
                 .bind(tenant)
@@ -335,7 +339,9 @@ impl Ferry {
         });
         Ok(())
     }
+}
 
+impl Jobs<'_> {
     /// Makes dead the due jobs of `queue` nobody may work any more: the last
     /// allowed attempt's lease expired (`lease_expired`: the worker vanished),
     /// or the run's deadline passed (`deadline_exceeded`). The run fails with
@@ -464,6 +470,6 @@ impl Ferry {
             at,
             traceparent: None,
         };
-        write_event(self, conn, event).await
+        write_event(self.ferry, conn, event).await
     }
 }

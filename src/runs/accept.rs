@@ -34,9 +34,9 @@ impl Ferry {
     /// transaction: workflows as chains. The run's parent is the leased run
     /// (`parent_run_id`), its tenant must be the lease's, and the lease is
     /// checked and the job row held for the rest of the transaction (the
-    /// fence [`Ferry::complete_in`] takes), so a stale handler creates
+    /// fence [`Jobs::complete_in`](crate::Jobs::complete_in) takes), so a stale handler creates
     /// nothing: [`Error::LostLease`], [`Error::RunTerminal`] and the caller
-    /// rolls back. Commit it with [`Ferry::complete_in`] in the same
+    /// rolls back. Commit it with [`Jobs::complete_in`](crate::Jobs::complete_in) in the same
     /// transaction and the child exists if and only if the parent's job
     /// completed. The child's idempotency key makes a retried handler replay
     /// the child instead of creating a second one. The parent is not part
@@ -64,7 +64,7 @@ impl Ferry {
             ));
         }
         run.validate(self)?;
-        self.lock_fence(conn.reborrow(), lease).await?;
+        self.jobs().lock_fence(conn.reborrow(), lease).await?;
         let key_hash = redact(&run.idempotency_key);
         let operation = run.operation.clone();
         let accepted = self.create_run_idempotent_in(conn, run.parent(lease.run_id)).await?;

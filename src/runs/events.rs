@@ -7,9 +7,10 @@ use uuid::Uuid;
 
 use super::*;
 use crate::error::{violated_constraint, Error, Result};
+use crate::jobs::Jobs;
 use crate::outbox::{self, OutboxMessage};
 use crate::store::{on_conn, on_pool, Conn};
-use crate::Ferry;
+use crate::{Ferry, Role};
 
 impl Ferry {
     /// The run, if it belongs to `tenant`.
@@ -82,7 +83,9 @@ impl Ferry {
         let result = self.append_event_in(tx.conn(), tenant, run_id, kind, body).await;
         tx.finish(result).await
     }
+}
 
+impl Jobs<'_> {
     /// Deletes up to `batch` expired idempotency records; returns how many.
     /// Call it until it returns less than `batch`.
     pub async fn sweep_idempotency_keys(&self, batch: u32) -> Result<u64> {

@@ -1,6 +1,6 @@
-//! Run inspection for operators and consoles: [`Ferry::list_runs`] (by
+//! Run inspection for operators and consoles: [`Operator::list_runs`] (by
 //! tenant, state, queue, operation and time, newest first, with keyset
-//! pagination) and [`Ferry::run_lineage`] (one run with its events,
+//! pagination) and [`Operator::run_lineage`] (one run with its events,
 //! attempts, effects, outbox rows and child runs).
 //!
 //! Pages are keyset pages on `(created_at, run_id)`: each page is one index
@@ -20,9 +20,9 @@ use crate::error::{Error, Result};
 use crate::jobs::{JobAttempt, JobState};
 use crate::store::queries::Queries;
 use crate::store::{on_conn, Conn};
-use crate::Ferry;
+use crate::{Operator, Role};
 
-/// Which runs [`Ferry::list_runs`] returns. Every field narrows the list;
+/// Which runs [`Operator::list_runs`] returns. Every field narrows the list;
 /// the default is every run of every tenant.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct RunFilter {
@@ -76,7 +76,7 @@ impl RunFilter {
     }
 }
 
-/// Where the next page of [`Ferry::list_runs`] starts: opaque to callers,
+/// Where the next page of [`Operator::list_runs`] starts: opaque to callers,
 /// carried as a string (a query parameter, a CLI flag) through
 /// [`fmt::Display`] and [`FromStr`]. A cursor only means "below this row",
 /// so it stays valid while runs are accepted. It holds the row's tenant
@@ -198,7 +198,7 @@ impl TryFrom<SummaryRow> for RunSummary {
     }
 }
 
-/// A page of [`Ferry::list_runs`].
+/// A page of [`Operator::list_runs`].
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
 pub struct RunPage {
     /// The runs, newest first.
@@ -233,7 +233,7 @@ pub struct OutboxRow {
     pub delivered_at: Option<Millis>,
 }
 
-/// Everything Ferry holds about one run ([`Ferry::run_lineage`]).
+/// Everything Ferry holds about one run ([`Operator::run_lineage`]).
 #[derive(Debug, Clone, PartialEq, serde::Serialize)]
 pub struct RunLineage {
     /// The run, with its parent (`parent_run_id`) and replayed run (`replay_of`).
@@ -257,7 +257,7 @@ pub struct RunLineage {
 /// Most runs one page may hold.
 pub const MAX_PAGE: u32 = 1000;
 
-impl Ferry {
+impl Operator<'_> {
     /// One page of runs matching `filter`, newest first (by acceptance
     /// instant, then run id), starting below `after` (the previous page's
     /// [`RunPage::next`]; `None` for the first page). `limit` is 1 to

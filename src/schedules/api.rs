@@ -12,7 +12,7 @@ use crate::error::{Error, Result};
 use crate::runs::{Accepted, NewRun};
 use crate::store::{on_conn, on_pool, Conn};
 use crate::time::{duration_ms, Millis};
-use crate::Ferry;
+use crate::{Ferry, Operator, Role};
 
 /// The run a tick accepts, as stored: a [`NewRun`] without its key, id,
 /// start or parent.
@@ -63,7 +63,7 @@ impl Template {
     }
 }
 
-/// A registered schedule ([`Ferry::list_schedules`]).
+/// A registered schedule ([`Operator::list_schedules`]).
 #[derive(Debug, Clone, PartialEq, serde::Serialize)]
 pub struct Schedule {
     /// Tenant of its runs.
@@ -219,7 +219,8 @@ impl Ferry {
                 .await?
         });
         if created.is_some() {
-            self.audit_in(conn, actor, "schedule.create", &subject, &described)
+            self.operator()
+                .audit_in(conn, actor, "schedule.create", &subject, &described)
                 .await?;
             return Ok(ScheduleChange::Created);
         }
@@ -254,11 +255,14 @@ impl Ferry {
                 .execute(&mut *c)
                 .await?;
         });
-        self.audit_in(conn, actor, "schedule.update", &subject, &described)
+        self.operator()
+            .audit_in(conn, actor, "schedule.update", &subject, &described)
             .await?;
         Ok(ScheduleChange::Updated)
     }
+}
 
+impl Operator<'_> {
     /// Drops schedule `name` of `tenant` (its runs stay), audited under
     /// `actor` with `reason`. False when there was none (nothing audited).
     pub async fn unschedule(&self, tenant: &str, name: &str, actor: &str, reason: &str) -> Result<bool> {

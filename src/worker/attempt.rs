@@ -185,9 +185,10 @@ impl Attempt {
     /// still pending when the known expiry passes.
     pub(super) fn renewal<'a>(&'a self, lease: &'a Lease, watch: &LeaseWatch) -> impl Future<Output = Renewed> + 'a {
         let sent = tokio::time::Instant::now();
-        let renewal = self.ferry.renew_at(lease, self.cfg.lease);
         let deadline = watch.local_deadline();
         async move {
+            let jobs = self.ferry.jobs();
+            let renewal = jobs.renew_at(lease, self.cfg.lease);
             // A renewal that hangs past the known expiry is as good as failed.
             let renewed = match deadline {
                 Some(at) => tokio::time::timeout_at(at, renewal).await.ok(),
@@ -227,7 +228,7 @@ impl Attempt {
     async fn record_failure(&self, lease: &Lease, err: &JobError) {
         let failed = (|| async {
             let mut rng = self.rng.lock().unwrap_or_else(|p| p.into_inner()).clone();
-            let out = self.ferry.fail(lease, err, &self.cfg.retry, &mut rng).await;
+            let out = self.ferry.jobs().fail(lease, err, &self.cfg.retry, &mut rng).await;
             *self.rng.lock().unwrap_or_else(|p| p.into_inner()) = rng;
             out
         })

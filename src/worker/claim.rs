@@ -120,7 +120,12 @@ impl<H: Handler> ClaimLoop<H> {
             let want = permits.len() as u32;
             let claim_sent = tokio::time::Instant::now();
             self.stats.claim_statements.fetch_add(1, Ordering::Relaxed);
-            let claimed = match self.ferry.claim(&queue, &self.cfg.owner, self.cfg.lease, want).await {
+            let claimed = match self
+                .ferry
+                .jobs()
+                .claim(&queue, &self.cfg.owner, self.cfg.lease, want)
+                .await
+            {
                 Ok(c) => {
                     self.stats
                         .claimed_by_claim_loop
@@ -158,7 +163,7 @@ impl<H: Handler> ClaimLoop<H> {
     /// Terminalizes `queue`'s exhausted jobs before every 64th claim.
     async fn reap_now_and_then(&mut self, queue: &str) {
         if self.claims_since_reap == 0 {
-            if let Err(e) = self.ferry.reap_exhausted(queue, 100).await {
+            if let Err(e) = self.ferry.jobs().reap_exhausted(queue, 100).await {
                 tracing::warn!(error = %e, code = e.code(), "reaping exhausted jobs failed");
             }
         }

@@ -1,6 +1,6 @@
 //! The completer: one task that commits finished attempts' completions in
 //! batches and, in the same statement, claims the next jobs for the slots
-//! those attempts free ([`Ferry::complete_and_claim`]); the claimed jobs are
+//! those attempts free ([`Jobs::complete_and_claim`](crate::Jobs::complete_and_claim)); the claimed jobs are
 //! handed to the claim loop, which spawns them on the slots.
 
 use std::sync::atomic::Ordering;
@@ -101,6 +101,7 @@ impl Completer {
                     0
                 };
                 self.ferry
+                    .jobs()
                     .complete_and_claim(&items, queue, &self.cfg.owner, self.cfg.lease, want)
                     .await
             })
@@ -141,7 +142,7 @@ impl Completer {
                     drop(slots);
                     tracing::warn!(error = %e, code = e.code(), size = items.len(), "batch completion failed; completing one by one");
                     for (lease, value, reply, _) in batch {
-                        let one = (|| async { self.ferry.complete(&lease, &value).await })
+                        let one = (|| async { self.ferry.jobs().complete(&lease, &value).await })
                             .retry(ExponentialBuilder::default().with_max_times(5))
                             .when(Error::is_transient)
                             .await;

@@ -106,21 +106,22 @@ impl JobContext {
         &self.cancel
     }
 
-    /// [`Ferry::reserve_effect`] under this lease.
+    /// [`Jobs::reserve_effect`](crate::Jobs::reserve_effect) under this lease.
     pub async fn reserve_effect(&self, step: &str, operation: &str) -> Result<Reservation> {
         self.live()?;
-        self.ferry.reserve_effect(&self.lease, step, operation).await
+        self.ferry.jobs().reserve_effect(&self.lease, step, operation).await
     }
 
-    /// [`Ferry::record_effect_success`] under this lease.
+    /// [`Jobs::record_effect_success`](crate::Jobs::record_effect_success) under this lease.
     pub async fn record_effect_success(&self, step: &str, operation: &str, provider_ref: &str) -> Result<EffectRecord> {
         self.live()?;
         self.ferry
+            .jobs()
             .record_effect_success(&self.lease, step, operation, provider_ref)
             .await
     }
 
-    /// [`Ferry::record_effect_failure`] under this lease.
+    /// [`Jobs::record_effect_failure`](crate::Jobs::record_effect_failure) under this lease.
     pub async fn record_effect_failure(
         &self,
         step: &str,
@@ -130,14 +131,16 @@ impl JobContext {
     ) -> Result<EffectRecord> {
         self.live()?;
         self.ferry
+            .jobs()
             .record_effect_failure(&self.lease, step, operation, code, ambiguous)
             .await
     }
 
-    /// [`Ferry::reconcile_effect`] under this lease.
+    /// [`Jobs::reconcile_effect`](crate::Jobs::reconcile_effect) under this lease.
     pub async fn reconcile_effect(&self, step: &str, operation: &str, resolution: Resolution) -> Result<Reservation> {
         self.live()?;
         self.ferry
+            .jobs()
             .reconcile_effect(&self.lease, step, operation, resolution)
             .await
     }
@@ -147,7 +150,7 @@ impl JobContext {
     /// The worker completes the job after the handler returns, so the child
     /// commits first: give it an idempotency key derived from this run, and
     /// a retried attempt replays it instead of creating another. For a child
-    /// that commits with the completion, claim and [`Ferry::complete_in`]
+    /// that commits with the completion, claim and [`Jobs::complete_in`](crate::Jobs::complete_in)
     /// outside the worker.
     pub async fn enqueue_run(&self, run: crate::NewRun) -> Result<crate::Accepted> {
         self.live()?;

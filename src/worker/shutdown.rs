@@ -51,7 +51,7 @@ impl Attempt {
     /// Gives the job back without spending its attempt (compare-and-set on
     /// the lease).
     pub(super) async fn release(&self, lease: &Lease) {
-        match self.ferry.release(lease).await {
+        match self.ferry.jobs().release(lease).await {
             Ok(()) => {
                 self.stats.released.fetch_add(1, Ordering::Relaxed);
             }

@@ -38,6 +38,7 @@ async fn a_sigkilled_worker_loses_nothing() {
     child.wait().unwrap();
     // Nobody can take it while the dead worker's lease lasts...
     assert!(ferry
+        .jobs()
         .claim("chaos", "rescuer", Duration::from_secs(30), 1)
         .await
         .unwrap()
@@ -53,14 +54,19 @@ async fn a_sigkilled_worker_loses_nothing() {
         .await
         .unwrap();
     let c = later
+        .jobs()
         .claim("chaos", "rescuer", Duration::from_secs(30), 1)
         .await
         .unwrap()
         .pop()
         .expect("recovered after expiry");
     assert_eq!((c.lease.run_id, c.lease.generation, c.attempt), (id, 2, 2));
-    later.complete(&c.lease, &json!({"by": "rescuer"})).await.unwrap();
-    let attempts = ferry.list_attempts("acme", id).await.unwrap();
+    later
+        .jobs()
+        .complete(&c.lease, &json!({"by": "rescuer"}))
+        .await
+        .unwrap();
+    let attempts = ferry.operator().list_attempts("acme", id).await.unwrap();
     assert_eq!(attempts[0].outcome.map(|o| o.as_str()), Some("lost"));
     assert_eq!(attempts[1].outcome.map(|o| o.as_str()), Some("succeeded"));
     let kinds: Vec<_> = ferry

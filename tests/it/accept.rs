@@ -349,7 +349,7 @@ async fn expired_keys_are_swept_in_batches(kind: Kind) {
             .unwrap();
     }
     assert_eq!(
-        t.ferry.sweep_idempotency_keys(2).await.unwrap(),
+        t.ferry.jobs().sweep_idempotency_keys(2).await.unwrap(),
         0,
         "nothing has expired yet"
     );
@@ -360,7 +360,7 @@ async fn expired_keys_are_swept_in_batches(kind: Kind) {
     let swept: Vec<u64> = {
         let mut v = Vec::new();
         for _ in 0..4 {
-            v.push(t.ferry.sweep_idempotency_keys(2).await.unwrap());
+            v.push(t.ferry.jobs().sweep_idempotency_keys(2).await.unwrap());
         }
         v
     };

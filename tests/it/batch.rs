@@ -92,6 +92,7 @@ fn tally_router(calls: Arc<Mutex<Vec<usize>>>) -> Router {
 /// `(outcome, class, code)` of each attempt of run `id`.
 async fn attempts(t: &TestDb, id: Uuid) -> Vec<(String, Option<String>, Option<String>)> {
     t.ferry
+        .operator()
         .list_attempts("acme", id)
         .await
         .unwrap()
@@ -189,8 +190,12 @@ async fn a_stale_job_in_a_batch_is_not_completed(kind: Kind) {
             // The lease of job 1 is lost meanwhile: given back, then taken
             // by another worker at the next generation.
             let (_, victim) = jobs.iter().find(|(cmd, _)| cmd.i == 1).expect("job 1 is in the batch");
-            ferry.release(victim.lease()).await.unwrap();
-            let taken = ferry.claim("q", "thief", Duration::from_secs(600), 1).await.unwrap();
+            ferry.jobs().release(victim.lease()).await.unwrap();
+            let taken = ferry
+                .jobs()
+                .claim("q", "thief", Duration::from_secs(600), 1)
+                .await
+                .unwrap();
             *thief.lock().unwrap() = taken.into_iter().next();
             jobs.iter()
                 .map(|(cmd, _)| Ok(json!({ "by": "batch", "i": cmd.i })))
@@ -214,7 +219,11 @@ async fn a_stale_job_in_a_batch_is_not_completed(kind: Kind) {
     for id in &done {
         assert_eq!(last_body(&t, *id, "run_succeeded").await["result"]["by"], "batch");
     }
-    t.ferry.complete(&thief.lease, &json!({"by": "thief"})).await.unwrap();
+    t.ferry
+        .jobs()
+        .complete(&thief.lease, &json!({"by": "thief"}))
+        .await
+        .unwrap();
     assert_eq!(
         last_body(&t, ids[1], "run_succeeded").await,
         json!({"result": {"by": "thief"}})
@@ -263,12 +272,17 @@ async fn a_batch_completes_as_a_single_completion_does(kind: Kind) {
     let single = accept(&t, "single", "k-single", json!({"i": 0, "fate": "ok"}), 5).await;
     let job = t
         .ferry
+        .jobs()
         .claim("single", "solo", Duration::from_secs(30), 1)
         .await
         .unwrap()
         .pop()
         .unwrap();
-    t.ferry.complete(&job.lease, &json!({"same": true})).await.unwrap();
+    t.ferry
+        .jobs()
+        .complete(&job.lease, &json!({"same": true}))
+        .await
+        .unwrap();
     let mut batched = Vec::new();
     for i in 0..3 {
         batched.push(accept(&t, "q", &format!("k-{i}"), json!({"i": i, "fate": "ok"}), 5).await);

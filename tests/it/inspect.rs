@@ -27,7 +27,12 @@ async fn all_pages(
     let mut cursor: Option<RunCursor> = None;
     let mut pages = 0;
     loop {
-        let page = t.ferry.list_runs(filter, cursor.as_ref(), limit).await.unwrap();
+        let page = t
+            .ferry
+            .operator()
+            .list_runs(filter, cursor.as_ref(), limit)
+            .await
+            .unwrap();
         assert!(page.runs.len() <= limit as usize);
         out.extend(page.runs);
         pages += 1;
@@ -118,7 +123,7 @@ async fn filters_narrow_by_state_queue_operation_and_time(kind: Kind) {
     let ids = |f: RunFilter| {
         let ferry = t.ferry.clone();
         async move {
-            let page = ferry.list_runs(&f, None, 100).await.unwrap();
+            let page = ferry.operator().list_runs(&f, None, 100).await.unwrap();
             assert!(page.next.is_none());
             page.runs.into_iter().map(|r| r.run_id).collect::<Vec<_>>()
         }
@@ -149,7 +154,12 @@ async fn filters_narrow_by_state_queue_operation_and_time(kind: Kind) {
     assert_eq!(ids(cancelled_anywhere.clone()).await, vec![b.run_id]);
     cancelled_anywhere.operation = Some("charge".into());
     assert!(ids(cancelled_anywhere).await.is_empty());
-    let page = t.ferry.list_runs(&RunFilter::tenant("acme"), None, 1).await.unwrap();
+    let page = t
+        .ferry
+        .operator()
+        .list_runs(&RunFilter::tenant("acme"), None, 1)
+        .await
+        .unwrap();
     let summary = &page.runs[0];
     assert_eq!(
         (summary.queue.as_str(), summary.state, summary.job_state),
@@ -159,6 +169,7 @@ async fn filters_narrow_by_state_queue_operation_and_time(kind: Kind) {
     // Bad input is a typed error.
     assert_eq!(
         t.ferry
+            .operator()
             .list_runs(&RunFilter::tenant("acme"), None, 0)
             .await
             .unwrap_err()
@@ -177,6 +188,7 @@ async fn filters_narrow_by_state_queue_operation_and_time(kind: Kind) {
     assert_eq!(RunFilter::tenant("bad tenant!"), RunFilter::tenant("bad tenant!"));
     assert_eq!(
         t.ferry
+            .operator()
             .list_runs(&RunFilter::tenant("bad tenant!"), None, 5)
             .await
             .unwrap_err()
@@ -195,14 +207,26 @@ async fn lineage_shows_events_attempts_effects_outbox_and_children(kind: Kind) {
         .unwrap()
         .run;
     // First attempt lost, second completes with a follow-up run.
-    t.ferry.claim("q", "worker-a", LEASE, 1).await.unwrap();
+    t.ferry.jobs().claim("q", "worker-a", LEASE, 1).await.unwrap();
     clock.advance(LEASE + Duration::from_millis(1)).unwrap();
-    let job = t.ferry.claim("q", "worker-b", LEASE, 1).await.unwrap().pop().unwrap();
+    let job = t
+        .ferry
+        .jobs()
+        .claim("q", "worker-b", LEASE, 1)
+        .await
+        .unwrap()
+        .pop()
+        .unwrap();
     assert!(matches!(
-        t.ferry.reserve_effect(&job.lease, "pay", "psp.charge").await.unwrap(),
+        t.ferry
+            .jobs()
+            .reserve_effect(&job.lease, "pay", "psp.charge")
+            .await
+            .unwrap(),
         ferry::Reservation::Proceed(_)
     ));
     t.ferry
+        .jobs()
         .record_effect_success(&job.lease, "pay", "psp.charge", "ch_1")
         .await
         .unwrap();
@@ -216,6 +240,7 @@ async fn lineage_shows_events_attempts_effects_outbox_and_children(kind: Kind) {
     let msg = OutboxMessage::json("acme", "orders", parent.run_id.to_string(), &json!({"paid": true})).unwrap();
     t.ferry.enqueue_in(&mut tx, &msg).await.unwrap();
     t.ferry
+        .jobs()
         .complete_in(&mut tx, &job.lease, &json!({"ok": true}))
         .await
         .unwrap();
@@ -224,7 +249,7 @@ async fn lineage_shows_events_attempts_effects_outbox_and_children(kind: Kind) {
         .await
         .unwrap();
 
-    let l = t.ferry.run_lineage("acme", parent.run_id).await.unwrap();
+    let l = t.ferry.operator().run_lineage("acme", parent.run_id).await.unwrap();
     assert_eq!(l.run.state, RunState::Succeeded);
     assert_eq!(l.summary.job_state, JobState::Succeeded);
     assert_eq!(
@@ -253,12 +278,17 @@ async fn lineage_shows_events_attempts_effects_outbox_and_children(kind: Kind) {
         "its events' rows and the service's row keyed by it, with delivery state"
     );
     assert_eq!(l.children.iter().map(|c| c.run_id).collect::<Vec<_>>(), [child.run_id]);
-    let cl = t.ferry.run_lineage("acme", child.run_id).await.unwrap();
+    let cl = t.ferry.operator().run_lineage("acme", child.run_id).await.unwrap();
     assert_eq!(cl.run.parent_run_id, Some(parent.run_id));
     assert_eq!(cl.summary.parent_run_id, Some(parent.run_id));
     assert!(cl.children.is_empty() && cl.attempts.is_empty());
     // Tenant-scoped.
-    let other = t.ferry.run_lineage("other", parent.run_id).await.unwrap_err();
+    let other = t
+        .ferry
+        .operator()
+        .run_lineage("other", parent.run_id)
+        .await
+        .unwrap_err();
     assert_eq!(other.code(), "not_found");
 }
 
@@ -270,7 +300,14 @@ async fn a_follow_up_run_exists_only_if_its_parent_completes(kind: Kind) {
         .create_run_idempotent(run("acme", "order", "q", "p"))
         .await
         .unwrap();
-    let a = t.ferry.claim("q", "worker-a", LEASE, 1).await.unwrap().pop().unwrap();
+    let a = t
+        .ferry
+        .jobs()
+        .claim("q", "worker-a", LEASE, 1)
+        .await
+        .unwrap()
+        .pop()
+        .unwrap();
 
     // The lease expires inside the handler's transaction: the follow-up was
     // accepted, complete_in is refused, and the rollback takes both.
@@ -280,7 +317,12 @@ async fn a_follow_up_run_exists_only_if_its_parent_completes(kind: Kind) {
         .await
         .unwrap();
     clock.advance(LEASE).unwrap();
-    let refused = t.ferry.complete_in(&mut tx, &a.lease, &json!({})).await.unwrap_err();
+    let refused = t
+        .ferry
+        .jobs()
+        .complete_in(&mut tx, &a.lease, &json!({}))
+        .await
+        .unwrap_err();
     assert_eq!(refused.code(), "lost_lease");
     tx.rollback().await.unwrap();
     assert_eq!(
@@ -290,7 +332,14 @@ async fn a_follow_up_run_exists_only_if_its_parent_completes(kind: Kind) {
     );
 
     // A stale handler (another worker holds generation 2) creates nothing.
-    let b = t.ferry.claim("q", "worker-b", LEASE, 1).await.unwrap().pop().unwrap();
+    let b = t
+        .ferry
+        .jobs()
+        .claim("q", "worker-b", LEASE, 1)
+        .await
+        .unwrap()
+        .pop()
+        .unwrap();
     let mut tx = t.ferry.begin().await.unwrap();
     let stale = t
         .ferry
@@ -334,7 +383,7 @@ async fn a_follow_up_run_exists_only_if_its_parent_completes(kind: Kind) {
         .await
         .unwrap();
     assert!(!child.replay && again.replay && again.run.run_id == child.run.run_id);
-    t.ferry.complete_in(&mut tx, &b.lease, &json!({})).await.unwrap();
+    t.ferry.jobs().complete_in(&mut tx, &b.lease, &json!({})).await.unwrap();
     tx.commit().await.unwrap();
     assert_eq!(t.scalar(children).await, 1);
     assert_eq!(child.run.parent_run_id, Some(b.lease.run_id));
@@ -373,6 +422,7 @@ async fn a_child_key_held_by_another_parents_child_is_a_conflict(kind: Kind) {
     }
     let mut leases = t
         .ferry
+        .jobs()
         .claim("q", "w", LEASE, 2)
         .await
         .unwrap()
@@ -385,7 +435,7 @@ async fn a_child_key_held_by_another_parents_child_is_a_conflict(kind: Kind) {
         .enqueue_run_in(&mut tx, &first, run("acme", "ship", "q", "ship"))
         .await
         .unwrap();
-    t.ferry.complete_in(&mut tx, &first, &json!({})).await.unwrap();
+    t.ferry.jobs().complete_in(&mut tx, &first, &json!({})).await.unwrap();
     tx.commit().await.unwrap();
     // The second parent's follow-up under the same key is not a replay of
     // the first parent's child.

@@ -34,6 +34,7 @@ async fn expired_lease_recovery_and_stale_fencing(kind: Kind) {
     let run = t.ferry.create_run_idempotent(job("k")).await.unwrap().run;
     let a = t
         .ferry
+        .jobs()
         .claim("payments", "worker-a", LEASE, 10)
         .await
         .unwrap()
@@ -43,6 +44,7 @@ async fn expired_lease_recovery_and_stale_fencing(kind: Kind) {
     assert_eq!(a.request, json!({"amount": 5}));
     assert!(
         t.ferry
+            .jobs()
             .claim("payments", "worker-b", LEASE, 10)
             .await
             .unwrap()
@@ -53,6 +55,7 @@ async fn expired_lease_recovery_and_stale_fencing(kind: Kind) {
     clock.advance(LEASE + Duration::from_millis(1)).unwrap();
     let b = t
         .ferry
+        .jobs()
         .claim("payments", "worker-b", LEASE, 10)
         .await
         .unwrap()
@@ -63,21 +66,31 @@ async fn expired_lease_recovery_and_stale_fencing(kind: Kind) {
     let policy = RetryPolicy::default();
     let mut rng = StdRng::seed_from_u64(1);
     let errs = [
-        t.ferry.renew(&a.lease, LEASE).await.unwrap_err(),
-        t.ferry.complete(&a.lease, &json!({"by": "a"})).await.unwrap_err(),
+        t.ferry.jobs().renew(&a.lease, LEASE).await.unwrap_err(),
         t.ferry
+            .jobs()
+            .complete(&a.lease, &json!({"by": "a"}))
+            .await
+            .unwrap_err(),
+        t.ferry
+            .jobs()
             .fail(&a.lease, &JobError::retryable("timeout"), &policy, &mut rng)
             .await
             .unwrap_err(),
-        t.ferry.reserve_effect(&a.lease, "pay", "psp.charge").await.unwrap_err(),
-        t.ferry.release(&a.lease).await.unwrap_err(),
+        t.ferry
+            .jobs()
+            .reserve_effect(&a.lease, "pay", "psp.charge")
+            .await
+            .unwrap_err(),
+        t.ferry.jobs().release(&a.lease).await.unwrap_err(),
     ];
     for e in &errs {
         assert_eq!(e.code(), "lost_lease", "{e}");
     }
-    t.ferry.complete(&b.lease, &json!({"by": "b"})).await.unwrap();
+    t.ferry.jobs().complete(&b.lease, &json!({"by": "b"})).await.unwrap();
     assert_eq!(
         t.ferry
+            .jobs()
             .complete(&a.lease, &json!({"by": "a"}))
             .await
             .unwrap_err()
@@ -87,7 +100,7 @@ async fn expired_lease_recovery_and_stale_fencing(kind: Kind) {
     assert_eq!(terminal_events(&t).await, vec!["run_succeeded"]);
     let events = t.ferry.list_events("acme", run.run_id).await.unwrap();
     assert_eq!(events.last().unwrap().body, json!({"result": {"by": "b"}}));
-    let history = t.ferry.list_attempts("acme", run.run_id).await.unwrap();
+    let history = t.ferry.operator().list_attempts("acme", run.run_id).await.unwrap();
     assert_eq!(history.len(), 2);
     assert_eq!(
         (history[0].outcome.map(|o| o.as_str()), history[0].worker.as_str()),
@@ -107,45 +120,66 @@ async fn renewal_extends_only_a_live_lease(kind: Kind) {
     let clock = manual_clock();
     let t = TestDb::with_clock(kind, clock.clone()).await;
     t.ferry.create_run_idempotent(job("k")).await.unwrap();
-    let c = t.ferry.claim("payments", "w", LEASE, 1).await.unwrap().pop().unwrap();
+    let c = t
+        .ferry
+        .jobs()
+        .claim("payments", "w", LEASE, 1)
+        .await
+        .unwrap()
+        .pop()
+        .unwrap();
     assert_eq!(c.lease_expires_at.get(), T0 + 30_000);
     clock.advance(Duration::from_secs(20)).unwrap();
-    assert_eq!(t.ferry.renew(&c.lease, LEASE).await.unwrap().get(), T0 + 50_000);
+    assert_eq!(t.ferry.jobs().renew(&c.lease, LEASE).await.unwrap().get(), T0 + 50_000);
     clock.advance(Duration::from_secs(29)).unwrap();
     assert!(
-        t.ferry.claim("payments", "other", LEASE, 1).await.unwrap().is_empty(),
+        t.ferry
+            .jobs()
+            .claim("payments", "other", LEASE, 1)
+            .await
+            .unwrap()
+            .is_empty(),
         "the renewed lease still holds"
     );
     clock.advance(Duration::from_secs(2)).unwrap();
-    assert_eq!(t.ferry.renew(&c.lease, LEASE).await.unwrap_err().code(), "lost_lease");
+    assert_eq!(
+        t.ferry.jobs().renew(&c.lease, LEASE).await.unwrap_err().code(),
+        "lost_lease"
+    );
 
     // A deadline caps renewals, and past it the job is terminalized.
     t.ferry
         .create_run_idempotent(job("d").deadline(Duration::from_secs(45)))
         .await
         .unwrap();
-    let d = t.ferry.claim("payments", "w", LEASE, 10).await.unwrap();
+    let d = t.ferry.jobs().claim("payments", "w", LEASE, 10).await.unwrap();
     let d = d.into_iter().find(|x| x.deadline_at.is_some()).unwrap();
     clock.advance(Duration::from_secs(20)).unwrap();
     assert_eq!(
-        t.ferry.renew(&d.lease, LEASE).await.unwrap(),
+        t.ferry.jobs().renew(&d.lease, LEASE).await.unwrap(),
         d.deadline_at.unwrap(),
         "never past the deadline"
     );
     clock.advance(Duration::from_secs(30)).unwrap();
     assert_eq!(
-        t.ferry.renew(&d.lease, LEASE).await.unwrap_err().code(),
+        t.ferry.jobs().renew(&d.lease, LEASE).await.unwrap_err().code(),
         "deadline_exceeded"
     );
     assert!(t
         .ferry
+        .jobs()
         .claim("payments", "x", LEASE, 10)
         .await
         .unwrap()
         .iter()
         .all(|x| x.lease.run_id != d.lease.run_id));
-    assert!(t.ferry.reap_exhausted("payments", 10).await.unwrap() >= 1);
-    let dead = t.ferry.list_dead("acme", Some("deadline_exceeded"), 10).await.unwrap();
+    assert!(t.ferry.jobs().reap_exhausted("payments", 10).await.unwrap() >= 1);
+    let dead = t
+        .ferry
+        .operator()
+        .list_dead("acme", Some("deadline_exceeded"), 10)
+        .await
+        .unwrap();
     assert_eq!(dead.len(), 1);
     assert_eq!(
         t.ferry.get_run("acme", d.lease.run_id).await.unwrap().state,
@@ -164,6 +198,7 @@ async fn retry_schedule_is_exact_and_the_budget_terminalizes(kind: Kind) {
     for attempt in 1..=3u32 {
         let c = t
             .ferry
+            .jobs()
             .claim("payments", "w", LEASE, 1)
             .await
             .unwrap()
@@ -172,6 +207,7 @@ async fn retry_schedule_is_exact_and_the_budget_terminalizes(kind: Kind) {
         assert_eq!(c.attempt as u32, attempt);
         let out = t
             .ferry
+            .jobs()
             .fail(&c.lease, &JobError::retryable("psp_timeout"), &policy, &mut rng)
             .await
             .unwrap();
@@ -191,7 +227,12 @@ async fn retry_schedule_is_exact_and_the_budget_terminalizes(kind: Kind) {
             );
             clock.advance(delay - Duration::from_millis(1)).unwrap();
             assert!(
-                t.ferry.claim("payments", "w", LEASE, 1).await.unwrap().is_empty(),
+                t.ferry
+                    .jobs()
+                    .claim("payments", "w", LEASE, 1)
+                    .await
+                    .unwrap()
+                    .is_empty(),
                 "not before its time"
             );
             clock.advance(Duration::from_millis(1)).unwrap();
@@ -215,6 +256,7 @@ async fn retry_schedule_is_exact_and_the_budget_terminalizes(kind: Kind) {
     assert_eq!(last.body["error_code"], "psp_timeout");
     let outcomes: Vec<_> = t
         .ferry
+        .operator()
         .list_attempts("acme", run.run_id)
         .await
         .unwrap()
@@ -234,9 +276,17 @@ async fn retry_schedule_is_exact_and_the_budget_terminalizes(kind: Kind) {
 
     // Terminal errors go dead at once; Retry-After is honoured.
     let run2 = t.ferry.create_run_idempotent(job("k2")).await.unwrap().run;
-    let c = t.ferry.claim("payments", "w", LEASE, 1).await.unwrap().pop().unwrap();
+    let c = t
+        .ferry
+        .jobs()
+        .claim("payments", "w", LEASE, 1)
+        .await
+        .unwrap()
+        .pop()
+        .unwrap();
     let out = t
         .ferry
+        .jobs()
         .fail(&c.lease, &JobError::terminal("card_declined"), &policy, &mut rng)
         .await
         .unwrap();
@@ -251,9 +301,16 @@ async fn retry_schedule_is_exact_and_the_budget_terminalizes(kind: Kind) {
         RunState::Failed
     );
     t.ferry.create_run_idempotent(job("k3")).await.unwrap();
-    let c = t.ferry.claim("payments", "w", LEASE, 1).await.unwrap().pop().unwrap();
+    let c = t
+        .ferry
+        .jobs()
+        .claim("payments", "w", LEASE, 1)
+        .await
+        .unwrap()
+        .pop()
+        .unwrap();
     let hint = JobError::retryable("rate_limited").retry_after(Duration::from_secs(600));
-    match t.ferry.fail(&c.lease, &hint, &policy, &mut rng).await.unwrap() {
+    match t.ferry.jobs().fail(&c.lease, &hint, &policy, &mut rng).await.unwrap() {
         FailOutcome::Retried { available_at } => assert!(available_at.get() >= c.claimed_at.get() + 600_000),
         other => panic!("unexpected {other:?}"),
     }
@@ -264,17 +321,24 @@ async fn cancel_versus_complete_in_both_orders(kind: Kind) {
     let t = TestDb::with_clock(kind, manual_clock()).await;
     // Cancel first: the completion loses and is told the run is cancelled.
     let r1 = t.ferry.create_run_idempotent(job("c1")).await.unwrap().run;
-    let c = t.ferry.claim("payments", "w", LEASE, 1).await.unwrap().pop().unwrap();
+    let c = t
+        .ferry
+        .jobs()
+        .claim("payments", "w", LEASE, 1)
+        .await
+        .unwrap()
+        .pop()
+        .unwrap();
     t.ferry
         .cancel("acme", r1.run_id, Some(1), "ops@example", "customer asked")
         .await
         .unwrap();
-    match t.ferry.complete(&c.lease, &json!({})).await.unwrap_err() {
+    match t.ferry.jobs().complete(&c.lease, &json!({})).await.unwrap_err() {
         Error::RunTerminal { state, .. } => assert_eq!(state, "cancelled"),
         other => panic!("unexpected {other:?}"),
     }
     assert_eq!(
-        t.ferry.renew(&c.lease, LEASE).await.unwrap_err().code(),
+        t.ferry.jobs().renew(&c.lease, LEASE).await.unwrap_err().code(),
         "cancelled",
         "renew reports cancellation"
     );
@@ -285,8 +349,15 @@ async fn cancel_versus_complete_in_both_orders(kind: Kind) {
     );
     // Complete first: the cancel loses and is told the run succeeded.
     let r2 = t.ferry.create_run_idempotent(job("c2")).await.unwrap().run;
-    let c = t.ferry.claim("payments", "w", LEASE, 1).await.unwrap().pop().unwrap();
-    t.ferry.complete(&c.lease, &json!({"ok": true})).await.unwrap();
+    let c = t
+        .ferry
+        .jobs()
+        .claim("payments", "w", LEASE, 1)
+        .await
+        .unwrap()
+        .pop()
+        .unwrap();
+    t.ferry.jobs().complete(&c.lease, &json!({"ok": true})).await.unwrap();
     match t
         .ferry
         .cancel("acme", r2.run_id, None, "ops", "late")
@@ -308,7 +379,13 @@ async fn cancel_versus_complete_in_both_orders(kind: Kind) {
         "invalid_state"
     );
     t.ferry.cancel("acme", r3.run_id, Some(1), "ops", "fine").await.unwrap();
-    assert!(t.ferry.claim("payments", "w", LEASE, 10).await.unwrap().is_empty());
+    assert!(t
+        .ferry
+        .jobs()
+        .claim("payments", "w", LEASE, 10)
+        .await
+        .unwrap()
+        .is_empty());
     // Racing: exactly one winner.
     for i in 0..5 {
         let run = t
@@ -317,13 +394,20 @@ async fn cancel_versus_complete_in_both_orders(kind: Kind) {
             .await
             .unwrap()
             .run;
-        let c = t.ferry.claim("payments", "w", LEASE, 1).await.unwrap().pop().unwrap();
+        let c = t
+            .ferry
+            .jobs()
+            .claim("payments", "w", LEASE, 1)
+            .await
+            .unwrap()
+            .pop()
+            .unwrap();
         let (f1, f2) = (t.ferry.clone(), t.ferry.clone());
         let barrier = std::sync::Arc::new(tokio::sync::Barrier::new(2));
         let (b1, b2) = (barrier.clone(), barrier);
         let done = tokio::spawn(async move {
             b1.wait().await;
-            f1.complete(&c.lease, &json!({})).await
+            f1.jobs().complete(&c.lease, &json!({})).await
         });
         let cancelled = tokio::spawn(async move {
             b2.wait().await;
@@ -359,36 +443,70 @@ async fn effect_ledger(kind: Kind) {
     let mut rng = StdRng::seed_from_u64(3);
     // Reserve, then success; later reservations see it done.
     t.ferry.create_run_idempotent(job("e1")).await.unwrap();
-    let c = t.ferry.claim("payments", "w", LEASE, 1).await.unwrap().pop().unwrap();
+    let c = t
+        .ferry
+        .jobs()
+        .claim("payments", "w", LEASE, 1)
+        .await
+        .unwrap()
+        .pop()
+        .unwrap();
     assert!(matches!(
-        t.ferry.reserve_effect(&c.lease, "pay", "psp.charge").await.unwrap(),
+        t.ferry
+            .jobs()
+            .reserve_effect(&c.lease, "pay", "psp.charge")
+            .await
+            .unwrap(),
         Reservation::Proceed(_)
     ));
     assert!(matches!(
-        t.ferry.reserve_effect(&c.lease, "pay", "psp.charge").await.unwrap(),
+        t.ferry
+            .jobs()
+            .reserve_effect(&c.lease, "pay", "psp.charge")
+            .await
+            .unwrap(),
         Reservation::Proceed(_)
     ));
     let rec = t
         .ferry
+        .jobs()
         .record_effect_success(&c.lease, "pay", "psp.charge", "ch_123")
         .await
         .unwrap();
     assert_eq!(rec.provider_ref.as_deref(), Some("ch_123"));
-    match t.ferry.reserve_effect(&c.lease, "pay", "psp.charge").await.unwrap() {
+    match t
+        .ferry
+        .jobs()
+        .reserve_effect(&c.lease, "pay", "psp.charge")
+        .await
+        .unwrap()
+    {
         Reservation::AlreadyDone(r) => assert_eq!(r.provider_ref.as_deref(), Some("ch_123")),
         other => panic!("unexpected {other:?}"),
     }
-    t.ferry.complete(&c.lease, &json!({})).await.unwrap();
+    t.ferry.jobs().complete(&c.lease, &json!({})).await.unwrap();
 
     // Ambiguous outcome: the effect becomes unknown and must be reconciled.
     let r2 = t.ferry.create_run_idempotent(job("e2")).await.unwrap().run;
-    let c = t.ferry.claim("payments", "w", LEASE, 1).await.unwrap().pop().unwrap();
+    let c = t
+        .ferry
+        .jobs()
+        .claim("payments", "w", LEASE, 1)
+        .await
+        .unwrap()
+        .pop()
+        .unwrap();
     assert!(matches!(
-        t.ferry.reserve_effect(&c.lease, "pay", "psp.charge").await.unwrap(),
+        t.ferry
+            .jobs()
+            .reserve_effect(&c.lease, "pay", "psp.charge")
+            .await
+            .unwrap(),
         Reservation::Proceed(_)
     ));
     let out = t
         .ferry
+        .jobs()
         .fail(&c.lease, &JobError::ambiguous("psp_timeout"), &policy, &mut rng)
         .await
         .unwrap();
@@ -405,13 +523,27 @@ async fn effect_ledger(kind: Kind) {
         "Unknown"
     );
     clock.advance(Duration::from_secs(2)).unwrap();
-    let c2 = t.ferry.claim("payments", "w", LEASE, 1).await.unwrap().pop().unwrap();
-    match t.ferry.reserve_effect(&c2.lease, "pay", "psp.charge").await.unwrap() {
+    let c2 = t
+        .ferry
+        .jobs()
+        .claim("payments", "w", LEASE, 1)
+        .await
+        .unwrap()
+        .pop()
+        .unwrap();
+    match t
+        .ferry
+        .jobs()
+        .reserve_effect(&c2.lease, "pay", "psp.charge")
+        .await
+        .unwrap()
+    {
         Reservation::NeedsReconcile(r) => assert_eq!(r.generation, 1),
         other => panic!("must reconcile first, got {other:?}"),
     }
     let resolved = t
         .ferry
+        .jobs()
         .reconcile_effect(
             &c2.lease,
             "pay",
@@ -427,15 +559,21 @@ async fn effect_ledger(kind: Kind) {
     );
     // A reconcile that finds nothing happened lets the step run under the new generation.
     assert!(matches!(
-        t.ferry.reserve_effect(&c2.lease, "ship", "wms.ship").await.unwrap(),
+        t.ferry
+            .jobs()
+            .reserve_effect(&c2.lease, "ship", "wms.ship")
+            .await
+            .unwrap(),
         Reservation::Proceed(_)
     ));
     t.ferry
+        .jobs()
         .record_effect_failure(&c2.lease, "ship", "wms.ship", "wms_timeout", true)
         .await
         .unwrap();
     match t
         .ferry
+        .jobs()
         .reconcile_effect(&c2.lease, "ship", "wms.ship", Resolution::NotApplied)
         .await
         .unwrap()
@@ -444,26 +582,47 @@ async fn effect_ledger(kind: Kind) {
         other => panic!("unexpected {other:?}"),
     }
 
-    t.ferry.complete(&c2.lease, &json!({})).await.unwrap();
+    t.ferry.jobs().complete(&c2.lease, &json!({})).await.unwrap();
 
     // A stale generation can write nothing.
     let r3 = t.ferry.create_run_idempotent(job("e3")).await.unwrap().run;
-    let a = t.ferry.claim("payments", "a", LEASE, 1).await.unwrap().pop().unwrap();
+    let a = t
+        .ferry
+        .jobs()
+        .claim("payments", "a", LEASE, 1)
+        .await
+        .unwrap()
+        .pop()
+        .unwrap();
     assert_eq!(a.lease.run_id, r3.run_id);
-    t.ferry.reserve_effect(&a.lease, "pay", "psp.charge").await.unwrap();
+    t.ferry
+        .jobs()
+        .reserve_effect(&a.lease, "pay", "psp.charge")
+        .await
+        .unwrap();
     clock.advance(LEASE * 2).unwrap();
-    let b = t.ferry.claim("payments", "b", LEASE, 1).await.unwrap().pop().unwrap();
+    let b = t
+        .ferry
+        .jobs()
+        .claim("payments", "b", LEASE, 1)
+        .await
+        .unwrap()
+        .pop()
+        .unwrap();
     assert_eq!(b.lease.run_id, r3.run_id);
     for e in [
         t.ferry
+            .jobs()
             .record_effect_success(&a.lease, "pay", "psp.charge", "ch_stale")
             .await
             .unwrap_err(),
         t.ferry
+            .jobs()
             .record_effect_failure(&a.lease, "pay", "psp.charge", "x", false)
             .await
             .unwrap_err(),
         t.ferry
+            .jobs()
             .reconcile_effect(&a.lease, "pay", "psp.charge", Resolution::NotApplied)
             .await
             .unwrap_err(),
@@ -481,7 +640,11 @@ async fn effect_ledger(kind: Kind) {
         "the stale worker changed nothing"
     );
     assert!(matches!(
-        t.ferry.reserve_effect(&b.lease, "pay", "psp.charge").await.unwrap(),
+        t.ferry
+            .jobs()
+            .reserve_effect(&b.lease, "pay", "psp.charge")
+            .await
+            .unwrap(),
         Reservation::NeedsReconcile(_)
     ));
 }
@@ -489,9 +652,17 @@ async fn effect_ledger(kind: Kind) {
 async fn dead_jobs_are_listed_and_replayed_once(kind: Kind) {
     let t = TestDb::with_clock(kind, manual_clock()).await;
     let run = t.ferry.create_run_idempotent(job("d1")).await.unwrap().run;
-    let c = t.ferry.claim("payments", "w", LEASE, 1).await.unwrap().pop().unwrap();
+    let c = t
+        .ferry
+        .jobs()
+        .claim("payments", "w", LEASE, 1)
+        .await
+        .unwrap()
+        .pop()
+        .unwrap();
     let mut rng = StdRng::seed_from_u64(0);
     t.ferry
+        .jobs()
         .fail(
             &c.lease,
             &JobError::terminal("card_declined"),
@@ -502,16 +673,23 @@ async fn dead_jobs_are_listed_and_replayed_once(kind: Kind) {
         .unwrap();
     assert!(t
         .ferry
+        .operator()
         .list_dead("acme", Some("other_code"), 10)
         .await
         .unwrap()
         .is_empty());
-    let dead = t.ferry.list_dead("acme", Some("card_declined"), 10).await.unwrap();
+    let dead = t
+        .ferry
+        .operator()
+        .list_dead("acme", Some("card_declined"), 10)
+        .await
+        .unwrap();
     assert_eq!(dead.len(), 1);
     assert_eq!(dead[0].history.len(), 1);
     assert_eq!(dead[0].history[0].error_class.as_deref(), Some("terminal"));
     let replay = t
         .ferry
+        .operator()
         .replay_dead("acme", run.run_id, "ops@example", "card updated", false)
         .await
         .unwrap();
@@ -530,21 +708,24 @@ async fn dead_jobs_are_listed_and_replayed_once(kind: Kind) {
     );
     let again = t
         .ferry
+        .operator()
         .replay_dead("acme", run.run_id, "ops", "again", false)
         .await
         .unwrap_err();
     assert_eq!(again.code(), "already_replayed");
     let forced = t
         .ferry
+        .operator()
         .replay_dead("acme", run.run_id, "ops", "again, on purpose", true)
         .await
         .unwrap();
     assert_ne!(forced.run.run_id, replay.run.run_id);
-    let c = t.ferry.claim("payments", "w", LEASE, 10).await.unwrap();
+    let c = t.ferry.jobs().claim("payments", "w", LEASE, 10).await.unwrap();
     assert_eq!(c.len(), 2, "both replays are claimable");
     assert!(c.iter().all(|x| x.replay_of == Some(run.run_id)));
     assert_eq!(
         t.ferry
+            .operator()
             .replay_dead("acme", replay.run.run_id, "ops", "x", false)
             .await
             .unwrap_err()
@@ -555,9 +736,10 @@ async fn dead_jobs_are_listed_and_replayed_once(kind: Kind) {
 
 /// Kills the one claimable job of `queue` terminally.
 async fn kill_next(t: &TestDb, queue: &str) -> uuid::Uuid {
-    let c = t.ferry.claim(queue, "w", LEASE, 1).await.unwrap().pop().unwrap();
+    let c = t.ferry.jobs().claim(queue, "w", LEASE, 1).await.unwrap().pop().unwrap();
     let mut rng = StdRng::seed_from_u64(0);
     t.ferry
+        .jobs()
         .fail(&c.lease, &JobError::terminal("boom"), &RetryPolicy::default(), &mut rng)
         .await
         .unwrap();
@@ -577,6 +759,7 @@ async fn replays_keep_the_operation_at_any_length_and_chain(kind: Kind) {
     assert_eq!(kill_next(&t, "q").await, first.run_id);
     let replay = t
         .ferry
+        .operator()
         .replay_dead("acme", first.run_id, "ops", "fixed", false)
         .await
         .unwrap();
@@ -589,6 +772,7 @@ async fn replays_keep_the_operation_at_any_length_and_chain(kind: Kind) {
     assert_eq!(kill_next(&t, "q").await, replay.run.run_id);
     let again = t
         .ferry
+        .operator()
         .replay_dead("acme", replay.run.run_id, "ops", "fixed again", false)
         .await
         .unwrap();
@@ -596,7 +780,7 @@ async fn replays_keep_the_operation_at_any_length_and_chain(kind: Kind) {
         (again.run.operation.as_str(), again.run.replay_of),
         (operation.as_str(), Some(replay.run.run_id))
     );
-    let claimed = t.ferry.claim("q", "w", LEASE, 10).await.unwrap();
+    let claimed = t.ferry.jobs().claim("q", "w", LEASE, 10).await.unwrap();
     assert_eq!(
         claimed
             .iter()
@@ -624,6 +808,7 @@ async fn replays_keep_the_operation_at_any_length_and_chain(kind: Kind) {
     let runs = t.scalar("SELECT count(*) FROM runs").await;
     let e = t
         .ferry
+        .operator()
         .replay_dead("acme", third.run_id, "ops", "x", false)
         .await
         .unwrap_err();
@@ -645,13 +830,13 @@ async fn attempt_history_is_bounded_by_retention(kind: Kind) {
     for i in 0..3 {
         t.ferry.create_run_idempotent(job(&format!("h{i}"))).await.unwrap();
     }
-    for c in t.ferry.claim("payments", "w", LEASE, 10).await.unwrap() {
-        t.ferry.complete(&c.lease, &json!({})).await.unwrap();
+    for c in t.ferry.jobs().claim("payments", "w", LEASE, 10).await.unwrap() {
+        t.ferry.jobs().complete(&c.lease, &json!({})).await.unwrap();
     }
     clock.advance(Duration::from_secs(3600)).unwrap();
     let cutoff = ferry::Millis::new(T0 + 1).unwrap();
-    assert_eq!(t.ferry.sweep_attempts(cutoff, 2).await.unwrap(), 2);
-    assert_eq!(t.ferry.sweep_attempts(cutoff, 2).await.unwrap(), 1);
+    assert_eq!(t.ferry.jobs().sweep_attempts(cutoff, 2).await.unwrap(), 2);
+    assert_eq!(t.ferry.jobs().sweep_attempts(cutoff, 2).await.unwrap(), 1);
     assert_eq!(t.scalar("SELECT count(*) FROM job_attempts").await, 0);
 }
 
@@ -661,7 +846,7 @@ async fn batch_completion_fences_each_lease(kind: Kind) {
     for i in 0..4 {
         t.ferry.create_run_idempotent(job(&format!("b{i}"))).await.unwrap();
     }
-    let mut claimed = t.ferry.claim("payments", "w", LEASE, 10).await.unwrap();
+    let mut claimed = t.ferry.jobs().claim("payments", "w", LEASE, 10).await.unwrap();
     assert_eq!(claimed.len(), 4);
     // One lease goes stale (cancelled), one is forged with a wrong generation.
     t.ferry
@@ -673,7 +858,7 @@ async fn batch_completion_fences_each_lease(kind: Kind) {
         .iter()
         .map(|c| (c.lease.clone(), json!({"run": c.lease.run_id})))
         .collect();
-    let results = t.ferry.complete_batch(&items).await.unwrap();
+    let results = t.ferry.jobs().complete_batch(&items).await.unwrap();
     let codes: Vec<_> = results.iter().map(|r| r.as_ref().err().map(|e| e.code())).collect();
     assert_eq!(codes, [None, Some("run_terminal"), Some("lost_lease"), None]);
     assert_eq!(
@@ -686,7 +871,7 @@ async fn batch_completion_fences_each_lease(kind: Kind) {
         let last = t.ferry.list_events("acme", id).await.unwrap().pop().unwrap();
         assert_eq!(last.body, json!({"result": {"run": id}}));
         assert_eq!(
-            t.ferry.list_attempts("acme", id).await.unwrap()[0]
+            t.ferry.operator().list_attempts("acme", id).await.unwrap()[0]
                 .outcome
                 .map(|o| o.as_str()),
             Some("succeeded")
@@ -706,13 +891,21 @@ async fn release_then_claim_again_completes(kind: Kind) {
     let clock = manual_clock();
     let t = TestDb::with_clock(kind, clock.clone()).await;
     let run = t.ferry.create_run_idempotent(job("r")).await.unwrap().run;
-    let first = t.ferry.claim("payments", "w1", LEASE, 1).await.unwrap().pop().unwrap();
+    let first = t
+        .ferry
+        .jobs()
+        .claim("payments", "w1", LEASE, 1)
+        .await
+        .unwrap()
+        .pop()
+        .unwrap();
     assert_eq!((first.lease.generation, first.attempt), (1, 1));
-    t.ferry.release(&first.lease).await.unwrap();
+    t.ferry.jobs().release(&first.lease).await.unwrap();
     // The released job is due first; claiming it again must not wedge the queue.
     t.ferry.create_run_idempotent(job("r-later")).await.unwrap();
     let again = t
         .ferry
+        .jobs()
         .claim("payments", "w2", LEASE, 1)
         .await
         .expect("a released job is claimable again")
@@ -724,11 +917,15 @@ async fn release_then_claim_again_completes(kind: Kind) {
         (2, 1),
         "a release spends no attempt; the generation still goes up"
     );
-    t.ferry.release(&again.lease).await.unwrap();
-    let third = t.ferry.claim("payments", "w3", LEASE, 2).await.unwrap();
+    t.ferry.jobs().release(&again.lease).await.unwrap();
+    let third = t.ferry.jobs().claim("payments", "w3", LEASE, 2).await.unwrap();
     assert_eq!(third.len(), 2, "the queue keeps moving");
     for c in &third {
-        t.ferry.complete(&c.lease, &json!({"by": c.lease.owner})).await.unwrap();
+        t.ferry
+            .jobs()
+            .complete(&c.lease, &json!({"by": c.lease.owner}))
+            .await
+            .unwrap();
     }
     assert_eq!(
         t.ferry.get_run("acme", run.run_id).await.unwrap().state,
@@ -736,6 +933,7 @@ async fn release_then_claim_again_completes(kind: Kind) {
     );
     let history: Vec<_> = t
         .ferry
+        .operator()
         .list_attempts("acme", run.run_id)
         .await
         .unwrap()
@@ -777,8 +975,19 @@ async fn nul_bytes_are_invalid_input_and_write_nothing(kind: Kind) {
     let t = TestDb::with_clock(kind, manual_clock()).await;
     let nul = "a\u{0}b";
     t.ferry.create_run_idempotent(job("ok")).await.unwrap();
-    let c = t.ferry.claim("payments", "w", LEASE, 1).await.unwrap().pop().unwrap();
-    t.ferry.reserve_effect(&c.lease, "pay", "psp.charge").await.unwrap();
+    let c = t
+        .ferry
+        .jobs()
+        .claim("payments", "w", LEASE, 1)
+        .await
+        .unwrap()
+        .pop()
+        .unwrap();
+    t.ferry
+        .jobs()
+        .reserve_effect(&c.lease, "pay", "psp.charge")
+        .await
+        .unwrap();
     let before = written(&t).await;
     let mut errs = vec![
         (
@@ -798,6 +1007,7 @@ async fn nul_bytes_are_invalid_input_and_write_nothing(kind: Kind) {
         (
             "result",
             t.ferry
+                .jobs()
                 .complete(&c.lease, &json!({ "nested": [{ "v": nul }] }))
                 .await
                 .unwrap_err(),
@@ -805,6 +1015,7 @@ async fn nul_bytes_are_invalid_input_and_write_nothing(kind: Kind) {
         (
             "batch result",
             t.ferry
+                .jobs()
                 .complete_batch(&[(c.lease.clone(), json!({ "v": nul }))])
                 .await
                 .unwrap_err(),
@@ -819,6 +1030,7 @@ async fn nul_bytes_are_invalid_input_and_write_nothing(kind: Kind) {
         (
             "provider ref",
             t.ferry
+                .jobs()
                 .record_effect_success(&c.lease, "pay", "psp.charge", nul)
                 .await
                 .unwrap_err(),
@@ -826,6 +1038,7 @@ async fn nul_bytes_are_invalid_input_and_write_nothing(kind: Kind) {
         (
             "reconciled provider ref",
             t.ferry
+                .jobs()
                 .reconcile_effect(
                     &c.lease,
                     "pay",
@@ -856,10 +1069,11 @@ async fn nul_bytes_are_invalid_input_and_write_nothing(kind: Kind) {
     assert_eq!(written(&t).await, before, "nothing was written");
     // The lease is intact: the same calls without NUL succeed.
     t.ferry
+        .jobs()
         .record_effect_success(&c.lease, "pay", "psp.charge", "ch_1")
         .await
         .unwrap();
-    t.ferry.complete(&c.lease, &json!({"ok": true})).await.unwrap();
+    t.ferry.jobs().complete(&c.lease, &json!({"ok": true})).await.unwrap();
 }
 
 async fn claim_never_leases_past_the_deadline(kind: Kind) {
@@ -875,6 +1089,7 @@ async fn claim_never_leases_past_the_deadline(kind: Kind) {
     assert_eq!(deadline, T0 + 45_000);
     let c = t
         .ferry
+        .jobs()
         .claim("payments", "w", Duration::from_secs(60), 1)
         .await
         .unwrap()
@@ -900,12 +1115,19 @@ async fn claim_never_leases_past_the_deadline(kind: Kind) {
         .create_run_idempotent(job("dl2").deadline(Duration::from_secs(45)))
         .await
         .unwrap();
-    let short = t.ferry.claim("payments", "w", LEASE, 1).await.unwrap().pop().unwrap();
+    let short = t
+        .ferry
+        .jobs()
+        .claim("payments", "w", LEASE, 1)
+        .await
+        .unwrap()
+        .pop()
+        .unwrap();
     assert_eq!(short.lease_expires_at.get(), T0 + 30_000);
     // At the deadline the capped lease is over: nothing can be written under it.
     clock.advance(Duration::from_secs(45)).unwrap();
     assert_eq!(
-        t.ferry.complete(&c.lease, &json!({})).await.unwrap_err().code(),
+        t.ferry.jobs().complete(&c.lease, &json!({})).await.unwrap_err().code(),
         "lost_lease"
     );
 }
@@ -917,11 +1139,19 @@ async fn complete_and_claim_commits_both_halves_or_neither(kind: Kind) {
     for i in 0..3 {
         t.ferry.create_run_idempotent(job(&format!("cc{i}"))).await.unwrap();
     }
-    let first = t.ferry.claim("payments", "w", LEASE, 1).await.unwrap().pop().unwrap();
+    let first = t
+        .ferry
+        .jobs()
+        .claim("payments", "w", LEASE, 1)
+        .await
+        .unwrap()
+        .pop()
+        .unwrap();
     let items = [(first.lease.clone(), json!({"ok": 1}))];
     let mut tx = t.ferry.begin().await.unwrap();
     let (done, next) = t
         .ferry
+        .jobs()
         .complete_and_claim_in(&mut tx, &items, "payments", "w", LEASE, 1)
         .await
         .unwrap();
@@ -945,6 +1175,7 @@ async fn complete_and_claim_commits_both_halves_or_neither(kind: Kind) {
     // and the claim takes the two queued jobs in the same commit.
     let (done, next) = t
         .ferry
+        .jobs()
         .complete_and_claim(&items, "payments", "w2", LEASE, 5)
         .await
         .unwrap();
@@ -967,11 +1198,11 @@ async fn complete_and_claim_commits_both_halves_or_neither(kind: Kind) {
     assert_eq!(t.scalar("SELECT count(*) FROM jobs WHERE state = 'leased'").await, 2);
     for c in &next {
         assert_eq!(c.request, json!({"amount": 5}));
-        let attempts = t.ferry.list_attempts("acme", c.lease.run_id).await.unwrap();
+        let attempts = t.ferry.operator().list_attempts("acme", c.lease.run_id).await.unwrap();
         assert_eq!((attempts.len(), attempts[0].worker.as_str()), (1, "w2"));
     }
     assert_eq!(
-        t.ferry.list_attempts("acme", id).await.unwrap()[0]
+        t.ferry.operator().list_attempts("acme", id).await.unwrap()[0]
             .outcome
             .map(|o| o.as_str()),
         Some("succeeded")
@@ -985,7 +1216,7 @@ async fn complete_and_claim_refuses_stale_leases_and_still_claims(kind: Kind) {
     for i in 0..4 {
         t.ferry.create_run_idempotent(job(&format!("s{i}"))).await.unwrap();
     }
-    let mut claimed = t.ferry.claim("payments", "w", LEASE, 10).await.unwrap();
+    let mut claimed = t.ferry.jobs().claim("payments", "w", LEASE, 10).await.unwrap();
     assert_eq!(claimed.len(), 4);
     let mut fresh = Vec::new();
     for i in 0..2 {
@@ -1006,6 +1237,7 @@ async fn complete_and_claim_refuses_stale_leases_and_still_claims(kind: Kind) {
     let items: Vec<_> = claimed.iter().map(|c| (c.lease.clone(), json!({}))).collect();
     let (results, next) = t
         .ferry
+        .jobs()
         .complete_and_claim(&items, "payments", "w", LEASE, 4)
         .await
         .unwrap();
@@ -1021,7 +1253,7 @@ async fn complete_and_claim_refuses_stale_leases_and_still_claims(kind: Kind) {
     );
     // The forged lease's job is still leased under its real generation.
     claimed[2].lease.generation -= 1;
-    t.ferry.complete(&claimed[2].lease, &json!({})).await.unwrap();
+    t.ferry.jobs().complete(&claimed[2].lease, &json!({})).await.unwrap();
 }
 
 /// A batch holding two leases of one job (the expired one and the one that
@@ -1036,20 +1268,21 @@ async fn a_stale_and_a_current_lease_of_one_job_in_one_batch(kind: Kind) {
             .create_run_idempotent(job(&format!("twice-{complete_and_claim}")))
             .await
             .unwrap();
-        let first = t.ferry.claim("payments", "w", LEASE, 1).await.unwrap().remove(0);
+        let first = t.ferry.jobs().claim("payments", "w", LEASE, 1).await.unwrap().remove(0);
         clock.advance(LEASE + Duration::from_millis(1)).unwrap();
-        let again = t.ferry.claim("payments", "w", LEASE, 1).await.unwrap().remove(0);
+        let again = t.ferry.jobs().claim("payments", "w", LEASE, 1).await.unwrap().remove(0);
         assert_eq!(again.lease.run_id, first.lease.run_id, "the expired lease is reclaimed");
         assert_eq!(again.lease.generation, first.lease.generation + 1);
         let items = vec![(first.lease.clone(), json!({})), (again.lease.clone(), json!({}))];
         let results = if complete_and_claim {
             t.ferry
+                .jobs()
                 .complete_and_claim(&items, "payments", "w", LEASE, 0)
                 .await
                 .unwrap()
                 .0
         } else {
-            t.ferry.complete_batch(&items).await.unwrap()
+            t.ferry.jobs().complete_batch(&items).await.unwrap()
         };
         let codes: Vec<_> = results.iter().map(|r| r.as_ref().err().map(|e| e.code())).collect();
         assert_eq!(

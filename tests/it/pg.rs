@@ -44,7 +44,7 @@ async fn concurrent_claimers_never_share_a_job() {
     let claimer = |f: Ferry, name: &'static str| async move {
         let mut got = Vec::new();
         loop {
-            let batch = f.claim("q", name, Duration::from_secs(60), 7).await.unwrap();
+            let batch = f.jobs().claim("q", name, Duration::from_secs(60), 7).await.unwrap();
             if batch.is_empty() {
                 return got;
             }
@@ -72,11 +72,15 @@ async fn eight_complete_and_claim_loops_never_share_a_job() {
         loops.push(tokio::spawn(async move {
             let owner = format!("cc-{w}");
             let mut got = Vec::new();
-            let mut held = f.claim("cc", &owner, lease, 5).await.unwrap();
+            let mut held = f.jobs().claim("cc", &owner, lease, 5).await.unwrap();
             while !held.is_empty() {
                 got.extend(held.iter().map(|c| c.lease.run_id));
                 let items: Vec<_> = held.iter().map(|c| (c.lease.clone(), json!({}))).collect();
-                let (done, next) = f.complete_and_claim(&items, "cc", &owner, lease, 5).await.unwrap();
+                let (done, next) = f
+                    .jobs()
+                    .complete_and_claim(&items, "cc", &owner, lease, 5)
+                    .await
+                    .unwrap();
                 assert!(done.iter().all(|r| r.is_ok()), "every own lease completes");
                 held = next;
             }
@@ -360,6 +364,7 @@ async fn a_service_passes_its_own_sqlx_transaction() {
     // The handler's domain write and the completion: a rollback undoes both...
     let c = t
         .ferry
+        .jobs()
         .claim("default", "w1", Duration::from_secs(30), 1)
         .await
         .unwrap()
@@ -372,6 +377,7 @@ async fn a_service_passes_its_own_sqlx_transaction() {
         .await
         .unwrap();
     t.ferry
+        .jobs()
         .complete_in(&mut *tx, &c.lease, &json!({"paid": true}))
         .await
         .unwrap();
@@ -386,6 +392,7 @@ async fn a_service_passes_its_own_sqlx_transaction() {
         .await
         .unwrap();
     t.ferry
+        .jobs()
         .complete_in(&mut *tx, &c.lease, &json!({"paid": true}))
         .await
         .unwrap();
@@ -395,7 +402,12 @@ async fn a_service_passes_its_own_sqlx_transaction() {
 
     // ...and a stale lease is refused inside the caller's transaction too.
     let mut tx = pool.begin().await.unwrap();
-    let stale = t.ferry.complete_in(&mut *tx, &c.lease, &json!({})).await.unwrap_err();
+    let stale = t
+        .ferry
+        .jobs()
+        .complete_in(&mut *tx, &c.lease, &json!({}))
+        .await
+        .unwrap_err();
     assert!(matches!(stale, ferry::Error::RunTerminal { .. }), "{stale:?}");
     tx.rollback().await.unwrap();
 }
@@ -443,6 +455,7 @@ async fn eight_workers_under(
         flights.entry(group_of(tenant)).or_default().total += jobs_per_tenant;
     }
     t.ferry
+        .operator()
         .set_queue_limits("lim", limits, "test", "limits under load")
         .await
         .unwrap();
@@ -584,7 +597,12 @@ async fn unexpired_leases_stay_out_of_the_claim_index_range() {
     for r in t.ferry.create_runs_idempotent(high).await.unwrap() {
         r.unwrap();
     }
-    let held = t.ferry.claim("q", "w", Duration::from_secs(30), 200).await.unwrap();
+    let held = t
+        .ferry
+        .jobs()
+        .claim("q", "w", Duration::from_secs(30), 200)
+        .await
+        .unwrap();
     assert_eq!(held.len(), 200);
     let low = (0..5)
         .map(|i| NewRun::new("acme", "work", format!("l-{i}"), json!({})).queue("q"))
@@ -649,13 +667,23 @@ async fn a_limited_claim_outside_a_transaction_is_refused() {
         max_leased: Some(4),
         ..ferry::QueueLimits::default()
     };
-    t.ferry.set_queue_limits("q", limits, "ops", "cap").await.unwrap();
+    t.ferry
+        .operator()
+        .set_queue_limits("q", limits, "ops", "cap")
+        .await
+        .unwrap();
     // A claim finds the queue limited (and this process remembers it).
-    let held = t.ferry.claim("q", "w", Duration::from_secs(30), 1).await.unwrap();
+    let held = t
+        .ferry
+        .jobs()
+        .claim("q", "w", Duration::from_secs(30), 1)
+        .await
+        .unwrap();
     assert_eq!(held.len(), 1);
     let mut c = t.ferry.db().as_postgres().unwrap().acquire().await.unwrap();
     let err = t
         .ferry
+        .jobs()
         .complete_and_claim_in(&mut *c, &[], "q", "w", Duration::from_secs(30), 3)
         .await
         .unwrap_err();
@@ -669,6 +697,7 @@ async fn a_limited_claim_outside_a_transaction_is_refused() {
     let mut tx = t.ferry.begin().await.unwrap();
     let (_, got) = t
         .ferry
+        .jobs()
         .complete_and_claim_in(&mut tx, &[], "q", "w", Duration::from_secs(30), 10)
         .await
         .unwrap();

@@ -30,7 +30,7 @@ fn keys(claimed: &[Claimed]) -> Vec<String> {
 async fn claim_one_by_one(f: &Ferry) -> Vec<String> {
     let mut order = Vec::new();
     loop {
-        let got = f.claim("q", "w", LEASE, 1).await.unwrap();
+        let got = f.jobs().claim("q", "w", LEASE, 1).await.unwrap();
         if got.is_empty() {
             return order;
         }
@@ -97,22 +97,23 @@ async fn the_claim_key_follows_available_at_through_retries_and_renewals(kind: K
     // put unexpired leases inside the claim's index range).
     let inconsistent = "SELECT count(*) FROM jobs \
                         WHERE claim_key <> available_at - CASE WHEN state = 'queued' THEN priority * 1000 ELSE 0 END";
-    let claimed = f.claim("q", "w", LEASE, 2).await.unwrap();
+    let claimed = f.jobs().claim("q", "w", LEASE, 2).await.unwrap();
     assert_eq!(t.scalar(inconsistent).await, 0, "after the claim");
     clock.advance(Duration::from_secs(5)).unwrap();
-    f.renew(&claimed[0].lease, LEASE).await.unwrap();
+    f.jobs().renew(&claimed[0].lease, LEASE).await.unwrap();
     assert_eq!(t.scalar(inconsistent).await, 0, "after a renewal");
     let policy = ferry::RetryPolicy::default();
     let mut rng = <rand::rngs::StdRng as rand::SeedableRng>::seed_from_u64(3);
-    f.fail(
-        &claimed[1].lease,
-        &ferry::JobError::retryable("flaky"),
-        &policy,
-        &mut rng,
-    )
-    .await
-    .unwrap();
-    f.release(&claimed[0].lease).await.unwrap();
+    f.jobs()
+        .fail(
+            &claimed[1].lease,
+            &ferry::JobError::retryable("flaky"),
+            &policy,
+            &mut rng,
+        )
+        .await
+        .unwrap();
+    f.jobs().release(&claimed[0].lease).await.unwrap();
     assert_eq!(t.scalar(inconsistent).await, 0, "after a retry and a release");
     assert_eq!(
         t.scalar("SELECT count(*) FROM jobs WHERE priority_lead = 100000").await,
@@ -128,14 +129,16 @@ async fn a_replay_keeps_the_priority(kind: Kind) {
         .await
         .unwrap()
         .run;
-    let c = t.ferry.claim("q", "w", LEASE, 1).await.unwrap().pop().unwrap();
+    let c = t.ferry.jobs().claim("q", "w", LEASE, 1).await.unwrap().pop().unwrap();
     let policy = ferry::RetryPolicy::default();
     let mut rng = <rand::rngs::StdRng as rand::SeedableRng>::seed_from_u64(3);
     t.ferry
+        .jobs()
         .fail(&c.lease, &ferry::JobError::terminal("boom"), &policy, &mut rng)
         .await
         .unwrap();
     t.ferry
+        .operator()
         .replay_dead("acme", run.run_id, "ops", "retry", false)
         .await
         .unwrap();
@@ -177,34 +180,46 @@ async fn a_paused_queue_is_not_claimed_and_its_leases_run_on(kind: Kind) {
         .create_run_idempotent(NewRun::new("acme", "work", "other", json!({"key": "other"})).queue("other"))
         .await
         .unwrap();
-    let held = t.ferry.claim("q", "w", LEASE, 2).await.unwrap();
-    t.ferry.pause_queue("q", "alice", "incident 42").await.unwrap();
-    assert!(t.ferry.claim("q", "w", LEASE, 10).await.unwrap().is_empty(), "paused");
+    let held = t.ferry.jobs().claim("q", "w", LEASE, 2).await.unwrap();
+    t.ferry
+        .operator()
+        .pause_queue("q", "alice", "incident 42")
+        .await
+        .unwrap();
+    assert!(
+        t.ferry.jobs().claim("q", "w", LEASE, 10).await.unwrap().is_empty(),
+        "paused"
+    );
     assert_eq!(
-        t.ferry.claim("other", "w", LEASE, 10).await.unwrap().len(),
+        t.ferry.jobs().claim("other", "w", LEASE, 10).await.unwrap().len(),
         1,
         "other queues run"
     );
     // The leases taken before the pause renew and complete; completing claims nothing.
     clock.advance(Duration::from_secs(10)).unwrap();
-    t.ferry.renew(&held[0].lease, LEASE).await.unwrap();
+    t.ferry.jobs().renew(&held[0].lease, LEASE).await.unwrap();
     let items = [(held[0].lease.clone(), json!({}))];
-    let (done, next) = t.ferry.complete_and_claim(&items, "q", "w", LEASE, 5).await.unwrap();
+    let (done, next) = t
+        .ferry
+        .jobs()
+        .complete_and_claim(&items, "q", "w", LEASE, 5)
+        .await
+        .unwrap();
     assert!(done[0].is_ok() && next.is_empty(), "completes, claims nothing");
-    t.ferry.complete(&held[1].lease, &json!({})).await.unwrap();
+    t.ferry.jobs().complete(&held[1].lease, &json!({})).await.unwrap();
     // Past every lease: still nothing while paused.
     clock.advance(LEASE * 2).unwrap();
-    assert!(t.ferry.claim("q", "w", LEASE, 10).await.unwrap().is_empty());
-    let listed = t.ferry.list_queues().await.unwrap();
+    assert!(t.ferry.jobs().claim("q", "w", LEASE, 10).await.unwrap().is_empty());
+    let listed = t.ferry.operator().list_queues().await.unwrap();
     assert_eq!(
         (listed.len(), listed[0].queue.as_str(), listed[0].paused),
         (1, "q", true)
     );
-    t.ferry.resume_queue("q", "bob", "fixed").await.unwrap();
-    assert_eq!(t.ferry.claim("q", "w", LEASE, 10).await.unwrap().len(), 2);
-    assert!(!t.ferry.list_queues().await.unwrap()[0].paused);
+    t.ferry.operator().resume_queue("q", "bob", "fixed").await.unwrap();
+    assert_eq!(t.ferry.jobs().claim("q", "w", LEASE, 10).await.unwrap().len(), 2);
+    assert!(!t.ferry.operator().list_queues().await.unwrap()[0].paused);
     // Bad operator input is refused and audits nothing.
-    let err = t.ferry.pause_queue("q", "", "why").await.unwrap_err();
+    let err = t.ferry.operator().pause_queue("q", "", "why").await.unwrap_err();
     assert_eq!(err.code(), "invalid_input");
     assert_eq!(
         audit_rows(&t).await,
@@ -228,7 +243,12 @@ async fn a_global_limit_caps_live_leases(kind: Kind) {
         max_leased: Some(0),
         ..QueueLimits::default()
     };
-    let err = t.ferry.set_queue_limits("q", zero, "ops", "try").await.unwrap_err();
+    let err = t
+        .ferry
+        .operator()
+        .set_queue_limits("q", zero, "ops", "try")
+        .await
+        .unwrap_err();
     assert_eq!(err.code(), "invalid_input");
     assert_eq!(
         t.scalar("SELECT count(*) FROM ferry_queues").await,
@@ -239,33 +259,43 @@ async fn a_global_limit_caps_live_leases(kind: Kind) {
         max_leased: Some(2),
         ..QueueLimits::default()
     };
-    t.ferry.set_queue_limits("q", two, "ops", "db is hot").await.unwrap();
-    let held = t.ferry.claim("q", "w", LEASE, 10).await.unwrap();
+    t.ferry
+        .operator()
+        .set_queue_limits("q", two, "ops", "db is hot")
+        .await
+        .unwrap();
+    let held = t.ferry.jobs().claim("q", "w", LEASE, 10).await.unwrap();
     assert_eq!(held.len(), 2);
     assert!(
-        t.ferry.claim("q", "w", LEASE, 10).await.unwrap().is_empty(),
+        t.ferry.jobs().claim("q", "w", LEASE, 10).await.unwrap().is_empty(),
         "at the limit"
     );
     // A completion frees a place, and a claim with completions never
     // claims past the limit either.
     let items = [(held[0].lease.clone(), json!({}))];
-    let (_, next) = t.ferry.complete_and_claim(&items, "q", "w", LEASE, 5).await.unwrap();
+    let (_, next) = t
+        .ferry
+        .jobs()
+        .complete_and_claim(&items, "q", "w", LEASE, 5)
+        .await
+        .unwrap();
     let next = if next.is_empty() {
-        t.ferry.claim("q", "w", LEASE, 10).await.unwrap()
+        t.ferry.jobs().claim("q", "w", LEASE, 10).await.unwrap()
     } else {
         next
     };
     assert_eq!(next.len(), 1);
-    assert!(t.ferry.claim("q", "w", LEASE, 10).await.unwrap().is_empty());
+    assert!(t.ferry.jobs().claim("q", "w", LEASE, 10).await.unwrap().is_empty());
     // Expired leases stop counting (and their jobs are claimable again).
     clock.advance(LEASE + Duration::from_millis(1)).unwrap();
-    assert_eq!(t.ferry.claim("q", "w", LEASE, 10).await.unwrap().len(), 2);
+    assert_eq!(t.ferry.jobs().claim("q", "w", LEASE, 10).await.unwrap().len(), 2);
     // Lifting the limit lets the rest go.
     t.ferry
+        .operator()
         .set_queue_limits("q", QueueLimits::default(), "ops", "cooled down")
         .await
         .unwrap();
-    assert_eq!(t.ferry.claim("q", "w", LEASE, 10).await.unwrap().len(), 3);
+    assert_eq!(t.ferry.jobs().claim("q", "w", LEASE, 10).await.unwrap().len(), 3);
     let audit = audit_rows(&t).await;
     assert_eq!(audit.len(), 2);
     assert_eq!(
@@ -293,10 +323,14 @@ async fn a_tenant_at_its_cap_is_skipped_not_waited_for(kind: Kind) {
         max_leased_per_tenant: Some(2),
         ..QueueLimits::default()
     };
-    t.ferry.set_queue_limits("q", cap, "ops", "fair share").await.unwrap();
+    t.ferry
+        .operator()
+        .set_queue_limits("q", cap, "ops", "fair share")
+        .await
+        .unwrap();
     let mut by_tenant: BTreeMap<String, Vec<Claimed>> = BTreeMap::new();
     loop {
-        let got = t.ferry.claim("q", "w", LEASE, 10).await.unwrap();
+        let got = t.ferry.jobs().claim("q", "w", LEASE, 10).await.unwrap();
         if got.is_empty() {
             break;
         }
@@ -307,8 +341,12 @@ async fn a_tenant_at_its_cap_is_skipped_not_waited_for(kind: Kind) {
     let counts: Vec<(&str, usize)> = by_tenant.iter().map(|(k, v)| (k.as_str(), v.len())).collect();
     assert_eq!(counts, [("a", 2), ("b", 2)], "each tenant up to its cap");
     // B's freed place goes to B's third job, not to A's flood.
-    t.ferry.complete(&by_tenant["b"][0].lease, &json!({})).await.unwrap();
-    let next = t.ferry.claim("q", "w", LEASE, 10).await.unwrap();
+    t.ferry
+        .jobs()
+        .complete(&by_tenant["b"][0].lease, &json!({}))
+        .await
+        .unwrap();
+    let next = t.ferry.jobs().claim("q", "w", LEASE, 10).await.unwrap();
     assert_eq!(keys(&next), ["b2"]);
 }
 
@@ -329,6 +367,7 @@ async fn a_rate_limit_gives_the_burst_then_one_per_interval(kind: Kind) {
         ..QueueLimits::default()
     };
     t.ferry
+        .operator()
         .set_queue_limits("q", rate, "ops", "partner API quota")
         .await
         .unwrap();
@@ -336,13 +375,13 @@ async fn a_rate_limit_gives_the_burst_then_one_per_interval(kind: Kind) {
     let mut claims = Vec::new();
     for step_ms in [0, 0, 999, 1, 0, 2_500, 500, 60_000, 0] {
         clock.advance(Duration::from_millis(step_ms)).unwrap();
-        claims.push(t.ferry.claim("q", "w", lease, 10).await.unwrap().len());
+        claims.push(t.ferry.jobs().claim("q", "w", lease, 10).await.unwrap().len());
     }
     // Full bucket; empty; not yet a second; one token; none; 2.5 intervals
     // give two (the half is kept); the kept half and 0.5 s make one; a
     // minute refills to the burst, not more; empty again.
     assert_eq!(claims, [3, 0, 0, 1, 0, 2, 1, 3, 0]);
-    assert_eq!(t.ferry.list_queues().await.unwrap()[0].tokens, 0);
+    assert_eq!(t.ferry.operator().list_queues().await.unwrap()[0].tokens, 0);
 }
 
 async fn setting_the_same_limits_again_changes_nothing(kind: Kind) {
@@ -360,21 +399,30 @@ async fn setting_the_same_limits_again_changes_nothing(kind: Kind) {
         }),
         ..QueueLimits::default()
     };
-    t.ferry.set_queue_limits("q", hourly(2), "ops", "quota").await.unwrap();
-    assert_eq!(t.ferry.claim("q", "w", LEASE, 10).await.unwrap().len(), 2);
+    t.ferry
+        .operator()
+        .set_queue_limits("q", hourly(2), "ops", "quota")
+        .await
+        .unwrap();
+    assert_eq!(t.ferry.jobs().claim("q", "w", LEASE, 10).await.unwrap().len(), 2);
     // Every instance applying its limits at startup: no refill, no audit row.
     t.ferry
+        .operator()
         .set_queue_limits("q", hourly(2), "ops", "startup")
         .await
         .unwrap();
     assert!(
-        t.ferry.claim("q", "w", LEASE, 10).await.unwrap().is_empty(),
+        t.ferry.jobs().claim("q", "w", LEASE, 10).await.unwrap().is_empty(),
         "the same limits again refilled the bucket"
     );
     assert_eq!(audit_rows(&t).await.len(), 1, "the same limits again were audited");
     // A new rate keeps the tokens left (none), capped at its burst.
-    t.ferry.set_queue_limits("q", hourly(3), "ops", "more").await.unwrap();
-    assert!(t.ferry.claim("q", "w", LEASE, 10).await.unwrap().is_empty());
+    t.ferry
+        .operator()
+        .set_queue_limits("q", hourly(3), "ops", "more")
+        .await
+        .unwrap();
+    assert!(t.ferry.jobs().claim("q", "w", LEASE, 10).await.unwrap().is_empty());
     assert_eq!(audit_rows(&t).await.len(), 2);
 }
 

@@ -20,7 +20,7 @@ fn job(key: &str) -> NewRun {
 }
 
 async fn claimable(t: &TestDb) -> usize {
-    let got = t.ferry.claim("later", "w", LEASE, 10).await.unwrap();
+    let got = t.ferry.jobs().claim("later", "w", LEASE, 10).await.unwrap();
     got.len()
 }
 
@@ -46,7 +46,7 @@ async fn a_scheduled_run_is_claimable_from_run_at_and_not_before(kind: Kind) {
     clock.advance(Duration::from_millis(59_999)).unwrap();
     assert_eq!(claimable(&t).await, 0, "not 1 ms before run_at");
     clock.advance(Duration::from_millis(1)).unwrap();
-    let got = t.ferry.claim("later", "w", LEASE, 10).await.unwrap();
+    let got = t.ferry.jobs().claim("later", "w", LEASE, 10).await.unwrap();
     assert_eq!(got.len(), 1, "claimable at run_at");
     assert_eq!(got[0].lease.run_id, run.run_id);
 }
@@ -70,11 +70,11 @@ async fn a_delay_counts_from_acceptance_and_a_past_run_at_starts_at_once(kind: K
         .run;
     assert_eq!(past.scheduled_at, Some(at(T0 - 1_000)), "the instant asked for is kept");
     assert_eq!(past.deadline_at, Some(at(T0 + 1_000)), "deadline from max(now, run_at)");
-    let got = t.ferry.claim("later", "w", LEASE, 10).await.unwrap();
+    let got = t.ferry.jobs().claim("later", "w", LEASE, 10).await.unwrap();
     assert_eq!(got.len(), 1, "a past run_at is claimable at once");
     assert_eq!(got[0].lease.run_id, past.run_id);
     clock.advance(Duration::from_secs(5)).unwrap();
-    let got = t.ferry.claim("later", "w", LEASE, 10).await.unwrap();
+    let got = t.ferry.jobs().claim("later", "w", LEASE, 10).await.unwrap();
     assert_eq!(
         got.iter().map(|c| c.lease.run_id).collect::<Vec<_>>(),
         vec![delayed.run_id]
@@ -240,7 +240,7 @@ async fn bulk_acceptance_schedules_and_links_like_the_single_call(kind: Kind) {
         "both paths write the same run_queued record (up to the run id)"
     );
     // Only the unscheduled bulk item and the parent are claimable now.
-    let got = t.ferry.claim("later", "w", LEASE, 10).await.unwrap();
+    let got = t.ferry.jobs().claim("later", "w", LEASE, 10).await.unwrap();
     assert_eq!(got.len(), 2);
     assert!(got
         .iter()
@@ -248,6 +248,7 @@ async fn bulk_acceptance_schedules_and_links_like_the_single_call(kind: Kind) {
     clock.advance(Duration::from_secs(60)).unwrap();
     let got: Vec<_> = t
         .ferry
+        .jobs()
         .claim("later", "w", LEASE, 10)
         .await
         .unwrap()

@@ -67,7 +67,7 @@ async fn ticks_fire_once_and_missed_ticks_follow_the_policy(kind: Kind) {
         t.ferry.fire_due_ticks(10).await.unwrap().is_empty(),
         "a tick fires once"
     );
-    let claimed = t.ferry.claim("reports", "w", MINUTE, 10).await.unwrap();
+    let claimed = t.ferry.jobs().claim("reports", "w", MINUTE, 10).await.unwrap();
     assert_eq!(claimed.len(), 1, "a tick's run is claimable at its tick");
 
     // Ten minutes down, Skip: only the latest missed tick runs.
@@ -103,7 +103,7 @@ async fn ticks_fire_once_and_missed_ticks_follow_the_policy(kind: Kind) {
     // Back to one tick per minute.
     clock.advance(MINUTE).unwrap();
     assert_eq!(t.ferry.fire_due_ticks(10).await.unwrap().len(), 1);
-    let listed = t.ferry.list_schedules(Some("acme")).await.unwrap();
+    let listed = t.ferry.operator().list_schedules(Some("acme")).await.unwrap();
     assert_eq!(listed.len(), 1);
     assert_eq!(listed[0].last_tick.map(|m| m.get()), Some(T0 + 1_320_000));
     assert_eq!(listed[0].next_tick.get(), T0 + 1_380_000);
@@ -160,7 +160,7 @@ async fn schedule_changes_are_audited_and_bad_ones_refused(kind: Kind) {
             .unwrap(),
         ScheduleChange::Updated
     );
-    let s = f.list_schedules(None).await.unwrap().remove(0);
+    let s = f.operator().list_schedules(None).await.unwrap().remove(0);
     assert_eq!(s.next_tick.get(), T0 + 3_600_000);
     assert!(
         f.fire_due_ticks(10).await.unwrap().is_empty(),
@@ -214,8 +214,8 @@ async fn schedule_changes_are_audited_and_bad_ones_refused(kind: Kind) {
         "nothing written"
     );
 
-    assert!(f.unschedule("acme", "s", "ops", "retired").await.unwrap());
-    assert!(!f.unschedule("acme", "s", "ops", "retired").await.unwrap());
+    assert!(f.operator().unschedule("acme", "s", "ops", "retired").await.unwrap());
+    assert!(!f.operator().unschedule("acme", "s", "ops", "retired").await.unwrap());
     assert_eq!(audits(&t, "schedule.delete").await, 1);
     clock.advance(Duration::from_secs(7200)).unwrap();
     assert!(

@@ -79,7 +79,7 @@ async fn worker_completes_and_retries(kind: Kind) {
     for (i, id) in ids.iter().enumerate() {
         let run = t.ferry.get_run("acme", *id).await.unwrap();
         assert_eq!(run.state, ferry::RunState::Succeeded);
-        let attempts = t.ferry.list_attempts("acme", *id).await.unwrap();
+        let attempts = t.ferry.operator().list_attempts("acme", *id).await.unwrap();
         assert_eq!(attempts.len(), if i % 3 == 0 { 2 } else { 1 });
     }
     assert_eq!(
@@ -129,7 +129,12 @@ async fn lost_lease_and_cancellation_stop_the_handler(kind: Kind) {
     let thief = loop {
         rounds += 1;
         clock.advance(Duration::from_secs(31)).unwrap();
-        let claimed = t.ferry.claim("q", "thief", Duration::from_secs(600), 1).await.unwrap();
+        let claimed = t
+            .ferry
+            .jobs()
+            .claim("q", "thief", Duration::from_secs(600), 1)
+            .await
+            .unwrap();
         if let Some(c) = claimed.into_iter().next() {
             break c;
         }
@@ -144,7 +149,11 @@ async fn lost_lease_and_cancellation_stop_the_handler(kind: Kind) {
             other => panic!("the stale handler must be cancelled, got {other:?}"),
         }
     }
-    t.ferry.complete(&thief.lease, &json!({"by": "thief"})).await.unwrap();
+    t.ferry
+        .jobs()
+        .complete(&thief.lease, &json!({"by": "thief"}))
+        .await
+        .unwrap();
 
     // Cancellation reaches a running handler through renew.
     let run = NewRun::new("acme", "work", "k-cancel", json!({"i": 99})).queue("q");
@@ -200,7 +209,7 @@ async fn shutdown_releases_only_owned_jobs(kind: Kind) {
     running.await.unwrap().unwrap();
     assert_eq!(stats.released.load(Ordering::SeqCst), 2);
     for id in ids {
-        let attempts = t.ferry.list_attempts("acme", id).await.unwrap();
+        let attempts = t.ferry.operator().list_attempts("acme", id).await.unwrap();
         assert_eq!(attempts[0].outcome.map(|o| o.as_str()), Some("released"));
     }
     assert_eq!(
@@ -277,6 +286,7 @@ async fn released_jobs_are_drained_by_the_next_worker(kind: Kind) {
         );
         let history: Vec<_> = t
             .ferry
+            .operator()
             .list_attempts("acme", id)
             .await
             .unwrap()
@@ -538,7 +548,7 @@ async fn a_handler_enqueues_one_follow_up_across_retries(kind: Kind) {
         Ok(json!({ "child": child.run.run_id, "replay": child.replay }))
     });
     run_router_until_terminal(&t, router, &[order]).await;
-    let lineage = t.ferry.run_lineage("acme", order).await.unwrap();
+    let lineage = t.ferry.operator().run_lineage("acme", order).await.unwrap();
     assert_eq!(lineage.run.state, RunState::Succeeded);
     assert_eq!(lineage.attempts.len(), 2);
     assert_eq!(lineage.children.len(), 1, "one child across two attempts");
@@ -576,6 +586,7 @@ async fn a_run_dead_under_a_router_replays_under_the_same_router(kind: Kind) {
     declined.store(false, Ordering::SeqCst);
     let replay = t
         .ferry
+        .operator()
         .replay_dead("acme", dead, "ops@example", "card updated", false)
         .await
         .unwrap()
@@ -624,7 +635,7 @@ async fn assert_dies_at_once(kind: Kind, operation: &str, request: serde_json::V
     assert_eq!(t.ferry.get_run("acme", id).await.unwrap().state, RunState::Failed);
     assert_eq!(stats.dead.load(Ordering::SeqCst), 1);
     assert_eq!(stats.retried.load(Ordering::SeqCst), 0, "retrying cannot help");
-    let attempts = t.ferry.list_attempts("acme", id).await.unwrap();
+    let attempts = t.ferry.operator().list_attempts("acme", id).await.unwrap();
     assert_eq!(attempts.len(), 1, "one attempt only: {attempts:?}");
     assert_eq!(attempts[0].outcome.map(|o| o.as_str()), Some("dead"));
     assert_eq!(attempts[0].error_class.as_deref(), Some("terminal"));

@@ -20,7 +20,7 @@ pub struct ConsoleArgs {
     #[arg(long, env = "FERRY_CONSOLE_TOKEN_FILE")]
     pub token_file: Option<std::path::PathBuf>,
     /// How often the overview's backlog and throughput are sampled.
-    #[arg(long, value_parser = ferry_relay::config::parse_duration, default_value = "5s")]
+    #[arg(long, value_parser = ferry::time::parse_duration, default_value = "5s")]
     pub sample_every: std::time::Duration,
     /// Mark the session cookie `Secure` (when TLS is terminated in front).
     #[arg(long)]
@@ -46,7 +46,7 @@ pub(super) async fn run(args: ConsoleArgs) -> Result<(), CliError> {
         tracing::warn!(listen = %args.listen, "the console listens beyond loopback: keep it inside the cluster");
     }
     ferry_console::Console::new(ferry, config)?
-        .serve(listener, ferry_relay::cli::shutdown_signal())
+        .serve(listener, ferry::signal::shutdown_signal())
         .await
         .map_err(ferry_console::ConsoleError::from)?;
     Ok(())

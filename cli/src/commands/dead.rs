@@ -2,7 +2,6 @@
 //! without payloads, and put back to pending with an audit entry.
 
 use ferry::Ferry;
-use ferry_relay::store::RelayStore;
 
 use super::DbArgs;
 use crate::error::CliError;
@@ -40,8 +39,8 @@ pub enum DeadCommand {
 pub(super) async fn run(command: DeadCommand) -> Result<(), CliError> {
     match command {
         DeadCommand::List { db, limit } => {
-            let store = RelayStore::new(Ferry::builder(&db.database_url).connect().await?);
-            for r in store.list_dead_outbox(limit).await? {
+            let ferry = Ferry::builder(&db.database_url).connect().await?;
+            for r in ferry.operator().list_dead_outbox(limit).await? {
                 println!(
                     "{:>10}  {:<12} {:<24} {:<24} {}  attempts={}",
                     r.id,
@@ -55,8 +54,8 @@ pub(super) async fn run(command: DeadCommand) -> Result<(), CliError> {
             Ok(())
         }
         DeadCommand::Replay { db, id, actor, reason } => {
-            let store = RelayStore::new(Ferry::builder(&db.database_url).connect().await?);
-            let ids = store.replay_dead_outbox(id, &actor, &reason).await?;
+            let ferry = Ferry::builder(&db.database_url).connect().await?;
+            let ids = ferry.operator().replay_dead_outbox(id, &actor, &reason).await?;
             println!("{} rows back to pending", ids.len());
             Ok(())
         }

@@ -13,7 +13,7 @@ pub struct DoctorArgs {
     #[command(flatten)]
     pub db: DbArgs,
     /// How long past expiry a lease may sit before it counts as stuck.
-    #[arg(long, value_parser = ferry_relay::config::parse_duration, default_value = "5m")]
+    #[arg(long, value_parser = ferry::time::parse_duration, default_value = "5m")]
     pub stuck_after: std::time::Duration,
     /// Exit non-zero when a warning or critical finding has items.
     #[arg(long)]

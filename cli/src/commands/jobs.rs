@@ -87,7 +87,7 @@ pub(super) async fn run(command: JobsCommand) -> Result<(), CliError> {
             limit,
         } => {
             let ferry = Ferry::builder(&db.database_url).connect().await?;
-            for j in ferry.list_jobs(&tenant, state, limit).await? {
+            for j in ferry.operator().list_jobs(&tenant, state, limit).await? {
                 println!(
                     "{}  {:<10} {:<12} attempts {}/{}  {}",
                     j.run_id,
@@ -112,7 +112,7 @@ pub(super) async fn run(command: JobsCommand) -> Result<(), CliError> {
             for e in ferry.list_events(&tenant, run).await? {
                 println!("  event {:>3} {:<18} {}", e.seq, e.kind, e.body);
             }
-            for a in ferry.list_attempts(&tenant, run).await? {
+            for a in ferry.operator().list_attempts(&tenant, run).await? {
                 println!(
                     "  attempt {} gen {} {} {} {}",
                     a.attempt,
@@ -131,7 +131,7 @@ pub(super) async fn run(command: JobsCommand) -> Result<(), CliError> {
             reason,
         } => {
             let ferry = Ferry::builder(&db.database_url).connect().await?;
-            ferry.cancel_audited(&tenant, run, &actor, &reason).await?;
+            ferry.operator().cancel_audited(&tenant, run, &actor, &reason).await?;
             println!("cancelled {run}");
         }
         JobsCommand::ReplayDead {
@@ -143,7 +143,10 @@ pub(super) async fn run(command: JobsCommand) -> Result<(), CliError> {
             force,
         } => {
             let ferry = Ferry::builder(&db.database_url).connect().await?;
-            let a = ferry.replay_dead_audited(&tenant, run, &actor, &reason, force).await?;
+            let a = ferry
+                .operator()
+                .replay_dead_audited(&tenant, run, &actor, &reason, force)
+                .await?;
             println!("replayed {run} as {}", a.run.run_id);
         }
     }

@@ -68,7 +68,7 @@ pub enum QueueCommand {
         #[arg(long, requires = "rate_every")]
         rate_burst: Option<u32>,
         /// Rate limit: one more claim per this interval (e.g. `200ms`, `1s`).
-        #[arg(long, requires = "rate_burst", value_parser = ferry_relay::config::parse_duration)]
+        #[arg(long, requires = "rate_burst", value_parser = ferry::time::parse_duration)]
         rate_every: Option<std::time::Duration>,
         /// Actor and reason.
         #[command(flatten)]
@@ -81,7 +81,7 @@ pub(super) async fn run(command: QueueCommand) -> Result<(), CliError> {
     match command {
         QueueCommand::List { db } => {
             let ferry = Ferry::builder(&db.database_url).connect().await?;
-            for q in ferry.list_queues().await? {
+            for q in ferry.operator().list_queues().await? {
                 println!(
                     "{:<20} {:<7} leased {:<5} {}{}",
                     q.queue,
@@ -94,12 +94,18 @@ pub(super) async fn run(command: QueueCommand) -> Result<(), CliError> {
         }
         QueueCommand::Pause { db, queue, audited } => {
             let ferry = Ferry::builder(&db.database_url).connect().await?;
-            ferry.pause_queue(&queue, &audited.actor, &audited.reason).await?;
+            ferry
+                .operator()
+                .pause_queue(&queue, &audited.actor, &audited.reason)
+                .await?;
             println!("paused {queue}");
         }
         QueueCommand::Resume { db, queue, audited } => {
             let ferry = Ferry::builder(&db.database_url).connect().await?;
-            ferry.resume_queue(&queue, &audited.actor, &audited.reason).await?;
+            ferry
+                .operator()
+                .resume_queue(&queue, &audited.actor, &audited.reason)
+                .await?;
             println!("resumed {queue}");
         }
         QueueCommand::Limits {
@@ -120,6 +126,7 @@ pub(super) async fn run(command: QueueCommand) -> Result<(), CliError> {
             };
             let ferry = Ferry::builder(&db.database_url).connect().await?;
             ferry
+                .operator()
                 .set_queue_limits(&queue, limits, &audited.actor, &audited.reason)
                 .await?;
             println!("{queue}: {}", limits.describe());

@@ -75,7 +75,7 @@ pub(super) async fn run(command: RunsCommand) -> Result<(), CliError> {
                 created_from: millis(since_ms)?,
                 created_before: millis(before_ms)?,
             };
-            let page = ferry.list_runs(&filter, cursor.as_ref(), limit).await?;
+            let page = ferry.operator().list_runs(&filter, cursor.as_ref(), limit).await?;
             for r in &page.runs {
                 println!(
                     "{}  {:<12} {:<16} {:<10} {:<9} job {:<9} attempts {}/{}  created {}  scheduled {}  parent {}  {}",
@@ -100,7 +100,7 @@ pub(super) async fn run(command: RunsCommand) -> Result<(), CliError> {
         }
         RunsCommand::Show { db, tenant, run } => {
             let ferry = Ferry::builder(&db.database_url).connect().await?;
-            let l = ferry.run_lineage(&tenant, run).await?;
+            let l = ferry.operator().run_lineage(&tenant, run).await?;
             let r = &l.run;
             println!(
                 "run {} {} {} version {} queue {} job {} attempts {}/{}",

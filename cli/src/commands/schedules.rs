@@ -42,7 +42,7 @@ pub(super) async fn run(command: SchedulesCommand) -> Result<(), CliError> {
     match command {
         SchedulesCommand::List { db, tenant } => {
             let ferry = Ferry::builder(&db.database_url).connect().await?;
-            for s in ferry.list_schedules(tenant.as_deref()).await? {
+            for s in ferry.operator().list_schedules(tenant.as_deref()).await? {
                 println!(
                     "{:<12} {:<20} {:<22} {:<16} queue {:<10} missed {:?}  last {}  next {}",
                     s.tenant,
@@ -64,7 +64,7 @@ pub(super) async fn run(command: SchedulesCommand) -> Result<(), CliError> {
             reason,
         } => {
             let ferry = Ferry::builder(&db.database_url).connect().await?;
-            if ferry.unschedule(&tenant, &name, &actor, &reason).await? {
+            if ferry.operator().unschedule(&tenant, &name, &actor, &reason).await? {
                 println!("removed {tenant}/{name}");
             } else {
                 println!("no schedule {tenant}/{name}");

@@ -1,7 +1,6 @@
 //! `ferry status`: the outbox backlog, dead rows and lane owners.
 
 use ferry::Ferry;
-use ferry_relay::store::RelayStore;
 
 use super::DbArgs;
 use crate::error::CliError;
@@ -9,6 +8,6 @@ use crate::error::CliError;
 /// Prints the status report.
 pub(super) async fn run(db: DbArgs) -> Result<(), CliError> {
     let ferry = Ferry::builder(&db.database_url).connect().await?;
-    print!("{}", ferry_relay::status::report(&RelayStore::new(ferry)).await?);
+    print!("{}", ferry.operator().status_report().await?);
     Ok(())
 }

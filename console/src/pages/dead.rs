@@ -2,7 +2,7 @@
 //! counts, each row and each group with its replay action.
 
 use axum::extract::State;
-use ferry_relay::store::DeadFilter;
+use ferry::operator::DeadFilter;
 use maud::{html, Markup};
 
 use super::{age, csrf_field, layout, reason_field, ts, urlencode, Frame};
@@ -36,14 +36,15 @@ pub(crate) async fn page(
         error_code: code.clone(),
         max_id: None,
     };
+    let operator = state.ferry.operator();
     let (outbox_groups, job_groups, rows, now) = tokio::try_join!(
         state.store.outbox_dead_groups(t),
         state.store.dead_job_groups(t),
-        state.relay.list_dead_outbox_where(&filter, LIST),
+        operator.list_dead_outbox_where(&filter, LIST),
         state.store.now(),
     )?;
     let jobs = match t {
-        Some(t) => state.ferry.list_dead(t, code.as_deref(), LIST).await?,
+        Some(t) => operator.list_dead(t, code.as_deref(), LIST).await?,
         None => Vec::new(),
     };
     let frame = Frame {

@@ -41,14 +41,15 @@ pub(crate) async fn page(
             }
         }
     };
+    let operator = state.ferry.operator();
     let (lanes, owners, relays, census, dead, partitions, queues, now) = tokio::try_join!(
         state.store.outbox_lanes(t),
-        state.relay.lane_owners(),
-        state.relay.live_relays(),
+        operator.lane_owners(),
+        operator.live_relays(),
         jobs,
         state.store.outbox_dead_groups(t),
         state.store.consumer_partitions(),
-        state.ferry.list_queues(),
+        operator.list_queues(),
         state.store.now(),
     )?;
     let paused: BTreeSet<&str> = queues.iter().filter(|q| q.paused).map(|q| q.queue.as_str()).collect();

@@ -1,13 +1,13 @@
 //! Runs: search (by run id, by tenant and idempotency key, by state,
-//! operation, queue and time, in keyset pages through `Ferry::list_runs`),
-//! and one run's lineage (`Ferry::run_lineage` plus each consumer group's
+//! operation, queue and time, in keyset pages through `Operator::list_runs`),
+//! and one run's lineage (`Operator::run_lineage` plus each consumer group's
 //! ledger entries for its outbox rows): "where is my event?" on one page.
 
 use axum::extract::State;
 use axum::http::HeaderMap;
 use axum::response::{IntoResponse, Redirect, Response};
+use ferry::outbox::effect_key_of;
 use ferry::{Millis, RunCursor, RunFilter, RunState, RunSummary};
-use ferry_relay::publish::effect_key_of;
 use maud::{html, Markup};
 use uuid::Uuid;
 
@@ -125,7 +125,7 @@ pub(crate) async fn search(
         created_before: given(&q.before).map(parse_instant).transpose()?,
     };
     let after: Option<RunCursor> = given(&q.after).map(str::parse).transpose()?;
-    let page = state.ferry.list_runs(&filter, after.as_ref(), PAGE).await?;
+    let page = state.ferry.operator().list_runs(&filter, after.as_ref(), PAGE).await?;
     let frame = Frame {
         principal: &principal,
         tenant: tenant.as_deref(),
@@ -263,7 +263,7 @@ pub(crate) async fn lineage(
     Path((tenant, run_id)): Path<(String, Uuid)>,
 ) -> Result<Markup, ConsoleError> {
     principal.check(&tenant)?;
-    let l = state.ferry.run_lineage(&tenant, run_id).await?;
+    let l = state.ferry.operator().run_lineage(&tenant, run_id).await?;
     let ids: Vec<i64> = l.outbox.iter().map(|o| o.id).collect();
     let (ledger, now, database_id) = tokio::try_join!(
         state.store.ledger_for_outbox_rows(&tenant, &ids),

@@ -199,20 +199,22 @@ pub async fn seed(f: &ferry::Ferry) -> Seeded {
         .run_id;
     // acme's dead job: the payments queue's first claim fails terminally.
     let c = f
+        .jobs()
         .claim("payments", "worker-1", Duration::from_secs(30), 1)
         .await
         .unwrap()
         .pop()
         .unwrap();
     let mut rng = rand::rngs::StdRng::seed_from_u64(7);
-    f.fail(
-        &c.lease,
-        &JobError::terminal("card_declined"),
-        &RetryPolicy::default(),
-        &mut rng,
-    )
-    .await
-    .unwrap();
+    f.jobs()
+        .fail(
+            &c.lease,
+            &JobError::terminal("card_declined"),
+            &RetryPolicy::default(),
+            &mut rng,
+        )
+        .await
+        .unwrap();
     let acme_dead_run = c.lease.run_id;
     // Dead outbox rows, marked dead by a relay holding their lanes.
     let mut acme_dead_rows = Vec::new();

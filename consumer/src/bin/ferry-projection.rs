@@ -69,14 +69,6 @@ fn micro_batch(v: &str) -> Result<usize, ConsumerError> {
         .ok_or_else(|| ConsumerError::Config("FERRY_MICRO_BATCH must be a whole number from 1 up".into()))
 }
 
-async fn shutdown() {
-    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).ok();
-    tokio::select! {
-        _ = tokio::signal::ctrl_c() => {}
-        _ = async { match term.as_mut() { Some(t) => { t.recv().await; } None => std::future::pending().await } } => {}
-    }
-}
-
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
     #[cfg(feature = "otlp")]
@@ -118,7 +110,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     if let Ok(dlq) = std::env::var("FERRY_DLQ") {
         builder = builder.dead_letter_topic(dlq);
     }
-    builder.run(shutdown()).await?;
+    builder.run(ferry::signal::shutdown_signal()).await?;
     Ok(())
 }
 

@@ -4,6 +4,8 @@
 use std::net::SocketAddr;
 use std::time::Duration;
 
+use ferry::time::parse_duration;
+
 use crate::error::RelayError;
 
 mod checks;
@@ -280,80 +282,13 @@ fn parse_kv(s: &str) -> Result<(String, String), RelayError> {
     Ok((k.trim().to_owned(), v.trim().to_owned()))
 }
 
-/// Parses `250ms`, `15s`, `2m`, `1h`, `3d`, or a bare number of
-/// milliseconds, up to [`ferry::time::MAX_DURATION`] (100 years, the most
-/// the store accepts). Anything else, a count that overflows included, is
-/// [`RelayError::Config`]: nothing wraps.
-pub fn parse_duration(s: &str) -> Result<Duration, RelayError> {
-    let s = s.trim();
-    let split = s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
-    let (n, unit) = s.split_at(split);
-    let n: u64 = n
-        .parse()
-        .map_err(|_| RelayError::Config(format!("not a duration: {s:?}")))?;
-    let ms_per_unit: u64 = match unit {
-        "" | "ms" => 1,
-        "s" => 1000,
-        "m" => 60_000,
-        "h" => 3_600_000,
-        "d" => 86_400_000,
-        _ => {
-            return Err(RelayError::Config(format!(
-                "unknown unit in {s:?}; use ms, s, m, h or d"
-            )))
-        }
-    };
-    n.checked_mul(ms_per_unit)
-        .map(Duration::from_millis)
-        .filter(|d| *d <= ferry::time::MAX_DURATION)
-        .ok_or_else(|| RelayError::Config(format!("{s:?} is longer than 100 years")))
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
 
     use proptest::prelude::*;
 
-    /// Milliseconds per unit `parse_duration` takes.
-    fn unit_ms(unit: &str) -> u128 {
-        match unit {
-            "" | "ms" => 1,
-            "s" => 1000,
-            "m" => 60_000,
-            "h" => 3_600_000,
-            _ => 86_400_000,
-        }
-    }
-
     proptest! {
-        /// Any text is a duration within 100 years or a `config` error.
-        #[test]
-        fn any_duration_text_parses_or_is_a_config_error(s in any::<String>()) {
-            match parse_duration(&s) {
-                Ok(d) => prop_assert!(d <= ferry::time::MAX_DURATION),
-                Err(e) => prop_assert_eq!(e.code(), "config"),
-            }
-        }
-
-        /// A count of any size in any unit is exactly that many units, or
-        /// refused when past 100 years: it never wraps (it used to multiply
-        /// unchecked, panicking or wrapping on `307445734561825861m`).
-        #[test]
-        fn counts_never_wrap(
-            n in prop_oneof![any::<u64>(), 0..10_000_000_u64],
-            unit in prop::sample::select(vec!["", "ms", "s", "m", "h", "d"]),
-        ) {
-            let ms = u128::from(n) * unit_ms(unit);
-            match parse_duration(&format!("{n}{unit}")) {
-                Ok(d) => prop_assert_eq!(d.as_millis(), ms),
-                Err(e) => {
-                    prop_assert_eq!(e.code(), "config");
-                    prop_assert!(ms > ferry::time::MAX_DURATION.as_millis());
-                }
-            }
-        }
-
         /// A `--kafka` override is a non-empty key and a value, or `config`.
         #[test]
         fn any_override_text_parses_or_is_a_config_error(s in any::<String>()) {
@@ -408,13 +343,7 @@ mod tests {
     }
 
     #[test]
-    fn durations_and_routes() {
-        assert_eq!(parse_duration("250ms").unwrap(), Duration::from_millis(250));
-        assert_eq!(parse_duration("2m").unwrap(), Duration::from_secs(120));
-        assert!(parse_duration("2 weeks").is_err());
-        assert_eq!(parse_duration("36500d").unwrap(), Duration::from_secs(36_500 * 86_400));
-        assert_eq!(parse_duration("36501d").unwrap_err().code(), "config");
-        assert_eq!(parse_duration("307445734561825861m").unwrap_err().code(), "config");
+    fn routes_and_kafka_overrides() {
         let mut c = RelayConfig::new("sqlite://x", "b");
         c.topic_template = "outbox.event.{topic}".into();
         assert_eq!(c.route("order", "acme"), "outbox.event.order");

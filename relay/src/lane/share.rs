@@ -4,8 +4,9 @@
 
 use std::collections::BTreeMap;
 
+use crate::store::LaneLease;
 use crate::store::RelayStore;
-use crate::store::{LaneLease, LiveRelay};
+use ferry::operator::LiveRelay;
 
 use crate::config::RelayConfig;
 use crate::error::RelayError;

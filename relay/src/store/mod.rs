@@ -1,14 +1,17 @@
 //! The relay's database side, without Kafka: lane leases with generations
 //! that only go up, batches in `id` order, marks fenced by the lane
-//! generation, poison rows, retention and status. Its SQL is `relay/sql/`,
-//! rendered for both engines at build time; this module is the only place in
-//! the relay that talks to the database.
+//! generation, poison rows and retention. Its SQL is `relay/sql/`, rendered
+//! for both engines at build time; this module is the only place in the
+//! relay that talks to the database. What an operator reads or replays (the
+//! backlog, dead rows, lane owners, the slots' state) is the core's
+//! [`ferry::Operator`], which the relay's gauges and `status` read too.
 
 use std::collections::BTreeMap;
 use std::time::Duration;
 
 use sqlx::types::Json;
 
+use ferry::operator::LiveRelay;
 use ferry::store::{on_conn, on_pool, Conn};
 use ferry::time::duration_ms;
 use ferry::{Error, Ferry, Millis, Result};
@@ -19,16 +22,7 @@ mod queries {
 mod wal;
 use queries::QUERIES;
 
-pub use wal::{SlotState, WalSetting, WalSlot};
-
-/// A live relay instance and its `--max-lanes`.
-#[derive(Debug, Clone, PartialEq, Eq, sqlx::FromRow)]
-pub struct LiveRelay {
-    /// Its lease identity.
-    pub owner: String,
-    /// The most lanes it takes.
-    pub max_lanes: i64,
-}
+pub use wal::{SlotState, WalSetting};
 
 /// A lane this relay holds, at a generation.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, sqlx::FromRow)]
@@ -76,75 +70,6 @@ pub(crate) struct PendingSqlRow {
     created_at: Millis,
 }
 
-/// A dead (poison) outbox row, without its payload.
-#[derive(Debug, Clone, PartialEq, serde::Serialize, sqlx::FromRow)]
-pub struct DeadRow {
-    /// Outbox id.
-    pub id: i64,
-    /// Tenant.
-    pub tenant: String,
-    /// Topic.
-    pub topic: String,
-    /// Key.
-    pub key: String,
-    /// The error code that killed it.
-    pub last_error: Option<String>,
-    /// Publish attempts.
-    pub publish_attempts: i32,
-    /// Enqueued at.
-    pub created_at: Millis,
-}
-
-/// Which dead rows an operator means: every one, or only one id, one
-/// tenant's, one error code's (the conditions combine).
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct DeadFilter {
-    /// Only this outbox id.
-    pub id: Option<i64>,
-    /// Only this tenant's rows (a console token scoped to tenants sets it).
-    pub tenant: Option<String>,
-    /// Only rows dead with this error code (a group on the console).
-    pub error_code: Option<String>,
-    /// Only rows up to this id (a group as the operator saw it: rows that
-    /// die later are not replayed with it).
-    pub max_id: Option<i64>,
-}
-
-/// Who holds a lane.
-#[derive(Debug, Clone, PartialEq, serde::Serialize, sqlx::FromRow)]
-pub struct LaneOwner {
-    /// Lane.
-    pub lane: i32,
-    /// Relay holding it, if any.
-    pub owner: Option<String>,
-    /// Current generation.
-    pub generation: i64,
-    /// Lease expiry.
-    pub lease_expires_at: Option<Millis>,
-}
-
-/// Pending backlog.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, sqlx::FromRow)]
-pub struct Backlog {
-    /// Pending rows.
-    pub pending: i64,
-    /// `created_at` of the oldest pending row (0 when none).
-    pub oldest: Millis,
-    /// The clock's now.
-    pub now: Millis,
-}
-
-impl Backlog {
-    /// Age of the oldest pending row in ms (0 when none).
-    pub fn oldest_age_ms(&self) -> i64 {
-        if self.pending == 0 {
-            0
-        } else {
-            (self.now.get() - self.oldest.get()).max(0)
-        }
-    }
-}
-
 /// The relay's handle on the outbox tables: a [`Ferry`] (pool, clock,
 /// limits) and the relay's own queries. Cheap to clone.
 #[derive(Debug, Clone)]
@@ -175,10 +100,6 @@ impl RelayStore {
         self.ferry.db()
     }
 
-    fn limits(&self) -> &ferry::Limits {
-        self.ferry.limits()
-    }
-
     /// Prepares every relay query on this database (the conformance check).
     pub async fn check_queries(&self) -> Result<()> {
         ferry::store::check_queries(self.db(), QUERIES.get(self.db().engine()).all()).await?;
@@ -194,7 +115,7 @@ impl RelayStore {
     pub async fn relay_heartbeat(&self, owner: &str, ttl: Duration, max_lanes: u32) -> Result<Vec<LiveRelay>> {
         let ttl = duration_ms(ttl)?;
         let cap = i64::from(max_lanes);
-        Ok(on_pool!(self.db(), QUERIES, |p, q| {
+        on_pool!(self.db(), QUERIES, |p, q| {
             sqlx::query(q.relay_heartbeat)
                 .bind(owner)
                 .bind(self.now())
@@ -203,8 +124,8 @@ impl RelayStore {
                 .execute(p)
                 .await?;
             sqlx::query(q.sweep_relay_instances).bind(self.now()).execute(p).await?;
-            sqlx::query_as(q.live_relays).bind(self.now()).fetch_all(p).await?
-        }))
+        });
+        self.ferry.operator().live_relays().await
     }
 
     /// Removes relay `owner` from the membership (clean shutdown).
@@ -401,93 +322,6 @@ impl RelayStore {
                 .execute(p)
                 .await?
                 .rows_affected()
-        }))
-    }
-
-    /// The pending backlog and the age of its oldest row.
-    pub async fn outbox_backlog(&self) -> Result<Backlog> {
-        Ok(on_pool!(self.db(), QUERIES, |p, q| {
-            sqlx::query_as(q.outbox_backlog).bind(self.now()).fetch_one(p).await?
-        }))
-    }
-
-    /// How many rows are dead.
-    pub async fn outbox_dead_count(&self) -> Result<i64> {
-        Ok(on_pool!(self.db(), QUERIES, |p, q| {
-            sqlx::query_scalar(q.outbox_dead_count).fetch_one(p).await?
-        }))
-    }
-
-    /// Dead rows, oldest first, without payloads.
-    pub async fn list_dead_outbox(&self, limit: u32) -> Result<Vec<DeadRow>> {
-        self.list_dead_outbox_where(&DeadFilter::default(), limit).await
-    }
-
-    /// Dead rows matching `filter` (its `id` is ignored), oldest first,
-    /// without payloads.
-    pub async fn list_dead_outbox_where(&self, filter: &DeadFilter, limit: u32) -> Result<Vec<DeadRow>> {
-        Ok(on_pool!(self.db(), QUERIES, |p, q| {
-            sqlx::query_as(q.list_dead_outbox)
-                .bind(i64::from(limit))
-                .bind(filter.tenant.as_deref())
-                .bind(filter.error_code.as_deref())
-                .fetch_all(p)
-                .await?
-        }))
-    }
-
-    /// Puts dead rows (all, or only `id`) back to pending and writes an audit
-    /// entry naming `actor` and `reason`, in one transaction. Returns the ids.
-    pub async fn replay_dead_outbox(&self, id: Option<i64>, actor: &str, reason: &str) -> Result<Vec<i64>> {
-        let filter = DeadFilter {
-            id,
-            ..DeadFilter::default()
-        };
-        self.replay_dead_outbox_where(&filter, actor, reason).await
-    }
-
-    /// Puts the dead rows matching `filter` back to pending and writes an
-    /// audit entry (`outbox.replay_dead`, the ids as its subject) naming
-    /// `actor` and `reason`, in one transaction. Returns the ids (empty when
-    /// nothing matched; the audit entry is written all the same).
-    pub async fn replay_dead_outbox_where(&self, filter: &DeadFilter, actor: &str, reason: &str) -> Result<Vec<i64>> {
-        self.limits().text("actor", actor, 255)?;
-        self.limits().text("reason", reason, 4096)?;
-        let mut tx = self.begin().await?;
-        let r = async {
-            let ids: Vec<i64> = on_conn!(tx.conn(), QUERIES, |c, q| {
-                sqlx::query_scalar(q.replay_dead_outbox)
-                    .bind(filter.id)
-                    .bind(filter.tenant.as_deref())
-                    .bind(filter.error_code.as_deref())
-                    .bind(filter.max_id)
-                    .fetch_all(&mut *c)
-                    .await?
-            });
-            // WAL capture streams inserts only: announce the replay there.
-            Self::announce_replay(&mut tx, &ids).await?;
-            let subject = format!("outbox:{}", serde_json::to_string(&ids).unwrap_or_default());
-            self.ferry
-                .audit_in(tx.conn(), actor, "outbox.replay_dead", &subject, reason)
-                .await?;
-            Ok(ids)
-        }
-        .await;
-        tx.finish(r).await
-    }
-
-    /// The relays whose heartbeat has not expired, with their lane caps,
-    /// ordered by owner (read only: nothing is swept).
-    pub async fn live_relays(&self) -> Result<Vec<LiveRelay>> {
-        Ok(on_pool!(self.db(), QUERIES, |p, q| {
-            sqlx::query_as(q.live_relays).bind(self.now()).fetch_all(p).await?
-        }))
-    }
-
-    /// Who holds each lane.
-    pub async fn lane_owners(&self) -> Result<Vec<LaneOwner>> {
-        Ok(on_pool!(self.db(), QUERIES, |p, q| {
-            sqlx::query_as(q.lane_owners).fetch_all(p).await?
         }))
     }
 

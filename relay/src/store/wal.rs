@@ -34,32 +34,6 @@ pub struct SlotState {
     pub usable: bool,
 }
 
-/// A slot WAL capture made, as `status`, `doctor` and the relay's gauges
-/// show it.
-#[derive(Debug, Clone, PartialEq, Eq, sqlx::FromRow)]
-pub struct WalSlot {
-    /// Its name.
-    pub slot: String,
-    /// A relay streams from it now.
-    pub active: bool,
-    /// It still exists (a dropped one is made anew by the next relay).
-    pub present: bool,
-    /// WAL it holds back: the current position minus its confirmed one
-    /// (all of the cluster's WAL since, other databases' included).
-    pub lag_bytes: i64,
-    /// Its time lag in ms: how long the oldest outbox row not yet delivered
-    /// has waited since it was written (the confirmed position has passed no
-    /// pending row); 0 when none waits.
-    pub lag_ms: i64,
-    /// PostgreSQL's `wal_status`: `reserved`, `extended`, `unreserved`
-    /// (past `max_slot_wal_keep_size`, lost at the next checkpoint) or
-    /// `lost` (it can never stream again); `None` when dropped.
-    pub wal_status: Option<String>,
-    /// Bytes of WAL that may still be written before it is lost; `None`
-    /// when unbounded or lost.
-    pub safe_wal_size: Option<i64>,
-}
-
 impl RelayStore {
     fn pg(&self) -> Result<&PgPool> {
         self.ferry()
@@ -207,22 +181,6 @@ impl RelayStore {
         Ok(())
     }
 
-    /// Announces in the WAL, inside `tx`, that rows `ids` were put back to
-    /// pending (see `wal_announce_replay`); nothing on SQLite or below
-    /// `wal_level = logical`.
-    pub(super) async fn announce_replay(tx: &mut ferry::Tx, ids: &[i64]) -> Result<()> {
-        let Some(conn) = tx.postgres() else { return Ok(()) };
-        if ids.is_empty() {
-            return Ok(());
-        }
-        let ids = serde_json::to_string(ids).map_err(|e| Error::Invariant(e.to_string()))?;
-        sqlx::query(Q.wal_announce_replay)
-            .bind(ids)
-            .fetch_optional(conn)
-            .await?;
-        Ok(())
-    }
-
     /// The announced rows `ids` that are still pending, in id order.
     pub async fn pending_ids(&self, ids: &[i64]) -> Result<Vec<PendingRow>> {
         let rows: Vec<PendingSqlRow> = sqlx::query_as(Q.wal_pending_ids)
@@ -230,24 +188,6 @@ impl RelayStore {
             .fetch_all(self.pg()?)
             .await?;
         Ok(Self::pending_rows(rows))
-    }
-
-    /// The slots WAL capture made here; empty on SQLite (it always polls).
-    pub async fn wal_slots(&self) -> Result<Vec<WalSlot>> {
-        let Some(pool) = self.ferry().db().as_postgres() else {
-            return Ok(Vec::new());
-        };
-        Ok(sqlx::query_as(Q.wal_slots)
-            .bind(self.ferry().clock().param())
-            .fetch_all(pool)
-            .await?)
-    }
-
-    /// `max_slot_wal_keep_size` in bytes; `None` when unbounded (-1), where
-    /// a slot whose relay is gone holds WAL for ever.
-    pub async fn wal_keep_size(&self) -> Result<Option<i64>> {
-        let bytes: i64 = sqlx::query_scalar(Q.wal_keep_size).fetch_one(self.pg()?).await?;
-        Ok((bytes >= 0).then_some(bytes))
     }
 
     /// Records a failed publish of row `id` (attempt count and code).

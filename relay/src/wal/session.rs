@@ -294,7 +294,7 @@ fn far_future() -> tokio::time::Instant {
 }
 
 /// Dead rows put back to pending, announced in the transaction that did it
-/// (`RelayStore::replay_dead_outbox_where`): published at that
+/// (`Operator::replay_dead_outbox_where`): published at that
 /// transaction's place in commit order, read from the table (the update
 /// itself is not streamed: the publication is inserts only).
 async fn replayed(ctx: &Ctx, pipeline: &mut Pipeline<'_>, content: &[u8]) -> Result<(), Ended> {

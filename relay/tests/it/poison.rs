@@ -88,6 +88,8 @@ async fn ids_in(ferry: &Ferry, state: &str) -> Vec<i64> {
 /// The dead rows' ids and error codes, in id order.
 async fn dead(ferry: &Ferry) -> Vec<(i64, Option<String>)> {
     let mut dead: Vec<_> = RelayStore::new(ferry.clone())
+        .ferry()
+        .operator()
         .list_dead_outbox(100)
         .await
         .unwrap()
@@ -168,6 +170,8 @@ async fn a_poison_record_goes_dead_and_the_lane_flows(capture: Capture) {
         .unwrap();
     assert_eq!(
         RelayStore::new(ferry.clone())
+            .ferry()
+            .operator()
             .replay_dead_outbox(Some(poison), "ops", "shrank the record")
             .await
             .unwrap(),

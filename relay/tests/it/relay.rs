@@ -141,9 +141,7 @@ async fn end_to_end_every_row_once_with_the_right_partition(capture: Capture) {
         metrics.contains("ferry_relay_publish_latency_seconds_count 300"),
         "{metrics}"
     );
-    let status = ferry_relay::status::report(&ferry_relay::store::RelayStore::new(ferry.clone()))
-        .await
-        .unwrap();
+    let status = ferry.operator().status_report().await.unwrap();
     if let Some(slot) = guard.slot() {
         assert!(
             status.contains(&format!("wal slot {}", slot.name)) && status.contains("streaming"),
@@ -436,6 +434,8 @@ async fn a_relay_that_lost_its_lane_cannot_mark() {
         .is_empty());
     assert_eq!(
         ferry_relay::store::RelayStore::new(ferry.clone())
+            .ferry()
+            .operator()
             .outbox_backlog()
             .await
             .unwrap()

@@ -297,6 +297,8 @@ async fn wal_exactly_once_a_dead_row_replayed_while_the_relay_runs_is_published_
         .unwrap();
     assert_eq!(
         ferry_relay::store::RelayStore::new(ferry.clone())
+            .ferry()
+            .operator()
             .replay_dead_outbox(Some(poison), "ops", "shrank the record")
             .await
             .unwrap(),

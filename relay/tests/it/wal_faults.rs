@@ -68,7 +68,7 @@ async fn wal_slot_lag_and_activity_show_in_the_metrics_and_status() {
         "{m}"
     );
     let store = ferry_relay::store::RelayStore::new(ferry.clone());
-    let status = ferry_relay::status::report(&store).await.unwrap();
+    let status = store.ferry().operator().status_report().await.unwrap();
     assert!(status.contains("capture             wal\n"), "{status}");
     assert!(
         status.contains(&format!("wal slot {:<31} active (streaming), lag ", slot.name)),
@@ -107,7 +107,7 @@ async fn wal_slot_lag_and_activity_show_in_the_metrics_and_status() {
         Some(0.0),
         "{m}"
     );
-    let status = ferry_relay::status::report(&store).await.unwrap();
+    let status = store.ferry().operator().status_report().await.unwrap();
     let line = status
         .lines()
         .find(|l| l.starts_with(&format!("wal slot {} ", slot.name)))
@@ -144,7 +144,7 @@ async fn wal_a_slot_being_created_is_not_shown_as_streaming() {
         slot.name
     );
     wait_for_count(&ferry, &held, 1, Duration::from_secs(60)).await;
-    let shown = store.wal_slots().await.unwrap();
+    let shown = store.ferry().operator().wal_slots().await.unwrap();
     let ours = shown.iter().find(|s| s.slot == slot.name).expect("the slot is listed");
     assert!(ours.present && !ours.active, "{ours:?}");
     assert_eq!(streaming_pid(&pool, &slot.name).await, None);

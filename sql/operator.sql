@@ -1,0 +1,80 @@
+-- The operator's reads and writes of the relay's state: the outbox backlog,
+-- dead rows and their replay (announced to WAL capture), the live relays,
+-- who holds each lane, and the WAL capture slots. The relay's own hot path
+-- (heartbeat, lanes, batches, marks, retention, the slot) is in relay/sql/.
+
+-- name: live_relays
+SELECT owner, CAST(max_lanes AS BIGINT) AS max_lanes FROM relay_instances
+WHERE expires_at > {now $1}
+ORDER BY owner
+
+-- name: lane_owners
+SELECT lane, owner, generation, lease_expires_at FROM relay_lanes ORDER BY lane
+
+-- name: outbox_backlog
+-- Read every few seconds off the lane path (not per lane tick): a count over
+-- the pending partial index.
+SELECT count(*) AS pending,
+       COALESCE(min(created_at), 0) AS oldest,
+       {now $1} AS now
+FROM outbox WHERE state = 'pending'
+
+-- name: outbox_dead_count
+SELECT count(*) FROM outbox WHERE state = 'dead'
+
+-- name: list_dead_outbox
+-- Dead rows oldest first, optionally only of tenant $2 and error code $3
+-- (the operator filters; outbox_dead_idx keeps it off the delivered rows).
+SELECT id, tenant, topic, key, last_error, publish_attempts, created_at
+FROM outbox
+WHERE state = 'dead'
+  AND ($2{pg:::text} IS NULL OR tenant = $2)
+  AND ($3{pg:::text} IS NULL OR last_error = $3)
+ORDER BY id LIMIT $1
+
+-- name: replay_dead_outbox
+-- Back to pending: every dead row, or only id $1, only of tenant $2, only
+-- with error code $3, only up to id $4.
+UPDATE outbox SET state = 'pending', last_error = NULL
+WHERE state = 'dead'
+  AND ($1{pg:::bigint} IS NULL OR id = $1)
+  AND ($2{pg:::text} IS NULL OR tenant = $2)
+  AND ($3{pg:::text} IS NULL OR last_error = $3)
+  AND ($4{pg:::bigint} IS NULL OR id <= $4)
+RETURNING id
+
+-- name: wal_announce_replay [postgres only]
+-- In the transaction that puts dead rows back to pending: WAL capture
+-- streams inserts only, so the replay is announced in the WAL as a
+-- transactional logical message (prefix `ferry.replay.<database id>`, the
+-- ids as JSON), which reaches the stream in this transaction's commit order.
+-- Nothing is written below wal_level = logical (the relay then polls).
+SELECT pg_logical_emit_message(true, 'ferry.replay.' || s.value, $1::text)::text
+FROM ferry_settings s
+WHERE s.name = 'database_id' AND current_setting('wal_level') = 'logical'
+
+-- name: wal_slots [postgres only]
+-- The slots WAL capture made in this schema, for `status`, `doctor` and the
+-- relay's gauges: whether a relay streams from each (a walsender holds it:
+-- `active` alone is also true while `pg_create_logical_replication_slot`
+-- builds the slot), how many bytes of WAL
+-- it holds back (the current position minus its confirmed one), its time
+-- lag (how long the oldest row not yet delivered has waited: the slot's
+-- confirmed position has passed no pending row; 0 when none waits), and
+-- PostgreSQL's `wal_status` and `safe_wal_size` (NULL when it has none).
+SELECT w.slot,
+       EXISTS (SELECT 1 FROM pg_stat_replication r WHERE r.pid = s.active_pid) AS active,
+       s.slot_name IS NOT NULL AS present,
+       COALESCE((pg_current_wal_lsn() - s.confirmed_flush_lsn)::bigint, 0) AS lag_bytes,
+       COALESCE((SELECT {now $1} - min(o.created_at) FROM outbox o WHERE o.state = 'pending'), 0) AS lag_ms,
+       s.wal_status::text AS wal_status,
+       s.safe_wal_size::bigint AS safe_wal_size
+FROM relay_wal_slots w
+LEFT JOIN pg_replication_slots s ON s.slot_name = w.slot
+ORDER BY w.slot
+
+-- name: wal_keep_size [postgres only]
+-- `max_slot_wal_keep_size` in bytes, -1 when unbounded (a slot then holds
+-- WAL for ever while its relay is gone).
+SELECT CASE WHEN setting::bigint < 0 THEN -1 ELSE setting::bigint * 1024 * 1024 END
+FROM pg_settings WHERE name = 'max_slot_wal_keep_size'
