@@ -8,7 +8,7 @@
 //! limits) is claimed by the plain `FOR UPDATE SKIP LOCKED` statement; a
 //! paused one claims nothing; a limited one is claimed under a lock on its
 //! row, so its claimers take turns and count the live leases exactly (see
-//! `Ferry::claim_in` in the store).
+//! `Ferry::claim_in` in `jobs/claim.rs`).
 
 use std::time::Duration;
 

@@ -54,31 +54,25 @@ pub fn duration_ms(d: Duration) -> Result<i64> {
 /// milliseconds, up to [`MAX_DURATION`] (100 years, the most the store
 /// accepts): the durations the command lines of the relay, the consumer
 /// and the operator take. Anything else, a count that overflows included,
-/// is [`Error::InvalidInput`]: nothing wraps.
+/// is [`Error::Config`] (code `config`: a setting, not a request's
+/// input): nothing wraps.
 pub fn parse_duration(s: &str) -> Result<Duration> {
     let s = s.trim();
     let split = s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
     let (n, unit) = s.split_at(split);
-    let n: u64 = n
-        .parse()
-        .map_err(|_| Error::invalid("duration", format!("not a duration: {s:?}")))?;
+    let n: u64 = n.parse().map_err(|_| Error::Config(format!("not a duration: {s:?}")))?;
     let ms_per_unit: u64 = match unit {
         "" | "ms" => 1,
         "s" => 1000,
         "m" => 60_000,
         "h" => 3_600_000,
         "d" => 86_400_000,
-        _ => {
-            return Err(Error::invalid(
-                "duration",
-                format!("unknown unit in {s:?}; use ms, s, m, h or d"),
-            ))
-        }
+        _ => return Err(Error::Config(format!("unknown unit in {s:?}; use ms, s, m, h or d"))),
     };
     n.checked_mul(ms_per_unit)
         .map(Duration::from_millis)
         .filter(|d| *d <= MAX_DURATION)
-        .ok_or_else(|| Error::invalid("duration", format!("{s:?} is longer than 100 years")))
+        .ok_or_else(|| Error::Config(format!("{s:?} is longer than 100 years")))
 }
 
 /// Where "now" comes from for every store operation.
@@ -138,12 +132,12 @@ mod tests {
     }
 
     proptest::proptest! {
-        /// Any text is a duration within 100 years or an `invalid_input` error.
+        /// Any text is a duration within 100 years or a `config` error.
         #[test]
         fn any_duration_text_parses_or_is_refused(s in proptest::prelude::any::<String>()) {
             match parse_duration(&s) {
                 Ok(d) => proptest::prop_assert!(d <= MAX_DURATION),
-                Err(e) => proptest::prop_assert_eq!(e.code(), "invalid_input"),
+                Err(e) => proptest::prop_assert_eq!(e.code(), "config"),
             }
         }
 
@@ -159,7 +153,7 @@ mod tests {
             match parse_duration(&format!("{n}{unit}")) {
                 Ok(d) => proptest::prop_assert_eq!(d.as_millis(), ms),
                 Err(e) => {
-                    proptest::prop_assert_eq!(e.code(), "invalid_input");
+                    proptest::prop_assert_eq!(e.code(), "config");
                     proptest::prop_assert!(ms > MAX_DURATION.as_millis());
                 }
             }
@@ -172,11 +166,8 @@ mod tests {
         assert_eq!(parse_duration("2m").unwrap(), Duration::from_secs(120));
         assert!(parse_duration("2 weeks").is_err());
         assert_eq!(parse_duration("36500d").unwrap(), Duration::from_secs(36_500 * 86_400));
-        assert_eq!(parse_duration("36501d").unwrap_err().code(), "invalid_input");
-        assert_eq!(
-            parse_duration("307445734561825861m").unwrap_err().code(),
-            "invalid_input"
-        );
+        assert_eq!(parse_duration("36501d").unwrap_err().code(), "config");
+        assert_eq!(parse_duration("307445734561825861m").unwrap_err().code(), "config");
     }
 
     #[test]

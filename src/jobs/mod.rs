@@ -12,7 +12,7 @@
 //! `lease` (claim, renew, release, the fence), `terminal` (complete, fail,
 //! cancel, reap) and `admin` (the queue depth a service's admission reads,
 //! the attempt sweep, and the operator's queries and replay). The claim and batch completion,
-//! which differ per engine, are in the store.
+//! which differ per engine, are in `claim` (`jobs/claim.rs`).
 
 mod admin;
 mod claim;

@@ -100,7 +100,9 @@ impl RelayStore {
         self.ferry.db()
     }
 
-    /// Prepares every relay query on this database (the conformance check).
+    /// Prepares every query of the relay's own on this database (the
+    /// conformance check); the operator queries it also runs (live relays,
+    /// backlog, dead rows, slots) are the core's, prepared by its check.
     pub async fn check_queries(&self) -> Result<()> {
         ferry::store::check_queries(self.db(), QUERIES.get(self.db().engine()).all()).await?;
         if self.db().as_postgres().is_some() {
