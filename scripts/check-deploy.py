@@ -1,7 +1,10 @@
 #!/usr/bin/env python3
 """Parse-and-check of deploy/: the compose file and the Dockerfile (no Docker
-engine runs here), and Ferry's own rules for the Kubernetes manifests, which
-kubernetes-validate checks against the Kubernetes schemas separately.
+engine runs here), Ferry's own rules for the Kubernetes manifests, which
+kubernetes-validate checks against the Kubernetes schemas separately, and the
+PrometheusRule of deploy/prometheus/ (no schema there): its structure, its
+groups equal to ferry-rules.yaml's, and each runbook_url naming a section
+of docs/runbook.md.
 
 deploy/Dockerfile builds three images, one binary each; the sidecar image
 holds only the relay. IMAGES maps an image's name (the last path segment,
@@ -356,4 +359,46 @@ secret = by_kind["Secret"][0]["stringData"]
 for key in ["service-url", "relay-url", "consumer-url", "migrate-url", "console-url"]:
     if key not in secret:
         fail(f"k8s: secret lacks {key}")
-print(f"deploy check: compose ({len(services)} services), Dockerfile (targets {', '.join(BY_TARGET)}), {len(docs)} manifests ok")
+# --- Prometheus rules --------------------------------------------------------
+# kubernetes-validate has no schema for prometheus-operator's PrometheusRule,
+# so it lives in deploy/prometheus/ beside the plain rule file and is checked
+# here: its structure, its groups equal to the rule file's, and every alert's
+# runbook_url naming a section of docs/runbook.md.
+
+
+def anchors(markdown):
+    """GitHub's heading anchors: lower case, punctuation dropped, spaces to hyphens."""
+    out = set()
+    for line in markdown.splitlines():
+        m = re.match(r"#{1,6} (.*)", line)
+        if m:
+            out.add(re.sub(r"[^a-z0-9 _-]", "", m.group(1).strip().lower()).replace(" ", "-"))
+    return out
+
+
+rules = yaml.safe_load(open("deploy/prometheus/ferry-rules.yaml"))
+crd = yaml.safe_load(open("deploy/prometheus/ferry-prometheusrule.yaml"))
+if crd.get("apiVersion") != "monitoring.coreos.com/v1" or crd.get("kind") != "PrometheusRule":
+    fail("prometheus: ferry-prometheusrule.yaml is not a monitoring.coreos.com/v1 PrometheusRule")
+if not crd.get("metadata", {}).get("name") or set(crd) != {"apiVersion", "kind", "metadata", "spec"} or set(crd["spec"]) != {"groups"}:
+    fail("prometheus: the PrometheusRule needs metadata.name and only spec.groups")
+if crd["spec"]["groups"] != rules["groups"]:
+    fail("prometheus: the PrometheusRule's groups differ from ferry-rules.yaml's")
+sections = anchors(open("docs/runbook.md").read())
+alerts = 0
+for g in rules["groups"]:
+    if set(g) != {"name", "rules"}:
+        fail(f"prometheus: group {g.get('name')} has keys {sorted(g)}")
+    for r in g["rules"]:
+        if set(r) - {"alert", "expr", "for", "labels", "annotations"} or "alert" not in r:
+            fail(f"prometheus: {r.get('alert') or r.get('record')}: an alert with keys {sorted(r)}")
+        alerts += 1
+        if r["labels"].get("severity") not in ("page", "warning"):
+            fail(f"prometheus: {r['alert']}: severity must be page or warning")
+        url = r["annotations"].get("runbook_url", "")
+        if not url.startswith("docs/runbook.md#") or url.split("#", 1)[1] not in sections:
+            fail(f"prometheus: {r['alert']}: runbook_url {url!r} names no section of docs/runbook.md")
+        if not r["annotations"].get("summary"):
+            fail(f"prometheus: {r['alert']}: no summary")
+
+print(f"deploy check: compose ({len(services)} services), Dockerfile (targets {', '.join(BY_TARGET)}), {len(docs)} manifests, PrometheusRule ({alerts} alerts, runbook sections present) ok")

@@ -548,4 +548,70 @@ mod tests {
         t.reset();
         assert_eq!(t.summary(), Timings::default().summary());
     }
+
+    /// Series names as Prometheus stores them, from a rendering's `# TYPE`
+    /// lines: a counter gains `_total`, a histogram `_bucket`, `_sum` and
+    /// `_count`. Every sample line of the rendering must be one of them.
+    fn series_names(rendered: &str) -> std::collections::BTreeSet<String> {
+        let mut names = std::collections::BTreeSet::new();
+        for line in rendered.lines() {
+            let Some(rest) = line.strip_prefix("# TYPE ") else {
+                continue;
+            };
+            let (name, kind) = rest.split_once(' ').expect("a TYPE line names a kind");
+            match kind {
+                "counter" => {
+                    names.insert(format!("{name}_total"));
+                }
+                "gauge" => {
+                    names.insert(name.to_owned());
+                }
+                "histogram" => names.extend(["_bucket", "_sum", "_count"].map(|s| format!("{name}{s}"))),
+                other => panic!("{name}: a {other} has no rule here"),
+            }
+        }
+        for line in rendered.lines().filter(|l| !l.starts_with('#') && !l.is_empty()) {
+            let sample = line.split(['{', ' ']).next().unwrap_or_default();
+            assert!(names.contains(sample), "{sample} is not derived from a TYPE line");
+        }
+        names
+    }
+
+    /// deploy/prometheus/metrics.txt lists what the alert rules and the
+    /// Grafana dashboard may name (scripts/check-promql.py): it must be
+    /// exactly what the relay's and the consumer's registries render.
+    #[test]
+    fn the_metric_list_matches_the_registries() {
+        let relay = Metrics::new();
+        relay.publish_error("broker_unreachable");
+        relay.observe_latency(12);
+        // Families render only once they have a member.
+        relay.wal_slots.set(&[ferry::operator::WalSlot {
+            slot: "ferry_main".into(),
+            active: true,
+            present: true,
+            lag_bytes: 0,
+            lag_ms: 0,
+            wal_status: Some("reserved".into()),
+            safe_wal_size: Some(1),
+        }]);
+        let consumer = ferry_consumer::metrics::Metrics::new();
+        consumer.set_lag("t", 0, 1);
+        consumer.observe_handler(0.01);
+        let mut rendered = series_names(&relay.render());
+        rendered.extend(series_names(&consumer.render()));
+        let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../deploy/prometheus/metrics.txt");
+        let listed: std::collections::BTreeSet<String> = std::fs::read_to_string(path)
+            .expect("deploy/prometheus/metrics.txt")
+            .lines()
+            .filter(|l| !l.starts_with('#') && !l.trim().is_empty())
+            .map(|l| l.trim().to_owned())
+            .collect();
+        let missing: Vec<_> = rendered.difference(&listed).collect();
+        let stale: Vec<_> = listed.difference(&rendered).collect();
+        assert!(
+            missing.is_empty() && stale.is_empty(),
+            "deploy/prometheus/metrics.txt disagrees with the code: exported but not listed {missing:?}, listed but not exported {stale:?}"
+        );
+    }
 }
