@@ -197,6 +197,17 @@ mod tests {
     use crate::metrics::Metrics;
     use crate::store::RelayStore;
 
+    /// A relay's state on `ferry`, for the marker alone.
+    fn test_state(ferry: &ferry::Ferry) -> Arc<RelayState> {
+        Arc::new(RelayState {
+            store: RelayStore::new(ferry.clone()),
+            metrics: Metrics::new(),
+            owner: "relay-test".into(),
+            ready: AtomicBool::new(false),
+            fatal: CancellationToken::new(),
+        })
+    }
+
     /// Logical decoding can hand a commit over a moment before the
     /// transaction is visible, and Kafka's acknowledgement can come back
     /// inside that moment: a mark that found no pending row must look again
@@ -204,13 +215,7 @@ mod tests {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_row_visible_only_after_the_first_mark_is_still_marked() {
         let t = ferry_testkit::TestDb::new(ferry::Engine::Postgres).await;
-        let state = Arc::new(RelayState {
-            store: RelayStore::new(t.ferry.clone()),
-            metrics: Metrics::new(),
-            owner: "relay-test".into(),
-            ready: AtomicBool::new(false),
-            fatal: CancellationToken::new(),
-        });
+        let state = test_state(&t.ferry);
         let pool = t.ferry.db().as_postgres().unwrap().clone();
         let mut late = pool.begin().await.unwrap();
         let id: i64 = sqlx::query_scalar(
@@ -248,13 +253,7 @@ mod tests {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_stream_waiting_for_room_sees_the_marker_stop() {
         let t = ferry_testkit::TestDb::new(ferry::Engine::Postgres).await;
-        let state = Arc::new(RelayState {
-            store: RelayStore::new(t.ferry.clone()),
-            metrics: Metrics::new(),
-            owner: "relay-test".into(),
-            ready: AtomicBool::new(false),
-            fatal: CancellationToken::new(),
-        });
+        let state = test_state(&t.ferry);
         t.ferry.db().as_postgres().unwrap().close().await;
         let (confirmed, _) = watch::channel(0);
         let (marks, task) = spawn(state.clone(), false, confirmed);
@@ -286,13 +285,7 @@ mod tests {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_row_marked_before_is_not_counted_as_a_retry() {
         let t = ferry_testkit::TestDb::new(ferry::Engine::Postgres).await;
-        let state = RelayState {
-            store: RelayStore::new(t.ferry.clone()),
-            metrics: Metrics::new(),
-            owner: "relay-test".into(),
-            ready: AtomicBool::new(false),
-            fatal: CancellationToken::new(),
-        };
+        let state = test_state(&t.ferry);
         let pool = t.ferry.db().as_postgres().unwrap().clone();
         let id: i64 = sqlx::query_scalar(
             "INSERT INTO outbox (tenant, topic, key, lane, payload, headers, created_at, state)
