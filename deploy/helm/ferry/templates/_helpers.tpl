@@ -38,15 +38,26 @@ app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
 Selector labels of one component; call with (list $ "component").
 */}}
 {{- define "ferry.selectorLabels" -}}
-{{- $ := index . 0 }}
+{{- $ := index . 0 -}}
 app.kubernetes.io/name: {{ include "ferry.name" $ }}
 app.kubernetes.io/instance: {{ $.Release.Name }}
 app.kubernetes.io/component: {{ index . 1 }}
 {{- end }}
 
+{{/*
+The roles of database.roles whose login a pod of this release uses, space
+separated: the consumer's with projection.enabled, the console's with
+console.enabled.
+*/}}
+{{- define "ferry.rolesInUse" -}}
+service relay migrate
+{{- if .Values.projection.enabled }} consumer{{ end }}
+{{- if .Values.console.enabled }} console{{ end }}
+{{- end }}
+
 {{/* An image reference from images.<which>; call with (list $ "relay"). */}}
 {{- define "ferry.image" -}}
-{{- $ := index . 0 }}
+{{- $ := index . 0 -}}
 {{- $img := index $.Values.images (index . 1) }}
 {{- printf "%s:%s" $img.repository (default $.Chart.AppVersion $img.tag) }}
 {{- end }}
@@ -57,7 +68,7 @@ the chart makes. Fails when the role has neither a URL nor an existing
 Secret. Call with (list $ "relay").
 */}}
 {{- define "ferry.dbSecretName" -}}
-{{- $ := index . 0 }}
+{{- $ := index . 0 -}}
 {{- $role := index . 1 }}
 {{- $r := index $.Values.database.roles $role }}
 {{- if $r.existingSecret }}
@@ -86,7 +97,7 @@ Secret. Call with (list $ "relay").
 
 {{/* The OTLP endpoint env entry, when one is set. */}}
 {{- define "ferry.otlpEnv" -}}
-{{- if .Values.otlpEndpoint }}
+{{- if .Values.otlpEndpoint -}}
 - name: OTEL_EXPORTER_OTLP_ENDPOINT
   value: {{ .Values.otlpEndpoint | quote }}
 {{- end }}
