@@ -220,7 +220,7 @@ fn lane_table(owners: &[LaneOwner], backlog: &BTreeMap<i32, (i64, i64)>, now: i6
         .chain((!free.is_empty()).then_some((None, free)));
     html! {
         table #lanes {
-            thead { tr { th { "owner" } th { "lanes" } th { "lane ids (open for backlog per lane)" } th { "pending" } th { "oldest pending" } th { "generation" } th { "lease expires" } } }
+            thead { tr { th { "owner" } th { "lanes" } th { "lane ids" } th { "pending" } th { "oldest pending" } th { "generation" } th { "lease expires" } } }
             tbody { @for (owner, ls) in rows {
                 @let ids: Vec<i32> = ls.iter().map(|l| l.lane).collect();
                 @let busy: Vec<(&LaneOwner, i64, i64)> = ls.iter()
@@ -280,7 +280,7 @@ fn consumer_groups(partitions: &[ConsumerPartition], ledgers: &[ConsumerGroupLed
     }
     html! {
         table #consumer-groups {
-            thead { tr { th { "group" } th { "partitions (open for stored offsets)" } th { "owners (live leases)" } th { "last commit" } th { "dead letters" } } }
+            thead { tr { th { "group" } th { "partitions" } th { "owners (live leases)" } th { "last commit" } th { "dead letters" } } }
             tbody { @for (group, ps) in &by_group {
                 @let (members, unheld) = members(ps, now);
                 @let topics: BTreeSet<&str> = ps.iter().map(|p| p.topic.as_str()).collect();
@@ -310,7 +310,8 @@ fn consumer_groups(partitions: &[ConsumerPartition], ledgers: &[ConsumerGroupLed
         }
         p.note #lag-note { "Lag (the topic's high watermark minus the stored offset) is not in the database: "
             "the consumers export it as " code { "ferry_consumer_lag" } ", on the dashboard's Consumer lag panel ("
-            code { "deploy/grafana/ferry.json" } "). Last commit is the group's newest ledger entry "
+            code { "deploy/grafana/ferry.json" } "). Open a group's partitions for their owners, generations and stored offsets. "
+            "Last commit is the group's newest ledger entry "
             "(a duplicate moves only the offset; entries past the ledger's retention are swept)." }
     }
 }

@@ -426,7 +426,7 @@ async fn an_operator_finds_a_run_replays_a_dead_row_and_sees_it_delivered() {
     assert_eq!(text(&c, "#relays-alive").await, "1");
     // The README's screenshot (docs/console-overview.png) comes from this
     // one: a modest window, tall enough for the consumer groups.
-    c.set_window_size(1100, 1600).await.unwrap();
+    c.set_window_size(1100, 1480).await.unwrap();
     element(&c, "#consumer-groups").await;
     shot(&c, "overview-with-relay").await;
 
