@@ -228,7 +228,8 @@ fn lane_table(owners: &[LaneOwner], backlog: &BTreeMap<i32, (i64, i64)>, now: i6
                 @let pending: i64 = busy.iter().map(|b| b.1).sum();
                 @let oldest = busy.iter().map(|b| b.2).min();
                 @let generations = (ls.iter().map(|l| l.generation).min().unwrap_or(0), ls.iter().map(|l| l.generation).max().unwrap_or(0));
-                @let expiries: Vec<i64> = ls.iter().filter_map(|l| l.lease_expires_at.map(|e| e.get())).collect();
+                // A lane nobody holds has no lease to expire.
+                @let expiries: Vec<i64> = ls.iter().filter(|_| owner.is_some()).filter_map(|l| l.lease_expires_at.map(|e| e.get())).collect();
                 @let expired = expiries.iter().filter(|&&e| e <= now).count();
                 tr.lane-group id=[owner.is_none().then_some("lanes-unowned")] data-owner=[owner] {
                     td.owner { @match owner { Some(o) => { (o) }, None => { span.muted { "no relay" } } } }
