@@ -59,6 +59,19 @@ SELECT group_id, topic, partition, owner, generation, lease_expires_at, next_off
 FROM consumer_partitions
 ORDER BY group_id, topic, partition
 
+-- name: consumer_groups
+-- Per consumer group: the newest ledger entry (when the group last committed
+-- a record it had not seen: a duplicate moves only the offset, and entries
+-- past the ledger's retention are swept) and its dead letters still in the
+-- ledger. Each an index probe (consumer_ledger_group_processed_idx, the
+-- partial consumer_ledger_dead_idx), never a read of the group's ledger.
+SELECT g.group_id,
+       (SELECT max(l.processed_at) FROM consumer_ledger l WHERE l.group_id = g.group_id) AS last_processed_at,
+       (SELECT count(*) FROM consumer_ledger l
+         WHERE l.group_id = g.group_id AND l.outcome = 'dead_lettered') AS dead_letters
+FROM (SELECT DISTINCT group_id FROM consumer_partitions) g
+ORDER BY g.group_id
+
 -- name: sample_outbox
 -- The sampler's reading: pending rows, and rows marked delivered after $1.
 SELECT (SELECT count(*) FROM outbox WHERE state = 'pending') AS pending,

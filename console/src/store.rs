@@ -78,6 +78,22 @@ pub struct ConsumerPartition {
     pub next_offset: Option<i64>,
 }
 
+/// What the database knows of a consumer group's progress beyond its
+/// partitions: its ledger. (How far behind the topic it is, the high
+/// watermark minus the stored offset, only the consumers know: the broker's
+/// watermark is not in the database.)
+#[derive(Debug, Clone, PartialEq, Eq, sqlx::FromRow)]
+pub struct ConsumerGroupLedger {
+    /// Consumer group.
+    pub group_id: String,
+    /// When the group last committed a record it had not seen before (its
+    /// newest ledger entry); `None` when the ledger holds none of its
+    /// entries, e.g. all swept past retention.
+    pub last_processed_at: Option<Millis>,
+    /// Records it dead-lettered that are still in the ledger.
+    pub dead_letters: i64,
+}
+
 /// One sampler reading.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, sqlx::FromRow)]
 pub struct OutboxReading {
@@ -188,6 +204,13 @@ impl ConsoleStore {
     pub async fn consumer_partitions(&self) -> Result<Vec<ConsumerPartition>> {
         Ok(on_pool!(self.ferry.db(), QUERIES, |p, q| {
             sqlx::query_as(q.consumer_partitions).fetch_all(p).await?
+        }))
+    }
+
+    /// Every consumer group's newest ledger entry and dead letters.
+    pub async fn consumer_groups(&self) -> Result<Vec<ConsumerGroupLedger>> {
+        Ok(on_pool!(self.ferry.db(), QUERIES, |p, q| {
+            sqlx::query_as(q.consumer_groups).fetch_all(p).await?
         }))
     }
 

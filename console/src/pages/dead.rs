@@ -5,7 +5,7 @@ use axum::extract::State;
 use ferry::operator::DeadFilter;
 use maud::{html, Markup};
 
-use super::{age, csrf_field, layout, reason_field, ts, urlencode, Frame};
+use super::{age, code_or, csrf_field, layout, reason_field, ts, urlencode, Frame};
 use crate::auth::Principal;
 use crate::error::ConsoleError;
 use crate::extract::Query;
@@ -61,7 +61,7 @@ pub(crate) async fn page(
                 table #dead-row-groups {
                     thead { tr { th { "tenant" } th { "error code" } th { "rows" } th { "replay the group" } } }
                     tbody { @for g in &outbox_groups {
-                        tr { td { (g.tenant) } td { a href=(group_link(&g.tenant, &g.error_code)) { code { (g.error_code) } } }
+                        tr { td { (g.tenant) } td { a href=(group_link(&g.tenant, &g.error_code)) { (code_or(Some(&g.error_code), "(no code)")) } }
                             td.num.count { (g.rows) }
                             td { form.inline method="post" action="/actions/outbox/replay" {
                                 (csrf_field(&principal))
@@ -78,7 +78,7 @@ pub(crate) async fn page(
                     thead { tr { th { "id" } th { "tenant" } th { "topic" } th { "key" } th { "error" } th { "attempts" } th { "age" } th { "replay" } } }
                     tbody { @for r in &rows {
                         tr id=(format!("dead-row-{}", r.id)) { td.num { (r.id) } td { (r.tenant) } td { (r.topic) } td { (r.key) }
-                            td { code { (r.last_error.as_deref().unwrap_or("")) } } td.num { (r.publish_attempts) }
+                            td { (code_or(r.last_error.as_deref(), "")) } td.num { (r.publish_attempts) }
                             td { (age(now.get() - r.created_at.get())) }
                             td { form.inline method="post" action="/actions/outbox/replay" {
                                 (csrf_field(&principal))
@@ -98,7 +98,7 @@ pub(crate) async fn page(
                 table #dead-job-groups {
                     thead { tr { th { "tenant" } th { "error code" } th { "jobs" } } }
                     tbody { @for g in &job_groups {
-                        tr { td { (g.tenant) } td { a href=(group_link(&g.tenant, &g.error_code)) { code { (g.error_code) } } } td.num.count { (g.jobs) } }
+                        tr { td { (g.tenant) } td { a href=(group_link(&g.tenant, &g.error_code)) { (code_or(Some(&g.error_code), "(no code)")) } } td.num.count { (g.jobs) } }
                     } }
                 }
                 @if t.is_none() { p.note { "Choose a tenant (or a group) to list its dead jobs." } }
@@ -107,7 +107,7 @@ pub(crate) async fn page(
                         thead { tr { th { "run" } th { "queue" } th { "operation" } th { "error" } th { "attempts" } th { "died" } th { "replay" } } }
                         tbody { @for j in &jobs {
                             tr { td { a href=(format!("/runs/{}/{}", urlencode(&j.tenant), j.run_id)) { (j.run_id) } }
-                                td { (j.queue) } td { (j.operation) } td { code { (j.error_code.as_deref().unwrap_or("")) } }
+                                td { (j.queue) } td { (j.operation) } td { (code_or(j.error_code.as_deref(), "")) }
                                 td.num { (j.attempts) } td { (ts(j.died_at.get())) }
                                 td { (replay_job_form(&principal, &j.tenant, &j.run_id.to_string())) } }
                         } }

@@ -87,6 +87,18 @@ pub(crate) fn reason_field() -> Markup {
     html! { input name="reason" required minlength="3" maxlength="4096" placeholder="reason (audited)"; }
 }
 
+/// `text` as `<code>`, or `blank` (plain text) when there is none: an empty
+/// `<code>` still draws its padding and background, a grey box in an
+/// empty cell.
+pub(crate) fn code_or(text: Option<&str>, blank: &str) -> Markup {
+    html! {
+        @match text.filter(|t| !t.trim().is_empty()) {
+            Some(t) => { code { (t) } }
+            None => { (blank) }
+        }
+    }
+}
+
 /// A result page after an action.
 pub(crate) fn done(frame: &Frame<'_>, title: &str, message: &str, back: &str) -> Markup {
     layout(

@@ -1,6 +1,7 @@
-//! The overview: outbox backlog per lane with lane leases, dead rows, live
-//! relays, jobs by queue and state (with pause and resume), consumer
-//! partitions, and the sampled plot of backlog and throughput.
+//! The overview: outbox backlog and lane leases grouped by owner (each
+//! lane's backlog one click away), dead rows, live relays, jobs by queue and
+//! state (with pause and resume), consumer groups with their partitions and
+//! ledger, and the sampled plot of backlog and throughput with its axes.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt::Write as _;
@@ -8,11 +9,14 @@ use std::fmt::Write as _;
 use axum::extract::State;
 use maud::{html, Markup, PreEscaped};
 
+use ferry::operator::LaneOwner;
+
 use super::{age, csrf_field, layout, reason_field, ts, Frame};
 use crate::auth::Principal;
 use crate::error::ConsoleError;
 use crate::extract::Query;
 use crate::sampler::{Census, Sample};
+use crate::store::{ConsumerGroupLedger, ConsumerPartition};
 use crate::AppState;
 
 /// The `?tenant=` filter every page takes.
@@ -42,13 +46,14 @@ pub(crate) async fn page(
         }
     };
     let operator = state.ferry.operator();
-    let (lanes, owners, relays, census, dead, partitions, queues, now) = tokio::try_join!(
+    let (lanes, owners, relays, census, dead, partitions, groups, queues, now) = tokio::try_join!(
         state.store.outbox_lanes(t),
         operator.lane_owners(),
         operator.live_relays(),
         jobs,
         state.store.outbox_dead_groups(t),
         state.store.consumer_partitions(),
+        state.store.consumer_groups(),
         operator.list_queues(),
         state.store.now(),
     )?;
@@ -113,31 +118,9 @@ pub(crate) async fn page(
             @if t.is_none() { p.note #census-age { "Counted " (age(now - census.at.get())) " ago in the background (every tenant's jobs are counted every few samples); choose a tenant for live counts." } }
         }
         section {
-            h2 { "Outbox lanes" }
-            table #lanes {
-                thead { tr { th { "lane" } th { "pending" } th { "oldest pending" } th { "owner" } th { "generation" } th { "lease expires" } } }
-                tbody {
-                    @for l in &owners {
-                        @let (lane_pending, lane_oldest) = backlog.get(&l.lane).copied().unwrap_or((0, 0));
-                        @let live = l.lease_expires_at.is_some_and(|e| e.get() > now);
-                        @if lane_pending > 0 || l.owner.is_some() {
-                            tr id=(format!("lane-{}", l.lane)) {
-                                td.num { (l.lane) }
-                                td.num.pending { (lane_pending) }
-                                td { @if lane_pending > 0 { (age(now - lane_oldest)) } @else { "—" } }
-                                td { (l.owner.as_deref().unwrap_or("—")) @if !live && l.owner.is_some() { " " span.warn { "(expired)" } } }
-                                td.num { (l.generation) }
-                                td { @match l.lease_expires_at {
-                                    Some(e) if e.get() > now => { "in " (age(e.get() - now)) }
-                                    Some(e) => { (age(now - e.get())) " ago" }
-                                    None => { "—" }
-                                } }
-                            }
-                        }
-                    }
-                }
-            }
-            p.note { (owners.len()) " lanes; lanes with no backlog and no owner are not listed." }
+            h2 { "Outbox lanes by owner" }
+            (lane_table(&owners, &backlog, now))
+            p.note { (owners.len()) " lanes. Open a row's lanes for the backlog of each lane that has one." }
         }
         section {
             h2 { "Relays alive" }
@@ -153,21 +136,9 @@ pub(crate) async fn page(
         }
         section {
             h2 { "Consumer groups" }
-            @if partitions.is_empty() { p.empty { "No consumer group has stored a partition." } }
-            @else {
-                table #partitions {
-                    thead { tr { th { "group" } th { "topic" } th { "partition" } th { "owner" } th { "generation" } th { "lease expires" } th { "stored offset" } } }
-                    tbody { @for p in &partitions {
-                        tr { td { (p.group_id) } td { (p.topic) } td.num { (p.partition) }
-                            td { (p.owner.as_deref().unwrap_or("—")) } td.num { (p.generation) }
-                            td { (p.lease_expires_at.map_or("—".to_owned(), |e| ts(e.get()))) }
-                            td.num { (p.next_offset.map_or("—".to_owned(), |o| o.to_string())) } }
-                    } }
-                }
-            }
+            (consumer_groups(&partitions, &groups, now))
         }
-        @let groups: BTreeSet<&str> = partitions.iter().map(|p| p.group_id.as_str()).collect();
-        p.note { "Sampled every few seconds into a ring of the newest samples; " (groups.len()) " consumer groups." }
+        p.note { "Sampled every few seconds into a ring of the newest samples." }
     };
     Ok(layout(&frame, "Overview", body))
 }
@@ -190,33 +161,367 @@ fn queue_actions(principal: &Principal, queue: &str, paused: bool) -> Markup {
     }
 }
 
-/// The series as an inline SVG: backlog (left scale) and delivered per
-/// second (right scale), oldest sample on the left.
+/// Lane ids as sorted, comma-separated runs: `0–31, 40, 42–44`.
+fn lane_ranges(lanes: &[i32]) -> String {
+    let mut sorted = lanes.to_vec();
+    sorted.sort_unstable();
+    let mut out = String::new();
+    let mut i = 0;
+    while i < sorted.len() {
+        let first = sorted[i];
+        while i + 1 < sorted.len() && sorted[i + 1] == sorted[i] + 1 {
+            i += 1;
+        }
+        if !out.is_empty() {
+            out.push_str(", ");
+        }
+        let _ = match sorted[i] {
+            last if last == first => write!(out, "{first}"),
+            last => write!(out, "{first}–{last}"),
+        };
+        i += 1;
+    }
+    out
+}
+
+/// `lo–hi`, or `lo` when they are equal.
+fn span(lo: i64, hi: i64) -> String {
+    if lo == hi {
+        lo.to_string()
+    } else {
+        format!("{lo}–{hi}")
+    }
+}
+
+/// How far `at` is from `now`: `in 12.0s` or `3.1m ago`.
+fn until(at: i64, now: i64) -> String {
+    if at > now {
+        format!("in {}", age(at - now))
+    } else {
+        format!("{} ago", age(now - at))
+    }
+}
+
+/// The lane table: one row per relay holding lanes (and one for the lanes
+/// nobody holds), with the lanes as ranges; each row opens onto its lanes'
+/// backlog. A lane's backlog is `(pending, oldest created_at)`.
+fn lane_table(owners: &[LaneOwner], backlog: &BTreeMap<i32, (i64, i64)>, now: i64) -> Markup {
+    let mut held: BTreeMap<&str, Vec<&LaneOwner>> = BTreeMap::new();
+    let mut free: Vec<&LaneOwner> = Vec::new();
+    for l in owners {
+        match l.owner.as_deref() {
+            Some(o) => held.entry(o).or_default().push(l),
+            None => free.push(l),
+        }
+    }
+    let rows = held
+        .into_iter()
+        .map(|(o, ls)| (Some(o), ls))
+        .chain((!free.is_empty()).then_some((None, free)));
+    html! {
+        table #lanes {
+            thead { tr { th { "owner" } th { "lanes" } th { "lane ids" } th { "pending" } th { "oldest pending" } th { "generation" } th { "lease expires" } } }
+            tbody { @for (owner, ls) in rows {
+                @let ids: Vec<i32> = ls.iter().map(|l| l.lane).collect();
+                @let busy: Vec<(&LaneOwner, i64, i64)> = ls.iter()
+                    .filter_map(|l| backlog.get(&l.lane).map(|&(p, o)| (*l, p, o))).collect();
+                @let pending: i64 = busy.iter().map(|b| b.1).sum();
+                @let oldest = busy.iter().map(|b| b.2).min();
+                @let generations = (ls.iter().map(|l| l.generation).min().unwrap_or(0), ls.iter().map(|l| l.generation).max().unwrap_or(0));
+                // A lane nobody holds has no lease to expire.
+                @let expiries: Vec<i64> = ls.iter().filter(|_| owner.is_some()).filter_map(|l| l.lease_expires_at.map(|e| e.get())).collect();
+                @let expired = expiries.iter().filter(|&&e| e <= now).count();
+                tr.lane-group id=[owner.is_none().then_some("lanes-unowned")] data-owner=[owner] {
+                    td.owner { @match owner { Some(o) => { (o) }, None => { span.muted { "no relay" } } } }
+                    td.num.lane-count { (ls.len()) }
+                    td.lane-ids { details {
+                        summary { (lane_ranges(&ids)) }
+                        @if busy.is_empty() { p.empty { "No backlog in these lanes." } }
+                        @else {
+                            table.lane-detail {
+                                thead { tr { th { "lane" } th { "pending" } th { "oldest pending" } th { "generation" } } }
+                                tbody { @for (l, lane_pending, lane_oldest) in &busy {
+                                    tr id=(format!("lane-{}", l.lane)) {
+                                        td.num { (l.lane) } td.num.pending { (lane_pending) }
+                                        td { (age(now - lane_oldest)) } td.num { (l.generation) }
+                                    }
+                                } }
+                            }
+                        }
+                    } }
+                    td.num.group-pending { (pending) }
+                    td { (oldest.map_or("—".to_owned(), |o| age(now - o))) }
+                    td.num.generations { (span(generations.0, generations.1)) }
+                    td.expiry {
+                        @match (expiries.iter().min(), expiries.iter().max()) {
+                            (Some(&lo), Some(&hi)) if lo == hi || until(lo, now) == until(hi, now) => { (until(lo, now)) }
+                            (Some(&lo), Some(&hi)) => { (until(lo, now)) " … " (until(hi, now)) }
+                            _ => { "—" }
+                        }
+                        @if expired > 0 { " " span.warn { "(" (expired) " expired)" } }
+                    }
+                }
+            } }
+        }
+    }
+}
+
+/// Consumer groups, one row each: partitions (opening onto each one's
+/// owner, lease and stored offset), members holding live leases, when the
+/// group last committed a new record, and its dead letters. The lag itself
+/// is the consumers' to measure: the high watermark is not in the database.
+fn consumer_groups(partitions: &[ConsumerPartition], ledgers: &[ConsumerGroupLedger], now: i64) -> Markup {
+    let mut by_group: BTreeMap<&str, Vec<&ConsumerPartition>> = BTreeMap::new();
+    for p in partitions {
+        by_group.entry(&p.group_id).or_default().push(p);
+    }
+    let ledger: BTreeMap<&str, &ConsumerGroupLedger> = ledgers.iter().map(|l| (l.group_id.as_str(), l)).collect();
+    if by_group.is_empty() {
+        return html! { p.empty { "No consumer group has stored a partition." } };
+    }
+    html! {
+        table #consumer-groups {
+            thead { tr { th { "group" } th { "partitions" } th { "owners (live leases)" } th { "last commit" } th { "dead letters" } } }
+            tbody { @for (group, ps) in &by_group {
+                @let (members, unheld) = members(ps, now);
+                @let topics: BTreeSet<&str> = ps.iter().map(|p| p.topic.as_str()).collect();
+                @let l = ledger.get(group);
+                tr.consumer-group data-group=(group) {
+                    td { (group) }
+                    td.partitions { details {
+                        summary { (ps.len()) " of " (topics.into_iter().collect::<Vec<_>>().join(", ")) }
+                        table.partition-detail {
+                            thead { tr { th { "topic" } th { "partition" } th { "owner" } th { "generation" } th { "lease expires" } th { "stored offset" } } }
+                            tbody { @for p in ps {
+                                tr { td { (p.topic) } td.num { (p.partition) }
+                                    td { (p.owner.as_deref().unwrap_or("—")) } td.num { (p.generation) }
+                                    td { (p.lease_expires_at.map_or("—".to_owned(), |e| until(e.get(), now))) }
+                                    td.num.stored-offset { (p.next_offset.map_or("—".to_owned(), |o| o.to_string())) } }
+                            } }
+                        }
+                    } }
+                    td.owners {
+                        (members)
+                        @if unheld > 0 { " " span.warn { "(" (unheld) " without a live lease)" } }
+                    }
+                    td.last-commit { (l.and_then(|l| l.last_processed_at).map_or("—".to_owned(), |at| format!("{} ago", age(now - at.get())))) }
+                    td.num.dead-letters { (l.map_or(0, |l| l.dead_letters)) }
+                }
+            } }
+        }
+        p.note #lag-note { "Lag (the topic's high watermark minus the stored offset) is not in the database: "
+            "the consumers export it as " code { "ferry_consumer_lag" } ", on the dashboard's Consumer lag panel ("
+            code { "deploy/grafana/ferry.json" } "). Open a group's partitions for their owners, generations and stored offsets. "
+            "Last commit is the group's newest ledger entry "
+            "(a duplicate moves only the offset; entries past the ledger's retention are swept)." }
+    }
+}
+
+/// The members holding a group's partitions under live leases, as
+/// `member (partitions held), …`, and how many partitions none holds.
+fn members(partitions: &[&ConsumerPartition], now: i64) -> (String, usize) {
+    let mut held: BTreeMap<&str, usize> = BTreeMap::new();
+    let mut unheld = 0;
+    for p in partitions {
+        match (&p.owner, p.lease_expires_at) {
+            (Some(o), Some(e)) if e.get() > now => *held.entry(o).or_default() += 1,
+            _ => unheld += 1,
+        }
+    }
+    let list = held
+        .iter()
+        .map(|(m, n)| format!("{m} ({n})"))
+        .collect::<Vec<_>>()
+        .join(", ");
+    (list, unheld)
+}
+
+/// Roughly four round steps (1, 2 or 5 times a power of ten) from 0 to at
+/// least `max`: the step and the top of the scale.
+fn ticks(max: f64, whole: bool) -> (f64, f64) {
+    let max = max.max(1.0);
+    let raw = max / 4.0;
+    let mag = 10f64.powf(raw.log10().floor());
+    let mut step = [1.0, 2.0, 5.0, 10.0]
+        .into_iter()
+        .map(|m| m * mag)
+        .find(|s| *s >= raw)
+        .unwrap_or(10.0 * mag);
+    if whole {
+        step = step.max(1.0).round();
+    }
+    (step, (max / step).ceil() * step)
+}
+
+/// A tick value with as many decimals as its step needs.
+fn tick_label(v: f64, step: f64) -> String {
+    let decimals = if step >= 1.0 {
+        0
+    } else {
+        (-step.log10().floor()) as usize
+    };
+    format!("{v:.decimals$}")
+}
+
+/// A time before the newest sample as a tick label: `−30 s`, `−1 min 30 s`, `−10 min`.
+fn before(ms: i64) -> String {
+    let s = ms / 1000;
+    match (s / 60, s % 60) {
+        (0, s) => format!("−{s} s"),
+        (m, 0) => format!("−{m} min"),
+        (m, s) => format!("−{m} min {s} s"),
+    }
+}
+
+/// The series as a server-drawn SVG: pending rows on the left axis,
+/// delivered per second on the right, time on the bottom counted back from
+/// the newest sample, with a legend; its look is the stylesheet's (`.plot`).
 fn plot(series: &[Sample]) -> Markup {
-    const W: f64 = 600.0;
-    const H: f64 = 120.0;
+    // The drawing area inside the viewBox, margins for the labels around it.
+    const W: f64 = 720.0;
+    const H: f64 = 230.0;
+    const L: f64 = 56.0;
+    const R: f64 = 664.0;
+    const T: f64 = 30.0;
+    const B: f64 = 182.0;
+    const TIME_STEPS_S: [i64; 14] = [1, 2, 5, 10, 15, 30, 60, 120, 300, 600, 900, 1800, 3600, 7200];
+    let (Some(first), Some(last)) = (series.first(), series.last()) else {
+        return html! { p.empty #plot-empty { "Collecting samples…" } };
+    };
     if series.len() < 2 {
         return html! { p.empty #plot-empty { "Collecting samples…" } };
     }
-    let max_p = series.iter().map(|s| s.pending).max().unwrap_or(0).max(1) as f64;
-    let max_r = series.iter().map(|s| s.delivered_per_sec).fold(0.0, f64::max).max(1.0);
-    let step = W / (series.len() - 1) as f64;
-    let line = |f: &dyn Fn(&Sample) -> f64, max: f64| {
+    let (t0, t1) = (first.at.get(), last.at.get());
+    let span_ms = (t1 - t0).max(1);
+    let x = |at: i64| L + (at - t0) as f64 / span_ms as f64 * (R - L);
+    let max_p = series.iter().map(|s| s.pending).max().unwrap_or(0) as f64;
+    let max_r = series.iter().map(|s| s.delivered_per_sec).fold(0.0, f64::max);
+    let (p_step, p_top) = ticks(max_p, true);
+    let (r_step, r_top) = ticks(max_r, false);
+    let y = |v: f64, top: f64| B - v / top * (B - T);
+    let line = |f: &dyn Fn(&Sample) -> f64, top: f64| {
         let mut pts = String::new();
-        for (i, s) in series.iter().enumerate() {
-            let _ = write!(pts, "{:.1},{:.1} ", i as f64 * step, H - f(s) / max * (H - 4.0) - 2.0);
+        for s in series {
+            let _ = write!(pts, "{:.1},{:.1} ", x(s.at.get()), y(f(s), top));
         }
         pts
     };
-    let backlog = line(&|s| s.pending as f64, max_p);
-    let rate = line(&|s| s.delivered_per_sec, max_r);
-    let svg = format!(
-        "<svg id=\"plot\" class=\"plot\" viewBox=\"0 0 {W} {H}\" preserveAspectRatio=\"none\" role=\"img\" aria-label=\"backlog and throughput\">\
-         <polyline class=\"backlog\" points=\"{backlog}\"/><polyline class=\"rate\" points=\"{rate}\"/></svg>"
+    let mut svg = format!(
+        "<svg id=\"plot\" class=\"plot\" viewBox=\"0 0 {W} {H}\" role=\"img\" \
+         aria-label=\"pending rows and delivered per second over the sampled time\">"
+    );
+    // Left axis (pending rows) with its grid, right axis (delivered/s).
+    svg.push_str("<g class=\"y-axis left\">");
+    let mut v = 0.0;
+    while v <= p_top + p_step / 2.0 {
+        let yy = y(v, p_top);
+        let _ = write!(
+            svg,
+            "<line class=\"grid\" x1=\"{L}\" x2=\"{R}\" y1=\"{yy:.1}\" y2=\"{yy:.1}\"/>\
+             <text class=\"tick end\" x=\"{:.1}\" y=\"{:.1}\">{}</text>",
+            L - 6.0,
+            yy + 4.0,
+            tick_label(v, p_step)
+        );
+        v += p_step;
+    }
+    let mid = (T + B) / 2.0;
+    let _ = write!(
+        svg,
+        "<text class=\"title\" transform=\"translate(14 {mid}) rotate(-90)\">pending rows</text></g>"
+    );
+    svg.push_str("<g class=\"y-axis right\">");
+    let mut v = 0.0;
+    while v <= r_top + r_step / 2.0 {
+        let _ = write!(
+            svg,
+            "<text class=\"tick\" x=\"{:.1}\" y=\"{:.1}\">{}</text>",
+            R + 6.0,
+            y(v, r_top) + 4.0,
+            tick_label(v, r_step)
+        );
+        v += r_step;
+    }
+    let _ = write!(
+        svg,
+        "<text class=\"title\" transform=\"translate({} {mid}) rotate(90)\">delivered/s</text></g>",
+        W - 12.0
+    );
+    // Time axis: ticks counted back from the newest sample.
+    let step_ms = 1000
+        * TIME_STEPS_S
+            .into_iter()
+            .find(|s| span_ms / (1000 * s) <= 6)
+            .unwrap_or(7200);
+    svg.push_str("<g class=\"x-axis\">");
+    let _ = write!(
+        svg,
+        "<line class=\"axis\" x1=\"{L}\" x2=\"{R}\" y1=\"{B}\" y2=\"{B}\"/>"
+    );
+    let mut back = (span_ms / step_ms) * step_ms;
+    while back >= 0 {
+        let xx = x(t1 - back);
+        let label = if back == 0 { "now".to_owned() } else { before(back) };
+        let _ = write!(
+            svg,
+            "<line class=\"axis\" x1=\"{xx:.1}\" x2=\"{xx:.1}\" y1=\"{B}\" y2=\"{}\"/>\
+             <text class=\"tick middle\" x=\"{xx:.1}\" y=\"{}\">{label}</text>",
+            B + 4.0,
+            B + 17.0
+        );
+        back -= step_ms;
+    }
+    let _ = write!(
+        svg,
+        "<text class=\"title middle\" x=\"{}\" y=\"{}\">time before the newest sample ({})</text></g>",
+        (L + R) / 2.0,
+        H - 8.0,
+        &ts(t1)[11..19]
+    );
+    let _ = write!(
+        svg,
+        "<polyline class=\"backlog\" points=\"{}\"/><polyline class=\"rate\" points=\"{}\"/>",
+        line(&|s| s.pending as f64, p_top),
+        line(&|s| s.delivered_per_sec, r_top)
+    );
+    // Legend, above the drawing area.
+    let _ = write!(
+        svg,
+        "<g class=\"legend\"><rect class=\"swatch backlog\" x=\"{L}\" y=\"8\" width=\"14\" height=\"4\"/>\
+         <text x=\"{}\" y=\"14\">pending rows (left)</text>\
+         <rect class=\"swatch rate\" x=\"{}\" y=\"8\" width=\"14\" height=\"4\"/>\
+         <text x=\"{}\" y=\"14\">delivered/s (right)</text></g></svg>",
+        L + 18.0,
+        L + 160.0,
+        L + 178.0
     );
     html! {
         (PreEscaped(svg))
-        p.legend { span.backlog { "■ pending (max " (max_p as i64) ")" } " " span.rate { "■ delivered/s (max " (format!("{max_r:.1}")) ")" }
-            " · " (series.len()) " samples from " (ts(series[0].at.get())) }
+        p.legend { (series.len()) " samples from " (ts(t0)) " to " (ts(t1)) }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn lanes_read_as_ranges() {
+        assert_eq!(lane_ranges(&[3, 0, 1, 2, 7, 9, 10]), "0–3, 7, 9–10");
+        assert_eq!(lane_ranges(&(0..32).collect::<Vec<_>>()), "0–31");
+        assert_eq!(lane_ranges(&[]), "");
+    }
+
+    #[test]
+    fn ticks_are_round_and_cover_the_maximum() {
+        assert_eq!(ticks(0.0, true), (1.0, 1.0));
+        assert_eq!(ticks(0.0, false), (0.5, 1.0));
+        assert_eq!(ticks(4.0, true), (1.0, 4.0));
+        assert_eq!(ticks(1234.0, true), (500.0, 1500.0));
+        assert_eq!(ticks(0.9, false), (0.5, 1.0));
+        assert_eq!(tick_label(0.5, 0.5), "0.5");
+        assert_eq!(before(90_000), "−1 min 30 s");
+        assert_eq!(before(600_000), "−10 min");
+        assert_eq!(before(30_000), "−30 s");
     }
 }

@@ -12,7 +12,7 @@ use maud::{html, Markup};
 use uuid::Uuid;
 
 use super::dead::replay_job_form;
-use super::{age, csrf_field, layout, reason_field, ts, urlencode, Frame};
+use super::{age, code_or, csrf_field, layout, reason_field, ts, urlencode, Frame};
 use crate::auth::Principal;
 use crate::error::ConsoleError;
 use crate::extract::{Form, Path, Query};
@@ -200,7 +200,7 @@ fn run_table(runs: &[RunSummary], id: &str) -> Markup {
                         td class=(state_class(r.state.as_str())) { (r.state.as_str()) }
                         td { (r.job_state.as_str()) }
                         td.num { (r.attempts) "/" (r.max_attempts) }
-                        td { code { (r.last_error_code.as_deref().unwrap_or("")) } }
+                        td { (code_or(r.last_error_code.as_deref(), "")) }
                         td { (ts(r.created_at.get())) } }
                 } }
             }
@@ -287,7 +287,7 @@ pub(crate) async fn lineage(
                 tr { th { "state" } td #run-state class=(state_class(r.state.as_str())) { (r.state.as_str()) } }
                 tr { th { "version" } td { (r.version) } }
                 tr { th { "job" } td { (s.queue) " · " span #job-state { (s.job_state.as_str()) } " · attempts " (s.attempts) "/" (s.max_attempts)
-                    @if let Some(c) = &s.last_error_code { " · " code { (c) } } } }
+                    @if let Some(c) = s.last_error_code.as_deref().filter(|c| !c.is_empty()) { " · " code { (c) } } } }
                 tr { th { "accepted" } td { (ts(r.created_at.get())) " (" (age(now.get() - r.created_at.get())) " ago)" } }
                 tr { th { "updated" } td { (ts(r.updated_at.get())) } }
                 @if let Some(at) = s.scheduled_at { tr { th { "scheduled for" } td { (ts(at.get())) } } }
@@ -329,7 +329,7 @@ pub(crate) async fn lineage(
                         tr { td.num { (a.attempt) } td.num { (a.generation) } td { (a.worker) } td { (ts(a.claimed_at.get())) }
                             td { (a.finished_at.map_or("—".to_owned(), |f| ts(f.get()))) }
                             td { (a.outcome.map_or("running", |o| o.as_str())) }
-                            td { code { (a.error_class.as_deref().unwrap_or("")) " " (a.error_code.as_deref().unwrap_or("")) } } }
+                            td { (code_or(Some(&[a.error_class.as_deref(), a.error_code.as_deref()].into_iter().flatten().collect::<Vec<_>>().join(" ")), "")) } }
                     } }
                 }
             }
@@ -342,7 +342,7 @@ pub(crate) async fn lineage(
                     thead { tr { th { "step" } th { "operation" } th { "state" } th { "generation" } th { "provider ref" } th { "error" } } }
                     tbody { @for e in &l.effects {
                         tr { td { (e.step) } td { (e.operation) } td { (format!("{:?}", e.state).to_lowercase()) } td.num { (e.generation) }
-                            td { (e.provider_ref.as_deref().unwrap_or("")) } td { code { (e.error_code.as_deref().unwrap_or("")) } } }
+                            td { (e.provider_ref.as_deref().unwrap_or("")) } td { (code_or(e.error_code.as_deref(), "")) } }
                     } }
                 }
             }
@@ -355,9 +355,9 @@ pub(crate) async fn lineage(
                     thead { tr { th { "id" } th { "topic" } th { "effect key" } th { "state" } th { "publish attempts" } th { "last error" } th { "written" } th { "delivered" } } }
                     tbody { @for o in &l.outbox {
                         tr id=(format!("outbox-{}", o.id)) { td.num { (o.id) } td { (o.topic) }
-                            td { code { (effect_key_of(&tenant, o.effect_key.as_deref(), o.id, Some(&database_id)).unwrap_or_default()) } }
+                            td { (code_or(effect_key_of(&tenant, o.effect_key.as_deref(), o.id, Some(&database_id)).as_deref(), "")) }
                             td class=(format!("outbox-state {}", state_class(&o.state))) { (o.state) }
-                            td.num { (o.publish_attempts) } td { code { (o.last_error.as_deref().unwrap_or("")) } }
+                            td.num { (o.publish_attempts) } td { (code_or(o.last_error.as_deref(), "")) }
                             td { (ts(o.created_at.get())) }
                             td { (o.delivered_at.map_or("—".to_owned(), |d| ts(d.get()))) } }
                     } }

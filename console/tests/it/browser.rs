@@ -178,6 +178,20 @@ async fn sign_in(c: &Client, base: &str, token: &str) {
     );
 }
 
+/// How many `<code>` elements on the page are drawn (have a width) with no
+/// text: the grey boxes empty error cells showed.
+async fn blank_codes(c: &Client) -> i64 {
+    c.execute(
+        "return Array.from(document.querySelectorAll('code')).filter(function (e) { \
+           return e.textContent.trim() === '' && e.getBoundingClientRect().width > 0; }).length;",
+        vec![],
+    )
+    .await
+    .unwrap()
+    .as_i64()
+    .expect("a count")
+}
+
 async fn scalar(db: &TestDb, sql: &str) -> i64 {
     db.scalar(sql).await
 }
@@ -209,6 +223,12 @@ async fn an_operator_finds_a_run_replays_a_dead_row_and_sees_it_delivered() {
     for l in leases {
         store.release_lane("seeder", l).await.unwrap();
     }
+
+    // Consumer group `projection` commits one row and dead-letters another.
+    let first_pending = scalar(&db, "SELECT min(id) FROM outbox WHERE state = 'pending'").await;
+    let last_pending = scalar(&db, "SELECT max(id) FROM outbox WHERE state = 'pending'").await;
+    consume(&db.ferry, "projection", &[first_pending]).await;
+    dead_letter(&db.ferry, "projection", last_pending, 1).await;
 
     let console = Console::new(db.ferry.clone(), ConsoleConfig::new(tokens())).unwrap();
     console.sample().await.unwrap();
@@ -243,10 +263,50 @@ async fn an_operator_finds_a_run_replays_a_dead_row_and_sees_it_delivered() {
             "{queue}/{state}"
         );
     }
+    // The plot has its axes, their units and a legend.
     c.find(Locator::Css("svg#plot")).await.expect("the backlog plot");
+    let ticks = c.find_all(Locator::Css("#plot .x-axis .tick")).await.unwrap();
+    let newest = ticks.last().expect("time ticks");
+    assert_eq!(newest.text().await.unwrap(), "now");
+    assert_eq!(text(&c, "#plot .y-axis.left .title").await, "pending rows");
+    assert_eq!(text(&c, "#plot .y-axis.right .title").await, "delivered/s");
+    let legend = text(&c, "#plot .legend").await;
+    assert!(
+        legend.contains("pending rows (left)") && legend.contains("delivered/s (right)"),
+        "{legend}"
+    );
+    // No relay holds a lane: one row for all 64; a lane's backlog is one
+    // click away.
+    let groups = c.find_all(Locator::Css("#lanes tr.lane-group")).await.unwrap();
+    assert_eq!(groups.len(), 1, "one row for the unowned lanes");
+    assert_eq!(text(&c, "#lanes-unowned summary").await, "0–63");
+    let lane = scalar(
+        &db,
+        "SELECT CAST(min(lane) AS BIGINT) FROM outbox WHERE state = 'pending'",
+    )
+    .await;
+    let in_lane = scalar(
+        &db,
+        &format!("SELECT count(*) FROM outbox WHERE state = 'pending' AND lane = {lane}"),
+    )
+    .await;
+    let cell = format!("#lane-{lane} .pending");
+    assert_eq!(text(&c, &cell).await, "", "closed until asked for");
+    click(&c, "#lanes-unowned summary").await;
+    assert_eq!(text(&c, &cell).await, in_lane.to_string());
+    // The consumer group, with what the database knows of it.
+    let group = r#"tr.consumer-group[data-group="projection"]"#;
+    assert_eq!(text(&c, &format!("{group} .owners")).await, "consumer-1 (1)");
+    assert_eq!(text(&c, &format!("{group} .dead-letters")).await, "1");
+    assert!(text(&c, &format!("{group} .last-commit")).await.ends_with(" ago"));
+    assert!(text(&c, "#lag-note").await.contains("ferry_consumer_lag"));
+    assert_eq!(blank_codes(&c).await, 0, "overview");
     shot(&c, "overview").await;
 
     // Find the run by its idempotency key and open its lineage.
+    c.goto(&format!("{base}/runs?tenant=acme")).await.unwrap();
+    element(&c, "a.run-link").await;
+    assert_eq!(blank_codes(&c).await, 0, "runs without an error draw no code box");
     c.goto(&format!("{base}/runs")).await.unwrap();
     shot(&c, "runs").await;
     fill(&c, "#key-search input[name=tenant]", "acme").await;
@@ -261,6 +321,7 @@ async fn an_operator_finds_a_run_replays_a_dead_row_and_sees_it_delivered() {
     click(&c, "#key-runs a.run-link").await;
     assert_eq!(text(&c, "#run-id").await, run.to_string());
     assert_eq!(text(&c, &format!("#outbox-{row} .outbox-state")).await, "dead");
+    assert_eq!(blank_codes(&c).await, 0, "lineage");
     shot(&c, "lineage").await;
 
     // An action without its CSRF token is refused and changes nothing.
@@ -363,6 +424,10 @@ async fn an_operator_finds_a_run_replays_a_dead_row_and_sees_it_delivered() {
     shot(&c, "lineage-delivered").await;
     c.goto(&format!("{base}/")).await.unwrap();
     assert_eq!(text(&c, "#relays-alive").await, "1");
+    // The README's screenshot (docs/console-overview.png) comes from this
+    // one: a modest window, tall enough for the consumer groups.
+    c.set_window_size(1100, 1480).await.unwrap();
+    element(&c, "#consumer-groups").await;
     shot(&c, "overview-with-relay").await;
 
     c.close().await.unwrap();

@@ -20,6 +20,10 @@ on_both_engines!(
     cancel_and_replay_are_audited_with_the_token_name,
     a_group_replay_goes_no_further_than_the_rows_shown,
     the_overview_figures_match_the_database,
+    the_overview_groups_lanes_by_owner,
+    the_overview_shows_each_consumer_group_with_what_the_database_knows,
+    the_backlog_plot_has_axes_units_and_a_legend,
+    empty_error_cells_have_no_code_box,
     runs_are_found_by_key_and_paged_and_their_lineage_shows_where_events_went,
     the_lineage_shows_ledger_entries_under_the_published_key_of_the_row_s_tenant,
 );
@@ -454,6 +458,148 @@ async fn the_overview_figures_match_the_database(engine: Engine) {
     assert_eq!(s.pending, pending + 1, "the late run's event is pending too");
     let r = a.get(ROOT, "/").await;
     assert!(r.body.contains("<svg id=\"plot\""));
+}
+
+/// The lane table's row for `owner` (or for the unowned lanes): from its
+/// opening tag to the next group row or the table's end.
+fn lane_group<'a>(page: &'a str, owner: Option<&str>) -> &'a str {
+    let marker = match owner {
+        Some(o) => format!("data-owner=\"{o}\""),
+        None => "id=\"lanes-unowned\"".to_owned(),
+    };
+    let at = page
+        .find(&marker)
+        .unwrap_or_else(|| panic!("no lane table row for {owner:?}"));
+    let rest = &page[at..];
+    let end = rest[1..].find("class=\"lane-group\"").map_or(rest.len(), |e| e + 1);
+    &rest[..end]
+}
+
+/// The text of the first `<tag>` in `html`.
+fn first(html: &str, tag: &str) -> String {
+    let open = format!("<{tag}>");
+    let at = html.find(&open).unwrap_or_else(|| panic!("no <{tag}> in {html}")) + open.len();
+    html[at..at + html[at..].find('<').unwrap()].to_owned()
+}
+
+async fn the_overview_groups_lanes_by_owner(engine: Engine) {
+    let a = app(engine).await;
+    seed(&a.db.ferry).await;
+    assert_eq!(a.db.ferry.lanes(), 64);
+    // relay-a holds lanes 0–31, relay-b 16 of the others, 16 are free.
+    let relays = ferry_relay::store::RelayStore::new(a.db.ferry.clone());
+    let lease = std::time::Duration::from_secs(30);
+    for l in relays.acquire_lanes("relay-a", lease, 64).await.unwrap() {
+        if l.lane >= 32 {
+            relays.release_lane("relay-a", l).await.unwrap();
+        }
+    }
+    let b = relays.acquire_lanes("relay-b", lease, 16).await.unwrap();
+    assert_eq!(b.len(), 16);
+    let page = a.get(ROOT, "/").await.body;
+    assert_eq!(
+        page.matches("class=\"lane-group\"").count(),
+        3,
+        "one row per owner and one for the free lanes"
+    );
+    let row = lane_group(&page, Some("relay-a"));
+    assert_eq!(first(row, "summary"), "0–31", "{row}");
+    assert!(row.contains("class=\"num lane-count\">32<"), "{row}");
+    let row = lane_group(&page, Some("relay-b"));
+    assert!(row.contains("class=\"num lane-count\">16<"), "{row}");
+    let row = lane_group(&page, None);
+    assert!(row.contains("class=\"num lane-count\">16<"), "{row}");
+    assert!(row.contains("no relay"), "{row}");
+    // Every lane's backlog is still there, inside its owner's row.
+    let pending = a.scalar("SELECT count(*) FROM outbox WHERE state = 'pending'").await;
+    let lanes = a
+        .scalar("SELECT count(DISTINCT lane) FROM outbox WHERE state = 'pending'")
+        .await;
+    assert_eq!(page.matches("class=\"num pending\"").count() as i64, lanes);
+    let summed: i64 = page
+        .split("class=\"num group-pending\">")
+        .skip(1)
+        .map(|r| r[..r.find('<').unwrap()].parse::<i64>().unwrap())
+        .sum();
+    assert_eq!(summed, pending);
+}
+
+async fn the_overview_shows_each_consumer_group_with_what_the_database_knows(engine: Engine) {
+    let a = app(engine).await;
+    seed(&a.db.ferry).await;
+    // Group `projection` commits one row and dead-letters another.
+    let first_pending = a.scalar("SELECT min(id) FROM outbox WHERE state = 'pending'").await;
+    let last_pending = a.scalar("SELECT max(id) FROM outbox WHERE state = 'pending'").await;
+    consume(&a.db.ferry, "projection", &[first_pending]).await;
+    dead_letter(&a.db.ferry, "projection", last_pending, 1).await;
+    let page = a.get(ROOT, "/").await.body;
+    let at = page
+        .find("data-group=\"projection\"")
+        .expect("a row for group projection");
+    let group = &page[at..];
+    let group = &group[group.find("</details>").unwrap()..];
+    let group = &group[..group.find("</tr>").unwrap()];
+    assert!(group.contains("consumer-1 (1)"), "{group}");
+    assert!(group.contains("class=\"num dead-letters\">1<"), "{group}");
+    let last = &group[group.find("class=\"last-commit\">").unwrap()..];
+    assert!(last[..last.find('<').unwrap()].ends_with(" ago"), "{group}");
+    assert!(text_of(&page, "lag-note").starts_with("Lag (the topic"));
+    assert!(page.contains("<code>ferry_consumer_lag</code>"));
+}
+
+async fn the_backlog_plot_has_axes_units_and_a_legend(engine: Engine) {
+    let a = app(engine).await;
+    seed(&a.db.ferry).await;
+    a.console.sample().await.unwrap();
+    a.console.sample().await.unwrap();
+    let page = a.get(ROOT, "/").await.body;
+    let svg = &page[page.find("<svg id=\"plot\"").expect("the plot")..];
+    let svg = &svg[..svg.find("</svg>").unwrap()];
+    for part in [
+        "<g class=\"y-axis left\">",
+        "<g class=\"y-axis right\">",
+        "<g class=\"x-axis\">",
+        "<g class=\"legend\">",
+        ">pending rows<",
+        ">delivered/s<",
+        ">now<",
+        ">pending rows (left)<",
+        ">delivered/s (right)<",
+    ] {
+        assert!(svg.contains(part), "{part} in {svg}");
+    }
+    // The left axis starts at 0 and reaches the backlog.
+    let pending = a.scalar("SELECT count(*) FROM outbox WHERE state = 'pending'").await;
+    let left = &svg[svg.find("y-axis left").unwrap()..svg.find("y-axis right").unwrap()];
+    let ticks: Vec<i64> = left
+        .split("class=\"tick end\"")
+        .skip(1)
+        .map(|t| {
+            let t = &t[t.find('>').unwrap() + 1..];
+            t[..t.find('<').unwrap()].parse().unwrap()
+        })
+        .collect();
+    assert_eq!(ticks.first(), Some(&0), "{left}");
+    assert!(ticks.last().is_some_and(|t| *t >= pending), "{ticks:?} reach {pending}");
+    assert!(!svg.contains("style="), "no inline style");
+}
+
+async fn empty_error_cells_have_no_code_box(engine: Engine) {
+    let a = app(engine).await;
+    let s = seed(&a.db.ferry).await;
+    // Runs without an error, a lineage whose outbox row has none, and the
+    // dead lists: no empty <code> anywhere.
+    for path in [
+        "/runs?tenant=acme".to_owned(),
+        format!("/runs/acme/{}", s.acme_runs[0]),
+        format!("/runs/acme/{}", s.acme_dead_run),
+        "/dead?tenant=acme".to_owned(),
+    ] {
+        let r = a.get(ROOT, &path).await;
+        assert_eq!(r.status, StatusCode::OK, "{path}");
+        assert!(!r.body.contains("<code></code>"), "an empty <code> on {path}");
+        assert!(!r.body.contains("<code> </code>"), "a blank <code> on {path}");
+    }
 }
 
 async fn runs_are_found_by_key_and_paged_and_their_lineage_shows_where_events_went(engine: Engine) {

@@ -7,6 +7,7 @@ use axum::body::Body;
 use axum::http::{header, HeaderMap, Request, StatusCode};
 use ferry::{Engine, JobError, NewRun, OutboxMessage, RetryPolicy};
 use ferry_console::{Console, ConsoleConfig, Tokens};
+use ferry_consumer::process::record_dead_letter;
 use ferry_consumer::store::ConsumerStore;
 use ferry_consumer::{process_record, Handler, HandlerError, Processed, Record};
 use ferry_relay::publish::headers_for;
@@ -274,39 +275,45 @@ impl Handler for NoEffects {
     }
 }
 
+/// The record the relay would publish for the pending outbox row `id`, at
+/// `offset` of partition 0: the relay store reads the row
+/// (`pending_batch`) and the relay builds its headers (`headers_for`, so the
+/// effect key is the one published).
+async fn record_of(f: &ferry::Ferry, id: i64, offset: i64) -> Record {
+    let database_id = f.database_id().await.unwrap();
+    let lane = lane_of(f, id).await;
+    let row = RelayStore::new(f.clone())
+        .pending_batch(lane, 10_000)
+        .await
+        .unwrap()
+        .into_iter()
+        .find(|r| r.id == id)
+        .expect("the row is pending");
+    let headers = headers_for(&row, Some(&database_id));
+    Record {
+        topic: row.topic.clone(),
+        partition: 0,
+        offset,
+        key: Some(row.key.clone().into_bytes()),
+        payload: Some(row.payload.clone()),
+        headers: headers
+            .iter()
+            .map(|h| (h.key.to_owned(), h.value.unwrap_or_default().to_vec()))
+            .collect(),
+    }
+}
+
 /// Consumer group `group` processes the pending outbox rows `ids` (in
 /// order) through the real pipeline's code, the broker's hop aside: the
-/// relay store reads each row (`pending_batch`), the relay builds the
-/// record's headers (`headers_for`, so the effect key is the one
-/// published), and the consumer takes the record's effect key
-/// (`Record::effect_key`) and commits its ledger row and offset under a
-/// partition lease (`process_record`). Returns the effect keys written.
+/// record is the one the relay would publish ([`record_of`]), and the
+/// consumer takes the record's effect key (`Record::effect_key`) and commits
+/// its ledger row and offset under a partition lease (`process_record`).
+/// Returns the effect keys written.
 pub async fn consume(f: &ferry::Ferry, group: &str, ids: &[i64]) -> Vec<String> {
-    let relay = RelayStore::new(f.clone());
     let consumer = ConsumerStore::new(f.clone());
-    let database_id = f.database_id().await.unwrap();
     let mut keys = Vec::new();
     for (offset, id) in (0_i64..).zip(ids) {
-        let lane = lane_of(f, *id).await;
-        let row = relay
-            .pending_batch(lane, 10_000)
-            .await
-            .unwrap()
-            .into_iter()
-            .find(|r| r.id == *id)
-            .expect("the row is pending");
-        let headers = headers_for(&row, Some(&database_id));
-        let record = Record {
-            topic: row.topic.clone(),
-            partition: 0,
-            offset,
-            key: Some(row.key.clone().into_bytes()),
-            payload: Some(row.payload.clone()),
-            headers: headers
-                .iter()
-                .map(|h| (h.key.to_owned(), h.value.unwrap_or_default().to_vec()))
-                .collect(),
-        };
+        let record = record_of(f, *id, offset).await;
         let (lease, _) = consumer
             .acquire_partition(group, &record.topic, 0, "consumer-1", Duration::from_secs(30))
             .await
@@ -319,4 +326,19 @@ pub async fn consume(f: &ferry::Ferry, group: &str, ids: &[i64]) -> Vec<String> 
         keys.push(key);
     }
     keys
+}
+
+/// Consumer group `group` dead-letters the pending outbox row `id` read at
+/// `offset` (what the runner records when a record's retries run out), as
+/// member `consumer-1`.
+pub async fn dead_letter(f: &ferry::Ferry, group: &str, id: i64, offset: i64) {
+    let consumer = ConsumerStore::new(f.clone());
+    let record = record_of(f, id, offset).await;
+    let (lease, _) = consumer
+        .acquire_partition(group, &record.topic, 0, "consumer-1", Duration::from_secs(30))
+        .await
+        .unwrap();
+    let key = record.effect_key().expect("the relay publishes an effect key");
+    let done = record_dead_letter(&consumer, &lease, &record, &key).await.unwrap();
+    assert_eq!(done, Processed::DeadLettered);
 }
