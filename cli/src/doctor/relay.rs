@@ -46,14 +46,14 @@ impl Default for RelayThresholds {
 
 /// One relay-side check: its stable name, severity, action and runbook
 /// section, whether it found something or was skipped.
-struct Check {
+struct RelayCheck {
     name: &'static str,
     severity: Severity,
     action: &'static str,
     runbook: &'static str,
 }
 
-impl Check {
+impl RelayCheck {
     fn found(&self, items: Vec<String>) -> Finding {
         Finding {
             check: self.name,
@@ -73,56 +73,56 @@ impl Check {
     }
 }
 
-const DEAD_ROWS: Check = Check {
+const DEAD_ROWS: RelayCheck = RelayCheck {
     name: "outbox_dead_rows",
     severity: Severity::Warning,
     action: "rows the broker refused for good (a message too large, a missing topic, a denied ACL); nothing else in their lane waits for them. `ferry dead list` shows each one's id, tenant, topic, key and last error; fix the cause (create the topic, grant the relay's principal, raise max.message.bytes), then `ferry dead replay --reason \"<why>\"` puts them back to pending (`--id <outbox id>` for one)",
     runbook: "docs/runbook.md#outbox-dead-rows",
 };
 
-const BACKLOG_OLD: Check = Check {
+const BACKLOG_OLD: RelayCheck = RelayCheck {
     name: "outbox_backlog_old",
     severity: Severity::Warning,
     action: "committed events are not reaching Kafka: is any relay live (`no_live_relay`, `ferry status`)? Then the relay's publish errors by code (a broker that does not answer is waited for), and a lane blocked on one row (the relay's logs name the row and its error code)",
     runbook: "docs/runbook.md#outbox-backlog-old",
 };
 
-const NO_LIVE_RELAY: Check = Check {
+const NO_LIVE_RELAY: RelayCheck = RelayCheck {
     name: "no_live_relay",
     severity: Severity::Warning,
     action: "nothing is published: start the relays (`ferry-relay run`) and check that they are ready (`/readyz`); their logs say why they hold nothing (database unreachable, migrations missing: `ferry migrate`)",
     runbook: "docs/runbook.md#no-live-relay",
 };
 
-const LANES_UNOWNED: Check = Check {
+const LANES_UNOWNED: RelayCheck = RelayCheck {
     name: "lanes_unowned",
     severity: Severity::Warning,
     action: "rows of a lane nobody holds wait: with no live relay see `no_live_relay`; a dead relay's lanes are taken over after `--lease`; if lanes stay unowned, every live relay is at its `--max-lanes` cap (raise it or add relays), or the relays cannot renew their leases",
     runbook: "docs/runbook.md#lanes-unowned",
 };
 
-const SLOT_INACTIVE: Check = Check {
+const SLOT_INACTIVE: RelayCheck = RelayCheck {
     name: "wal_slot_inactive",
     severity: Severity::Warning,
     action: "no relay streams from this slot and it holds WAL back: start a relay of its group (`ferry-relay run --capture wal --slot <slot>`), or, if the group is gone for good, drop the slot (`SELECT pg_drop_replication_slot('<slot>')`): the next relay makes it anew and publishes the pending rows from the table",
     runbook: "docs/runbook.md#wal-slot-inactive",
 };
 
-const SLOT_LAG: Check = Check {
+const SLOT_LAG: RelayCheck = RelayCheck {
     name: "wal_slot_lag",
     severity: Severity::Warning,
     action: "the slot holds WAL back, or rows wait behind it: if it is inactive see `wal_slot_inactive`; if it streams, the relay is slow to publish (see `outbox_backlog_old`); bound the WAL a slot may hold (`wal_keep_size_unbounded`)",
     runbook: "docs/runbook.md#wal-slot-lag",
 };
 
-const SLOT_WAL_STATUS: Check = Check {
+const SLOT_WAL_STATUS: RelayCheck = RelayCheck {
     name: "wal_slot_wal_status",
     severity: Severity::Warning,
     action: "PostgreSQL removed (lost) or will remove at the next checkpoint (unreserved) WAL this slot needs: a relay drops a lost slot and makes it anew, publishing the pending rows from the table (nothing is lost, some rows may be published twice); find why its relay fell that far behind (stopped, or blocked on a poison row)",
     runbook: "docs/runbook.md#wal-slot-wal-status",
 };
 
-const KEEP_SIZE_UNBOUNDED: Check = Check {
+const KEEP_SIZE_UNBOUNDED: RelayCheck = RelayCheck {
     name: "wal_keep_size_unbounded",
     severity: Severity::Warning,
     action: "bound the WAL a slot may hold: ALTER SYSTEM SET max_slot_wal_keep_size = '10GB'; SELECT pg_reload_conf(); (size it to the outage the relay must survive; past it the slot is invalidated and recovered from the table)",
