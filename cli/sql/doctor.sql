@@ -1,5 +1,5 @@
--- ferry-relay doctor: the three failure investigations as queries.
--- Each returns rows of (subject TEXT, detail TEXT).
+-- `ferry doctor`: the failure investigations as queries, the jobs' side
+-- and the relay's. Each returns rows of (subject TEXT, detail TEXT).
 
 -- name: doctor_duplicate_acceptances [postgres]
 -- Runs with the same tenant, operation and request: one idempotency scope
@@ -131,4 +131,40 @@ SELECT tenant || '/' || lower(hex(run_id)) AS subject,
 FROM jobs
 WHERE state IN ('queued', 'leased') AND attempts >= max_attempts
   AND available_at <= {now $1}
+LIMIT $2
+
+-- name: doctor_outbox_dead_groups [postgres]
+-- Dead rows by tenant and topic, the largest groups first, with their
+-- error codes (on outbox_dead_idx).
+SELECT tenant || '/' || topic AS subject,
+       count(*)::text || ' dead rows (' || COALESCE(string_agg(DISTINCT last_error, ', '), 'no error code') || ')' AS detail
+FROM outbox
+WHERE state = 'dead'
+GROUP BY tenant, topic
+ORDER BY count(*) DESC, tenant, topic
+LIMIT $1
+
+-- name: doctor_outbox_dead_groups [sqlite]
+-- Dead rows by tenant and topic, the largest groups first, with their
+-- error codes (on outbox_dead_idx).
+SELECT tenant || '/' || topic AS subject,
+       count(*) || ' dead rows (' || COALESCE(group_concat(DISTINCT last_error), 'no error code') || ')' AS detail
+FROM outbox
+WHERE state = 'dead'
+GROUP BY tenant, topic
+ORDER BY count(*) DESC, tenant, topic
+LIMIT $1
+
+-- name: doctor_unowned_lanes
+-- Lanes holding pending rows whose lease is not live at $1: no relay polls
+-- them (a count per lane on outbox_pending_idx).
+SELECT 'lane ' || l.lane{pg:::text} AS subject,
+       count(*){pg:::text} || ' pending rows wait, the oldest for ' || (({now $1} - min(o.created_at)) / 1000){pg:::text} || ' s; ' ||
+       CASE WHEN l.owner IS NULL OR l.lease_expires_at IS NULL THEN 'no relay holds the lane'
+            ELSE 'the lease of ' || l.owner || ' expired ' || (({now $1} - l.lease_expires_at) / 1000){pg:::text} || ' s ago' END AS detail
+FROM relay_lanes l
+JOIN outbox o ON o.lane = l.lane AND o.state = 'pending'
+WHERE l.owner IS NULL OR l.lease_expires_at IS NULL OR l.lease_expires_at <= {now $1}
+GROUP BY l.lane, l.owner, l.lease_expires_at
+ORDER BY l.lane
 LIMIT $2

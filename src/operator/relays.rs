@@ -97,19 +97,38 @@ pub struct CaptureState {
     pub slots: Vec<WalSlot>,
 }
 
+/// The key of [`CaptureState::lanes`] for lanes no live lease holds.
+const UNOWNED: &str = "(unowned)";
+
 impl CaptureState {
+    /// A relay streams from one of the slots now (WAL capture runs).
+    pub fn streaming(&self) -> bool {
+        streams(&self.slots)
+    }
+
+    /// A live lease holds some lane (polling relays run).
+    pub fn polling(&self) -> bool {
+        polls(&self.lanes)
+    }
+
     /// `wal` while a relay streams from a slot, `poll` while relays hold
     /// lanes, both when both (two relay groups on one database), else none.
     fn mode(slots: &[WalSlot], lanes: &BTreeMap<String, Vec<i32>>) -> &'static str {
-        let wal = slots.iter().any(|s| s.active);
-        let poll = lanes.keys().any(|o| o != "(unowned)");
-        match (wal, poll) {
+        match (streams(slots), polls(lanes)) {
             (true, true) => "wal and poll (relays of both modes run on this database)",
             (true, false) => "wal",
             (false, true) => "poll",
             (false, false) => "none (no relay streams from a slot or holds a lane)",
         }
     }
+}
+
+fn streams(slots: &[WalSlot]) -> bool {
+    slots.iter().any(|s| s.active)
+}
+
+fn polls(lanes: &BTreeMap<String, Vec<i32>>) -> bool {
+    lanes.keys().any(|o| o != UNOWNED)
 }
 
 impl Operator<'_> {
@@ -158,7 +177,7 @@ impl Operator<'_> {
             let live = l.lease_expires_at.is_some_and(|e| e > now);
             let who = match (&l.owner, live) {
                 (Some(o), true) => o.clone(),
-                _ => "(unowned)".into(),
+                _ => UNOWNED.into(),
             };
             lanes.entry(who).or_default().push(l.lane);
         }

@@ -1,9 +1,13 @@
 //! Investigations an operator runs when something looks wrong, as queries:
 //! duplicate paid generations, two workers completing one run, jobs leased
-//! forever, and WAL capture slots that hold WAL back (a dead relay's slot
-//! keeps every WAL segment since its confirmed position). Each finding comes
-//! with a suggested action. Read-only: repairs go through the ordinary
-//! fenced transitions (cancel, replay).
+//! forever (here), and the relay's side ([`relay()`]: dead outbox rows, an old
+//! backlog, no live relay, unowned lanes, WAL capture slots that are
+//! inactive, lag or were invalidated). Each finding comes with a suggested
+//! action and, where an alert watches the same fault, the runbook section
+//! that alert links. Read-only: repairs go through the ordinary fenced
+//! transitions (cancel, replay).
+
+mod relay;
 
 use std::time::Duration;
 
@@ -15,6 +19,8 @@ mod queries {
     include!(concat!(env!("OUT_DIR"), "/queries.rs"));
 }
 use queries::{Queries, QUERIES};
+
+pub use relay::{relay, RelayThresholds};
 
 /// How bad a finding is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
@@ -39,6 +45,33 @@ pub struct Finding {
     pub items: Vec<String>,
     /// What to do about it.
     pub action: &'static str,
+    /// The `docs/runbook.md` section of the alert that watches the same
+    /// fault (the alert's `runbook_url`), so the page and the doctor lead
+    /// to one place.
+    pub runbook: Option<&'static str>,
+    /// Why the check cannot apply to this database (WAL capture on SQLite,
+    /// lanes where WAL capture streams): it was not run, which is not `ok`.
+    pub skipped: Option<&'static str>,
+}
+
+impl Finding {
+    /// `ok`, `skip`, or the severity (`info`, `warning`, `critical`) when
+    /// there are items: what `ferry doctor` prints in brackets.
+    pub fn status(&self) -> &'static str {
+        match (self.skipped, self.items.is_empty(), self.severity) {
+            (Some(_), _, _) => "skip",
+            (None, true, _) => "ok",
+            (None, false, Severity::Info) => "info",
+            (None, false, Severity::Warning) => "warning",
+            (None, false, Severity::Critical) => "critical",
+        }
+    }
+
+    /// A warning or critical finding with items: what `--strict` fails on
+    /// (never a skipped check, never context).
+    pub fn is_problem(&self) -> bool {
+        self.skipped.is_none() && !self.items.is_empty() && self.severity != Severity::Info
+    }
 }
 
 struct Check {
@@ -135,85 +168,13 @@ pub async fn run(ferry: &Ferry, stuck_after: Duration, limit: u32) -> Result<Vec
     }
 }
 
-/// WAL capture on PostgreSQL (nothing on SQLite, or where no relay ever
-/// made a slot): an info finding `wal_capture` with the capture mode and
-/// each slot's state and lag in bytes and time, and three warnings:
-/// `wal_slot_inactive_lag` (no relay streams from a slot that holds back
-/// more than `inactive_lag_bytes` of WAL), `wal_slot_wal_status` (PostgreSQL
-/// is about to remove, `unreserved`, or removed, `lost`, WAL a slot needs)
-/// and `wal_keep_size_unbounded` (`max_slot_wal_keep_size = -1` while a
-/// Ferry slot exists: a dead relay's slot can fill the disk).
-pub async fn wal_capture(ferry: &Ferry, inactive_lag_bytes: i64) -> Result<Vec<Finding>> {
-    if ferry.db().as_postgres().is_none() {
-        return Ok(Vec::new());
-    }
-    let operator = ferry.operator();
-    let now = operator.outbox_backlog().await?.now;
-    let capture = operator.capture_state(now).await?;
-    if capture.slots.is_empty() {
-        return Ok(Vec::new());
-    }
-    let mut state = vec![format!("capture: {}", capture.mode)];
-    let (mut lagging, mut at_risk) = (Vec::new(), Vec::new());
-    for s in &capture.slots {
-        state.push(format!("{}: {}", s.slot, s.describe()));
-        if s.present && !s.active && s.lag_bytes > inactive_lag_bytes {
-            lagging.push(format!(
-                "{}: inactive, lag {} bytes (more than {inactive_lag_bytes})",
-                s.slot, s.lag_bytes
-            ));
-        }
-        if let Some(w @ ("unreserved" | "lost")) = s.wal_status.as_deref() {
-            at_risk.push(format!("{}: wal_status {w}", s.slot));
-        }
-    }
-    let present: Vec<&str> = capture
-        .slots
-        .iter()
-        .filter(|s| s.present)
-        .map(|s| s.slot.as_str())
-        .collect();
-    let unbounded = if !present.is_empty() && operator.wal_keep_size().await?.is_none() {
-        vec![format!(
-            "max_slot_wal_keep_size: -1 (unbounded) with slots {}",
-            present.join(", ")
-        )]
-    } else {
-        Vec::new()
-    };
-    Ok(vec![
-        Finding {
-            check: "wal_capture",
-            severity: Severity::Info,
-            items: state,
-            action: "",
-        },
-        Finding {
-            check: "wal_slot_inactive_lag",
-            severity: Severity::Warning,
-            items: lagging,
-            action: "no relay streams from this slot and it holds WAL back: start a relay of its group (`ferry-relay run --capture wal --slot <slot>`), or, if the group is gone for good, drop the slot (`SELECT pg_drop_replication_slot('<slot>')`): the next relay makes it anew and publishes the pending rows from the table",
-        },
-        Finding {
-            check: "wal_slot_wal_status",
-            severity: Severity::Warning,
-            items: at_risk,
-            action: "PostgreSQL removed (lost) or will remove at the next checkpoint (unreserved) WAL this slot needs: a relay drops a lost slot and makes it anew, publishing the pending rows from the table (nothing is lost, some rows may be published twice); find why its relay fell that far behind (stopped, or blocked on a poison row)",
-        },
-        Finding {
-            check: "wal_keep_size_unbounded",
-            severity: Severity::Warning,
-            items: unbounded,
-            action: "bound the WAL a slot may hold: ALTER SYSTEM SET max_slot_wal_keep_size = '10GB'; SELECT pg_reload_conf(); (size it to the outage the relay must survive; past it the slot is invalidated and recovered from the table)",
-        },
-    ])
-}
-
 fn finding(check: &'static str, severity: Severity, rows: Vec<(String, String)>, action: &'static str) -> Finding {
     Finding {
         check,
         severity,
         items: rows.into_iter().map(|(s, d)| format!("{s}: {d}")).collect(),
         action,
+        runbook: None,
+        skipped: None,
     }
 }
