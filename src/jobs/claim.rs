@@ -149,42 +149,14 @@ impl Ferry {
         lease_ms: i64,
         limit: i64,
     ) -> Result<Vec<Claimed>> {
+        let args = (which, queue, owner, lease_ms, limit);
         match conn.batching() {
             Batching::SetBased(c) => {
-                let q = &crate::store::queries::QUERIES.postgres;
-                let sql = match which {
-                    ClaimSql::Open => q.claim_jobs,
-                    ClaimSql::Limited { .. } => q.claim_limited,
-                };
-                let mut query = sqlx::query(sql)
-                    .bind(queue)
-                    .bind(self.now())
-                    .bind(limit)
-                    .bind(owner)
-                    .bind(lease_ms);
-                if let ClaimSql::Limited { scan } = which {
-                    query = query.bind(scan);
-                }
-                let rows = query.fetch_all(&mut *c).await?;
-                rows.iter().map(claimed_from_pg_row).collect()
+                let rows: Vec<ClaimedPgRow> = self.claim_rows(Conn::from(c), args).await?;
+                Ok(rows.into_iter().map(ClaimedPgRow::into_claimed).collect())
             }
             Batching::OneByOne(mut conn) => {
-                let rows: Vec<ClaimRow> = on_conn!(conn.reborrow(), |c, q| {
-                    let sql = match which {
-                        ClaimSql::Open => q.claim_jobs,
-                        ClaimSql::Limited { .. } => q.claim_limited,
-                    };
-                    let mut query = sqlx::query_as::<_, ClaimRow>(sql)
-                        .bind(queue)
-                        .bind(self.now())
-                        .bind(limit)
-                        .bind(owner)
-                        .bind(lease_ms);
-                    if let ClaimSql::Limited { scan } = which {
-                        query = query.bind(scan);
-                    }
-                    query.fetch_all(&mut *c).await?
-                });
+                let rows: Vec<ClaimRow> = self.claim_rows(conn.reborrow(), args).await?;
                 let mut out = Vec::with_capacity(rows.len());
                 for row in rows {
                     on_conn!(conn.reborrow(), |c, q| {
@@ -211,6 +183,36 @@ impl Ferry {
                 Ok(out)
             }
         }
+    }
+
+    /// The rows of the claim statement `which` (its engine's own text: on
+    /// PostgreSQL it also writes the attempt rows and returns the runs'
+    /// data, read as [`ClaimedPgRow`]; on SQLite it only leases, read as
+    /// [`ClaimRow`]).
+    async fn claim_rows<R>(
+        &self,
+        conn: Conn<'_>,
+        (which, queue, owner, lease_ms, limit): (ClaimSql, &str, &str, i64, i64),
+    ) -> Result<Vec<R>>
+    where
+        R: Send + Unpin + for<'r> FromRow<'r, sqlx::postgres::PgRow> + for<'r> FromRow<'r, sqlx::sqlite::SqliteRow>,
+    {
+        Ok(on_conn!(conn, |c, q| {
+            let sql = match which {
+                ClaimSql::Open => q.claim_jobs,
+                ClaimSql::Limited { .. } => q.claim_limited,
+            };
+            let mut query = sqlx::query_as::<_, R>(sql)
+                .bind(queue)
+                .bind(self.now())
+                .bind(limit)
+                .bind(owner)
+                .bind(lease_ms);
+            if let ClaimSql::Limited { scan } = which {
+                query = query.bind(scan);
+            }
+            query.fetch_all(&mut *c).await?
+        }))
     }
 
     /// [`Jobs::complete_batch`](crate::Jobs::complete_batch) inside `conn`'s transaction: one set-based
@@ -400,8 +402,14 @@ struct RowKind {
     kind: String,
 }
 
+impl ClaimedPgRow {
+    /// The claimed job with its run's data.
+    fn into_claimed(self) -> Claimed {
+        self.job.into_claimed(self.operation, self.request.0, self.replay_of)
+    }
+}
+
 /// A row of `claim_jobs` (or the claimed rows of `complete_and_claim`) on PostgreSQL.
 fn claimed_from_pg_row(row: &sqlx::postgres::PgRow) -> Result<Claimed> {
-    let row = ClaimedPgRow::from_row(row)?;
-    Ok(row.job.into_claimed(row.operation, row.request.0, row.replay_of))
+    Ok(ClaimedPgRow::from_row(row)?.into_claimed())
 }
