@@ -109,7 +109,7 @@ impl Notifier {
     /// Queues a notification inside the caller's transaction (delivered only
     /// if it commits), when one is due. SQLite has no NOTIFY: a no-op.
     pub(crate) async fn wake(&self, conn: Conn<'_>, payload: &str) -> Result<()> {
-        if conn.engine() == crate::Engine::Sqlite || !self.due(payload) {
+        if !conn.has_notify() || !self.due(payload) {
             return Ok(());
         }
         on_conn!(conn, |c, _q| {

@@ -1,9 +1,11 @@
 //! What really differs between the engines in the job path, and nothing
 //! else: the claim (one `FOR UPDATE SKIP LOCKED` statement with its attempt
-//! rows on PostgreSQL; the same steps one by one under SQLite's single
+//! rows where the engine writes batches set-based, PostgreSQL; the same
+//! steps one by one where it writes them item by item, SQLite's single
 //! writer; a limited queue's claim under its `ferry_queues` row lock) and
-//! batch completion (one set-based statement on PostgreSQL; a
-//! savepoint per lease on SQLite).
+//! batch completion (one set-based statement; or a savepoint per lease).
+//! Which engine takes which path is the store's answer
+//! ([`Conn::batching`]); the algorithms are here.
 
 use serde_json::Value;
 use sqlx::types::Json;
@@ -13,7 +15,7 @@ use uuid::Uuid;
 use crate::error::{Error, Result};
 use crate::jobs::{ClaimRow, Claimed, Lease, Transition};
 use crate::runs::get_run_in;
-use crate::store::{on_conn, Conn};
+use crate::store::{on_conn, Batching, Conn};
 use crate::Ferry;
 
 /// Which claim statement runs: the plain one (open, unlimited queues) or
@@ -135,9 +137,9 @@ impl Ferry {
         Ok(Some(claimed))
     }
 
-    /// Runs one claim statement and, on SQLite, the steps PostgreSQL's
-    /// statement does itself (closing lost attempts, writing the new
-    /// attempt rows, reading the runs).
+    /// Runs one claim statement and, where the engine writes one by one
+    /// (SQLite), the steps the set-based statement does itself (closing
+    /// lost attempts, writing the new attempt rows, reading the runs).
     async fn run_claim(
         &self,
         conn: Conn<'_>,
@@ -147,60 +149,35 @@ impl Ferry {
         lease_ms: i64,
         limit: i64,
     ) -> Result<Vec<Claimed>> {
-        match conn {
-            Conn::Postgres(c) => {
-                let q = &crate::store::queries::QUERIES.postgres;
-                let sql = match which {
-                    ClaimSql::Open => q.claim_jobs,
-                    ClaimSql::Limited { .. } => q.claim_limited,
-                };
-                let mut query = sqlx::query(sql)
-                    .bind(queue)
-                    .bind(self.now())
-                    .bind(limit)
-                    .bind(owner)
-                    .bind(lease_ms);
-                if let ClaimSql::Limited { scan } = which {
-                    query = query.bind(scan);
-                }
-                let rows = query.fetch_all(&mut *c).await?;
-                rows.iter().map(claimed_from_pg_row).collect()
+        let args = (which, queue, owner, lease_ms, limit);
+        match conn.batching() {
+            Batching::SetBased(c) => {
+                let rows: Vec<ClaimedPgRow> = self.claim_rows(Conn::from(c), args).await?;
+                Ok(rows.into_iter().map(ClaimedPgRow::into_claimed).collect())
             }
-            Conn::Sqlite(c) => {
-                let q = &crate::store::queries::QUERIES.sqlite;
-                let sql = match which {
-                    ClaimSql::Open => q.claim_jobs,
-                    ClaimSql::Limited { .. } => q.claim_limited,
-                };
-                let mut query = sqlx::query_as::<_, ClaimRow>(sql)
-                    .bind(queue)
-                    .bind(self.now())
-                    .bind(limit)
-                    .bind(owner)
-                    .bind(lease_ms);
-                if let ClaimSql::Limited { scan } = which {
-                    query = query.bind(scan);
-                }
-                let rows: Vec<ClaimRow> = query.fetch_all(&mut *c).await?;
+            Batching::OneByOne(mut conn) => {
+                let rows: Vec<ClaimRow> = self.claim_rows(conn.reborrow(), args).await?;
                 let mut out = Vec::with_capacity(rows.len());
                 for row in rows {
-                    sqlx::query(q.close_lost_attempts)
-                        .bind(&row.tenant)
-                        .bind(row.run_id)
-                        .bind(row.lease_generation)
-                        .bind(row.claimed_at)
-                        .execute(&mut *c)
-                        .await?;
-                    sqlx::query(q.insert_attempt)
-                        .bind(&row.tenant)
-                        .bind(row.run_id)
-                        .bind(row.attempts)
-                        .bind(row.lease_generation)
-                        .bind(&row.lease_owner)
-                        .bind(row.claimed_at)
-                        .execute(&mut *c)
-                        .await?;
-                    let run = get_run_in(Conn::Sqlite(&mut *c), &row.tenant, row.run_id).await?;
+                    on_conn!(conn.reborrow(), |c, q| {
+                        sqlx::query(q.close_lost_attempts)
+                            .bind(&row.tenant)
+                            .bind(row.run_id)
+                            .bind(row.lease_generation)
+                            .bind(row.claimed_at)
+                            .execute(&mut *c)
+                            .await?;
+                        sqlx::query(q.insert_attempt)
+                            .bind(&row.tenant)
+                            .bind(row.run_id)
+                            .bind(row.attempts)
+                            .bind(row.lease_generation)
+                            .bind(&row.lease_owner)
+                            .bind(row.claimed_at)
+                            .execute(&mut *c)
+                            .await?;
+                    });
+                    let run = get_run_in(conn.reborrow(), &row.tenant, row.run_id).await?;
                     out.push(row.into_claimed(run.operation, run.request, run.replay_of));
                 }
                 Ok(out)
@@ -208,22 +185,48 @@ impl Ferry {
         }
     }
 
+    /// The rows of the claim statement `which` (its engine's own text: on
+    /// PostgreSQL it also writes the attempt rows and returns the runs'
+    /// data, read as [`ClaimedPgRow`]; on SQLite it only leases, read as
+    /// [`ClaimRow`]).
+    async fn claim_rows<R>(
+        &self,
+        conn: Conn<'_>,
+        (which, queue, owner, lease_ms, limit): (ClaimSql, &str, &str, i64, i64),
+    ) -> Result<Vec<R>>
+    where
+        R: Send + Unpin + for<'r> FromRow<'r, sqlx::postgres::PgRow> + for<'r> FromRow<'r, sqlx::sqlite::SqliteRow>,
+    {
+        Ok(on_conn!(conn, |c, q| {
+            let sql = match which {
+                ClaimSql::Open => q.claim_jobs,
+                ClaimSql::Limited { .. } => q.claim_limited,
+            };
+            let mut query = sqlx::query_as::<_, R>(sql)
+                .bind(queue)
+                .bind(self.now())
+                .bind(limit)
+                .bind(owner)
+                .bind(lease_ms);
+            if let ClaimSql::Limited { scan } = which {
+                query = query.bind(scan);
+            }
+            query.fetch_all(&mut *c).await?
+        }))
+    }
+
     /// [`Jobs::complete_batch`](crate::Jobs::complete_batch) inside `conn`'s transaction: one set-based
-    /// statement on PostgreSQL, a savepoint per lease on SQLite.
+    /// statement, or a savepoint per lease where the engine writes one by one.
     pub(crate) async fn complete_batch_in(&self, conn: Conn<'_>, items: &[(Lease, Value)]) -> Result<Vec<Result<()>>> {
-        match conn {
-            Conn::Postgres(c) => self.complete_batch_pg(c, items).await,
-            Conn::Sqlite(c) => {
+        match conn.batching() {
+            Batching::SetBased(c) => self.complete_batch_pg(c, items).await,
+            Batching::OneByOne(mut conn) => {
                 let mut out = Vec::with_capacity(items.len());
                 for (lease, result) in items {
                     // A savepoint per lease keeps a refused one from leaving half its writes.
-                    let mut sp = sqlx::Connection::begin(&mut *c).await?;
-                    let one = self.jobs().complete_in(Conn::Sqlite(&mut sp), lease, result).await;
-                    if one.is_ok() {
-                        sp.commit().await?;
-                    } else {
-                        sp.rollback().await?;
-                    }
+                    let one = conn
+                        .in_savepoint(async |c| self.jobs().complete_in(c, lease, result).await)
+                        .await?;
                     out.push(one);
                 }
                 Ok(out)
@@ -270,7 +273,7 @@ impl Ferry {
                 } else {
                     Err(self
                         .jobs()
-                        .refusal(Conn::Postgres(&mut *c), lease, Transition::Finish)
+                        .refusal(Conn::from(&mut *c), lease, Transition::Finish)
                         .await)
                 },
             );
@@ -310,20 +313,20 @@ impl Ferry {
         (queue, owner, lease_ms, limit): (&str, &str, i64, u32),
         limited: bool,
     ) -> Result<(Vec<Result<()>>, Vec<Claimed>)> {
-        match conn {
+        match conn.batching() {
             // A limited queue: the completions, then the limited claim, in
             // the caller's transaction (the combined statement claims
             // nothing there).
-            Conn::Postgres(c) if limited => {
+            Batching::SetBased(c) if limited => {
                 let done = self.complete_batch_pg(&mut *c, items).await?;
                 let claimed = if limit == 0 {
                     Vec::new()
                 } else {
-                    self.claim_in(Conn::Postgres(c), queue, owner, lease_ms, limit).await?
+                    self.claim_in(Conn::from(c), queue, owner, lease_ms, limit).await?
                 };
                 Ok((done, claimed))
             }
-            Conn::Postgres(c) => {
+            Batching::SetBased(c) => {
                 let rows = self
                     .bind_completions(
                         sqlx::query(crate::store::queries::POSTGRES_ONLY.complete_and_claim),
@@ -347,9 +350,9 @@ impl Ferry {
                 let out = self.answer_completions(c, items, &done).await;
                 Ok((out, claimed))
             }
-            Conn::Sqlite(c) => {
-                let done = self.complete_batch_in(Conn::Sqlite(&mut *c), items).await?;
-                let claimed = self.claim_in(Conn::Sqlite(c), queue, owner, lease_ms, limit).await?;
+            Batching::OneByOne(mut conn) => {
+                let done = self.complete_batch_in(conn.reborrow(), items).await?;
+                let claimed = self.claim_in(conn, queue, owner, lease_ms, limit).await?;
                 Ok((done, claimed))
             }
         }
@@ -399,8 +402,14 @@ struct RowKind {
     kind: String,
 }
 
+impl ClaimedPgRow {
+    /// The claimed job with its run's data.
+    fn into_claimed(self) -> Claimed {
+        self.job.into_claimed(self.operation, self.request.0, self.replay_of)
+    }
+}
+
 /// A row of `claim_jobs` (or the claimed rows of `complete_and_claim`) on PostgreSQL.
 fn claimed_from_pg_row(row: &sqlx::postgres::PgRow) -> Result<Claimed> {
-    let row = ClaimedPgRow::from_row(row)?;
-    Ok(row.job.into_claimed(row.operation, row.request.0, row.replay_of))
+    Ok(ClaimedPgRow::from_row(row)?.into_claimed())
 }

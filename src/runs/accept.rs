@@ -144,16 +144,9 @@ impl Ferry {
         let mut out = Vec::with_capacity(runs.len());
         for run in runs {
             // Validation is the single call's own, before it writes anything.
-            let one = on_conn!(conn.reborrow(), |c, _q| {
-                let mut sp = sqlx::Connection::begin(&mut *c).await?;
-                let one = self.accept_one_in(&mut *sp, run, false).await;
-                if one.is_ok() {
-                    sp.commit().await?;
-                } else {
-                    sp.rollback().await?;
-                }
-                one
-            });
+            let one = conn
+                .in_savepoint(async |c| self.accept_one_in(c, run, false).await)
+                .await?;
             match one {
                 Err(e) if !refuses_only_its_item(&e) => return Err(e),
                 one => out.push(one),

@@ -1,4 +1,5 @@
-//! Bulk acceptance ([`Ferry::create_runs_idempotent_in`]) per engine.
+//! Bulk acceptance ([`Ferry::create_runs_idempotent_in`]), set-based or one
+//! by one as the store answers for the engine ([`Conn::batching`]).
 //!
 //! PostgreSQL decides a whole batch in a fixed number of statements: it
 //! claims every distinct key at once (`claim_idempotency_keys`), reads the
@@ -25,7 +26,7 @@ use crate::fingerprint::{fingerprint, Fingerprint};
 use crate::outbox::{lane_for, OutboxMessage};
 use crate::runs::{check_equivalent, queued_body, run_event_message, Accepted, NewRun, Run, RunRow, RunState};
 use crate::store::queries::POSTGRES_ONLY;
-use crate::store::Conn;
+use crate::store::{Batching, Conn};
 use crate::time::duration_ms;
 use crate::Ferry;
 
@@ -78,23 +79,21 @@ enum Outcome {
 impl Ferry {
     /// Dispatches a batch to its engine's path (see the module docs).
     pub(crate) async fn accept_batch_in(&self, conn: Conn<'_>, runs: Vec<NewRun>) -> Result<Vec<Result<Accepted>>> {
-        match conn {
-            Conn::Postgres(c) => {
-                if needs_item_by_item(&runs) {
-                    let queues: Vec<String> = runs.iter().map(|r| r.queue.clone()).collect();
-                    let out = self.accept_each_in(Conn::Postgres(&mut *c), runs).await?;
-                    let woken: Vec<&str> = out
-                        .iter()
-                        .zip(&queues)
-                        .filter(|(r, _)| matches!(r, Ok(a) if !a.replay))
-                        .map(|(_, q)| q.as_str())
-                        .collect();
-                    self.inner.notifier.wake_many(c, &distinct(woken)).await?;
-                    return Ok(out);
-                }
-                self.accept_batch_pg(c, runs).await
+        match conn.batching() {
+            Batching::SetBased(c) if needs_item_by_item(&runs) => {
+                let queues: Vec<String> = runs.iter().map(|r| r.queue.clone()).collect();
+                let out = self.accept_each_in(Conn::from(&mut *c), runs).await?;
+                let woken: Vec<&str> = out
+                    .iter()
+                    .zip(&queues)
+                    .filter(|(r, _)| matches!(r, Ok(a) if !a.replay))
+                    .map(|(_, q)| q.as_str())
+                    .collect();
+                self.inner.notifier.wake_many(c, &distinct(woken)).await?;
+                Ok(out)
             }
-            Conn::Sqlite(c) => self.accept_each_in(Conn::Sqlite(c), runs).await,
+            Batching::SetBased(c) => self.accept_batch_pg(c, runs).await,
+            Batching::OneByOne(conn) => self.accept_each_in(conn, runs).await,
         }
     }
 

@@ -6,6 +6,9 @@
 //! Code that runs a query is written once with [`on_conn!`] and compiled for
 //! each engine; only the SQL text differs: each crate's `sql/*.sql`, written
 //! once for both engines and rendered per engine at build time (`queries`).
+//! Where an algorithm differs (a batch written set-based or one by one),
+//! the code above asks the store's questions (`capability`) and never
+//! names an engine itself.
 
 use std::str::FromStr;
 use std::time::Duration;
@@ -110,14 +113,6 @@ impl Db {
             Db::Postgres(p) => Tx::Postgres(p.begin().await?),
             Db::Sqlite(p) => Tx::Sqlite(p.begin_with("BEGIN IMMEDIATE").await?),
         })
-    }
-
-    /// Whether this engine does several writes in one autocommitted
-    /// statement (PostgreSQL's data-modifying CTEs), so a caller may run
-    /// such a statement on a pooled connection without a transaction. SQLite
-    /// runs the same writes one by one, which needs a transaction around them.
-    pub(crate) fn writes_in_one_statement(&self) -> bool {
-        matches!(self, Db::Postgres(_))
     }
 
     /// Closes the pool.
@@ -278,24 +273,26 @@ impl Conn<'_> {
         }
     }
 
-    /// Whether a row lock taken on this connection ends with its statement:
-    /// a PostgreSQL connection outside a transaction (autocommit). SQLite
-    /// takes no row locks (its writer lock is the whole database's), so
-    /// never. A step that must hold a row until commit refuses such a
-    /// connection before it writes anything.
-    pub(crate) async fn releases_row_locks_per_statement(&mut self) -> Result<bool> {
-        Ok(match self {
-            Conn::Postgres(c) => {
-                let in_tx: bool = sqlx::query_scalar(queries::POSTGRES_ONLY.in_transaction)
-                    .fetch_one(&mut **c)
-                    .await?;
-                !in_tx
+    /// Runs `f` under a savepoint of this connection's transaction: its
+    /// writes stay when it returns `Ok` and are rolled back when it returns
+    /// `Err`, so one refused item of a batch leaves none of its writes. The
+    /// outer `Err` is the savepoint's own failure; the inner result is `f`'s.
+    pub(crate) async fn in_savepoint<T>(&mut self, f: impl AsyncFnOnce(Conn<'_>) -> Result<T>) -> Result<Result<T>> {
+        on_conn!(self.reborrow(), |c, _q| {
+            let mut sp = sqlx::Connection::begin(&mut *c).await?;
+            let one = f(Conn::from(&mut *sp)).await;
+            if one.is_ok() {
+                sp.commit().await?;
+            } else {
+                sp.rollback().await?;
             }
-            Conn::Sqlite(_) => false,
+            Ok(one)
         })
     }
 }
 
+mod capability;
+pub(crate) use capability::Batching;
 mod millis;
 mod portable;
 pub use portable::{Arg, PooledConn};
