@@ -1,5 +1,6 @@
 //! ferry-relay against PostgreSQL and Apache Kafka.
 
+mod alerts;
 mod capture;
 mod effect_keys;
 mod exactly_once;

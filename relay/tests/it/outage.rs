@@ -31,19 +31,6 @@ pub(crate) async fn write_through_outage(ferry: Ferry, from: usize, to: usize) {
     }
 }
 
-/// Polls `/readyz` until its status line contains `want`, within `limit`.
-async fn readyz_until(relay: &RunningRelay, want: &str, limit: Duration) {
-    let deadline = Instant::now() + limit;
-    loop {
-        let (status, _) = http_get(relay.addr, "/readyz").await;
-        if status.contains(want) {
-            return;
-        }
-        assert!(Instant::now() < deadline, "/readyz never answered {want}: {status}");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-}
-
 /// Polls the relay's database with `sql` until it returns at least `want`.
 pub(crate) async fn until_at_least(ferry: &Ferry, sql: &str, want: i64, limit: Duration) -> i64 {
     let deadline = Instant::now() + limit;

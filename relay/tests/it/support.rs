@@ -317,10 +317,12 @@ pub async fn scalar(ferry: &Ferry, sql: &str) -> i64 {
 }
 
 /// GET `path` on a local HTTP server; returns the status line and body.
+/// HTTP/1.0, so that no server sends the body chunked (Prometheus's does
+/// to an HTTP/1.1 request for a large answer).
 pub async fn http_get(addr: std::net::SocketAddr, path: &str) -> (String, String) {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
-    s.write_all(format!("GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").as_bytes())
+    s.write_all(format!("GET {path} HTTP/1.0\r\nHost: x\r\n\r\n").as_bytes())
         .await
         .unwrap();
     let mut buf = String::new();
@@ -328,6 +330,19 @@ pub async fn http_get(addr: std::net::SocketAddr, path: &str) -> (String, String
     let status = buf.lines().next().unwrap_or_default().to_owned();
     let body = buf.split("\r\n\r\n").nth(1).unwrap_or_default().to_owned();
     (status, body)
+}
+
+/// Polls `/readyz` until its status line contains `want`, within `limit`.
+pub async fn readyz_until(relay: &RunningRelay, want: &str, limit: Duration) {
+    let deadline = Instant::now() + limit;
+    loop {
+        let (status, _) = http_get(relay.addr, "/readyz").await;
+        if status.contains(want) {
+            return;
+        }
+        assert!(Instant::now() < deadline, "/readyz never answered {want}: {status}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
 }
 
 /// A `ferry-relay run` child process, SIGKILLed when dropped (also when

@@ -119,6 +119,52 @@ async fn wal_slot_lag_and_activity_show_in_the_metrics_and_status() {
     assert!(status.contains("capture             none"), "{status}");
 }
 
+/// A quiet outbox does not hold back the WAL of the rest of the database:
+/// while only other tables are written, the slot's confirmed position still
+/// follows the server's (the relay confirms the keepalive's position once
+/// nothing is open or in flight). Without that, PostgreSQL keeps every WAL
+/// segment written since the last outbox row until its disk fills, which is
+/// why Debezium users configure a heartbeat table.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn wal_a_quiet_outbox_does_not_hold_back_the_wal_of_other_tables() {
+    let broker = Kafka::start();
+    let (ferry, url) = pg_ferry().await;
+    let slot = SlotGuard::new().await;
+    let pool = ferry.db().as_postgres().unwrap().clone();
+    let relay = slot.start(slot.config(&url, &broker.brokers()), ferry.clone()).await;
+    wait_for_streaming(&pool, &slot.name, None, Duration::from_secs(60)).await;
+    sqlx::query("CREATE TABLE not_the_outbox (id BIGSERIAL PRIMARY KEY, body TEXT NOT NULL)")
+        .execute(&pool)
+        .await
+        .unwrap();
+    sqlx::query("INSERT INTO not_the_outbox (body) SELECT repeat('x', 200) FROM generate_series(1, 20000)")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let written: i64 = sqlx::query_scalar("SELECT (pg_current_wal_lsn() - '0/0'::pg_lsn)::bigint")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    // PostgreSQL sends a keepalive once the walsender has caught up and the
+    // client's confirmed position is behind it; at the latest after half
+    // of wal_sender_timeout (60 s by default).
+    let deadline = std::time::Instant::now() + Duration::from_secs(90);
+    loop {
+        let confirmed = confirmed_flush(&pool, &slot.name).await;
+        if confirmed >= written {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the slot stayed at {confirmed}, {} bytes behind the other table's writes",
+            written - confirmed
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(scalar(&ferry, "SELECT count(*) FROM outbox").await, 0);
+    relay.shutdown().await;
+}
+
 /// A slot is `active` in `pg_replication_slots` while
 /// `pg_create_logical_replication_slot` waits for the transactions running
 /// when it started; no relay streams from it then, and the gauges and
