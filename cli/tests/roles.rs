@@ -432,3 +432,31 @@ async fn the_console_role_serves_every_page_and_action() {
     stop.cancel();
     served.await.unwrap().unwrap();
 }
+
+/// `ferry doctor` (the jobs' checks and the relay's) and `ferry status` run
+/// as `ferry_console`, the read-everything role: lanes, relays, the outbox
+/// and the WAL capture slots.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_console_role_runs_doctor_and_status() {
+    let t = TestDb::new(Kind::Postgres).await;
+    sqlx::raw_sql(include_str!("../../deploy/sql/roles.sql"))
+        .execute(t.ferry.db().as_postgres().unwrap())
+        .await
+        .expect("roles.sql applies");
+    t.ferry
+        .enqueue(&OutboxMessage::bytes("acme", "orders", "o-1", vec![1]))
+        .await
+        .unwrap();
+    let console = as_role(&t, "ferry_console").await;
+    ferry_cli::doctor::run(&console, Duration::from_secs(300), 20)
+        .await
+        .expect("doctor's job checks as ferry_console");
+    ferry_cli::doctor::relay(&console, &ferry_cli::doctor::RelayThresholds::default(), 20)
+        .await
+        .expect("doctor's relay checks as ferry_console");
+    console
+        .operator()
+        .status_report()
+        .await
+        .expect("ferry status as ferry_console");
+}

@@ -119,7 +119,8 @@ GRANT SELECT, INSERT, UPDATE ON ferry_queues TO ferry_operator;
 
 -- The web console (`ferry console`) takes the operator's actions, pauses and
 -- resumes queues (as the operator), and reads what its pages show: lanes and relays, consumer
--- partitions and ledger entries (a run's lineage), effects. Still no DELETE,
--- no publishing marks, no lane or partition writes.
+-- partitions and ledger entries (a run's lineage), effects. `ferry doctor`
+-- and `ferry status` run as it too: they also read the WAL capture slots.
+-- Still no DELETE, no publishing marks, no lane, slot or partition writes.
 GRANT ferry_operator TO ferry_console;
-GRANT SELECT ON relay_lanes, relay_instances, consumer_partitions, consumer_ledger, effects TO ferry_console;
+GRANT SELECT ON relay_lanes, relay_instances, relay_wal_slots, consumer_partitions, consumer_ledger, effects TO ferry_console;

@@ -53,7 +53,14 @@ pub(crate) async fn page(
         jobs,
         state.store.outbox_dead_groups(t),
         state.store.consumer_partitions(),
-        state.store.consumer_groups(),
+        // The ledger is every tenant's (a group's dead letters and last
+        // commit count all of them): read only unfiltered, like the sampler.
+        async {
+            match t {
+                None => state.store.consumer_groups().await.map(Some),
+                Some(_) => Ok(None),
+            }
+        },
         operator.list_queues(),
         state.store.now(),
     )?;
@@ -136,7 +143,7 @@ pub(crate) async fn page(
         }
         section {
             h2 { "Consumer groups" }
-            (consumer_groups(&partitions, &groups, now))
+            (consumer_groups(&partitions, groups.as_deref(), now))
         }
         p.note { "Sampled every few seconds into a ring of the newest samples." }
     };
@@ -270,22 +277,25 @@ fn lane_table(owners: &[LaneOwner], backlog: &BTreeMap<i32, (i64, i64)>, now: i6
 /// owner, lease and stored offset), members holding live leases, when the
 /// group last committed a new record, and its dead letters. The lag itself
 /// is the consumers' to measure: the high watermark is not in the database.
-fn consumer_groups(partitions: &[ConsumerPartition], ledgers: &[ConsumerGroupLedger], now: i64) -> Markup {
+/// `ledgers` is `None` in a tenant's view: the ledger figures are every
+/// tenant's, so those columns are left out.
+fn consumer_groups(partitions: &[ConsumerPartition], ledgers: Option<&[ConsumerGroupLedger]>, now: i64) -> Markup {
     let mut by_group: BTreeMap<&str, Vec<&ConsumerPartition>> = BTreeMap::new();
     for p in partitions {
         by_group.entry(&p.group_id).or_default().push(p);
     }
-    let ledger: BTreeMap<&str, &ConsumerGroupLedger> = ledgers.iter().map(|l| (l.group_id.as_str(), l)).collect();
+    let ledger: Option<BTreeMap<&str, &ConsumerGroupLedger>> =
+        ledgers.map(|ls| ls.iter().map(|l| (l.group_id.as_str(), l)).collect());
     if by_group.is_empty() {
         return html! { p.empty { "No consumer group has stored a partition." } };
     }
     html! {
         table #consumer-groups {
-            thead { tr { th { "group" } th { "partitions" } th { "owners (live leases)" } th { "last commit" } th { "dead letters" } } }
+            thead { tr { th { "group" } th { "partitions" } th { "owners (live leases)" }
+                @if ledger.is_some() { th { "last commit" } th { "dead letters" } } } }
             tbody { @for (group, ps) in &by_group {
                 @let (members, unheld) = members(ps, now);
                 @let topics: BTreeSet<&str> = ps.iter().map(|p| p.topic.as_str()).collect();
-                @let l = ledger.get(group);
                 tr.consumer-group data-group=(group) {
                     td { (group) }
                     td.partitions { details {
@@ -304,16 +314,23 @@ fn consumer_groups(partitions: &[ConsumerPartition], ledgers: &[ConsumerGroupLed
                         (members)
                         @if unheld > 0 { " " span.warn { "(" (unheld) " without a live lease)" } }
                     }
-                    td.last-commit { (l.and_then(|l| l.last_processed_at).map_or("—".to_owned(), |at| format!("{} ago", age(now - at.get())))) }
-                    td.num.dead-letters { (l.map_or(0, |l| l.dead_letters)) }
+                    @if let Some(ledger) = &ledger {
+                        @let l = ledger.get(group);
+                        td.last-commit { (l.and_then(|l| l.last_processed_at).map_or("—".to_owned(), |at| format!("{} ago", age(now - at.get())))) }
+                        td.num.dead-letters { (l.map_or(0, |l| l.dead_letters)) }
+                    }
                 }
             } }
         }
         p.note #lag-note { "Lag (the topic's high watermark minus the stored offset) is not in the database: "
             "the consumers export it as " code { "ferry_consumer_lag" } ", on the dashboard's Consumer lag panel ("
             code { "deploy/grafana/ferry.json" } "). Open a group's partitions for their owners, generations and stored offsets. "
-            "Last commit is the group's newest ledger entry "
-            "(a duplicate moves only the offset; entries past the ledger's retention are swept)." }
+            @if ledger.is_some() {
+                "Last commit is the group's newest ledger entry "
+                "(a duplicate moves only the offset; entries past the ledger's retention are swept)."
+            } @else {
+                "Last commit and dead letters count every tenant's records: shown only unfiltered."
+            } }
     }
 }
 

@@ -22,6 +22,7 @@ on_both_engines!(
     the_overview_figures_match_the_database,
     the_overview_groups_lanes_by_owner,
     the_overview_shows_each_consumer_group_with_what_the_database_knows,
+    a_scoped_overview_shows_no_other_tenant_s_consumer_ledger,
     the_backlog_plot_has_axes_units_and_a_legend,
     empty_error_cells_have_no_code_box,
     runs_are_found_by_key_and_paged_and_their_lineage_shows_where_events_went,
@@ -545,6 +546,33 @@ async fn the_overview_shows_each_consumer_group_with_what_the_database_knows(eng
     assert!(last[..last.find('<').unwrap()].ends_with(" ago"), "{group}");
     assert!(text_of(&page, "lag-note").starts_with("Lag (the topic"));
     assert!(page.contains("<code>ferry_consumer_lag</code>"));
+}
+
+async fn a_scoped_overview_shows_no_other_tenant_s_consumer_ledger(engine: Engine) {
+    let a = app(engine).await;
+    seed(&a.db.ferry).await;
+    // Group `projection` dead-letters one of globex's rows: its ledger is
+    // every tenant's, so acme's view must not count it nor date it.
+    let globex = a
+        .scalar("SELECT max(id) FROM outbox WHERE tenant = 'globex' AND state = 'pending'")
+        .await;
+    dead_letter(&a.db.ferry, "projection", globex, 0).await;
+    let all = a.get(ROOT, "/").await.body;
+    assert!(
+        all.contains("class=\"num dead-letters\">1<"),
+        "root sees the group's dead letter"
+    );
+    for (token, path) in [(ACME, "/"), (ROOT, "/?tenant=acme")] {
+        let scoped = a.get(token, path).await.body;
+        assert!(
+            scoped.contains("data-group=\"projection\""),
+            "{path}: the group is shared"
+        );
+        assert!(
+            !scoped.contains("dead-letters") && !scoped.contains("last-commit"),
+            "{path}: another tenant's dead letters and last commit are shown to a tenant's view"
+        );
+    }
 }
 
 async fn the_backlog_plot_has_axes_units_and_a_legend(engine: Engine) {
