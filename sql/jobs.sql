@@ -329,10 +329,14 @@ SELECT queue, state, max_attempts, attempts, lease_generation, last_error_code, 
 FROM jobs WHERE tenant = $1 AND run_id = $2
 
 -- name: sweep_attempts
+-- Finished attempts at or before $1, found through job_attempts_claimed_idx:
+-- an attempt is claimed before it finishes, so claimed_at <= $1 loses none
+-- of them, and closing an attempt (which writes finished_at, not indexed)
+-- stays a HOT update.
 DELETE FROM job_attempts
 WHERE (tenant, run_id, generation) IN (
     SELECT tenant, run_id, generation FROM job_attempts
-    WHERE finished_at IS NOT NULL AND finished_at <= $1
+    WHERE claimed_at <= $1 AND finished_at IS NOT NULL AND finished_at <= $1
     LIMIT $2
 )
 
