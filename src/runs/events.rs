@@ -217,18 +217,13 @@ pub(crate) async fn write_event<B: serde::Serialize + Sync>(
             .fetch_one(&mut *c)
             .await
     });
-    let publish = match inserted {
-        Ok(publish) => publish,
-        Err(e) => {
-            return Err(match violated_constraint(&e).as_deref() {
-                Some("run_events_one_terminal_idx") => Error::RunTerminal {
-                    run_id,
-                    state: "terminal".into(),
-                },
-                _ => e.into(),
-            })
-        }
-    };
+    let publish = inserted.map_err(|e| match violated_constraint(&e).as_deref() {
+        Some("run_events_one_terminal_idx") => Error::RunTerminal {
+            run_id,
+            state: "terminal".into(),
+        },
+        _ => e.into(),
+    })?;
     if !publish {
         // The run's queue has publish_events off: the event is history only.
         return Ok(());
