@@ -454,6 +454,15 @@ async fn the_overview_figures_match_the_database(engine: Engine) {
     assert_eq!(s.pending, pending + 1, "the late run's event is pending too");
     let r = a.get(ROOT, "/").await;
     assert!(r.body.contains("<svg id=\"plot\""));
+    // A queue whose run events stay out of Kafka says so.
+    a.db.ferry
+        .operator()
+        .set_queue_publish_events("payments", false, "alice", "internal")
+        .await
+        .unwrap();
+    let r = a.get(ROOT, "/").await;
+    assert_eq!(r.text_of("unpublished-payments"), "(events not published)");
+    assert!(!r.body.contains("unpublished-default"));
 }
 
 async fn runs_are_found_by_key_and_paged_and_their_lineage_shows_where_events_went(engine: Engine) {
