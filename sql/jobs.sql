@@ -329,10 +329,14 @@ SELECT queue, state, max_attempts, attempts, lease_generation, last_error_code, 
 FROM jobs WHERE tenant = $1 AND run_id = $2
 
 -- name: sweep_attempts
+-- Finished attempts at or before $1, found through job_attempts_claimed_idx:
+-- an attempt is claimed before it finishes, so claimed_at <= $1 loses none
+-- of them, and closing an attempt (which writes finished_at, not indexed)
+-- stays a HOT update.
 DELETE FROM job_attempts
 WHERE (tenant, run_id, generation) IN (
     SELECT tenant, run_id, generation FROM job_attempts
-    WHERE finished_at IS NOT NULL AND finished_at <= $1
+    WHERE claimed_at <= $1 AND finished_at IS NOT NULL AND finished_at <= $1
     LIMIT $2
 )
 
@@ -345,7 +349,9 @@ SELECT count(*) FROM jobs WHERE tenant = $1 AND state = 'queued'
 -- events to topic $8). Each input row is fenced like finish_job (`done`:
 -- tenant, run id and the generation completed); for each completed job the
 -- run is compare-and-set to succeeded (`finished`), the run_succeeded event
--- and its outbox row are written, and the attempt is closed (`closed`).
+-- and its outbox row are written (no outbox row when the job's queue has
+-- publish_events off, as insert_event decides), and the attempt is closed
+-- (`closed`).
 input AS (
     SELECT * FROM UNNEST($1::text[], $2::uuid[], $3::text[], $4::bigint[], $5::jsonb[], $6::int[])
         AS i(tenant, run_id, owner, generation, result, lane)
@@ -357,14 +363,14 @@ input AS (
     FROM input i, clock
     WHERE j.tenant = i.tenant AND j.run_id = i.run_id AND j.state = 'leased' AND j.lease_owner = i.owner
       AND j.lease_generation = i.generation AND j.lease_expires_at > clock.at
-    RETURNING j.tenant, j.run_id, j.lease_generation, i.result, i.lane
+    RETURNING j.tenant, j.run_id, j.queue, j.lease_generation, i.result, i.lane
 ), finished AS (
     UPDATE runs r
     SET state = 'succeeded', version = r.version + 1, last_event_seq = r.last_event_seq + 1,
         updated_at = GREATEST(r.updated_at, clock.at)
     FROM done d, clock
     WHERE r.tenant = d.tenant AND r.run_id = d.run_id AND r.state = 'queued'
-    RETURNING r.tenant, r.run_id, r.last_event_seq AS seq, d.lease_generation, d.result, d.lane
+    RETURNING r.tenant, r.run_id, r.last_event_seq AS seq, d.queue, d.lease_generation, d.result, d.lane
 ), events AS (
     INSERT INTO run_events (tenant, run_id, seq, kind, body, created_at)
     SELECT f.tenant, f.run_id, f.seq, 'run_succeeded', jsonb_build_object('result', f.result), clock.at
@@ -378,6 +384,7 @@ input AS (
            f.tenant || '/' || f.run_id::text || '/' || f.seq::text,
            clock.at
     FROM finished f, clock
+    WHERE NOT EXISTS (SELECT 1 FROM ferry_queues g WHERE g.queue = f.queue AND NOT g.publish_events)
 ), closed AS (
     UPDATE job_attempts a
     SET finished_at = clock.at, outcome = 'succeeded'

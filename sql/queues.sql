@@ -1,11 +1,21 @@
 -- ferry_queues: per-queue settings the claim enforces (pause, limits, the
--- token bucket). Changed only by the audited operator calls in queues.rs.
+-- token bucket), and whether the queue's run events go to Kafka
+-- (publish_events, read where events are written). Changed only by the
+-- audited operator calls in queues.rs.
 
 -- name: set_queue_paused
 -- Pauses ($2 true) or resumes queue $1, creating its row when it has none.
 INSERT INTO ferry_queues (queue, paused, updated_at)
 VALUES ($1, $2, {now $3})
 ON CONFLICT (queue) DO UPDATE SET paused = excluded.paused, updated_at = excluded.updated_at
+RETURNING updated_at
+
+-- name: set_queue_publish_events
+-- Sets whether queue $1's run events get outbox rows ($2), creating its row
+-- when it has none.
+INSERT INTO ferry_queues (queue, publish_events, updated_at)
+VALUES ($1, $2, {now $3})
+ON CONFLICT (queue) DO UPDATE SET publish_events = excluded.publish_events, updated_at = excluded.updated_at
 RETURNING updated_at
 
 -- name: set_queue_limits
@@ -39,7 +49,7 @@ RETURNING updated_at
 
 -- name: list_queues
 -- Every queue with settings, with its live leases and due backlog.
-SELECT g.queue, g.paused, g.max_leased, g.max_leased_per_tenant, g.rate_burst, g.rate_interval_ms, g.tokens,
+SELECT g.queue, g.paused, g.publish_events, g.max_leased, g.max_leased_per_tenant, g.rate_burst, g.rate_interval_ms, g.tokens,
        g.updated_at,
        (SELECT count(*) FROM jobs j
         WHERE j.queue = g.queue AND j.state = 'leased' AND j.lease_expires_at > {now $1}) AS leased

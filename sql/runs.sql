@@ -49,8 +49,16 @@ WHERE tenant = $1 AND run_id = $2
 ORDER BY seq
 
 -- name: insert_event
+-- Writes event $3 of run ($1, $2). Returns whether the event goes to Kafka:
+-- true unless the run's job is in a queue whose ferry_queues row has
+-- publish_events off, as the row stands at this write (the caller then
+-- writes no outbox row). The job row must exist (acceptance writes it
+-- before the run_queued event).
 INSERT INTO run_events (tenant, run_id, seq, kind, body, created_at)
 VALUES ($1, $2, $3, $4, $5, $6)
+RETURNING NOT EXISTS (
+    SELECT 1 FROM jobs j JOIN ferry_queues g ON g.queue = j.queue
+    WHERE j.tenant = $1 AND j.run_id = $2 AND NOT g.publish_events) AS publish
 
 -- name: next_event_seq
 -- Allocates the next event seq under the run's row lock (non-terminal events).
@@ -127,7 +135,8 @@ LEFT JOIN runs r ON r.tenant = k.tenant AND r.run_id = k.run_id
 -- for each input row the run (insert_run), its run_queued event at seq 1
 -- (insert_event, the body built as queued_body builds it), its job
 -- (insert_job, available at $21) and the event's outbox row (insert_outbox,
--- no key lock: nobody else can write a brand-new run's events). $15 is the
+-- no key lock: nobody else can write a brand-new run's events), unless the
+-- run's queue has publish_events off (as insert_event decides). $15 is the
 -- claim's instant; the outbox key, payload, effect key and lane come from the
 -- code that builds the single acceptance's row, so both write the same bytes.
 -- Outbox rows go in input order, so outbox ids follow it. Foreign keys are checked
@@ -167,7 +176,9 @@ WITH input AS (
 )
 INSERT INTO outbox (tenant, topic, key, lane, payload, headers, effect_key, traceparent, created_at)
 SELECT tenant, $16::text, key, lane, payload, $17::jsonb, effect_key, traceparent, $15::bigint
-FROM input ORDER BY ord
+FROM input
+WHERE NOT EXISTS (SELECT 1 FROM ferry_queues g WHERE g.queue = input.queue AND NOT g.publish_events)
+ORDER BY ord
 
 -- Run listing (list_runs): newest first, keyset on (created_at, run_id)
 -- strictly below ($2, $3) and created_at >= $4, so every page is an index

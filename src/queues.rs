@@ -1,7 +1,9 @@
-//! Queue settings the claim enforces (`ferry_queues`): pausing, a global
-//! concurrency limit, a per-tenant concurrency limit (fair share) and a
-//! token-bucket rate limit. Each change is an operator action, written with
-//! its `ferry_audit` row (actor, reason) in one transaction.
+//! Queue settings (`ferry_queues`): those the claim enforces (pausing, a
+//! global concurrency limit, a per-tenant concurrency limit (fair share) and
+//! a token-bucket rate limit), and whether the queue's run events go to
+//! Kafka (`publish_events`, read where each event is written). Each change
+//! is an operator action, written with its `ferry_audit` row (actor,
+//! reason) in one transaction.
 //!
 //! The claim reads the settings itself, so they hold across processes with
 //! no coordinator: an open, unlimited queue (no row, or a row without
@@ -88,6 +90,9 @@ pub struct QueueInfo {
     pub queue: String,
     /// Paused queues' jobs are not claimed.
     pub paused: bool,
+    /// Whether its runs' events get outbox rows (and so reach Kafka); see
+    /// [`Operator::set_queue_publish_events`].
+    pub publish_events: bool,
     /// Its limits.
     pub limits: QueueLimits,
     /// Tokens in the bucket at its last claim or change (rate-limited queues).
@@ -102,6 +107,7 @@ pub struct QueueInfo {
 struct QueueRow {
     queue: String,
     paused: bool,
+    publish_events: bool,
     max_leased: Option<i32>,
     max_leased_per_tenant: Option<i32>,
     rate_burst: Option<i32>,
@@ -124,6 +130,7 @@ impl QueueRow {
         Ok(QueueInfo {
             queue: self.queue,
             paused: self.paused,
+            publish_events: self.publish_events,
             limits: QueueLimits {
                 max_leased: count(self.max_leased),
                 max_leased_per_tenant: count(self.max_leased_per_tenant),
@@ -181,6 +188,49 @@ impl Operator<'_> {
         tx.finish(r).await
     }
 
+    /// Sets whether `queue`'s runs publish their run events to Kafka (the
+    /// default, `true`). With `false`, every later event of a run of the
+    /// queue (acceptance, completion, failure, cancellation, expiry, a
+    /// service's own `append_event`) is still written to `run_events` but
+    /// gets no outbox row: consumers see no record of it, a run's lineage
+    /// shows no outbox row for it, and the relay's backlog never counts it.
+    /// The setting is read at each event's write, so a run accepted while
+    /// it was on and finished after it was turned off published its
+    /// `run_queued` event and not its terminal one. Audited as
+    /// `queue.publish_events`, the reason followed by the new value; an
+    /// invalid queue name, actor or reason is `invalid_input` and writes
+    /// nothing.
+    pub async fn set_queue_publish_events(&self, queue: &str, publish: bool, actor: &str, reason: &str) -> Result<()> {
+        let mut tx = self.begin().await?;
+        let r = self
+            .set_queue_publish_events_in(tx.conn(), queue, publish, actor, reason)
+            .await;
+        tx.finish(r).await
+    }
+
+    /// [`Operator::set_queue_publish_events`] inside the caller's transaction.
+    pub async fn set_queue_publish_events_in<'c>(
+        &self,
+        conn: impl Into<Conn<'c>>,
+        queue: &str,
+        publish: bool,
+        actor: &str,
+        reason: &str,
+    ) -> Result<()> {
+        let mut conn: Conn<'c> = conn.into();
+        self.check_operator_input(queue, actor, reason)?;
+        on_conn!(conn.reborrow(), |c, q| {
+            sqlx::query(q.set_queue_publish_events)
+                .bind(queue)
+                .bind(publish)
+                .bind(self.now())
+                .execute(&mut *c)
+                .await?;
+        });
+        let reason = format!("{reason} (publish_events={publish})");
+        self.audit_in(conn, actor, "queue.publish_events", queue, &reason).await
+    }
+
     /// Replaces `queue`'s limits (all three at once; `QueueLimits::default()`
     /// lifts them). A queue getting a rate starts with a full token bucket;
     /// an unchanged rate keeps the bucket as it is, and a changed one keeps
@@ -230,8 +280,8 @@ impl Operator<'_> {
         self.audit_in(conn, actor, "queue.limits", queue, &reason).await
     }
 
-    /// Every queue with settings (paused or limited, now or before), with
-    /// its live leases, by name.
+    /// Every queue with settings (paused, limited or not publishing its
+    /// events, now or before), with its live leases, by name.
     pub async fn list_queues(&self) -> Result<Vec<QueueInfo>> {
         let rows: Vec<QueueRow> = on_pool!(self.db(), |p, q| {
             sqlx::query_as(q.list_queues).bind(self.now()).fetch_all(p).await?

@@ -1,4 +1,5 @@
-//! `ferry queue pause|resume|limits` change what the claim does and audit
+//! `ferry queue pause|resume|limits` change what the claim does, and `ferry
+//! queue events` whether a queue's run events reach the outbox; each audits
 //! the actor and reason, on both engines.
 
 use std::time::Duration;
@@ -120,4 +121,42 @@ async fn queue_commands_change_the_claim_and_are_audited(kind: Kind) {
     assert_eq!(t.scalar("SELECT count(*) FROM ferry_audit").await, 3);
 }
 
-on_both_engines!(queue_commands_change_the_claim_and_are_audited);
+async fn queue_events_turns_a_queues_outbox_rows_off_and_on(kind: Kind) {
+    let t = TestDb::with_clock(kind, manual_clock()).await;
+    let events = |publish: &'static str| {
+        [
+            "queue",
+            "events",
+            "--queue",
+            "thumbs",
+            "--publish",
+            publish,
+            "--actor",
+            "carol",
+            "--reason",
+            "internal",
+        ]
+    };
+    ferry_cmd(&t, &events("false")).await;
+    ferry_cmd(&t, &["queue", "list"]).await;
+    let listed = t.ferry.operator().list_queues().await.unwrap();
+    assert_eq!((listed[0].queue.as_str(), listed[0].publish_events), ("thumbs", false));
+    let run = |key: &str| NewRun::new("acme", "work", key, json!({})).queue("thumbs");
+    t.ferry.create_run_idempotent(run("k1")).await.unwrap();
+    assert_eq!(t.scalar("SELECT count(*) FROM outbox").await, 0);
+    ferry_cmd(&t, &events("true")).await;
+    t.ferry.create_run_idempotent(run("k2")).await.unwrap();
+    assert_eq!(t.scalar("SELECT count(*) FROM outbox").await, 1);
+    assert_eq!(
+        t.scalar("SELECT count(*) FROM ferry_audit WHERE action = 'queue.publish_events' AND actor = 'carol'")
+            .await,
+        2
+    );
+    // The value is required.
+    assert!(Cli::try_parse_from(["ferry", "queue", "events", "--queue", "thumbs", "--reason", "x"]).is_err());
+}
+
+on_both_engines!(
+    queue_commands_change_the_claim_and_are_audited,
+    queue_events_turns_a_queues_outbox_rows_off_and_on,
+);

@@ -321,6 +321,18 @@ async fn each_role_is_refused_outside_its_grant() {
         "database"
     );
     refused(&service, "UPDATE ferry_queues SET paused = false").await;
+    // The operator keeps a queue's run events out of Kafka; the service's
+    // acceptance reads that setting, and cannot change it.
+    operator
+        .operator()
+        .set_queue_publish_events("quiet", false, "alice", "test")
+        .await
+        .unwrap();
+    service
+        .create_run_idempotent(NewRun::new("acme", "charge", "k5", json!({"a": 5})).queue("quiet"))
+        .await
+        .unwrap();
+    refused(&service, "UPDATE ferry_queues SET publish_events = true").await;
     // ...and nothing else: no deletes, no publishing marks, no lanes or ledgers.
     refused(&operator, "DELETE FROM outbox").await;
     refused(&operator, "UPDATE outbox SET delivered_at = 0").await;

@@ -209,17 +209,6 @@ impl Ferry {
                 _ => e.into(),
             });
         }
-        let body = queued_body(&run, scheduled_at);
-        let event = Event {
-            tenant: &run.tenant,
-            run_id,
-            seq: 1,
-            kind: "run_queued",
-            body: &body,
-            at: now,
-            traceparent: run.traceparent.clone().or_else(crate::telemetry::current_traceparent),
-        };
-        write_event(self, conn.reborrow(), event).await?;
         on_conn!(conn.reborrow(), |c, q| {
             sqlx::query(q.insert_job)
                 .bind(&run.tenant)
@@ -234,6 +223,18 @@ impl Ferry {
                 .execute(&mut *c)
                 .await?;
         });
+        // After the job: the event's outbox row follows the job's queue.
+        let body = queued_body(&run, scheduled_at);
+        let event = Event {
+            tenant: &run.tenant,
+            run_id,
+            seq: 1,
+            kind: "run_queued",
+            body: &body,
+            at: now,
+            traceparent: run.traceparent.clone().or_else(crate::telemetry::current_traceparent),
+        };
+        write_event(self, conn.reborrow(), event).await?;
         if wake {
             self.inner.notifier.wake(conn, &run.queue).await?;
         }

@@ -1,5 +1,6 @@
 //! Reading runs and appending events: every event is written with the
-//! outbox row that carries it, in the caller's transaction.
+//! outbox row that carries it, in the caller's transaction (no outbox row
+//! when the run's queue has `publish_events` off, see `Operator::set_queue_publish_events`).
 
 use serde_json::Value;
 use sqlx::types::Json;
@@ -187,8 +188,10 @@ pub(crate) struct Event<'a, B = Value> {
     pub(crate) traceparent: Option<String>,
 }
 
-/// Writes event `seq` of a run and the outbox row that carries it. The
-/// effect key `tenant/run_id/seq` lets consumers dedupe re-published events.
+/// Writes event `seq` of a run and the outbox row that carries it, unless
+/// the run's queue has `publish_events` off as this write finds it (the
+/// run's job must exist). The effect key `tenant/run_id/seq` lets consumers
+/// dedupe re-published events.
 pub(crate) async fn write_event<B: serde::Serialize + Sync>(
     ferry: &Ferry,
     mut conn: Conn<'_>,
@@ -203,26 +206,27 @@ pub(crate) async fn write_event<B: serde::Serialize + Sync>(
         at: now,
         traceparent,
     } = event;
-    let inserted = on_conn!(conn.reborrow(), |c, q| {
-        sqlx::query(q.insert_event)
+    let inserted: std::result::Result<bool, sqlx::Error> = on_conn!(conn.reborrow(), |c, q| {
+        sqlx::query_scalar(q.insert_event)
             .bind(tenant)
             .bind(run_id)
             .bind(seq)
             .bind(kind)
             .bind(Json(body))
             .bind(now)
-            .execute(&mut *c)
+            .fetch_one(&mut *c)
             .await
-            .map(|_| ())
     });
-    if let Err(e) = inserted {
-        return Err(match violated_constraint(&e).as_deref() {
-            Some("run_events_one_terminal_idx") => Error::RunTerminal {
-                run_id,
-                state: "terminal".into(),
-            },
-            _ => e.into(),
-        });
+    let publish = inserted.map_err(|e| match violated_constraint(&e).as_deref() {
+        Some("run_events_one_terminal_idx") => Error::RunTerminal {
+            run_id,
+            state: "terminal".into(),
+        },
+        _ => e.into(),
+    })?;
+    if !publish {
+        // The run's queue has publish_events off: the event is history only.
+        return Ok(());
     }
     let msg = run_event_message(ferry, tenant, run_id, seq, kind, body, now, traceparent)?;
     // No key lock: every writer of a run's events holds the run's row.

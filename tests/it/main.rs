@@ -14,6 +14,7 @@ mod jobs;
 mod outage;
 mod outbox;
 mod pg;
+mod queue_events;
 mod queues;
 mod scheduled;
 mod schedules;

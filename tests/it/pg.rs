@@ -704,3 +704,39 @@ async fn a_limited_claim_outside_a_transaction_is_refused() {
     tx.commit().await.unwrap();
     assert_eq!(got.len(), 3);
 }
+
+/// Closing an attempt writes finished_at and the outcome, neither indexed,
+/// on a page with room (job_attempts' fillfactor): a HOT update, with no new
+/// index entry. Counted in the completion's own transaction
+/// (`pg_stat_get_xact_*`), so no statistics flush is waited for.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn closing_an_attempt_is_a_hot_update() {
+    let t = TestDb::with_clock(Kind::Postgres, crate::support::manual_clock()).await;
+    let runs = (0..200)
+        .map(|i| NewRun::new("acme", "work", format!("k-{i}"), json!({})).queue("q"))
+        .collect();
+    for r in t.ferry.create_runs_idempotent(runs).await.unwrap() {
+        r.unwrap();
+    }
+    let lease = Duration::from_secs(30);
+    let held = t.ferry.jobs().claim("q", "w", lease, 200).await.unwrap();
+    assert_eq!(held.len(), 200);
+    let items: Vec<_> = held.iter().map(|c| (c.lease.clone(), json!({}))).collect();
+    let mut tx = t.ferry.db().as_postgres().unwrap().begin().await.unwrap();
+    let (done, _) = t
+        .ferry
+        .jobs()
+        .complete_and_claim_in(&mut *tx, &items, "q", "w", lease, 1)
+        .await
+        .unwrap();
+    assert!(done.iter().all(Result::is_ok));
+    let (updated, hot): (i64, i64) = sqlx::query_as(
+        "SELECT pg_stat_get_xact_tuples_updated('job_attempts'::regclass),
+                pg_stat_get_xact_tuples_hot_updated('job_attempts'::regclass)",
+    )
+    .fetch_one(&mut *tx)
+    .await
+    .unwrap();
+    tx.commit().await.unwrap();
+    assert_eq!((updated, hot), (200, 200), "every attempt closed by a HOT update");
+}

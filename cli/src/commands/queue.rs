@@ -1,5 +1,5 @@
-//! `ferry queue list|pause|resume|limits`: queue settings, each change
-//! audited.
+//! `ferry queue list|pause|resume|limits|events`: queue settings, each
+//! change audited.
 
 use ferry::Ferry;
 
@@ -20,7 +20,8 @@ pub struct Audited {
 /// `queue` subcommands.
 #[derive(Debug, clap::Subcommand)]
 pub enum QueueCommand {
-    /// List the queues with settings: paused, limits, tokens, live leases.
+    /// List the queues with settings: paused, limits, tokens, live leases,
+    /// and whether their run events are published.
     List {
         /// Database.
         #[command(flatten)]
@@ -74,6 +75,23 @@ pub enum QueueCommand {
         #[command(flatten)]
         audited: Audited,
     },
+    /// Say whether a queue's run events go to Kafka (the default): with
+    /// `--publish false` its runs' events are kept in the run history but
+    /// get no outbox row, so no consumer sees them.
+    Events {
+        /// Database.
+        #[command(flatten)]
+        db: DbArgs,
+        /// The queue.
+        #[arg(long)]
+        queue: String,
+        /// `true` to publish the queue's run events, `false` to keep them out of Kafka.
+        #[arg(long, action = clap::ArgAction::Set)]
+        publish: bool,
+        /// Actor and reason.
+        #[command(flatten)]
+        audited: Audited,
+    },
 }
 
 /// Runs a `queue` subcommand.
@@ -83,12 +101,13 @@ pub(super) async fn run(command: QueueCommand) -> Result<(), CliError> {
             let ferry = Ferry::builder(&db.database_url).connect().await?;
             for q in ferry.operator().list_queues().await? {
                 println!(
-                    "{:<20} {:<7} leased {:<5} {}{}",
+                    "{:<20} {:<7} leased {:<5} {}{}{}",
                     q.queue,
                     if q.paused { "paused" } else { "running" },
                     q.leased,
                     q.limits.describe(),
-                    q.limits.rate.map_or(String::new(), |_| format!(" tokens={}", q.tokens))
+                    q.limits.rate.map_or(String::new(), |_| format!(" tokens={}", q.tokens)),
+                    if q.publish_events { "" } else { " events=unpublished" }
                 );
             }
         }
@@ -130,6 +149,19 @@ pub(super) async fn run(command: QueueCommand) -> Result<(), CliError> {
                 .set_queue_limits(&queue, limits, &audited.actor, &audited.reason)
                 .await?;
             println!("{queue}: {}", limits.describe());
+        }
+        QueueCommand::Events {
+            db,
+            queue,
+            publish,
+            audited,
+        } => {
+            let ferry = Ferry::builder(&db.database_url).connect().await?;
+            ferry
+                .operator()
+                .set_queue_publish_events(&queue, publish, &audited.actor, &audited.reason)
+                .await?;
+            println!("{queue}: publish_events={publish}");
         }
     }
     Ok(())

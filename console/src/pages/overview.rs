@@ -65,6 +65,11 @@ pub(crate) async fn page(
         state.store.now(),
     )?;
     let paused: BTreeSet<&str> = queues.iter().filter(|q| q.paused).map(|q| q.queue.as_str()).collect();
+    let unpublished: BTreeSet<&str> = queues
+        .iter()
+        .filter(|q| !q.publish_events)
+        .map(|q| q.queue.as_str())
+        .collect();
     let now = now.get();
     let backlog: BTreeMap<i32, (i64, i64)> = lanes.iter().map(|l| (l.lane, (l.pending, l.oldest.get()))).collect();
     let pending: i64 = lanes.iter().map(|l| l.pending).sum();
@@ -112,7 +117,8 @@ pub(crate) async fn page(
                 tbody {
                     @for (queue, counts) in &by_queue {
                         tr {
-                            th { (queue) @if paused.contains(queue) { " " span.warn id=(format!("paused-{queue}")) { "(paused)" } } }
+                            th { (queue) @if paused.contains(queue) { " " span.warn id=(format!("paused-{queue}")) { "(paused)" } }
+                                @if unpublished.contains(queue) { " " span id=(format!("unpublished-{queue}")) { "(events not published)" } } }
                             @for s in STATES {
                                 td.num id=(format!("jobs-{queue}-{s}")) { (counts.get(s).copied().unwrap_or(0)) }
                             }

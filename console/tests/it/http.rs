@@ -459,6 +459,15 @@ async fn the_overview_figures_match_the_database(engine: Engine) {
     assert_eq!(s.pending, pending + 1, "the late run's event is pending too");
     let r = a.get(ROOT, "/").await;
     assert!(r.body.contains("<svg id=\"plot\""));
+    // A queue whose run events stay out of Kafka says so.
+    a.db.ferry
+        .operator()
+        .set_queue_publish_events("payments", false, "alice", "internal")
+        .await
+        .unwrap();
+    let r = a.get(ROOT, "/").await;
+    assert_eq!(r.text_of("unpublished-payments"), "(events not published)");
+    assert!(!r.body.contains("unpublished-default"));
 }
 
 /// The lane table's row for `owner` (or for the unowned lanes): from its
