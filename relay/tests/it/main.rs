@@ -3,6 +3,7 @@
 mod capture;
 mod effect_keys;
 mod exactly_once;
+mod job_gauges;
 mod lanes;
 mod outage;
 mod poison;
