@@ -573,7 +573,9 @@ impl Otel {
         }
         type PickJob = fn(&ferry::QueueGauges) -> f64;
         let job_picks: [(&'static str, PickJob); 3] = [
-            ("ferry_jobs_oldest_due_age_seconds", |q| q.oldest_due_age_ms as f64 / 1000.0),
+            ("ferry_jobs_oldest_due_age_seconds", |q| {
+                q.oldest_due_age_ms as f64 / 1000.0
+            }),
             ("ferry_jobs_expired_leases", |q| q.expired_leases as f64),
             ("ferry_jobs_dead", |q| q.dead as f64),
         ];

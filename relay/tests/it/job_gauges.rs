@@ -71,10 +71,18 @@ async fn the_job_gauges_show_the_oldest_due_job_expired_leases_and_dead_jobs(eng
     let state = relay.state();
     state.refresh_gauges().await;
     let m = state.metrics.render();
-    assert_eq!(gauge(&m, "ferry_jobs_oldest_due_age_seconds", "mail"), Some(150.0), "{m}");
+    assert_eq!(
+        gauge(&m, "ferry_jobs_oldest_due_age_seconds", "mail"),
+        Some(150.0),
+        "{m}"
+    );
     assert_eq!(gauge(&m, "ferry_jobs_expired_leases", "mail"), Some(1.0), "{m}");
     assert_eq!(gauge(&m, "ferry_jobs_dead", "mail"), Some(0.0), "{m}");
-    assert_eq!(gauge(&m, "ferry_jobs_oldest_due_age_seconds", "billing"), Some(0.0), "{m}");
+    assert_eq!(
+        gauge(&m, "ferry_jobs_oldest_due_age_seconds", "billing"),
+        Some(0.0),
+        "{m}"
+    );
     assert_eq!(gauge(&m, "ferry_jobs_expired_leases", "billing"), Some(0.0), "{m}");
     assert_eq!(gauge(&m, "ferry_jobs_dead", "billing"), Some(1.0), "{m}");
 
