@@ -448,3 +448,56 @@ FROM jobs j
 WHERE j.tenant = $1 AND ($2{pg:::text} IS NULL OR j.state = $2)
 ORDER BY j.updated_at DESC
 LIMIT $3
+
+-- name: queue_gauges
+-- Per queue with a queued or leased job, at {now $1}: the `available_at` of
+-- its oldest due queued job (NULL when none is due) and how many leases
+-- expired without being reclaimed (still under the attempt budget, like
+-- doctor's unreclaimed_leases). The relay exports them every few seconds, so
+-- every step is an index range, never the backlog: the queues come from
+-- jobs_claim_idx by a loose index scan (one probe per queue); the oldest due
+-- job is found in claim_key order, where a queued job sorts at most its
+-- priority lead before its available_at: the head (the first due queued job
+-- by claim_key) has some available_at H >= the minimum, and every job whose
+-- available_at is the minimum has claim_key <= H, so the minimum lies among
+-- the jobs with claim_key <= H (the head's own instant with no priorities,
+-- at most the largest lead's window with them); expired leases are counted
+-- on jobs_leased_idx, which holds only leased jobs (as many as workers
+-- hold, plus the expired ones). `state <> 'leased'` (not `= 'queued'`, the
+-- same inside jobs_claim_idx) keeps the planner off jobs_tenant_queued_idx,
+-- which it would AND in by reading every queued job's entry.
+WITH RECURSIVE queues(queue) AS (
+    SELECT min(queue) FROM jobs WHERE state IN ('queued', 'leased')
+    UNION ALL
+    SELECT (SELECT min(n.queue) FROM jobs n WHERE n.state IN ('queued', 'leased') AND n.queue > queues.queue)
+    FROM queues WHERE queues.queue IS NOT NULL
+),
+heads AS (
+    SELECT q.queue,
+           (SELECT h.claim_key FROM jobs h
+            WHERE h.queue = q.queue AND h.state IN ('queued', 'leased') AND h.state <> 'leased'
+              AND h.claim_key <= {now $1} AND h.available_at <= {now $1}
+            ORDER BY h.claim_key LIMIT 1) AS head_key,
+           (SELECT h.available_at FROM jobs h
+            WHERE h.queue = q.queue AND h.state IN ('queued', 'leased') AND h.state <> 'leased'
+              AND h.claim_key <= {now $1} AND h.available_at <= {now $1}
+            ORDER BY h.claim_key LIMIT 1) AS head_at
+    FROM queues q WHERE q.queue IS NOT NULL
+)
+SELECT g.queue,
+       (SELECT min(j.available_at) FROM jobs j
+        WHERE j.queue = g.queue AND j.state IN ('queued', 'leased') AND j.state <> 'leased'
+          AND j.available_at <= {now $1}
+          AND j.claim_key BETWEEN g.head_key AND g.head_at) AS oldest_due,
+       (SELECT count(*) FROM jobs l
+        WHERE l.queue = g.queue AND l.state = 'leased'
+          AND l.lease_expires_at <= {now $1} AND l.attempts < l.max_attempts) AS expired_leases,
+       {now $1} AS now
+FROM heads g
+ORDER BY g.queue
+
+-- name: dead_by_queue
+-- Dead jobs per queue (queues with none are absent): a bitmap scan of the
+-- partial jobs_dead_idx, so it costs what the dead jobs number, never the
+-- finished ones.
+SELECT queue, count(*) AS dead FROM jobs WHERE state = 'dead' GROUP BY queue ORDER BY queue

@@ -53,7 +53,9 @@ pub use effects::{EffectRecord, EffectState, Reservation, Resolution};
 pub use engine::Engine;
 pub use error::{Error, Result};
 pub use fingerprint::{fingerprint, redact, Fingerprint, FINGERPRINT_VERSION};
-pub use jobs::{AttemptOutcome, Claimed, DeadJob, ErrorClass, JobAttempt, JobError, JobState, Jobs, Lease};
+pub use jobs::{
+    AttemptOutcome, Claimed, DeadJob, ErrorClass, JobAttempt, JobError, JobState, Jobs, Lease, QueueGauges,
+};
 pub use limits::Limits;
 pub use notify::CHANNEL as NOTIFY_CHANNEL;
 pub use operator::Operator;

@@ -144,6 +144,8 @@ async fn doctor_finds_seeded_faults(kind: Kind) {
     assert_eq!(items(&f, "stale_completions").len(), 2);
     assert_eq!(items(&f, "unreclaimed_leases").len(), 1);
     assert!(items(&f, "unreclaimed_leases")[0].contains("gone-1"));
+    let unreclaimed = f.iter().find(|x| x.check == "unreclaimed_leases").unwrap();
+    assert_eq!(unreclaimed.runbook, Some("docs/runbook.md#job-leases-unreclaimed"));
     assert_eq!(items(&f, "exhausted_unterminated").len(), 1);
     assert!(items(&f, "exhausted_unterminated")[0].contains("mail"));
     assert!(f.iter().all(|x| !x.action.is_empty()));

@@ -123,11 +123,15 @@ async fn each_role_is_refused_outside_its_grant() {
     assert!(relay.pending_after(0, i64::MAX, 10).await.unwrap().is_empty());
     assert!(relay.wal_mark_delivered(&[-1], false).await.unwrap().is_empty());
     assert!(relay.wal_states(&[-1]).await.unwrap().is_empty());
+    // It reads the job gauges' columns (the run above has ended: no queue
+    // reports)...
+    assert!(relay_db.operator().queue_gauges().await.unwrap().is_empty());
     // ...and nothing else.
     refused(&relay_db, "SELECT * FROM runs").await;
     refused(&relay_db, "INSERT INTO outbox (tenant, topic, key, lane, payload, headers, created_at) VALUES ('x', 't', 'k', 0, '', '{}', 0)").await;
     refused(&relay_db, "UPDATE outbox SET payload = 'x'").await;
     refused(&relay_db, "UPDATE jobs SET state = 'queued'").await;
+    refused(&relay_db, "SELECT tenant, run_id, last_error_code FROM jobs").await;
     refused(&relay_db, "SELECT * FROM consumer_ledger").await;
 
     // The service registers a schedule (audited) and, an hour later by its

@@ -76,8 +76,11 @@ GRANT USAGE ON SEQUENCE ferry_audit_id_seq TO ferry_service;
 GRANT SELECT ON ferry_queues TO ferry_service;
 GRANT UPDATE (tokens, refilled_at) ON ferry_queues TO ferry_service;
 
--- The relay reads and marks the outbox and its lanes, nothing else.
+-- The relay reads and marks the outbox and its lanes; of the jobs it reads
+-- only the columns of its job gauges (oldest due job, expired leases, dead
+-- jobs per queue), never a tenant, run or error.
 GRANT SELECT, DELETE ON outbox TO ferry_relay;
+GRANT SELECT (queue, state, available_at, claim_key, lease_expires_at, attempts, max_attempts) ON jobs TO ferry_relay;
 GRANT UPDATE (state, delivered_at, publish_attempts, last_error) ON outbox TO ferry_relay;
 GRANT SELECT, UPDATE ON relay_lanes TO ferry_relay;
 GRANT SELECT, INSERT, UPDATE, DELETE ON relay_instances TO ferry_relay;

@@ -1,6 +1,8 @@
 //! The relay's metrics as typed handles, exposed in Prometheus text format
 //! on `/metrics` and, under the same names, through OpenTelemetry (the global
 //! meter provider; a no-op unless `ferry::telemetry::init` installed one).
+//! Its own are `ferry_relay_*`; the job gauges it refreshes beside its table
+//! gauges, since a relay runs beside every service, are `ferry_jobs_*`.
 
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
@@ -32,6 +34,13 @@ pub struct SlotStatusLabel {
     /// PostgreSQL's `wal_status` (`reserved`, `extended`, `unreserved`,
     /// `lost`), or `dropped` when the slot no longer exists.
     pub wal_status: String,
+}
+
+/// Label of a job gauge.
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct QueueLabel {
+    /// The job queue.
+    pub queue: String,
 }
 
 /// Every relay metric.
@@ -70,6 +79,9 @@ pub struct Metrics {
     /// The WAL capture slots of this schema, from `pg_replication_slots`
     /// (set at scrape and every few seconds): see [`WalSlotGauges`].
     pub wal_slots: WalSlotGauges,
+    /// The job queues' signals (set at scrape and every few seconds): see
+    /// [`JobGauges`].
+    pub jobs: JobGauges,
     /// OpenTelemetry instruments mirroring the ones above.
     otel: Otel,
     /// The latest commit-to-ack samples (ms), for exact quantiles in the demo
@@ -127,6 +139,49 @@ impl WalSlotGauges {
                 .set(1);
         }
         *self.latest.lock().unwrap_or_else(|p| p.into_inner()) = slots.to_vec();
+    }
+}
+
+/// Per-queue job gauges, table-wide (every relay reports the same values):
+/// the signals of workers that fall behind or are gone, and of jobs that
+/// died, exported by the relay because no other Ferry process serves
+/// `/metrics` in every deployment.
+#[derive(Debug, Default)]
+pub struct JobGauges {
+    /// How long the queue's oldest due queued job has waited, in seconds.
+    pub oldest_due_age: Family<QueueLabel, Gauge<f64, AtomicU64>>,
+    /// Expired leases not reclaimed yet.
+    pub expired_leases: Family<QueueLabel, Gauge>,
+    /// Dead jobs.
+    pub dead: Family<QueueLabel, Gauge>,
+    /// The latest samples: the queues to drop when they go quiet, and what
+    /// the OpenTelemetry callbacks observe.
+    latest: std::sync::Arc<std::sync::Mutex<Vec<ferry::QueueGauges>>>,
+}
+
+impl JobGauges {
+    /// Sets every gauge from `queues` (what `Operator::queue_gauges` read)
+    /// and drops the queues no longer in it, series by series, so that a
+    /// scrape never sees a queue that still reports vanish for a moment.
+    pub fn set(&self, queues: &[ferry::QueueGauges]) {
+        let mut latest = self.latest.lock().unwrap_or_else(|p| p.into_inner());
+        for q in queues {
+            let l = QueueLabel { queue: q.queue.clone() };
+            self.oldest_due_age
+                .get_or_create(&l)
+                .set(q.oldest_due_age_ms as f64 / 1000.0);
+            self.expired_leases.get_or_create(&l).set(q.expired_leases);
+            self.dead.get_or_create(&l).set(q.dead);
+        }
+        for gone in latest.iter().filter(|old| queues.iter().all(|q| q.queue != old.queue)) {
+            let l = QueueLabel {
+                queue: gone.queue.clone(),
+            };
+            self.oldest_due_age.remove(&l);
+            self.expired_leases.remove(&l);
+            self.dead.remove(&l);
+        }
+        *latest = queues.to_vec();
     }
 }
 
@@ -282,9 +337,10 @@ impl Default for Metrics {
 }
 
 impl Metrics {
-    /// Registers everything under the `ferry_relay_` prefix.
+    /// Registers the relay's own metrics under the `ferry_relay_` prefix and
+    /// the job gauges under `ferry_jobs_`.
     pub fn new() -> Self {
-        let mut registry = Registry::with_prefix("ferry_relay");
+        let mut root = Registry::default();
         let m = Metrics {
             published: Counter::default(),
             publish_errors: Family::default(),
@@ -298,6 +354,7 @@ impl Metrics {
             takeover_waits: Counter::default(),
             producer_fatal: Counter::default(),
             wal_slots: WalSlotGauges::default(),
+            jobs: JobGauges::default(),
             publish_latency: Histogram::new([0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0]),
             registry: Registry::default(),
             latency_samples: std::sync::Mutex::new(Vec::new()),
@@ -305,6 +362,7 @@ impl Metrics {
             timings: Timings::default(),
             latency_next: AtomicU64::new(0),
         };
+        let registry = root.sub_registry_with_prefix("ferry_relay");
         registry.register(
             "published",
             "Rows published and acknowledged by the broker",
@@ -371,8 +429,24 @@ impl Metrics {
             "1 for the capture slot's wal_status (reserved, extended, unreserved, lost, dropped)",
             w.status.clone(),
         );
+        let jobs = root.sub_registry_with_prefix("ferry_jobs");
+        jobs.register(
+            "oldest_due_age_seconds",
+            "How long the queue's oldest due queued job has waited since its available_at",
+            m.jobs.oldest_due_age.clone(),
+        );
+        jobs.register(
+            "expired_leases",
+            "Leased jobs whose lease expired and that no claim has taken back yet",
+            m.jobs.expired_leases.clone(),
+        );
+        jobs.register("dead", "Dead jobs in the queue", m.jobs.dead.clone());
         let otel = Otel::new(&m);
-        Metrics { registry, otel, ..m }
+        Metrics {
+            registry: root,
+            otel,
+            ..m
+        }
     }
 
     /// Counts a classified publish error.
@@ -497,6 +571,27 @@ impl Otel {
                     .build(),
             ));
         }
+        type PickJob = fn(&ferry::QueueGauges) -> f64;
+        let job_picks: [(&'static str, PickJob); 3] = [
+            ("ferry_jobs_oldest_due_age_seconds", |q| {
+                q.oldest_due_age_ms as f64 / 1000.0
+            }),
+            ("ferry_jobs_expired_leases", |q| q.expired_leases as f64),
+            ("ferry_jobs_dead", |q| q.dead as f64),
+        ];
+        for (name, pick) in job_picks {
+            let latest = m.jobs.latest.clone();
+            observed.push(Box::new(
+                meter
+                    .f64_observable_gauge(name)
+                    .with_callback(move |o| {
+                        for q in latest.lock().unwrap_or_else(|p| p.into_inner()).iter() {
+                            o.observe(pick(q), &[opentelemetry::KeyValue::new("queue", q.queue.clone())]);
+                        }
+                    })
+                    .build(),
+            ));
+        }
         let latest = m.wal_slots.latest.clone();
         observed.push(Box::new(
             meter
@@ -594,6 +689,12 @@ mod tests {
             lag_ms: 0,
             wal_status: Some("reserved".into()),
             safe_wal_size: Some(1),
+        }]);
+        relay.jobs.set(&[ferry::QueueGauges {
+            queue: "default".into(),
+            oldest_due_age_ms: 0,
+            expired_leases: 0,
+            dead: 0,
         }]);
         let consumer = ferry_consumer::metrics::Metrics::new();
         consumer.set_lag("t", 0, 1);

@@ -31,8 +31,9 @@ struct LaneTask {
 
 impl RelayState {
     /// Refreshes the gauges that come from the database (backlog, oldest
-    /// pending age, dead rows, the WAL capture slots); done every [`GAUGES_EVERY`] off the lane
-    /// path, and at each scrape.
+    /// pending age, dead rows, the WAL capture slots, the job queues' oldest
+    /// due job, expired leases and dead jobs); done every [`GAUGES_EVERY`]
+    /// off the lane path, and at each scrape.
     pub async fn refresh_gauges(&self) {
         if let Ok(b) = self.store.ferry().operator().outbox_backlog().await {
             self.metrics.backlog.set(b.pending);
@@ -44,11 +45,15 @@ impl RelayState {
         if let Ok(slots) = self.store.ferry().operator().wal_slots().await {
             self.metrics.wal_slots.set(&slots);
         }
+        if let Ok(queues) = self.store.ferry().operator().queue_gauges().await {
+            self.metrics.jobs.set(&queues);
+        }
     }
 }
 
 /// How often the relay refreshes its table gauges (a count over the pending
-/// index and one over dead rows), whatever the lane tick.
+/// index and one over dead rows, index probes per job queue), whatever the
+/// lane tick.
 pub const GAUGES_EVERY: Duration = Duration::from_secs(5);
 
 /// A configured relay, not yet running: [`Relay::state`] gives tests and the

@@ -1,5 +1,6 @@
 //! Operator queries and actions on jobs: dead jobs with their history,
-//! attempts, depth, replaying a dead run, listing.
+//! attempts, depth, the per-queue gauges the relay exports, replaying a
+//! dead run, listing.
 
 use serde_json::json;
 use uuid::Uuid;
@@ -49,6 +50,58 @@ impl Operator<'_> {
                 .fetch_all(p)
                 .await?
         }))
+    }
+}
+
+/// One queue's job signals, as the relay exports them
+/// (`ferry_jobs_*{queue}`) for the job alerts: each is read on an index
+/// range, never by walking the backlog (see `queue_gauges` in
+/// `sql/jobs.sql`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct QueueGauges {
+    /// The queue.
+    pub queue: String,
+    /// How long its oldest due queued job has waited since its
+    /// `available_at`, in ms (0 when none is due): workers that fall behind
+    /// or serve no more this queue show here first.
+    pub oldest_due_age_ms: i64,
+    /// Leases that expired and were not reclaimed yet (under the attempt
+    /// budget: the next claim in the queue takes them); more than zero for
+    /// long means nobody claims in this queue.
+    pub expired_leases: i64,
+    /// Dead jobs (attempts spent or a terminal error), waiting for an
+    /// operator's replay or cancel.
+    pub dead: i64,
+}
+
+impl Operator<'_> {
+    /// Every queue's [`QueueGauges`], by queue name: the queues with a
+    /// queued, leased or dead job (a queue with none of them has nothing to
+    /// report, whether or not it has a `ferry_queues` row).
+    pub async fn queue_gauges(&self) -> Result<Vec<QueueGauges>> {
+        let now = self.now();
+        let live: Vec<(String, Option<i64>, i64, i64)> = on_pool!(self.db(), |p, q| {
+            sqlx::query_as(q.queue_gauges).bind(now).fetch_all(p).await?
+        });
+        let dead: Vec<(String, i64)> = on_pool!(self.db(), |p, q| {
+            sqlx::query_as(q.dead_by_queue).fetch_all(p).await?
+        });
+        let mut out: std::collections::BTreeMap<String, QueueGauges> = std::collections::BTreeMap::new();
+        let blank = |queue: &str| QueueGauges {
+            queue: queue.to_owned(),
+            oldest_due_age_ms: 0,
+            expired_leases: 0,
+            dead: 0,
+        };
+        for (queue, oldest_due, expired_leases, now) in live {
+            let g = out.entry(queue.clone()).or_insert_with(|| blank(&queue));
+            g.oldest_due_age_ms = oldest_due.map_or(0, |at| (now - at).max(0));
+            g.expired_leases = expired_leases;
+        }
+        for (queue, dead) in dead {
+            out.entry(queue.clone()).or_insert_with(|| blank(&queue)).dead = dead;
+        }
+        Ok(out.into_values().collect())
     }
 }
 

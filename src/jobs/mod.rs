@@ -19,6 +19,8 @@ mod claim;
 mod lease;
 mod terminal;
 
+pub use admin::QueueGauges;
+
 use std::time::Duration;
 
 use rand::RngCore;

@@ -1,6 +1,7 @@
 //! Investigations an operator runs when something looks wrong, as queries:
 //! duplicate paid generations, two workers completing one run, jobs leased
-//! forever (here), and the relay's side ([`relay()`]: dead outbox rows, an old
+//! forever (here; `unreclaimed_leases` is watched by the
+//! `FerryJobLeasesUnreclaimed` alert), and the relay's side ([`relay()`]: dead outbox rows, an old
 //! backlog, no live relay, unowned lanes, WAL capture slots that are
 //! inactive, lag or were invalidated). Each finding comes with a suggested
 //! action and, where an alert watches the same fault, the runbook section
@@ -145,12 +146,15 @@ pub async fn run(ferry: &Ferry, stuck_after: Duration, limit: u32) -> Result<Vec
                 .fetch_all(p)
                 .await?
         });
-        out.push(finding(
-            "unreclaimed_leases",
-            Severity::Warning,
-            stuck,
-            "expired leases nobody reclaims: start workers for these queues, or check that they can reach the database",
-        ));
+        out.push(Finding {
+            runbook: Some("docs/runbook.md#job-leases-unreclaimed"),
+            ..finding(
+                "unreclaimed_leases",
+                Severity::Warning,
+                stuck,
+                "expired leases nobody reclaims: start workers for these queues, or check that they can reach the database",
+            )
+        });
         let exhausted: Vec<(String, String)> = on_pool!(ferry.db(), QUERIES, |p, q| {
             sqlx::query_as(q.doctor_exhausted_unterminated)
                 .bind(now)

@@ -4,6 +4,7 @@ mod alerts;
 mod capture;
 mod effect_keys;
 mod exactly_once;
+mod job_gauges;
 mod lanes;
 mod outage;
 mod poison;
