@@ -1,0 +1,140 @@
+//! Plain counters of where the relay's time goes, read by the benchmarks
+//! (not exported on `/metrics`).
+
+use std::sync::atomic::{AtomicU64, Ordering};
+
+/// Plain counters of where the lanes' time goes, summed over lanes (so with
+/// many lanes in parallel they add up to more than wall time). Not exported
+/// on `/metrics`; read by the benchmarks.
+#[derive(Debug, Default)]
+pub struct Timings {
+    /// Reads of a lane's pending rows, and their total time (ns).
+    pub reads: AtomicU64,
+    /// Time spent reading pending rows (ns), on the lane's path only (a read
+    /// overlapped with a batch in flight is not counted here).
+    pub read_ns: AtomicU64,
+    /// Rows returned by those reads.
+    pub rows_read: AtomicU64,
+    /// Reads that waited on nothing: the next batch was already read while the
+    /// previous one was in flight.
+    pub prefetched: AtomicU64,
+    /// Full reads from the lane's lowest pending row (not a read-ahead).
+    pub full_reads: AtomicU64,
+    /// Batches and the time from the first produce to the last mark (ns),
+    /// marks included.
+    pub batches: AtomicU64,
+    /// Batch time (ns).
+    pub batch_ns: AtomicU64,
+    /// Mark statements (delivered or deleted) and their time (ns).
+    pub marks: AtomicU64,
+    /// Mark time (ns).
+    pub mark_ns: AtomicU64,
+    /// Idle waits (nothing pending) and their time (ns).
+    pub idles: AtomicU64,
+    /// Idle time (ns).
+    pub idle_ns: AtomicU64,
+    /// WAL capture: replication events received, and the time the session
+    /// waited for them with nothing else to do (ns).
+    pub wal_events: AtomicU64,
+    /// See [`Self::wal_events`].
+    pub wal_wait_ns: AtomicU64,
+    /// WAL capture: hand-overs to the marker that found no room (too many
+    /// rows not yet marked), and the time the stream waited for room (ns).
+    pub wal_hand_waits: AtomicU64,
+    /// See [`Self::wal_hand_waits`].
+    pub wal_hand_wait_ns: AtomicU64,
+    /// WAL capture: records acknowledged by the broker (marking follows).
+    pub wal_acked: AtomicU64,
+    /// WAL capture: produce calls that found the producer's queue full.
+    pub wal_queue_full: AtomicU64,
+    /// WAL capture: mark statements run again for rows not yet visible.
+    pub mark_retries: AtomicU64,
+}
+
+impl Timings {
+    /// Adds `d` to `ns` and one to `count`.
+    pub fn add(count: &AtomicU64, ns: &AtomicU64, d: std::time::Duration) {
+        count.fetch_add(1, Ordering::Relaxed);
+        ns.fetch_add(d.as_nanos() as u64, Ordering::Relaxed);
+    }
+
+    /// Forgets every count and time (after a benchmark's warm-up, beside
+    /// [`Metrics::reset_latency`](super::Metrics::reset_latency), so both describe the same window).
+    pub fn reset(&self) {
+        let Timings {
+            reads,
+            read_ns,
+            rows_read,
+            prefetched,
+            full_reads,
+            batches,
+            batch_ns,
+            marks,
+            mark_ns,
+            idles,
+            idle_ns,
+            wal_events,
+            wal_wait_ns,
+            wal_hand_waits,
+            wal_hand_wait_ns,
+            wal_acked,
+            wal_queue_full,
+            mark_retries,
+        } = self;
+        for a in [
+            reads,
+            read_ns,
+            rows_read,
+            prefetched,
+            full_reads,
+            batches,
+            batch_ns,
+            marks,
+            mark_ns,
+            idles,
+            idle_ns,
+            wal_events,
+            wal_wait_ns,
+            wal_hand_waits,
+            wal_hand_wait_ns,
+            wal_acked,
+            wal_queue_full,
+            mark_retries,
+        ] {
+            a.store(0, Ordering::Relaxed);
+        }
+    }
+
+    /// One line: counts and mean/total times.
+    pub fn summary(&self) -> String {
+        let g = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        let ms = |a: &AtomicU64| g(a) as f64 / 1e6;
+        let per = |ns: &AtomicU64, n: &AtomicU64| if g(n) == 0 { 0.0 } else { ms(ns) / g(n) as f64 };
+        format!(
+            "reads {} ({} full, {} prefetched, {} rows, {:.0} ms on the lane path, {:.2} ms each); \
+             batches {} ({:.0} ms, {:.2} ms each); marks {} ({:.0} ms, {:.2} ms each, {} for rows not yet visible); \
+             idle waits {} ({:.0} ms); wal events {} ({:.0} ms waited for); waits for the marker {} ({:.0} ms); \
+             producer queue full {}",
+            g(&self.reads),
+            g(&self.full_reads),
+            g(&self.prefetched),
+            g(&self.rows_read),
+            ms(&self.read_ns),
+            per(&self.read_ns, &self.reads),
+            g(&self.batches),
+            ms(&self.batch_ns),
+            per(&self.batch_ns, &self.batches),
+            g(&self.marks),
+            ms(&self.mark_ns),
+            per(&self.mark_ns, &self.marks),
+            g(&self.mark_retries),
+            g(&self.idles),
+            ms(&self.idle_ns),
+            g(&self.wal_events),
+            ms(&self.wal_wait_ns),
+            g(&self.wal_hand_waits),
+            ms(&self.wal_hand_wait_ns),
+            g(&self.wal_queue_full),
+        )
+    }
+}
