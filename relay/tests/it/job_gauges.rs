@@ -76,6 +76,16 @@ async fn the_job_gauges_show_the_oldest_due_job_expired_leases_and_dead_jobs(eng
         .await
         .unwrap();
     assert!(matches!(outcome, FailOutcome::Dead { .. }), "{outcome:?}");
+    // A high-priority job accepted now sorts first in claim order, far
+    // ahead of the older ones: the oldest due job must still be found.
+    ferry
+        .create_run_idempotent(
+            NewRun::new("acme", "send", "urgent", json!({}))
+                .queue("mail")
+                .priority(100),
+        )
+        .await
+        .unwrap();
     let claimed = jobs.claim("mail", "w1", Duration::from_secs(10), 1).await.unwrap();
     assert_eq!(claimed.len(), 1);
     clock.advance(Duration::from_secs(60)).unwrap();
@@ -103,7 +113,7 @@ async fn the_job_gauges_show_the_oldest_due_job_expired_leases_and_dead_jobs(eng
 
     // Every mail job completed (the expired lease reclaimed with them):
     // mail reports nothing any more; the dead billing job stays.
-    for c in jobs.claim("mail", "w2", Duration::from_secs(30), 3).await.unwrap() {
+    for c in jobs.claim("mail", "w2", Duration::from_secs(30), 4).await.unwrap() {
         jobs.complete(&c.lease, &json!({})).await.unwrap();
     }
     state.refresh_gauges().await;
