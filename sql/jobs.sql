@@ -452,8 +452,9 @@ LIMIT $3
 -- name: queue_gauges
 -- Per queue with a queued or leased job, at {now $1}: the `available_at` of
 -- its oldest due queued job (NULL when none is due) and how many leases
--- expired without being reclaimed (still under the attempt budget, like
--- doctor's unreclaimed_leases). The relay exports them every few seconds, so
+-- expired and were neither reclaimed nor reaped: under the attempt budget
+-- (doctor's unreclaimed_leases) or on their last attempt (doctor's
+-- exhausted_unterminated); both wait for a claim in the queue. The relay exports them every few seconds, so
 -- every step is an index range, never the backlog: the queues come from
 -- jobs_claim_idx by a loose index scan (one probe per queue); the oldest due
 -- job is found in claim_key order, where a queued job sorts at most its
@@ -461,7 +462,10 @@ LIMIT $3
 -- by claim_key) has some available_at H >= the minimum, and every job whose
 -- available_at is the minimum has claim_key <= H, so the minimum lies among
 -- the jobs with claim_key <= H (the head's own instant with no priorities,
--- at most the largest lead's window with them); expired leases are counted
+-- at most the largest lead's window with them; H is taken as the least
+-- available_at among the first 64 jobs in claim order, still >= the minimum
+-- and so still bounding it, and narrow even when a young high-priority job
+-- leads a long backlog); expired leases are counted
 -- on jobs_leased_idx, which holds only leased jobs (as many as workers
 -- hold, plus the expired ones). `state <> 'leased'` (not `= 'queued'`, the
 -- same inside jobs_claim_idx) keeps the planner off jobs_tenant_queued_idx,
@@ -478,10 +482,11 @@ heads AS (
             WHERE h.queue = q.queue AND h.state IN ('queued', 'leased') AND h.state <> 'leased'
               AND h.claim_key <= {now $1} AND h.available_at <= {now $1}
             ORDER BY h.claim_key LIMIT 1) AS head_key,
-           (SELECT h.available_at FROM jobs h
-            WHERE h.queue = q.queue AND h.state IN ('queued', 'leased') AND h.state <> 'leased'
-              AND h.claim_key <= {now $1} AND h.available_at <= {now $1}
-            ORDER BY h.claim_key LIMIT 1) AS head_at
+           (SELECT min(f.available_at) FROM (
+                SELECT h.available_at FROM jobs h
+                WHERE h.queue = q.queue AND h.state IN ('queued', 'leased') AND h.state <> 'leased'
+                  AND h.claim_key <= {now $1} AND h.available_at <= {now $1}
+                ORDER BY h.claim_key LIMIT 64) f) AS head_at
     FROM queues q WHERE q.queue IS NOT NULL
 )
 SELECT g.queue,
@@ -491,7 +496,7 @@ SELECT g.queue,
           AND j.claim_key BETWEEN g.head_key AND g.head_at) AS oldest_due,
        (SELECT count(*) FROM jobs l
         WHERE l.queue = g.queue AND l.state = 'leased'
-          AND l.lease_expires_at <= {now $1} AND l.attempts < l.max_attempts) AS expired_leases,
+          AND l.lease_expires_at <= {now $1}) AS expired_leases,
        {now $1} AS now
 FROM heads g
 ORDER BY g.queue

@@ -35,20 +35,36 @@ impl RelayState {
     /// due job, expired leases and dead jobs); done every [`GAUGES_EVERY`]
     /// off the lane path, and at each scrape.
     pub async fn refresh_gauges(&self) {
-        if let Ok(b) = self.store.ferry().operator().outbox_backlog().await {
-            self.metrics.backlog.set(b.pending);
-            self.metrics.oldest_pending_age.set(b.oldest_age_ms() as f64 / 1000.0);
+        let operator = self.store.ferry().operator();
+        match operator.outbox_backlog().await {
+            Ok(b) => {
+                self.metrics.backlog.set(b.pending);
+                self.metrics.oldest_pending_age.set(b.oldest_age_ms() as f64 / 1000.0);
+            }
+            Err(e) => not_refreshed("outbox backlog", &e),
         }
-        if let Ok(n) = self.store.ferry().operator().outbox_dead_count().await {
-            self.metrics.dead_rows.set(n);
+        match operator.outbox_dead_count().await {
+            Ok(n) => {
+                self.metrics.dead_rows.set(n);
+            }
+            Err(e) => not_refreshed("dead rows", &e),
         }
-        if let Ok(slots) = self.store.ferry().operator().wal_slots().await {
-            self.metrics.wal_slots.set(&slots);
+        match operator.wal_slots().await {
+            Ok(slots) => self.metrics.wal_slots.set(&slots),
+            Err(e) => not_refreshed("WAL slots", &e),
         }
-        if let Ok(queues) = self.store.ferry().operator().queue_gauges().await {
-            self.metrics.jobs.set(&queues);
+        match operator.queue_gauges().await {
+            Ok(queues) => self.metrics.jobs.set(&queues),
+            Err(e) => not_refreshed("job queues", &e),
         }
     }
+}
+
+/// A table gauge keeps its last value when its query fails (a role without
+/// the grant after an upgrade, an overloaded database); the log says so, once
+/// per refresh, with the error's code.
+fn not_refreshed(what: &str, e: &ferry::Error) {
+    tracing::warn!(gauges = what, code = e.code(), error = %e, "table gauges not refreshed; they keep their last values");
 }
 
 /// How often the relay refreshes its table gauges (a count over the pending

@@ -65,9 +65,10 @@ pub struct QueueGauges {
     /// `available_at`, in ms (0 when none is due): workers that fall behind
     /// or serve no more this queue show here first.
     pub oldest_due_age_ms: i64,
-    /// Leases that expired and were not reclaimed yet (under the attempt
-    /// budget: the next claim in the queue takes them); more than zero for
-    /// long means nobody claims in this queue.
+    /// Leases that expired and were neither reclaimed nor reaped yet (under
+    /// the attempt budget the next claim in the queue takes them back; on
+    /// their last attempt it makes them dead); more than zero for long
+    /// means nobody claims in this queue.
     pub expired_leases: i64,
     /// Dead jobs (attempts spent or a terminal error), waiting for an
     /// operator's replay or cancel.

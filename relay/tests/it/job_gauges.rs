@@ -24,7 +24,10 @@ fn gauge(rendered: &str, name: &str, queue: &str) -> Option<f64> {
 }
 
 /// Queue `mail`: two jobs due for 150 s and one whose lease expired 50 s
-/// ago; queue `billing`: one job dead on its retry budget. A queue whose
+/// ago; queue `payments`: a job whose lease expired on its last attempt
+/// (nothing claims there to make it dead, and it is neither queued nor
+/// dead: it must still show); queue `billing`: one job dead on its retry
+/// budget. A queue whose
 /// jobs all end is dropped from the gauges at the next refresh.
 async fn the_job_gauges_show_the_oldest_due_job_expired_leases_and_dead_jobs(engine: Engine) {
     let clock = manual_clock();
@@ -44,8 +47,18 @@ async fn the_job_gauges_show_the_oldest_due_job_expired_leases_and_dead_jobs(eng
         )
         .await
         .unwrap();
+    ferry
+        .create_run_idempotent(
+            NewRun::new("acme", "pay", "p1", json!({}))
+                .queue("payments")
+                .max_attempts(1),
+        )
+        .await
+        .unwrap();
     clock.advance(Duration::from_secs(90)).unwrap();
     let jobs = ferry.jobs();
+    let paying = jobs.claim("payments", "w1", Duration::from_secs(10), 1).await.unwrap();
+    assert_eq!(paying.len(), 1);
     let charge = jobs
         .claim("billing", "w1", Duration::from_secs(30), 1)
         .await
@@ -63,6 +76,16 @@ async fn the_job_gauges_show_the_oldest_due_job_expired_leases_and_dead_jobs(eng
         .await
         .unwrap();
     assert!(matches!(outcome, FailOutcome::Dead { .. }), "{outcome:?}");
+    // A high-priority job accepted now sorts first in claim order, far
+    // ahead of the older ones: the oldest due job must still be found.
+    ferry
+        .create_run_idempotent(
+            NewRun::new("acme", "send", "urgent", json!({}))
+                .queue("mail")
+                .priority(100),
+        )
+        .await
+        .unwrap();
     let claimed = jobs.claim("mail", "w1", Duration::from_secs(10), 1).await.unwrap();
     assert_eq!(claimed.len(), 1);
     clock.advance(Duration::from_secs(60)).unwrap();
@@ -85,10 +108,12 @@ async fn the_job_gauges_show_the_oldest_due_job_expired_leases_and_dead_jobs(eng
     );
     assert_eq!(gauge(&m, "ferry_jobs_expired_leases", "billing"), Some(0.0), "{m}");
     assert_eq!(gauge(&m, "ferry_jobs_dead", "billing"), Some(1.0), "{m}");
+    assert_eq!(gauge(&m, "ferry_jobs_expired_leases", "payments"), Some(1.0), "{m}");
+    assert_eq!(gauge(&m, "ferry_jobs_dead", "payments"), Some(0.0), "{m}");
 
     // Every mail job completed (the expired lease reclaimed with them):
     // mail reports nothing any more; the dead billing job stays.
-    for c in jobs.claim("mail", "w2", Duration::from_secs(30), 3).await.unwrap() {
+    for c in jobs.claim("mail", "w2", Duration::from_secs(30), 4).await.unwrap() {
         jobs.complete(&c.lease, &json!({})).await.unwrap();
     }
     state.refresh_gauges().await;
