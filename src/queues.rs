@@ -15,6 +15,7 @@
 use std::time::Duration;
 
 use crate::error::{Error, Result};
+use crate::store::queries::Queries;
 use crate::store::{on_conn, on_pool, Conn};
 use crate::time::{duration_ms, Millis};
 use crate::{Operator, Role};
@@ -168,17 +169,42 @@ impl Operator<'_> {
         actor: &str,
         reason: &str,
     ) -> Result<()> {
-        let mut conn: Conn<'c> = conn.into();
         self.check_operator_input(queue, actor, reason)?;
+        let action = if paused { "queue.pause" } else { "queue.resume" };
+        self.set_queue_flag_in(
+            conn.into(),
+            |q| q.set_queue_paused,
+            queue,
+            paused,
+            actor,
+            action,
+            reason,
+        )
+        .await
+    }
+
+    /// Writes one of `queue`'s flags (`pick` names the statement, bound to
+    /// queue, value and now) and its audit row (`action`, `reason`), in the
+    /// caller's transaction. The caller has checked its input.
+    #[allow(clippy::too_many_arguments)]
+    async fn set_queue_flag_in(
+        &self,
+        mut conn: Conn<'_>,
+        pick: fn(&Queries) -> &'static str,
+        queue: &str,
+        value: bool,
+        actor: &str,
+        action: &str,
+        reason: &str,
+    ) -> Result<()> {
         on_conn!(conn.reborrow(), |c, q| {
-            sqlx::query(q.set_queue_paused)
+            sqlx::query(pick(q))
                 .bind(queue)
-                .bind(paused)
+                .bind(value)
                 .bind(self.now())
                 .execute(&mut *c)
                 .await?;
         });
-        let action = if paused { "queue.pause" } else { "queue.resume" };
         self.audit_in(conn, actor, action, queue, reason).await
     }
 
@@ -217,18 +243,18 @@ impl Operator<'_> {
         actor: &str,
         reason: &str,
     ) -> Result<()> {
-        let mut conn: Conn<'c> = conn.into();
         self.check_operator_input(queue, actor, reason)?;
-        on_conn!(conn.reborrow(), |c, q| {
-            sqlx::query(q.set_queue_publish_events)
-                .bind(queue)
-                .bind(publish)
-                .bind(self.now())
-                .execute(&mut *c)
-                .await?;
-        });
         let reason = format!("{reason} (publish_events={publish})");
-        self.audit_in(conn, actor, "queue.publish_events", queue, &reason).await
+        self.set_queue_flag_in(
+            conn.into(),
+            |q| q.set_queue_publish_events,
+            queue,
+            publish,
+            actor,
+            "queue.publish_events",
+            &reason,
+        )
+        .await
     }
 
     /// Replaces `queue`'s limits (all three at once; `QueueLimits::default()`
