@@ -7,8 +7,11 @@
 -- claimed_at is set at the insert and never updated, and an attempt never
 -- ends before it was claimed, so `claimed_at <= cutoff AND finished_at <=
 -- cutoff` selects the same rows through an index that no update touches.
-DROP INDEX job_attempts_finished_idx;
+-- The old index is dropped after the new one is built: the build's SHARE
+-- lock lets reads go on, a DROP's ACCESS EXCLUSIVE lock (held to commit)
+-- would stop them for the whole build.
 CREATE INDEX job_attempts_claimed_idx ON job_attempts (claimed_at);
+DROP INDEX job_attempts_finished_idx;
 -- Room on each page for every row's one update (rows inserted at 40 %:
 -- measured, 50 % left 14 % of the closes without room). Applies to pages
 -- written from now on.
