@@ -38,10 +38,13 @@ CUSTOM = {"monitoring.coreos.com/v1": {"ServiceMonitor", "PrometheusRule"}}
 # What each rendering must and must not contain.
 EXPECT = {
     "default": {"console": False, "kinds": set(), "relay_flags": set(), "no_relay_flags": {"capture", "exactly-once"},
-                "external_secrets": set()},
+                "external_secrets": set(), "relay_env": set()},
     "all-on": {"console": True, "kinds": {"ServiceMonitor", "PrometheusRule", "NetworkPolicy"},
                "relay_flags": {"capture=wal", "exactly-once", "delete-on-delivery", "slot=ferry_orders"},
-               "no_relay_flags": set(), "external_secrets": {"runs-service-db"}},
+               "no_relay_flags": set(), "external_secrets": {"runs-service-db"}, "relay_env": set()},
+    # Kafka properties from a Secret: FERRY_KAFKA, and no --kafka flag.
+    "kafka-secret": {"console": False, "kinds": set(), "relay_flags": set(), "no_relay_flags": {"kafka", "capture"},
+                     "external_secrets": {"kafka-client"}, "relay_env": {"FERRY_KAFKA"}},
 }
 
 
@@ -133,6 +136,9 @@ def check_rendering(name, path, out_dir, relay_bin, ferry_bin, relay_help, conso
         for e in sidecar.get("env") or []:
             if e["name"].startswith("FERRY_") and e["name"] not in relay_envs:
                 fail(f"helm: {where} sets {e['name']}, which `ferry-relay run --help` does not list")
+        for want in expect["relay_env"]:
+            if not any(e["name"] == want for e in sidecar.get("env") or []):
+                fail(f"helm ({name}): the relay's environment lacks {want}")
         for want in expect["relay_flags"]:
             if want not in rendered:
                 fail(f"helm ({name}): the relay's arguments lack --{want}: {args}")
