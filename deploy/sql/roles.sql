@@ -62,6 +62,7 @@ GRANT INSERT (tenant, topic, key, lane, payload, headers, effect_key, traceparen
 -- state, never their payloads, headers or trace context.
 GRANT SELECT (id, tenant, topic, key, effect_key, state, publish_attempts, last_error, created_at, delivered_at)
     ON outbox TO ferry_service;
+GRANT SELECT ON outbox_delivered TO ferry_service;
 GRANT USAGE ON SEQUENCE outbox_id_seq TO ferry_service;
 -- Periodic schedules: registered at startup, fired by any process. Creating
 -- and changing one is audited in its transaction, so the service may append
@@ -91,6 +92,9 @@ GRANT USAGE ON SEQUENCE ferry_audit_id_seq TO ferry_relay;
 --   CREATE PUBLICATION <slot name> FOR TABLE outbox WITH (publish = 'insert');
 -- Without the REPLICATION attribute the relay polls (`--capture poll`).
 GRANT SELECT, INSERT, UPDATE ON relay_wal_slots TO ferry_relay;
+-- Delivered ranges (`--capture wal` writes them; retention and a poll
+-- relay's fold delete them).
+GRANT SELECT, INSERT, UPDATE, DELETE ON outbox_delivered TO ferry_relay;
 
 -- A consumer touches its ledger and partitions; grant it the handler's own
 -- tables separately.
@@ -112,7 +116,7 @@ GRANT SELECT ON effects TO ferry_operator;
 GRANT SELECT, INSERT, UPDATE, DELETE ON ferry_schedules TO ferry_operator;
 GRANT INSERT (tenant, topic, key, lane, payload, headers, effect_key, traceparent, created_at)
     ON outbox TO ferry_operator;
-GRANT SELECT ON outbox TO ferry_operator;
+GRANT SELECT ON outbox, outbox_delivered TO ferry_operator;
 GRANT UPDATE (state, last_error) ON outbox TO ferry_operator;
 GRANT USAGE ON SEQUENCE outbox_id_seq TO ferry_operator;
 GRANT INSERT ON ferry_audit TO ferry_operator;
@@ -126,4 +130,4 @@ GRANT SELECT, INSERT, UPDATE ON ferry_queues TO ferry_operator;
 -- and `ferry status` run as it too: they also read the WAL capture slots.
 -- Still no DELETE, no publishing marks, no lane, slot or partition writes.
 GRANT ferry_operator TO ferry_console;
-GRANT SELECT ON relay_lanes, relay_instances, relay_wal_slots, consumer_partitions, consumer_ledger, effects TO ferry_console;
+GRANT SELECT ON relay_lanes, relay_instances, relay_wal_slots, outbox_delivered, consumer_partitions, consumer_ledger, effects TO ferry_console;
