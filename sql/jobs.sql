@@ -363,13 +363,20 @@ input AS (
     FROM input i, clock
     WHERE j.tenant = i.tenant AND j.run_id = i.run_id AND j.state = 'leased' AND j.lease_owner = i.owner
       AND j.lease_generation = i.generation AND j.lease_expires_at > clock.at
-    RETURNING j.tenant, j.run_id, j.queue, j.lease_generation, i.result, i.lane
+    RETURNING j.tenant, j.run_id, j.queue, j.lease_generation, i.result, i.lane, 'queued'::text AS run_state
 ), finished AS (
+    -- `r.state = d.run_state`, not `r.state = 'queued'`: with the constant,
+    -- statistics taken while few runs were queued made the planner look
+    -- each run up through runs_tenant_state_created_idx, reading every
+    -- queued run of the tenant per completed job (0.4-2 s per statement of
+    -- 100 under a growing backlog, BENCHMARKS.md "The pipeline"); compared
+    -- with a column of a data-modifying CTE, the state cannot be an index
+    -- key, so the lookup is the primary key's.
     UPDATE runs r
     SET state = 'succeeded', version = r.version + 1, last_event_seq = r.last_event_seq + 1,
         updated_at = GREATEST(r.updated_at, clock.at)
     FROM done d, clock
-    WHERE r.tenant = d.tenant AND r.run_id = d.run_id AND r.state = 'queued'
+    WHERE r.tenant = d.tenant AND r.run_id = d.run_id AND r.state = d.run_state
     RETURNING r.tenant, r.run_id, r.last_event_seq AS seq, d.queue, d.lease_generation, d.result, d.lane
 ), events AS (
     INSERT INTO run_events (tenant, run_id, seq, kind, body, created_at)

@@ -740,3 +740,63 @@ async fn closing_an_attempt_is_a_hot_update() {
     tx.commit().await.unwrap();
     assert_eq!((updated, hot), (200, 200), "every attempt closed by a HOT update");
 }
+
+/// A batch completion looks each run up by its primary key however stale
+/// the statistics are (PostgreSQL-only: the test reads the transaction's
+/// index counters). Statistics taken while no run was queued, then a
+/// backlog they do not know of: with `r.state = 'queued'` in the
+/// completion's join, the planner looked runs up through
+/// `runs_tenant_state_created_idx`, reading the tenant's whole backlog per
+/// statement (0.4-2 s per 100 completions in the pipeline benchmark).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_completion_reads_runs_by_key_under_stale_statistics() {
+    let t = TestDb::new(Kind::Postgres).await;
+    let lease = Duration::from_secs(30);
+    let create = |prefix: &'static str, n: usize| {
+        (0..n)
+            .map(move |i| NewRun::new("acme", "work", format!("{prefix}-{i}"), json!({})).queue("q"))
+            .collect::<Vec<_>>()
+    };
+    let done_before: Vec<_> = {
+        for r in t.ferry.create_runs_idempotent(create("old", 300)).await.unwrap() {
+            r.unwrap();
+        }
+        let held = t.ferry.jobs().claim("q", "w", lease, 300).await.unwrap();
+        held.into_iter().map(|c| (c.lease, json!({}))).collect()
+    };
+    for r in t.ferry.jobs().complete_batch(&done_before).await.unwrap() {
+        r.unwrap();
+    }
+    let pool = t.ferry.db().as_postgres().unwrap().clone();
+    sqlx::query("ANALYZE runs").execute(&pool).await.unwrap();
+    for r in t.ferry.create_runs_idempotent(create("new", 3000)).await.unwrap() {
+        r.unwrap();
+    }
+    let items: Vec<_> = t
+        .ferry
+        .jobs()
+        .claim("q", "w", lease, 100)
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|c| (c.lease, json!({})))
+        .collect();
+    let mut c = pool.begin().await.unwrap();
+    let (results, _) = t
+        .ferry
+        .jobs()
+        .complete_and_claim_in(&mut *c, &items, "q", "w", lease, 1)
+        .await
+        .unwrap();
+    assert!(results.iter().all(Result::is_ok), "{results:?}");
+    let scans: (i64, i64) = sqlx::query_as(
+        "SELECT pg_stat_get_xact_numscans('runs_tenant_state_created_idx'::regclass),
+                pg_stat_get_xact_numscans('runs_pkey'::regclass)",
+    )
+    .fetch_one(&mut *c)
+    .await
+    .unwrap();
+    c.commit().await.unwrap();
+    assert_eq!(scans.0, 0, "runs looked up through the state index: {scans:?}");
+    assert!(scans.1 >= 100, "each completed run read by its key: {scans:?}");
+}
