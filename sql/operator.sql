@@ -12,12 +12,14 @@ ORDER BY owner
 SELECT lane, owner, generation, lease_expires_at FROM relay_lanes ORDER BY lane
 
 -- name: outbox_backlog
--- Read every few seconds off the lane path (not per lane tick): a count over
--- the pending partial index.
+-- Read every few seconds off the lane path (not per lane tick): the pending
+-- rows, rows the delivered-ranges ledger covers left out, read in its gaps
+-- (outbox_pending; with an empty ledger a count over the pending partial
+-- index).
 SELECT count(*) AS pending,
-       COALESCE(min(created_at), 0) AS oldest,
+       COALESCE(min(p.created_at), 0) AS oldest,
        {now $1} AS now
-FROM outbox WHERE state = 'pending'
+FROM {use outbox_pending} p
 
 -- name: outbox_dead_count
 SELECT count(*) FROM outbox WHERE state = 'dead'
@@ -60,13 +62,14 @@ WHERE s.name = 'database_id' AND current_setting('wal_level') = 'logical'
 -- builds the slot), how many bytes of WAL
 -- it holds back (the current position minus its confirmed one), its time
 -- lag (how long the oldest row not yet delivered has waited: the slot's
--- confirmed position has passed no pending row; 0 when none waits), and
+-- confirmed position has passed no pending row, and a row the ledger
+-- covers is delivered; 0 when none waits), and
 -- PostgreSQL's `wal_status` and `safe_wal_size` (NULL when it has none).
 SELECT w.slot,
        EXISTS (SELECT 1 FROM pg_stat_replication r WHERE r.pid = s.active_pid) AS active,
        s.slot_name IS NOT NULL AS present,
        COALESCE((pg_current_wal_lsn() - s.confirmed_flush_lsn)::bigint, 0) AS lag_bytes,
-       COALESCE((SELECT {now $1} - min(o.created_at) FROM outbox o WHERE o.state = 'pending'), 0) AS lag_ms,
+       COALESCE((SELECT {now $1} - min(p.created_at) FROM {use outbox_pending} p), 0) AS lag_ms,
        s.wal_status::text AS wal_status,
        s.safe_wal_size::bigint AS safe_wal_size
 FROM relay_wal_slots w

@@ -157,13 +157,15 @@ LIMIT $1
 
 -- name: doctor_unowned_lanes
 -- Lanes holding pending rows whose lease is not live at $1: no relay polls
--- them (a count per lane on outbox_pending_idx).
+-- them (a count per lane of the pending rows read through the
+-- delivered-ranges ledger: outbox_pending, borrowed from the library's
+-- sql/outbox_delivered.sql; with an empty ledger on outbox_pending_idx).
 SELECT 'lane ' || l.lane{pg:::text} AS subject,
        count(*){pg:::text} || ' pending rows wait, the oldest for ' || (({now $1} - min(o.created_at)) / 1000){pg:::text} || ' s; ' ||
        CASE WHEN l.owner IS NULL OR l.lease_expires_at IS NULL THEN 'no relay holds the lane'
             ELSE 'the lease of ' || l.owner || ' expired ' || (({now $1} - l.lease_expires_at) / 1000){pg:::text} || ' s ago' END AS detail
 FROM relay_lanes l
-JOIN outbox o ON o.lane = l.lane AND o.state = 'pending'
+JOIN {use outbox_pending} o ON o.lane = l.lane
 WHERE l.owner IS NULL OR l.lease_expires_at IS NULL OR l.lease_expires_at <= {now $1}
 GROUP BY l.lane, l.owner, l.lease_expires_at
 ORDER BY l.lane

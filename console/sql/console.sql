@@ -3,12 +3,15 @@
 -- NULL means every tenant (only for a token without a tenant scope).
 
 -- name: outbox_lanes
--- Pending backlog per lane, every tenant: counted on the pending partial
--- index (lane, id) alone, the age read from each lane's lowest pending id
--- (ids follow commit order, so it is the lane's oldest row).
+-- Pending backlog per lane, every tenant: the pending rows read through the
+-- delivered-ranges ledger (outbox_pending, borrowed from the library's
+-- sql/outbox_delivered.sql: rows it covers are delivered; with an empty
+-- ledger counted on the pending partial index (lane, id) alone), the age
+-- read from each lane's lowest pending id (ids follow commit order, so it
+-- is the lane's oldest row).
 SELECT b.lane, b.pending, o.created_at AS oldest
-FROM (SELECT lane, count(*) AS pending, min(id) AS first_id
-      FROM outbox WHERE state = 'pending' GROUP BY lane) b
+FROM (SELECT p.lane, count(*) AS pending, min(p.id) AS first_id
+      FROM {use outbox_pending} p GROUP BY p.lane) b
 JOIN outbox o ON o.id = b.first_id
 ORDER BY b.lane
 
@@ -16,8 +19,8 @@ ORDER BY b.lane
 -- outbox_lanes for tenant $1 (its own statement: an optional tenant
 -- predicate would keep a generic plan off the index).
 SELECT b.lane, b.pending, o.created_at AS oldest
-FROM (SELECT lane, count(*) AS pending, min(id) AS first_id
-      FROM outbox WHERE state = 'pending' AND tenant = $1 GROUP BY lane) b
+FROM (SELECT p.lane, count(*) AS pending, min(p.id) AS first_id
+      FROM {use outbox_pending} p WHERE p.tenant = $1 GROUP BY p.lane) b
 JOIN outbox o ON o.id = b.first_id
 ORDER BY b.lane
 
@@ -73,8 +76,9 @@ FROM (SELECT DISTINCT group_id FROM consumer_partitions) g
 ORDER BY g.group_id
 
 -- name: sample_outbox
--- The sampler's reading: pending rows, and rows marked delivered after $1.
-SELECT (SELECT count(*) FROM outbox WHERE state = 'pending') AS pending,
+-- The sampler's reading: pending rows (outbox_pending: the ledger's covered
+-- rows left out), and rows marked delivered after $1.
+SELECT (SELECT count(*) FROM {use outbox_pending} p) AS pending,
        (SELECT count(*) FROM outbox WHERE state = 'delivered' AND delivered_at > $1) AS delivered,
        {now $2} AS now
 
