@@ -13,13 +13,16 @@ SELECT lane, owner, generation, lease_expires_at FROM relay_lanes ORDER BY lane
 
 -- name: outbox_backlog
 -- Read every few seconds off the lane path (not per lane tick): the pending
--- rows, rows the delivered-ranges ledger covers left out, read in its gaps
--- (outbox_pending; with an empty ledger a count over the pending partial
--- index).
-SELECT count(*) AS pending,
-       COALESCE(min(p.created_at), 0) AS oldest,
+-- rows, those the delivered-ranges ledger covers left out: with an empty
+-- ledger a count over the pending partial index (one leg), else over the
+-- ledger's gaps (the other; sql/outbox_delivered.sql).
+SELECT CAST(COALESCE(sum(b.pending), 0) AS BIGINT) AS pending,
+       COALESCE(min(b.oldest), 0) AS oldest,
        {now $1} AS now
-FROM {use outbox_pending} p
+FROM (SELECT count(*) AS pending, min(created_at) AS oldest
+      FROM outbox WHERE state = 'pending' AND {use outbox_ledger_empty}
+      UNION ALL
+      SELECT count(*), min(p.created_at) FROM {use outbox_gap_rows} p) b
 
 -- name: outbox_dead_count
 SELECT count(*) FROM outbox WHERE state = 'dead'
@@ -69,7 +72,11 @@ SELECT w.slot,
        EXISTS (SELECT 1 FROM pg_stat_replication r WHERE r.pid = s.active_pid) AS active,
        s.slot_name IS NOT NULL AS present,
        COALESCE((pg_current_wal_lsn() - s.confirmed_flush_lsn)::bigint, 0) AS lag_bytes,
-       COALESCE((SELECT {now $1} - min(p.created_at) FROM {use outbox_pending} p), 0) AS lag_ms,
+       COALESCE((SELECT {now $1} - min(b.oldest)
+                 FROM (SELECT min(created_at) AS oldest
+                       FROM outbox WHERE state = 'pending' AND {use outbox_ledger_empty}
+                       UNION ALL
+                       SELECT min(p.created_at) FROM {use outbox_gap_rows} p) b), 0) AS lag_ms,
        s.wal_status::text AS wal_status,
        s.safe_wal_size::bigint AS safe_wal_size
 FROM relay_wal_slots w

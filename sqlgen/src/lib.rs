@@ -9,6 +9,7 @@
 //! | `{now $N}` | `COALESCE($N::bigint, (extract(epoch FROM now()) * 1000)::bigint)` | `COALESCE($N, CAST(unixepoch('subsec') * 1000 AS INTEGER))` |
 //! | `{least}` / `{greatest}` | `LEAST` / `GREATEST` | `MIN` / `MAX` (scalar) |
 //! | `{pg:TEXT}` | `TEXT` (a cast, a row lock) | nothing |
+//! | `{sqlite:TEXT}` | nothing | `TEXT` (what PostgreSQL writes another way beside a `{pg:…}`) |
 //! | `{ids $N}` | `= ANY($N::bigint[])` | `IN (SELECT value FROM json_each($N))` |
 //!
 //! The clock parameter `$N` is the injected clock: `NULL` means the
@@ -107,6 +108,9 @@ fn expand(token: &str, engine: Engine) -> Result<String, String> {
     let pg = engine == Engine::Postgres;
     if let Some(text) = token.strip_prefix("pg:") {
         return Ok(if pg { text.to_string() } else { String::new() });
+    }
+    if let Some(text) = token.strip_prefix("sqlite:") {
+        return Ok(if pg { String::new() } else { text.to_string() });
     }
     let (head, arg) = token.split_once(' ').unwrap_or((token, ""));
     Ok(match head {
@@ -452,14 +456,14 @@ mod tests {
 
     #[test]
     fn tokens_render_per_engine() {
-        let t = "SELECT {now $2} AS at, {least}(a, b) FROM t WHERE id {ids $1}{pg: FOR UPDATE}";
+        let t = "SELECT {now $2} AS at, {least}(a, b) FROM t WHERE id {ids $1}{pg: FOR UPDATE}{sqlite: LIMIT 1}";
         assert_eq!(
             render(t, Engine::Postgres).unwrap(),
             "SELECT COALESCE($2::bigint, (extract(epoch FROM now()) * 1000)::bigint) AS at, LEAST(a, b) FROM t WHERE id = ANY($1::bigint[]) FOR UPDATE"
         );
         assert_eq!(
             render(t, Engine::Sqlite).unwrap(),
-            "SELECT COALESCE($2, CAST(unixepoch('subsec') * 1000 AS INTEGER)) AS at, MIN(a, b) FROM t WHERE id IN (SELECT value FROM json_each($1))"
+            "SELECT COALESCE($2, CAST(unixepoch('subsec') * 1000 AS INTEGER)) AS at, MIN(a, b) FROM t WHERE id IN (SELECT value FROM json_each($1)) LIMIT 1"
         );
     }
 
