@@ -40,9 +40,9 @@ NOT EXISTS (SELECT 1 FROM outbox_delivered)
  {pg:CROSS JOIN LATERAL (SELECT o.id, o.lane, o.tenant, o.created_at FROM outbox o WHERE}{sqlite:JOIN outbox o ON}
       o.id BETWEEN g.lo AND g.hi AND o.state = 'pending'{pg: OFFSET 0) o})
 
--- name: outbox_covering [fragment]
--- The range covering outbox row `o` (a LEFT JOIN's condition: no range
--- when uncovered): ranges never overlap, so it is the one with the
--- greatest lo <= o.id, when its hi reaches o.id (one backward probe of
--- outbox_delivered_pkey per row).
-d.lo = (SELECT max(d2.lo) FROM outbox_delivered d2 WHERE d2.lo <= o.id) AND d.hi >= o.id
+-- name: outbox_covered [fragment]
+-- Whether a range covers outbox row `o`: ranges never overlap, so the
+-- covering range is the one with the greatest lo <= o.id, if its hi
+-- reaches o.id (one backward probe of outbox_delivered_pkey; a join
+-- would hash the whole ledger).
+COALESCE((SELECT d.hi FROM outbox_delivered d WHERE d.lo <= o.id ORDER BY d.lo DESC LIMIT 1) >= o.id, false)
