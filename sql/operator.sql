@@ -12,12 +12,17 @@ ORDER BY owner
 SELECT lane, owner, generation, lease_expires_at FROM relay_lanes ORDER BY lane
 
 -- name: outbox_backlog
--- Read every few seconds off the lane path (not per lane tick): a count over
--- the pending partial index.
-SELECT count(*) AS pending,
-       COALESCE(min(created_at), 0) AS oldest,
+-- Read every few seconds off the lane path (not per lane tick): the pending
+-- rows, those the delivered-ranges ledger covers left out: with an empty
+-- ledger a count over the pending partial index (one leg), else over the
+-- ledger's gaps (the other; sql/outbox_delivered.sql).
+SELECT CAST(COALESCE(sum(b.pending), 0) AS BIGINT) AS pending,
+       COALESCE(min(b.oldest), 0) AS oldest,
        {now $1} AS now
-FROM outbox WHERE state = 'pending'
+FROM (SELECT count(*) AS pending, min(created_at) AS oldest
+      FROM outbox WHERE state = 'pending' AND {use outbox_ledger_empty}
+      UNION ALL
+      SELECT count(*), min(p.created_at) FROM {use outbox_gap_rows} p) b
 
 -- name: outbox_dead_count
 SELECT count(*) FROM outbox WHERE state = 'dead'
@@ -60,13 +65,18 @@ WHERE s.name = 'database_id' AND current_setting('wal_level') = 'logical'
 -- builds the slot), how many bytes of WAL
 -- it holds back (the current position minus its confirmed one), its time
 -- lag (how long the oldest row not yet delivered has waited: the slot's
--- confirmed position has passed no pending row; 0 when none waits), and
+-- confirmed position has passed no pending row, and a row the ledger
+-- covers is delivered; 0 when none waits), and
 -- PostgreSQL's `wal_status` and `safe_wal_size` (NULL when it has none).
 SELECT w.slot,
        EXISTS (SELECT 1 FROM pg_stat_replication r WHERE r.pid = s.active_pid) AS active,
        s.slot_name IS NOT NULL AS present,
        COALESCE((pg_current_wal_lsn() - s.confirmed_flush_lsn)::bigint, 0) AS lag_bytes,
-       COALESCE((SELECT {now $1} - min(o.created_at) FROM outbox o WHERE o.state = 'pending'), 0) AS lag_ms,
+       COALESCE((SELECT {now $1} - min(b.oldest)
+                 FROM (SELECT min(created_at) AS oldest
+                       FROM outbox WHERE state = 'pending' AND {use outbox_ledger_empty}
+                       UNION ALL
+                       SELECT min(p.created_at) FROM {use outbox_gap_rows} p) b), 0) AS lag_ms,
        s.wal_status::text AS wal_status,
        s.safe_wal_size::bigint AS safe_wal_size
 FROM relay_wal_slots w

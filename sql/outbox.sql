@@ -40,8 +40,17 @@ SELECT pg_notify($1, p) FROM UNNEST($2::text[]) AS p
 -- name: list_outbox_of_key
 -- A run's outbox rows with their delivery state: its events' rows are keyed
 -- by the run id ($2, as text), and so are a service's own rows keyed by it
--- (outbox_tenant_key_idx). No payloads.
-SELECT id, topic, key, effect_key, state, publish_attempts, last_error, created_at, delivered_at
-FROM outbox
-WHERE tenant = $1 AND key = $2
-ORDER BY id
+-- (outbox_tenant_key_idx). No payloads. The state and delivered_at read
+-- through the delivered-ranges ledger (sql/outbox_delivered.sql): a row a
+-- range covers was delivered at the range's delivered_at, and reads
+-- delivered unless it is dead.
+SELECT o.id, o.topic, o.key, o.effect_key,
+       CASE WHEN o.state = 'pending' AND {use outbox_covered} THEN 'delivered' ELSE o.state END AS state,
+       o.publish_attempts, o.last_error, o.created_at,
+       COALESCE(o.delivered_at,
+                CASE WHEN {use outbox_covered}
+                     THEN (SELECT d.delivered_at FROM outbox_delivered d WHERE d.lo <= o.id ORDER BY d.lo DESC LIMIT 1) END)
+           AS delivered_at
+FROM outbox o
+WHERE o.tenant = $1 AND o.key = $2
+ORDER BY o.id

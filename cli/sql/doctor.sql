@@ -157,14 +157,25 @@ LIMIT $1
 
 -- name: doctor_unowned_lanes
 -- Lanes holding pending rows whose lease is not live at $1: no relay polls
--- them (a count per lane on outbox_pending_idx).
-SELECT 'lane ' || l.lane{pg:::text} AS subject,
-       count(*){pg:::text} || ' pending rows wait, the oldest for ' || (({now $1} - min(o.created_at)) / 1000){pg:::text} || ' s; ' ||
-       CASE WHEN l.owner IS NULL OR l.lease_expires_at IS NULL THEN 'no relay holds the lane'
-            ELSE 'the lease of ' || l.owner || ' expired ' || (({now $1} - l.lease_expires_at) / 1000){pg:::text} || ' s ago' END AS detail
-FROM relay_lanes l
-JOIN outbox o ON o.lane = l.lane AND o.state = 'pending'
-WHERE l.owner IS NULL OR l.lease_expires_at IS NULL OR l.lease_expires_at <= {now $1}
-GROUP BY l.lane, l.owner, l.lease_expires_at
-ORDER BY l.lane
+-- them. Rows the delivered-ranges ledger covers are left out (fragments
+-- borrowed from the library's sql/outbox_delivered.sql): with an empty
+-- ledger a count per lane on outbox_pending_idx (one leg, the statement
+-- as before the ledger), else in the ledger's gaps (the other).
+SELECT 'lane ' || b.lane{pg:::text} AS subject,
+       b.pending{pg:::text} || ' pending rows wait, the oldest for ' || (({now $1} - b.oldest) / 1000){pg:::text} || ' s; ' ||
+       CASE WHEN b.owner IS NULL OR b.lease_expires_at IS NULL THEN 'no relay holds the lane'
+            ELSE 'the lease of ' || b.owner || ' expired ' || (({now $1} - b.lease_expires_at) / 1000){pg:::text} || ' s ago' END AS detail
+FROM (SELECT l.lane, l.owner, l.lease_expires_at, count(*) AS pending, min(o.created_at) AS oldest
+      FROM relay_lanes l
+      JOIN outbox o ON o.lane = l.lane AND o.state = 'pending'
+      WHERE (l.owner IS NULL OR l.lease_expires_at IS NULL OR l.lease_expires_at <= {now $1})
+        AND {use outbox_ledger_empty}
+      GROUP BY l.lane, l.owner, l.lease_expires_at
+      UNION ALL
+      SELECT l.lane, l.owner, l.lease_expires_at, count(*), min(p.created_at)
+      FROM relay_lanes l
+      JOIN {use outbox_gap_rows} p ON p.lane = l.lane
+      WHERE l.owner IS NULL OR l.lease_expires_at IS NULL OR l.lease_expires_at <= {now $1}
+      GROUP BY l.lane, l.owner, l.lease_expires_at) b
+ORDER BY b.lane
 LIMIT $2

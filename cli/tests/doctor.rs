@@ -319,6 +319,50 @@ async fn doctor_reports_an_old_pending_row(kind: Kind) {
     assert_eq!(lines[3], "    runbook: docs/runbook.md#outbox-backlog-old");
 }
 
+/// Rows the delivered-ranges ledger covers (`outbox_delivered`, written by
+/// WAL capture; inserted here directly) are delivered: however old, they
+/// make no `outbox_backlog_old`; an old uncovered row between two ranges
+/// does, counted alone.
+async fn doctor_reads_the_backlog_through_the_delivered_ledger(kind: Kind) {
+    let t = TestDb::new(kind).await;
+    let ids = enqueue(&t, "acme", "orders", 5).await;
+    live_relay(&t, "relay-a").await;
+    t.exec("UPDATE outbox SET created_at = created_at - 120000")
+        .await
+        .unwrap();
+    for (lo, hi) in [(ids[0], ids[1]), (ids[3], ids[4])] {
+        t.exec(&format!(
+            "INSERT INTO outbox_delivered (lo, hi, delivered_at) VALUES ({lo}, {hi}, 1)"
+        ))
+        .await
+        .unwrap();
+    }
+    let out = assert_findings(kind, &doctor(&t), &["outbox_backlog_old"]);
+    let lines = block(&out, "outbox_backlog_old");
+    assert!(lines[1].ends_with("s (more than 60.0s); 1 rows pending"), "{out}");
+    t.exec(&format!(
+        "INSERT INTO outbox_delivered (lo, hi, delivered_at) VALUES ({0}, {0}, 1)",
+        ids[2]
+    ))
+    .await
+    .unwrap();
+    assert_findings(kind, &doctor(&t), &[]);
+}
+
+/// Rows the ledger covers wait for no relay: with no relay live, neither
+/// `no_live_relay` nor `lanes_unowned` counts them.
+async fn covered_rows_wait_in_no_lane(kind: Kind) {
+    let t = TestDb::new(kind).await;
+    let ids = enqueue(&t, "acme", "orders", 3).await;
+    t.exec(&format!(
+        "INSERT INTO outbox_delivered (lo, hi, delivered_at) VALUES ({}, {}, 1)",
+        ids[0], ids[2]
+    ))
+    .await
+    .unwrap();
+    assert_findings(kind, &doctor(&t), &[]);
+}
+
 async fn doctor_reports_pending_rows_without_a_live_relay(kind: Kind) {
     let t = TestDb::new(kind).await;
     let id = enqueue(&t, "acme", "orders", 3).await[0];
@@ -362,6 +406,8 @@ on_both_engines!(
     doctor_is_ok_on_a_clean_database,
     doctor_reports_dead_outbox_rows,
     doctor_reports_an_old_pending_row,
+    doctor_reads_the_backlog_through_the_delivered_ledger,
+    covered_rows_wait_in_no_lane,
     doctor_reports_pending_rows_without_a_live_relay,
     doctor_reports_an_unowned_lane_with_pending_rows,
 );

@@ -3,12 +3,17 @@
 -- NULL means every tenant (only for a token without a tenant scope).
 
 -- name: outbox_lanes
--- Pending backlog per lane, every tenant: counted on the pending partial
--- index (lane, id) alone, the age read from each lane's lowest pending id
--- (ids follow commit order, so it is the lane's oldest row).
+-- Pending backlog per lane, every tenant, rows the delivered-ranges ledger
+-- covers left out (fragments borrowed from the library's
+-- sql/outbox_delivered.sql): with an empty ledger counted on the pending
+-- partial index (lane, id) alone (one leg), else in the ledger's gaps (the
+-- other); the age read from each lane's lowest pending id (ids follow
+-- commit order, so it is the lane's oldest row).
 SELECT b.lane, b.pending, o.created_at AS oldest
 FROM (SELECT lane, count(*) AS pending, min(id) AS first_id
-      FROM outbox WHERE state = 'pending' GROUP BY lane) b
+      FROM outbox WHERE state = 'pending' AND {use outbox_ledger_empty} GROUP BY lane
+      UNION ALL
+      SELECT p.lane, count(*), min(p.id) FROM {use outbox_gap_rows} p GROUP BY p.lane) b
 JOIN outbox o ON o.id = b.first_id
 ORDER BY b.lane
 
@@ -17,7 +22,9 @@ ORDER BY b.lane
 -- predicate would keep a generic plan off the index).
 SELECT b.lane, b.pending, o.created_at AS oldest
 FROM (SELECT lane, count(*) AS pending, min(id) AS first_id
-      FROM outbox WHERE state = 'pending' AND tenant = $1 GROUP BY lane) b
+      FROM outbox WHERE state = 'pending' AND tenant = $1 AND {use outbox_ledger_empty} GROUP BY lane
+      UNION ALL
+      SELECT p.lane, count(*), min(p.id) FROM {use outbox_gap_rows} p WHERE p.tenant = $1 GROUP BY p.lane) b
 JOIN outbox o ON o.id = b.first_id
 ORDER BY b.lane
 
@@ -73,8 +80,10 @@ FROM (SELECT DISTINCT group_id FROM consumer_partitions) g
 ORDER BY g.group_id
 
 -- name: sample_outbox
--- The sampler's reading: pending rows, and rows marked delivered after $1.
-SELECT (SELECT count(*) FROM outbox WHERE state = 'pending') AS pending,
+-- The sampler's reading: pending rows (the ledger's covered rows left out,
+-- as in outbox_lanes), and rows marked delivered after $1.
+SELECT (SELECT count(*) FROM outbox WHERE state = 'pending' AND {use outbox_ledger_empty})
+       + (SELECT count(*) FROM {use outbox_gap_rows} p) AS pending,
        (SELECT count(*) FROM outbox WHERE state = 'delivered' AND delivered_at > $1) AS delivered,
        {now $2} AS now
 

@@ -9,6 +9,7 @@
 //! | `{now $N}` | `COALESCE($N::bigint, (extract(epoch FROM now()) * 1000)::bigint)` | `COALESCE($N, CAST(unixepoch('subsec') * 1000 AS INTEGER))` |
 //! | `{least}` / `{greatest}` | `LEAST` / `GREATEST` | `MIN` / `MAX` (scalar) |
 //! | `{pg:TEXT}` | `TEXT` (a cast, a row lock) | nothing |
+//! | `{sqlite:TEXT}` | nothing | `TEXT` (what PostgreSQL writes another way beside a `{pg:…}`) |
 //! | `{ids $N}` | `= ANY($N::bigint[])` | `IN (SELECT value FROM json_each($N))` |
 //!
 //! The clock parameter `$N` is the injected clock: `NULL` means the
@@ -27,7 +28,10 @@
 //! header comment stays in the file. Fragments may use
 //! fragments and template tokens; they are not queries themselves. A
 //! fragment nobody uses, an unknown fragment or a parameter the `use` does
-//! not pass is a build error.
+//! not pass is a build error. A crate may also borrow another directory's
+//! fragments ([`generate_sharing`]): the library's SQL that every reader of
+//! one table must share (the outbox's pending rows read through the
+//! delivered-ranges ledger) is written once.
 //!
 //! [`generate`] writes `$OUT_DIR/queries.rs`: a `Queries` struct with one
 //! `&'static str` field per query, the static `QUERIES` (a `PerEngine`
@@ -104,6 +108,9 @@ fn expand(token: &str, engine: Engine) -> Result<String, String> {
     let pg = engine == Engine::Postgres;
     if let Some(text) = token.strip_prefix("pg:") {
         return Ok(if pg { text.to_string() } else { String::new() });
+    }
+    if let Some(text) = token.strip_prefix("sqlite:") {
+        return Ok(if pg { String::new() } else { text.to_string() });
     }
     let (head, arg) = token.split_once(' ').unwrap_or((token, ""));
     Ok(match head {
@@ -236,6 +243,13 @@ pub struct Rendered {
 
 /// Parses and renders `(file name, text)` pairs; every error names its file and query.
 pub fn render_files(files: &[(String, String)]) -> Result<Rendered, String> {
+    render_files_sharing(files, &[])
+}
+
+/// [`render_files`] with the fragments of `borrowed` (other directories'
+/// files: only their `[fragment]` sections are read) usable by `{use}` as
+/// well; a borrowed fragment need not be used here.
+pub fn render_files_sharing(files: &[(String, String)], borrowed: &[(String, String)]) -> Result<Rendered, String> {
     let mut pg: BTreeMap<String, (String, String)> = BTreeMap::new();
     let mut sqlite: BTreeMap<String, (String, String)> = BTreeMap::new();
     let mut out = Rendered::default();
@@ -245,7 +259,17 @@ pub fn render_files(files: &[(String, String)]) -> Result<Rendered, String> {
         sections.extend(parse(file, text)?);
     }
     let mut fragments: BTreeMap<String, String> = BTreeMap::new();
-    for s in sections.iter().filter(|s| s.scope == Scope::Fragment) {
+    let mut borrowed_sections = Vec::new();
+    for (file, text) in borrowed {
+        borrowed_sections.extend(parse(file, text)?);
+    }
+    let mut own = Vec::new();
+    for (s, is_own) in sections
+        .iter()
+        .map(|s| (s, true))
+        .chain(borrowed_sections.iter().map(|s| (s, false)))
+        .filter(|(s, _)| s.scope == Scope::Fragment)
+    {
         // The header comment documents the fragment in its file; the
         // including query does not carry it.
         let body: Vec<&str> = s
@@ -256,13 +280,16 @@ pub fn render_files(files: &[(String, String)]) -> Result<Rendered, String> {
         if fragments.insert(s.name.clone(), body.join("\n")).is_some() {
             return Err(format!("{}: fragment {} is defined twice", s.file, s.name));
         }
+        if is_own {
+            own.push(s.name.clone());
+        }
     }
     let mut used = Vec::new();
     for s in &sections {
         // Fragments' own uses count, so a fragment only used by another is used.
         include(&s.body, &fragments, &mut used).map_err(|e| format!("{}: {}: {e}", s.file, s.name))?;
     }
-    if let Some(unused) = fragments.keys().find(|f| !used.contains(f)) {
+    if let Some(unused) = own.iter().find(|f| !used.contains(f)) {
         return Err(format!("fragment {unused} is never used"));
     }
     for mut s in sections.into_iter().filter(|s| s.scope != Scope::Fragment) {
@@ -340,7 +367,22 @@ pub fn render_files(files: &[(String, String)]) -> Result<Rendered, String> {
 /// inside `ferry`). Panics with the file and query on any template error,
 /// which fails the build.
 pub fn generate(dir: &str, per_engine: &str) {
+    generate_sharing(dir, per_engine, &[]);
+}
+
+/// [`generate`], also reading the `[fragment]` sections of the files
+/// `borrowed` (paths relative to the crate root, e.g.
+/// `../sql/outbox_delivered.sql`), so one statement's shared part is
+/// written once for every crate that reads the same table.
+pub fn generate_sharing(dir: &str, per_engine: &str, borrowed: &[&str]) {
     let root = std::env::var("CARGO_MANIFEST_DIR").expect("run from a build script");
+    let mut shared = Vec::new();
+    for file in borrowed {
+        let path = Path::new(&root).join(file);
+        println!("cargo:rerun-if-changed={}", path.display());
+        let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("reading {}: {e}", path.display()));
+        shared.push((file.to_string(), text));
+    }
     let dir_path = Path::new(&root).join(dir);
     println!("cargo:rerun-if-changed={}", dir_path.display());
     let mut files = Vec::new();
@@ -356,7 +398,7 @@ pub fn generate(dir: &str, per_engine: &str) {
         let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("reading {}: {e}", path.display()));
         files.push((format!("{dir}/{name}"), text));
     }
-    let rendered = render_files(&files).unwrap_or_else(|e| panic!("templated SQL: {e}"));
+    let rendered = render_files_sharing(&files, &shared).unwrap_or_else(|e| panic!("templated SQL: {e}"));
     let out = Path::new(&std::env::var("OUT_DIR").expect("OUT_DIR")).join("queries.rs");
     std::fs::write(&out, emit(&rendered, per_engine)).unwrap_or_else(|e| panic!("writing {}: {e}", out.display()));
 }
@@ -414,14 +456,14 @@ mod tests {
 
     #[test]
     fn tokens_render_per_engine() {
-        let t = "SELECT {now $2} AS at, {least}(a, b) FROM t WHERE id {ids $1}{pg: FOR UPDATE}";
+        let t = "SELECT {now $2} AS at, {least}(a, b) FROM t WHERE id {ids $1}{pg: FOR UPDATE}{sqlite: LIMIT 1}";
         assert_eq!(
             render(t, Engine::Postgres).unwrap(),
             "SELECT COALESCE($2::bigint, (extract(epoch FROM now()) * 1000)::bigint) AS at, LEAST(a, b) FROM t WHERE id = ANY($1::bigint[]) FOR UPDATE"
         );
         assert_eq!(
             render(t, Engine::Sqlite).unwrap(),
-            "SELECT COALESCE($2, CAST(unixepoch('subsec') * 1000 AS INTEGER)) AS at, MIN(a, b) FROM t WHERE id IN (SELECT value FROM json_each($1))"
+            "SELECT COALESCE($2, CAST(unixepoch('subsec') * 1000 AS INTEGER)) AS at, MIN(a, b) FROM t WHERE id IN (SELECT value FROM json_each($1)) LIMIT 1"
         );
     }
 
@@ -482,5 +524,30 @@ mod tests {
             "-- name: f [fragment]\n{use f}\n-- name: q\nSELECT {use f}\n".to_string(),
         )];
         assert!(render_files(&cycle).unwrap_err().contains("cycle"));
+    }
+
+    #[test]
+    fn borrowed_fragments_are_usable_and_need_no_use_here() {
+        let lib = vec![(
+            "../sql/o.sql".to_string(),
+            "-- name: pending [fragment]\n-- Pending rows.\n(SELECT id FROM o WHERE lane = $1)\n\
+             -- name: unused [fragment]\nx\n-- name: q\nSELECT 1\n"
+                .to_string(),
+        )];
+        let files = vec![(
+            "sql/c.sql".to_string(),
+            "-- name: c\nSELECT count(*) FROM {use pending $2} p\n".to_string(),
+        )];
+        let r = render_files_sharing(&files, &lib).unwrap();
+        assert_eq!(
+            r.shared["c"].0,
+            "SELECT count(*) FROM (SELECT id FROM o WHERE lane = $2) p"
+        );
+        assert!(!r.shared.contains_key("q"), "only a borrowed file's fragments are read");
+        let twice = vec![(
+            "sql/c.sql".to_string(),
+            "-- name: pending [fragment]\ny\n-- name: c\nSELECT {use pending}\n".to_string(),
+        )];
+        assert!(render_files_sharing(&twice, &lib).unwrap_err().contains("twice"));
     }
 }

@@ -11,6 +11,7 @@ mod fingerprint;
 mod input;
 mod inspect;
 mod jobs;
+mod ledger;
 mod outage;
 mod outbox;
 mod pg;

@@ -20,6 +20,7 @@ on_both_engines!(
     cancel_and_replay_are_audited_with_the_token_name,
     a_group_replay_goes_no_further_than_the_rows_shown,
     the_overview_figures_match_the_database,
+    the_overview_leaves_rows_the_delivered_ledger_covers_out_of_the_backlog,
     the_overview_groups_lanes_by_owner,
     the_overview_shows_each_consumer_group_with_what_the_database_knows,
     a_scoped_overview_shows_no_other_tenant_s_consumer_ledger,
@@ -468,6 +469,56 @@ async fn the_overview_figures_match_the_database(engine: Engine) {
     let r = a.get(ROOT, "/").await;
     assert_eq!(r.text_of("unpublished-payments"), "(events not published)");
     assert!(!r.body.contains("unpublished-default"));
+}
+
+/// Rows the delivered-ranges ledger covers (`outbox_delivered`, written by
+/// WAL capture; inserted here directly) are delivered: neither the total,
+/// nor their lane's count, nor the sampler's pending counts them; rows
+/// below the first range, in the hole between two and above the last do.
+async fn the_overview_leaves_rows_the_delivered_ledger_covers_out_of_the_backlog(engine: Engine) {
+    let a = app(engine).await;
+    seed(&a.db.ferry).await;
+    for i in 0..8 {
+        let msg = ferry::OutboxMessage::bytes("acme", "orders", format!("k{i}"), b"{}".to_vec());
+        a.db.ferry.enqueue(&msg).await.unwrap();
+    }
+    let total = a.scalar("SELECT count(*) FROM outbox WHERE state = 'pending'").await;
+    let nth = |n: i64| format!("SELECT id FROM outbox WHERE state = 'pending' ORDER BY id LIMIT 1 OFFSET {n}");
+    let ids = [
+        a.scalar(&nth(1)).await,
+        a.scalar(&nth(2)).await,
+        a.scalar(&nth(4)).await,
+    ];
+    assert!(total > 5, "the seed leaves rows above the last range");
+    let (first, second) = ((ids[0], ids[1]), (ids[2], a.scalar(&nth(5)).await));
+    for (lo, hi) in [first, second] {
+        a.db.exec(&format!(
+            "INSERT INTO outbox_delivered (lo, hi, delivered_at) VALUES ({lo}, {hi}, 1)"
+        ))
+        .await
+        .unwrap();
+    }
+    let r = a.get(ROOT, "/").await;
+    assert_eq!(r.text_of("pending-total"), (total - 4).to_string());
+    let lane = a
+        .scalar(&format!(
+            "SELECT CAST(lane AS BIGINT) FROM outbox WHERE id = {}",
+            ids[0]
+        ))
+        .await;
+    let in_lane = a
+        .scalar(&format!(
+            "SELECT count(*) FROM outbox WHERE state = 'pending' AND lane = {lane} \
+             AND id NOT BETWEEN {} AND {} AND id NOT BETWEEN {} AND {}",
+            first.0, first.1, second.0, second.1
+        ))
+        .await;
+    let shown = r.body.find(&format!("id=\"lane-{lane}\"")).map(|at| {
+        let row = &r.body[at..];
+        row[..row.find("</tr>").unwrap()].contains(&format!("class=\"num pending\">{in_lane}<"))
+    });
+    assert_eq!(shown, (in_lane > 0).then_some(true), "lane {lane}: {in_lane} pending");
+    assert_eq!(a.console.sample().await.unwrap().pending, total - 4);
 }
 
 /// The lane table's row for `owner` (or for the unowned lanes): from its
