@@ -46,7 +46,7 @@ async fn a_plain_writer_and_the_library_keep_commit_order(capture: Capture) {
     // The relay streams before the late transaction opens: a new slot
     // waits for every transaction in progress when it is made.
     crate::relay::write_orders(&ferry, 1, 1).await;
-    let delivered = "SELECT count(*) FROM outbox WHERE state = 'delivered'";
+    let delivered = &format!("SELECT count(*) FROM {OUTBOX} WHERE state = 'delivered'");
     wait_for_count(&ferry, delivered, 1, Duration::from_secs(60)).await;
     let others = {
         let ferry = ferry.clone();
@@ -68,7 +68,7 @@ async fn a_plain_writer_and_the_library_keep_commit_order(capture: Capture) {
         assert!(higher > lower);
         wait_for_count(
             &ferry,
-            &format!("SELECT count(*) FROM outbox WHERE id = {higher} AND state = 'delivered'"),
+            &format!("SELECT count(*) FROM {OUTBOX} WHERE id = {higher} AND state = 'delivered'"),
             1,
             Duration::from_secs(30),
         )
@@ -90,6 +90,56 @@ async fn a_plain_writer_and_the_library_keep_commit_order(capture: Capture) {
 
 in_both_capture_modes!(a_plain_writer_and_the_library_keep_commit_order);
 
+/// Issue #20: a WAL drain writes no outbox row. Delivery is recorded as
+/// ranges in the ledger, so every row keeps the version its writer's
+/// transaction made (`xmin` unchanged: an UPDATE would make a new one),
+/// reads delivered through the ledger, and reaches Kafka once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn wal_a_drain_rewrites_no_outbox_row() {
+    let broker = Kafka::start();
+    broker.create_topic("orders", 3);
+    let (ferry, url) = pg_ferry().await;
+    let slot = SlotGuard::new().await;
+    let pool = ferry.db().as_postgres().unwrap().clone();
+    let relay = slot.start(slot.config(&url, &broker.brokers()), ferry.clone()).await;
+    wait_for_streaming(&pool, &slot.name, None, Duration::from_secs(60)).await;
+    let mut written: Vec<(i64, String)> = Vec::new();
+    for t in 0..10 {
+        let mut tx = pool.begin().await.unwrap();
+        for i in 0..50 {
+            let key = format!("k-{}", i % 7);
+            let lane = ferry::outbox::lane_for(&key, ferry.lanes());
+            plain_insert(&mut *tx, lane, &key, &format!("{t}/{i}")).await;
+        }
+        // Uncommitted, these rows are this transaction's alone: their xmin
+        // is its id.
+        let ours: Vec<(i64, String)> = sqlx::query_as(
+            "SELECT id, xmin::text FROM outbox WHERE xmin::text = pg_current_xact_id()::text ORDER BY id",
+        )
+        .fetch_all(&mut *tx)
+        .await
+        .unwrap();
+        assert_eq!(ours.len(), 50);
+        written.extend(ours);
+        tx.commit().await.unwrap();
+    }
+    wait_for_count(&ferry, &DELIVERED, 500, Duration::from_secs(60)).await;
+    relay.shutdown().await;
+    let now: Vec<(i64, String)> = sqlx::query_as("SELECT id, xmin::text FROM outbox ORDER BY id")
+        .fetch_all(&pool)
+        .await
+        .unwrap();
+    assert_eq!(now.len(), written.len());
+    let rewritten = now.iter().zip(&written).filter(|(a, b)| a != b).count();
+    assert_eq!(rewritten, 0, "outbox rows rewritten by the drain (a new xmin)");
+    let states = ferry_testkit::outbox_states(&pool).await;
+    assert!(states.iter().all(|(_, s)| s == "delivered"), "{states:?}");
+    let ranges = scalar(&ferry, "SELECT count(*) FROM outbox_delivered").await;
+    assert!((1..=500).contains(&ranges), "{ranges} ranges");
+    let recs = read_all(&broker.brokers(), "orders", false, Duration::from_secs(30)).await;
+    assert_eq!(distinct(&recs), 500, "every row reached Kafka");
+}
+
 /// What polling cannot do: with the relay stopped, the library commits a
 /// higher id of K, then a plain writer commits a lower one. The WAL holds
 /// the commits in that order, and a restarted relay resumes from its slot:
@@ -104,7 +154,7 @@ async fn wal_a_restart_resumes_from_the_slot_in_commit_order() {
     let pool = ferry.db().as_postgres().unwrap().clone();
     crate::relay::write_orders(&ferry, 100, 10).await;
     let relay = slot.start(slot.config(&url, &broker.brokers()), ferry.clone()).await;
-    let delivered = "SELECT count(*) FROM outbox WHERE state = 'delivered'";
+    let delivered = &format!("SELECT count(*) FROM {OUTBOX} WHERE state = 'delivered'");
     wait_for_count(&ferry, delivered, 100, Duration::from_secs(60)).await;
     relay.shutdown().await;
     let confirmed = confirmed_flush(&pool, &slot.name).await;
@@ -147,7 +197,7 @@ async fn wal_a_dropped_slot_is_made_anew_and_nothing_is_lost() {
     let pool = ferry.db().as_postgres().unwrap().clone();
     let relay = slot.start(slot.config(&url, &broker.brokers()), ferry.clone()).await;
     crate::relay::write_orders(&ferry, 100, 10).await;
-    let delivered = "SELECT count(*) FROM outbox WHERE state = 'delivered'";
+    let delivered = &format!("SELECT count(*) FROM {OUTBOX} WHERE state = 'delivered'");
     wait_for_count(&ferry, delivered, 100, Duration::from_secs(60)).await;
     let deadline = std::time::Instant::now() + Duration::from_secs(30);
     while !terminate_and_drop_slot(&pool, &slot.name).await {
@@ -175,7 +225,7 @@ async fn wal_a_missing_publication_is_created_and_nothing_is_lost() {
     let pool = ferry.db().as_postgres().unwrap().clone();
     let relay = slot.start(slot.config(&url, &broker.brokers()), ferry.clone()).await;
     crate::relay::write_orders(&ferry, 100, 10).await;
-    let delivered = "SELECT count(*) FROM outbox WHERE state = 'delivered'";
+    let delivered = &format!("SELECT count(*) FROM {OUTBOX} WHERE state = 'delivered'");
     wait_for_count(&ferry, delivered, 100, Duration::from_secs(60)).await;
     sqlx::query(&format!("DROP PUBLICATION {}", slot.name))
         .execute(&pool)
