@@ -61,12 +61,16 @@ ON CONFLICT ON CONSTRAINT relay_wal_slots_pkey
 DO UPDATE SET caught_up = true, updated_at = EXCLUDED.updated_at
 
 -- name: wal_pending_after [postgres only]
--- The catch-up read: pending rows above id $1 and up to $3, in id order
--- (the primary key).
-SELECT id, tenant, topic, key, payload, headers, effect_key, traceparent, created_at
-FROM outbox
-WHERE state = 'pending' AND id > $1 AND id <= $3
-ORDER BY id
+-- The catch-up read: pending rows above id $1 and up to $3 that no ledger
+-- range covers (a recovered slot publishes again only what was not
+-- delivered), in id order (the primary key). The covering range of an id is
+-- the one with the greatest lo <= id (ranges never overlap): one probe.
+SELECT o.id, o.tenant, o.topic, o.key, o.payload, o.headers, o.effect_key, o.traceparent, o.created_at
+FROM outbox o
+WHERE o.state = 'pending' AND o.id > $1 AND o.id <= $3
+  AND NOT COALESCE((SELECT d.hi FROM outbox_delivered d WHERE d.lo <= o.id
+                    ORDER BY d.lo DESC LIMIT 1) >= o.id, false)
+ORDER BY o.id
 LIMIT $2
 
 -- name: wal_ledger_lock [postgres only]
@@ -119,11 +123,15 @@ UPDATE outbox SET publish_attempts = publish_attempts + 1, last_error = $2
 WHERE id = $1 AND state = 'pending'
 
 -- name: wal_pending_ids [postgres only]
--- The rows a replay announced, still pending, in id order.
-SELECT id, tenant, topic, key, payload, headers, effect_key, traceparent, created_at
-FROM outbox
-WHERE id {ids $1} AND state = 'pending'
-ORDER BY id
+-- The rows a replay announced, still pending and not covered (a session
+-- reading the announcement again after an earlier one delivered them), in
+-- id order.
+SELECT o.id, o.tenant, o.topic, o.key, o.payload, o.headers, o.effect_key, o.traceparent, o.created_at
+FROM outbox o
+WHERE o.id {ids $1} AND o.state = 'pending'
+  AND NOT COALESCE((SELECT d.hi FROM outbox_delivered d WHERE d.lo <= o.id
+                    ORDER BY d.lo DESC LIMIT 1) >= o.id, false)
+ORDER BY o.id
 
 -- name: wal_states [postgres only]
 -- The rows of $1 this statement sees, with their state. Logical decoding

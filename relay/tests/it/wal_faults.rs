@@ -242,6 +242,10 @@ async fn wal_an_invalidated_slot_is_made_anew_and_the_undelivered_rows_are_publi
     let delivered = &format!("SELECT count(*) FROM {OUTBOX} WHERE state = 'delivered'");
     wait_for_count(&ferry, delivered, 100, Duration::from_secs(60)).await;
     relay.shutdown().await;
+    let first = scalar(&ferry, "SELECT max(id) FROM outbox").await;
+    let published = read_all(&broker.brokers(), "orders", false, Duration::from_secs(60))
+        .await
+        .len();
 
     enqueue(&ferry, 100, 300).await;
     pg.invalidate_slot("ferry_lost").await;
@@ -257,6 +261,11 @@ async fn wal_an_invalidated_slot_is_made_anew_and_the_undelivered_rows_are_publi
     assert_eq!(status, "reserved", "the slot was made anew and streams");
     relay.shutdown().await;
     let recs = read_all(&broker.brokers(), "orders", false, Duration::from_secs(60)).await;
+    let again = recs.iter().filter(|r| r.outbox_id() <= first).count();
+    assert_eq!(
+        again, published,
+        "the rows delivered before the slot was lost are not published again"
+    );
     let duplicates = nothing_lost(&recs, &all_ids(&ferry).await);
     eprintln!("invalidated slot: {duplicates} duplicates for 400 rows");
 }
