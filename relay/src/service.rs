@@ -72,6 +72,12 @@ fn not_refreshed(what: &str, e: &ferry::Error) {
 /// lane tick.
 pub const GAUGES_EVERY: Duration = Duration::from_secs(5);
 
+/// Ledger ranges a poll relay folds into row states per transaction at its
+/// start (`RelayStore::fold_delivered`): a range holds about a second of
+/// WAL capture's deliveries, so a transaction rewrites about this many
+/// seconds' worth of rows.
+pub const FOLD_BATCH: u32 = 16;
+
 /// A configured relay, not yet running: [`Relay::state`] gives tests and the
 /// demo its metrics before [`Relay::run`] starts it.
 pub struct Relay {
@@ -152,6 +158,15 @@ impl Relay {
         let listen_stop = CancellationToken::new();
         let polling = wal.is_none();
         if polling {
+            // After `--capture wal`: what its ledger covers becomes row
+            // states before the lanes start (they skip covered rows anyway).
+            let folded = store.fold_delivered(FOLD_BATCH).await?;
+            if folded > 0 {
+                tracing::info!(
+                    ranges = folded,
+                    "folded the WAL capture's delivered ranges into the outbox rows"
+                );
+            }
             tokio::spawn(listen_for_wakeups(
                 store.clone(),
                 owner.clone(),

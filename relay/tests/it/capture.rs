@@ -243,6 +243,75 @@ async fn wal_a_new_slot_publishes_only_the_rows_not_covered() {
     assert_eq!(recs.len(), 150, "no row was published twice");
 }
 
+/// A database switched back to polling after WAL capture: the rows WAL
+/// capture delivered are covered by the ledger and still `pending` in
+/// their rows. The poll relay folds the ledger at its start and publishes
+/// none of them again (Kafka holds each row once); every row reads
+/// delivered, and no range is left covering a row still `pending`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn wal_then_poll_publishes_nothing_twice() {
+    let broker = Kafka::start();
+    broker.create_topic("orders", 3);
+    let (ferry, url) = pg_ferry().await;
+    let slot = SlotGuard::new().await;
+    let pool = ferry.db().as_postgres().unwrap().clone();
+    let relay = slot.start(slot.config(&url, &broker.brokers()), ferry.clone()).await;
+    wait_for_streaming(&pool, &slot.name, None, Duration::from_secs(60)).await;
+    crate::relay::write_orders(&ferry, 100, 10).await;
+    wait_for_count(&ferry, &DELIVERED, 100, Duration::from_secs(60)).await;
+    relay.shutdown().await;
+    assert!(scalar(&ferry, "SELECT count(*) FROM outbox_delivered").await > 0);
+    let relay = start_relay(relay_config(&url, &broker.brokers()), ferry.clone()).await;
+    crate::relay::write_orders(&ferry, 20, 10).await;
+    wait_for_count(&ferry, &DELIVERED, 120, Duration::from_secs(60)).await;
+    relay.shutdown().await;
+    let states = ferry_testkit::outbox_states(&pool).await;
+    assert!(states.iter().all(|(_, s)| s == "delivered"), "{states:?}");
+    let left = scalar(
+        &ferry,
+        "SELECT count(*) FROM outbox o JOIN outbox_delivered d ON o.id BETWEEN d.lo AND d.hi \
+         WHERE o.state = 'pending'",
+    )
+    .await;
+    assert_eq!(left, 0, "a range covers a row still pending");
+    let recs = read_all(&broker.brokers(), "orders", false, Duration::from_secs(30)).await;
+    assert_eq!(distinct(&recs), 120, "every row reached Kafka");
+    assert_eq!(recs.len(), 120, "no row was published twice");
+}
+
+/// A poll relay beside WAL capture (or after it, before its fold): the
+/// lanes' reads and the wake-up probe skip rows a ledger range covers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn covered_rows_are_not_pending_to_the_lanes() {
+    let (ferry, _) = pg_ferry().await;
+    let pool = ferry.db().as_postgres().unwrap().clone();
+    let store = ferry_relay::store::RelayStore::new(ferry.clone());
+    let mut ids = Vec::new();
+    for i in 0..4 {
+        ids.push(plain_insert(&pool, 0, "k", &format!("{i}")).await);
+    }
+    store.wal_cover_delivered(&ids[..2]).await.unwrap();
+    let lanes = store
+        .acquire_lanes("relay-a", Duration::from_secs(30), 1)
+        .await
+        .unwrap();
+    assert_eq!(lanes[0].lane, 0);
+    let batch: Vec<i64> = store.pending_batch(0, 10).await.unwrap().iter().map(|r| r.id).collect();
+    assert_eq!(batch, ids[2..]);
+    let besides: Vec<i64> = store
+        .pending_besides(0, 10, &ids[2..3])
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.id)
+        .collect();
+    assert_eq!(besides, ids[3..]);
+    assert_eq!(store.lanes_with_pending("relay-a").await.unwrap(), vec![0]);
+    store.wal_cover_delivered(&ids[2..]).await.unwrap();
+    assert!(store.pending_batch(0, 10).await.unwrap().is_empty());
+    assert!(store.lanes_with_pending("relay-a").await.unwrap().is_empty());
+}
+
 /// The publication is dropped while the relay streams: PostgreSQL cannot
 /// decode past that point with a publication created later, so the relay
 /// creates the publication and a new slot and publishes the pending rows
