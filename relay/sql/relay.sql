@@ -117,10 +117,32 @@ WHERE lane = $1 AND id = $2 AND state = 'pending'
   AND EXISTS (SELECT 1 FROM relay_lanes l WHERE l.lane = $1 AND l.owner = $4 AND l.generation = $5)
 
 -- name: sweep_delivered
+-- Up to $3 rows delivered more than $2 ms ago: marked delivered (the
+-- delivered index), or still 'pending' in their row but covered by a ledger
+-- range delivered that long ago (`--capture wal`; the ledger's delivered_at
+-- index, then the rows by primary-key range). Nothing else is deleted.
 DELETE FROM outbox
 WHERE id IN (
-    SELECT id FROM outbox
-    WHERE state = 'delivered' AND delivered_at <= {now $1} - $2
+    SELECT id FROM (
+        SELECT id FROM outbox
+        WHERE state = 'delivered' AND delivered_at <= {now $1} - $2
+        UNION ALL
+        SELECT o.id FROM outbox_delivered d
+        JOIN outbox o ON o.id BETWEEN d.lo AND d.hi
+        WHERE d.delivered_at <= {now $1} - $2 AND o.state = 'pending'
+    ) AS due
+    LIMIT $3
+)
+
+-- name: sweep_delivered_ranges
+-- Then up to $3 ledger ranges delivered more than $2 ms ago that cover no
+-- pending row any more (their rows swept; a dead row needs no range).
+DELETE FROM outbox_delivered
+WHERE lo IN (
+    SELECT d.lo FROM outbox_delivered d
+    WHERE d.delivered_at <= {now $1} - $2
+      AND NOT EXISTS (SELECT 1 FROM outbox o
+                      WHERE o.id BETWEEN d.lo AND d.hi AND o.state = 'pending')
     LIMIT $3
 )
 

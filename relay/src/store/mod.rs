@@ -313,17 +313,35 @@ impl RelayStore {
         tx.finish(r).await
     }
 
-    /// Deletes up to `batch` rows delivered more than `retention` ago.
+    /// Deletes up to `batch` rows delivered more than `retention` ago:
+    /// marked delivered, or covered by a ledger range delivered that long
+    /// ago (`--capture wal` leaves its rows `pending` and covered). No
+    /// undelivered row (pending and not covered) and no dead row is deleted.
     pub async fn sweep_delivered(&self, retention: Duration, batch: u32) -> Result<u64> {
+        self.sweep(retention, batch, false).await
+    }
+
+    /// After [`Self::sweep_delivered`] found no more: deletes up to `batch`
+    /// ledger ranges delivered more than `retention` ago that cover no
+    /// pending row any more.
+    pub async fn sweep_delivered_ranges(&self, retention: Duration, batch: u32) -> Result<u64> {
+        self.sweep(retention, batch, true).await
+    }
+
+    async fn sweep(&self, retention: Duration, batch: u32, ranges: bool) -> Result<u64> {
         let ms = duration_ms(retention)?;
         Ok(on_pool!(self.db(), QUERIES, |p, q| {
-            sqlx::query(q.sweep_delivered)
-                .bind(self.now())
-                .bind(ms)
-                .bind(i64::from(batch))
-                .execute(p)
-                .await?
-                .rows_affected()
+            sqlx::query(if ranges {
+                q.sweep_delivered_ranges
+            } else {
+                q.sweep_delivered
+            })
+            .bind(self.now())
+            .bind(ms)
+            .bind(i64::from(batch))
+            .execute(p)
+            .await?
+            .rows_affected()
         }))
     }
 

@@ -312,6 +312,69 @@ async fn covered_rows_are_not_pending_to_the_lanes() {
     assert!(store.lanes_with_pending("relay-a").await.unwrap().is_empty());
 }
 
+/// Retention after WAL capture: rows the ledger covers (still `pending`
+/// in their rows) are swept with the rows marked delivered once their range
+/// is past the retention, in batches, then the ranges left covering
+/// nothing; a pending row no range covers and a dead row are never swept.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn retention_sweeps_covered_rows_then_their_ranges() {
+    let t = ferry_testkit::TestDb::with_clock(ferry::Engine::Postgres, ferry_testkit::manual_clock()).await;
+    let pool = t.ferry.db().as_postgres().unwrap().clone();
+    let store = ferry_relay::store::RelayStore::new(t.ferry.clone());
+    let mut ids = Vec::new();
+    for i in 0..8 {
+        ids.push(plain_insert(&pool, 0, "k", &format!("{i}")).await);
+    }
+    // Covered: 0-2 and 4-5; 3 pending and not covered; 6 dead; 7 marked
+    // delivered by a poll relay.
+    store
+        .wal_cover_delivered(&[ids[0], ids[1], ids[2], ids[4], ids[5]])
+        .await
+        .unwrap();
+    sqlx::query("UPDATE outbox SET state = 'dead' WHERE id = $1")
+        .bind(ids[6])
+        .execute(&pool)
+        .await
+        .unwrap();
+    sqlx::query("UPDATE outbox SET state = 'delivered', delivered_at = $2 WHERE id = $1")
+        .bind(ids[7])
+        .bind(ferry_testkit::T0)
+        .execute(&pool)
+        .await
+        .unwrap();
+    let retention = Duration::from_secs(3600);
+    let sweep = || async {
+        let mut rows = 0;
+        loop {
+            let n = store.sweep_delivered(retention, 2).await.unwrap();
+            rows += n;
+            if n < 2 {
+                break;
+            }
+        }
+        let ranges = store.sweep_delivered_ranges(retention, 2).await.unwrap();
+        (rows, ranges)
+    };
+    t.ferry.clock().advance(Duration::from_secs(3599)).unwrap();
+    assert_eq!(sweep().await, (0, 0), "nothing is past the retention yet");
+    t.ferry.clock().advance(Duration::from_secs(1)).unwrap();
+    assert_eq!(
+        sweep().await,
+        (6, 2),
+        "the covered rows, the delivered row, then the ranges"
+    );
+    let left: Vec<(i64, String)> = sqlx::query_as("SELECT id, state FROM outbox ORDER BY id")
+        .fetch_all(&pool)
+        .await
+        .unwrap();
+    assert_eq!(left, vec![(ids[3], "pending".into()), (ids[6], "dead".into())]);
+    assert_eq!(
+        t.scalar("SELECT count(*) FROM outbox_delivered").await,
+        0,
+        "the ledger is empty"
+    );
+}
+
 /// The publication is dropped while the relay streams: PostgreSQL cannot
 /// decode past that point with a publication created later, so the relay
 /// creates the publication and a new slot and publishes the pending rows
