@@ -134,8 +134,14 @@ WHERE o.id {ids $1} AND o.state = 'pending'
 ORDER BY o.id
 
 -- name: wal_states [postgres only]
--- The rows of $1 this statement sees, with their state. Logical decoding
--- can hand a commit over a moment before the transaction is visible to
--- new snapshots, so a row the stream carried may be missing here (or, for
--- a replay, still dead) for that moment.
-SELECT id, state FROM outbox WHERE id {ids $1}
+-- The rows of $1 this statement sees, with their state as every reader
+-- sees it: a pending row a ledger range covers is 'delivered'. Logical
+-- decoding can hand a commit over a moment before the transaction is
+-- visible to new snapshots, so a row the stream carried may be missing here
+-- (or, for a replay, still dead) for that moment.
+SELECT o.id,
+       CASE WHEN o.state = 'pending'
+                 AND COALESCE((SELECT d.hi FROM outbox_delivered d WHERE d.lo <= o.id
+                               ORDER BY d.lo DESC LIMIT 1) >= o.id, false)
+            THEN 'delivered' ELSE o.state END AS state
+FROM outbox o WHERE o.id {ids $1}

@@ -147,8 +147,9 @@ impl RelayStore {
 
     /// Records acknowledged rows `ids` as delivered in the ledger
     /// (`outbox_delivered`), in one transaction under the ledger's advisory
-    /// lock: the ranges near them are read, the ledger's `cover` says what to delete and insert, and no outbox row is written.
-    /// Returns how many of `ids` were not covered before (a republished
+    /// lock: the ranges near them are read, the ledger's `cover` says what
+    /// to delete and insert, and no outbox row is written. Returns how many
+    /// of `ids` were not covered before (a republished
     /// duplicate counts none). A row not visible yet needs no second look:
     /// covering a committed row is correct whether or not it is visible.
     pub async fn wal_cover_delivered(&self, ids: &[i64]) -> Result<u64> {
@@ -203,7 +204,8 @@ impl RelayStore {
     }
 
     /// The rows of `ids` visible now, with their state (`pending`,
-    /// `delivered`, `dead`).
+    /// `delivered`, `dead`) as every reader sees it: a pending row the
+    /// ledger covers is `delivered`.
     pub async fn wal_states(&self, ids: &[i64]) -> Result<Vec<(i64, String)>> {
         Ok(sqlx::query_as(Q.wal_states)
             .bind(ferry::store::Ids(ids))

@@ -280,9 +280,10 @@ async fn wal_then_poll_publishes_nothing_twice() {
 }
 
 /// A poll relay beside WAL capture (or after it, before its fold): the
-/// lanes' reads and the wake-up probe skip rows a ledger range covers.
+/// lanes' reads and the wake-up probe skip rows a ledger range covers, and
+/// so do WAL capture's catch-up read and its re-read of a replay.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn covered_rows_are_not_pending_to_the_lanes() {
+async fn covered_rows_are_not_pending_to_any_relay_read() {
     let (ferry, _) = pg_ferry().await;
     let pool = ferry.db().as_postgres().unwrap().clone();
     let store = ferry_relay::store::RelayStore::new(ferry.clone());
@@ -307,6 +308,19 @@ async fn covered_rows_are_not_pending_to_the_lanes() {
         .collect();
     assert_eq!(besides, ids[3..]);
     assert_eq!(store.lanes_with_pending("relay-a").await.unwrap(), vec![0]);
+    let after: Vec<i64> = store
+        .pending_after(0, i64::MAX, 10)
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.id)
+        .collect();
+    assert_eq!(after, ids[2..]);
+    let replayed: Vec<i64> = store.pending_ids(&ids).await.unwrap().iter().map(|r| r.id).collect();
+    assert_eq!(replayed, ids[2..]);
+    // Exactly once asks a streamed row's state before publishing it again.
+    let states = store.wal_states(&ids[1..3]).await.unwrap();
+    assert_eq!(states, vec![(ids[1], "delivered".into()), (ids[2], "pending".into())]);
     store.wal_cover_delivered(&ids[2..]).await.unwrap();
     assert!(store.pending_batch(0, 10).await.unwrap().is_empty());
     assert!(store.lanes_with_pending("relay-a").await.unwrap().is_empty());
