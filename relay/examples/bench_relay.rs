@@ -216,13 +216,17 @@ async fn seed(ferry: &Ferry, topic: &str, n: usize, size: usize) -> Res<()> {
     Ok(())
 }
 
-/// Waits until no row is pending (every row was written before the call).
+/// Waits until no row is pending (every row was written before the call),
+/// by the readers' meaning: a row WAL capture covered is delivered.
 async fn wait_delivered(ferry: &Ferry) -> Res<()> {
     let pool = ferry.db().as_postgres().ok_or("PostgreSQL only")?;
     loop {
-        let left: i64 = sqlx::query_scalar("SELECT count(*) FROM outbox WHERE state = 'pending'")
-            .fetch_one(pool)
-            .await?;
+        let left: i64 = sqlx::query_scalar(&format!(
+            "SELECT count(*) FROM {} WHERE state = 'pending'",
+            ferry_testkit::OUTBOX
+        ))
+        .fetch_one(pool)
+        .await?;
         if left == 0 {
             return Ok(());
         }
@@ -543,9 +547,12 @@ async fn bloat(brokers: &str, broker: &ferry_testkit::Kafka, quick: bool) -> Res
         let mut left: i64 = m as i64;
         while started.elapsed() < hold && left > 0 {
             tokio::time::sleep(Duration::from_millis(200)).await;
-            left = sqlx::query_scalar("SELECT count(*) FROM outbox WHERE state = 'pending'")
-                .fetch_one(&pool)
-                .await?;
+            left = sqlx::query_scalar(&format!(
+                "SELECT count(*) FROM {} WHERE state = 'pending'",
+                ferry_testkit::OUTBOX
+            ))
+            .fetch_one(&pool)
+            .await?;
         }
         let done = m as i64 - left;
         let rate = done as f64 / started.elapsed().as_secs_f64();

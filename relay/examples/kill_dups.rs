@@ -84,9 +84,12 @@ async fn main() -> Res<()> {
     let pool = ferry.db().as_postgres().ok_or("PostgreSQL only")?;
     let started = Instant::now();
     loop {
-        let left: i64 = sqlx::query_scalar("SELECT count(*) FROM outbox WHERE state = 'pending'")
-            .fetch_one(pool)
-            .await?;
+        let left: i64 = sqlx::query_scalar(&format!(
+            "SELECT count(*) FROM {} WHERE state = 'pending'",
+            ferry_testkit::OUTBOX
+        ))
+        .fetch_one(pool)
+        .await?;
         if left == 0 {
             break;
         }

@@ -47,10 +47,16 @@ WHERE lane = $1 AND owner = $2 AND generation = $3
 {pg:FOR SHARE}
 
 -- name: pending_batch
-SELECT id, tenant, topic, key, payload, headers, effect_key, traceparent, created_at
-FROM outbox
-WHERE lane = $1 AND state = 'pending'
-ORDER BY id
+-- The lane's first pending rows that no ledger range covers (a row `--capture
+-- wal` delivered is covered and stays 'pending' in its row until a fold or
+-- retention): the pending index, one ledger probe per row (none found when
+-- the ledger is empty, as on SQLite).
+SELECT o.id, o.tenant, o.topic, o.key, o.payload, o.headers, o.effect_key, o.traceparent, o.created_at
+FROM outbox o
+WHERE o.lane = $1 AND o.state = 'pending'
+  AND NOT COALESCE((SELECT d.hi FROM outbox_delivered d WHERE d.lo <= o.id
+                    ORDER BY d.lo DESC LIMIT 1) >= o.id, false)
+ORDER BY o.id
 LIMIT $2
 
 -- name: pending_besides
@@ -59,18 +65,24 @@ LIMIT $2
 -- drew a lower id but committed late must come before every later row of
 -- its key, and one statement that sees the later row also sees it (the
 -- per-key lock makes it commit first). The scan starts at the lane's lowest
--- pending id and skips at most the in-flight batch.
-SELECT id, tenant, topic, key, payload, headers, effect_key, traceparent, created_at
-FROM outbox
-WHERE lane = $1 AND state = 'pending' AND NOT (id {ids $3})
-ORDER BY id
+-- pending id and skips at most the in-flight batch. Covered rows are not
+-- pending (as in pending_batch).
+SELECT o.id, o.tenant, o.topic, o.key, o.payload, o.headers, o.effect_key, o.traceparent, o.created_at
+FROM outbox o
+WHERE o.lane = $1 AND o.state = 'pending' AND NOT (o.id {ids $3})
+  AND NOT COALESCE((SELECT d.hi FROM outbox_delivered d WHERE d.lo <= o.id
+                    ORDER BY d.lo DESC LIMIT 1) >= o.id, false)
+ORDER BY o.id
 LIMIT $2
 
 -- name: lanes_with_pending
--- The lanes $1 holds that have a pending row: one index probe per lane.
+-- The lanes $1 holds that have a pending row no ledger range covers: one
+-- index probe per lane (and one ledger probe per pending row it passes).
 SELECT l.lane FROM relay_lanes l
 WHERE l.owner = $1
-  AND EXISTS (SELECT 1 FROM outbox o WHERE o.lane = l.lane AND o.state = 'pending')
+  AND EXISTS (SELECT 1 FROM outbox o WHERE o.lane = l.lane AND o.state = 'pending'
+              AND NOT COALESCE((SELECT d.hi FROM outbox_delivered d WHERE d.lo <= o.id
+                                  ORDER BY d.lo DESC LIMIT 1) >= o.id, false))
 ORDER BY l.lane
 
 -- name: mark_delivered
@@ -105,9 +117,53 @@ WHERE lane = $1 AND id = $2 AND state = 'pending'
   AND EXISTS (SELECT 1 FROM relay_lanes l WHERE l.lane = $1 AND l.owner = $4 AND l.generation = $5)
 
 -- name: sweep_delivered
+-- Up to $3 rows delivered more than $2 ms ago: marked delivered (the
+-- delivered index), or still 'pending' in their row but covered by a ledger
+-- range delivered that long ago (`--capture wal`; the ledger's delivered_at
+-- index, then the rows by primary-key range). Nothing else is deleted.
 DELETE FROM outbox
 WHERE id IN (
-    SELECT id FROM outbox
-    WHERE state = 'delivered' AND delivered_at <= {now $1} - $2
+    SELECT id FROM (
+        SELECT id FROM outbox
+        WHERE state = 'delivered' AND delivered_at <= {now $1} - $2
+        UNION ALL
+        SELECT o.id FROM outbox_delivered d
+        JOIN outbox o ON o.id BETWEEN d.lo AND d.hi
+        WHERE d.delivered_at <= {now $1} - $2 AND o.state = 'pending'
+    ) AS due
     LIMIT $3
 )
+
+-- name: sweep_delivered_ranges
+-- Then up to $3 ledger ranges delivered more than $2 ms ago that cover no
+-- pending row any more (their rows swept; a dead row needs no range).
+DELETE FROM outbox_delivered
+WHERE lo IN (
+    SELECT d.lo FROM outbox_delivered d
+    WHERE d.delivered_at <= {now $1} - $2
+      AND NOT EXISTS (SELECT 1 FROM outbox o
+                      WHERE o.id BETWEEN d.lo AND d.hi AND o.state = 'pending')
+    LIMIT $3
+)
+
+-- name: fold_delivered_lock [postgres only]
+-- A poll relay's fold of the ledger starts here: the WAL marker's lock, so
+-- no range it folds is merged or extended meanwhile.
+SELECT pg_advisory_xact_lock(hashtextextended(current_schema() || '.outbox_delivered', 0))
+
+-- name: fold_delivered [postgres only]
+-- At a poll relay's start: the first $1 ledger ranges become row states
+-- (their pending rows delivered at the range's delivered_at, so the lanes'
+-- pending index stops carrying them), then those ranges, now covering no
+-- pending row, are deleted. Returns how many ranges were folded.
+WITH batch AS (
+    SELECT lo, hi, delivered_at FROM outbox_delivered ORDER BY lo LIMIT $1
+), folded AS (
+    UPDATE outbox o SET state = 'delivered', delivered_at = b.delivered_at
+    FROM batch b
+    WHERE o.id BETWEEN b.lo AND b.hi AND o.state = 'pending'
+), emptied AS (
+    DELETE FROM outbox_delivered d USING batch b WHERE d.lo = b.lo
+    RETURNING d.lo
+)
+SELECT count(*) FROM emptied

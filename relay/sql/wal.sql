@@ -2,6 +2,8 @@
 -- and publication catalogs, the catch-up read of the table, and the set-based
 -- marks that the WAL pipeline makes off its critical path. No lane fence: the
 -- replication slot is the fence (PostgreSQL lets one session stream from it).
+-- Delivered state is the ledger `outbox_delivered` (ranges of acknowledged
+-- ids, see its migration): the marker writes it and no outbox row.
 
 -- name: wal_capture_allowed [postgres only]
 -- Whether this role may stream logical replication here, and whose outbox it reads.
@@ -59,24 +61,54 @@ ON CONFLICT ON CONSTRAINT relay_wal_slots_pkey
 DO UPDATE SET caught_up = true, updated_at = EXCLUDED.updated_at
 
 -- name: wal_pending_after [postgres only]
--- The catch-up read: pending rows above id $1 and up to $3, in id order
--- (the primary key).
-SELECT id, tenant, topic, key, payload, headers, effect_key, traceparent, created_at
-FROM outbox
-WHERE state = 'pending' AND id > $1 AND id <= $3
-ORDER BY id
+-- The catch-up read: pending rows above id $1 and up to $3 that no ledger
+-- range covers (a recovered slot publishes again only what was not
+-- delivered), in id order (the primary key). The covering range of an id is
+-- the one with the greatest lo <= id (ranges never overlap): one probe.
+SELECT o.id, o.tenant, o.topic, o.key, o.payload, o.headers, o.effect_key, o.traceparent, o.created_at
+FROM outbox o
+WHERE o.state = 'pending' AND o.id > $1 AND o.id <= $3
+  AND NOT COALESCE((SELECT d.hi FROM outbox_delivered d WHERE d.lo <= o.id
+                    ORDER BY d.lo DESC LIMIT 1) >= o.id, false)
+ORDER BY o.id
 LIMIT $2
 
--- name: wal_mark_delivered [postgres only]
--- One set-based statement per group of acknowledged transactions, run by the
--- marker task, never by the publishing loop.
-UPDATE outbox
-SET state = 'delivered', delivered_at = {now $2},
-    publish_attempts = publish_attempts + 1
-WHERE id {ids $1} AND state = 'pending'
-RETURNING id
+-- name: wal_ledger_lock [postgres only]
+-- The marker's transaction starts here: one marker at a time on this
+-- schema's ledger (any session, any relay), so ranges never overlap. Returns
+-- the instant the acknowledged ids are recorded at.
+WITH locked AS (
+    SELECT pg_advisory_xact_lock(hashtextextended(current_schema() || '.outbox_delivered', 0))
+)
+SELECT {now $1} AS now FROM locked
+
+-- name: wal_ledger_near [postgres only]
+-- The ranges that overlap or touch one of the runs lo = $1[i], hi = $2[i]:
+-- per run, the range before it (the greatest lo below the run's) and those
+-- starting inside it or right after it, by primary key. Sorted by lo.
+SELECT DISTINCT d.lo, d.hi, d.delivered_at
+FROM unnest($1::bigint[], $2::bigint[]) AS r (lo, hi)
+CROSS JOIN LATERAL (
+    SELECT d.lo, d.hi, d.delivered_at FROM outbox_delivered d
+    WHERE d.lo >= COALESCE((SELECT b.lo FROM outbox_delivered b
+                            WHERE b.lo < r.lo ORDER BY b.lo DESC LIMIT 1), r.lo)
+      AND d.lo <= r.hi + 1
+) d
+WHERE d.hi >= r.lo - 1
+ORDER BY d.lo
+
+-- name: wal_ledger_delete [postgres only]
+-- The ranges a merge absorbed (by lo).
+DELETE FROM outbox_delivered WHERE lo {ids $1}
+
+-- name: wal_ledger_insert [postgres only]
+-- The new or merged ranges lo = $1[i], hi = $2[i], delivered_at = $3[i].
+INSERT INTO outbox_delivered (lo, hi, delivered_at)
+SELECT lo, hi, delivered_at FROM unnest($1::bigint[], $2::bigint[], $3::bigint[]) AS r (lo, hi, delivered_at)
 
 -- name: wal_delete_delivered [postgres only]
+-- `--delete-on-delivery`: the acknowledged rows are deleted instead of
+-- covered (a row not visible yet is looked for again by the marker).
 DELETE FROM outbox WHERE id {ids $1} AND state = 'pending'
 RETURNING id
 
@@ -91,15 +123,25 @@ UPDATE outbox SET publish_attempts = publish_attempts + 1, last_error = $2
 WHERE id = $1 AND state = 'pending'
 
 -- name: wal_pending_ids [postgres only]
--- The rows a replay announced, still pending, in id order.
-SELECT id, tenant, topic, key, payload, headers, effect_key, traceparent, created_at
-FROM outbox
-WHERE id {ids $1} AND state = 'pending'
-ORDER BY id
+-- The rows a replay announced, still pending and not covered (a session
+-- reading the announcement again after an earlier one delivered them), in
+-- id order.
+SELECT o.id, o.tenant, o.topic, o.key, o.payload, o.headers, o.effect_key, o.traceparent, o.created_at
+FROM outbox o
+WHERE o.id {ids $1} AND o.state = 'pending'
+  AND NOT COALESCE((SELECT d.hi FROM outbox_delivered d WHERE d.lo <= o.id
+                    ORDER BY d.lo DESC LIMIT 1) >= o.id, false)
+ORDER BY o.id
 
 -- name: wal_states [postgres only]
--- The rows of $1 this statement sees, with their state. Logical decoding
--- can hand a commit over a moment before the transaction is visible to
--- new snapshots, so a row the stream carried may be missing here (or, for
--- a replay, still dead) for that moment.
-SELECT id, state FROM outbox WHERE id {ids $1}
+-- The rows of $1 this statement sees, with their state as every reader
+-- sees it: a pending row a ledger range covers is 'delivered'. Logical
+-- decoding can hand a commit over a moment before the transaction is
+-- visible to new snapshots, so a row the stream carried may be missing here
+-- (or, for a replay, still dead) for that moment.
+SELECT o.id,
+       CASE WHEN o.state = 'pending'
+                 AND COALESCE((SELECT d.hi FROM outbox_delivered d WHERE d.lo <= o.id
+                               ORDER BY d.lo DESC LIMIT 1) >= o.id, false)
+            THEN 'delivered' ELSE o.state END AS state
+FROM outbox o WHERE o.id {ids $1}

@@ -72,6 +72,12 @@ fn not_refreshed(what: &str, e: &ferry::Error) {
 /// lane tick.
 pub const GAUGES_EVERY: Duration = Duration::from_secs(5);
 
+/// Ledger ranges a poll relay folds into row states per transaction at its
+/// start (`RelayStore::fold_delivered`): a range holds about a second of
+/// WAL capture's deliveries, so a transaction rewrites about this many
+/// seconds' worth of rows.
+pub const FOLD_BATCH: u32 = 16;
+
 /// A configured relay, not yet running: [`Relay::state`] gives tests and the
 /// demo its metrics before [`Relay::run`] starts it.
 pub struct Relay {
@@ -152,6 +158,15 @@ impl Relay {
         let listen_stop = CancellationToken::new();
         let polling = wal.is_none();
         if polling {
+            // After `--capture wal`: what its ledger covers becomes row
+            // states before the lanes start (they skip covered rows anyway).
+            let folded = store.fold_delivered(FOLD_BATCH).await?;
+            if folded > 0 {
+                tracing::info!(
+                    ranges = folded,
+                    "folded the WAL capture's delivered ranges into the outbox rows"
+                );
+            }
             tokio::spawn(listen_for_wakeups(
                 store.clone(),
                 owner.clone(),
@@ -311,8 +326,9 @@ impl Relay {
     }
 }
 
-/// Deletes delivered rows older than `retention`, 1000 per statement, every
-/// 30 s until `stop`.
+/// Deletes delivered rows older than `retention` (marked, or covered by
+/// the ledger), then the ledger ranges left covering none, 1000 per
+/// statement, every 30 s until `stop`. A failed statement ends that round.
 async fn sweep_delivered(store: RelayStore, retention: Duration, stop: CancellationToken) {
     let mut every = tokio::time::interval(Duration::from_secs(30));
     loop {
@@ -320,14 +336,28 @@ async fn sweep_delivered(store: RelayStore, retention: Duration, stop: Cancellat
             _ = every.tick() => {}
             _ = stop.cancelled() => return,
         }
-        loop {
-            match store.sweep_delivered(retention, 1000).await {
-                Ok(1000) if !stop.is_cancelled() => continue,
-                Ok(_) => break,
-                Err(e) => {
-                    tracing::warn!(error = %e, "retention sweep failed");
-                    break;
-                }
+        let rows_done = sweep_all(&stop, || store.sweep_delivered(retention, 1000)).await;
+        if rows_done {
+            sweep_all(&stop, || store.sweep_delivered_ranges(retention, 1000)).await;
+        }
+    }
+}
+
+/// Runs `sweep` (1000 per statement) until a statement deletes fewer or
+/// `stop`; `false` when it failed (logged) or was stopped.
+async fn sweep_all<F, Fut>(stop: &CancellationToken, mut sweep: F) -> bool
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = ferry::Result<u64>>,
+{
+    loop {
+        match sweep().await {
+            Ok(1000) if !stop.is_cancelled() => continue,
+            Ok(1000) => return false,
+            Ok(_) => return true,
+            Err(e) => {
+                tracing::warn!(error = %e, "retention sweep failed");
+                return false;
             }
         }
     }

@@ -3,17 +3,21 @@
 //! fresh PostgreSQL schema or SQLite file per test
 //! ([`fresh_database_url`]), a PostgreSQL cluster of a test's own that the
 //! test can stop and restart ([`PgCluster`], for database outages), and the
-//! `ferry-test-worker` binary the chaos tests SIGKILL mid-job. Every helper
+//! `ferry-test-worker` binary the chaos tests SIGKILL mid-job, and the
+//! outbox's states as its readers see them with the delivered-ranges ledger
+//! ([`OUTBOX`]). Every helper
 //! fails with a message naming what is missing; none lets a test pass
 //! without its service.
 
 mod db;
 mod harness;
 mod kafka;
+mod outbox;
 mod pg;
 mod watchdog;
 
 pub use db::{fresh_database_url, postgres_url, TestDbError};
 pub use harness::{fresh_url, manual_clock, TestDb, T0};
 pub use kafka::*;
+pub use outbox::{outbox_states, OUTBOX};
 pub use pg::PgCluster;

@@ -313,18 +313,67 @@ impl RelayStore {
         tx.finish(r).await
     }
 
-    /// Deletes up to `batch` rows delivered more than `retention` ago.
+    /// Deletes up to `batch` rows delivered more than `retention` ago:
+    /// marked delivered, or covered by a ledger range delivered that long
+    /// ago (`--capture wal` leaves its rows `pending` and covered). No
+    /// undelivered row (pending and not covered) and no dead row is deleted.
     pub async fn sweep_delivered(&self, retention: Duration, batch: u32) -> Result<u64> {
+        self.sweep(retention, batch, false).await
+    }
+
+    /// After [`Self::sweep_delivered`] found no more: deletes up to `batch`
+    /// ledger ranges delivered more than `retention` ago that cover no
+    /// pending row any more.
+    pub async fn sweep_delivered_ranges(&self, retention: Duration, batch: u32) -> Result<u64> {
+        self.sweep(retention, batch, true).await
+    }
+
+    async fn sweep(&self, retention: Duration, batch: u32, ranges: bool) -> Result<u64> {
         let ms = duration_ms(retention)?;
         Ok(on_pool!(self.db(), QUERIES, |p, q| {
-            sqlx::query(q.sweep_delivered)
-                .bind(self.now())
-                .bind(ms)
-                .bind(i64::from(batch))
-                .execute(p)
-                .await?
-                .rows_affected()
+            sqlx::query(if ranges {
+                q.sweep_delivered_ranges
+            } else {
+                q.sweep_delivered
+            })
+            .bind(self.now())
+            .bind(ms)
+            .bind(i64::from(batch))
+            .execute(p)
+            .await?
+            .rows_affected()
         }))
+    }
+
+    /// A poll relay's start after `--capture wal` (PostgreSQL; the ledger
+    /// is empty on SQLite): folds the delivered-ranges ledger into row
+    /// states, `batch` ranges per transaction under the WAL marker's lock
+    /// (a WAL relay beside this one keeps marking in between), so the
+    /// lanes' pending index stops carrying rows already delivered. Each
+    /// folded range's pending rows become `delivered` at its
+    /// `delivered_at`, then the range is deleted. Returns the ranges
+    /// folded. A database error is returned at once (a batch that did not
+    /// commit changed nothing).
+    pub async fn fold_delivered(&self, batch: u32) -> Result<u64> {
+        let Some(pool) = self.db().as_postgres() else {
+            return Ok(0);
+        };
+        let mut folded = 0;
+        loop {
+            let mut tx = pool.begin().await?;
+            sqlx::query(queries::POSTGRES_ONLY.fold_delivered_lock)
+                .execute(&mut *tx)
+                .await?;
+            let n: i64 = sqlx::query_scalar(queries::POSTGRES_ONLY.fold_delivered)
+                .bind(i64::from(batch))
+                .fetch_one(&mut *tx)
+                .await?;
+            tx.commit().await?;
+            folded += n as u64;
+            if n < i64::from(batch) {
+                return Ok(folded);
+            }
+        }
     }
 
     async fn lock_lane(&self, conn: Conn<'_>, owner: &str, lane: LaneLease) -> Result<()> {

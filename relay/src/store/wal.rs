@@ -145,25 +145,67 @@ impl RelayStore {
         Ok(Self::pending_rows(rows))
     }
 
-    /// Marks acknowledged rows delivered (or deletes them, with `delete`)
-    /// in one statement; returns the ids it changed (rows no longer
-    /// pending, or not visible yet, are left alone).
-    pub async fn wal_mark_delivered(&self, ids: &[i64], delete: bool) -> Result<Vec<i64>> {
+    /// Records acknowledged rows `ids` as delivered in the ledger
+    /// (`outbox_delivered`), in one transaction under the ledger's advisory
+    /// lock: the ranges near them are read, the ledger's `cover` says what
+    /// to delete and insert, and no outbox row is written. Returns how many
+    /// of `ids` were not covered before (a republished
+    /// duplicate counts none). A row not visible yet needs no second look:
+    /// covering a committed row is correct whether or not it is visible.
+    pub async fn wal_cover_delivered(&self, ids: &[i64]) -> Result<u64> {
+        let runs = crate::wal::ledger::runs(ids);
+        if runs.is_empty() {
+            return Ok(0);
+        }
+        let mut tx = self.pg()?.begin().await?;
+        let now: i64 = sqlx::query_scalar(Q.wal_ledger_lock)
+            .bind(self.ferry().clock().param())
+            .fetch_one(&mut *tx)
+            .await?;
+        let (los, his): (Vec<i64>, Vec<i64>) = runs.iter().copied().unzip();
+        let near: Vec<crate::wal::ledger::Range> = sqlx::query_as(Q.wal_ledger_near)
+            .bind(&los)
+            .bind(&his)
+            .fetch_all(&mut *tx)
+            .await?;
+        let change = crate::wal::ledger::cover(&runs, &near, now);
+        if !change.delete.is_empty() {
+            sqlx::query(Q.wal_ledger_delete)
+                .bind(ferry::store::Ids(&change.delete))
+                .execute(&mut *tx)
+                .await?;
+        }
+        if !change.insert.is_empty() {
+            let los: Vec<i64> = change.insert.iter().map(|r| r.lo).collect();
+            let his: Vec<i64> = change.insert.iter().map(|r| r.hi).collect();
+            let ats: Vec<i64> = change.insert.iter().map(|r| r.delivered_at).collect();
+            sqlx::query(Q.wal_ledger_insert)
+                .bind(&los)
+                .bind(&his)
+                .bind(&ats)
+                .execute(&mut *tx)
+                .await?;
+        }
+        tx.commit().await?;
+        Ok(change.newly_covered)
+    }
+
+    /// `--delete-on-delivery`: deletes acknowledged rows `ids` in one
+    /// statement; returns the ids it deleted (rows no longer pending, or not
+    /// visible yet, are left alone).
+    pub async fn wal_delete_delivered(&self, ids: &[i64]) -> Result<Vec<i64>> {
         if ids.is_empty() {
             return Ok(Vec::new());
         }
-        let q = if delete {
-            sqlx::query_scalar(Q.wal_delete_delivered).bind(ferry::store::Ids(ids))
-        } else {
-            sqlx::query_scalar(Q.wal_mark_delivered)
-                .bind(ferry::store::Ids(ids))
-                .bind(self.ferry().clock().param())
-        };
-        Ok(q.fetch_all(self.pg()?).await?)
+        Ok(sqlx::query_scalar(Q.wal_delete_delivered)
+            .bind(ferry::store::Ids(ids))
+            .fetch_all(self.pg()?)
+            .await?)
     }
 
     /// The rows of `ids` visible now, with their state (`pending`,
-    /// `delivered`, `dead`).
+    /// `delivered`, `dead`) as every reader sees it: a pending row the
+    /// ledger covers is `delivered`.
     pub async fn wal_states(&self, ids: &[i64]) -> Result<Vec<(i64, String)>> {
         Ok(sqlx::query_as(Q.wal_states)
             .bind(ferry::store::Ids(ids))

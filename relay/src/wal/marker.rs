@@ -1,7 +1,9 @@
 //! Delivered state without a per-row update on the publishing path: the
 //! marker task takes the acknowledged transactions in commit order,
-//! coalesces whatever has queued up into one set-based statement (up to
-//! [`MARK_MAX`] ids), and only after it committed lets the slot's confirmed
+//! coalesces whatever has queued up (up to [`MARK_MAX`] ids) into one
+//! transaction that records them as ranges in the ledger `outbox_delivered`
+//! (no outbox row is written; `--delete-on-delivery` deletes the rows
+//! instead), and only after it committed lets the slot's confirmed
 //! position move to the last transaction it covered. Publishing never
 //! waits for it, but for the room between them, counted in rows
 //! ([`MARK_ROOM`]), not transactions: a stream of one-row transactions
@@ -25,8 +27,9 @@ use tokio::task::JoinHandle;
 
 use crate::state::RelayState;
 
-/// How often, [`VISIBLE_WAIT`] apart, the marker looks again for rows the
-/// stream carried but its statement did not see yet.
+/// How often, [`VISIBLE_WAIT`] apart, a statement looks again for rows the
+/// stream carried but it did not see yet (`--delete-on-delivery`'s deletes,
+/// a replay's rows; covering needs no look).
 pub const VISIBLE_TRIES: u32 = 50;
 /// See [`VISIBLE_TRIES`].
 pub const VISIBLE_WAIT: Duration = Duration::from_millis(10);
@@ -138,18 +141,32 @@ pub(super) fn spawn(state: Arc<RelayState>, delete: bool, confirmed: watch::Send
     (Marks { tx, room }, task)
 }
 
-/// Marks `ids` delivered (deleted, with `delete`); a database error is
-/// returned at once. Logical decoding can hand a commit over a moment
-/// before the transaction is visible to new snapshots, so rows the
-/// statement did not find are looked for again, [`VISIBLE_WAIT`] apart,
-/// until each is visible and no longer pending, or [`VISIBLE_TRIES`] pass (a
-/// row an earlier mark of a republished duplicate deleted never shows up
-/// again).
-async fn mark(state: &RelayState, mut ids: Vec<i64>, delete: bool) -> ferry::Result<()> {
+/// Marks `ids` delivered: covers them in the ledger (one transaction, no
+/// outbox row written), or deletes them with `delete`. A database error is
+/// returned at once.
+async fn mark(state: &RelayState, ids: Vec<i64>, delete: bool) -> ferry::Result<()> {
+    if delete {
+        return delete_delivered(state, ids).await;
+    }
+    let started = Instant::now();
+    let covered = state.store.wal_cover_delivered(&ids).await?;
+    let t = &state.metrics.timings;
+    crate::metrics::Timings::add(&t.marks, &t.mark_ns, started.elapsed());
+    state.metrics.published.inc_by(covered);
+    Ok(())
+}
+
+/// `--delete-on-delivery`: deletes `ids`. Logical decoding can hand a
+/// commit over a moment before the transaction is visible to new
+/// snapshots, so rows the statement did not find are looked for again,
+/// [`VISIBLE_WAIT`] apart, until each is visible and no longer pending, or
+/// [`VISIBLE_TRIES`] pass (a row an earlier mark of a republished duplicate
+/// deleted never shows up again).
+async fn delete_delivered(state: &RelayState, mut ids: Vec<i64>) -> ferry::Result<()> {
     let mut tries = 0;
     while !ids.is_empty() {
         let started = Instant::now();
-        let marked = state.store.wal_mark_delivered(&ids, delete).await?;
+        let marked = state.store.wal_delete_delivered(&ids).await?;
         let t = &state.metrics.timings;
         crate::metrics::Timings::add(&t.marks, &t.mark_ns, started.elapsed());
         state.metrics.published.inc_by(marked.len() as u64);
@@ -208,26 +225,41 @@ mod tests {
         })
     }
 
-    /// Logical decoding can hand a commit over a moment before the
-    /// transaction is visible, and Kafka's acknowledgement can come back
-    /// inside that moment: a mark that found no pending row must look again
-    /// rather than take the row for marked (it would stay pending forever).
+    /// Inserts one pending outbox row in `c` (committed or not by the
+    /// caller) and returns its id.
+    async fn insert_row(c: &mut sqlx::PgConnection) -> i64 {
+        sqlx::query_scalar(
+            "INSERT INTO outbox (tenant, topic, key, lane, payload, headers, created_at)
+             VALUES ('acme', 'orders', 'k', 0, 'x', '{}'::jsonb, 0) RETURNING id",
+        )
+        .fetch_one(c)
+        .await
+        .unwrap()
+    }
+
+    /// The ledger's ranges, in order.
+    async fn ranges(pool: &sqlx::PgPool) -> Vec<(i64, i64, i64)> {
+        sqlx::query_as("SELECT lo, hi, delivered_at FROM outbox_delivered ORDER BY lo")
+            .fetch_all(pool)
+            .await
+            .unwrap()
+    }
+
+    /// `--delete-on-delivery`: logical decoding can hand a commit over a
+    /// moment before the transaction is visible, and Kafka's
+    /// acknowledgement can come back inside that moment: a delete that
+    /// found no pending row must look again rather than take the row for
+    /// deleted (it would stay pending forever).
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn a_row_visible_only_after_the_first_mark_is_still_marked() {
+    async fn a_row_visible_only_after_the_first_delete_is_still_deleted() {
         let t = ferry_testkit::TestDb::new(ferry::Engine::Postgres).await;
         let state = test_state(&t.ferry);
         let pool = t.ferry.db().as_postgres().unwrap().clone();
         let mut late = pool.begin().await.unwrap();
-        let id: i64 = sqlx::query_scalar(
-            "INSERT INTO outbox (tenant, topic, key, lane, payload, headers, created_at)
-             VALUES ('acme', 'orders', 'k', 0, 'x', '{}'::jsonb, 0) RETURNING id",
-        )
-        .fetch_one(&mut *late)
-        .await
-        .unwrap();
+        let id = insert_row(&mut late).await;
         let marking = {
             let state = state.clone();
-            tokio::spawn(async move { mark(&state, vec![id], false).await })
+            tokio::spawn(async move { mark(&state, vec![id], true).await })
         };
         // The first statement ran without seeing the row...
         let deadline = Instant::now() + Duration::from_secs(10);
@@ -238,12 +270,96 @@ mod tests {
         // ...then its transaction becomes visible.
         late.commit().await.unwrap();
         marking.await.unwrap().unwrap();
-        let row: String = sqlx::query_scalar("SELECT state FROM outbox WHERE id = $1")
+        let left: i64 = sqlx::query_scalar("SELECT count(*) FROM outbox WHERE id = $1")
             .bind(id)
             .fetch_one(&pool)
             .await
             .unwrap();
-        assert_eq!(row, "delivered");
+        assert_eq!(left, 0);
+    }
+
+    /// Covering needs no second look: a row whose transaction is not
+    /// visible yet is covered by the one transaction, and reads delivered
+    /// once visible, its own row never written.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_row_not_visible_yet_is_covered_at_once() {
+        let t = ferry_testkit::TestDb::new(ferry::Engine::Postgres).await;
+        let state = test_state(&t.ferry);
+        let pool = t.ferry.db().as_postgres().unwrap().clone();
+        let mut late = pool.begin().await.unwrap();
+        let id = insert_row(&mut late).await;
+        mark(&state, vec![id], false).await.unwrap();
+        let timings = &state.metrics.timings;
+        assert_eq!(timings.marks.load(Ordering::Relaxed), 1);
+        assert_eq!(timings.mark_retries.load(Ordering::Relaxed), 0);
+        late.commit().await.unwrap();
+        assert_eq!(
+            ferry_testkit::outbox_states(&pool).await,
+            vec![(id, "delivered".to_string())]
+        );
+        let raw: String = sqlx::query_scalar("SELECT state FROM outbox WHERE id = $1")
+            .bind(id)
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+        assert_eq!(raw, "pending", "the outbox row is not rewritten");
+    }
+
+    /// The ledger through real marks, on an injected clock: consecutive
+    /// ids are one range, an id not acknowledged splits them, a republished
+    /// set adds nothing, and a run touching a range merges with it only in
+    /// the same second.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn marks_write_ranges_that_never_cover_an_unacknowledged_id() {
+        let t = ferry_testkit::TestDb::with_clock(ferry::Engine::Postgres, ferry_testkit::manual_clock()).await;
+        let state = test_state(&t.ferry);
+        let pool = t.ferry.db().as_postgres().unwrap().clone();
+        let store = &state.store;
+        let t0 = ferry_testkit::T0;
+        assert_eq!(store.wal_cover_delivered(&[3, 1, 2, 5, 6]).await.unwrap(), 5);
+        assert_eq!(ranges(&pool).await, vec![(1, 3, t0), (5, 6, t0)]);
+        // Republished: nothing new, nothing written.
+        assert_eq!(store.wal_cover_delivered(&[1, 2, 5]).await.unwrap(), 0);
+        assert_eq!(ranges(&pool).await, vec![(1, 3, t0), (5, 6, t0)]);
+        // 999 ms later, the same second: 4 fills the hole and 7 extends.
+        t.ferry.clock().advance(Duration::from_millis(999)).unwrap();
+        assert_eq!(store.wal_cover_delivered(&[4, 7, 2]).await.unwrap(), 2);
+        assert_eq!(ranges(&pool).await, vec![(1, 7, t0 + 999)]);
+        // The next second: a range of its own beside it.
+        t.ferry.clock().advance(Duration::from_millis(1)).unwrap();
+        assert_eq!(store.wal_cover_delivered(&[8, 9, 11]).await.unwrap(), 3);
+        assert_eq!(
+            ranges(&pool).await,
+            vec![(1, 7, t0 + 999), (8, 9, t0 + 1000), (11, 11, t0 + 1000)]
+        );
+    }
+
+    /// Markers of several sessions at once (a republished set racing its
+    /// first mark) serialize on the ledger's lock: no error, no range
+    /// overlapping another, every id covered once.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn concurrent_marks_never_overlap() {
+        let t = ferry_testkit::TestDb::new(ferry::Engine::Postgres).await;
+        let state = test_state(&t.ferry);
+        let pool = t.ferry.db().as_postgres().unwrap().clone();
+        let marks: Vec<_> = (0..8)
+            .map(|k| {
+                let state = state.clone();
+                let ids: Vec<i64> = (1..=400).filter(|i| i % 4 != k % 4 || k >= 4).collect();
+                tokio::spawn(async move { state.store.wal_cover_delivered(&ids).await })
+            })
+            .collect();
+        let mut covered = 0;
+        for m in marks {
+            covered += m.await.unwrap().unwrap();
+        }
+        assert_eq!(covered, 400, "each id counted once");
+        let ranges = ranges(&pool).await;
+        for w in ranges.windows(2) {
+            assert!(w[0].1 < w[1].0, "{:?} overlaps {:?}", w[0], w[1]);
+        }
+        let total: i64 = ranges.iter().map(|r| r.1 - r.0 + 1).sum();
+        assert_eq!((ranges[0].0, ranges[ranges.len() - 1].1, total), (1, 400, 400));
     }
 
     /// The marker ends at a database error while the stream waits for room
@@ -278,8 +394,8 @@ mod tests {
         task.await.unwrap();
     }
 
-    /// A republished duplicate (its row marked by an earlier session) is
-    /// found settled after the first statement: no statement runs again,
+    /// `--delete-on-delivery`: a republished duplicate (its row settled
+    /// before) is found settled after the first statement: no statement runs again,
     /// so none is counted as one for rows not yet visible, and the marker
     /// does not wait [`VISIBLE_WAIT`] for nothing.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -295,7 +411,7 @@ mod tests {
         .await
         .unwrap();
         let started = Instant::now();
-        mark(&state, vec![id], false).await.unwrap();
+        mark(&state, vec![id], true).await.unwrap();
         let t = &state.metrics.timings;
         assert_eq!(t.marks.load(Ordering::Relaxed), 1, "one statement ran");
         assert_eq!(

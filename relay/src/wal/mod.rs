@@ -11,8 +11,9 @@
 //!   position moves only past transactions whose every record Kafka
 //!   acknowledged and whose rows are marked delivered, so a restart (or a
 //!   standby taking over) resumes from the slot and loses nothing.
-//! - **Delivered state** is written by a marker task in set-based
-//!   statements off the publishing path (`marker`).
+//! - **Delivered state** is written by a marker task off the publishing
+//!   path (`marker`): ranges of acknowledged ids in the ledger
+//!   `outbox_delivered` (`ledger`), never a rewrite of the outbox rows.
 //! - **Fencing.** PostgreSQL lets one session stream from a slot; a standby
 //!   relay finds it in use, waits and retries, and takes over when the
 //!   active relay's session ends.
@@ -27,7 +28,7 @@
 //!
 //! The parts: `connect` (the replication settings from the database URL and
 //! the classification of how a session ends), `pgoutput` (decoding rows),
-//! `pipeline` (produce, count acknowledgements per transaction, hand
+//! `ledger` (the ranges one mark writes), `pipeline` (produce, count acknowledgements per transaction, hand
 //! settled transactions on in commit order; its `transactional` part is
 //! exactly once), `marker`, and `session` (one session, start to end). [`run`] is
 //! the loop over sessions.
@@ -46,6 +47,7 @@ use crate::state::RelayState;
 use crate::store::RelayStore;
 
 mod connect;
+pub(crate) mod ledger;
 mod marker;
 mod pgoutput;
 mod pipeline;

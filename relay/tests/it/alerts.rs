@@ -57,7 +57,7 @@ async fn the_backlog_alert_fires_in_prometheus_while_the_broker_is_down() {
     // Healthy: ready, and a fresh row reaches the broker.
     readyz_until(&relay, "200", Duration::from_secs(60)).await;
     enqueue(&ferry, 0).await;
-    wait_for_count(&ferry, DELIVERED, 1, Duration::from_secs(60)).await;
+    wait_for_count(&ferry, &DELIVERED, 1, Duration::from_secs(60)).await;
 
     let prometheus = Prometheus::start(relay.addr, &rules).await;
     // Scraped: the target is up and the gauge is stored.
@@ -107,7 +107,11 @@ async fn the_backlog_alert_fires_in_prometheus_while_the_broker_is_down() {
         .until_rule("the alert firing", |r| r["state"] == "firing")
         .await;
     assert_eq!(
-        scalar(&ferry, "SELECT count(*) FROM outbox WHERE state = 'pending'").await,
+        scalar(
+            &ferry,
+            &format!("SELECT count(*) FROM {OUTBOX} WHERE state = 'pending'")
+        )
+        .await,
         5,
         "the arriving rows wait for the broker"
     );
@@ -125,7 +129,7 @@ async fn the_backlog_alert_fires_in_prometheus_while_the_broker_is_down() {
 
     // The broker is back: the rows are delivered and the alert resolves.
     tokio::task::block_in_place(|| broker.restart());
-    wait_for_count(&ferry, DELIVERED, 6, Duration::from_secs(120)).await;
+    wait_for_count(&ferry, &DELIVERED, 6, Duration::from_secs(120)).await;
     prometheus
         .until_rule("the alert resolved", |r| r["state"] == "inactive")
         .await;

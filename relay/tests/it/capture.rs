@@ -46,7 +46,7 @@ async fn a_plain_writer_and_the_library_keep_commit_order(capture: Capture) {
     // The relay streams before the late transaction opens: a new slot
     // waits for every transaction in progress when it is made.
     crate::relay::write_orders(&ferry, 1, 1).await;
-    let delivered = "SELECT count(*) FROM outbox WHERE state = 'delivered'";
+    let delivered = &format!("SELECT count(*) FROM {OUTBOX} WHERE state = 'delivered'");
     wait_for_count(&ferry, delivered, 1, Duration::from_secs(60)).await;
     let others = {
         let ferry = ferry.clone();
@@ -68,7 +68,7 @@ async fn a_plain_writer_and_the_library_keep_commit_order(capture: Capture) {
         assert!(higher > lower);
         wait_for_count(
             &ferry,
-            &format!("SELECT count(*) FROM outbox WHERE id = {higher} AND state = 'delivered'"),
+            &format!("SELECT count(*) FROM {OUTBOX} WHERE id = {higher} AND state = 'delivered'"),
             1,
             Duration::from_secs(30),
         )
@@ -90,6 +90,56 @@ async fn a_plain_writer_and_the_library_keep_commit_order(capture: Capture) {
 
 in_both_capture_modes!(a_plain_writer_and_the_library_keep_commit_order);
 
+/// Issue #20: a WAL drain writes no outbox row. Delivery is recorded as
+/// ranges in the ledger, so every row keeps the version its writer's
+/// transaction made (`xmin` unchanged: an UPDATE would make a new one),
+/// reads delivered through the ledger, and reaches Kafka once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn wal_a_drain_rewrites_no_outbox_row() {
+    let broker = Kafka::start();
+    broker.create_topic("orders", 3);
+    let (ferry, url) = pg_ferry().await;
+    let slot = SlotGuard::new().await;
+    let pool = ferry.db().as_postgres().unwrap().clone();
+    let relay = slot.start(slot.config(&url, &broker.brokers()), ferry.clone()).await;
+    wait_for_streaming(&pool, &slot.name, None, Duration::from_secs(60)).await;
+    let mut written: Vec<(i64, String)> = Vec::new();
+    for t in 0..10 {
+        let mut tx = pool.begin().await.unwrap();
+        for i in 0..50 {
+            let key = format!("k-{}", i % 7);
+            let lane = ferry::outbox::lane_for(&key, ferry.lanes());
+            plain_insert(&mut *tx, lane, &key, &format!("{t}/{i}")).await;
+        }
+        // Uncommitted, these rows are this transaction's alone: their xmin
+        // is its id.
+        let ours: Vec<(i64, String)> = sqlx::query_as(
+            "SELECT id, xmin::text FROM outbox WHERE xmin::text = pg_current_xact_id()::text ORDER BY id",
+        )
+        .fetch_all(&mut *tx)
+        .await
+        .unwrap();
+        assert_eq!(ours.len(), 50);
+        written.extend(ours);
+        tx.commit().await.unwrap();
+    }
+    wait_for_count(&ferry, &DELIVERED, 500, Duration::from_secs(60)).await;
+    relay.shutdown().await;
+    let now: Vec<(i64, String)> = sqlx::query_as("SELECT id, xmin::text FROM outbox ORDER BY id")
+        .fetch_all(&pool)
+        .await
+        .unwrap();
+    assert_eq!(now.len(), written.len());
+    let rewritten = now.iter().zip(&written).filter(|(a, b)| a != b).count();
+    assert_eq!(rewritten, 0, "outbox rows rewritten by the drain (a new xmin)");
+    let states = ferry_testkit::outbox_states(&pool).await;
+    assert!(states.iter().all(|(_, s)| s == "delivered"), "{states:?}");
+    let ranges = scalar(&ferry, "SELECT count(*) FROM outbox_delivered").await;
+    assert!((1..=500).contains(&ranges), "{ranges} ranges");
+    let recs = read_all(&broker.brokers(), "orders", false, Duration::from_secs(30)).await;
+    assert_eq!(distinct(&recs), 500, "every row reached Kafka");
+}
+
 /// What polling cannot do: with the relay stopped, the library commits a
 /// higher id of K, then a plain writer commits a lower one. The WAL holds
 /// the commits in that order, and a restarted relay resumes from its slot:
@@ -104,7 +154,7 @@ async fn wal_a_restart_resumes_from_the_slot_in_commit_order() {
     let pool = ferry.db().as_postgres().unwrap().clone();
     crate::relay::write_orders(&ferry, 100, 10).await;
     let relay = slot.start(slot.config(&url, &broker.brokers()), ferry.clone()).await;
-    let delivered = "SELECT count(*) FROM outbox WHERE state = 'delivered'";
+    let delivered = &format!("SELECT count(*) FROM {OUTBOX} WHERE state = 'delivered'");
     wait_for_count(&ferry, delivered, 100, Duration::from_secs(60)).await;
     relay.shutdown().await;
     let confirmed = confirmed_flush(&pool, &slot.name).await;
@@ -147,7 +197,7 @@ async fn wal_a_dropped_slot_is_made_anew_and_nothing_is_lost() {
     let pool = ferry.db().as_postgres().unwrap().clone();
     let relay = slot.start(slot.config(&url, &broker.brokers()), ferry.clone()).await;
     crate::relay::write_orders(&ferry, 100, 10).await;
-    let delivered = "SELECT count(*) FROM outbox WHERE state = 'delivered'";
+    let delivered = &format!("SELECT count(*) FROM {OUTBOX} WHERE state = 'delivered'");
     wait_for_count(&ferry, delivered, 100, Duration::from_secs(60)).await;
     let deadline = std::time::Instant::now() + Duration::from_secs(30);
     while !terminate_and_drop_slot(&pool, &slot.name).await {
@@ -160,6 +210,183 @@ async fn wal_a_dropped_slot_is_made_anew_and_nothing_is_lost() {
     relay.shutdown().await;
     let recs = read_all(&broker.brokers(), "orders", false, Duration::from_secs(30)).await;
     assert_eq!(distinct(&recs), 250, "every row reached Kafka");
+}
+
+/// Rows delivered through a first slot are covered by the ledger and still
+/// `pending` in their rows; the slot is dropped and rows are written while
+/// it is gone. The new slot's catch-up read publishes only the rows not
+/// covered: Kafka holds each row once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn wal_a_new_slot_publishes_only_the_rows_not_covered() {
+    let broker = Kafka::start();
+    broker.create_topic("orders", 3);
+    let (ferry, url) = pg_ferry().await;
+    let slot = SlotGuard::new().await;
+    let pool = ferry.db().as_postgres().unwrap().clone();
+    let relay = slot.start(slot.config(&url, &broker.brokers()), ferry.clone()).await;
+    // Streaming before the rows commit: none is both read from the table
+    // and streamed by the first slot.
+    wait_for_streaming(&pool, &slot.name, None, Duration::from_secs(60)).await;
+    crate::relay::write_orders(&ferry, 100, 10).await;
+    wait_for_count(&ferry, &DELIVERED, 100, Duration::from_secs(60)).await;
+    relay.shutdown().await;
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while !terminate_and_drop_slot(&pool, &slot.name).await {
+        assert!(std::time::Instant::now() < deadline, "could not drop the slot");
+    }
+    crate::relay::write_orders(&ferry, 50, 10).await;
+    let relay = slot.start(slot.config(&url, &broker.brokers()), ferry.clone()).await;
+    wait_for_count(&ferry, &DELIVERED, 150, Duration::from_secs(60)).await;
+    relay.shutdown().await;
+    let recs = read_all(&broker.brokers(), "orders", false, Duration::from_secs(30)).await;
+    assert_eq!(distinct(&recs), 150, "every row reached Kafka");
+    assert_eq!(recs.len(), 150, "no row was published twice");
+}
+
+/// A database switched back to polling after WAL capture: the rows WAL
+/// capture delivered are covered by the ledger and still `pending` in
+/// their rows. The poll relay folds the ledger at its start and publishes
+/// none of them again (Kafka holds each row once); every row reads
+/// delivered, and no range is left covering a row still `pending`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn wal_then_poll_publishes_nothing_twice() {
+    let broker = Kafka::start();
+    broker.create_topic("orders", 3);
+    let (ferry, url) = pg_ferry().await;
+    let slot = SlotGuard::new().await;
+    let pool = ferry.db().as_postgres().unwrap().clone();
+    let relay = slot.start(slot.config(&url, &broker.brokers()), ferry.clone()).await;
+    wait_for_streaming(&pool, &slot.name, None, Duration::from_secs(60)).await;
+    crate::relay::write_orders(&ferry, 100, 10).await;
+    wait_for_count(&ferry, &DELIVERED, 100, Duration::from_secs(60)).await;
+    relay.shutdown().await;
+    assert!(scalar(&ferry, "SELECT count(*) FROM outbox_delivered").await > 0);
+    let relay = start_relay(relay_config(&url, &broker.brokers()), ferry.clone()).await;
+    crate::relay::write_orders(&ferry, 20, 10).await;
+    wait_for_count(&ferry, &DELIVERED, 120, Duration::from_secs(60)).await;
+    relay.shutdown().await;
+    let states = ferry_testkit::outbox_states(&pool).await;
+    assert!(states.iter().all(|(_, s)| s == "delivered"), "{states:?}");
+    let left = scalar(
+        &ferry,
+        "SELECT count(*) FROM outbox o JOIN outbox_delivered d ON o.id BETWEEN d.lo AND d.hi \
+         WHERE o.state = 'pending'",
+    )
+    .await;
+    assert_eq!(left, 0, "a range covers a row still pending");
+    let recs = read_all(&broker.brokers(), "orders", false, Duration::from_secs(30)).await;
+    assert_eq!(distinct(&recs), 120, "every row reached Kafka");
+    assert_eq!(recs.len(), 120, "no row was published twice");
+}
+
+/// A poll relay beside WAL capture (or after it, before its fold): the
+/// lanes' reads and the wake-up probe skip rows a ledger range covers, and
+/// so do WAL capture's catch-up read and its re-read of a replay.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn covered_rows_are_not_pending_to_any_relay_read() {
+    let (ferry, _) = pg_ferry().await;
+    let pool = ferry.db().as_postgres().unwrap().clone();
+    let store = ferry_relay::store::RelayStore::new(ferry.clone());
+    let mut ids = Vec::new();
+    for i in 0..4 {
+        ids.push(plain_insert(&pool, 0, "k", &format!("{i}")).await);
+    }
+    store.wal_cover_delivered(&ids[..2]).await.unwrap();
+    let lanes = store
+        .acquire_lanes("relay-a", Duration::from_secs(30), 1)
+        .await
+        .unwrap();
+    assert_eq!(lanes[0].lane, 0);
+    let batch: Vec<i64> = store.pending_batch(0, 10).await.unwrap().iter().map(|r| r.id).collect();
+    assert_eq!(batch, ids[2..]);
+    let besides: Vec<i64> = store
+        .pending_besides(0, 10, &ids[2..3])
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.id)
+        .collect();
+    assert_eq!(besides, ids[3..]);
+    assert_eq!(store.lanes_with_pending("relay-a").await.unwrap(), vec![0]);
+    let after: Vec<i64> = store
+        .pending_after(0, i64::MAX, 10)
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.id)
+        .collect();
+    assert_eq!(after, ids[2..]);
+    let replayed: Vec<i64> = store.pending_ids(&ids).await.unwrap().iter().map(|r| r.id).collect();
+    assert_eq!(replayed, ids[2..]);
+    // Exactly once asks a streamed row's state before publishing it again.
+    let states = store.wal_states(&ids[1..3]).await.unwrap();
+    assert_eq!(states, vec![(ids[1], "delivered".into()), (ids[2], "pending".into())]);
+    store.wal_cover_delivered(&ids[2..]).await.unwrap();
+    assert!(store.pending_batch(0, 10).await.unwrap().is_empty());
+    assert!(store.lanes_with_pending("relay-a").await.unwrap().is_empty());
+}
+
+/// Retention after WAL capture: rows the ledger covers (still `pending`
+/// in their rows) are swept with the rows marked delivered once their range
+/// is past the retention, in batches, then the ranges left covering
+/// nothing; a pending row no range covers and a dead row are never swept.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn retention_sweeps_covered_rows_then_their_ranges() {
+    let t = ferry_testkit::TestDb::with_clock(ferry::Engine::Postgres, ferry_testkit::manual_clock()).await;
+    let pool = t.ferry.db().as_postgres().unwrap().clone();
+    let store = ferry_relay::store::RelayStore::new(t.ferry.clone());
+    let mut ids = Vec::new();
+    for i in 0..8 {
+        ids.push(plain_insert(&pool, 0, "k", &format!("{i}")).await);
+    }
+    // Covered: 0-2 and 4-5; 3 pending and not covered; 6 dead; 7 marked
+    // delivered by a poll relay.
+    store
+        .wal_cover_delivered(&[ids[0], ids[1], ids[2], ids[4], ids[5]])
+        .await
+        .unwrap();
+    sqlx::query("UPDATE outbox SET state = 'dead' WHERE id = $1")
+        .bind(ids[6])
+        .execute(&pool)
+        .await
+        .unwrap();
+    sqlx::query("UPDATE outbox SET state = 'delivered', delivered_at = $2 WHERE id = $1")
+        .bind(ids[7])
+        .bind(ferry_testkit::T0)
+        .execute(&pool)
+        .await
+        .unwrap();
+    let retention = Duration::from_secs(3600);
+    let sweep = || async {
+        let mut rows = 0;
+        loop {
+            let n = store.sweep_delivered(retention, 2).await.unwrap();
+            rows += n;
+            if n < 2 {
+                break;
+            }
+        }
+        let ranges = store.sweep_delivered_ranges(retention, 2).await.unwrap();
+        (rows, ranges)
+    };
+    t.ferry.clock().advance(Duration::from_secs(3599)).unwrap();
+    assert_eq!(sweep().await, (0, 0), "nothing is past the retention yet");
+    t.ferry.clock().advance(Duration::from_secs(1)).unwrap();
+    assert_eq!(
+        sweep().await,
+        (6, 2),
+        "the covered rows, the delivered row, then the ranges"
+    );
+    let left: Vec<(i64, String)> = sqlx::query_as("SELECT id, state FROM outbox ORDER BY id")
+        .fetch_all(&pool)
+        .await
+        .unwrap();
+    assert_eq!(left, vec![(ids[3], "pending".into()), (ids[6], "dead".into())]);
+    assert_eq!(
+        t.scalar("SELECT count(*) FROM outbox_delivered").await,
+        0,
+        "the ledger is empty"
+    );
 }
 
 /// The publication is dropped while the relay streams: PostgreSQL cannot
@@ -175,7 +402,7 @@ async fn wal_a_missing_publication_is_created_and_nothing_is_lost() {
     let pool = ferry.db().as_postgres().unwrap().clone();
     let relay = slot.start(slot.config(&url, &broker.brokers()), ferry.clone()).await;
     crate::relay::write_orders(&ferry, 100, 10).await;
-    let delivered = "SELECT count(*) FROM outbox WHERE state = 'delivered'";
+    let delivered = &format!("SELECT count(*) FROM {OUTBOX} WHERE state = 'delivered'");
     wait_for_count(&ferry, delivered, 100, Duration::from_secs(60)).await;
     sqlx::query(&format!("DROP PUBLICATION {}", slot.name))
         .execute(&pool)

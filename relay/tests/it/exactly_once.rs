@@ -74,7 +74,11 @@ async fn exactly_once_survives_sigkill_crash_after_commit_and_zombies() {
     );
     let status = child.wait().unwrap();
     assert_eq!(status.signal(), Some(6), "the failpoint aborted the relay ({status})");
-    let unmarked_but_published = scalar(&ferry, "SELECT count(*) FROM outbox WHERE state = 'pending'").await;
+    let unmarked_but_published = scalar(
+        &ferry,
+        &format!("SELECT count(*) FROM {OUTBOX} WHERE state = 'pending'"),
+    )
+    .await;
     assert!(unmarked_but_published > 0, "the crash left rows pending");
 
     // 2. SIGKILL mid-stream, five times, while rows are being written.
@@ -121,7 +125,13 @@ async fn exactly_once_survives_sigkill_crash_after_commit_and_zombies() {
     recs.extend(more);
     // Drain until every row is marked, then read what is left in Kafka.
     let start = Instant::now();
-    while scalar(&ferry, "SELECT count(*) FROM outbox WHERE state = 'pending'").await > 0 {
+    while scalar(
+        &ferry,
+        &format!("SELECT count(*) FROM {OUTBOX} WHERE state = 'pending'"),
+    )
+    .await
+        > 0
+    {
         assert!(start.elapsed() < Duration::from_secs(60), "rows stay pending");
         tokio::task::yield_now().await;
     }
@@ -347,7 +357,7 @@ async fn another_producers_open_transaction_never_makes_a_takeover_publish_again
     // The new owner takes the lane while the other transaction is open: it
     // waits for it, and says so; it must not publish the rows again.
     let relay = start_relay(cfg, ferry.clone()).await;
-    let pending = "SELECT count(*) FROM outbox WHERE state = 'pending'";
+    let pending = &format!("SELECT count(*) FROM {OUTBOX} WHERE state = 'pending'");
     let start = Instant::now();
     while relay.state.metrics.takeover_waits.get() == 0 && scalar(&ferry, pending).await > 0 {
         assert!(

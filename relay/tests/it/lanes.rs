@@ -13,7 +13,13 @@ use ferry_testkit::Kafka;
 
 async fn delivered_within(ferry: &ferry::Ferry, want: i64, limit: Duration, what: &str) {
     let start = Instant::now();
-    while scalar(ferry, "SELECT count(*) FROM outbox WHERE state = 'delivered'").await < want {
+    while scalar(
+        ferry,
+        &format!("SELECT count(*) FROM {OUTBOX} WHERE state = 'delivered'"),
+    )
+    .await
+        < want
+    {
         assert!(start.elapsed() < limit, "{what}");
         tokio::task::yield_now().await;
     }

@@ -66,7 +66,7 @@ async fn drain_through_a_database_outage(capture: Capture, exactly_once: bool) -
     let writer = tokio::spawn(write_through_outage(ferry.clone(), BACKLOG, BACKLOG + WHILE_RUNNING));
 
     // Mid-drain: some of the backlog delivered, batches in flight.
-    let delivered = "SELECT count(*) FROM outbox WHERE state = 'delivered'";
+    let delivered = &format!("SELECT count(*) FROM {OUTBOX} WHERE state = 'delivered'");
     let marked_before = until_at_least(&ferry, delivered, 600, Duration::from_secs(90)).await;
     tokio::task::block_in_place(|| pg.stop());
     let down = Instant::now();
@@ -87,7 +87,7 @@ async fn drain_through_a_database_outage(capture: Capture, exactly_once: bool) -
     assert_eq!(
         ferry
             .db()
-            .fetch_i64("SELECT count(*) FROM outbox WHERE state <> 'delivered'")
+            .fetch_i64(&format!("SELECT count(*) FROM {OUTBOX} WHERE state <> 'delivered'"))
             .await
             .unwrap(),
         0,

@@ -68,7 +68,7 @@ fn keys_in_distinct_lanes(ferry: &Ferry, n: usize) -> Vec<String> {
 async fn until_settled(ferry: &Ferry) {
     let start = Instant::now();
     let mut every = tokio::time::interval(Duration::from_millis(20));
-    while scalar(ferry, "SELECT count(*) FROM outbox WHERE state = 'pending'").await > 0 {
+    while scalar(ferry, &format!("SELECT count(*) FROM {OUTBOX} WHERE state = 'pending'")).await > 0 {
         assert!(
             start.elapsed() < Duration::from_secs(60),
             "rows still pending after a minute"
@@ -79,7 +79,7 @@ async fn until_settled(ferry: &Ferry) {
 
 /// The ids in `state`, in id order.
 async fn ids_in(ferry: &Ferry, state: &str) -> Vec<i64> {
-    sqlx::query_scalar(&format!("SELECT id FROM outbox WHERE state = '{state}' ORDER BY id"))
+    sqlx::query_scalar(&format!("SELECT id FROM {OUTBOX} WHERE state = '{state}' ORDER BY id"))
         .fetch_all(ferry.db().as_postgres().unwrap())
         .await
         .unwrap()
@@ -131,7 +131,7 @@ async fn capturing(guard: &CaptureGuard, cfg: RelayConfig, ferry: &Ferry) -> Run
         .unwrap();
     wait_for_count(
         ferry,
-        "SELECT count(*) FROM outbox WHERE state = 'delivered'",
+        &format!("SELECT count(*) FROM {OUTBOX} WHERE state = 'delivered'"),
         1,
         Duration::from_secs(60),
     )
@@ -157,7 +157,11 @@ async fn a_poison_record_goes_dead_and_the_lane_flows(capture: Capture) {
     assert_eq!(dead(&ferry).await, vec![(poison, Some("message_too_large".into()))]);
     relay.shutdown().await;
     assert_eq!(
-        scalar(&ferry, "SELECT count(*) FROM outbox WHERE state = 'delivered'").await,
+        scalar(
+            &ferry,
+            &format!("SELECT count(*) FROM {OUTBOX} WHERE state = 'delivered'")
+        )
+        .await,
         7
     );
     // An operator shrinks the row and puts it back (audited): the relay
@@ -187,7 +191,7 @@ async fn a_poison_record_goes_dead_and_the_lane_flows(capture: Capture) {
     );
     wait_for_count(
         &ferry,
-        &format!("SELECT count(*) FROM outbox WHERE id = {poison} AND state = 'delivered'"),
+        &format!("SELECT count(*) FROM {OUTBOX} WHERE id = {poison} AND state = 'delivered'"),
         1,
         Duration::from_secs(60),
     )
@@ -340,20 +344,24 @@ async fn poison_blocks(capture: Capture, exactly_once: bool) {
     }
     relay.shutdown().await;
     assert_eq!(
-        scalar(&ferry, "SELECT count(*) FROM outbox WHERE state = 'delivered'").await,
+        scalar(
+            &ferry,
+            &format!("SELECT count(*) FROM {OUTBOX} WHERE state = 'delivered'")
+        )
+        .await,
         4,
         "only rows before it"
     );
     assert_eq!(
         scalar(
             &ferry,
-            &format!("SELECT count(*) FROM outbox WHERE state = 'pending' AND id >= {poison}")
+            &format!("SELECT count(*) FROM {OUTBOX} WHERE state = 'pending' AND id >= {poison}")
         )
         .await,
         4
     );
     assert_eq!(
-        scalar(&ferry, "SELECT count(*) FROM outbox WHERE state = 'dead'").await,
+        scalar(&ferry, &format!("SELECT count(*) FROM {OUTBOX} WHERE state = 'dead'")).await,
         0
     );
     let on_topic = read_all(&broker.brokers(), "orders", exactly_once, Duration::from_secs(30)).await;

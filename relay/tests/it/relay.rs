@@ -87,7 +87,7 @@ async fn end_to_end_every_row_once_with_the_right_partition(capture: Capture) {
     let database_id = ferry.database_id().await.unwrap();
     let (cfg, guard) = config_for(capture, &url, &broker.brokers()).await;
     let relay = guard.start(cfg, ferry.clone()).await;
-    let delivered = "SELECT count(*) FROM outbox WHERE state = 'delivered'";
+    let delivered = &format!("SELECT count(*) FROM {OUTBOX} WHERE state = 'delivered'");
     // After the backlog is out, so that no later row commits while a new
     // slot is being made (such a row may be published twice).
     wait_for_count(&ferry, delivered, 150, Duration::from_secs(60)).await;
@@ -317,7 +317,11 @@ async fn a_broker_outage_drains_after_restart(capture: Capture) {
     relay.shutdown().await;
     assert_eq!(distinct(&recs), 300);
     assert_eq!(
-        scalar(&ferry, "SELECT count(*) FROM outbox WHERE state = 'pending'").await,
+        scalar(
+            &ferry,
+            &format!("SELECT count(*) FROM {OUTBOX} WHERE state = 'pending'")
+        )
+        .await,
         0,
         "the backlog drained"
     );
@@ -338,7 +342,7 @@ async fn a_broker_crash_mid_stream_loses_nothing_and_keeps_first_occurrences_in_
     let relay = guard.start(cfg, ferry.clone()).await;
     // Capturing (in WAL capture, the slot made) before the writer starts.
     write_orders(&ferry, 1, 1).await;
-    let delivered = "SELECT count(*) FROM outbox WHERE state = 'delivered'";
+    let delivered = &format!("SELECT count(*) FROM {OUTBOX} WHERE state = 'delivered'");
     wait_for_count(&ferry, delivered, 1, Duration::from_secs(60)).await;
     let writer = {
         let ferry = ferry.clone();
@@ -472,13 +476,17 @@ async fn sigterm_marks_everything_acknowledged_within_the_grace(capture: Capture
         "exited within the grace ({:?})",
         asked.elapsed()
     );
-    let delivered = scalar(&ferry, "SELECT count(*) FROM outbox WHERE state = 'delivered'").await as usize;
+    let delivered = scalar(
+        &ferry,
+        &format!("SELECT count(*) FROM {OUTBOX} WHERE state = 'delivered'"),
+    )
+    .await as usize;
     let more = read_until(&c, Duration::from_secs(60), |r| {
         distinct(&[&recs[..], r].concat()) >= delivered
     })
     .await;
     recs.extend(more);
-    let pending: HashSet<i64> = sqlx::query_scalar("SELECT id FROM outbox WHERE state = 'pending'")
+    let pending: HashSet<i64> = sqlx::query_scalar(&format!("SELECT id FROM {OUTBOX} WHERE state = 'pending'"))
         .fetch_all(ferry.db().as_postgres().unwrap())
         .await
         .unwrap()
@@ -528,7 +536,11 @@ async fn a_fatal_producer_error_fails_readiness_and_exits_to_be_restarted(captur
     assert_eq!(state.metrics.producer_fatal.get(), 1);
     assert!(state.metrics.render().contains("ferry_relay_producer_fatal_total 1"));
     assert_eq!(
-        scalar(&ferry, "SELECT count(*) FROM outbox WHERE state = 'pending'").await,
+        scalar(
+            &ferry,
+            &format!("SELECT count(*) FROM {OUTBOX} WHERE state = 'pending'")
+        )
+        .await,
         20,
         "nothing was marked past the fatal error"
     );
@@ -536,7 +548,13 @@ async fn a_fatal_producer_error_fails_readiness_and_exits_to_be_restarted(captur
     mock.clear_request_errors(RDKafkaApiKey::InitProducerId);
     let relay = guard.start(cfg, ferry.clone()).await;
     let start = Instant::now();
-    while scalar(&ferry, "SELECT count(*) FROM outbox WHERE state = 'delivered'").await < 20 {
+    while scalar(
+        &ferry,
+        &format!("SELECT count(*) FROM {OUTBOX} WHERE state = 'delivered'"),
+    )
+    .await
+        < 20
+    {
         assert!(
             start.elapsed() < Duration::from_secs(60),
             "the restarted relay did not publish"
@@ -580,7 +598,13 @@ async fn a_lower_id_that_commits_late_is_still_published_while_the_lane_streams(
         ferry.enqueue(&m).await.unwrap();
     }
     let deadline = Instant::now() + Duration::from_secs(30);
-    while scalar(&ferry, "SELECT count(*) FROM outbox WHERE state = 'delivered'").await < 50 {
+    while scalar(
+        &ferry,
+        &format!("SELECT count(*) FROM {OUTBOX} WHERE state = 'delivered'"),
+    )
+    .await
+        < 50
+    {
         assert!(Instant::now() < deadline, "the committed rows were not published");
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
@@ -601,7 +625,7 @@ async fn a_lower_id_that_commits_late_is_still_published_while_the_lane_streams(
     late.commit().await.unwrap();
     let deadline = Instant::now() + Duration::from_secs(20);
     loop {
-        let state: String = sqlx::query_scalar("SELECT state FROM outbox WHERE id = $1")
+        let state: String = sqlx::query_scalar(&format!("SELECT state FROM {OUTBOX} WHERE id = $1"))
             .bind(late_id)
             .fetch_one(&pool)
             .await
@@ -659,7 +683,7 @@ async fn a_late_commit_keeps_its_place_before_the_same_key_s_next_row(capture: C
     // transactions in progress) before the first late transaction opens.
     wait_for_count(
         &ferry,
-        "SELECT count(*) FROM outbox WHERE state = 'delivered'",
+        &format!("SELECT count(*) FROM {OUTBOX} WHERE state = 'delivered'"),
         1,
         Duration::from_secs(60),
     )
@@ -673,7 +697,7 @@ async fn a_late_commit_keeps_its_place_before_the_same_key_s_next_row(capture: C
         let deadline = Instant::now() + Duration::from_secs(30);
         while scalar(
             &ferry,
-            &format!("SELECT count(*) FROM outbox WHERE state = 'delivered' AND id > {first_id}"),
+            &format!("SELECT count(*) FROM {OUTBOX} WHERE state = 'delivered' AND id > {first_id}"),
         )
         .await
             < 3
@@ -691,7 +715,7 @@ async fn a_late_commit_keeps_its_place_before_the_same_key_s_next_row(capture: C
     let deadline = Instant::now() + Duration::from_secs(30);
     while scalar(
         &ferry,
-        &format!("SELECT count(*) FROM outbox WHERE state = 'delivered' AND key = '{k}'"),
+        &format!("SELECT count(*) FROM {OUTBOX} WHERE state = 'delivered' AND key = '{k}'"),
     )
     .await
         < want.len() as i64

@@ -6,6 +6,7 @@ use std::time::{Duration, Instant};
 
 use ferry::{Engine, Ferry};
 use ferry_relay::{Capture, Relay, RelayConfig};
+pub use ferry_testkit::OUTBOX;
 use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::message::{Headers, Message};
 use rdkafka::ClientConfig;
@@ -613,15 +614,16 @@ pub fn signal(pid: u32, signal: &str) {
     assert!(ok, "kill -{signal} {pid}");
 }
 
-/// Counts the rows marked delivered.
-pub const DELIVERED: &str = "SELECT count(*) FROM outbox WHERE state = 'delivered'";
+/// Counts the rows delivered (marked, or covered by the ledger).
+pub static DELIVERED: std::sync::LazyLock<String> =
+    std::sync::LazyLock::new(|| format!("SELECT count(*) FROM {OUTBOX} WHERE state = 'delivered'"));
 
 /// Waits until a row written after `after_id` has been pending for longer
 /// than `age` (with the broker down: an outage at least that long for the
 /// records in flight).
 pub async fn wait_for_a_row_pending_for(ferry: &Ferry, after_id: i64, age: Duration) {
     let sql = format!(
-        "SELECT count(*) FROM outbox WHERE id > {after_id} AND state = 'pending' \
+        "SELECT count(*) FROM {OUTBOX} WHERE id > {after_id} AND state = 'pending' \
          AND created_at < (extract(epoch FROM clock_timestamp()) * 1000)::bigint - {}",
         age.as_millis()
     );

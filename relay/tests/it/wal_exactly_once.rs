@@ -28,7 +28,7 @@ fn args<'a>(slot: &'a SlotGuard, extra: &[&'a str]) -> Vec<&'a str> {
 /// still pending (published, committed, not marked). No producer may run.
 async fn published_but_pending(ferry: &Ferry, brokers: &str) -> usize {
     let recs = read_all(brokers, "orders", true, Duration::from_secs(60)).await;
-    let pending: Vec<i64> = sqlx::query_scalar("SELECT id FROM outbox WHERE state = 'pending'")
+    let pending: Vec<i64> = sqlx::query_scalar(&format!("SELECT id FROM {OUTBOX} WHERE state = 'pending'"))
         .fetch_all(ferry.db().as_postgres().unwrap())
         .await
         .unwrap();
@@ -72,7 +72,7 @@ async fn wal_exactly_once_survives_sigkills_mid_stream() {
     }
     let total = 4 * per_round;
     let last = spawn_relay_process(&url, &brokers, &args(&slot, &[]), &[]);
-    wait_for_count(&ferry, DELIVERED, total as i64, Duration::from_secs(120)).await;
+    wait_for_count(&ferry, &DELIVERED, total as i64, Duration::from_secs(120)).await;
     stop(last);
     let recs = read_all(&brokers, "orders", true, Duration::from_secs(60)).await;
     assert_once_in_commit_order(&recs, total);
@@ -107,7 +107,7 @@ async fn wal_exactly_once_a_crash_between_the_kafka_commit_and_the_mark_publishe
         "the crash left committed rows unmarked"
     );
     let next = spawn_relay_process(&url, &brokers, &args(&slot, &[]), &[]);
-    wait_for_count(&ferry, DELIVERED, 200, Duration::from_secs(120)).await;
+    wait_for_count(&ferry, &DELIVERED, 200, Duration::from_secs(120)).await;
     stop(next);
 
     // 2. The stream: rows arrive in chunks, each committed before the next
@@ -141,7 +141,7 @@ async fn wal_exactly_once_a_crash_between_the_kafka_commit_and_the_mark_publishe
         "the crash left committed rows unmarked"
     );
     let last = spawn_relay_process(&url, &brokers, &args(&slot, &[]), &[]);
-    wait_for_count(&ferry, DELIVERED, written as i64, Duration::from_secs(120)).await;
+    wait_for_count(&ferry, &DELIVERED, written as i64, Duration::from_secs(120)).await;
     stop(last);
     let recs = read_all(&brokers, "orders", true, Duration::from_secs(60)).await;
     assert_once_in_commit_order(&recs, written);
@@ -167,7 +167,7 @@ async fn wal_exactly_once_a_stale_owner_cannot_commit_after_a_standby_took_over(
         let ferry = ferry.clone();
         tokio::spawn(async move { write_orders(&ferry, total, 30).await })
     };
-    wait_for_count(&ferry, DELIVERED, 300, Duration::from_secs(60)).await;
+    wait_for_count(&ferry, &DELIVERED, 300, Duration::from_secs(60)).await;
     // A's walsender now (a session of A restarted on a transient error has a new one).
     let a_pid = wait_for_streaming(&pool, &slot.name, None, Duration::from_secs(60)).await;
     signal(a.id(), "STOP");
@@ -176,14 +176,14 @@ async fn wal_exactly_once_a_stale_owner_cannot_commit_after_a_standby_took_over(
         .execute(&pool)
         .await
         .unwrap();
-    let at_stop = scalar(&ferry, DELIVERED).await;
+    let at_stop = scalar(&ferry, &DELIVERED).await;
     let b = spawn_relay_process(&url, &brokers, &args(&slot, &["--relay-id", "relay-b"]), &[]);
     wait_for_streaming(&pool, &slot.name, Some(a_pid), Duration::from_secs(60)).await;
     // B committed and marked transactions of its own.
-    wait_for_count(&ferry, DELIVERED, at_stop + 200, Duration::from_secs(60)).await;
+    wait_for_count(&ferry, &DELIVERED, at_stop + 200, Duration::from_secs(60)).await;
     signal(a.id(), "CONT");
     writes.await.unwrap();
-    wait_for_count(&ferry, DELIVERED, total as i64, Duration::from_secs(120)).await;
+    wait_for_count(&ferry, &DELIVERED, total as i64, Duration::from_secs(120)).await;
     stop(b);
     drop(a);
     let recs = read_all(&brokers, "orders", true, Duration::from_secs(60)).await;
@@ -207,11 +207,11 @@ async fn wal_exactly_once_poison(on_poison: OnPoison) {
     cfg.on_poison = on_poison;
     let relay = slot.start(cfg, ferry.clone()).await;
     write_orders(&ferry, 1, 1).await;
-    wait_for_count(&ferry, DELIVERED, 1, Duration::from_secs(60)).await;
+    wait_for_count(&ferry, &DELIVERED, 1, Duration::from_secs(60)).await;
     let poison = crate::poison::poison_rows(&ferry).await;
-    let dead_rows = "SELECT count(*) FROM outbox WHERE state = 'dead'";
+    let dead_rows = &format!("SELECT count(*) FROM {OUTBOX} WHERE state = 'dead'");
     match on_poison {
-        OnPoison::Dead => wait_for_count(&ferry, DELIVERED, 7, Duration::from_secs(60)).await,
+        OnPoison::Dead => wait_for_count(&ferry, &DELIVERED, 7, Duration::from_secs(60)).await,
         OnPoison::Block => {
             wait_for_count(
                 &ferry,
@@ -234,7 +234,7 @@ async fn wal_exactly_once_poison(on_poison: OnPoison) {
             assert_eq!(
                 scalar(
                     &ferry,
-                    &format!("SELECT count(*) FROM outbox WHERE id = {poison} AND state = 'dead'")
+                    &format!("SELECT count(*) FROM {OUTBOX} WHERE id = {poison} AND state = 'dead'")
                 )
                 .await,
                 1
@@ -246,13 +246,13 @@ async fn wal_exactly_once_poison(on_poison: OnPoison) {
             assert_eq!(
                 scalar(
                     &ferry,
-                    &format!("SELECT count(*) FROM outbox WHERE state = 'pending' AND id >= {poison}")
+                    &format!("SELECT count(*) FROM {OUTBOX} WHERE state = 'pending' AND id >= {poison}")
                 )
                 .await,
                 4,
                 "the poison row and everything behind it stay pending"
             );
-            assert_eq!(scalar(&ferry, DELIVERED).await, 4, "the rows before it are delivered");
+            assert_eq!(scalar(&ferry, &DELIVERED).await, 4, "the rows before it are delivered");
             assert_once_in_commit_order(&recs, 4);
         }
     }
@@ -285,10 +285,10 @@ async fn wal_exactly_once_a_dead_row_replayed_while_the_relay_runs_is_published_
     cfg.on_poison = OnPoison::Dead;
     let relay = slot.start(cfg, ferry.clone()).await;
     write_orders(&ferry, 1, 1).await;
-    wait_for_count(&ferry, DELIVERED, 1, Duration::from_secs(60)).await;
+    wait_for_count(&ferry, &DELIVERED, 1, Duration::from_secs(60)).await;
     let poison = crate::poison::poison_rows(&ferry).await;
-    wait_for_count(&ferry, DELIVERED, 7, Duration::from_secs(60)).await;
-    let is_dead = format!("SELECT count(*) FROM outbox WHERE id = {poison} AND state = 'dead'");
+    wait_for_count(&ferry, &DELIVERED, 7, Duration::from_secs(60)).await;
+    let is_dead = format!("SELECT count(*) FROM {OUTBOX} WHERE id = {poison} AND state = 'dead'");
     assert_eq!(scalar(&ferry, &is_dead).await, 1);
     sqlx::query("UPDATE outbox SET payload = 'small' WHERE id = $1")
         .bind(poison)
@@ -309,7 +309,7 @@ async fn wal_exactly_once_a_dead_row_replayed_while_the_relay_runs_is_published_
     write_orders(&ferry, 1, 1).await;
     wait_for_count(
         &ferry,
-        "SELECT count(*) FROM outbox WHERE state = 'delivered' AND id = (SELECT max(id) FROM outbox)",
+        &format!("SELECT count(*) FROM {OUTBOX} WHERE state = 'delivered' AND id = (SELECT max(id) FROM outbox)"),
         1,
         Duration::from_secs(60),
     )
@@ -320,7 +320,7 @@ async fn wal_exactly_once_a_dead_row_replayed_while_the_relay_runs_is_published_
     assert_eq!(
         scalar(
             &ferry,
-            &format!("SELECT count(*) FROM outbox WHERE id = {poison} AND state = 'delivered'")
+            &format!("SELECT count(*) FROM {OUTBOX} WHERE id = {poison} AND state = 'delivered'")
         )
         .await,
         1,
@@ -347,7 +347,7 @@ async fn wal_exactly_once_a_new_slot_ignores_the_old_slot_s_position() {
     cfg.exactly_once = true;
     let relay = slot.start(cfg.clone(), ferry.clone()).await;
     write_orders(&ferry, 1, 1).await;
-    wait_for_count(&ferry, DELIVERED, 1, Duration::from_secs(60)).await;
+    wait_for_count(&ferry, &DELIVERED, 1, Duration::from_secs(60)).await;
     relay.shutdown().await;
     // The last progress record names a position ahead of this database's
     // WAL, as one written against the old primary's history does.
@@ -400,7 +400,7 @@ async fn wal_exactly_once_a_new_slot_ignores_the_old_slot_s_position() {
         .await;
     }
     write_orders(&ferry, 5, 1).await;
-    wait_for_count(&ferry, DELIVERED, 6, Duration::from_secs(60)).await;
+    wait_for_count(&ferry, &DELIVERED, 6, Duration::from_secs(60)).await;
     relay.shutdown().await;
     let recs = read_all(&brokers, "orders", true, Duration::from_secs(30)).await;
     assert_once_in_commit_order(&recs, 6);

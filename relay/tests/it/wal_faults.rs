@@ -239,9 +239,13 @@ async fn wal_an_invalidated_slot_is_made_anew_and_the_undelivered_rows_are_publi
     let cfg = cluster_relay(&pg, &broker.brokers(), "ferry_lost");
     let relay = start_relay(cfg.clone(), ferry.clone()).await;
     enqueue(&ferry, 0, 100).await;
-    let delivered = "SELECT count(*) FROM outbox WHERE state = 'delivered'";
+    let delivered = &format!("SELECT count(*) FROM {OUTBOX} WHERE state = 'delivered'");
     wait_for_count(&ferry, delivered, 100, Duration::from_secs(60)).await;
     relay.shutdown().await;
+    let first = scalar(&ferry, "SELECT max(id) FROM outbox").await;
+    let published = read_all(&broker.brokers(), "orders", false, Duration::from_secs(60))
+        .await
+        .len();
 
     enqueue(&ferry, 100, 300).await;
     pg.invalidate_slot("ferry_lost").await;
@@ -257,6 +261,11 @@ async fn wal_an_invalidated_slot_is_made_anew_and_the_undelivered_rows_are_publi
     assert_eq!(status, "reserved", "the slot was made anew and streams");
     relay.shutdown().await;
     let recs = read_all(&broker.brokers(), "orders", false, Duration::from_secs(60)).await;
+    let again = recs.iter().filter(|r| r.outbox_id() <= first).count();
+    assert_eq!(
+        again, published,
+        "the rows delivered before the slot was lost are not published again"
+    );
     let duplicates = nothing_lost(&recs, &all_ids(&ferry).await);
     eprintln!("invalidated slot: {duplicates} duplicates for 400 rows");
 }
@@ -309,11 +318,11 @@ async fn wal_a_relay_sigkilled_in_the_middle_of_a_large_transaction_loses_nothin
     let seen = read_until(&c, Duration::from_secs(60), |r| !r.is_empty()).await;
     first.kill().unwrap(); // SIGKILL mid-transaction
     first.wait().unwrap();
-    let at_kill = scalar(&ferry, DELIVERED).await;
+    let at_kill = scalar(&ferry, &DELIVERED).await;
     assert_eq!(at_kill, 0, "rows of an unsettled transaction were marked");
     broker.create_topic("later", 1);
     let second = spawn_relay_process(&url, &broker.brokers(), &slot.args(), &[]);
-    wait_for_count(&ferry, DELIVERED, 20_001, Duration::from_secs(180)).await;
+    wait_for_count(&ferry, &DELIVERED, 20_001, Duration::from_secs(180)).await;
     drop(second);
     let recs = read_all(&broker.brokers(), "orders", false, Duration::from_secs(120)).await;
     let orders: Vec<i64> = sqlx::query_scalar("SELECT id FROM outbox WHERE topic = 'orders' ORDER BY id")
@@ -340,7 +349,7 @@ async fn a_postgres_restart_while_streaming_loses_nothing(immediate: bool) {
     let cfg = cluster_relay(&pg, &broker.brokers(), "ferry_restart");
     let relay = start_relay(cfg, Ferry::builder(pg.url()).connect().await.unwrap()).await;
     let writer = tokio::spawn(crate::outage::write_through_outage(ferry.clone(), 0, 3000));
-    crate::outage::until_at_least(&ferry, DELIVERED, 500, Duration::from_secs(90)).await;
+    crate::outage::until_at_least(&ferry, &DELIVERED, 500, Duration::from_secs(90)).await;
     tokio::task::block_in_place(|| {
         if immediate {
             pg.crash();
@@ -349,7 +358,7 @@ async fn a_postgres_restart_while_streaming_loses_nothing(immediate: bool) {
     });
     writer.await.unwrap();
     let total = ferry.db().fetch_i64("SELECT count(*) FROM outbox").await.unwrap();
-    crate::outage::until_at_least(&ferry, DELIVERED, total, Duration::from_secs(120)).await;
+    crate::outage::until_at_least(&ferry, &DELIVERED, total, Duration::from_secs(120)).await;
     relay.shutdown().await;
     let recs = read_all(&broker.brokers(), "orders", false, Duration::from_secs(60)).await;
     let duplicates = nothing_lost(&recs, &all_ids(&ferry).await);
@@ -382,7 +391,7 @@ async fn wal_a_migration_while_streaming_loses_nothing() {
         let ferry = ferry.clone();
         tokio::spawn(async move { enqueue(&ferry, 0, 1000).await })
     };
-    wait_for_count(&ferry, DELIVERED, 200, Duration::from_secs(60)).await;
+    wait_for_count(&ferry, &DELIVERED, 200, Duration::from_secs(60)).await;
     sqlx::raw_sql("ALTER TABLE outbox ADD COLUMN note text DEFAULT 'added'")
         .execute(&pool)
         .await
@@ -395,7 +404,7 @@ async fn wal_a_migration_while_streaming_loses_nothing() {
     .execute(&pool)
     .await
     .unwrap();
-    wait_for_count(&ferry, DELIVERED, 1001, Duration::from_secs(60)).await;
+    wait_for_count(&ferry, &DELIVERED, 1001, Duration::from_secs(60)).await;
     relay.shutdown().await;
     let recs = read_all(&broker.brokers(), "orders", false, Duration::from_secs(60)).await;
     let duplicates = nothing_lost(&recs, &all_ids(&ferry).await);
@@ -422,7 +431,7 @@ async fn wal_transactions_larger_than_logical_decoding_work_mem_are_published_in
     let high = insert_many(&mut *second, 2000, Some("big")).await;
     second.commit().await.unwrap();
     first.commit().await.unwrap();
-    wait_for_count(&ferry, DELIVERED, 4000, Duration::from_secs(120)).await;
+    wait_for_count(&ferry, &DELIVERED, 4000, Duration::from_secs(120)).await;
     let spilled: i64 = sqlx::query_scalar(
         "SELECT COALESCE(sum(spill_bytes), 0)::bigint FROM pg_stat_replication_slots WHERE slot_name = 'ferry_spill'",
     )
@@ -467,7 +476,7 @@ async fn wal_a_frozen_relay_is_fenced_and_publishes_nothing_new_after_sigcont() 
     let before = wait_for_streaming(&pool, "ferry_fence", None, Duration::from_secs(60)).await;
     let standby = spawn_relay_process(&pg.url(), &broker.brokers(), &args, &[]);
     let writer = tokio::spawn(crate::outage::write_through_outage(ferry.clone(), 0, 3000));
-    wait_for_count(&ferry, DELIVERED, 300, Duration::from_secs(60)).await;
+    wait_for_count(&ferry, &DELIVERED, 300, Duration::from_secs(60)).await;
 
     signal(old.id(), "STOP");
     let stopped = tokio::time::Instant::now();
@@ -494,7 +503,7 @@ async fn wal_a_frozen_relay_is_fenced_and_publishes_nothing_new_after_sigcont() 
     );
     writer.await.unwrap();
     let total = scalar(&ferry, "SELECT count(*) FROM outbox").await;
-    wait_for_count(&ferry, DELIVERED, total, Duration::from_secs(120)).await;
+    wait_for_count(&ferry, &DELIVERED, total, Duration::from_secs(120)).await;
     let probe: rdkafka::consumer::BaseConsumer = rdkafka::ClientConfig::new()
         .set("bootstrap.servers", broker.brokers())
         .create()
@@ -505,7 +514,7 @@ async fn wal_a_frozen_relay_is_fenced_and_publishes_nothing_new_after_sigcont() 
 
     signal(old.id(), "CONT");
     crate::outage::write_through_outage(ferry.clone(), 3000, 3100).await;
-    wait_for_count(&ferry, DELIVERED, total + 100, Duration::from_secs(60)).await;
+    wait_for_count(&ferry, &DELIVERED, total + 100, Duration::from_secs(60)).await;
     // The old relay drains and exits: all it could still produce is sent.
     signal(old.id(), "TERM");
     let deadline = std::time::Instant::now() + Duration::from_secs(60);
