@@ -106,14 +106,23 @@ DELETE FROM outbox WHERE lane = $1 AND state = 'pending' AND id {ids $2}
                 AND l.lease_expires_at > {now $3} {pg:FOR SHARE})
 
 -- name: mark_dead
+-- A row a ledger range covers was delivered (WAL capture beside this relay
+-- published it meanwhile) and is left alone, as a row marked delivered is
+-- (dead and covered, a replay would make it read delivered again without
+-- publishing it).
 UPDATE outbox
 SET state = 'dead', last_error = $3, publish_attempts = publish_attempts + 1
 WHERE lane = $1 AND id = $2 AND state = 'pending'
+  AND NOT COALESCE((SELECT d.hi FROM outbox_delivered d WHERE d.lo <= $2
+                    ORDER BY d.lo DESC LIMIT 1) >= $2, false)
 
 -- name: note_publish_error
--- Fenced like every relay write: only the lane's current holder counts attempts.
+-- Fenced like every relay write: only the lane's current holder counts
+-- attempts, on a row not delivered (a covered row is left alone).
 UPDATE outbox SET publish_attempts = publish_attempts + 1, last_error = $3
 WHERE lane = $1 AND id = $2 AND state = 'pending'
+  AND NOT COALESCE((SELECT d.hi FROM outbox_delivered d WHERE d.lo <= $2
+                    ORDER BY d.lo DESC LIMIT 1) >= $2, false)
   AND EXISTS (SELECT 1 FROM relay_lanes l WHERE l.lane = $1 AND l.owner = $4 AND l.generation = $5)
 
 -- name: sweep_delivered

@@ -113,14 +113,24 @@ DELETE FROM outbox WHERE id {ids $1} AND state = 'pending'
 RETURNING id
 
 -- name: wal_mark_dead [postgres only]
--- A row Kafka refused alone (the evidence is about this row only).
+-- A row Kafka refused alone (the evidence is about this row only). A row a
+-- ledger range covers was delivered (a restart republished it: the slot was
+-- not confirmed past it) and is left alone, as a row marked delivered is:
+-- dead and covered, it would read dead, and a replay would make it read
+-- delivered again without publishing it.
 UPDATE outbox
 SET state = 'dead', last_error = $2, publish_attempts = publish_attempts + 1
 WHERE id = $1 AND state = 'pending'
+  AND NOT COALESCE((SELECT d.hi FROM outbox_delivered d WHERE d.lo <= $1
+                    ORDER BY d.lo DESC LIMIT 1) >= $1, false)
 
 -- name: wal_note_publish_error [postgres only]
+-- A failed attempt on a row not delivered (a covered row is left alone, as
+-- in wal_mark_dead).
 UPDATE outbox SET publish_attempts = publish_attempts + 1, last_error = $2
 WHERE id = $1 AND state = 'pending'
+  AND NOT COALESCE((SELECT d.hi FROM outbox_delivered d WHERE d.lo <= $1
+                    ORDER BY d.lo DESC LIMIT 1) >= $1, false)
 
 -- name: wal_pending_ids [postgres only]
 -- The rows a replay announced, still pending and not covered (a session

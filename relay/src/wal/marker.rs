@@ -334,6 +334,37 @@ mod tests {
         );
     }
 
+    /// A row the ledger covers was delivered: Kafka refusing it alone when
+    /// a restart republishes it (the slot was not confirmed past it) must
+    /// not make it dead, as a row marked delivered never became dead. Dead
+    /// and covered, it read dead to the operator, and a replay put it back
+    /// to pending, where it read delivered again and was never published.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_covered_row_refused_on_a_republish_stays_delivered() {
+        let t = ferry_testkit::TestDb::new(ferry::Engine::Postgres).await;
+        let state = test_state(&t.ferry);
+        let pool = t.ferry.db().as_postgres().unwrap().clone();
+        let id = insert_row(&mut pool.acquire().await.unwrap()).await;
+        assert_eq!(state.store.wal_cover_delivered(&[id]).await.unwrap(), 1);
+        state
+            .store
+            .wal_note_publish_error(id, "message_too_large")
+            .await
+            .unwrap();
+        state.store.wal_mark_dead(id, "message_too_large").await.unwrap();
+        assert_eq!(
+            ferry_testkit::outbox_states(&pool).await,
+            vec![(id, "delivered".to_string())]
+        );
+        let (attempts, error): (i32, Option<String>) =
+            sqlx::query_as("SELECT publish_attempts, last_error FROM outbox WHERE id = $1")
+                .bind(id)
+                .fetch_one(&pool)
+                .await
+                .unwrap();
+        assert_eq!((attempts, error), (0, None), "a delivered row is not written");
+    }
+
     /// Markers of several sessions at once (a republished set racing its
     /// first mark) serialize on the ledger's lock: no error, no range
     /// overlapping another, every id covered once.

@@ -279,6 +279,43 @@ async fn wal_then_poll_publishes_nothing_twice() {
     assert_eq!(recs.len(), 120, "no row was published twice");
 }
 
+/// A poll relay beside WAL capture reads a row, and WAL capture delivers
+/// it meanwhile (a range covers it): Kafka then refusing the poll relay's
+/// copy must not make the delivered row dead (dead and covered, a replay
+/// would make it read delivered again and publish nothing).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_poll_relay_refused_a_covered_row_leaves_it_delivered() {
+    let (ferry, _) = pg_ferry().await;
+    let pool = ferry.db().as_postgres().unwrap().clone();
+    let store = ferry_relay::store::RelayStore::new(ferry.clone());
+    let id = plain_insert(&pool, 0, "k", "0").await;
+    let lanes = store
+        .acquire_lanes("relay-a", Duration::from_secs(30), 1)
+        .await
+        .unwrap();
+    assert_eq!(store.pending_batch(0, 10).await.unwrap().len(), 1);
+    store.wal_cover_delivered(&[id]).await.unwrap();
+    store
+        .note_publish_error("relay-a", lanes[0], id, "message_too_large")
+        .await
+        .unwrap();
+    store
+        .mark_dead("relay-a", lanes[0], id, "message_too_large")
+        .await
+        .unwrap();
+    assert_eq!(
+        ferry_testkit::outbox_states(&pool).await,
+        vec![(id, "delivered".to_string())]
+    );
+    let (attempts, error): (i32, Option<String>) =
+        sqlx::query_as("SELECT publish_attempts, last_error FROM outbox WHERE id = $1")
+            .bind(id)
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    assert_eq!((attempts, error), (0, None), "a delivered row is not written");
+}
+
 /// A poll relay beside WAL capture (or after it, before its fold): the
 /// lanes' reads and the wake-up probe skip rows a ledger range covers, and
 /// so do WAL capture's catch-up read and its re-read of a replay.
