@@ -76,6 +76,27 @@ impl Kafka {
             kafka_version(),
             libs.display()
         );
+        // A port found free can be taken (by a client socket's ephemeral
+        // port, or another test's broker) before the broker binds it: then
+        // the broker exits at once with "Address already in use", and the
+        // start is tried again on new ports, a few times.
+        let mut attempt = 0;
+        loop {
+            attempt += 1;
+            let mut k = Self::configure(overrides);
+            k.format();
+            match k.try_spawn() {
+                Ok(()) => return k,
+                // Dropping `k` removes its directory.
+                Err(_) if attempt < 5 && k.log_tail(usize::MAX).contains("Address already in use") => {}
+                Err(e) => panic!("{e}"),
+            }
+        }
+    }
+
+    /// A broker's directory and `server.properties` on two free ports (not
+    /// started).
+    fn configure(overrides: &[(&str, &str)]) -> Kafka {
         let port = free_port();
         let controller_port = free_port();
         let dir = std::env::temp_dir().join(format!("ferry-kafka-{}-{port}", std::process::id()));
@@ -107,15 +128,12 @@ impl Kafka {
             props.push_str(&format!("{k}={v}\n"));
         }
         std::fs::write(dir.join("server.properties"), props).expect("server.properties");
-        let mut k = Kafka {
+        Kafka {
             port,
             controller_port,
             dir,
             proc: None,
-        };
-        k.format();
-        k.spawn();
-        k
+        }
     }
 
     /// `bootstrap.servers` for it.
@@ -251,9 +269,17 @@ impl Kafka {
         );
     }
 
-    /// `kafka-server-start.sh server.properties`: `kafka.Kafka`, under the
-    /// watchdog; returns once a metadata request answers with the broker.
+    /// [`Kafka::try_spawn`], panicking with the broker's log if it fails.
     fn spawn(&mut self) {
+        if let Err(e) = self.try_spawn() {
+            panic!("{e}");
+        }
+    }
+
+    /// `kafka-server-start.sh server.properties`: `kafka.Kafka`, under the
+    /// watchdog; returns once a metadata request answers with the broker,
+    /// or the reason it did not, with the tail of its log.
+    fn try_spawn(&mut self) -> Result<(), String> {
         let mut command = Watchdog::command(&self.dir.join("broker.log"));
         command
             .arg(Self::java())
@@ -265,7 +291,7 @@ impl Kafka {
             .arg(self.dir.join("server.properties"))
             .env_remove("KAFKA_OPTS");
         self.proc = Some(Watchdog::spawn(command));
-        self.wait_ready();
+        self.wait_ready()
     }
 
     fn metadata_client(&self) -> BaseConsumer {
@@ -283,29 +309,29 @@ impl Kafka {
         self.proc.as_ref().is_some_and(Watchdog::server_alive)
     }
 
-    fn wait_ready(&self) {
+    fn wait_ready(&self) -> Result<(), String> {
         let c = self.metadata_client();
         let deadline = Instant::now() + READY_WITHIN;
         loop {
             // Blocks up to its timeout waiting for the broker's answer.
             if let Ok(md) = c.fetch_metadata(None, Duration::from_secs(1)) {
                 if md.brokers().iter().any(|b| b.id() == 1 && b.port() as u16 == self.port) {
-                    return;
+                    return Ok(());
                 }
             }
             if !self.broker_alive() {
-                panic!(
+                return Err(format!(
                     "Apache Kafka exited during startup on port {}; its log:\n{}",
                     self.port,
                     self.log_tail(40)
-                );
+                ));
             }
             if Instant::now() > deadline {
-                panic!(
+                return Err(format!(
                     "Apache Kafka did not answer a metadata request on port {} within {READY_WITHIN:?}; its log:\n{}",
                     self.port,
                     self.log_tail(40)
-                );
+                ));
             }
         }
     }
