@@ -223,13 +223,9 @@ async fn wal_a_new_slot_publishes_only_the_rows_not_covered() {
     let (ferry, url) = pg_ferry().await;
     let slot = SlotGuard::new().await;
     let pool = ferry.db().as_postgres().unwrap().clone();
-    let relay = slot.start(slot.config(&url, &broker.brokers()), ferry.clone()).await;
     // Streaming before the rows commit: none is both read from the table
     // and streamed by the first slot.
-    wait_for_streaming(&pool, &slot.name, None, Duration::from_secs(60)).await;
-    crate::relay::write_orders(&ferry, 100, 10).await;
-    wait_for_count(&ferry, &DELIVERED, 100, Duration::from_secs(60)).await;
-    relay.shutdown().await;
+    deliver_100_through_wal(&slot, &url, &broker, &ferry).await;
     let deadline = std::time::Instant::now() + Duration::from_secs(30);
     while !terminate_and_drop_slot(&pool, &slot.name).await {
         assert!(std::time::Instant::now() < deadline, "could not drop the slot");
@@ -255,11 +251,7 @@ async fn wal_then_poll_publishes_nothing_twice() {
     let (ferry, url) = pg_ferry().await;
     let slot = SlotGuard::new().await;
     let pool = ferry.db().as_postgres().unwrap().clone();
-    let relay = slot.start(slot.config(&url, &broker.brokers()), ferry.clone()).await;
-    wait_for_streaming(&pool, &slot.name, None, Duration::from_secs(60)).await;
-    crate::relay::write_orders(&ferry, 100, 10).await;
-    wait_for_count(&ferry, &DELIVERED, 100, Duration::from_secs(60)).await;
-    relay.shutdown().await;
+    deliver_100_through_wal(&slot, &url, &broker, &ferry).await;
     assert!(scalar(&ferry, "SELECT count(*) FROM outbox_delivered").await > 0);
     let relay = start_relay(relay_config(&url, &broker.brokers()), ferry.clone()).await;
     crate::relay::write_orders(&ferry, 20, 10).await;
@@ -553,4 +545,15 @@ async fn wal_capture_is_refused_on_sqlite() {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let err = relay.run(listener, std::future::pending()).await.unwrap_err();
     assert_eq!(err.code(), "config", "{err}");
+}
+
+/// 100 rows written once `slot`'s relay streams, delivered through WAL
+/// capture (covered by the ledger), and that relay shut down.
+async fn deliver_100_through_wal(slot: &SlotGuard, url: &str, broker: &Kafka, ferry: &ferry::Ferry) {
+    let pool = ferry.db().as_postgres().unwrap().clone();
+    let relay = slot.start(slot.config(url, &broker.brokers()), ferry.clone()).await;
+    wait_for_streaming(&pool, &slot.name, None, Duration::from_secs(60)).await;
+    crate::relay::write_orders(ferry, 100, 10).await;
+    wait_for_count(ferry, &DELIVERED, 100, Duration::from_secs(60)).await;
+    relay.shutdown().await;
 }
