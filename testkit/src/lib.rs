@@ -19,5 +19,5 @@ mod watchdog;
 pub use db::{fresh_database_url, postgres_url, TestDbError};
 pub use harness::{fresh_url, manual_clock, TestDb, T0};
 pub use kafka::*;
-pub use outbox::{outbox_states, OUTBOX};
+pub use outbox::{assert_delivered_unwritten, outbox_states, OUTBOX};
 pub use pg::PgCluster;

@@ -26,3 +26,17 @@ pub async fn outbox_states(pool: &sqlx::PgPool) -> Vec<(i64, String)> {
         .await
         .unwrap_or_else(|e| panic!("reading the outbox's states: {e}"))
 }
+
+/// Asserts that row `id` is the only outbox row, reads delivered through
+/// the ledger, and was never written by a refusal (no attempt counted, no
+/// error kept).
+pub async fn assert_delivered_unwritten(pool: &sqlx::PgPool, id: i64) {
+    assert_eq!(outbox_states(pool).await, vec![(id, "delivered".to_string())]);
+    let (attempts, error): (i32, Option<String>) =
+        sqlx::query_as("SELECT publish_attempts, last_error FROM outbox WHERE id = $1")
+            .bind(id)
+            .fetch_one(pool)
+            .await
+            .unwrap_or_else(|e| panic!("reading row {id}: {e}"));
+    assert_eq!((attempts, error), (0, None), "a delivered row is not written");
+}

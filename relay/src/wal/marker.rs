@@ -352,17 +352,7 @@ mod tests {
             .await
             .unwrap();
         state.store.wal_mark_dead(id, "message_too_large").await.unwrap();
-        assert_eq!(
-            ferry_testkit::outbox_states(&pool).await,
-            vec![(id, "delivered".to_string())]
-        );
-        let (attempts, error): (i32, Option<String>) =
-            sqlx::query_as("SELECT publish_attempts, last_error FROM outbox WHERE id = $1")
-                .bind(id)
-                .fetch_one(&pool)
-                .await
-                .unwrap();
-        assert_eq!((attempts, error), (0, None), "a delivered row is not written");
+        ferry_testkit::assert_delivered_unwritten(&pool, id).await;
     }
 
     /// Markers of several sessions at once (a republished set racing its

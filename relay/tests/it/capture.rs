@@ -295,17 +295,7 @@ async fn a_poll_relay_refused_a_covered_row_leaves_it_delivered() {
         .mark_dead("relay-a", lanes[0], id, "message_too_large")
         .await
         .unwrap();
-    assert_eq!(
-        ferry_testkit::outbox_states(&pool).await,
-        vec![(id, "delivered".to_string())]
-    );
-    let (attempts, error): (i32, Option<String>) =
-        sqlx::query_as("SELECT publish_attempts, last_error FROM outbox WHERE id = $1")
-            .bind(id)
-            .fetch_one(&pool)
-            .await
-            .unwrap();
-    assert_eq!((attempts, error), (0, None), "a delivered row is not written");
+    ferry_testkit::assert_delivered_unwritten(&pool, id).await;
 }
 
 /// A poll relay beside WAL capture (or after it, before its fold): the
