@@ -369,9 +369,13 @@ input AS (
     -- statistics taken while few runs were queued made the planner look
     -- each run up through runs_tenant_state_created_idx, reading every
     -- queued run of the tenant per completed job (0.4-2 s per statement of
-    -- 100 under a growing backlog, BENCHMARKS.md "The pipeline"); compared
-    -- with a column of a data-modifying CTE, the state cannot be an index
-    -- key, so the lookup is the primary key's.
+    -- 100 under a growing backlog, BENCHMARKS.md "The pipeline"). Compared
+    -- with a column of a data-modifying CTE, the state's selectivity is no
+    -- longer read from the statistics of 'queued' (the planner assumes one
+    -- state among the distinct ones), so the unique primary key, which
+    -- binds every column, is the cheaper lookup: the state index stays
+    -- usable in principle, and pg::a_batch_completion_reads_runs_by_key_
+    -- under_stale_statistics checks the planner does not pick it.
     UPDATE runs r
     SET state = 'succeeded', version = r.version + 1, last_event_seq = r.last_event_seq + 1,
         updated_at = GREATEST(r.updated_at, clock.at)
