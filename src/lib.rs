@@ -122,6 +122,16 @@ impl FerryBuilder {
         self
     }
 
+    /// PostgreSQL ends a session of this pool that holds a transaction
+    /// open and idle longer than `limit` (see
+    /// [`ConnectOptions::idle_in_transaction_timeout`]); default: the
+    /// server's setting. For processes whose transactions never wait on
+    /// anything but the database, such as `ferry-relay`.
+    pub fn idle_in_transaction_timeout(mut self, limit: Duration) -> Self {
+        self.connect.idle_in_transaction_timeout = Some(limit);
+        self
+    }
+
     /// The clock every operation uses (default: the database clock).
     pub fn clock(mut self, clock: Clock) -> Self {
         self.clock = clock;

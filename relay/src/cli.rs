@@ -47,7 +47,7 @@ pub async fn run(cli: Cli, shutdown: impl Future<Output = ()>) -> Result<(), Rel
     match cli.command {
         Command::Run(cfg) => {
             cfg.validate()?;
-            let ferry = Ferry::builder(&cfg.database_url).connect().await?;
+            let ferry = crate::service::connect(&cfg.database_url).await?;
             crate::service::run(*cfg, ferry, shutdown).await
         }
         Command::Migrate(db) => {

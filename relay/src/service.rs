@@ -78,6 +78,26 @@ pub const GAUGES_EVERY: Duration = Duration::from_secs(5);
 /// seconds' worth of rows.
 pub const FOLD_BATCH: u32 = 16;
 
+/// How long the relay's database sessions may hold a transaction open and
+/// idle before PostgreSQL ends them. Every relay transaction (a lane claim,
+/// a fenced mark, the delivered ledger's mark under its advisory lock, the
+/// ledger's fold) sends its statements back to back and takes
+/// milliseconds; a relay frozen inside one (SIGSTOP, a paused VM) would
+/// otherwise keep its locks, and every other relay of the group would wait
+/// on them, for as long as it stays frozen. When it thaws, its session is
+/// gone: the transaction rolled back, changed nothing, and the relay
+/// reconnects.
+pub const IDLE_IN_TRANSACTION_LIMIT: Duration = Duration::from_secs(5);
+
+/// Connects the relay's handle to `url`: sessions are ended after
+/// [`IDLE_IN_TRANSACTION_LIMIT`] idle in a transaction.
+pub async fn connect(url: &str) -> ferry::Result<Ferry> {
+    Ferry::builder(url)
+        .idle_in_transaction_timeout(IDLE_IN_TRANSACTION_LIMIT)
+        .connect()
+        .await
+}
+
 /// A configured relay, not yet running: [`Relay::state`] gives tests and the
 /// demo its metrics before [`Relay::run`] starts it.
 pub struct Relay {

@@ -39,6 +39,13 @@ pub struct ConnectOptions {
     pub max_connections: u32,
     /// How long a caller waits for a pooled connection.
     pub acquire_timeout: Duration,
+    /// PostgreSQL only: each session's `idle_in_transaction_session_timeout`.
+    /// The server ends a session that keeps a transaction open without
+    /// sending a statement for longer than this, so a process frozen inside
+    /// a transaction (SIGSTOP, a paused VM, a debugger) releases the locks
+    /// it holds instead of blocking every other session for as long as it
+    /// stays frozen. `None` (the default) keeps the server's setting.
+    pub idle_in_transaction_timeout: Option<Duration>,
 }
 
 impl Default for ConnectOptions {
@@ -46,6 +53,7 @@ impl Default for ConnectOptions {
         ConnectOptions {
             max_connections: 16,
             acquire_timeout: Duration::from_secs(10),
+            idle_in_transaction_timeout: None,
         }
     }
 }
@@ -62,11 +70,22 @@ pub async fn connect(url: &str) -> Result<Db> {
 pub async fn connect_with(url: &str, opts: &ConnectOptions) -> Result<Db> {
     if url.starts_with("postgres://") || url.starts_with("postgresql://") {
         let options = PgConnectOptions::from_str(url)?;
-        let pool = PgPoolOptions::new()
+        let mut pool = PgPoolOptions::new()
             .max_connections(opts.max_connections)
-            .acquire_timeout(opts.acquire_timeout)
-            .connect_with(options)
-            .await?;
+            .acquire_timeout(opts.acquire_timeout);
+        if let Some(limit) = opts.idle_in_transaction_timeout {
+            // A SET after connecting, not a startup option: poolers such as
+            // PgBouncer refuse unknown startup parameters.
+            let set = format!("SET idle_in_transaction_session_timeout = {}", limit.as_millis().max(1));
+            pool = pool.after_connect(move |conn, _| {
+                let set = set.clone();
+                Box::pin(async move {
+                    sqlx::Executor::execute(conn, set.as_str()).await?;
+                    Ok(())
+                })
+            });
+        }
+        let pool = pool.connect_with(options).await?;
         Ok(Db::Postgres(pool))
     } else if url.starts_with("sqlite:") {
         let options = SqliteConnectOptions::from_str(url)?

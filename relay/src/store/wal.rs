@@ -247,3 +247,38 @@ impl RelayStore {
 fn sqlstate(e: &sqlx::Error) -> Option<String> {
     e.as_database_error()?.code().map(|c| c.into_owned())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::Q;
+    use crate::service::{connect, IDLE_IN_TRANSACTION_LIMIT};
+    use crate::store::RelayStore;
+
+    /// A relay frozen inside the ledger's transaction, right after taking
+    /// its lock (SIGSTOP, a paused VM), held the lock for as long as it
+    /// stayed frozen, and every other relay's marks waited on it: CI saw a
+    /// standby that took the slot over deliver nothing for 120 s. The
+    /// relay's sessions end after [`IDLE_IN_TRANSACTION_LIMIT`] idle in a
+    /// transaction, so another relay's mark goes through, and the frozen
+    /// relay finds its transaction gone when it thaws.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_relay_frozen_holding_the_ledger_lock_does_not_stop_other_marks() {
+        let t = ferry_testkit::TestDb::new(ferry::Engine::Postgres).await;
+        let frozen = connect(&t.url).await.unwrap();
+        let mut tx = frozen.db().as_postgres().unwrap().begin().await.unwrap();
+        let _: i64 = sqlx::query_scalar(Q.wal_ledger_lock)
+            .bind(None::<i64>)
+            .fetch_one(&mut *tx)
+            .await
+            .unwrap();
+
+        let other = RelayStore::new(t.ferry.clone());
+        let covered = tokio::time::timeout(6 * IDLE_IN_TRANSACTION_LIMIT, other.wal_cover_delivered(&[1, 2]))
+            .await
+            .expect("a mark waited on a frozen relay's lock")
+            .unwrap();
+        assert_eq!(covered, 2);
+        let thawed = sqlx::query("SELECT 1").execute(&mut *tx).await;
+        assert!(thawed.is_err(), "the frozen relay's transaction outlived the limit");
+    }
+}
