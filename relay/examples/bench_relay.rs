@@ -26,7 +26,10 @@
 //!   EventRouter too, `bench/debezium/run`), where the CPU went, commit → ack
 //!   latency at 1k and 10k rows/s, and a `ferry-relay` process's VmHWM over
 //!   the 1M backlog in WAL capture. Every replication slot it makes is
-//!   dropped at the end, whatever the outcome.
+//!   dropped at the end, whatever the outcome;
+//! - `--wal-process`: that last `ferry-relay` process drain alone (to
+//!   profile the process: it runs after the seed, as the second
+//!   `ferry-relay` the run starts).
 #![allow(clippy::print_stdout, missing_docs)]
 
 use std::time::{Duration, Instant};
@@ -47,7 +50,15 @@ async fn main() -> Res<()> {
     let n: usize = if quick { 20_000 } else { 100_000 };
     let broker = ferry_testkit::Kafka::start();
     let brokers = broker.brokers();
-    let modes = ["--warm", "--latency", "--scaling", "--memory", "--bloat", "--wal"];
+    let modes = [
+        "--warm",
+        "--latency",
+        "--scaling",
+        "--memory",
+        "--bloat",
+        "--wal",
+        "--wal-process",
+    ];
     if modes.iter().any(|m| has(m)) {
         println!(
             "ferry-relay benchmarks (PostgreSQL → Apache Kafka), {}\n",
@@ -72,6 +83,13 @@ async fn main() -> Res<()> {
         if has("--wal") {
             let ran = wal(&brokers, &broker, quick, has("--debezium")).await;
             // Whatever happened: a leftover slot holds WAL for ever.
+            drop_bench_slots(&format!("ferry_bench_{}_", std::process::id())).await?;
+            ran?;
+        }
+        if has("--wal-process") {
+            drop_orphan_slots().await?;
+            let n = if quick { 100_000 } else { 1_000_000 };
+            let ran = wal_process(&brokers, &broker, n).await;
             drop_bench_slots(&format!("ferry_bench_{}_", std::process::id())).await?;
             ran?;
         }
@@ -717,7 +735,9 @@ fn broker_pid() -> Option<u32> {
         let pid: u32 = e.file_name().to_str()?.parse().ok()?;
         let cmd = std::fs::read(format!("/proc/{pid}/cmdline")).ok()?;
         let cmd = String::from_utf8_lossy(&cmd);
-        (cmd.contains("kafka.Kafka") && cmd.contains(&mine)).then_some(pid)
+        // The JVM itself, not the `sh` watchdog whose arguments name it too.
+        let java = cmd.split('\0').next().is_some_and(|a| a.ends_with("java"));
+        (java && cmd.contains("kafka.Kafka") && cmd.contains(&mine)).then_some(pid)
     })
 }
 
@@ -823,6 +843,12 @@ async fn wal(brokers: &str, broker: &ferry_testkit::Kafka, quick: bool, debezium
         );
     }
     wal_latency(brokers, broker, quick, debezium).await?;
+    wal_process(brokers, broker, n).await
+}
+
+/// A `ferry-relay` process's drain of `n` rows in WAL capture: its rate,
+/// where the CPU went and its VmHWM (alone: `--wal-process`).
+async fn wal_process(brokers: &str, broker: &ferry_testkit::Kafka, n: usize) -> Res<()> {
     let (rate, hwm, cpu) = wal_process_drain(brokers, broker, n).await?;
     println!(
         "{:<52} {rate:>12.0} {:>14}",

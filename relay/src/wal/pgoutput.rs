@@ -33,12 +33,55 @@ pub enum Message {
     Relation,
 }
 
-/// A table's layout, by relation id.
+/// A table announced on the stream, by relation id: for this schema's
+/// `outbox`, where each column the relay reads sits in a tuple, resolved
+/// once per `Relation` message instead of by name for every row (or why
+/// it cannot be read, reported at its first insert).
 #[derive(Debug, Clone)]
-struct Relation {
-    namespace: String,
-    name: String,
-    columns: Vec<String>,
+enum Relation {
+    Outbox(Result<Layout, DecodeError>),
+    Other,
+}
+
+/// Positions of the columns the relay reads in an outbox tuple, and the
+/// tuple's width.
+#[derive(Debug, Clone, Copy)]
+struct Layout {
+    width: usize,
+    id: usize,
+    tenant: usize,
+    topic: usize,
+    key: usize,
+    payload: usize,
+    headers: usize,
+    effect_key: usize,
+    traceparent: usize,
+    created_at: usize,
+    state: usize,
+}
+
+impl Layout {
+    fn of(columns: &[String]) -> Result<Layout, DecodeError> {
+        let at = |name: &str| {
+            columns
+                .iter()
+                .position(|c| c == name)
+                .ok_or_else(|| DecodeError(format!("outbox has no column {name}")))
+        };
+        Ok(Layout {
+            width: columns.len(),
+            id: at("id")?,
+            tenant: at("tenant")?,
+            topic: at("topic")?,
+            key: at("key")?,
+            payload: at("payload")?,
+            headers: at("headers")?,
+            effect_key: at("effect_key")?,
+            traceparent: at("traceparent")?,
+            created_at: at("created_at")?,
+            state: at("state")?,
+        })
+    }
 }
 
 /// The decoder's state: the relations announced on this stream.
@@ -75,14 +118,12 @@ impl Decoder {
                     let _type_oid = r.u32()?;
                     let _type_modifier = r.u32()?;
                 }
-                self.relations.insert(
-                    id,
-                    Relation {
-                        namespace,
-                        name,
-                        columns,
-                    },
-                );
+                let relation = if name == "outbox" && namespace == self.schema {
+                    Relation::Outbox(Layout::of(&columns))
+                } else {
+                    Relation::Other
+                };
+                self.relations.insert(id, relation);
                 Ok(Message::Relation)
             }
             b'I' => {
@@ -90,18 +131,16 @@ impl Decoder {
                 if r.u8()? != b'N' {
                     return err("insert without a new tuple");
                 }
-                let Some(rel) = self.relations.get(&id) else {
-                    return err(format!("insert into relation {id} before its Relation message"));
+                let layout = match self.relations.get(&id) {
+                    None => return err(format!("insert into relation {id} before its Relation message")),
+                    Some(Relation::Other) => return Ok(Message::Ignored),
+                    Some(Relation::Outbox(layout)) => layout.clone()?,
                 };
-                if rel.name != "outbox" || rel.namespace != self.schema {
-                    return Ok(Message::Ignored);
-                }
                 let values = r.tuple()?;
-                if values.len() != rel.columns.len() {
+                if values.len() != layout.width {
                     return err("tuple and relation disagree on the column count");
                 }
-                let row: HashMap<&str, Option<&[u8]>> = rel.columns.iter().map(String::as_str).zip(values).collect();
-                outbox_row(&row)
+                outbox_row(&layout, &values)
             }
             // A type's name (sent before a row of a non-built-in type) and a
             // replication origin: nothing the relay publishes.
@@ -114,41 +153,37 @@ impl Decoder {
     }
 }
 
-/// An outbox row from its text-format columns.
-fn outbox_row(row: &HashMap<&str, Option<&[u8]>>) -> Result<Message, DecodeError> {
-    let text = |name: &str| -> Result<Option<&str>, DecodeError> {
-        match row.get(name) {
-            None => err(format!("outbox has no column {name}")),
-            Some(None) => Ok(None),
-            Some(Some(v)) => std::str::from_utf8(v)
-                .map(Some)
-                .map_err(|_| DecodeError(format!("column {name} is not UTF-8"))),
-        }
+/// An outbox row from its text-format columns, found by `layout`.
+fn outbox_row(layout: &Layout, row: &[Option<&[u8]>]) -> Result<Message, DecodeError> {
+    let text = |at: usize, name: &str| -> Result<Option<&str>, DecodeError> {
+        row[at]
+            .map(|v| std::str::from_utf8(v).map_err(|_| DecodeError(format!("column {name} is not UTF-8"))))
+            .transpose()
     };
-    let required = |name: &str| -> Result<&str, DecodeError> {
-        text(name)?.ok_or_else(|| DecodeError(format!("column {name} is NULL")))
+    let required = |at: usize, name: &str| -> Result<&str, DecodeError> {
+        text(at, name)?.ok_or_else(|| DecodeError(format!("column {name} is NULL")))
     };
-    if required("state")? != "pending" {
+    if required(layout.state, "state")? != "pending" {
         return Ok(Message::Ignored);
     }
-    let number = |name: &str| -> Result<i64, DecodeError> {
-        required(name)?
+    let number = |at: usize, name: &str| -> Result<i64, DecodeError> {
+        required(at, name)?
             .parse()
             .map_err(|_| DecodeError(format!("column {name} is not a number")))
     };
-    let headers: BTreeMap<String, String> = serde_json::from_str(required("headers")?)
+    let headers: BTreeMap<String, String> = serde_json::from_str(required(layout.headers, "headers")?)
         .map_err(|_| DecodeError("column headers is not a JSON object of strings".into()))?;
-    let created_at =
-        ferry::Millis::new(number("created_at")?).map_err(|_| DecodeError("column created_at is negative".into()))?;
+    let created_at = ferry::Millis::new(number(layout.created_at, "created_at")?)
+        .map_err(|_| DecodeError("column created_at is negative".into()))?;
     Ok(Message::Row(Box::new(PendingRow {
-        id: number("id")?,
-        tenant: required("tenant")?.to_owned(),
-        topic: required("topic")?.to_owned(),
-        key: required("key")?.to_owned(),
-        payload: bytea(required("payload")?)?,
+        id: number(layout.id, "id")?,
+        tenant: required(layout.tenant, "tenant")?.to_owned(),
+        topic: required(layout.topic, "topic")?.to_owned(),
+        key: required(layout.key, "key")?.to_owned(),
+        payload: bytea(required(layout.payload, "payload")?)?,
         headers,
-        effect_key: text("effect_key")?.map(str::to_owned),
-        traceparent: text("traceparent")?.map(str::to_owned),
+        effect_key: text(layout.effect_key, "effect_key")?.map(str::to_owned),
+        traceparent: text(layout.traceparent, "traceparent")?.map(str::to_owned),
         created_at,
     })))
 }
@@ -341,5 +376,28 @@ mod tests {
         short.truncate(short.len() - 3);
         assert!(d.decode(&short).is_err(), "truncated");
         assert!(d.decode(b"Z").is_err(), "unknown tag");
+    }
+
+    /// Columns are found by name once per Relation message: a table whose
+    /// columns come in another order (a restored dump, a later migration)
+    /// decodes the same, and an outbox without a column the relay reads is
+    /// an error at its first insert.
+    #[test]
+    fn columns_are_found_by_name_in_any_order() {
+        let mut d = Decoder::new("app");
+        let reversed: Vec<&str> = COLUMNS.iter().rev().copied().collect();
+        d.decode(&relation(3, "app", "outbox", &reversed)).unwrap();
+        let backwards: Vec<Option<&str>> = values("pending", "\\x6869").into_iter().rev().collect();
+        let Message::Row(row) = d.decode(&insert(3, &backwards)).unwrap() else {
+            panic!("not a row");
+        };
+        assert_eq!(
+            (row.id, row.topic.as_str(), row.payload.as_slice()),
+            (42, "orders", &b"hi"[..])
+        );
+
+        d.decode(&relation(4, "app", "outbox", &COLUMNS[1..])).unwrap();
+        let e = d.decode(&insert(4, &values("pending", "\\x00")[1..])).unwrap_err();
+        assert_eq!(e.0, "outbox has no column id");
     }
 }

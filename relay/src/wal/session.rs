@@ -220,14 +220,18 @@ async fn stream(
     iso: &mut Isolation,
     finish: &CancellationToken,
 ) -> Ended {
-    let mut decoder = Decoder::new(ctx.capture.schema.clone());
-    let replay = format!("ferry.replay.{}", ctx.database_id);
+    let mut events = Events {
+        decoder: Decoder::new(ctx.capture.schema.clone()),
+        replay: format!("ferry.replay.{}", ctx.database_id),
+        forwarded: client.metrics(),
+        received: 0,
+    };
     let marker = pipeline.marker();
     loop {
         if let Some(end) = pipeline.failed() {
             return end.clone();
         }
-        let read = pipeline.may_produce() && pipeline.in_flight() < MAX_IN_FLIGHT;
+        let read = reading(pipeline);
         let commit_due = pipeline.commit_due();
         let waiting = std::time::Instant::now();
         tokio::select! {
@@ -244,41 +248,103 @@ async fn stream(
             }
             event = client.recv(), if read => {
                 waited(ctx, waiting);
-                match event {
-                    Ok(Some(ReplicationEvent::Begin { final_lsn, .. })) => {
-                        pipeline.one_at_a_time = iso.covers_lsn(final_lsn.as_u64());
-                        pipeline.begin(Some(final_lsn.as_u64()));
+                events.received += 1;
+                if let Err(end) = events.handle(ctx, pipeline, iso, event).await {
+                    return end;
+                }
+                // The events already queued behind it, without a turn of
+                // the loop each (its timers and wake-ups cost more than a
+                // row's decoding).
+                let mut batched = 1;
+                while batched < EVENT_BATCH && reading(pipeline) && events.queued() {
+                    let Some(event) = futures::FutureExt::now_or_never(client.recv()) else {
+                        break;
+                    };
+                    events.received += 1;
+                    batched += 1;
+                    if let Err(end) = events.handle(ctx, pipeline, iso, event).await {
+                        return end;
                     }
-                    Ok(Some(ReplicationEvent::XLogData { data, .. })) => match decoder.decode(&data) {
-                        Ok(Message::Row(row)) => pipeline.produce(&row).await,
-                        Ok(Message::Ignored | Message::Relation) => {}
-                        Err(e) => {
-                            tracing::error!(error = %e, "a replication message could not be decoded");
-                            return Ended::Retry("decode");
-                        }
-                    },
-                    Ok(Some(ReplicationEvent::Commit { end_lsn, .. })) => {
-                        pipeline.commit(Some(end_lsn.as_u64())).await;
-                        if pipeline.wants_commit() {
-                            pipeline.commit_kafka().await;
-                        }
-                    }
-                    Ok(Some(ReplicationEvent::KeepAlive { wal_end, .. })) => {
-                        pipeline.commit_kafka().await;
-                        pipeline.idle(wal_end.as_u64()).await;
-                    }
-                    Ok(Some(ReplicationEvent::Message { transactional: true, prefix, content, .. })) if prefix == replay => {
-                        if let Err(end) = replayed(ctx, pipeline, &content).await {
-                            return end;
-                        }
-                    }
-                    // Another application's pg_logical_emit_message: not ours.
-                    Ok(Some(ReplicationEvent::Message { .. })) => {}
-                    Ok(Some(ReplicationEvent::StoppedAt { .. }) | None) => return Ended::Retry("stream_ended"),
-                    Err(e) => return classify(&e),
                 }
             }
         }
+    }
+}
+
+/// Replication events handled in one turn of the session's loop at most,
+/// when more are queued: shutdown, acknowledgements and the slot's
+/// confirmation are looked at between turns.
+const EVENT_BATCH: usize = 256;
+
+/// Whether the session reads the next event: nothing failed, the pipeline
+/// may produce, and there is room in flight.
+fn reading(pipeline: &Pipeline<'_>) -> bool {
+    pipeline.failed().is_none() && pipeline.may_produce() && pipeline.in_flight() < MAX_IN_FLIGHT
+}
+
+/// The stream's events, as the session reads them.
+struct Events {
+    decoder: Decoder,
+    /// The prefix of this database's replay announcements.
+    replay: String,
+    /// The replication client's count of events it queued for the session.
+    forwarded: Arc<pgwire_replication::ReplicationMetrics>,
+    /// Events the session took from the queue.
+    received: u64,
+}
+
+impl Events {
+    /// Whether an event waits in the client's queue. A receive then
+    /// returns it at once (or yields to the runtime's budget), never the
+    /// stream's end: only then is it polled once, outside `select!`
+    /// (polling the end once could drop the client's worker error).
+    fn queued(&self) -> bool {
+        self.forwarded.events_forwarded() > self.received
+    }
+
+    /// Applies one event; `Err` ends the session.
+    async fn handle(
+        &mut self,
+        ctx: &Ctx,
+        pipeline: &mut Pipeline<'_>,
+        iso: &mut Isolation,
+        event: pgwire_replication::Result<Option<ReplicationEvent>>,
+    ) -> Result<(), Ended> {
+        match event {
+            Ok(Some(ReplicationEvent::Begin { final_lsn, .. })) => {
+                pipeline.one_at_a_time = iso.covers_lsn(final_lsn.as_u64());
+                pipeline.begin(Some(final_lsn.as_u64()));
+            }
+            Ok(Some(ReplicationEvent::XLogData { data, .. })) => match self.decoder.decode(&data) {
+                Ok(Message::Row(row)) => pipeline.produce(&row).await,
+                Ok(Message::Ignored | Message::Relation) => {}
+                Err(e) => {
+                    tracing::error!(error = %e, "a replication message could not be decoded");
+                    return Err(Ended::Retry("decode"));
+                }
+            },
+            Ok(Some(ReplicationEvent::Commit { end_lsn, .. })) => {
+                pipeline.commit(Some(end_lsn.as_u64())).await;
+                if pipeline.wants_commit() {
+                    pipeline.commit_kafka().await;
+                }
+            }
+            Ok(Some(ReplicationEvent::KeepAlive { wal_end, .. })) => {
+                pipeline.commit_kafka().await;
+                pipeline.idle(wal_end.as_u64()).await;
+            }
+            Ok(Some(ReplicationEvent::Message {
+                transactional: true,
+                prefix,
+                content,
+                ..
+            })) if prefix == self.replay => replayed(ctx, pipeline, &content).await?,
+            // Another application's pg_logical_emit_message: not ours.
+            Ok(Some(ReplicationEvent::Message { .. })) => {}
+            Ok(Some(ReplicationEvent::StoppedAt { .. }) | None) => return Err(Ended::Retry("stream_ended")),
+            Err(e) => return Err(classify(&e)),
+        }
+        Ok(())
     }
 }
 
