@@ -27,6 +27,7 @@
 //!   latency at 1k and 10k rows/s, and a `ferry-relay` process's VmHWM over
 //!   the 1M backlog in WAL capture. Every replication slot it makes is
 //!   dropped at the end, whatever the outcome;
+//! - `--wal-latency`: the commit → ack runs of `--wal` alone;
 //! - `--wal-process`: that last `ferry-relay` process drain alone (to
 //!   profile the process: it runs after the seed, as the second
 //!   `ferry-relay` the run starts).
@@ -83,6 +84,12 @@ async fn main() -> Res<()> {
         if has("--wal") {
             let ran = wal(&brokers, &broker, quick, has("--debezium")).await;
             // Whatever happened: a leftover slot holds WAL for ever.
+            drop_bench_slots(&format!("ferry_bench_{}_", std::process::id())).await?;
+            ran?;
+        }
+        if has("--wal-latency") {
+            drop_orphan_slots().await?;
+            let ran = wal_latency(&brokers, &broker, quick, has("--debezium")).await;
             drop_bench_slots(&format!("ferry_bench_{}_", std::process::id())).await?;
             ran?;
         }
@@ -383,15 +390,23 @@ async fn latency(brokers: &str, broker: &ferry_testkit::Kafka, quick: bool) -> R
     Ok(())
 }
 
-/// Concurrent writers in the latency runs, each one row per transaction on
-/// its own pooled connection: enough that commit latency does not cap the
-/// offered rate.
+/// Concurrent writers in the latency runs, each on its own pooled
+/// connection: enough that commit latency does not cap the offered rate.
 const WRITERS: u64 = 48;
 
+/// Rows per writer transaction at `rate` rows/s: one up to 1k rows/s; above
+/// it, as many as keep the transactions at 1k/s (48 one-row writers commit
+/// only ~3.3k transactions/s here, short of 10k rows/s offered).
+fn rows_per_commit(rate: u64) -> u64 {
+    rate.div_ceil(1_000).max(1)
+}
+
 /// Enqueues at `rate` rows/s for `d` from [`WRITERS`] tasks sharing `f`'s
-/// pool, one row per transaction; returns rows sent and seconds taken.
+/// pool, [`rows_per_commit`] rows per transaction; returns rows sent and
+/// seconds taken.
 async fn steady(f: &Ferry, rate: u64, d: Duration) -> Res<(u64, f64)> {
-    let per = Duration::from_nanos(1_000_000_000 * WRITERS / rate);
+    let rows = rows_per_commit(rate);
+    let per = Duration::from_nanos(1_000_000_000 * WRITERS * rows / rate);
     let started = Instant::now();
     let mut tasks = Vec::new();
     for w in 0..WRITERS {
@@ -403,11 +418,16 @@ async fn steady(f: &Ferry, rate: u64, d: Duration) -> Res<(u64, f64)> {
             let mut i = w;
             while started.elapsed() < d {
                 tick.tick().await;
-                let m = OutboxMessage::bytes("bench", "bench-latency", format!("k{}", i % 500), vec![0u8; 100]);
-                if f.enqueue(&m).await.is_ok() {
-                    sent += 1;
+                let Ok(mut tx) = f.begin().await else { continue };
+                let mut ok = true;
+                for _ in 0..rows {
+                    let m = OutboxMessage::bytes("bench", "bench-latency", format!("k{}", i % 500), vec![0u8; 100]);
+                    ok &= f.enqueue_in(tx.conn(), &m).await.is_ok();
+                    i += WRITERS;
                 }
-                i += WRITERS;
+                if ok && tx.commit().await.is_ok() {
+                    sent += rows;
+                }
             }
             sent
         }));
@@ -1032,7 +1052,13 @@ async fn wal_latency(brokers: &str, broker: &ferry_testkit::Kafka, quick: bool, 
                 poll_config(&url, brokers, Mode::Mark)
             };
             let (stop, handle, state) = start_with(cfg, ferry.clone())?;
-            let writers = Ferry::builder(&url).max_connections(WRITERS as u32).connect().await?;
+            // WAL capture keeps commit order without the per-key lock
+            // (README, "WAL capture"), so its writers go without it.
+            let writers = Ferry::builder(&url)
+                .max_connections(WRITERS as u32)
+                .outbox_key_locks(!wal)
+                .connect()
+                .await?;
             steady(&writers, rate, Duration::from_secs(3)).await?;
             wait_delivered(&ferry).await?;
             state.metrics.reset_latency();
@@ -1048,8 +1074,9 @@ async fn wal_latency(brokers: &str, broker: &ferry_testkit::Kafka, quick: bool, 
             println!(
                 "{:<64} {:>6} / {:>3} ms {:>14}   (load {})",
                 format!(
-                    "commit → ack p50 / p99, --capture {}, {rate} rows/s offered ({:.0} achieved)",
+                    "commit → ack p50 / p99, --capture {}, {rate} rows/s offered, {} per commit ({:.0} achieved)",
                     if wal { "wal" } else { "poll" },
+                    rows_per_commit(rate),
                     sent as f64 / took
                 ),
                 q(0.5),
