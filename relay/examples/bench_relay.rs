@@ -59,6 +59,7 @@ async fn main() -> Res<()> {
         "--bloat",
         "--wal",
         "--wal-process",
+        "--wal-latency",
     ];
     if modes.iter().any(|m| has(m)) {
         println!(
