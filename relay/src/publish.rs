@@ -45,6 +45,11 @@ pub const CLIENT_MAX_MESSAGE_BYTES: &str = "100000000";
 /// The settings of every relay producer (idempotent, `acks=all`,
 /// `murmur2_random`), with the operator's overrides applied last.
 ///
+/// Nagle's algorithm is off on the broker sockets (librdkafka leaves it
+/// on): at a low rate a produce request sent while the previous one is
+/// unacknowledged at the TCP level would otherwise wait for that ACK, which
+/// the broker may delay by up to 40 ms, in the commit → ack tail.
+///
 /// At least once, a record is retried until Kafka acknowledges it
 /// (`message.timeout.ms=0`, as Kafka Connect sets `delivery.timeout.ms` to
 /// its maximum for source tasks): with a finite timeout, librdkafka drops a
@@ -69,6 +74,7 @@ pub fn producer_config(cfg: &RelayConfig) -> ClientConfig {
         .set("partitioner", "murmur2_random")
         .set("compression.type", &cfg.compression)
         .set("linger.ms", "5")
+        .set("socket.nagle.disable", "true")
         .set("message.timeout.ms", if cfg.exactly_once { "30000" } else { "0" })
         .set("message.max.bytes", CLIENT_MAX_MESSAGE_BYTES);
     for (k, v) in &cfg.kafka {
