@@ -74,11 +74,12 @@ ORDER BY o.id
 LIMIT $2
 
 -- name: wal_ledger_lock [postgres only]
--- The marker's transaction starts here: one marker at a time on this
--- schema's ledger (any session, any relay), so ranges never overlap. Returns
+-- The marker's transaction starts here: the ledger's writers' lock (one
+-- writer at a time on this schema's ledger, any session, any relay, a
+-- replay's split included), so ranges never overlap. Returns
 -- the instant the acknowledged ids are recorded at.
 WITH locked AS (
-    SELECT pg_advisory_xact_lock(hashtextextended(current_schema() || '.outbox_delivered', 0))
+    SELECT {use outbox_ledger_lock}
 )
 SELECT {now $1} AS now FROM locked
 
@@ -116,8 +117,8 @@ RETURNING id
 -- A row Kafka refused alone (the evidence is about this row only). A row a
 -- ledger range covers was delivered (a restart republished it: the slot was
 -- not confirmed past it) and is left alone, as a row marked delivered is:
--- dead and covered, it would read dead, and a replay would make it read
--- delivered again without publishing it.
+-- dead and covered, it would read dead although delivered, and a replay
+-- would publish it again.
 UPDATE outbox
 SET state = 'dead', last_error = $2, publish_attempts = publish_attempts + 1
 WHERE id = $1 AND state = 'pending'

@@ -271,10 +271,110 @@ async fn wal_then_poll_publishes_nothing_twice() {
     assert_eq!(recs.len(), 120, "no row was published twice");
 }
 
+/// A dead row a ledger range covers (dead-marking does not take the
+/// ledger's lock, so it can race the marker; a restored backup or an
+/// operator's UPDATE can do the same, as here) is replayed while a WAL relay
+/// streams: the replay splits the range around it, so the relay publishes
+/// it once more and it reads delivered again, while its neighbours in the
+/// range still read delivered and are not published again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn wal_a_covered_dead_row_replayed_is_published_once() {
+    let broker = Kafka::start();
+    broker.create_topic("orders", 3);
+    let (ferry, url) = pg_ferry().await;
+    let slot = SlotGuard::new().await;
+    let pool = ferry.db().as_postgres().unwrap().clone();
+    deliver_100_through_wal(&slot, &url, &broker, &ferry).await;
+    let (lo, hi): (i64, i64) = sqlx::query_as("SELECT lo, hi FROM outbox_delivered ORDER BY hi - lo DESC LIMIT 1")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert!(hi - lo >= 2, "a range with a neighbour on each side of its second id");
+    let id = lo + 1;
+    sqlx::query("UPDATE outbox SET state = 'dead', last_error = 'message_too_large' WHERE id = $1")
+        .bind(id)
+        .execute(&pool)
+        .await
+        .unwrap();
+    let relay = slot.start(slot.config(&url, &broker.brokers()), ferry.clone()).await;
+    wait_for_streaming(&pool, &slot.name, None, Duration::from_secs(60)).await;
+    assert_eq!(
+        ferry
+            .operator()
+            .replay_dead_outbox(Some(id), "ops", "covered and dead")
+            .await
+            .unwrap(),
+        vec![id]
+    );
+    // A row committed after the replay: the marker records transactions in
+    // commit order, so once it reads delivered, so does the replayed row
+    // if it was published.
+    crate::relay::write_orders(&ferry, 1, 1).await;
+    wait_for_count(&ferry, &DELIVERED, 101, Duration::from_secs(60)).await;
+    relay.shutdown().await;
+    let states = ferry_testkit::outbox_states(&pool).await;
+    assert!(states.iter().all(|(_, s)| s == "delivered"), "{states:?}");
+    let recs = read_all(&broker.brokers(), "orders", false, Duration::from_secs(30)).await;
+    let copies = |of: i64| recs.iter().filter(|r| r.outbox_id() == of).count();
+    assert_eq!(copies(id), 2, "the replayed row was published once more");
+    assert_eq!(
+        (copies(lo), copies(hi)),
+        (1, 1),
+        "its neighbours were not published again"
+    );
+    assert_eq!((distinct(&recs), recs.len()), (101, 102));
+}
+
+/// A replay splits every range covering a replayed id around the replayed
+/// ids, whichever end of the range they sit at, and keeps each piece's
+/// `delivered_at`; a range covering only replayed ids is gone, and a range
+/// covering none is left as it was.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replay_splits_the_ranges_covering_its_rows() {
+    let (ferry, _) = pg_ferry().await;
+    let pool = ferry.db().as_postgres().unwrap().clone();
+    let mut ids = Vec::new();
+    for i in 0..14 {
+        ids.push(plain_insert(&pool, 0, "k", &format!("{i}")).await);
+    }
+    let id = |i: usize| ids[i];
+    let ranges = [(0, 9, 100), (11, 11, 200), (12, 13, 300)];
+    for (lo, hi, at) in ranges {
+        sqlx::query("INSERT INTO outbox_delivered (lo, hi, delivered_at) VALUES ($1, $2, $3)")
+            .bind(id(lo))
+            .bind(id(hi))
+            .bind(at)
+            .execute(&pool)
+            .await
+            .unwrap();
+    }
+    let dead = [id(0), id(4), id(5), id(9), id(11)];
+    sqlx::query("UPDATE outbox SET state = 'dead' WHERE id = ANY($1)")
+        .bind(&dead[..])
+        .execute(&pool)
+        .await
+        .unwrap();
+    let mut replayed = ferry.operator().replay_dead_outbox(None, "ops", "split").await.unwrap();
+    replayed.sort_unstable();
+    assert_eq!(replayed, dead);
+    let left: Vec<(i64, i64, i64)> = sqlx::query_as("SELECT lo, hi, delivered_at FROM outbox_delivered ORDER BY lo")
+        .fetch_all(&pool)
+        .await
+        .unwrap();
+    let at = |lo: usize, hi: usize, at: i64| (id(lo), id(hi), at);
+    assert_eq!(left, vec![at(1, 3, 100), at(6, 8, 100), at(12, 13, 300)]);
+    let pending: Vec<i64> = sqlx::query_scalar(&format!("SELECT id FROM {OUTBOX} WHERE state = 'pending' ORDER BY id"))
+        .fetch_all(&pool)
+        .await
+        .unwrap();
+    // id(10) was never covered.
+    assert_eq!(pending, vec![id(0), id(4), id(5), id(9), id(10), id(11)]);
+}
+
 /// A poll relay beside WAL capture reads a row, and WAL capture delivers
 /// it meanwhile (a range covers it): Kafka then refusing the poll relay's
-/// copy must not make the delivered row dead (dead and covered, a replay
-/// would make it read delivered again and publish nothing).
+/// copy must not make the delivered row dead (dead and covered, it would
+/// read dead although delivered, and a replay would publish it again).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_poll_relay_refused_a_covered_row_leaves_it_delivered() {
     let (ferry, _) = pg_ferry().await;
