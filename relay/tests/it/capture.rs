@@ -271,6 +271,132 @@ async fn wal_then_poll_publishes_nothing_twice() {
     assert_eq!(recs.len(), 120, "no row was published twice");
 }
 
+/// A session holding the ledger's lock (a WAL relay's mark, frozen), taken
+/// before a poll relay starts, so its start-up fold waits on it: the
+/// holder's transaction and its backend pid.
+async fn hold_the_ledger_lock(ferry: &ferry::Ferry) -> (sqlx::Transaction<'static, sqlx::Postgres>, i32) {
+    let mut holder = ferry.db().as_postgres().unwrap().begin().await.unwrap();
+    sqlx::query(ferry::store::queries::POSTGRES_ONLY.replay_ledger_lock)
+        .execute(&mut *holder)
+        .await
+        .unwrap();
+    let pid = sqlx::query_scalar("SELECT pg_backend_pid()")
+        .fetch_one(&mut *holder)
+        .await
+        .unwrap();
+    (holder, pid)
+}
+
+/// Waits until `relay`'s start-up fold waits on the lock `holder` holds;
+/// returns the backend pid of the fold's session.
+async fn the_fold_waits(ferry: &ferry::Ferry, relay: &RunningRelay, holder: i32) -> i32 {
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let waiting: Option<i32> =
+            sqlx::query_scalar("SELECT pid FROM pg_stat_activity WHERE $1 = ANY(pg_blocking_pids(pid))")
+                .bind(holder)
+                .fetch_optional(ferry.db().as_postgres().unwrap())
+                .await
+                .unwrap();
+        if let Some(pid) = waiting {
+            return pid;
+        }
+        assert!(!relay.handle.is_finished(), "the relay ended before its fold waited");
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the relay's fold never waited on the ledger's lock"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// `n` rows covered by ledger ranges (delivered through WAL capture, still
+/// `pending` in their rows), one range per row.
+async fn covered_rows(ferry: &ferry::Ferry, n: usize) {
+    let pool = ferry.db().as_postgres().unwrap().clone();
+    let store = ferry_relay::store::RelayStore::new(ferry.clone());
+    for i in 0..n {
+        let id = plain_insert(&pool, 0, "k", &format!("{i}")).await;
+        // Every other id is left out of the ledger, so the ranges never
+        // merge: an uncovered row of another lane.
+        plain_insert(&pool, 1, "k-gap", &format!("{i}")).await;
+        store.wal_cover_delivered(&[id]).await.unwrap();
+    }
+}
+
+/// SIGTERM while a poll relay's start-up fold waits (on the ledger's lock
+/// here; a long fold of many ranges is the same): the relay stops within
+/// its grace instead of finishing the fold first. What it did not fold
+/// stays in the ledger for the next start.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shutdown_during_the_start_up_fold_returns_promptly() {
+    let (ferry, url) = pg_ferry().await;
+    covered_rows(&ferry, 3).await;
+    let cfg = relay_config(&url, "127.0.0.1:1");
+    let grace = cfg.grace;
+    let (holder, holder_pid) = hold_the_ledger_lock(&ferry).await;
+    let relay = start_relay(cfg, ferry.clone()).await;
+    the_fold_waits(&ferry, &relay, holder_pid).await;
+    relay.stop.cancel();
+    let stopped = tokio::time::timeout(grace, relay.handle).await;
+    holder.rollback().await.unwrap();
+    stopped
+        .expect("the relay did not stop within its grace while its fold waited")
+        .unwrap()
+        .unwrap();
+    assert_eq!(
+        scalar(&ferry, "SELECT count(*) FROM outbox_delivered").await,
+        3,
+        "nothing was folded"
+    );
+}
+
+/// The session of a poll relay's start-up fold is terminated (a database
+/// failover, an operator): the relay retries after its backoff instead of
+/// exiting, folds the ledger once the cause is gone (every covered row
+/// `delivered` in its row, no range left), and publishes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fold_that_hit_a_database_error_completes_and_the_relay_publishes() {
+    let broker = Kafka::start();
+    broker.create_topic("orders", 3);
+    let (ferry, url) = pg_ferry().await;
+    let pool = ferry.db().as_postgres().unwrap().clone();
+    covered_rows(&ferry, 3).await;
+    let (holder, holder_pid) = hold_the_ledger_lock(&ferry).await;
+    let relay = start_relay(relay_config(&url, &broker.brokers()), ferry.clone()).await;
+    let fold = the_fold_waits(&ferry, &relay, holder_pid).await;
+    let terminated: bool = sqlx::query_scalar("SELECT pg_terminate_backend($1)")
+        .bind(fold)
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert!(terminated);
+    holder.rollback().await.unwrap();
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    while scalar(&ferry, "SELECT count(*) FROM outbox_delivered").await > 0 {
+        assert!(
+            !relay.handle.is_finished(),
+            "the relay exited on its fold's database error"
+        );
+        assert!(std::time::Instant::now() < deadline, "the ledger was never folded");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(
+        scalar(&ferry, "SELECT count(*) FROM outbox WHERE state = 'delivered'").await,
+        3,
+        "the covered rows are delivered in their rows"
+    );
+    crate::relay::write_orders(&ferry, 10, 3).await;
+    wait_for_count(&ferry, &DELIVERED, 16, Duration::from_secs(60)).await;
+    relay.shutdown().await;
+    let recs = read_all(&broker.brokers(), "orders", false, Duration::from_secs(30)).await;
+    assert_eq!(
+        distinct(&recs),
+        13,
+        "the uncovered rows and the new ones, none of the folded"
+    );
+}
+
 /// A dead row a ledger range covers (dead-marking does not take the
 /// ledger's lock, so it can race the marker; a restored backup or an
 /// operator's UPDATE can do the same, as here) is replayed while a WAL relay
