@@ -29,7 +29,20 @@ SELECT active,
 FROM pg_replication_slots WHERE slot_name = $1
 
 -- name: wal_create_slot [postgres only]
+-- Waits for every transaction running when it starts to end (a consistent
+-- point), however long; a slot whose creating session ends first is not
+-- made.
 SELECT lsn::text FROM pg_create_logical_replication_slot($1, 'pgoutput')
+
+-- name: wal_session_pid [postgres only]
+-- The backend of the session about to create a slot, so a shutdown can end
+-- it (`wal_end_session`).
+SELECT pg_backend_pid()
+
+-- name: wal_end_session [postgres only]
+-- Ends session $1 (this role's own slot creation, waiting at shutdown):
+-- whatever the client drops, the server would wait on and make the slot.
+SELECT pg_terminate_backend($1)
 
 -- name: wal_drop_slot [postgres only]
 SELECT pg_drop_replication_slot($1)
