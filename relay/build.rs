@@ -1,4 +1,5 @@
-//! Renders `sql/*.sql` for both engines into the relay's typed queries.
+//! Renders `sql/*.sql` for both engines into the relay's typed queries,
+//! borrowing the library's delivered-ranges fragments (the ledger's lock).
 fn main() {
-    ferry_sqlgen::generate("sql", "ferry::store::PerEngine");
+    ferry_sqlgen::generate_sharing("sql", "ferry::store::PerEngine", &["../sql/outbox_delivered.sql"]);
 }

@@ -37,6 +37,12 @@ WHERE state = 'dead'
   AND ($3{pg:::text} IS NULL OR last_error = $3)
 ORDER BY id LIMIT $1
 
+-- name: replay_ledger_lock [postgres only]
+-- A replay's transaction starts here on PostgreSQL: the ledger's writers'
+-- lock, so no range it splits (`replay_uncover`) is merged or extended by
+-- the WAL marker meanwhile.
+SELECT {use outbox_ledger_lock}
+
 -- name: replay_dead_outbox
 -- Back to pending: every dead row, or only id $1, only of tenant $2, only
 -- with error code $3, only up to id $4.
@@ -47,6 +53,38 @@ WHERE state = 'dead'
   AND ($3{pg:::text} IS NULL OR last_error = $3)
   AND ($4{pg:::bigint} IS NULL OR id <= $4)
 RETURNING id
+
+-- name: replay_uncover [postgres only]
+-- In the replay's transaction, once rows $1 are back to pending: a dead row
+-- a ledger range covers (dead-marking does not take the ledger's lock, a
+-- restored backup, an operator's UPDATE) would read delivered once pending,
+-- and WAL capture's re-read of the replay would skip it. Each range
+-- covering a replayed id (its covering range is the one with the greatest
+-- lo <= id, one probe) is deleted and its pieces around the replayed ids
+-- inserted with its delivered_at, so the rest of it still reads delivered.
+-- The pieces are computed from the DELETE's rows, so each range is gone
+-- before a piece starting at its lo is inserted.
+WITH hit AS (
+    SELECT DISTINCT c.lo
+    FROM unnest($1::bigint[]) AS r (id)
+    CROSS JOIN LATERAL (SELECT d.lo, d.hi FROM outbox_delivered d
+                        WHERE d.lo <= r.id ORDER BY d.lo DESC LIMIT 1) c
+    WHERE c.hi >= r.id
+), split AS (
+    DELETE FROM outbox_delivered d USING hit h WHERE d.lo = h.lo
+    RETURNING d.lo, d.hi, d.delivered_at
+), cuts AS (
+    SELECT s.hi, s.delivered_at, c.id AS after,
+           lead(c.id) OVER (PARTITION BY s.lo ORDER BY c.id) AS upto
+    FROM split s
+    CROSS JOIN LATERAL (SELECT s.lo - 1 AS id
+                        UNION ALL
+                        SELECT r.id FROM unnest($1::bigint[]) AS r (id)
+                        WHERE r.id BETWEEN s.lo AND s.hi) c
+)
+INSERT INTO outbox_delivered (lo, hi, delivered_at)
+SELECT after + 1, COALESCE(upto - 1, hi), delivered_at FROM cuts
+WHERE after + 1 <= COALESCE(upto - 1, hi)
 
 -- name: wal_announce_replay [postgres only]
 -- In the transaction that puts dead rows back to pending: WAL capture

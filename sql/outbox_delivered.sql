@@ -4,7 +4,15 @@
 --   delivered = state = 'delivered' OR (state = 'pending' AND covered)
 --   pending   = state = 'pending' AND NOT covered
 --   dead      = state = 'dead'
--- The console and the doctor borrow these fragments (generate_sharing).
+-- The console, the doctor and the relay borrow these fragments
+-- (generate_sharing).
+
+-- name: outbox_ledger_lock [fragment]
+-- The ledger's writers' lock (PostgreSQL; a transaction-scoped advisory
+-- lock on this schema's ledger), taken first by the WAL marker, a poll
+-- relay's fold and a replay's split: one writer at a time, so ranges never
+-- overlap and none is merged, extended or split under another writer.
+pg_advisory_xact_lock(hashtextextended(current_schema() || '.outbox_delivered', 0))
 
 -- name: outbox_ledger_empty [fragment]
 -- True when no range is recorded (SQLite, poll capture, a ledger folded or

@@ -455,7 +455,10 @@ async fn doctor_reports_an_inactive_wal_slot() {
         url: ferry_testkit::postgres_url(),
         slot: slot.clone(),
     };
-    RelayStore::new(t.ferry.clone()).create_wal_slot(&slot).await.unwrap();
+    assert!(RelayStore::new(t.ferry.clone())
+        .create_wal_slot(&slot, std::future::pending())
+        .await
+        .unwrap());
     // The shared cluster may leave max_slot_wal_keep_size unbounded: then
     // its check warns about the slot as well.
     let unbounded = t.ferry.operator().wal_keep_size().await.unwrap().is_none();

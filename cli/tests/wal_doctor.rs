@@ -41,7 +41,10 @@ async fn doctor_warns_about_slots_that_hold_wal_back() {
 
     // A slot no relay streams from, and WAL written since it was made.
     let store = RelayStore::new(ferry.clone());
-    store.create_wal_slot("ferry_doctor").await.unwrap();
+    assert!(store
+        .create_wal_slot("ferry_doctor", std::future::pending())
+        .await
+        .unwrap());
     sqlx::raw_sql("CREATE TABLE filler AS SELECT generate_series(1, 1000) AS n")
         .execute(&pool)
         .await

@@ -106,9 +106,10 @@ GRANT SELECT, INSERT, DELETE ON consumer_ledger TO ferry_consumer;
 -- `ferry queue list|pause|resume|limits` and `ferry dead list|replay`: cancel terminates a run (job, run, event,
 -- attempt, outbox row), replay-dead accepts a linked run and appends
 -- `replay_requested` to the dead one, dead replay sets dead outbox rows back
--- to pending, schedules remove drops a schedule (its runs stay); each writes
--- a ferry_audit entry. No DELETE but of a schedule, no lanes, no ledgers, no
--- publishing marks.
+-- to pending (splitting the delivered ranges that cover them), schedules
+-- remove drops a schedule (its runs stay); each writes a ferry_audit entry.
+-- No DELETE but of a schedule and of a range a replay splits, no lanes, no
+-- consumer ledger, no publishing marks.
 GRANT SELECT, INSERT, UPDATE ON runs, jobs, idempotency_keys TO ferry_operator;
 GRANT SELECT, INSERT ON run_events TO ferry_operator;
 GRANT SELECT, UPDATE ON job_attempts TO ferry_operator;
@@ -117,6 +118,7 @@ GRANT SELECT, INSERT, UPDATE, DELETE ON ferry_schedules TO ferry_operator;
 GRANT INSERT (tenant, topic, key, lane, payload, headers, effect_key, traceparent, created_at)
     ON outbox TO ferry_operator;
 GRANT SELECT ON outbox, outbox_delivered TO ferry_operator;
+GRANT INSERT, DELETE ON outbox_delivered TO ferry_operator;
 GRANT UPDATE (state, last_error) ON outbox TO ferry_operator;
 GRANT USAGE ON SEQUENCE outbox_id_seq TO ferry_operator;
 GRANT INSERT ON ferry_audit TO ferry_operator;

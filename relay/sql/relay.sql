@@ -108,8 +108,8 @@ DELETE FROM outbox WHERE lane = $1 AND state = 'pending' AND id {ids $2}
 -- name: mark_dead
 -- A row a ledger range covers was delivered (WAL capture beside this relay
 -- published it meanwhile) and is left alone, as a row marked delivered is
--- (dead and covered, a replay would make it read delivered again without
--- publishing it).
+-- (dead and covered, it would read dead although delivered, and a replay
+-- would publish it again).
 UPDATE outbox
 SET state = 'dead', last_error = $3, publish_attempts = publish_attempts + 1
 WHERE lane = $1 AND id = $2 AND state = 'pending'
@@ -158,7 +158,7 @@ WHERE lo IN (
 -- name: fold_delivered_lock [postgres only]
 -- A poll relay's fold of the ledger starts here: the WAL marker's lock, so
 -- no range it folds is merged or extended meanwhile.
-SELECT pg_advisory_xact_lock(hashtextextended(current_schema() || '.outbox_delivered', 0))
+SELECT {use outbox_ledger_lock}
 
 -- name: fold_delivered [postgres only]
 -- At a poll relay's start: the first $1 ledger ranges become row states

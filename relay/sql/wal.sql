@@ -29,7 +29,20 @@ SELECT active,
 FROM pg_replication_slots WHERE slot_name = $1
 
 -- name: wal_create_slot [postgres only]
+-- Waits for every transaction running when it starts to end (a consistent
+-- point), however long; a slot whose creating session ends first is not
+-- made.
 SELECT lsn::text FROM pg_create_logical_replication_slot($1, 'pgoutput')
+
+-- name: wal_session_pid [postgres only]
+-- The backend of the session about to create a slot, so a shutdown can end
+-- it (`wal_end_session`).
+SELECT pg_backend_pid()
+
+-- name: wal_end_session [postgres only]
+-- Ends session $1 (this role's own slot creation, waiting at shutdown):
+-- whatever the client drops, the server would wait on and make the slot.
+SELECT pg_terminate_backend($1)
 
 -- name: wal_drop_slot [postgres only]
 SELECT pg_drop_replication_slot($1)
@@ -74,11 +87,12 @@ ORDER BY o.id
 LIMIT $2
 
 -- name: wal_ledger_lock [postgres only]
--- The marker's transaction starts here: one marker at a time on this
--- schema's ledger (any session, any relay), so ranges never overlap. Returns
+-- The marker's transaction starts here: the ledger's writers' lock (one
+-- writer at a time on this schema's ledger, any session, any relay, a
+-- replay's split included), so ranges never overlap. Returns
 -- the instant the acknowledged ids are recorded at.
 WITH locked AS (
-    SELECT pg_advisory_xact_lock(hashtextextended(current_schema() || '.outbox_delivered', 0))
+    SELECT {use outbox_ledger_lock}
 )
 SELECT {now $1} AS now FROM locked
 
@@ -116,8 +130,8 @@ RETURNING id
 -- A row Kafka refused alone (the evidence is about this row only). A row a
 -- ledger range covers was delivered (a restart republished it: the slot was
 -- not confirmed past it) and is left alone, as a row marked delivered is:
--- dead and covered, it would read dead, and a replay would make it read
--- delivered again without publishing it.
+-- dead and covered, it would read dead although delivered, and a replay
+-- would publish it again.
 UPDATE outbox
 SET state = 'dead', last_error = $2, publish_attempts = publish_attempts + 1
 WHERE id = $1 AND state = 'pending'

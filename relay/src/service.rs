@@ -78,6 +78,50 @@ pub const GAUGES_EVERY: Duration = Duration::from_secs(5);
 /// seconds' worth of rows.
 pub const FOLD_BATCH: u32 = 16;
 
+/// Folds the WAL capture's ledger into row states at a poll relay's start
+/// ([`FOLD_BATCH`] ranges per transaction, `RelayStore::fold_delivered`)
+/// until it is folded or `shutdown` comes; `false` when it came first (a
+/// step cut short rolls back: the next start folds the rest). A transient
+/// database error (unreachable, terminated, a lock or statement timeout) is
+/// retried after the relay's backoff, as the lanes and WAL capture do; any
+/// other is returned, as for the relay's other reads at start.
+async fn fold_ledger<S: Future<Output = ()>>(
+    store: &RelayStore,
+    mut shutdown: std::pin::Pin<&mut S>,
+) -> Result<bool, RelayError> {
+    let mut backoff = lane::retry_backoff();
+    let mut folded = 0;
+    loop {
+        let step = tokio::select! {
+            step = store.fold_delivered(FOLD_BATCH) => step,
+            _ = shutdown.as_mut() => return Ok(false),
+        };
+        match step {
+            Ok(n) => {
+                folded += n;
+                backoff = lane::retry_backoff();
+                if n < u64::from(FOLD_BATCH) {
+                    if folded > 0 {
+                        tracing::info!(
+                            ranges = folded,
+                            "folded the WAL capture's delivered ranges into the outbox rows"
+                        );
+                    }
+                    return Ok(true);
+                }
+            }
+            Err(e) if e.is_transient() => {
+                tracing::warn!(error = %e, code = e.code(), "folding the delivered ranges failed; retrying after a backoff");
+                tokio::select! {
+                    _ = tokio::time::sleep(backoff.next().unwrap_or(Duration::from_secs(10))) => {}
+                    _ = shutdown.as_mut() => return Ok(false),
+                }
+            }
+            Err(e) => return Err(e.into()),
+        }
+    }
+}
+
 /// How long the relay's database sessions may hold a transaction open and
 /// idle before PostgreSQL ends them. Every relay transaction (a lane claim,
 /// a fenced mark, the delivered ledger's mark under its advisory lock, the
@@ -152,6 +196,7 @@ impl Relay {
         shutdown: impl Future<Output = ()>,
     ) -> Result<(), RelayError> {
         let Relay { cfg, state, producer } = self;
+        tokio::pin!(shutdown);
         let store = state.store.clone();
         // Loaded once: it scopes the default effect key of every record.
         let database_id: Arc<str> = store.ferry().database_id().await?.into();
@@ -177,16 +222,12 @@ impl Relay {
         let wake = Arc::new(lane::Wakes::new(store.ferry().lanes()));
         let listen_stop = CancellationToken::new();
         let polling = wal.is_none();
+        // Shutdown came during the start-up fold: the loop below is skipped.
+        let mut stopped = false;
         if polling {
             // After `--capture wal`: what its ledger covers becomes row
             // states before the lanes start (they skip covered rows anyway).
-            let folded = store.fold_delivered(FOLD_BATCH).await?;
-            if folded > 0 {
-                tracing::info!(
-                    ranges = folded,
-                    "folded the WAL capture's delivered ranges into the outbox rows"
-                );
-            }
+            stopped = !fold_ledger(&store, shutdown.as_mut()).await?;
             tokio::spawn(listen_for_wakeups(
                 store.clone(),
                 owner.clone(),
@@ -236,8 +277,10 @@ impl Relay {
                 wal_finish.clone(),
             ));
         }
-        tokio::pin!(shutdown);
         loop {
+            if stopped {
+                break;
+            }
             tokio::select! {
                 _ = &mut shutdown => break,
                 _ = state.fatal.cancelled() => {

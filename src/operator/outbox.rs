@@ -1,7 +1,9 @@
 //! The operator's view of the outbox: the pending backlog, dead (poison)
 //! rows, and their replay. A replay puts rows back to pending and writes its
 //! audit entry in one transaction, and announces itself to WAL capture in
-//! that same transaction, since WAL capture streams inserts only.
+//! that same transaction, since WAL capture streams inserts only; on
+//! PostgreSQL it also splits the delivered ranges that cover a replayed row,
+//! which would otherwise read delivered and never be published again.
 
 use crate::error::{Error, Result};
 use crate::store::queries::POSTGRES_ONLY;
@@ -110,14 +112,18 @@ impl Operator<'_> {
 
     /// Puts the dead rows matching `filter` back to pending and writes an
     /// audit entry (`outbox.replay_dead`, the ids as its subject) naming
-    /// `actor` and `reason`, in one transaction, which also announces the
-    /// ids to WAL capture. Returns the ids (empty when nothing matched; the
-    /// audit entry is written all the same).
+    /// `actor` and `reason`, in one transaction, which also uncovers the ids
+    /// in the delivered-ranges ledger and announces them to WAL capture.
+    /// Returns the ids (empty when nothing matched; the audit entry is
+    /// written all the same).
     pub async fn replay_dead_outbox_where(&self, filter: &DeadFilter, actor: &str, reason: &str) -> Result<Vec<i64>> {
         self.limits().text("actor", actor, 255)?;
         self.limits().text("reason", reason, 4096)?;
         let mut tx = self.begin().await?;
         let r = async {
+            if let Some(conn) = tx.postgres() {
+                sqlx::query(POSTGRES_ONLY.replay_ledger_lock).execute(conn).await?;
+            }
             let ids: Vec<i64> = on_conn!(tx.conn(), |c, q| {
                 sqlx::query_scalar(q.replay_dead_outbox)
                     .bind(filter.id)
@@ -127,6 +133,7 @@ impl Operator<'_> {
                     .fetch_all(&mut *c)
                     .await?
             });
+            uncover_replayed(&mut tx, &ids).await?;
             announce_replay(&mut tx, &ids).await?;
             let subject = format!("outbox:{}", serde_json::to_string(&ids).unwrap_or_default());
             self.audit_in(tx.conn(), actor, "outbox.replay_dead", &subject, reason)
@@ -136,6 +143,23 @@ impl Operator<'_> {
         .await;
         tx.finish(r).await
     }
+}
+
+/// Splits, inside the replay's transaction (under the ledger's lock, taken
+/// first), every delivered range covering one of `ids` around them (see
+/// `replay_uncover`): a replayed row reads pending, so WAL capture's re-read
+/// of the replay publishes it, and the rest of each range still reads
+/// delivered. Nothing on SQLite, whose ledger is always empty.
+async fn uncover_replayed(tx: &mut Tx, ids: &[i64]) -> Result<()> {
+    let Some(conn) = tx.postgres() else { return Ok(()) };
+    if ids.is_empty() {
+        return Ok(());
+    }
+    sqlx::query(POSTGRES_ONLY.replay_uncover)
+        .bind(ids)
+        .execute(conn)
+        .await?;
+    Ok(())
 }
 
 /// Announces, inside the replay's transaction, that rows `ids` are back to

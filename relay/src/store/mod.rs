@@ -345,35 +345,29 @@ impl RelayStore {
         }))
     }
 
-    /// A poll relay's start after `--capture wal` (PostgreSQL; the ledger
-    /// is empty on SQLite): folds the delivered-ranges ledger into row
-    /// states, `batch` ranges per transaction under the WAL marker's lock
-    /// (a WAL relay beside this one keeps marking in between), so the
-    /// lanes' pending index stops carrying rows already delivered. Each
-    /// folded range's pending rows become `delivered` at its
-    /// `delivered_at`, then the range is deleted. Returns the ranges
-    /// folded. A database error is returned at once (a batch that did not
-    /// commit changed nothing).
+    /// One step of a poll relay's fold after `--capture wal` (PostgreSQL;
+    /// the ledger is empty on SQLite): the first `batch` ranges of the
+    /// delivered-ranges ledger become row states in one transaction under
+    /// the ledger's lock (a WAL relay beside this one keeps marking between
+    /// steps), so the lanes' pending index stops carrying rows already
+    /// delivered. Each folded range's pending rows become `delivered` at
+    /// its `delivered_at`, then the range is deleted. Returns the ranges
+    /// folded: fewer than `batch` once the ledger is folded. A step that
+    /// failed or was cut short did not commit and changed nothing.
     pub async fn fold_delivered(&self, batch: u32) -> Result<u64> {
         let Some(pool) = self.db().as_postgres() else {
             return Ok(0);
         };
-        let mut folded = 0;
-        loop {
-            let mut tx = pool.begin().await?;
-            sqlx::query(queries::POSTGRES_ONLY.fold_delivered_lock)
-                .execute(&mut *tx)
-                .await?;
-            let n: i64 = sqlx::query_scalar(queries::POSTGRES_ONLY.fold_delivered)
-                .bind(i64::from(batch))
-                .fetch_one(&mut *tx)
-                .await?;
-            tx.commit().await?;
-            folded += n as u64;
-            if n < i64::from(batch) {
-                return Ok(folded);
-            }
-        }
+        let mut tx = pool.begin().await?;
+        sqlx::query(queries::POSTGRES_ONLY.fold_delivered_lock)
+            .execute(&mut *tx)
+            .await?;
+        let n: i64 = sqlx::query_scalar(queries::POSTGRES_ONLY.fold_delivered)
+            .bind(i64::from(batch))
+            .fetch_one(&mut *tx)
+            .await?;
+        tx.commit().await?;
+        Ok(n as u64)
     }
 
     async fn lock_lane(&self, conn: Conn<'_>, owner: &str, lane: LaneLease) -> Result<()> {

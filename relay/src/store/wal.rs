@@ -5,6 +5,8 @@
 //! replication slot is the fence, since PostgreSQL lets one session at a
 //! time stream from it and only the streaming relay writes these marks.
 
+use std::future::Future;
+
 use sqlx::PgPool;
 
 use super::queries::POSTGRES_ONLY as Q;
@@ -79,21 +81,38 @@ impl RelayStore {
 
     /// Creates logical slot `slot` (pgoutput), first flagging that the rows
     /// already committed must be read from the table once. Another relay
-    /// creating it at the same time is not an error.
-    pub async fn create_wal_slot(&self, slot: &str) -> Result<()> {
+    /// creating it at the same time is not an error. Creation waits for
+    /// every transaction running when it starts to end; when `stop` comes
+    /// first, the creating session is ended (a slot whose creator ends is
+    /// not made) and `false` is returned.
+    pub async fn create_wal_slot(&self, slot: &str, stop: impl Future<Output = ()>) -> Result<bool> {
         let pool = self.pg()?;
         sqlx::query(Q.wal_slot_needs_catch_up)
             .bind(slot)
             .bind(self.ferry().clock().param())
             .execute(pool)
             .await?;
-        match sqlx::query(Q.wal_create_slot).bind(slot).fetch_one(pool).await {
-            Ok(_) => {}
-            Err(e) if sqlstate(&e).as_deref() == Some("42710") => {} // duplicate_object
-            Err(e) => return Err(e.into()),
+        let mut creator = pool.acquire().await?;
+        let pid: i32 = sqlx::query_scalar(Q.wal_session_pid).fetch_one(&mut *creator).await?;
+        let created = tokio::select! {
+            created = sqlx::query(Q.wal_create_slot).bind(slot).fetch_one(&mut *creator) => Some(created),
+            _ = stop => None,
+        };
+        match created {
+            None => {
+                // The server goes on waiting whatever this side drops: end
+                // the session, and never hand its connection back.
+                drop(creator.detach());
+                sqlx::query(Q.wal_end_session).bind(pid).execute(pool).await?;
+                return Ok(false);
+            }
+            Some(Ok(_)) => {}
+            Some(Err(e)) if sqlstate(&e).as_deref() == Some("42710") => {} // duplicate_object
+            Some(Err(e)) => return Err(e.into()),
         }
+        drop(creator);
         sqlx::query(Q.wal_slot_catch_up_bound).bind(slot).execute(pool).await?;
-        Ok(())
+        Ok(true)
     }
 
     /// Drops slot `slot`; `false` when a session streams from it (55006,

@@ -26,7 +26,7 @@ pub const MAX_IN_FLIGHT: usize = 50_000;
 
 /// Runs one session; how it ended decides what the relay does next.
 pub(super) async fn run(ctx: &Ctx, iso: &mut Isolation, reseed: bool, finish: &CancellationToken) -> Ended {
-    if let Err(end) = prepare(ctx, reseed).await {
+    if let Err(end) = prepare(ctx, reseed, finish).await {
         return end;
     }
     let sent = Arc::new(Notify::new());
@@ -86,8 +86,10 @@ pub(super) async fn run(ctx: &Ctx, iso: &mut Isolation, reseed: bool, finish: &C
 
 /// The publication and the slot, created when missing; after a reseed (or
 /// when PostgreSQL invalidated it) the slot is dropped and made anew, which
-/// flags the table for one catch-up read.
-async fn prepare(ctx: &Ctx, reseed: bool) -> Result<(), Ended> {
+/// flags the table for one catch-up read. Creating the slot waits for the
+/// transactions running then, however long: `finish` ends the wait (and
+/// the creation).
+async fn prepare(ctx: &Ctx, reseed: bool, finish: &CancellationToken) -> Result<(), Ended> {
     let store = &ctx.state.store;
     let (slot, publication) = (&ctx.capture.slot, &ctx.capture.publication);
     let db = |e: ferry::Error| {
@@ -117,7 +119,13 @@ async fn prepare(ctx: &Ctx, reseed: bool) -> Result<(), Ended> {
         tracing::warn!(%slot, lost = s.lost, "dropped the replication slot; the table will be read once");
     }
     tracing::info!(%slot, "creating the replication slot");
-    store.create_wal_slot(slot).await.map_err(db)
+    match store.create_wal_slot(slot, finish.cancelled()).await.map_err(db)? {
+        true => Ok(()),
+        false => {
+            tracing::info!(%slot, "shut down while the slot waited for running transactions; it was not made");
+            Err(Ended::Shutdown)
+        }
+    }
 }
 
 /// A new slot streams only what commits after it: the rows already pending

@@ -271,10 +271,236 @@ async fn wal_then_poll_publishes_nothing_twice() {
     assert_eq!(recs.len(), 120, "no row was published twice");
 }
 
+/// A session holding the ledger's lock (a WAL relay's mark, frozen), taken
+/// before a poll relay starts, so its start-up fold waits on it: the
+/// holder's transaction and its backend pid.
+async fn hold_the_ledger_lock(ferry: &ferry::Ferry) -> (sqlx::Transaction<'static, sqlx::Postgres>, i32) {
+    let mut holder = ferry.db().as_postgres().unwrap().begin().await.unwrap();
+    sqlx::query(ferry::store::queries::POSTGRES_ONLY.replay_ledger_lock)
+        .execute(&mut *holder)
+        .await
+        .unwrap();
+    let pid = sqlx::query_scalar("SELECT pg_backend_pid()")
+        .fetch_one(&mut *holder)
+        .await
+        .unwrap();
+    (holder, pid)
+}
+
+/// Waits until `relay`'s start-up fold waits on the lock `holder` holds;
+/// returns the backend pid of the fold's session.
+async fn the_fold_waits(ferry: &ferry::Ferry, relay: &RunningRelay, holder: i32) -> i32 {
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let waiting: Option<i32> =
+            sqlx::query_scalar("SELECT pid FROM pg_stat_activity WHERE $1 = ANY(pg_blocking_pids(pid))")
+                .bind(holder)
+                .fetch_optional(ferry.db().as_postgres().unwrap())
+                .await
+                .unwrap();
+        if let Some(pid) = waiting {
+            return pid;
+        }
+        assert!(!relay.handle.is_finished(), "the relay ended before its fold waited");
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the relay's fold never waited on the ledger's lock"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// `n` rows covered by ledger ranges (delivered through WAL capture, still
+/// `pending` in their rows), one range per row.
+async fn covered_rows(ferry: &ferry::Ferry, n: usize) {
+    let pool = ferry.db().as_postgres().unwrap().clone();
+    let store = ferry_relay::store::RelayStore::new(ferry.clone());
+    for i in 0..n {
+        let id = plain_insert(&pool, 0, "k", &format!("{i}")).await;
+        // Every other id is left out of the ledger, so the ranges never
+        // merge: an uncovered row of another lane.
+        plain_insert(&pool, 1, "k-gap", &format!("{i}")).await;
+        store.wal_cover_delivered(&[id]).await.unwrap();
+    }
+}
+
+/// SIGTERM while a poll relay's start-up fold waits (on the ledger's lock
+/// here; a long fold of many ranges is the same): the relay stops within
+/// its grace instead of finishing the fold first. What it did not fold
+/// stays in the ledger for the next start.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shutdown_during_the_start_up_fold_returns_promptly() {
+    let (ferry, url) = pg_ferry().await;
+    covered_rows(&ferry, 3).await;
+    let cfg = relay_config(&url, "127.0.0.1:1");
+    let grace = cfg.grace;
+    let (holder, holder_pid) = hold_the_ledger_lock(&ferry).await;
+    let relay = start_relay(cfg, ferry.clone()).await;
+    the_fold_waits(&ferry, &relay, holder_pid).await;
+    relay.stop.cancel();
+    let stopped = tokio::time::timeout(grace, relay.handle).await;
+    holder.rollback().await.unwrap();
+    stopped
+        .expect("the relay did not stop within its grace while its fold waited")
+        .unwrap()
+        .unwrap();
+    assert_eq!(
+        scalar(&ferry, "SELECT count(*) FROM outbox_delivered").await,
+        3,
+        "nothing was folded"
+    );
+}
+
+/// The session of a poll relay's start-up fold is terminated (a database
+/// failover, an operator): the relay retries after its backoff instead of
+/// exiting, folds the ledger once the cause is gone (every covered row
+/// `delivered` in its row, no range left), and publishes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fold_that_hit_a_database_error_completes_and_the_relay_publishes() {
+    let broker = Kafka::start();
+    broker.create_topic("orders", 3);
+    let (ferry, url) = pg_ferry().await;
+    let pool = ferry.db().as_postgres().unwrap().clone();
+    covered_rows(&ferry, 3).await;
+    let (holder, holder_pid) = hold_the_ledger_lock(&ferry).await;
+    let relay = start_relay(relay_config(&url, &broker.brokers()), ferry.clone()).await;
+    let fold = the_fold_waits(&ferry, &relay, holder_pid).await;
+    let terminated: bool = sqlx::query_scalar("SELECT pg_terminate_backend($1)")
+        .bind(fold)
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert!(terminated);
+    holder.rollback().await.unwrap();
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    while scalar(&ferry, "SELECT count(*) FROM outbox_delivered").await > 0 {
+        assert!(
+            !relay.handle.is_finished(),
+            "the relay exited on its fold's database error"
+        );
+        assert!(std::time::Instant::now() < deadline, "the ledger was never folded");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(
+        scalar(&ferry, "SELECT count(*) FROM outbox WHERE state = 'delivered'").await,
+        3,
+        "the covered rows are delivered in their rows"
+    );
+    crate::relay::write_orders(&ferry, 10, 3).await;
+    wait_for_count(&ferry, &DELIVERED, 16, Duration::from_secs(60)).await;
+    relay.shutdown().await;
+    let recs = read_all(&broker.brokers(), "orders", false, Duration::from_secs(30)).await;
+    assert_eq!(
+        distinct(&recs),
+        13,
+        "the uncovered rows and the new ones, none of the folded"
+    );
+}
+
+/// A dead row a ledger range covers (dead-marking does not take the
+/// ledger's lock, so it can race the marker; a restored backup or an
+/// operator's UPDATE can do the same, as here) is replayed while a WAL relay
+/// streams: the replay splits the range around it, so the relay publishes
+/// it once more and it reads delivered again, while its neighbours in the
+/// range still read delivered and are not published again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn wal_a_covered_dead_row_replayed_is_published_once() {
+    let broker = Kafka::start();
+    broker.create_topic("orders", 3);
+    let (ferry, url) = pg_ferry().await;
+    let slot = SlotGuard::new().await;
+    let pool = ferry.db().as_postgres().unwrap().clone();
+    deliver_100_through_wal(&slot, &url, &broker, &ferry).await;
+    let (lo, hi): (i64, i64) = sqlx::query_as("SELECT lo, hi FROM outbox_delivered ORDER BY hi - lo DESC LIMIT 1")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert!(hi - lo >= 2, "a range with a neighbour on each side of its second id");
+    let id = lo + 1;
+    sqlx::query("UPDATE outbox SET state = 'dead', last_error = 'message_too_large' WHERE id = $1")
+        .bind(id)
+        .execute(&pool)
+        .await
+        .unwrap();
+    let relay = slot.start(slot.config(&url, &broker.brokers()), ferry.clone()).await;
+    wait_for_streaming(&pool, &slot.name, None, Duration::from_secs(60)).await;
+    assert_eq!(
+        ferry
+            .operator()
+            .replay_dead_outbox(Some(id), "ops", "covered and dead")
+            .await
+            .unwrap(),
+        vec![id]
+    );
+    // A row committed after the replay: the marker records transactions in
+    // commit order, so once it reads delivered, so does the replayed row
+    // if it was published.
+    crate::relay::write_orders(&ferry, 1, 1).await;
+    wait_for_count(&ferry, &DELIVERED, 101, Duration::from_secs(60)).await;
+    relay.shutdown().await;
+    let states = ferry_testkit::outbox_states(&pool).await;
+    assert!(states.iter().all(|(_, s)| s == "delivered"), "{states:?}");
+    let recs = read_all(&broker.brokers(), "orders", false, Duration::from_secs(30)).await;
+    let copies = |of: i64| recs.iter().filter(|r| r.outbox_id() == of).count();
+    assert_eq!(copies(id), 2, "the replayed row was published once more");
+    assert_eq!(
+        (copies(lo), copies(hi)),
+        (1, 1),
+        "its neighbours were not published again"
+    );
+    assert_eq!((distinct(&recs), recs.len()), (101, 102));
+}
+
+/// A replay splits every range covering a replayed id around the replayed
+/// ids, whichever end of the range they sit at, and keeps each piece's
+/// `delivered_at`; a range covering only replayed ids is gone, and a range
+/// covering none is left as it was.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replay_splits_the_ranges_covering_its_rows() {
+    let (ferry, _) = pg_ferry().await;
+    let pool = ferry.db().as_postgres().unwrap().clone();
+    let mut ids = Vec::new();
+    for i in 0..14 {
+        ids.push(plain_insert(&pool, 0, "k", &format!("{i}")).await);
+    }
+    let id = |i: usize| ids[i];
+    let ranges = [(0, 9, 100), (11, 11, 200), (12, 13, 300)];
+    for (lo, hi, at) in ranges {
+        sqlx::query("INSERT INTO outbox_delivered (lo, hi, delivered_at) VALUES ($1, $2, $3)")
+            .bind(id(lo))
+            .bind(id(hi))
+            .bind(at)
+            .execute(&pool)
+            .await
+            .unwrap();
+    }
+    let dead = [id(0), id(4), id(5), id(9), id(11)];
+    sqlx::query("UPDATE outbox SET state = 'dead' WHERE id = ANY($1)")
+        .bind(&dead[..])
+        .execute(&pool)
+        .await
+        .unwrap();
+    let mut replayed = ferry.operator().replay_dead_outbox(None, "ops", "split").await.unwrap();
+    replayed.sort_unstable();
+    assert_eq!(replayed, dead);
+    let left: Vec<(i64, i64, i64)> = sqlx::query_as("SELECT lo, hi, delivered_at FROM outbox_delivered ORDER BY lo")
+        .fetch_all(&pool)
+        .await
+        .unwrap();
+    let at = |lo: usize, hi: usize, at: i64| (id(lo), id(hi), at);
+    assert_eq!(left, vec![at(1, 3, 100), at(6, 8, 100), at(12, 13, 300)]);
+    let pending: Vec<i64> = sqlx::query_scalar(&format!("SELECT id FROM {OUTBOX} WHERE state = 'pending' ORDER BY id"))
+        .fetch_all(&pool)
+        .await
+        .unwrap();
+    // id(10) was never covered.
+    assert_eq!(pending, vec![id(0), id(4), id(5), id(9), id(10), id(11)]);
+}
+
 /// A poll relay beside WAL capture reads a row, and WAL capture delivers
 /// it meanwhile (a range covers it): Kafka then refusing the poll relay's
-/// copy must not make the delivered row dead (dead and covered, a replay
-/// would make it read delivered again and publish nothing).
+/// copy must not make the delivered row dead (dead and covered, it would
+/// read dead although delivered, and a replay would publish it again).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_poll_relay_refused_a_covered_row_leaves_it_delivered() {
     let (ferry, _) = pg_ferry().await;

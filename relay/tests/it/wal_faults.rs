@@ -183,7 +183,7 @@ async fn wal_a_slot_being_created_is_not_shown_as_streaming() {
     let store = ferry_relay::store::RelayStore::new(ferry.clone());
     let creating = {
         let (store, name) = (store.clone(), slot.name.clone());
-        tokio::spawn(async move { store.create_wal_slot(&name).await })
+        tokio::spawn(async move { store.create_wal_slot(&name, std::future::pending()).await })
     };
     let held = format!(
         "SELECT count(*) FROM pg_replication_slots WHERE active AND slot_name = '{}'",
@@ -195,7 +195,57 @@ async fn wal_a_slot_being_created_is_not_shown_as_streaming() {
     assert!(ours.present && !ours.active, "{ours:?}");
     assert_eq!(streaming_pid(&pool, &slot.name).await, None);
     running.commit().await.unwrap();
-    creating.await.unwrap().unwrap();
+    assert!(creating.await.unwrap().unwrap(), "the slot was made");
+}
+
+/// A relay started on a new slot while a transaction holds an xid waits in
+/// the slot's creation (for every transaction running then to end):
+/// SIGTERM stops it within its grace, and the slot is not made (its
+/// creating session ended). Once the transaction ends, a fresh relay makes
+/// the slot and publishes the rows from before and after it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn wal_shutdown_while_the_slot_waits_to_be_made_returns_within_the_grace() {
+    let broker = Kafka::start();
+    broker.create_topic("orders", 3);
+    let (ferry, url) = pg_ferry().await;
+    let slot = SlotGuard::new().await;
+    let pool = ferry.db().as_postgres().unwrap().clone();
+    crate::relay::write_orders(&ferry, 5, 5).await;
+    let mut running = pool.begin().await.unwrap();
+    sqlx::query("SELECT txid_current()")
+        .execute(&mut *running)
+        .await
+        .unwrap();
+    let cfg = slot.config(&url, &broker.brokers());
+    let grace = cfg.grace;
+    let relay = slot.start(cfg.clone(), ferry.clone()).await;
+    let present = format!(
+        "SELECT count(*) FROM pg_replication_slots WHERE slot_name = '{}'",
+        slot.name
+    );
+    wait_for_count(&ferry, &format!("{present} AND active"), 1, Duration::from_secs(60)).await;
+    relay.stop.cancel();
+    tokio::time::timeout(grace, relay.handle)
+        .await
+        .expect("the relay did not stop within its grace while its slot waited to be made")
+        .unwrap()
+        .unwrap();
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while scalar(&ferry, &present).await > 0 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the slot's creation outlived the relay"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    running.commit().await.unwrap();
+    let relay = slot.start(cfg, ferry.clone()).await;
+    wait_for_streaming(&pool, &slot.name, None, Duration::from_secs(60)).await;
+    crate::relay::write_orders(&ferry, 5, 5).await;
+    wait_for_count(&ferry, &DELIVERED, 10, Duration::from_secs(60)).await;
+    relay.shutdown().await;
+    let recs = read_all(&broker.brokers(), "orders", false, Duration::from_secs(30)).await;
+    assert_eq!(distinct(&recs), 10, "every row reached Kafka");
 }
 
 /// A relay of `--capture wal` on slot `slot` of a test cluster.
