@@ -255,7 +255,7 @@ async fn stream(
                 pipeline.commit_kafka().await;
             }
             event = client.recv(), if read => {
-                waited(ctx, waiting);
+                waited(ctx, Some(waiting));
                 events.received += 1;
                 if let Err(end) = events.handle(ctx, pipeline, iso, event).await {
                     return end;
@@ -268,6 +268,7 @@ async fn stream(
                     let Some(event) = futures::FutureExt::now_or_never(client.recv()) else {
                         break;
                     };
+                    waited(ctx, None);
                     events.received += 1;
                     batched += 1;
                     if let Err(end) = events.handle(ctx, pipeline, iso, event).await {
@@ -356,10 +357,12 @@ impl Events {
     }
 }
 
-/// Counts a replication event and the time the session waited for it.
-fn waited(ctx: &Ctx, since: std::time::Instant) {
+/// Counts a replication event and the time the session waited for it
+/// since `since` (`None`: it was queued already).
+fn waited(ctx: &Ctx, since: Option<std::time::Instant>) {
     let t = &ctx.state.metrics.timings;
-    crate::metrics::Timings::add(&t.wal_events, &t.wal_wait_ns, since.elapsed());
+    let wait = since.map_or(Duration::ZERO, |s| s.elapsed());
+    crate::metrics::Timings::add(&t.wal_events, &t.wal_wait_ns, wait);
 }
 
 /// A deadline that never comes (for a disabled timer branch).
