@@ -194,7 +194,29 @@ fn bytea(text: &str) -> Result<Vec<u8>, DecodeError> {
     let Some(hex) = text.strip_prefix("\\x") else {
         return err("payload is not in bytea hex format");
     };
-    hex::decode(hex).map_err(|_| DecodeError("payload has invalid hex".into()))
+    unhex(hex.as_bytes()).ok_or_else(|| DecodeError("payload has invalid hex".into()))
+}
+
+/// Hex digits to bytes in one pass (the `hex` crate's iterator-based
+/// decoding cost ~8 % of the relay's CPU on 100 B rows); `None` for an odd
+/// length or a character that is not a hex digit.
+fn unhex(hex: &[u8]) -> Option<Vec<u8>> {
+    fn digit(c: u8) -> Option<u8> {
+        match c {
+            b'0'..=b'9' => Some(c - b'0'),
+            b'a'..=b'f' => Some(c - b'a' + 10),
+            b'A'..=b'F' => Some(c - b'A' + 10),
+            _ => None,
+        }
+    }
+    if hex.len() % 2 != 0 {
+        return None;
+    }
+    let mut out = Vec::with_capacity(hex.len() / 2);
+    for pair in hex.chunks_exact(2) {
+        out.push(digit(pair[0])? << 4 | digit(pair[1])?);
+    }
+    Some(out)
 }
 
 /// A cursor over one message.
@@ -399,5 +421,13 @@ mod tests {
         d.decode(&relation(4, "app", "outbox", &COLUMNS[1..])).unwrap();
         let e = d.decode(&insert(4, &values("pending", "\\x00")[1..])).unwrap_err();
         assert_eq!(e.0, "outbox has no column id");
+    }
+
+    #[test]
+    fn hex_payloads_decode_and_bad_hex_is_refused() {
+        assert_eq!(unhex(b"00ff7fA0").unwrap(), vec![0, 255, 127, 160]);
+        assert_eq!(unhex(b"").unwrap(), Vec::<u8>::new());
+        assert_eq!(unhex(b"abc"), None, "odd length");
+        assert_eq!(unhex(b"0g"), None, "not a digit");
     }
 }
