@@ -209,7 +209,7 @@ fn unhex(hex: &[u8]) -> Option<Vec<u8>> {
             _ => None,
         }
     }
-    if hex.len() % 2 != 0 {
+    if !hex.len().is_multiple_of(2) {
         return None;
     }
     let mut out = Vec::with_capacity(hex.len() / 2);
