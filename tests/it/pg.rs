@@ -801,3 +801,29 @@ async fn a_batch_completion_reads_runs_by_key_under_stale_statistics() {
     assert_eq!(scans.0, 0, "runs looked up through the state index: {scans:?}");
     assert!(scans.1 >= 100, "each completed run read by its key: {scans:?}");
 }
+
+/// A pool built with `idle_in_transaction_timeout` has its session ended
+/// by the server (FATAL 25P03) when a transaction stays idle past the
+/// limit (a process frozen, a handler awaiting something else): the
+/// session is gone and the transaction changed nothing, an infrastructure
+/// failure like a terminated backend (57P01), so it is transient: a job
+/// handler's `?` retries the job instead of killing it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_session_ended_idle_in_a_transaction_is_transient() {
+    let t = TestDb::new(Kind::Postgres).await;
+    let ferry = Ferry::builder(&t.url)
+        .idle_in_transaction_timeout(Duration::from_millis(200))
+        .connect()
+        .await
+        .unwrap();
+    let mut tx = ferry.db().as_postgres().unwrap().begin().await.unwrap();
+    sqlx::query("SELECT 1").execute(&mut *tx).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(1000)).await;
+    let ended = ferry::Error::from(sqlx::query("SELECT 1").execute(&mut *tx).await.unwrap_err());
+    assert!(ended.is_transient(), "{ended:?}");
+    assert_eq!(
+        ferry::JobError::from(ended).class,
+        ferry::ErrorClass::Retryable,
+        "a job would die of its session's end"
+    );
+}
