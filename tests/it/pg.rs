@@ -827,3 +827,21 @@ async fn a_session_ended_idle_in_a_transaction_is_transient() {
         "a job would die of its session's end"
     );
 }
+
+/// An idle-in-transaction limit beyond PostgreSQL's range (its setting is
+/// an `int` of milliseconds, about 24.8 days) is the longest it takes, not
+/// a SET that fails on every new connection.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_idle_in_transaction_limit_beyond_postgres_range_is_its_longest() {
+    let t = TestDb::new(Kind::Postgres).await;
+    let ferry = Ferry::builder(&t.url)
+        .idle_in_transaction_timeout(Duration::from_secs(30 * 86_400))
+        .connect()
+        .await
+        .expect("a 30-day limit refused every connection");
+    let set: String = sqlx::query_scalar("SHOW idle_in_transaction_session_timeout")
+        .fetch_one(ferry.db().as_postgres().unwrap())
+        .await
+        .unwrap();
+    assert_eq!(set, "2147483647ms");
+}
