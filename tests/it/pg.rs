@@ -845,3 +845,29 @@ async fn an_idle_in_transaction_limit_beyond_postgres_range_is_its_longest() {
         .unwrap();
     assert_eq!(set, "2147483647ms");
 }
+
+/// A replay (`ferry dead replay`, the console) takes the delivered ledger's
+/// lock, as the WAL marker does, from a pool with no idle-in-transaction
+/// limit of its own: a process frozen inside that transaction (Ctrl-Z, a
+/// paused container) kept every WAL relay's marks waiting for as long as
+/// it stayed frozen. Whoever takes the ledger's lock has its session ended
+/// after 5 s idle in that transaction, so the next writer goes through.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_frozen_holder_of_the_ledger_lock_does_not_stop_other_writers() {
+    let t = TestDb::new(Kind::Postgres).await;
+    let pool = t.ferry.db().as_postgres().unwrap();
+    let lock = ferry::store::queries::POSTGRES_ONLY.replay_ledger_lock;
+    let mut frozen = pool.begin().await.unwrap();
+    sqlx::query(lock).execute(&mut *frozen).await.unwrap();
+
+    let mut next = pool.begin().await.unwrap();
+    tokio::time::timeout(Duration::from_secs(20), sqlx::query(lock).execute(&mut *next))
+        .await
+        .expect("a writer waited on a frozen holder of the ledger's lock")
+        .unwrap();
+    next.commit().await.unwrap();
+    assert!(
+        sqlx::query("SELECT 1").execute(&mut *frozen).await.is_err(),
+        "the frozen holder's transaction outlived the limit"
+    );
+}
