@@ -12,6 +12,13 @@
 -- lock on this schema's ledger), taken first by the WAL marker, a poll
 -- relay's fold and a replay's split: one writer at a time, so ranges never
 -- overlap and none is merged, extended or split under another writer.
+-- Every writer sends its statements back to back, so the holder's session
+-- is ended after 5 s idle in this transaction (as the relay binary's pool
+-- sets for all its sessions, `IDLE_IN_TRANSACTION_LIMIT`), whatever pool
+-- it came from (a replay's, an in-process relay's): a process frozen
+-- holding the lock (SIGSTOP, Ctrl-Z, a paused VM) would otherwise stop
+-- every other writer for as long as it stays frozen.
+set_config('idle_in_transaction_session_timeout', '5s', true),
 pg_advisory_xact_lock(hashtextextended(current_schema() || '.outbox_delivered', 0))
 
 -- name: outbox_ledger_empty [fragment]

@@ -222,12 +222,14 @@ impl Error {
                     // serialization_failure, deadlock_detected, statement
                     // timeout (query_canceled), lock_not_available,
                     // read_only_sql_transaction (a failover in progress),
+                    // idle_in_transaction_session_timeout (the session was
+                    // ended, its transaction rolled back),
                     // too_many_connections, admin_shutdown, crash_shutdown,
                     // cannot_connect_now; SQLITE_BUSY, SQLITE_LOCKED,
                     // SQLITE_BUSY_SNAPSHOT.
                     Some(
-                        "40001" | "40P01" | "57014" | "55P03" | "25006" | "53300" | "57P01" | "57P02" | "57P03" | "5"
-                        | "6" | "517",
+                        "40001" | "40P01" | "57014" | "55P03" | "25006" | "25P03" | "53300" | "57P01" | "57P02"
+                        | "57P03" | "5" | "6" | "517",
                     ) => true,
                     _ => false,
                 },

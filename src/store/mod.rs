@@ -44,7 +44,8 @@ pub struct ConnectOptions {
     /// sending a statement for longer than this, so a process frozen inside
     /// a transaction (SIGSTOP, a paused VM, a debugger) releases the locks
     /// it holds instead of blocking every other session for as long as it
-    /// stays frozen. `None` (the default) keeps the server's setting.
+    /// stays frozen. `None` (the default) keeps the server's setting; a
+    /// limit beyond the server's range (about 24.8 days) is its longest.
     pub idle_in_transaction_timeout: Option<Duration>,
 }
 
@@ -75,8 +76,11 @@ pub async fn connect_with(url: &str, opts: &ConnectOptions) -> Result<Db> {
             .acquire_timeout(opts.acquire_timeout);
         if let Some(limit) = opts.idle_in_transaction_timeout {
             // A SET after connecting, not a startup option: poolers such as
-            // PgBouncer refuse unknown startup parameters.
-            let set = format!("SET idle_in_transaction_session_timeout = {}", limit.as_millis().max(1));
+            // PgBouncer refuse unknown startup parameters. The setting is an
+            // `int` of milliseconds: a longer limit is its longest, not a SET
+            // every new connection fails on.
+            let ms = limit.as_millis().clamp(1, i32::MAX as u128);
+            let set = format!("SET idle_in_transaction_session_timeout = {ms}");
             pool = pool.after_connect(move |conn, _| {
                 let set = set.clone();
                 Box::pin(async move {

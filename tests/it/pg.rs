@@ -801,3 +801,73 @@ async fn a_batch_completion_reads_runs_by_key_under_stale_statistics() {
     assert_eq!(scans.0, 0, "runs looked up through the state index: {scans:?}");
     assert!(scans.1 >= 100, "each completed run read by its key: {scans:?}");
 }
+
+/// A pool built with `idle_in_transaction_timeout` has its session ended
+/// by the server (FATAL 25P03) when a transaction stays idle past the
+/// limit (a process frozen, a handler awaiting something else): the
+/// session is gone and the transaction changed nothing, an infrastructure
+/// failure like a terminated backend (57P01), so it is transient: a job
+/// handler's `?` retries the job instead of killing it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_session_ended_idle_in_a_transaction_is_transient() {
+    let t = TestDb::new(Kind::Postgres).await;
+    let ferry = Ferry::builder(&t.url)
+        .idle_in_transaction_timeout(Duration::from_millis(200))
+        .connect()
+        .await
+        .unwrap();
+    let mut tx = ferry.db().as_postgres().unwrap().begin().await.unwrap();
+    sqlx::query("SELECT 1").execute(&mut *tx).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(1000)).await;
+    let ended = ferry::Error::from(sqlx::query("SELECT 1").execute(&mut *tx).await.unwrap_err());
+    assert!(ended.is_transient(), "{ended:?}");
+    assert_eq!(
+        ferry::JobError::from(ended).class,
+        ferry::ErrorClass::Retryable,
+        "a job would die of its session's end"
+    );
+}
+
+/// An idle-in-transaction limit beyond PostgreSQL's range (its setting is
+/// an `int` of milliseconds, about 24.8 days) is the longest it takes, not
+/// a SET that fails on every new connection.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_idle_in_transaction_limit_beyond_postgres_range_is_its_longest() {
+    let t = TestDb::new(Kind::Postgres).await;
+    let ferry = Ferry::builder(&t.url)
+        .idle_in_transaction_timeout(Duration::from_secs(30 * 86_400))
+        .connect()
+        .await
+        .expect("a 30-day limit refused every connection");
+    let set: String = sqlx::query_scalar("SHOW idle_in_transaction_session_timeout")
+        .fetch_one(ferry.db().as_postgres().unwrap())
+        .await
+        .unwrap();
+    assert_eq!(set, "2147483647ms");
+}
+
+/// A replay (`ferry dead replay`, the console) takes the delivered ledger's
+/// lock, as the WAL marker does, from a pool with no idle-in-transaction
+/// limit of its own: a process frozen inside that transaction (Ctrl-Z, a
+/// paused container) kept every WAL relay's marks waiting for as long as
+/// it stayed frozen. Whoever takes the ledger's lock has its session ended
+/// after 5 s idle in that transaction, so the next writer goes through.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_frozen_holder_of_the_ledger_lock_does_not_stop_other_writers() {
+    let t = TestDb::new(Kind::Postgres).await;
+    let pool = t.ferry.db().as_postgres().unwrap();
+    let lock = ferry::store::queries::POSTGRES_ONLY.replay_ledger_lock;
+    let mut frozen = pool.begin().await.unwrap();
+    sqlx::query(lock).execute(&mut *frozen).await.unwrap();
+
+    let mut next = pool.begin().await.unwrap();
+    tokio::time::timeout(Duration::from_secs(20), sqlx::query(lock).execute(&mut *next))
+        .await
+        .expect("a writer waited on a frozen holder of the ledger's lock")
+        .unwrap();
+    next.commit().await.unwrap();
+    assert!(
+        sqlx::query("SELECT 1").execute(&mut *frozen).await.is_err(),
+        "the frozen holder's transaction outlived the limit"
+    );
+}

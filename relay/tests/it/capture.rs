@@ -271,12 +271,17 @@ async fn wal_then_poll_publishes_nothing_twice() {
     assert_eq!(recs.len(), 120, "no row was published twice");
 }
 
-/// A session holding the ledger's lock (a WAL relay's mark, frozen), taken
-/// before a poll relay starts, so its start-up fold waits on it: the
-/// holder's transaction and its backend pid.
+/// A session holding the ledger's lock (a long writer), taken before a
+/// poll relay starts, so its start-up fold waits on it: the holder's
+/// transaction and its backend pid. It holds the lock as long as the test
+/// needs, not the 5 s a holder idle in its transaction is given.
 async fn hold_the_ledger_lock(ferry: &ferry::Ferry) -> (sqlx::Transaction<'static, sqlx::Postgres>, i32) {
     let mut holder = ferry.db().as_postgres().unwrap().begin().await.unwrap();
     sqlx::query(ferry::store::queries::POSTGRES_ONLY.replay_ledger_lock)
+        .execute(&mut *holder)
+        .await
+        .unwrap();
+    sqlx::query("SET LOCAL idle_in_transaction_session_timeout = 0")
         .execute(&mut *holder)
         .await
         .unwrap();
