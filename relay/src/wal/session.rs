@@ -257,9 +257,7 @@ async fn stream(
                 pipeline.commit_kafka().await;
             }
             event = client.recv(), if read => {
-                waited(ctx, Some(waiting));
-                events.received += 1;
-                if let Err(end) = events.handle(ctx, pipeline, iso, event).await {
+                if let Err(end) = events.handle(ctx, pipeline, iso, event, Some(waiting)).await {
                     return end;
                 }
                 // The events already queued behind it, without a turn of
@@ -270,10 +268,8 @@ async fn stream(
                     let Some(event) = futures::FutureExt::now_or_never(client.recv()) else {
                         break;
                     };
-                    waited(ctx, None);
-                    events.received += 1;
                     batched += 1;
-                    if let Err(end) = events.handle(ctx, pipeline, iso, event).await {
+                    if let Err(end) = events.handle(ctx, pipeline, iso, event, None).await {
                         return end;
                     }
                 }
@@ -287,10 +283,11 @@ async fn stream(
 /// confirmation are looked at between turns.
 const EVENT_BATCH: usize = 256;
 
-/// Whether the session reads the next event: nothing failed, the pipeline
-/// may produce, and there is room in flight.
+/// Whether the session reads the next event: the pipeline may produce
+/// (nothing failed, nothing in flight while isolating) and there is room in
+/// flight.
 fn reading(pipeline: &Pipeline<'_>) -> bool {
-    pipeline.failed().is_none() && pipeline.may_produce() && pipeline.in_flight() < MAX_IN_FLIGHT
+    pipeline.may_produce() && pipeline.in_flight() < MAX_IN_FLIGHT
 }
 
 /// The stream's events, as the session reads them.
@@ -313,14 +310,21 @@ impl Events {
         self.forwarded.events_forwarded() > self.received
     }
 
-    /// Applies one event; `Err` ends the session.
+    /// Counts one event taken from the queue (waited for since `since`,
+    /// `None`: it was queued already) and applies it; `Err` ends the
+    /// session.
     async fn handle(
         &mut self,
         ctx: &Ctx,
         pipeline: &mut Pipeline<'_>,
         iso: &mut Isolation,
         event: pgwire_replication::Result<Option<ReplicationEvent>>,
+        since: Option<std::time::Instant>,
     ) -> Result<(), Ended> {
+        let t = &ctx.state.metrics.timings;
+        let wait = since.map_or(Duration::ZERO, |s| s.elapsed());
+        crate::metrics::Timings::add(&t.wal_events, &t.wal_wait_ns, wait);
+        self.received += 1;
         match event {
             Ok(Some(ReplicationEvent::Begin { final_lsn, .. })) => {
                 pipeline.one_at_a_time = iso.covers_lsn(final_lsn.as_u64());
@@ -357,14 +361,6 @@ impl Events {
         }
         Ok(())
     }
-}
-
-/// Counts a replication event and the time the session waited for it
-/// since `since` (`None`: it was queued already).
-fn waited(ctx: &Ctx, since: Option<std::time::Instant>) {
-    let t = &ctx.state.metrics.timings;
-    let wait = since.map_or(Duration::ZERO, |s| s.elapsed());
-    crate::metrics::Timings::add(&t.wal_events, &t.wal_wait_ns, wait);
 }
 
 /// A deadline that never comes (for a disabled timer branch).
