@@ -45,7 +45,8 @@ pub struct ConnectOptions {
     /// a transaction (SIGSTOP, a paused VM, a debugger) releases the locks
     /// it holds instead of blocking every other session for as long as it
     /// stays frozen. `None` (the default) keeps the server's setting; a
-    /// limit beyond the server's range (about 24.8 days) is its longest.
+    /// limit beyond the server's range (about 24.8 days) is its longest, and
+    /// `Duration::ZERO` is 1 ms, not "no limit" (that is `None`).
     pub idle_in_transaction_timeout: Option<Duration>,
 }
 
