@@ -197,6 +197,9 @@ fn poll_config(url: &str, brokers: &str, mode: Mode) -> RelayConfig {
     cfg.poll_interval = Duration::from_millis(20);
     cfg.lease = Duration::from_secs(5);
     cfg.delete_on_delivery = mode == Mode::Delete;
+    // Producer settings to try (`BENCH_KAFKA=linger.ms=1,batch.size=…`),
+    // as `--kafka` would give them.
+    cfg.kafka.extend(bench_kafka());
     if mode == Mode::ExactlyOnce {
         // A fresh database per drain: a prefix and progress topic of its own.
         let id = uuid::Uuid::now_v7().simple().to_string();
@@ -205,6 +208,16 @@ fn poll_config(url: &str, brokers: &str, mode: Mode) -> RelayConfig {
         cfg.progress_topic = Some(format!("bench-progress-{id}"));
     }
     cfg
+}
+
+/// Producer settings to try, from `BENCH_KAFKA=linger.ms=1,batch.size=…`.
+fn bench_kafka() -> Vec<(String, String)> {
+    std::env::var("BENCH_KAFKA")
+        .unwrap_or_default()
+        .split(',')
+        .filter_map(|kv| kv.split_once('='))
+        .map(|(k, v)| (k.to_owned(), v.to_owned()))
+        .collect()
 }
 
 /// Starts an in-process relay with `cfg`.
@@ -317,6 +330,57 @@ async fn raw_produce(brokers: &str, topic: &str, n: usize, size: usize) -> Res<f
         f.await?.map_err(|(e, _)| e)?;
     }
     Ok(n as f64 / started.elapsed().as_secs_f64())
+}
+
+/// The floor under commit → ack: raw rdkafka produce → ack of 100 B
+/// records at `rate` records/s (the relay's producer settings, 48 senders
+/// each awaiting its record, `rows_per_commit` records per tick) for
+/// `d`, to the same topic; its p50 / p99 in ms. `producer` is made by
+/// [`raw_latency_producer`] and warmed up by a first call.
+async fn raw_latency(producer: &FutureProducer, rate: u64, d: Duration) -> Res<(f64, f64)> {
+    let rows = rows_per_commit(rate);
+    let per = Duration::from_nanos(1_000_000_000 * WRITERS * rows / rate);
+    let started = Instant::now();
+    let mut tasks = Vec::new();
+    for w in 0..WRITERS {
+        let producer = producer.clone();
+        tasks.push(tokio::spawn(async move {
+            let mut tick = tokio::time::interval(per);
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            let mut samples = Vec::new();
+            let mut i = w;
+            while started.elapsed() < d {
+                tick.tick().await;
+                let sent = Instant::now();
+                let mut acks = Vec::new();
+                for _ in 0..rows {
+                    let key = format!("k{}", i % 500);
+                    i += WRITERS;
+                    if let Ok(f) = producer.send_result(FutureRecord::to("bench-latency").key(&key).payload(&[0u8; 100][..])) {
+                        acks.push(f);
+                    }
+                }
+                for f in acks {
+                    if matches!(f.await, Ok(Ok(_))) {
+                        samples.push(sent.elapsed().as_micros() as i64);
+                    }
+                }
+            }
+            samples
+        }));
+    }
+    let mut all = Vec::new();
+    for t in tasks {
+        all.extend(t.await?);
+    }
+    all.sort_unstable();
+    let q = |q: f64| all.get(((all.len().max(1) - 1) as f64 * q) as usize).copied().unwrap_or(0) as f64 / 1000.0;
+    Ok((q(0.5), q(0.99)))
+}
+
+/// A producer with the relay's settings, for [`raw_latency`].
+fn raw_latency_producer(brokers: &str) -> Res<FutureProducer> {
+    Ok(ferry_relay::publish::producer_config(&poll_config("postgres://x", brokers, Mode::Mark)).create()?)
 }
 
 // ---- Modes added for the performance issue (#12). ----
@@ -463,6 +527,7 @@ fn spawn_relays(url: &str, brokers: &str, k: usize, capture: &[&str]) -> Res<Vec
             .args(["--poll-interval", "20ms", "--lease", "5s"])
             .args(["--listen", &format!("127.0.0.1:{port}")])
             .args(capture)
+            .args(bench_kafka().into_iter().flat_map(|(k, v)| ["--kafka".to_owned(), format!("{k}={v}")]))
             .env("RUST_LOG", "warn")
             .stdout(std::process::Stdio::null())
             .stderr(std::process::Stdio::null())
@@ -1044,6 +1109,35 @@ async fn wal_latency(brokers: &str, broker: &ferry_testkit::Kafka, quick: bool, 
     let secs = if quick { 5 } else { 10 };
     for rate in [1_000u64, 10_000] {
         let goal = if rate == 1_000 { "≤10 / ≤25" } else { "- / ≤50" };
+        // The floor under the relay's figure: raw produce → ack at the same
+        // rate, alone and while the same writers commit the same rows (no
+        // relay reads them), which shows what the machine's load alone
+        // adds to the broker's tail.
+        let producer = raw_latency_producer(brokers)?;
+        raw_latency(&producer, rate, Duration::from_secs(3)).await?;
+        let (p50, p99) = raw_latency(&producer, rate, Duration::from_secs(secs)).await?;
+        let (_ferry, url) = fresh().await?;
+        let writers = Ferry::builder(&url)
+            .max_connections(WRITERS as u32)
+            .outbox_key_locks(false)
+            .connect()
+            .await?;
+        let span = Duration::from_secs(secs);
+        let (written, (l50, l99)) = tokio::try_join!(steady(&writers, rate, span), raw_latency(&producer, rate, span))?;
+        drop(producer);
+        println!(
+            "{:<64} {p50:>6.1} / {p99:>5.1} ms   (load {})",
+            format!("raw rdkafka produce → ack, {rate} records/s, the relay's producer settings"),
+            uptime()
+        );
+        println!(
+            "{:<64} {l50:>6.1} / {l99:>5.1} ms   (load {})",
+            format!(
+                "  the same while the writers commit {:.0} rows/s (no relay)",
+                written.0 as f64 / written.1
+            ),
+            uptime()
+        );
         for wal in [true, false] {
             let (ferry, url) = fresh().await?;
             let slot = slot_name();
@@ -1087,6 +1181,7 @@ async fn wal_latency(brokers: &str, broker: &ferry_testkit::Kafka, quick: bool, 
             );
             if wal {
                 println!("    stages: {}", state.metrics.timings.summary());
+                println!("    commit → ack: {}", state.metrics.timings.wal_stages.summary());
             }
         }
         if debezium && rate == 1_000 {

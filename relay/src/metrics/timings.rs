@@ -49,6 +49,77 @@ pub struct Timings {
     pub wal_queue_full: AtomicU64,
     /// WAL capture: mark statements run again for rows not yet visible.
     pub mark_retries: AtomicU64,
+    /// WAL capture: where each acknowledged row's commit → ack time went.
+    pub wal_stages: Stages,
+}
+
+/// How many [`Stages`] samples are kept (a ring: the newest win).
+pub const STAGE_SAMPLES: usize = 100_000;
+
+/// Per acknowledged row of WAL capture, in µs: the row's `created_at` to
+/// its transaction's commit timestamp (from the Begin message), that
+/// commit to the Begin's arrival at the relay (WAL flush, decoding,
+/// sending), and that arrival to the broker's acknowledgement as the
+/// session saw it (produce, linger, broker, delivery report). A bounded
+/// ring of the newest [`STAGE_SAMPLES`], read by the latency benchmark to
+/// say which stage the slowest rows spent their time in.
+#[derive(Debug, Default)]
+pub struct Stages {
+    samples: std::sync::Mutex<Vec<[i64; 3]>>,
+    next: AtomicU64,
+}
+
+impl Stages {
+    /// Records one row's three stages (µs).
+    pub fn observe(&self, stages: [i64; 3]) {
+        let mut s = self.samples.lock().unwrap_or_else(|p| p.into_inner());
+        if s.len() < STAGE_SAMPLES {
+            s.push(stages);
+        } else {
+            let at = self.next.fetch_add(1, Ordering::Relaxed) as usize % STAGE_SAMPLES;
+            s[at] = stages;
+        }
+    }
+
+    fn reset(&self) {
+        self.samples.lock().unwrap_or_else(|p| p.into_inner()).clear();
+        self.next.store(0, Ordering::Relaxed);
+    }
+
+    /// One line: commit → ack's p50 / p99 (ms), each stage's, and the mean of each stage
+    /// over the slowest 1 % of rows by their sum; empty without samples.
+    pub fn summary(&self) -> String {
+        let s = self.samples.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        if s.is_empty() {
+            return String::new();
+        }
+        let quantile = |mut v: Vec<i64>, q: f64| {
+            v.sort_unstable();
+            v[((v.len() - 1) as f64 * q) as usize] as f64 / 1000.0
+        };
+        let q = |i: usize, q: f64| quantile(s.iter().map(|x| x[i]).collect(), q);
+        let from_commit = |q: f64| quantile(s.iter().map(|x| x[1] + x[2]).collect(), q);
+        let mut by_total = s.clone();
+        by_total.sort_unstable_by_key(|x| std::cmp::Reverse(x[0] + x[1] + x[2]));
+        let tail = &by_total[..(by_total.len() / 100).max(1)];
+        let mean = |i: usize| tail.iter().map(|x| x[i]).sum::<i64>() as f64 / tail.len() as f64 / 1000.0;
+        format!(
+            "from the commit {:.1} / {:.1} ms; insert → commit {:.1} / {:.1} ms, commit → received {:.1} / {:.1} ms, received → ack {:.1} / {:.1} ms \
+             (p50 / p99); the slowest 1 % ({} rows) spent {:.1} + {:.1} + {:.1} ms on average",
+            from_commit(0.5),
+            from_commit(0.99),
+            q(0, 0.5),
+            q(0, 0.99),
+            q(1, 0.5),
+            q(1, 0.99),
+            q(2, 0.5),
+            q(2, 0.99),
+            tail.len(),
+            mean(0),
+            mean(1),
+            mean(2),
+        )
+    }
 }
 
 impl Timings {
@@ -80,7 +151,9 @@ impl Timings {
             wal_acked,
             wal_queue_full,
             mark_retries,
+            wal_stages,
         } = self;
+        wal_stages.reset();
         for a in [
             reads,
             read_ns,

@@ -248,10 +248,11 @@ pub async fn run(
     }
 }
 
-fn now_ms() -> i64 {
+/// Microseconds since the Unix epoch (0 before it).
+fn now_us() -> i64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_millis() as i64)
+        .map(|d| d.as_micros() as i64)
         .unwrap_or(0)
 }
 

@@ -57,6 +57,9 @@ struct Txn {
     /// Exactly once: the progress record says it is in Kafka already, so
     /// its rows are marked, never produced.
     skip: bool,
+    /// Its commit timestamp and the Begin's arrival (µs since the Unix
+    /// epoch), for the latency stages; `None` for a catch-up page.
+    stamps: Option<(i64, i64)>,
 }
 
 /// A delivery in flight: the future and what it is about.
@@ -64,6 +67,7 @@ struct Delivery {
     seq: u64,
     id: i64,
     created_at: i64,
+    stamps: Option<(i64, i64)>,
     fut: DeliveryFuture,
 }
 
@@ -72,6 +76,7 @@ pub(super) struct Settled {
     seq: u64,
     id: i64,
     created_at: i64,
+    stamps: Option<(i64, i64)>,
     outcome: Outcome,
 }
 
@@ -84,6 +89,7 @@ impl Future for Delivery {
             seq: this.seq,
             id: this.id,
             created_at: this.created_at,
+            stamps: this.stamps,
             outcome: publish::delivered(r),
         })
     }
@@ -159,9 +165,10 @@ impl<'a> Pipeline<'a> {
         self.failed.is_none() && (!self.one_at_a_time || self.inflight.is_empty())
     }
 
-    /// A transaction begins (its commit record at `final_lsn`), or a page
-    /// of the catch-up read (`None`).
-    pub(super) fn begin(&mut self, final_lsn: Option<u64>) {
+    /// A transaction begins (its commit record at `final_lsn`, committed at
+    /// `commit_us` µs since the Unix epoch), or a page of the catch-up read
+    /// (`None`, `None`).
+    pub(super) fn begin(&mut self, final_lsn: Option<u64>, commit_us: Option<i64>) {
         let skip = match (&self.eo, final_lsn) {
             (Some(eo), Some(f)) => eo.covers(f),
             _ => false,
@@ -175,6 +182,7 @@ impl<'a> Pipeline<'a> {
             acked: Vec::new(),
             failed_from: None,
             skip,
+            stamps: commit_us.map(|c| (c, super::now_us())),
         });
         self.next_seq += 1;
     }
@@ -210,7 +218,7 @@ impl<'a> Pipeline<'a> {
         }
         let topic = self.cfg.route(&row.topic, &row.tenant);
         while self.failed.is_none() {
-            let Some(seq) = self.txns.back().map(|t| t.seq) else {
+            let Some((seq, stamps)) = self.txns.back().map(|t| (t.seq, t.stamps)) else {
                 self.failed = Some(Ended::Retry("row_outside_transaction"));
                 return;
             };
@@ -223,6 +231,7 @@ impl<'a> Pipeline<'a> {
                         seq,
                         id: row.id,
                         created_at: row.created_at.get(),
+                        stamps,
                         fut,
                     });
                     if let Some(t) = self.txns.back_mut() {
@@ -250,6 +259,7 @@ impl<'a> Pipeline<'a> {
                         seq,
                         id: row.id,
                         created_at: row.created_at.get(),
+                        stamps,
                         outcome: publish::classify(&e),
                     };
                     self.apply(settled, true).await;
@@ -344,7 +354,16 @@ impl<'a> Pipeline<'a> {
         let m = &self.state.metrics;
         match s.outcome {
             Outcome::Acked { .. } => {
-                m.observe_latency(super::now_ms() - s.created_at);
+                // From the transaction's commit timestamp where the stream
+                // gave one (a catch-up page's rows: from `created_at`).
+                let now = super::now_us();
+                let from = s.stamps.map_or(s.created_at * 1000, |(commit, _)| commit);
+                m.observe_latency((now - from) / 1000);
+                if let Some((commit, received)) = s.stamps {
+                    m.timings
+                        .wal_stages
+                        .observe([commit - s.created_at * 1000, received - commit, now - received]);
+                }
                 m.timings.wal_acked.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                 self.settled(s.seq, Some(s.id));
                 self.advance().await;

@@ -26,6 +26,10 @@ use super::{marker, Ctx, Isolation, Publisher};
 /// RSS past 64 MiB on a 1M-row backlog.
 pub const MAX_IN_FLIGHT: usize = 16_384;
 
+/// PostgreSQL's epoch (2000-01-01) in µs after the Unix epoch: the Begin
+/// message's commit timestamp counts from it.
+const PG_EPOCH_US: i64 = 946_684_800_000_000;
+
 /// Runs one session; how it ended decides what the relay does next.
 pub(super) async fn run(ctx: &Ctx, iso: &mut Isolation, reseed: bool, finish: &CancellationToken) -> Ended {
     if let Err(end) = prepare(ctx, reseed, finish).await {
@@ -179,7 +183,7 @@ async fn catch_up(
             }
         };
         let Some(last) = rows.last().map(|r| r.id) else { break };
-        pipeline.begin(None);
+        pipeline.begin(None, None);
         for row in &rows {
             pipeline.one_at_a_time = iso.covers_id(row.id);
             while pipeline.in_flight() > 0 && !pipeline.may_produce() {
@@ -326,9 +330,13 @@ impl Events {
         crate::metrics::Timings::add(&t.wal_events, &t.wal_wait_ns, wait);
         self.received += 1;
         match event {
-            Ok(Some(ReplicationEvent::Begin { final_lsn, .. })) => {
+            Ok(Some(ReplicationEvent::Begin {
+                final_lsn,
+                commit_time_micros,
+                ..
+            })) => {
                 pipeline.one_at_a_time = iso.covers_lsn(final_lsn.as_u64());
-                pipeline.begin(Some(final_lsn.as_u64()));
+                pipeline.begin(Some(final_lsn.as_u64()), Some(commit_time_micros + PG_EPOCH_US));
             }
             Ok(Some(ReplicationEvent::XLogData { data, .. })) => match self.decoder.decode(&data) {
                 Ok(Message::Row(row)) => pipeline.produce(&row).await,
