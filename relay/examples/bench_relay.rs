@@ -435,7 +435,7 @@ async fn latency(brokers: &str, broker: &ferry_testkit::Kafka, quick: bool) -> R
             wait_delivered(&ferry).await?;
             state.metrics.reset_latency();
             let secs = if quick { 5 } else { 10 };
-            let (sent, took) = steady(&writers, rate, Duration::from_secs(secs)).await?;
+            let (sent, took, _) = steady(&writers, rate, Duration::from_secs(secs)).await?;
             wait_delivered(&ferry).await?;
             stop.cancel();
             handle.await??;
@@ -467,9 +467,9 @@ fn rows_per_commit(rate: u64) -> u64 {
 }
 
 /// Enqueues at `rate` rows/s for `d` from [`WRITERS`] tasks sharing `f`'s
-/// pool, [`rows_per_commit`] rows per transaction; returns rows sent and
-/// seconds taken.
-async fn steady(f: &Ferry, rate: u64, d: Duration) -> Res<(u64, f64)> {
+/// pool, [`rows_per_commit`] rows per transaction; returns rows sent,
+/// seconds taken, and the p50 / p99 (ms) of the writers' `COMMIT`s.
+async fn steady(f: &Ferry, rate: u64, d: Duration) -> Res<(u64, f64, (f64, f64))> {
     let rows = rows_per_commit(rate);
     let per = Duration::from_nanos(1_000_000_000 * WRITERS * rows / rate);
     let started = Instant::now();
@@ -480,6 +480,7 @@ async fn steady(f: &Ferry, rate: u64, d: Duration) -> Res<(u64, f64)> {
             let mut tick = tokio::time::interval(per);
             tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
             let mut sent = 0u64;
+            let mut commits = Vec::new();
             let mut i = w;
             while started.elapsed() < d {
                 tick.tick().await;
@@ -490,18 +491,25 @@ async fn steady(f: &Ferry, rate: u64, d: Duration) -> Res<(u64, f64)> {
                     ok &= f.enqueue_in(tx.conn(), &m).await.is_ok();
                     i += WRITERS;
                 }
+                let at = Instant::now();
                 if ok && tx.commit().await.is_ok() {
+                    commits.push(at.elapsed().as_micros() as i64);
                     sent += rows;
                 }
             }
-            sent
+            (sent, commits)
         }));
     }
     let mut sent = 0;
+    let mut commits = Vec::new();
     for t in tasks {
-        sent += t.await?;
+        let (n, c) = t.await?;
+        sent += n;
+        commits.extend(c);
     }
-    Ok((sent, started.elapsed().as_secs_f64()))
+    commits.sort_unstable();
+    let q = |q: f64| commits.get(((commits.len().max(1) - 1) as f64 * q) as usize).copied().unwrap_or(0) as f64 / 1000.0;
+    Ok((sent, started.elapsed().as_secs_f64(), (q(0.5), q(0.99))))
 }
 
 /// The release `ferry-relay` binary next to this example.
@@ -1123,7 +1131,7 @@ async fn wal_latency(brokers: &str, broker: &ferry_testkit::Kafka, quick: bool, 
             .connect()
             .await?;
         let span = Duration::from_secs(secs);
-        let (written, (l50, l99)) = tokio::try_join!(steady(&writers, rate, span), raw_latency(&producer, rate, span))?;
+        let ((written, took, _), (l50, l99)) = tokio::try_join!(steady(&writers, rate, span), raw_latency(&producer, rate, span))?;
         drop(producer);
         println!(
             "{:<64} {p50:>6.1} / {p99:>5.1} ms   (load {})",
@@ -1134,7 +1142,7 @@ async fn wal_latency(brokers: &str, broker: &ferry_testkit::Kafka, quick: bool, 
             "{:<64} {l50:>6.1} / {l99:>5.1} ms   (load {})",
             format!(
                 "  the same while the writers commit {:.0} rows/s (no relay)",
-                written.0 as f64 / written.1
+                written as f64 / took
             ),
             uptime()
         );
@@ -1158,7 +1166,7 @@ async fn wal_latency(brokers: &str, broker: &ferry_testkit::Kafka, quick: bool, 
             wait_delivered(&ferry).await?;
             state.metrics.reset_latency();
             state.metrics.timings.reset();
-            let (sent, took) = steady(&writers, rate, Duration::from_secs(secs)).await?;
+            let (sent, took, commits) = steady(&writers, rate, Duration::from_secs(secs)).await?;
             wait_delivered(&ferry).await?;
             stop.cancel();
             handle.await??;
@@ -1182,6 +1190,9 @@ async fn wal_latency(brokers: &str, broker: &ferry_testkit::Kafka, quick: bool, 
             if wal {
                 println!("    stages: {}", state.metrics.timings.summary());
                 println!("    commit → ack: {}", state.metrics.timings.wal_stages.summary());
+            }
+            println!("    the writers' COMMIT p50 / p99: {:.1} / {:.1} ms", commits.0, commits.1);
+            if wal {
             }
         }
         if debezium && rate == 1_000 {
@@ -1332,7 +1343,7 @@ async fn debezium_latency(brokers: &str, rate: u64, secs: u64, poll_ms: Option<u
     let mark = |key: &str| OutboxMessage::bytes("bench", "bench-latency", key, vec![0u8; 100]);
     steady(&writers, rate, Duration::from_secs(3)).await?;
     writers.enqueue(&mark("__warm")).await?;
-    let (sent, took) = steady(&writers, rate, Duration::from_secs(secs)).await?;
+    let (sent, took, _) = steady(&writers, rate, Duration::from_secs(secs)).await?;
     writers.enqueue(&mark("__end")).await?;
     let mut q = (None, None);
     while let Some(l) = lines.next_line().await? {

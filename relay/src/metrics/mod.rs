@@ -81,7 +81,10 @@ pub struct Metrics {
     /// Fatal producer errors (the relay then drains and exits non-zero so its
     /// orchestrator restarts it with a new producer).
     pub producer_fatal: Counter,
-    /// Seconds from commit to broker acknowledgement.
+    /// Seconds from commit to broker acknowledgement: from the
+    /// transaction's commit timestamp in WAL capture (the Begin message
+    /// carries it), from the row's `created_at` in poll capture and for
+    /// WAL capture's catch-up pages.
     pub publish_latency: Histogram,
     /// The WAL capture slots of this schema, from `pg_replication_slots`
     /// (set at scrape and every few seconds): see [`WalSlotGauges`].
