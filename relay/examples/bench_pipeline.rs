@@ -18,7 +18,7 @@
 //! one group), the PostgreSQL backends by `application_name` and the
 //! replication slot, and the broker as this process's child.
 //!
-//!     scripts/install-kafka && cargo run --release -p ferry-relay --example bench_pipeline -- [--secs 20] [--rates 1000,2000,5000]
+//!     scripts/install-kafka && cargo run --release -p ferry-relay --example bench_pipeline -- [--warm 20] [--secs 20] [--rates 1000,2000,5000]
 #![allow(clippy::print_stdout, missing_docs)]
 
 use std::collections::BTreeMap;
@@ -46,6 +46,13 @@ fn main() -> Res<()> {
     let args: Vec<String> = std::env::args().collect();
     let arg = |name: &str| args.iter().position(|a| a == name).and_then(|i| args.get(i + 1));
     let secs: u64 = arg("--secs").and_then(|v| v.parse().ok()).unwrap_or(20);
+    // A freshly started broker's JIT compiles for its first ~20 s (its C2
+    // thread took 10 CPU-s of a 60 s run): the warm-up offers 500 runs/s
+    // for this long before anything is measured.
+    let warm: u64 = arg("--warm").and_then(|v| v.parse().ok()).unwrap_or(20);
+    let micro_batch: usize = arg("--micro-batch")
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(ferry_consumer::DEFAULT_MICRO_BATCH);
     let rates: Vec<u64> = arg("--rates")
         .map(|v| v.split(',').filter_map(|r| r.parse().ok()).collect())
         .unwrap_or_else(|| vec![1000, 2000, 5000]);
@@ -61,14 +68,14 @@ fn main() -> Res<()> {
     let handles: Vec<Handle> = parts.iter().map(|r| r.handle().clone()).collect();
     let broker = ferry_testkit::Kafka::start();
     broker.create_topic(DEFAULT_EVENTS_TOPIC, 6);
-    let result = accept.block_on(bench(&broker.brokers(), &handles, secs, &rates));
+    let result = accept.block_on(bench(&broker.brokers(), &handles, warm, secs, &rates, micro_batch));
     for r in parts {
         r.shutdown_timeout(Duration::from_secs(5));
     }
     result
 }
 
-async fn bench(brokers: &str, rt: &[Handle], secs: u64, rates: &[u64]) -> Res<()> {
+async fn bench(brokers: &str, rt: &[Handle], warm: u64, secs: u64, rates: &[u64], micro_batch: usize) -> Res<()> {
     let base = ferry_testkit::fresh_database_url(Engine::Postgres).await?;
     let url = |component: &str| format!("{base}&application_name=ferry_bench_pipeline_{component}");
     let ferry = Ferry::builder(url("accept"))
@@ -82,7 +89,7 @@ async fn bench(brokers: &str, rt: &[Handle], secs: u64, rates: &[u64]) -> Res<()
     // alone (not its key) polled every 20 ms during the drains took 11-16 s
     // per query and was itself most of the database's load.
     sqlx::query(
-        "CREATE TABLE bench_effects (run_id UUID PRIMARY KEY, created_ms BIGINT NOT NULL, effect_ms BIGINT NOT NULL)",
+        "CREATE TABLE bench_effects (run_id UUID PRIMARY KEY, created_ms BIGINT NOT NULL, completed_ms BIGINT NOT NULL, effect_ms BIGINT NOT NULL)",
     )
     .execute(&pool)
     .await?;
@@ -120,6 +127,7 @@ async fn bench(brokers: &str, rt: &[Handle], secs: u64, rates: &[u64]) -> Res<()
         let f = Ferry::builder(u).connect().await?;
         Consumer::builder(f, b, "bench-pipeline", &[DEFAULT_EVENTS_TOPIC])
             .handler(Effect)
+            .micro_batch(micro_batch)
             .build()?
             .run(s.cancelled_owned())
             .await?;
@@ -130,7 +138,7 @@ async fn bench(brokers: &str, rt: &[Handle], secs: u64, rates: &[u64]) -> Res<()
         let clk_tck = clock_ticks()?;
         println!("pipeline: acceptance → worker (200 slots, batch 100, no-op) → relay (WAL) → Kafka (6 partitions) → ferry-consumer (effect ledger), {secs} s per rate\n");
         // Warm-up: the consumer group joins, the slot is made, the broker warms.
-        step(&ferry, &pool, &slot, clk_tck, 200, 5, "warm-up").await?;
+        step(&ferry, &pool, &slot, clk_tck, 500, warm, "warm-up").await?;
         // Statistics, as autovacuum keeps them on a running database (the
         // tables were empty when the warm-up's statements were planned).
         sqlx::query("ANALYZE runs, run_events, jobs, job_attempts, idempotency_keys, outbox, consumer_ledger, bench_effects")
@@ -166,8 +174,8 @@ impl Handler for Effect {
                 .map_err(|_| HandlerError::terminal("bad_event_payload"))?;
             let run_id = event["run_id"].as_str().unwrap_or_default().to_owned();
             tx.execute(
-                "INSERT INTO bench_effects (run_id, created_ms, effect_ms) \
-                 SELECT r.run_id, r.created_at, (extract(epoch FROM clock_timestamp()) * 1000)::bigint \
+                "INSERT INTO bench_effects (run_id, created_ms, completed_ms, effect_ms) \
+                 SELECT r.run_id, r.created_at, r.updated_at, (extract(epoch FROM clock_timestamp()) * 1000)::bigint \
                  FROM runs r WHERE r.tenant = 'bench' AND r.run_id = $1::uuid ON CONFLICT DO NOTHING",
                 &[Arg::from(&run_id)],
             )
@@ -244,10 +252,14 @@ async fn step(ferry: &Ferry, pool: &PgPool, slot: &str, clk_tck: f64, rate: u64,
     let cpu1 = cpu(pool, slot).await?;
     let steady_from = t0 + 5000.min((t1 - t0) / 2);
     let steady = effects_in(steady_from, t1).fetch_one(pool).await? as f64 / ((t1 - steady_from) as f64 / 1000.0);
-    let (p50, p99, max): (i64, i64, i64) = sqlx::query_as(
+    let (p50, p99, max, c50, c99, e50, e99): (i64, i64, i64, i64, i64, i64, i64) = sqlx::query_as(
         "SELECT percentile_disc(0.5) WITHIN GROUP (ORDER BY effect_ms - created_ms)::bigint, \
                 percentile_disc(0.99) WITHIN GROUP (ORDER BY effect_ms - created_ms)::bigint, \
-                max(effect_ms - created_ms) \
+                max(effect_ms - created_ms), \
+                percentile_disc(0.5) WITHIN GROUP (ORDER BY completed_ms - created_ms)::bigint, \
+                percentile_disc(0.99) WITHIN GROUP (ORDER BY completed_ms - created_ms)::bigint, \
+                percentile_disc(0.5) WITHIN GROUP (ORDER BY effect_ms - completed_ms)::bigint, \
+                percentile_disc(0.99) WITHIN GROUP (ORDER BY effect_ms - completed_ms)::bigint \
          FROM bench_effects WHERE created_ms >= $1",
     )
     .bind(t0)
@@ -258,6 +270,7 @@ async fn step(ferry: &Ferry, pool: &PgPool, slot: &str, clk_tck: f64, rate: u64,
          backlog {backlog} when it ended, drained in {drain_s:.1} s; acceptance → effect p50 {p50} ms, p99 {p99} ms, max {max} ms",
         n as f64 / offered_s
     );
+    println!("  acceptance → completion p50 {c50} ms, p99 {c99} ms; completion → effect p50 {e50} ms, p99 {e99} ms");
     println!("  {}", uptime());
     let mut line = String::from("  CPU, % of one core over the step:");
     for (group, ticks) in &cpu1 {

@@ -356,7 +356,9 @@ async fn raw_latency(producer: &FutureProducer, rate: u64, d: Duration) -> Res<(
                 for _ in 0..rows {
                     let key = format!("k{}", i % 500);
                     i += WRITERS;
-                    if let Ok(f) = producer.send_result(FutureRecord::to("bench-latency").key(&key).payload(&[0u8; 100][..])) {
+                    if let Ok(f) =
+                        producer.send_result(FutureRecord::to("bench-latency").key(&key).payload(&[0u8; 100][..]))
+                    {
                         acks.push(f);
                     }
                 }
@@ -374,7 +376,12 @@ async fn raw_latency(producer: &FutureProducer, rate: u64, d: Duration) -> Res<(
         all.extend(t.await?);
     }
     all.sort_unstable();
-    let q = |q: f64| all.get(((all.len().max(1) - 1) as f64 * q) as usize).copied().unwrap_or(0) as f64 / 1000.0;
+    let q = |q: f64| {
+        all.get(((all.len().max(1) - 1) as f64 * q) as usize)
+            .copied()
+            .unwrap_or(0) as f64
+            / 1000.0
+    };
     Ok((q(0.5), q(0.99)))
 }
 
@@ -508,7 +515,13 @@ async fn steady(f: &Ferry, rate: u64, d: Duration) -> Res<(u64, f64, (f64, f64))
         commits.extend(c);
     }
     commits.sort_unstable();
-    let q = |q: f64| commits.get(((commits.len().max(1) - 1) as f64 * q) as usize).copied().unwrap_or(0) as f64 / 1000.0;
+    let q = |q: f64| {
+        commits
+            .get(((commits.len().max(1) - 1) as f64 * q) as usize)
+            .copied()
+            .unwrap_or(0) as f64
+            / 1000.0
+    };
     Ok((sent, started.elapsed().as_secs_f64(), (q(0.5), q(0.99))))
 }
 
@@ -535,7 +548,11 @@ fn spawn_relays(url: &str, brokers: &str, k: usize, capture: &[&str]) -> Res<Vec
             .args(["--poll-interval", "20ms", "--lease", "5s"])
             .args(["--listen", &format!("127.0.0.1:{port}")])
             .args(capture)
-            .args(bench_kafka().into_iter().flat_map(|(k, v)| ["--kafka".to_owned(), format!("{k}={v}")]))
+            .args(
+                bench_kafka()
+                    .into_iter()
+                    .flat_map(|(k, v)| ["--kafka".to_owned(), format!("{k}={v}")]),
+            )
             .env("RUST_LOG", "warn")
             .stdout(std::process::Stdio::null())
             .stderr(std::process::Stdio::null())
@@ -1131,7 +1148,8 @@ async fn wal_latency(brokers: &str, broker: &ferry_testkit::Kafka, quick: bool, 
             .connect()
             .await?;
         let span = Duration::from_secs(secs);
-        let ((written, took, _), (l50, l99)) = tokio::try_join!(steady(&writers, rate, span), raw_latency(&producer, rate, span))?;
+        let ((written, took, _), (l50, l99)) =
+            tokio::try_join!(steady(&writers, rate, span), raw_latency(&producer, rate, span))?;
         drop(producer);
         println!(
             "{:<64} {p50:>6.1} / {p99:>5.1} ms   (load {})",
@@ -1177,7 +1195,8 @@ async fn wal_latency(brokers: &str, broker: &ferry_testkit::Kafka, quick: bool, 
             println!(
                 "{:<64} {:>6} / {:>3} ms {:>14}   (load {})",
                 format!(
-                    "commit → ack p50 / p99, --capture {}, {rate} rows/s offered, {} per commit ({:.0} achieved)",
+                    "{} → ack p50 / p99, --capture {}, {rate} rows/s offered, {} per commit ({:.0} achieved)",
+                    if wal { "commit" } else { "created_at" },
                     if wal { "wal" } else { "poll" },
                     rows_per_commit(rate),
                     sent as f64 / took
@@ -1191,9 +1210,10 @@ async fn wal_latency(brokers: &str, broker: &ferry_testkit::Kafka, quick: bool, 
                 println!("    stages: {}", state.metrics.timings.summary());
                 println!("    commit → ack: {}", state.metrics.timings.wal_stages.summary());
             }
-            println!("    the writers' COMMIT p50 / p99: {:.1} / {:.1} ms", commits.0, commits.1);
-            if wal {
-            }
+            println!(
+                "    the writers' COMMIT p50 / p99: {:.1} / {:.1} ms",
+                commits.0, commits.1
+            );
         }
         if debezium && rate == 1_000 {
             for poll_ms in [None, Some(10u64)] {

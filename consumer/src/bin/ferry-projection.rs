@@ -4,7 +4,7 @@
 //!
 //! Environment: `DATABASE_URL`, `FERRY_BROKERS`, `FERRY_GROUP`, `FERRY_TOPICS`
 //! (comma-separated), `FERRY_DLQ` (dead-letter topic), `FERRY_ASSIGNMENT`
-//! (`eager` or `cooperative`), `FERRY_MICRO_BATCH` (records per transaction),
+//! (`eager` or `cooperative`), `FERRY_MICRO_BATCH` (records per poll turn, default 500),
 //! and for tests `FERRY_CRASH_AT` (abort the process inside the handler,
 //! before commit, the first time this effect key is seen; a marker file makes
 //! it once) and `FERRY_POISON_KEY` (records with this key fail terminally).
@@ -59,7 +59,7 @@ fn assignment(v: &str) -> Result<Assignment, ConsumerError> {
     }
 }
 
-/// `FERRY_MICRO_BATCH`: records per transaction, a whole number from 1 up;
+/// `FERRY_MICRO_BATCH`: records per poll turn, a whole number from 1 up;
 /// anything else is [`ConsumerError::Config`] (it used to mean 50 silently).
 fn micro_batch(v: &str) -> Result<usize, ConsumerError> {
     v.trim()
@@ -85,7 +85,10 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let topics = env("FERRY_TOPICS", "ferry.run-events");
     let topics: Vec<&str> = topics.split(',').collect();
     let assignment = assignment(&env("FERRY_ASSIGNMENT", "cooperative"))?;
-    let micro_batch = micro_batch(&env("FERRY_MICRO_BATCH", "50"))?;
+    let micro_batch = micro_batch(&env(
+        "FERRY_MICRO_BATCH",
+        &ferry_consumer::DEFAULT_MICRO_BATCH.to_string(),
+    ))?;
     let crash_at = std::env::var("FERRY_CRASH_AT").ok();
     let handler = Projection {
         marker: std::env::temp_dir().join(format!(

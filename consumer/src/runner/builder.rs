@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use ferry::Ferry;
 
-use super::{Assignment, Consumer, ConsumerBuilder};
+use super::{Assignment, Consumer, ConsumerBuilder, DEFAULT_MICRO_BATCH};
 use crate::error::ConsumerError;
 use crate::metrics::Metrics;
 use crate::record::{Handler, Record};
@@ -16,7 +16,7 @@ impl Consumer {
     /// `brokers` (librdkafka's `bootstrap.servers`). Defaults: cooperative-sticky
     /// assignment, 5 attempts with backoff from 100 ms up to 10 s, a 30 s
     /// partition lease, ledger rows kept 7 days for a 24 h redelivery window,
-    /// micro-batches of 50 records, no dead-letter topic, and a fresh
+    /// micro-batches of up to [`DEFAULT_MICRO_BATCH`] records, no dead-letter topic, and a fresh
     /// `consumer-<uuid>` owner.
     pub fn builder(
         ferry: Ferry,
@@ -41,7 +41,7 @@ impl Consumer {
             ledger_retention: Duration::from_secs(7 * 24 * 3600),
             max_redelivery_window: Duration::from_secs(24 * 3600),
             owner: format!("consumer-{}", uuid::Uuid::now_v7().simple()),
-            batch: 50,
+            batch: DEFAULT_MICRO_BATCH,
         }
     }
 
@@ -115,8 +115,10 @@ impl ConsumerBuilder {
         self
     }
 
-    /// Records of one partition committed per transaction (default 50; 1 is
-    /// one transaction per record). Only records already fetched are
+    /// The most records taken per poll turn (default [`DEFAULT_MICRO_BATCH`];
+    /// 1 is one transaction per record). They are grouped by partition and
+    /// each partition's group is committed in one transaction, the groups
+    /// of different partitions at once. Only records already fetched are
     /// batched, so a batch never waits for more to arrive.
     pub fn micro_batch(mut self, records: usize) -> Self {
         self.batch = records.max(1);

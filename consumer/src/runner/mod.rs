@@ -59,6 +59,13 @@ type Commits = Arc<Mutex<Vec<(TopicPartition, i64)>>>;
 /// How often lag is measured (it costs a broker round trip per partition).
 const LAG_EVERY: Duration = Duration::from_secs(15);
 
+/// The most records one poll turn takes, by default (Kafka's Java
+/// consumer's `max.poll.records` is the same): grouped by partition, each
+/// group one transaction. At 50 a pipeline of six partitions committed ~8
+/// records per transaction and the consumer fell behind a 1,000 runs/s
+/// worker (BENCHMARKS, "The pipeline").
+pub const DEFAULT_MICRO_BATCH: usize = 500;
+
 /// Builds a [`Consumer`]: `Consumer::builder(store, brokers, group, topics).handler(h).run(shutdown)`.
 pub struct ConsumerBuilder {
     store: ConsumerStore,

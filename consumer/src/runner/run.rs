@@ -1,6 +1,6 @@
 //! [`Consumer::run`]: the poll loop. Each turn takes partitions back,
 //! performs pending seeks and Kafka commits, runs the retries that are due,
-//! polls a batch, processes it partition by partition, and, now and then,
+//! polls a batch, processes its partitions' groups at once (each in order), and, now and then,
 //! renews the leases and measures lag.
 
 use std::collections::HashMap;
@@ -51,12 +51,8 @@ impl Consumer {
                 .await;
             let polled = self.poll_batch(&consumer, &leases);
             let groups = self.group_by_partition(polled, &leases, &mut retries);
-            for (tp, gen, records) in groups {
-                let pending = self.handle_group(&consumer, &leases, dlq.as_ref(), gen, records).await;
-                if let Some(retry) = pending {
-                    retries.insert(tp, retry);
-                }
-            }
+            self.handle_groups(&consumer, &leases, dlq.as_ref(), groups, &mut retries)
+                .await;
             if housekeeping.elapsed() >= b.lease / 3 {
                 housekeeping = Instant::now();
                 self.housekeeping(&consumer, &leases).await;
@@ -69,6 +65,30 @@ impl Consumer {
         }
         self.leave_group(&consumer, &leases).await;
         Ok(())
+    }
+
+    /// Handles one poll's groups. Partitions are independent (each its own
+    /// lease, offsets and transactions, and a partition's records stay in
+    /// order within its group), so the groups run at once: their commits
+    /// share the database's WAL flushes instead of queueing one after
+    /// another. A group that stopped at a record keeps its retry.
+    async fn handle_groups(
+        &self,
+        consumer: &BaseConsumer<LeaseContext>,
+        leases: &Leases,
+        dlq: Option<&FutureProducer>,
+        groups: Vec<PartitionRecords>,
+        retries: &mut HashMap<TopicPartition, Retry>,
+    ) {
+        let handled = futures::future::join_all(groups.into_iter().map(|(tp, gen, records)| async move {
+            (tp, self.handle_group(consumer, leases, dlq, gen, records).await)
+        }))
+        .await;
+        for (tp, pending) in handled {
+            if let Some(retry) = pending {
+                retries.insert(tp, retry);
+            }
+        }
     }
 
     /// Creates the Kafka consumer, its rebalance callback sharing `leases`

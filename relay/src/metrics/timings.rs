@@ -56,11 +56,13 @@ pub struct Timings {
 /// How many [`Stages`] samples are kept (a ring: the newest win).
 pub const STAGE_SAMPLES: usize = 100_000;
 
-/// Per acknowledged row of WAL capture, in µs: the row's `created_at` to
-/// its transaction's commit timestamp (from the Begin message), that
-/// commit to the Begin's arrival at the relay (WAL flush, decoding,
-/// sending), and that arrival to the broker's acknowledgement as the
-/// session saw it (produce, linger, broker, delivery report). A bounded
+/// Per acknowledged row of WAL capture (replayed rows aside), in µs: the
+/// row's `created_at` to its transaction's commit timestamp (from the
+/// Begin message), that commit to the session handling the Begin (WAL
+/// flush, decoding, sending, and any wait in the replication client's
+/// queue or the session's own back-pressure), and that to the broker's
+/// acknowledgement as the session saw it (produce, linger, broker,
+/// delivery report). A bounded
 /// ring of the newest [`STAGE_SAMPLES`], read by the latency benchmark to
 /// say which stage the slowest rows spent their time in.
 #[derive(Debug, Default)]

@@ -218,7 +218,9 @@ impl<'a> Pipeline<'a> {
         }
         let topic = self.cfg.route(&row.topic, &row.tenant);
         while self.failed.is_none() {
-            let Some((seq, stamps)) = self.txns.back().map(|t| (t.seq, t.stamps)) else {
+            // A replayed row's `created_at` is its first insert's, long
+            // before the replay's commit: timed from `created_at`, as before.
+            let Some((seq, stamps)) = self.txns.back().map(|t| (t.seq, t.stamps.filter(|_| !replayed))) else {
                 self.failed = Some(Ended::Retry("row_outside_transaction"));
                 return;
             };
@@ -357,12 +359,16 @@ impl<'a> Pipeline<'a> {
                 // From the transaction's commit timestamp where the stream
                 // gave one (a catch-up page's rows: from `created_at`).
                 let now = super::now_us();
-                let from = s.stamps.map_or(s.created_at * 1000, |(commit, _)| commit);
+                let from = s
+                    .stamps
+                    .map_or_else(|| s.created_at.saturating_mul(1000), |(commit, _)| commit);
                 m.observe_latency((now - from) / 1000);
                 if let Some((commit, received)) = s.stamps {
-                    m.timings
-                        .wal_stages
-                        .observe([commit - s.created_at * 1000, received - commit, now - received]);
+                    m.timings.wal_stages.observe([
+                        commit - s.created_at.saturating_mul(1000),
+                        received - commit,
+                        now - received,
+                    ]);
                 }
                 m.timings.wal_acked.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                 self.settled(s.seq, Some(s.id));

@@ -27,7 +27,8 @@ use super::{marker, Ctx, Isolation, Publisher};
 pub const MAX_IN_FLIGHT: usize = 16_384;
 
 /// PostgreSQL's epoch (2000-01-01) in µs after the Unix epoch: the Begin
-/// message's commit timestamp counts from it.
+/// message's commit timestamp counts from it (pgwire-replication passes
+/// the wire value on).
 const PG_EPOCH_US: i64 = 946_684_800_000_000;
 
 /// Runs one session; how it ended decides what the relay does next.
