@@ -4,7 +4,7 @@
 //! the same run that consumes the same records and writes the same effect
 //! with no ledger and no lease.
 //!
-//!     scripts/install-kafka && cargo run --release -p ferry-consumer --example bench_consumer -- [--quick]
+//!     scripts/install-kafka && cargo run --release -p ferry-consumer --example bench_consumer -- [--quick] [--micro-batch N]
 #![allow(clippy::print_stdout, missing_docs)]
 
 use std::time::{Duration, Instant};
@@ -127,6 +127,7 @@ async fn ferry_members(brokers: &str, n: usize, members: usize) -> Res<f64> {
         let c = Consumer::builder(ferry.clone(), brokers, &group, &["bench"])
             .handler(Apply)
             .kafka("session.timeout.ms", "6000")
+            .micro_batch(micro_batch())
             .build()?;
         metrics.push(c.metrics());
         let s = stop.clone();
@@ -158,4 +159,14 @@ async fn ferry_members(brokers: &str, n: usize, members: usize) -> Res<f64> {
         r.await??;
     }
     Ok(rate)
+}
+
+/// `--micro-batch N`, else the library's default.
+fn micro_batch() -> usize {
+    let args: Vec<String> = std::env::args().collect();
+    args.iter()
+        .position(|a| a == "--micro-batch")
+        .and_then(|i| args.get(i + 1))
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(ferry_consumer::DEFAULT_MICRO_BATCH)
 }
