@@ -1531,3 +1531,108 @@ async fn a_record_whose_effect_key_the_database_refuses_is_dead_lettered_and_the
     assert_eq!(scalar(&ferry, "SELECT count(*) FROM effects_applied").await, 1);
     assert_eq!(metrics.dead_lettered.get(), 1);
 }
+
+/// Notes which partitions have a record in the handler right now, and
+/// whether a record ever met one of another partition there. A record
+/// keyed `gate` holds the poll loop until `open` is notified.
+struct Meet {
+    inside: tokio::sync::watch::Sender<std::collections::HashSet<i32>>,
+    met: Arc<std::sync::atomic::AtomicBool>,
+    open: Arc<tokio::sync::Notify>,
+}
+
+impl Handler for Meet {
+    fn handle<'a>(&'a self, r: &'a Record, _tx: &'a mut ferry::Tx) -> BoxFuture<'a, Result<(), HandlerError>> {
+        Box::pin(async move {
+            if r.key.as_deref() == Some(b"warm") {
+                return Ok(());
+            }
+            if r.key.as_deref() == Some(b"gate") {
+                let _ = tokio::time::timeout(Duration::from_secs(60), self.open.notified()).await;
+                return Ok(());
+            }
+            let mut seen = self.inside.subscribe();
+            self.inside.send_modify(|s| {
+                s.insert(r.partition);
+            });
+            // Bounded: handled one partition after another, no record
+            // ever finds another partition's here, and each gives up.
+            // (The guard `wait_for` returns is dropped at once: holding it
+            // across `send_modify` would deadlock.)
+            let met = matches!(
+                tokio::time::timeout(Duration::from_secs(1), seen.wait_for(|s| s.len() >= 2)).await,
+                Ok(Ok(_))
+            );
+            if met {
+                self.met.store(true, std::sync::atomic::Ordering::SeqCst);
+            }
+            self.inside.send_modify(|s| {
+                s.remove(&r.partition);
+            });
+            Ok(())
+        })
+    }
+}
+
+/// Sends `n` records keyed `key` to each of partitions `parts` of `pairs`
+/// (ids from `first`), and waits for their acknowledgements.
+async fn produce_to(p: &FutureProducer, key: &str, parts: &[i32], first: usize, n: usize) {
+    let sends: Vec<_> = (0..parts.len() * n)
+        .map(|i| {
+            let id = (first + i).to_string();
+            let h = OwnedHeaders::new().insert(Header {
+                key: "ferry-outbox-id",
+                value: Some(&id),
+            });
+            let record = FutureRecord::to("pairs")
+                .key(key)
+                .partition(parts[i % parts.len()])
+                .payload("{}")
+                .headers(h);
+            p.send_result(record).map_err(|(e, _)| e).unwrap()
+        })
+        .collect();
+    for s in sends {
+        s.await.unwrap().map_err(|(e, _)| e).unwrap();
+    }
+}
+
+/// The records of one poll are grouped by partition and the groups run at
+/// once (their commits share WAL flushes): with both partitions' records
+/// fetched while the loop was busy, a record of one is in the handler
+/// while one of the other is. Handled one group after another, none is.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_poll_s_partitions_are_handled_at_once() {
+    let broker = Kafka::start();
+    broker.create_topic("pairs", 2);
+    let (ferry, _) = pg().await;
+    let met = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let open = Arc::new(tokio::sync::Notify::new());
+    let c = Consumer::builder(ferry.clone(), broker.brokers(), "meet", &["pairs"])
+        .handler(Meet {
+            inside: tokio::sync::watch::Sender::new(Default::default()),
+            met: met.clone(),
+            open: open.clone(),
+        })
+        .kafka("session.timeout.ms", "6000")
+        .build()
+        .unwrap();
+    let consumer = Running::spawn(c);
+    let p = producer(&broker.brokers());
+    let handled = "SELECT count(*) FROM consumer_ledger WHERE group_id = 'meet'";
+    // Both partitions assigned and fetching (a first fetch starts each
+    // partition on its own).
+    produce_to(&p, "warm", &[0, 1], 1, 1).await;
+    until_at_least(&ferry, handled, 2, Duration::from_secs(60)).await;
+    // The gate holds the loop in its handler; meanwhile librdkafka fetches
+    // the records after it into its queue, both partitions'.
+    produce_to(&p, "gate", &[0], 3, 1).await;
+    produce_to(&p, "pair", &[0, 1], 4, 20).await;
+    open.notify_one();
+    until_at_least(&ferry, handled, 43, Duration::from_secs(120)).await;
+    consumer.stop().await;
+    assert!(
+        met.load(std::sync::atomic::Ordering::SeqCst),
+        "no record was in the handler while one of the other partition was: partitions handled one after another"
+    );
+}
