@@ -77,6 +77,17 @@ impl ConsumerStore {
         ConsumerStore { ferry }
     }
 
+    /// How many of the consumer's transactions may run at once: half of a
+    /// PostgreSQL pool (leaving a handler room to take a second connection,
+    /// and the rest of the process its share), one on SQLite (one writer at
+    /// a time).
+    pub fn parallel_transactions(&self) -> usize {
+        self.ferry
+            .db()
+            .as_postgres()
+            .map_or(1, |p| (p.options().get_max_connections() / 2).max(1) as usize)
+    }
+
     /// The core handle.
     pub fn ferry(&self) -> &Ferry {
         &self.ferry

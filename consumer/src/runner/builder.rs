@@ -155,6 +155,7 @@ impl ConsumerBuilder {
             metrics: Arc::new(Metrics::new()),
             reclaims: Mutex::default(),
             seeks: Mutex::default(),
+            per_record_us: Default::default(),
         })
     }
 

@@ -99,4 +99,8 @@ pub struct Consumer {
     /// were passed over), with the lease generation they belong to. A seek
     /// that fails stays here, its partition paused, and is tried again.
     seeks: Mutex<HashMap<TopicPartition, (i64, Offset)>>,
+    /// A moving average of the time one record takes in its transaction
+    /// (µs; 0 until measured), which sizes a poll turn: see
+    /// [`Consumer::turn_cap`](run).
+    per_record_us: std::sync::atomic::AtomicU64,
 }

@@ -69,9 +69,11 @@ impl Consumer {
 
     /// Handles one poll's groups. Partitions are independent (each its own
     /// lease, offsets and transactions, and a partition's records stay in
-    /// order within its group), so the groups run at once: their commits
-    /// share the database's WAL flushes instead of queueing one after
-    /// another. A group that stopped at a record keeps its retry.
+    /// order within its group), so the groups run at once, up to
+    /// [`ConsumerStore::parallel_transactions`](crate::store::ConsumerStore::parallel_transactions)
+    /// of them: their commits share the database's WAL flushes instead of
+    /// queueing one after another. A group that stopped at a record keeps
+    /// its retry.
     async fn handle_groups(
         &self,
         consumer: &BaseConsumer<LeaseContext>,
@@ -80,10 +82,12 @@ impl Consumer {
         groups: Vec<PartitionRecords>,
         retries: &mut HashMap<TopicPartition, Retry>,
     ) {
-        let handled = futures::future::join_all(groups.into_iter().map(|(tp, gen, records)| async move {
-            (tp, self.handle_group(consumer, leases, dlq, gen, records).await)
-        }))
-        .await;
+        use futures::stream::{self, StreamExt};
+        let handled: Vec<_> = stream::iter(groups)
+            .map(|(tp, gen, records)| async move { (tp, self.handle_group(consumer, leases, dlq, gen, records).await) })
+            .buffer_unordered(self.b.store.parallel_transactions())
+            .collect()
+            .await;
         for (tp, pending) in handled {
             if let Some(retry) = pending {
                 retries.insert(tp, retry);
@@ -165,8 +169,34 @@ impl Consumer {
         }
     }
 
-    /// Polls one record, then whatever else is already fetched, up to the
-    /// micro-batch size.
+    /// The most records this turn takes: the micro-batch, or fewer when the
+    /// time records have taken so far would make the turn outlast a third
+    /// of the lease (leases are renewed between turns, and rebalances and
+    /// shutdown are served there); one until a record was timed.
+    fn turn_cap(&self) -> usize {
+        let per = self.per_record_us.load(std::sync::atomic::Ordering::Relaxed);
+        if per == 0 {
+            return 1;
+        }
+        let budget = u64::try_from(self.b.lease.as_micros() / 3).unwrap_or(u64::MAX);
+        usize::try_from(budget / per)
+            .unwrap_or(usize::MAX)
+            .clamp(1, self.b.batch)
+    }
+
+    /// Folds `records`' time in their transaction into the per-record
+    /// average that [`Self::turn_cap`] reads (groups running at once may
+    /// race here; the average stays approximate, never unbounded).
+    pub(super) fn note_record_time(&self, took: Duration, records: usize) {
+        use std::sync::atomic::Ordering::Relaxed;
+        let per = u64::try_from(took.as_micros()).unwrap_or(u64::MAX) / records.max(1) as u64;
+        let old = self.per_record_us.load(Relaxed);
+        let new = if old == 0 { per } else { old / 8 * 7 + per / 8 };
+        self.per_record_us.store(new.max(1), Relaxed);
+    }
+
+    /// Polls one record, then whatever else is already fetched, up to
+    /// [`Self::turn_cap`].
     fn poll_batch(&self, consumer: &BaseConsumer<LeaseContext>, leases: &Leases) -> Vec<(Record, Option<i64>)> {
         // Each record is tagged with the lease generation current when it
         // was delivered: a rebalance callback served by a later poll of
@@ -174,7 +204,8 @@ impl Consumer {
         tokio::task::block_in_place(|| {
             let mut out = Vec::new();
             let mut timeout = Duration::from_millis(100);
-            while out.len() < self.b.batch {
+            let cap = self.turn_cap();
+            while out.len() < cap {
                 match consumer.poll(timeout) {
                     Some(Ok(m)) => {
                         let record = Record::from_message(&m);

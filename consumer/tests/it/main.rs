@@ -1636,3 +1636,61 @@ async fn a_poll_s_partitions_are_handled_at_once() {
         "no record was in the handler while one of the other partition was: partitions handled one after another"
     );
 }
+
+/// Takes `per_record` over each record (a slow effect).
+struct Slow {
+    per_record: Duration,
+}
+
+impl Handler for Slow {
+    fn handle<'a>(&'a self, _r: &'a Record, _tx: &'a mut ferry::Tx) -> BoxFuture<'a, Result<(), HandlerError>> {
+        Box::pin(async move {
+            tokio::time::sleep(self.per_record).await;
+            Ok(())
+        })
+    }
+}
+
+/// Leases are renewed between poll turns, so a turn must end well inside
+/// the lease: with a slow handler, a turn takes only as many records as
+/// fit in a third of it (here 4 of 250 ms in a 3 s lease), never the whole
+/// micro-batch (24 records, 6 s), and the lease never runs out while the
+/// member works.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slow_handler_s_turns_end_inside_the_lease() {
+    let broker = Kafka::start();
+    broker.create_topic("slow", 1);
+    let (ferry, _) = pg().await;
+    let p = producer(&broker.brokers());
+    produce_range(&p, "slow", 1, 25).await;
+    let c = Consumer::builder(ferry.clone(), broker.brokers(), "slow", &["slow"])
+        .handler(Slow {
+            per_record: Duration::from_millis(250),
+        })
+        .lease(Duration::from_secs(3))
+        .kafka("session.timeout.ms", "6000")
+        .build()
+        .unwrap();
+    let consumer = Running::spawn(c);
+    let expired = "SELECT count(*) FROM consumer_partitions WHERE group_id = 'slow' AND owner IS NOT NULL \
+                   AND lease_expires_at < (extract(epoch FROM clock_timestamp()) * 1000)::bigint";
+    let handled = "SELECT count(*) FROM consumer_ledger WHERE group_id = 'slow'";
+    let started = Instant::now();
+    let mut ran_out = 0;
+    // Watches the lease while the records are worked through (an expiry
+    // lasts seconds when a turn outlasts the lease; a look every 50 ms
+    // cannot miss it).
+    while scalar(&ferry, handled).await < 24 {
+        ran_out += scalar(&ferry, expired).await;
+        assert!(
+            started.elapsed() < Duration::from_secs(90),
+            "24 slow records not handled in 90 s"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    consumer.stop().await;
+    assert_eq!(
+        ran_out, 0,
+        "the lease ran out while the member was working (a turn outlasted it)"
+    );
+}
