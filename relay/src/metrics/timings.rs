@@ -62,9 +62,9 @@ pub const STAGE_SAMPLES: usize = 100_000;
 /// flush, decoding, sending, and any wait in the replication client's
 /// queue or the session's own back-pressure), and that to the broker's
 /// acknowledgement as the session saw it (produce, linger, broker,
-/// delivery report). A bounded
-/// ring of the newest [`STAGE_SAMPLES`], read by the latency benchmark to
-/// say which stage the slowest rows spent their time in.
+/// delivery report). A bounded ring of the newest [`STAGE_SAMPLES`], read
+/// by the latency benchmark to say which stage the slowest rows spent
+/// their time in.
 #[derive(Debug, Default)]
 pub struct Stages {
     samples: std::sync::Mutex<Vec<[i64; 3]>>,
@@ -88,8 +88,9 @@ impl Stages {
         self.next.store(0, Ordering::Relaxed);
     }
 
-    /// One line: commit → ack's p50 / p99 (ms), each stage's, and the mean of each stage
-    /// over the slowest 1 % of rows by their sum; empty without samples.
+    /// One line: commit → ack's p50 / p99 (ms), each stage's, and the mean
+    /// of each stage over the slowest 1 % of rows by their sum; empty
+    /// without samples.
     pub fn summary(&self) -> String {
         let s = self.samples.lock().unwrap_or_else(|p| p.into_inner()).clone();
         if s.is_empty() {

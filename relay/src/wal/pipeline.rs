@@ -57,8 +57,8 @@ struct Txn {
     /// Exactly once: the progress record says it is in Kafka already, so
     /// its rows are marked, never produced.
     skip: bool,
-    /// Its commit timestamp and the Begin's arrival (µs since the Unix
-    /// epoch), for the latency stages; `None` for a catch-up page.
+    /// Its commit timestamp and when the session handled its Begin (µs
+    /// since the Unix epoch), for the latency; `None` for a catch-up page.
     stamps: Option<(i64, i64)>,
 }
 
