@@ -100,7 +100,7 @@ pub struct Consumer {
     /// that fails stays here, its partition paused, and is tried again.
     seeks: Mutex<HashMap<TopicPartition, (i64, Offset)>>,
     /// A moving average of the time one record takes in its transaction
-    /// (µs; 0 until measured), which sizes a poll turn: see
-    /// [`Consumer::turn_cap`](run).
+    /// (µs; 0 until measured), which sizes a poll turn (`turn_cap` in
+    /// `run.rs`).
     per_record_us: std::sync::atomic::AtomicU64,
 }
