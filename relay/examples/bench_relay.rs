@@ -375,14 +375,19 @@ async fn raw_latency(producer: &FutureProducer, rate: u64, d: Duration) -> Res<(
     for t in tasks {
         all.extend(t.await?);
     }
-    all.sort_unstable();
+    Ok(p50_p99_ms(all))
+}
+
+/// The p50 and p99 of µs samples, in ms (0 without samples).
+fn p50_p99_ms(mut us: Vec<i64>) -> (f64, f64) {
+    us.sort_unstable();
     let q = |q: f64| {
-        all.get(((all.len().max(1) - 1) as f64 * q) as usize)
+        us.get(((us.len().max(1) - 1) as f64 * q) as usize)
             .copied()
             .unwrap_or(0) as f64
             / 1000.0
     };
-    Ok((q(0.5), q(0.99)))
+    (q(0.5), q(0.99))
 }
 
 /// A producer with the relay's settings, for [`raw_latency`].
@@ -514,15 +519,7 @@ async fn steady(f: &Ferry, rate: u64, d: Duration) -> Res<(u64, f64, (f64, f64))
         sent += n;
         commits.extend(c);
     }
-    commits.sort_unstable();
-    let q = |q: f64| {
-        commits
-            .get(((commits.len().max(1) - 1) as f64 * q) as usize)
-            .copied()
-            .unwrap_or(0) as f64
-            / 1000.0
-    };
-    Ok((sent, started.elapsed().as_secs_f64(), (q(0.5), q(0.99))))
+    Ok((sent, started.elapsed().as_secs_f64(), p50_p99_ms(commits)))
 }
 
 /// The release `ferry-relay` binary next to this example.
