@@ -100,7 +100,8 @@ impl ConsumerBuilder {
         self
     }
 
-    /// Partition lease duration (renewed every third of it).
+    /// Partition lease duration (renewed every third of it; zero is refused
+    /// by [`ConsumerBuilder::build`]).
     pub fn lease(mut self, d: Duration) -> Self {
         self.lease = d;
         self
@@ -144,6 +145,11 @@ impl ConsumerBuilder {
         }
         if self.topics.is_empty() {
             return Err(ConsumerError::Config("no topics".into()));
+        }
+        if self.lease.is_zero() {
+            return Err(ConsumerError::Config(
+                "the partition lease must be longer than zero (it is renewed every third of it)".into(),
+            ));
         }
         let handler = self
             .handler

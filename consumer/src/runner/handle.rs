@@ -107,7 +107,6 @@ impl Consumer {
             return BatchOutcome::RolledBack;
         };
         self.metrics.observe_handler(started.elapsed().as_secs_f64());
-        self.note_record_time(started.elapsed(), records.len());
         for p in done {
             match p {
                 Processed::Applied => self.metrics.processed.inc(),
@@ -333,7 +332,6 @@ impl Consumer {
             .instrument(span)
             .await;
         self.metrics.observe_handler(started.elapsed().as_secs_f64());
-        self.note_record_time(started.elapsed(), 1);
         outcome
     }
 

@@ -99,7 +99,7 @@ pub struct Consumer {
     /// were passed over), with the lease generation they belong to. A seek
     /// that fails stays here, its partition paused, and is tried again.
     seeks: Mutex<HashMap<TopicPartition, (i64, Offset)>>,
-    /// A moving average of the time one record takes in its transaction
+    /// A moving average of the time one record of a poll's group takes
     /// (µs; 0 until measured), which sizes a poll turn (`turn_cap` in
     /// `run.rs`).
     per_record_us: std::sync::atomic::AtomicU64,

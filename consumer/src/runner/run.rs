@@ -84,7 +84,15 @@ impl Consumer {
     ) {
         use futures::stream::{self, StreamExt};
         let handled: Vec<_> = stream::iter(groups)
-            .map(|(tp, gen, records)| async move { (tp, self.handle_group(consumer, leases, dlq, gen, records).await) })
+            .map(|(tp, gen, records)| async move {
+                // The whole group is timed, whichever way it went (one
+                // batch, a batch rolled back and redone one by one, dead
+                // letters), so every turn feeds `turn_cap`.
+                let (started, n) = (Instant::now(), records.len());
+                let pending = self.handle_group(consumer, leases, dlq, gen, records).await;
+                self.note_record_time(started.elapsed(), n);
+                (tp, pending)
+            })
             .buffer_unordered(self.b.store.parallel_transactions())
             .collect()
             .await;
@@ -184,10 +192,10 @@ impl Consumer {
             .clamp(1, self.b.batch)
     }
 
-    /// Folds `records`' time in their transaction into the per-record
+    /// Folds the time `records` records took into the per-record
     /// average that [`Self::turn_cap`] reads (groups running at once may
     /// race here; the average stays approximate, never unbounded).
-    pub(super) fn note_record_time(&self, took: Duration, records: usize) {
+    fn note_record_time(&self, took: Duration, records: usize) {
         use std::sync::atomic::Ordering::Relaxed;
         let per = u64::try_from(took.as_micros()).unwrap_or(u64::MAX) / records.max(1) as u64;
         let old = self.per_record_us.load(Relaxed);

@@ -382,6 +382,21 @@ async fn ledger_retention_shorter_than_the_redelivery_window_is_refused() {
     assert_eq!(err.code(), "config");
 }
 
+/// A zero lease would make every turn one record (a turn fits in a third
+/// of the lease) and renew on every turn: refused at build.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_zero_lease_is_refused() {
+    let (ferry, _) = pg().await;
+    let err = Consumer::builder(ferry, "127.0.0.1:1", "g", &["t"])
+        .handler(Apply { owner: "x".into() })
+        .lease(Duration::ZERO)
+        .build()
+        .err()
+        .unwrap();
+    assert_eq!(err.code(), "config");
+    assert!(err.to_string().contains("lease must be longer than zero"), "{err}");
+}
+
 /// A member process, killed if the test fails before it ends it.
 struct Member(Option<Child>);
 
@@ -1539,6 +1554,7 @@ struct Meet {
     inside: tokio::sync::watch::Sender<std::collections::HashSet<i32>>,
     met: Arc<std::sync::atomic::AtomicBool>,
     open: Arc<tokio::sync::Notify>,
+    at_gate: Arc<tokio::sync::Notify>,
 }
 
 impl Handler for Meet {
@@ -1548,6 +1564,7 @@ impl Handler for Meet {
                 return Ok(());
             }
             if r.key.as_deref() == Some(b"gate") {
+                self.at_gate.notify_one();
                 let _ = tokio::time::timeout(Duration::from_secs(60), self.open.notified()).await;
                 return Ok(());
             }
@@ -1608,11 +1625,13 @@ async fn a_poll_s_partitions_are_handled_at_once() {
     let (ferry, _) = pg().await;
     let met = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let open = Arc::new(tokio::sync::Notify::new());
+    let at_gate = Arc::new(tokio::sync::Notify::new());
     let c = Consumer::builder(ferry.clone(), broker.brokers(), "meet", &["pairs"])
         .handler(Meet {
             inside: tokio::sync::watch::Sender::new(Default::default()),
             met: met.clone(),
             open: open.clone(),
+            at_gate: at_gate.clone(),
         })
         // A long lease: the gate's wait counts as a slow record, and with
         // the default lease it would shrink the turns (see
@@ -1632,7 +1651,18 @@ async fn a_poll_s_partitions_are_handled_at_once() {
     // The gate holds the loop in its handler; meanwhile librdkafka fetches
     // the records after it into its queue, both partitions'.
     produce_to(&p, "gate", &[0], 3, 1).await;
-    produce_to(&p, "pair", &[0, 1], 4, 20).await;
+    tokio::time::timeout(Duration::from_secs(60), at_gate.notified())
+        .await
+        .expect("the gate record reached the handler");
+    // One produce request for both partitions (it lingers for them all),
+    // so one fetch answer carries both.
+    let together: FutureProducer = ClientConfig::new()
+        .set("bootstrap.servers", broker.brokers())
+        .set("enable.idempotence", "true")
+        .set("linger.ms", "200")
+        .create()
+        .unwrap();
+    produce_to(&together, "pair", &[0, 1], 4, 20).await;
     open.notify_one();
     until_at_least(&ferry, handled, 43, Duration::from_secs(120)).await;
     consumer.stop().await;
