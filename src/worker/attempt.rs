@@ -10,10 +10,10 @@ use std::time::Duration;
 use backon::{ExponentialBuilder, Retryable};
 use rand::rngs::StdRng;
 use serde_json::Value;
-use tokio::sync::{mpsc, oneshot, OwnedSemaphorePermit};
+use tokio::sync::{mpsc, oneshot};
 use tokio_util::sync::CancellationToken;
 
-use super::completer::Completion;
+use super::completer::{Completion, Slot};
 use super::lease_watch::{sleep_until_some, LeaseWatch};
 use super::{Handler, JobContext, WorkerConfig, WorkerStats};
 use crate::error::{Error, Result};
@@ -51,7 +51,7 @@ impl Attempt {
     /// Works one attempt. When the handler succeeds, its slot travels with
     /// the completion, and the next job for it is claimed in the same
     /// commit; otherwise the slot is given back as soon as the handler is done.
-    pub(super) async fn run<H: Handler>(self, handler: Arc<H>, job: Claimed, slot: OwnedSemaphorePermit) {
+    pub(super) async fn run<H: Handler>(self, handler: Arc<H>, job: Claimed, slot: Slot) {
         let lease = job.lease.clone();
         let watch = Arc::new(LeaseWatch::new(
             self.ferry.clock().clone(),
@@ -88,7 +88,7 @@ impl Attempt {
         lease: &Lease,
         outcome: std::result::Result<Value, JobError>,
         signalled: bool,
-        slot: OwnedSemaphorePermit,
+        slot: Slot,
     ) {
         match outcome {
             Ok(result) => self.complete(lease, result, slot).await,
@@ -199,10 +199,17 @@ impl Attempt {
     }
 
     /// Hands the handler's result and its slot to the completer and counts
-    /// the answer.
-    async fn complete(&self, lease: &Lease, result: Value, slot: OwnedSemaphorePermit) {
+    /// the answer. The attempt counts as answered once the result is queued
+    /// (not before: a completer waiting for it must find it there).
+    async fn complete(&self, lease: &Lease, result: Value, slot: Slot) {
+        let Slot { permit, answering } = slot;
         let (reply, answer) = oneshot::channel();
-        let done = match self.completions.send((lease.clone(), result, reply, Some(slot))).await {
+        let sent = self
+            .completions
+            .send((lease.clone(), result, reply, Some(permit)))
+            .await;
+        drop(answering);
+        let done = match sent {
             Ok(()) => answer
                 .await
                 .unwrap_or_else(|_| Err(Error::ShuttingDown("completer stopped"))),

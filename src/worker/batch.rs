@@ -9,10 +9,10 @@ use std::pin::Pin;
 use std::sync::Arc;
 
 use futures::future::join_all;
-use tokio::sync::OwnedSemaphorePermit;
 use tokio_util::sync::CancellationToken;
 
 use super::attempt::{Attempt, Ended};
+use super::completer::Slot;
 use super::lease_watch::{sleep_until_some, LeaseWatch};
 use super::router::{one_answer_per_job, Answers};
 use super::{Handler, JobContext};
@@ -25,7 +25,7 @@ struct Member {
     watch: Arc<LeaseWatch>,
     cancel: CancellationToken,
     /// Taken (given back) when the job is given up.
-    slot: Option<OwnedSemaphorePermit>,
+    slot: Option<Slot>,
 }
 
 impl Member {
@@ -40,12 +40,7 @@ impl Attempt {
     /// call. Every answer whose job is still held is recorded exactly as a
     /// single attempt's answer, all at once, so the successes share one
     /// completion statement (each fenced by its own lease there too).
-    pub(super) async fn run_batch<H: Handler>(
-        self,
-        handler: Arc<H>,
-        jobs: Vec<Claimed>,
-        slots: Vec<OwnedSemaphorePermit>,
-    ) {
+    pub(super) async fn run_batch<H: Handler>(self, handler: Arc<H>, jobs: Vec<Claimed>, slots: Vec<Slot>) {
         let mut members = Vec::with_capacity(jobs.len());
         let mut calls = Vec::with_capacity(jobs.len());
         for (job, slot) in jobs.into_iter().zip(slots) {

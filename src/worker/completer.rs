@@ -3,7 +3,7 @@
 //! those attempts free ([`Jobs::complete_and_claim`](crate::Jobs::complete_and_claim)); the claimed jobs are
 //! handed to the claim loop, which spawns them on the slots.
 
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use backon::{ExponentialBuilder, Retryable};
@@ -15,6 +15,49 @@ use super::{WorkerConfig, WorkerStats};
 use crate::error::{Error, Result};
 use crate::jobs::{Claimed, Lease};
 use crate::Ferry;
+
+/// The attempts whose handlers have not answered yet, shared by the claim
+/// loop, the attempts and the completer: the completer waits for their
+/// answers (up to the completion window) so that answers that come together
+/// share one statement.
+#[derive(Debug, Default)]
+pub(super) struct Unanswered {
+    count: AtomicUsize,
+    answered: Notify,
+}
+
+/// One attempt's place among the [`Unanswered`], given up when dropped:
+/// after its answer is in the completer's queue, or when the attempt ends
+/// any other way (failure, release, a lost lease, a panic).
+#[derive(Debug)]
+pub(super) struct Answering(Arc<Unanswered>);
+
+impl Drop for Answering {
+    fn drop(&mut self) {
+        self.0.count.fetch_sub(1, Ordering::SeqCst);
+        self.0.answered.notify_one();
+    }
+}
+
+/// A worker slot held by an attempt: its permit, which travels with a
+/// successful answer to the completer (the next job claimed there takes
+/// it), and the attempt's place among the unanswered.
+#[derive(Debug)]
+pub(super) struct Slot {
+    pub(super) permit: OwnedSemaphorePermit,
+    pub(super) answering: Answering,
+}
+
+impl Slot {
+    /// The slot of `permit`, for an attempt that has not answered yet.
+    pub(super) fn new(permit: OwnedSemaphorePermit, unanswered: &Arc<Unanswered>) -> Slot {
+        unanswered.count.fetch_add(1, Ordering::SeqCst);
+        Slot {
+            permit,
+            answering: Answering(unanswered.clone()),
+        }
+    }
+}
 
 /// A finished handler's result on its way to the completer, where to send
 /// the outcome, and the attempt's slot (given to the next job claimed with
@@ -37,6 +80,9 @@ pub(super) struct Completer {
     /// or empty (the queue may be limited), so an idle claim loop polls
     /// again at once.
     pub(super) more_work: Arc<Notify>,
+    /// The attempts still to answer: a batch waits for them up to
+    /// `cfg.completion_window`.
+    pub(super) unanswered: Arc<Unanswered>,
 }
 
 impl Completer {
@@ -59,12 +105,7 @@ impl Completer {
             };
             let Some(first) = rx.recv().await else { break };
             let mut batch = vec![first];
-            while batch.len() < max_batch {
-                match rx.try_recv() {
-                    Ok(item) => batch.push(item),
-                    Err(_) => break,
-                }
-            }
+            this.gather(&mut rx, &mut batch, max_batch).await;
             let queue = this.cfg.queues[next_queue % this.cfg.queues.len()].clone();
             next_queue = next_queue.wrapping_add(1);
             let this = this.clone();
@@ -75,6 +116,34 @@ impl Completer {
         }
         // Every batch handed out commits before the completer ends.
         let _ = free.acquire_many(in_flight as u32).await;
+    }
+
+    /// Adds to `batch` what is queued, then, while handlers are still to
+    /// answer, what they answer within the completion window, up to
+    /// `max_batch`.
+    async fn gather(&self, rx: &mut mpsc::Receiver<Completion>, batch: &mut Vec<Completion>, max_batch: usize) {
+        let window = self.cfg.completion_window;
+        let until = tokio::time::Instant::now() + window;
+        loop {
+            while batch.len() < max_batch {
+                match rx.try_recv() {
+                    Ok(item) => batch.push(item),
+                    Err(_) => break,
+                }
+            }
+            if window.is_zero() || batch.len() >= max_batch || self.unanswered.count.load(Ordering::SeqCst) == 0 {
+                return;
+            }
+            tokio::select! {
+                item = rx.recv() => match item {
+                    Some(item) => batch.push(item),
+                    None => return,
+                },
+                // An attempt answered or ended: count again.
+                () = self.unanswered.answered.notified() => {}
+                () = tokio::time::sleep_until(until) => return,
+            }
+        }
     }
 
     /// Completes one batch and claims for its slots; replies to each attempt.

@@ -19,6 +19,12 @@ pub struct WorkerConfig {
     /// How long the loop waits for more free slots before a claim, so claims
     /// and completions batch under load (default 2 ms).
     pub claim_window: Duration,
+    /// How long the completer waits for the answers of handlers still
+    /// running before it commits a batch of completions (default 1 ms), so
+    /// that jobs claimed together and finishing together share one
+    /// statement. It never waits once no handler is left to answer (a lone
+    /// job is not delayed) or the batch is full; zero turns the wait off.
+    pub completion_window: Duration,
     /// Complete-and-claim statements the worker runs at once (default 1;
     /// more made small batches that competed for the CPU in the measurements):
     /// finished jobs are completed, and the next jobs for their slots claimed,
@@ -49,6 +55,7 @@ impl Default for WorkerConfig {
             concurrency: 100,
             batch: 50,
             claim_window: Duration::from_millis(2),
+            completion_window: Duration::from_millis(1),
             completions_in_flight: 1,
             lease: Duration::from_secs(30),
             renew_every: None,

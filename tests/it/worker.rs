@@ -1,6 +1,7 @@
 //! The worker runtime on both engines: retries, lease loss, cancellation at
 //! renew, graceful shutdown that releases only jobs it still owns, and
-//! dispatch by operation with typed commands (`Router`).
+//! dispatch by operation with typed commands (`Router`), and answers of
+//! one claim sharing one completion statement.
 
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -658,6 +659,99 @@ async fn router_kills_an_unknown_operation(kind: Kind) {
     assert_dies_at_once(kind, "chargeback", request, "unknown_operation").await;
 }
 
+/// Runs a worker of `cfg` with a handler that answers job `i` = 0 at once
+/// (saying so on the returned channel) and job 1 only when `gate` is
+/// notified; returns the stop sender, the running worker and its counters.
+#[allow(clippy::type_complexity)]
+fn gated_worker(
+    t: &TestDb,
+    cfg: WorkerConfig,
+    gate: Arc<tokio::sync::Notify>,
+) -> (
+    mpsc::UnboundedReceiver<()>,
+    tokio::sync::oneshot::Sender<()>,
+    tokio::task::JoinHandle<ferry::Result<()>>,
+    Arc<WorkerStats>,
+) {
+    let (answered_tx, answered) = mpsc::unbounded_channel::<()>();
+    let worker = Worker::new(t.ferry.clone(), cfg, move |job: Claimed, _ctx: JobContext| {
+        let gate = gate.clone();
+        let answered_tx = answered_tx.clone();
+        async move {
+            if job.request["i"] == 1 {
+                gate.notified().await;
+            } else {
+                let _ = answered_tx.send(());
+            }
+            Ok(json!({}))
+        }
+    });
+    let stats = worker.stats();
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let running = tokio::spawn(worker.run(async move {
+        let _ = stop_rx.await;
+    }));
+    (answered, stop_tx, running, stats)
+}
+
+/// Jobs claimed together whose handlers answer at different moments share
+/// one completion statement: while a handler of the worker is still to
+/// answer, the completer waits for it (up to the completion window, 60 s
+/// here). Job 0 answers at once; job 1 is let go after the first completion
+/// statement, or after two seconds if none came. The two seconds are not a
+/// synchronisation: they give a completer that does not wait the time to
+/// commit job 0 alone, which makes two statements and fails the test.
+async fn answers_of_one_claim_share_a_completion_statement(kind: Kind) {
+    let t = TestDb::new(kind).await;
+    let ids = accept(&t, 2).await;
+    let gate = Arc::new(tokio::sync::Notify::new());
+    let cfg = WorkerConfig {
+        concurrency: 2,
+        batch: 2,
+        completion_window: Duration::from_secs(60),
+        ..fast_config("sharer")
+    };
+    let (mut answered, stop_tx, running, stats) = gated_worker(&t, cfg, gate.clone());
+    answered.recv().await.unwrap();
+    let alone = tokio::time::timeout(Duration::from_secs(2), async {
+        while stats.completion_statements.load(Ordering::SeqCst) == 0 {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    })
+    .await;
+    gate.notify_one();
+    for id in &ids {
+        assert_eq!(until_terminal(&t, *id).await, RunState::Succeeded);
+    }
+    stop_tx.send(()).unwrap();
+    running.await.unwrap().unwrap();
+    assert!(alone.is_err(), "job 0 was completed before job 1 answered");
+    assert_eq!(stats.completion_statements.load(Ordering::SeqCst), 1);
+    assert_eq!(stats.completed.load(Ordering::SeqCst), 2);
+}
+
+/// The completion window never delays an answer when no other handler is
+/// left to answer: with a 60 s window and two slots, a lone job completes
+/// at once.
+async fn a_last_answer_is_not_held_by_the_completion_window(kind: Kind) {
+    let t = TestDb::new(kind).await;
+    let ids = accept(&t, 1).await;
+    let cfg = WorkerConfig {
+        concurrency: 2,
+        batch: 2,
+        completion_window: Duration::from_secs(60),
+        ..fast_config("lone")
+    };
+    let (_answered, stop_tx, running, stats) = gated_worker(&t, cfg, Arc::new(tokio::sync::Notify::new()));
+    let state = tokio::time::timeout(Duration::from_secs(20), until_terminal(&t, ids[0]))
+        .await
+        .expect("a lone answer is committed without waiting for the window");
+    assert_eq!(state, RunState::Succeeded);
+    stop_tx.send(()).unwrap();
+    running.await.unwrap().unwrap();
+    assert_eq!(stats.completed.load(Ordering::SeqCst), 1);
+}
+
 on_both_engines!(
     worker_completes_and_retries,
     lost_lease_and_cancellation_stop_the_handler,
@@ -669,4 +763,6 @@ on_both_engines!(
     router_kills_an_unknown_operation,
     a_run_dead_under_a_router_replays_under_the_same_router,
     a_handler_enqueues_one_follow_up_across_retries,
+    answers_of_one_claim_share_a_completion_statement,
+    a_last_answer_is_not_held_by_the_completion_window,
 );

