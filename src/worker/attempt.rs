@@ -69,6 +69,8 @@ impl Attempt {
             Ended::Done { outcome, signalled } => (outcome, signalled),
             Ended::Stopped => {
                 drop(work);
+                // It will not answer: no completion waits for it.
+                drop(slot);
                 self.release(&lease).await;
                 return;
             }
@@ -204,10 +206,14 @@ impl Attempt {
     async fn complete(&self, lease: &Lease, result: Value, slot: Slot) {
         let Slot { permit, answering } = slot;
         let (reply, answer) = oneshot::channel();
-        let sent = self
-            .completions
-            .send((lease.clone(), result, reply, Some(permit)))
-            .await;
+        let completion = Completion {
+            lease: lease.clone(),
+            result,
+            reply,
+            slot: Some(permit),
+            claim: answering.claim(),
+        };
+        let sent = self.completions.send(completion).await;
         drop(answering);
         let done = match sent {
             Ok(()) => answer

@@ -65,7 +65,10 @@ impl Attempt {
             Ended::Done { outcome, signalled } => (outcome, signalled),
             Ended::Stopped => {
                 drop(work);
-                join_all(members.iter().filter(|m| m.live()).map(|m| self.release(&m.lease))).await;
+                let live: Vec<Lease> = members.iter().filter(|m| m.live()).map(|m| m.lease.clone()).collect();
+                // They will not answer: no completion waits for them.
+                drop(members);
+                join_all(live.iter().map(|lease| self.release(lease))).await;
                 return;
             }
             // Returning drops the handler's future.

@@ -17,7 +17,7 @@ use tokio::task::{JoinHandle, JoinSet};
 use tokio_util::sync::CancellationToken;
 
 use super::attempt::Attempt;
-use super::completer::{Completer, Completion, Handoff, Slot, Unanswered};
+use super::completer::{Claim, Completer, Completion, Handoff, Slot};
 use super::{Handler, WorkerConfig, WorkerStats};
 use crate::error::{Error, Result};
 use crate::jobs::Claimed;
@@ -42,9 +42,8 @@ pub(super) struct ClaimLoop<H> {
     pub(super) handoff: mpsc::UnboundedReceiver<Handoff>,
     /// Notified when a completion's claim came back full (the queue is not empty).
     more_work: Arc<tokio::sync::Notify>,
-    /// The attempts still to answer (each spawned job counts until its
-    /// answer reaches the completer or it ends otherwise).
-    unanswered: Arc<Unanswered>,
+    /// Signalled whenever an attempt answers or ends (see [`Claim`]).
+    answered: Arc<tokio::sync::Notify>,
     pub(super) tasks: JoinSet<()>,
     backoff: ExponentialBackoff,
     next_queue: usize,
@@ -72,7 +71,7 @@ impl<H: Handler> ClaimLoop<H> {
         let (completions, completed) = mpsc::channel(cfg.concurrency.max(1));
         let (handoff_tx, handoff) = mpsc::unbounded_channel();
         let more_work = Arc::new(tokio::sync::Notify::new());
-        let unanswered = Arc::new(Unanswered::default());
+        let answered = Arc::new(tokio::sync::Notify::new());
         let completer = Completer {
             ferry: ferry.clone(),
             cfg: cfg.clone(),
@@ -80,7 +79,7 @@ impl<H: Handler> ClaimLoop<H> {
             soft: soft.clone(),
             handoff: handoff_tx,
             more_work: more_work.clone(),
-            unanswered: unanswered.clone(),
+            answered: answered.clone(),
         };
         let completer =
             tokio::spawn(completer.run(completed, cfg.concurrency.clamp(1, 500), cfg.completions_in_flight));
@@ -97,7 +96,7 @@ impl<H: Handler> ClaimLoop<H> {
             completions,
             handoff,
             more_work,
-            unanswered,
+            answered,
             tasks: JoinSet::new(),
             backoff: reconnect_backoff(),
             next_queue: 0,
@@ -249,8 +248,9 @@ impl<H: Handler> ClaimLoop<H> {
     ) {
         let mut batches: Vec<(usize, Vec<Claimed>, Vec<Slot>)> = Vec::new();
         // Fewer jobs than slots: the extra permits drop here.
+        let claim = Claim::new(&self.answered);
         for (job, permit) in claimed.into_iter().zip(permits) {
-            let slot = Slot::new(permit, &self.unanswered);
+            let slot = Slot::new(permit, &claim);
             let attempt = self.attempt(claim_sent);
             let handler = self.handler.clone();
             let Some(size) = handler.batch_size(&job.operation) else {

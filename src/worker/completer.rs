@@ -16,32 +16,50 @@ use crate::error::{Error, Result};
 use crate::jobs::{Claimed, Lease};
 use crate::Ferry;
 
-/// The attempts whose handlers have not answered yet, shared by the claim
-/// loop, the attempts and the completer: the completer waits for their
-/// answers (up to the completion window) so that answers that come together
-/// share one statement.
-#[derive(Debug, Default)]
-pub(super) struct Unanswered {
-    count: AtomicUsize,
-    answered: Notify,
+/// The jobs of one claim (one hand-off to the slots) whose attempts have
+/// not answered yet. A batch of completions waits, up to the completion
+/// window, while a job claimed with one of its members is still to answer:
+/// jobs claimed together tend to finish together, and then share one
+/// statement. Jobs of other claims never hold a batch.
+#[derive(Debug)]
+pub(super) struct Claim {
+    unanswered: AtomicUsize,
+    /// The worker's one signal that some attempt answered or ended.
+    answered: Arc<Notify>,
 }
 
-/// One attempt's place among the [`Unanswered`], given up when dropped:
-/// after its answer is in the completer's queue, or when the attempt ends
-/// any other way (failure, release, a lost lease, a panic).
+impl Claim {
+    /// A claim of no jobs yet, signalling `answered` as its jobs answer.
+    pub(super) fn new(answered: &Arc<Notify>) -> Arc<Claim> {
+        Arc::new(Claim {
+            unanswered: AtomicUsize::new(0),
+            answered: answered.clone(),
+        })
+    }
+
+    fn waiting(&self) -> bool {
+        self.unanswered.load(Ordering::SeqCst) > 0
+    }
+}
+
+/// One attempt's place among its claim's unanswered jobs, given up when
+/// dropped: right after its success is queued for the completer; before a
+/// failure or a release after shutdown's signal is recorded; at a stop
+/// after the grace period, before the release; and whenever the attempt
+/// ends otherwise (a lost lease, a batch member given up, a panic).
 #[derive(Debug)]
-pub(super) struct Answering(Arc<Unanswered>);
+pub(super) struct Answering(Arc<Claim>);
 
 impl Drop for Answering {
     fn drop(&mut self) {
-        self.0.count.fetch_sub(1, Ordering::SeqCst);
+        self.0.unanswered.fetch_sub(1, Ordering::SeqCst);
         self.0.answered.notify_one();
     }
 }
 
 /// A worker slot held by an attempt: its permit, which travels with a
 /// successful answer to the completer (the next job claimed there takes
-/// it), and the attempt's place among the unanswered.
+/// it), and the attempt's place among its claim's unanswered jobs.
 #[derive(Debug)]
 pub(super) struct Slot {
     pub(super) permit: OwnedSemaphorePermit,
@@ -49,20 +67,35 @@ pub(super) struct Slot {
 }
 
 impl Slot {
-    /// The slot of `permit`, for an attempt that has not answered yet.
-    pub(super) fn new(permit: OwnedSemaphorePermit, unanswered: &Arc<Unanswered>) -> Slot {
-        unanswered.count.fetch_add(1, Ordering::SeqCst);
+    /// The slot of `permit`, for a job of `claim` that has not answered yet.
+    pub(super) fn new(permit: OwnedSemaphorePermit, claim: &Arc<Claim>) -> Slot {
+        claim.unanswered.fetch_add(1, Ordering::SeqCst);
         Slot {
             permit,
-            answering: Answering(unanswered.clone()),
+            answering: Answering(claim.clone()),
         }
     }
 }
 
-/// A finished handler's result on its way to the completer, where to send
-/// the outcome, and the attempt's slot (given to the next job claimed with
-/// this completion, or back to the claim loop).
-pub(super) type Completion = (Lease, Value, oneshot::Sender<Result<()>>, Option<OwnedSemaphorePermit>);
+impl Answering {
+    /// The claim this attempt's job came with.
+    pub(super) fn claim(&self) -> Arc<Claim> {
+        self.0.clone()
+    }
+}
+
+/// A finished handler's result on its way to the completer.
+pub(super) struct Completion {
+    pub(super) lease: Lease,
+    pub(super) result: Value,
+    /// Where the outcome goes.
+    pub(super) reply: oneshot::Sender<Result<()>>,
+    /// The attempt's slot: given to the next job claimed with this
+    /// completion, or back to the claim loop.
+    pub(super) slot: Option<OwnedSemaphorePermit>,
+    /// The claim the job came with (its other jobs may still answer).
+    pub(super) claim: Arc<Claim>,
+}
 
 /// Jobs claimed with a batch of completions, each with its slot, and when
 /// the claim was sent.
@@ -80,9 +113,9 @@ pub(super) struct Completer {
     /// or empty (the queue may be limited), so an idle claim loop polls
     /// again at once.
     pub(super) more_work: Arc<Notify>,
-    /// The attempts still to answer: a batch waits for them up to
-    /// `cfg.completion_window`.
-    pub(super) unanswered: Arc<Unanswered>,
+    /// Signalled whenever an attempt answers or ends: a batch waiting for
+    /// the rest of its claims looks again.
+    pub(super) answered: Arc<Notify>,
 }
 
 impl Completer {
@@ -118,9 +151,10 @@ impl Completer {
         let _ = free.acquire_many(in_flight as u32).await;
     }
 
-    /// Adds to `batch` what is queued, then, while handlers are still to
-    /// answer, what they answer within the completion window, up to
-    /// `max_batch`.
+    /// Adds to `batch` what is queued, then, while a job claimed with one of
+    /// its members is still to answer, what is answered within the
+    /// completion window, up to `max_batch`. Never waits once shutdown is
+    /// signalled.
     async fn gather(&self, rx: &mut mpsc::Receiver<Completion>, batch: &mut Vec<Completion>, max_batch: usize) {
         let window = self.cfg.completion_window;
         let until = tokio::time::Instant::now() + window;
@@ -131,7 +165,11 @@ impl Completer {
                     Err(_) => break,
                 }
             }
-            if window.is_zero() || batch.len() >= max_batch || self.unanswered.count.load(Ordering::SeqCst) == 0 {
+            if window.is_zero()
+                || batch.len() >= max_batch
+                || self.soft.is_cancelled()
+                || !batch.iter().any(|c| c.claim.waiting())
+            {
                 return;
             }
             tokio::select! {
@@ -139,8 +177,8 @@ impl Completer {
                     Some(item) => batch.push(item),
                     None => return,
                 },
-                // An attempt answered or ended: count again.
-                () = self.unanswered.answered.notified() => {}
+                // An attempt answered or ended: look again.
+                () = self.answered.notified() => {}
                 () = tokio::time::sleep_until(until) => return,
             }
         }
@@ -149,8 +187,8 @@ impl Completer {
     /// Completes one batch and claims for its slots; replies to each attempt.
     async fn commit(&self, mut batch: Vec<Completion>, queue: &str) {
         {
-            let mut slots: Vec<OwnedSemaphorePermit> = batch.iter_mut().filter_map(|c| c.3.take()).collect();
-            let items: Vec<(Lease, Value)> = batch.iter().map(|(l, v, _, _)| (l.clone(), v.clone())).collect();
+            let mut slots: Vec<OwnedSemaphorePermit> = batch.iter_mut().filter_map(|c| c.slot.take()).collect();
+            let items: Vec<(Lease, Value)> = batch.iter().map(|c| (c.lease.clone(), c.result.clone())).collect();
             let want = if self.soft.is_cancelled() {
                 0
             } else {
@@ -203,15 +241,18 @@ impl Completer {
                         slots = rest;
                     }
                     drop(slots);
-                    for ((_, _, reply, _), r) in batch.into_iter().zip(results) {
-                        let _ = reply.send(r);
+                    for (c, r) in batch.into_iter().zip(results) {
+                        let _ = c.reply.send(r);
                     }
                 }
                 Err(e) => {
                     drop(slots);
                     tracing::warn!(error = %e, code = e.code(), size = items.len(), "batch completion failed; completing one by one");
-                    for (lease, value, reply, _) in batch {
-                        let one = (|| async { self.ferry.jobs().complete(&lease, &value).await })
+                    for Completion {
+                        lease, result, reply, ..
+                    } in batch
+                    {
+                        let one = (|| async { self.ferry.jobs().complete(&lease, &result).await })
                             .retry(ExponentialBuilder::default().with_max_times(5))
                             .when(Error::is_transient)
                             .await;

@@ -19,11 +19,16 @@ pub struct WorkerConfig {
     /// How long the loop waits for more free slots before a claim, so claims
     /// and completions batch under load (default 2 ms).
     pub claim_window: Duration,
-    /// How long the completer waits for the answers of handlers still
-    /// running before it commits a batch of completions (default 1 ms), so
-    /// that jobs claimed together and finishing together share one
-    /// statement. It never waits once no handler is left to answer (a lone
-    /// job is not delayed) or the batch is full; zero turns the wait off.
+    /// How long the completer waits, before it commits a batch of
+    /// completions, for the answers of jobs claimed together with the
+    /// batch's jobs (default 1 ms), so that jobs claimed together and
+    /// finishing together share one statement. It never waits once every
+    /// job of those claims has answered or ended (a lone job is not
+    /// delayed), once the batch holds `concurrency` completions (at most
+    /// 500), or after shutdown is signalled; zero turns the wait off. Jobs
+    /// of other claims, however long they run, never hold a batch. Must be
+    /// shorter than a third of `lease`: a finished job's lease is not
+    /// renewed while its completion waits.
     pub completion_window: Duration,
     /// Complete-and-claim statements the worker runs at once (default 1;
     /// more made small batches that competed for the CPU in the measurements):

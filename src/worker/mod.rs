@@ -125,12 +125,20 @@ impl<H: Handler> Worker<H> {
     /// attempts, waits up to the grace period, and releases (compare-and-set)
     /// only the jobs it still owns. Anything else is recovered by lease expiry.
     ///
-    /// Fails at once with [`Error::Config`] without a queue or a slot, or
+    /// Fails at once with [`Error::Config`] without a queue or a slot, when
+    /// the completion window is not shorter than a third of the lease (a
+    /// finished job's lease is not renewed while its completion waits), or
     /// when a queue name breaks the limits.
     pub async fn run(self, shutdown: impl Future<Output = ()> + Send) -> Result<()> {
         let cfg = Arc::new(self.config);
         if cfg.queues.is_empty() || cfg.concurrency == 0 {
             return Err(Error::Config("a worker needs at least one queue and one slot".into()));
+        }
+        if cfg.completion_window.checked_mul(3).is_none_or(|w| w >= cfg.lease) {
+            return Err(Error::Config(format!(
+                "completion_window ({:?}) must be shorter than a third of the lease ({:?})",
+                cfg.completion_window, cfg.lease
+            )));
         }
         for q in &cfg.queues {
             self.ferry.limits().name("queue", q)?;

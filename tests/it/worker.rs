@@ -1,7 +1,7 @@
 //! The worker runtime on both engines: retries, lease loss, cancellation at
 //! renew, graceful shutdown that releases only jobs it still owns, and
-//! dispatch by operation with typed commands (`Router`), and answers of
-//! one claim sharing one completion statement.
+//! dispatch by operation with typed commands (`Router`); answers of one
+//! claim share one completion statement.
 
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -709,6 +709,7 @@ async fn answers_of_one_claim_share_a_completion_statement(kind: Kind) {
         concurrency: 2,
         batch: 2,
         completion_window: Duration::from_secs(60),
+        lease: Duration::from_secs(600),
         ..fast_config("sharer")
     };
     let (mut answered, stop_tx, running, stats) = gated_worker(&t, cfg, gate.clone());
@@ -740,6 +741,7 @@ async fn a_last_answer_is_not_held_by_the_completion_window(kind: Kind) {
         concurrency: 2,
         batch: 2,
         completion_window: Duration::from_secs(60),
+        lease: Duration::from_secs(600),
         ..fast_config("lone")
     };
     let (_answered, stop_tx, running, stats) = gated_worker(&t, cfg, Arc::new(tokio::sync::Notify::new()));
@@ -750,6 +752,69 @@ async fn a_last_answer_is_not_held_by_the_completion_window(kind: Kind) {
     stop_tx.send(()).unwrap();
     running.await.unwrap().unwrap();
     assert_eq!(stats.completed.load(Ordering::SeqCst), 1);
+}
+
+/// A job that fails does not hold the completion of a job claimed with it:
+/// job 1 fails for good at once, and job 0 answers only after job 1's run is
+/// dead; with a 60 s window, job 0 still completes at once.
+async fn a_failed_job_does_not_hold_its_claim_s_completions(kind: Kind) {
+    let t = TestDb::new(kind).await;
+    let ids = accept(&t, 2).await;
+    let gate = Arc::new(tokio::sync::Notify::new());
+    let g = gate.clone();
+    let cfg = WorkerConfig {
+        concurrency: 2,
+        batch: 2,
+        completion_window: Duration::from_secs(60),
+        lease: Duration::from_secs(600),
+        ..fast_config("failer")
+    };
+    let worker = Worker::new(t.ferry.clone(), cfg, move |job: Claimed, _ctx: JobContext| {
+        let g = g.clone();
+        async move {
+            if job.request["i"] == 1 {
+                return Err(JobError::terminal("refused"));
+            }
+            g.notified().await;
+            Ok(json!({}))
+        }
+    });
+    let stats = worker.stats();
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let running = tokio::spawn(worker.run(async move {
+        let _ = stop_rx.await;
+    }));
+    assert_eq!(until_terminal(&t, ids[1]).await, RunState::Failed);
+    gate.notify_one();
+    let state = tokio::time::timeout(Duration::from_secs(20), until_terminal(&t, ids[0]))
+        .await
+        .expect("the completion does not wait for a job that already failed");
+    assert_eq!(state, RunState::Succeeded);
+    stop_tx.send(()).unwrap();
+    running.await.unwrap().unwrap();
+    assert_eq!(stats.completed.load(Ordering::SeqCst), 1);
+}
+
+/// A completion window of a third of the lease or more is refused before
+/// anything is claimed: a finished job's lease is not renewed while its
+/// completion waits.
+async fn a_completion_window_near_the_lease_is_refused(kind: Kind) {
+    let t = TestDb::new(kind).await;
+    let ids = accept(&t, 1).await;
+    for window in [Duration::from_secs(10), Duration::MAX] {
+        let cfg = WorkerConfig {
+            completion_window: window,
+            lease: Duration::from_secs(30),
+            ..fast_config("refused")
+        };
+        let worker = Worker::new(t.ferry.clone(), cfg, |_job: Claimed, _ctx: JobContext| async {
+            Ok(json!({}))
+        });
+        let err = worker.run(std::future::pending()).await.unwrap_err();
+        assert_eq!(err.code(), "config", "{err}");
+        assert!(err.to_string().contains("completion_window"), "{err}");
+    }
+    assert_eq!(t.ferry.get_run("acme", ids[0]).await.unwrap().state, RunState::Queued);
 }
 
 on_both_engines!(
@@ -765,4 +830,6 @@ on_both_engines!(
     a_handler_enqueues_one_follow_up_across_retries,
     answers_of_one_claim_share_a_completion_statement,
     a_last_answer_is_not_held_by_the_completion_window,
+    a_failed_job_does_not_hold_its_claim_s_completions,
+    a_completion_window_near_the_lease_is_refused,
 );
