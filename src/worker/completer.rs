@@ -151,10 +151,10 @@ impl Completer {
         let _ = free.acquire_many(in_flight as u32).await;
     }
 
-    /// Adds to `batch` what is queued, then, while a job claimed with one of
-    /// its members is still to answer, what is answered within the
-    /// completion window, up to `max_batch`. Never waits once shutdown is
-    /// signalled.
+    /// Adds to `batch` what is queued (up to `max_batch`), then, while a job
+    /// claimed with one of its members is still to answer and the batch is
+    /// smaller than the claim size `cfg.batch`, what is answered within the
+    /// completion window. Never waits once shutdown is signalled.
     async fn gather(&self, rx: &mut mpsc::Receiver<Completion>, batch: &mut Vec<Completion>, max_batch: usize) {
         let window = self.cfg.completion_window;
         let until = tokio::time::Instant::now() + window;
@@ -165,8 +165,10 @@ impl Completer {
                     Err(_) => break,
                 }
             }
+            // A statement claims at most `batch` jobs again: waiting for
+            // more completions than that only idles the database.
             if window.is_zero()
-                || batch.len() >= max_batch
+                || batch.len() >= max_batch.min(self.cfg.batch.max(1) as usize)
                 || self.soft.is_cancelled()
                 || !batch.iter().any(|c| c.claim.waiting())
             {

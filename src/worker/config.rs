@@ -24,8 +24,9 @@ pub struct WorkerConfig {
     /// batch's jobs (default 1 ms), so that jobs claimed together and
     /// finishing together share one statement. It never waits once every
     /// job of those claims has answered or ended (a lone job is not
-    /// delayed), once the batch holds `concurrency` completions (at most
-    /// 500), or after shutdown is signalled; zero turns the wait off. Jobs
+    /// delayed), once the batch holds `batch` completions (the most one
+    /// statement claims again), or after shutdown is signalled; zero turns
+    /// the wait off. Jobs
     /// of other claims, however long they run, never hold a batch. Must be
     /// shorter than a third of `lease`: a finished job's lease is not
     /// renewed while its completion waits.
