@@ -659,6 +659,18 @@ async fn router_kills_an_unknown_operation(kind: Kind) {
     assert_dies_at_once(kind, "chargeback", request, "unknown_operation").await;
 }
 
+/// Two slots claimed together, a 60 s completion window (a completion waits
+/// for the other job of its claim), and a lease long enough for it.
+fn waiting_config(owner: &str) -> WorkerConfig {
+    WorkerConfig {
+        concurrency: 2,
+        batch: 2,
+        completion_window: Duration::from_secs(60),
+        lease: Duration::from_secs(600),
+        ..fast_config(owner)
+    }
+}
+
 /// Runs a worker of `cfg` with a handler that answers job `i` = 0 at once
 /// (saying so on the returned channel) and job 1 only when `gate` is
 /// notified; returns the stop sender, the running worker and its counters.
@@ -705,13 +717,7 @@ async fn answers_of_one_claim_share_a_completion_statement(kind: Kind) {
     let t = TestDb::new(kind).await;
     let ids = accept(&t, 2).await;
     let gate = Arc::new(tokio::sync::Notify::new());
-    let cfg = WorkerConfig {
-        concurrency: 2,
-        batch: 2,
-        completion_window: Duration::from_secs(60),
-        lease: Duration::from_secs(600),
-        ..fast_config("sharer")
-    };
+    let cfg = waiting_config("sharer");
     let (mut answered, stop_tx, running, stats) = gated_worker(&t, cfg, gate.clone());
     answered.recv().await.unwrap();
     let alone = tokio::time::timeout(Duration::from_secs(2), async {
@@ -737,13 +743,7 @@ async fn answers_of_one_claim_share_a_completion_statement(kind: Kind) {
 async fn a_last_answer_is_not_held_by_the_completion_window(kind: Kind) {
     let t = TestDb::new(kind).await;
     let ids = accept(&t, 1).await;
-    let cfg = WorkerConfig {
-        concurrency: 2,
-        batch: 2,
-        completion_window: Duration::from_secs(60),
-        lease: Duration::from_secs(600),
-        ..fast_config("lone")
-    };
+    let cfg = waiting_config("lone");
     let (_answered, stop_tx, running, stats) = gated_worker(&t, cfg, Arc::new(tokio::sync::Notify::new()));
     let state = tokio::time::timeout(Duration::from_secs(20), until_terminal(&t, ids[0]))
         .await
@@ -762,13 +762,7 @@ async fn a_failed_job_does_not_hold_its_claim_s_completions(kind: Kind) {
     let ids = accept(&t, 2).await;
     let gate = Arc::new(tokio::sync::Notify::new());
     let g = gate.clone();
-    let cfg = WorkerConfig {
-        concurrency: 2,
-        batch: 2,
-        completion_window: Duration::from_secs(60),
-        lease: Duration::from_secs(600),
-        ..fast_config("failer")
-    };
+    let cfg = waiting_config("failer");
     let worker = Worker::new(t.ferry.clone(), cfg, move |job: Claimed, _ctx: JobContext| {
         let g = g.clone();
         async move {
