@@ -5,7 +5,6 @@ use std::future::Future;
 use std::pin::Pin;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
 
 use backon::{ExponentialBuilder, Retryable};
 use rand::rngs::StdRng;
@@ -118,7 +117,7 @@ impl Attempt {
     where
         F: Future<Output = std::result::Result<Value, JobError>>,
     {
-        let every = self.renew_period();
+        let every = self.cfg.renew_period();
         let mut renew = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
         // The renewal in flight runs beside the handler, never instead of it:
         // a handler paused inside a transaction that holds the job row would
@@ -172,15 +171,6 @@ impl Attempt {
             Some(outcome) => Ended::Done { outcome, signalled },
             None => Ended::Stopped,
         }
-    }
-
-    /// How often the lease is renewed: `renew_every`, or a third of the
-    /// lease, at least 1 ms.
-    pub(super) fn renew_period(&self) -> Duration {
-        self.cfg
-            .renew_every
-            .unwrap_or(self.cfg.lease / 3)
-            .max(Duration::from_millis(1))
     }
 
     /// One renewal of `lease`, sent now; it resolves to `None` if it is

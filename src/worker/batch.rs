@@ -93,7 +93,7 @@ impl Attempt {
     where
         F: Future<Output = Answers>,
     {
-        let every = self.renew_period();
+        let every = self.cfg.renew_period();
         let mut renew = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
         let mut renewing = None;
         let mut signalled = false;

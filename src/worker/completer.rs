@@ -120,9 +120,11 @@ pub(super) struct Completer {
 
 impl Completer {
     /// Completes finished jobs in batches: whatever queued up while the
-    /// previous commit ran goes into the next one, so completions share
-    /// commits under load without delaying a lone job. Each batch claims up
-    /// to one job per slot it frees, in the same commit.
+    /// previous commit ran goes into the next one, and jobs claimed together
+    /// with the batch's jobs that are still running are waited for up to the
+    /// completion window (`gather`), so completions share commits without
+    /// delaying a job whose claim has nothing left to answer. Each batch
+    /// claims up to one job per slot it frees, in the same commit.
     ///
     /// Up to `in_flight` statements run at once: a batch starts as soon as
     /// one is free, so a worker with few slots does not wait for one commit
@@ -181,6 +183,7 @@ impl Completer {
                 },
                 // An attempt answered or ended: look again.
                 () = self.answered.notified() => {}
+                () = self.soft.cancelled() => return,
                 () = tokio::time::sleep_until(until) => return,
             }
         }

@@ -25,11 +25,12 @@ pub struct WorkerConfig {
     /// finishing together share one statement. It never waits once every
     /// job of those claims has answered or ended (a lone job is not
     /// delayed), once the batch holds `batch` completions (the most one
-    /// statement claims again), or after shutdown is signalled; zero turns
-    /// the wait off. Jobs
-    /// of other claims, however long they run, never hold a batch. Must be
-    /// shorter than a third of `lease`: a finished job's lease is not
-    /// renewed while its completion waits.
+    /// statement claims again), or once shutdown is signalled; zero turns
+    /// the wait off. Jobs of other claims, however long they run, never hold
+    /// a batch. A non-zero window must be shorter than half of the lease
+    /// left after a renewal period (`(lease - renew period) / 2`: 10 s with
+    /// the defaults): a finished job's lease is not renewed while its
+    /// completion waits.
     pub completion_window: Duration,
     /// Complete-and-claim statements the worker runs at once (default 1;
     /// more made small batches that competed for the CPU in the measurements):
@@ -52,6 +53,14 @@ pub struct WorkerConfig {
     pub owner: String,
     /// Seed of the jitter RNG (random when `None`).
     pub rng_seed: Option<u64>,
+}
+
+impl WorkerConfig {
+    /// The renewal period in use: `renew_every`, else a third of the lease,
+    /// and at least 1 ms.
+    pub(crate) fn renew_period(&self) -> Duration {
+        self.renew_every.unwrap_or(self.lease / 3).max(Duration::from_millis(1))
+    }
 }
 
 impl Default for WorkerConfig {

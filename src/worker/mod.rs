@@ -126,7 +126,8 @@ impl<H: Handler> Worker<H> {
     /// only the jobs it still owns. Anything else is recovered by lease expiry.
     ///
     /// Fails at once with [`Error::Config`] without a queue or a slot, when
-    /// the completion window is not shorter than a third of the lease (a
+    /// a non-zero completion window is not shorter than half of the lease
+    /// left after a renewal period (a third of the lease by default: a
     /// finished job's lease is not renewed while its completion waits), or
     /// when a queue name breaks the limits.
     pub async fn run(self, shutdown: impl Future<Output = ()> + Send) -> Result<()> {
@@ -134,10 +135,14 @@ impl<H: Handler> Worker<H> {
         if cfg.queues.is_empty() || cfg.concurrency == 0 {
             return Err(Error::Config("a worker needs at least one queue and one slot".into()));
         }
-        if cfg.completion_window.checked_mul(3).is_none_or(|w| w >= cfg.lease) {
+        // A finished job's lease has at least `lease - renew period` left,
+        // and it is not renewed while its completion waits: the window must
+        // leave half of that for the statement itself.
+        let room = cfg.lease.saturating_sub(cfg.renew_period()) / 2;
+        if !cfg.completion_window.is_zero() && cfg.completion_window >= room {
             return Err(Error::Config(format!(
-                "completion_window ({:?}) must be shorter than a third of the lease ({:?})",
-                cfg.completion_window, cfg.lease
+                "completion_window ({:?}) must be shorter than half of the lease left after a renewal period ({:?})",
+                cfg.completion_window, room
             )));
         }
         for q in &cfg.queues {

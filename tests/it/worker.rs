@@ -659,26 +659,16 @@ async fn router_kills_an_unknown_operation(kind: Kind) {
     assert_dies_at_once(kind, "chargeback", request, "unknown_operation").await;
 }
 
-/// Two slots claimed together, a 60 s completion window (a completion waits
-/// for the other job of its claim), and a lease long enough for it.
-fn waiting_config(owner: &str) -> WorkerConfig {
-    WorkerConfig {
-        concurrency: 2,
-        batch: 2,
-        completion_window: Duration::from_secs(60),
-        lease: Duration::from_secs(600),
-        ..fast_config(owner)
-    }
-}
-
-/// Runs a worker of `cfg` with a handler that answers job `i` = 0 at once
-/// (saying so on the returned channel) and job 1 only when `gate` is
-/// notified; returns the stop sender, the running worker and its counters.
+/// Runs a worker of `cfg` whose handler answers job `i` = 0 at once (saying
+/// so on the returned channel) and job 1 only when `gate` is notified:
+/// successfully, or with a terminal error if `fail` is set. Returns that
+/// channel, the stop sender, the running worker and its counters.
 #[allow(clippy::type_complexity)]
 fn gated_worker(
     t: &TestDb,
     cfg: WorkerConfig,
     gate: Arc<tokio::sync::Notify>,
+    fail: bool,
 ) -> (
     mpsc::UnboundedReceiver<()>,
     tokio::sync::oneshot::Sender<()>,
@@ -690,10 +680,13 @@ fn gated_worker(
         let gate = gate.clone();
         let answered_tx = answered_tx.clone();
         async move {
-            if job.request["i"] == 1 {
-                gate.notified().await;
-            } else {
+            if job.request["i"] != 1 {
                 let _ = answered_tx.send(());
+                return Ok(json!({}));
+            }
+            gate.notified().await;
+            if fail {
+                return Err(JobError::terminal("refused"));
             }
             Ok(json!({}))
         }
@@ -706,19 +699,53 @@ fn gated_worker(
     (answered, stop_tx, running, stats)
 }
 
+/// Two slots claimed together, a 60 s completion window (a completion waits
+/// for the other job of its claim), and a lease long enough for it.
+fn waiting_config(owner: &str) -> WorkerConfig {
+    WorkerConfig {
+        concurrency: 2,
+        batch: 2,
+        completion_window: Duration::from_secs(60),
+        lease: Duration::from_secs(600),
+        ..fast_config(owner)
+    }
+}
+
+/// Waits (bounded by 20 s, a third of the window) until run `id` is
+/// `state`, stops the worker, and checks how many jobs it completed.
+async fn ends_soon(
+    t: &TestDb,
+    id: uuid::Uuid,
+    state: RunState,
+    (stop_tx, running, stats): (
+        tokio::sync::oneshot::Sender<()>,
+        tokio::task::JoinHandle<ferry::Result<()>>,
+        Arc<WorkerStats>,
+    ),
+    completed: u64,
+) {
+    let ended = tokio::time::timeout(Duration::from_secs(20), until_terminal(t, id))
+        .await
+        .expect("the completion is committed without waiting for the window");
+    assert_eq!(ended, state);
+    stop_tx.send(()).unwrap();
+    running.await.unwrap().unwrap();
+    assert_eq!(stats.completed.load(Ordering::SeqCst), completed);
+}
+
 /// Jobs claimed together whose handlers answer at different moments share
-/// one completion statement: while a handler of the worker is still to
-/// answer, the completer waits for it (up to the completion window, 60 s
-/// here). Job 0 answers at once; job 1 is let go after the first completion
-/// statement, or after two seconds if none came. The two seconds are not a
-/// synchronisation: they give a completer that does not wait the time to
-/// commit job 0 alone, which makes two statements and fails the test.
+/// one completion statement: while a job claimed with a batch's job is
+/// still to answer, the completer waits for it (up to the completion
+/// window, 60 s here). Job 0 answers at once; job 1 is let go after the
+/// first completion statement, or after two seconds if none came. The two
+/// seconds are not a synchronisation: they give a completer that does not
+/// wait the time to commit job 0 alone, which makes two statements and
+/// fails the test.
 async fn answers_of_one_claim_share_a_completion_statement(kind: Kind) {
     let t = TestDb::new(kind).await;
     let ids = accept(&t, 2).await;
     let gate = Arc::new(tokio::sync::Notify::new());
-    let cfg = waiting_config("sharer");
-    let (mut answered, stop_tx, running, stats) = gated_worker(&t, cfg, gate.clone());
+    let (mut answered, stop_tx, running, stats) = gated_worker(&t, waiting_config("sharer"), gate.clone(), false);
     answered.recv().await.unwrap();
     let alone = tokio::time::timeout(Duration::from_secs(2), async {
         while stats.completion_statements.load(Ordering::SeqCst) == 0 {
@@ -743,62 +770,65 @@ async fn answers_of_one_claim_share_a_completion_statement(kind: Kind) {
 async fn a_last_answer_is_not_held_by_the_completion_window(kind: Kind) {
     let t = TestDb::new(kind).await;
     let ids = accept(&t, 1).await;
-    let cfg = waiting_config("lone");
-    let (_answered, stop_tx, running, stats) = gated_worker(&t, cfg, Arc::new(tokio::sync::Notify::new()));
-    let state = tokio::time::timeout(Duration::from_secs(20), until_terminal(&t, ids[0]))
-        .await
-        .expect("a lone answer is committed without waiting for the window");
-    assert_eq!(state, RunState::Succeeded);
-    stop_tx.send(()).unwrap();
-    running.await.unwrap().unwrap();
-    assert_eq!(stats.completed.load(Ordering::SeqCst), 1);
+    let gate = Arc::new(tokio::sync::Notify::new());
+    let (_answered, stop_tx, running, stats) = gated_worker(&t, waiting_config("lone"), gate, false);
+    ends_soon(&t, ids[0], RunState::Succeeded, (stop_tx, running, stats), 1).await;
 }
 
-/// A job that fails does not hold the completion of a job claimed with it:
-/// job 1 fails for good at once, and job 0 answers only after job 1's run is
-/// dead; with a 60 s window, job 0 still completes at once.
-async fn a_failed_job_does_not_hold_its_claim_s_completions(kind: Kind) {
+/// A job that ends without a completion lets the waiting completions of its
+/// claim go: job 0 answers and its completion waits for job 1 (60 s window);
+/// job 1 then fails for good, and job 0 is committed at once.
+async fn a_failed_job_lets_its_claim_s_completions_go(kind: Kind) {
     let t = TestDb::new(kind).await;
     let ids = accept(&t, 2).await;
     let gate = Arc::new(tokio::sync::Notify::new());
-    let g = gate.clone();
-    let cfg = waiting_config("failer");
-    let worker = Worker::new(t.ferry.clone(), cfg, move |job: Claimed, _ctx: JobContext| {
-        let g = g.clone();
-        async move {
-            if job.request["i"] == 1 {
-                return Err(JobError::terminal("refused"));
-            }
-            g.notified().await;
-            Ok(json!({}))
-        }
-    });
-    let stats = worker.stats();
-    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
-    let running = tokio::spawn(worker.run(async move {
-        let _ = stop_rx.await;
-    }));
-    assert_eq!(until_terminal(&t, ids[1]).await, RunState::Failed);
+    let (mut answered, stop_tx, running, stats) = gated_worker(&t, waiting_config("failer"), gate.clone(), true);
+    answered.recv().await.unwrap();
     gate.notify_one();
-    let state = tokio::time::timeout(Duration::from_secs(20), until_terminal(&t, ids[0]))
-        .await
-        .expect("the completion does not wait for a job that already failed");
-    assert_eq!(state, RunState::Succeeded);
-    stop_tx.send(()).unwrap();
-    running.await.unwrap().unwrap();
-    assert_eq!(stats.completed.load(Ordering::SeqCst), 1);
+    assert_eq!(until_terminal(&t, ids[1]).await, RunState::Failed);
+    ends_soon(&t, ids[0], RunState::Succeeded, (stop_tx, running, stats), 1).await;
 }
 
-/// A completion window of a third of the lease or more is refused before
-/// anything is claimed: a finished job's lease is not renewed while its
-/// completion waits.
+/// Jobs of another claim never hold a completion: job 1 is claimed first and
+/// stays running (gated); job 0, accepted after it, comes in a claim of its
+/// own and is committed at once despite the 60 s window.
+async fn a_running_job_of_another_claim_does_not_hold_a_completion(kind: Kind) {
+    let t = TestDb::new(kind).await;
+    let first = NewRun::new("acme", "work", "k-1", json!({"i": 1})).queue("q");
+    let held = t.ferry.create_run_idempotent(first).await.unwrap().run.run_id;
+    let gate = Arc::new(tokio::sync::Notify::new());
+    let (_answered, stop_tx, running, stats) = gated_worker(&t, waiting_config("other"), gate.clone(), false);
+    tokio::time::timeout(Duration::from_secs(20), async {
+        while t.scalar("SELECT count(*) FROM jobs WHERE state = 'leased'").await == 0 {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    })
+    .await
+    .expect("job 1 is claimed");
+    let second = NewRun::new("acme", "work", "k-0", json!({"i": 0})).queue("q");
+    let id = t.ferry.create_run_idempotent(second).await.unwrap().run.run_id;
+    let ended = tokio::time::timeout(Duration::from_secs(20), until_terminal(&t, id))
+        .await
+        .expect("job 0 is committed while job 1 of the other claim still runs");
+    assert_eq!(ended, RunState::Succeeded);
+    assert_eq!(t.ferry.get_run("acme", held).await.unwrap().state, RunState::Queued);
+    gate.notify_one();
+    ends_soon(&t, held, RunState::Succeeded, (stop_tx, running, stats), 2).await;
+}
+
+/// A completion window of half the lease left after a renewal period or
+/// more is refused before anything is claimed (a finished job's lease is not
+/// renewed while its completion waits); a zero window is always accepted.
 async fn a_completion_window_near_the_lease_is_refused(kind: Kind) {
     let t = TestDb::new(kind).await;
     let ids = accept(&t, 1).await;
-    for window in [Duration::from_secs(10), Duration::MAX] {
+    let s = Duration::from_secs;
+    // The defaults leave (30 - 10) / 2 = 10 s; a 27 s renewal period 1.5 s.
+    for (window, renew_every) in [(s(10), None), (Duration::MAX, None), (s(2), Some(s(27)))] {
         let cfg = WorkerConfig {
             completion_window: window,
-            lease: Duration::from_secs(30),
+            lease: s(30),
+            renew_every,
             ..fast_config("refused")
         };
         let worker = Worker::new(t.ferry.clone(), cfg, |_job: Claimed, _ctx: JobContext| async {
@@ -824,6 +854,7 @@ on_both_engines!(
     a_handler_enqueues_one_follow_up_across_retries,
     answers_of_one_claim_share_a_completion_statement,
     a_last_answer_is_not_held_by_the_completion_window,
-    a_failed_job_does_not_hold_its_claim_s_completions,
+    a_failed_job_lets_its_claim_s_completions_go,
+    a_running_job_of_another_claim_does_not_hold_a_completion,
     a_completion_window_near_the_lease_is_refused,
 );
