@@ -3,13 +3,13 @@
 (issue #21, BENCHMARKS.md "Jobs beside both peers, and the completion window
 (stop 28)"): on a fresh database migrated from migrations/postgres, seeds
 20,000 runs (2,000 of their jobs leased by `w` with their attempts open,
-18,000 queued and due), then completes the leases 16 at a time with the
-statement rendered by render.py, claiming 16 more each time, 100 statements
-per mode, each autocommitted through psql, and prints the milliseconds per
+18,000 queued and due), then completes all the leases `--batch` (16) at a
+time with the statement rendered by render.py, claiming as many more each
+time (2,000 / batch statements per mode), each autocommitted through psql, and prints the milliseconds per
 statement. `plan_cache_mode` is `auto` (PostgreSQL keeps planning this
 statement anew: a custom plan each time) or `force_generic_plan`.
 
-    scripts/explain/plan-modes.py [--rounds 2]
+    scripts/explain/plan-modes.py [--rounds 2] [--batch 16]
 
 DATABASE_URL names the cluster; a database `ferry_plan_modes` is created
 and dropped.
@@ -44,7 +44,7 @@ INSERT INTO job_attempts (tenant, run_id, attempt, generation, worker, claimed_a
 SELECT tenant, run_id, 1, 1, 'w', created_at FROM jobs WHERE state = 'leased';
 VACUUM ANALYZE;
 CREATE TABLE leases AS
-SELECT (row_number() OVER (ORDER BY run_id) - 1) / 16 AS b, tenant, run_id FROM jobs WHERE state = 'leased';
+SELECT (row_number() OVER (ORDER BY run_id) - 1) / :batch AS b, tenant, run_id FROM jobs WHERE state = 'leased';
 """
 
 
@@ -52,14 +52,14 @@ def psql(url, *args, inp=None):
     return subprocess.run(["psql", url, "-qAt", *args], input=inp, capture_output=True, text=True, check=False)
 
 
-def one(statement, mode):
+def one(statement, mode, batch):
     psql(BASE, "-c", f"DROP DATABASE IF EXISTS {DB} WITH (FORCE)")
     psql(BASE, "-c", f"CREATE DATABASE {DB}")
     for f in sorted(glob.glob(f"{ROOT}/migrations/postgres/*.sql")):
         psql(URL, "-v", "ON_ERROR_STOP=1", "-f", f)
-    psql(URL, inp=SEED)
+    psql(URL, "-v", f"batch={batch}", inp=SEED)
     rows = psql(URL, "-F", "|", "-c",
-                "SELECT b, array_agg(tenant)::text, array_agg(run_id)::text FROM leases GROUP BY b ORDER BY b LIMIT 100")
+                "SELECT b, array_agg(tenant)::text, array_agg(run_id)::text FROM leases GROUP BY b ORDER BY b LIMIT %d" % (2000 // batch))
     lines = [
         "PREPARE cac(text[], uuid[], text[], bigint[], jsonb[], int[], bigint, text, text, int, text, bigint) AS",
         statement, ";", f"SET plan_cache_mode = {mode};", "SELECT clock_timestamp() AS t0 \\gset",
@@ -69,9 +69,9 @@ def one(statement, mode):
         n = len(tenants.strip("{}").split(","))
         arr = lambda v: "{" + ",".join([v] * n) + "}"  # noqa: E731
         jsons = "{" + ",".join(['"{}"'] * n) + "}"
-        lines.append("EXECUTE cac('%s', '%s', '%s', '%s', '%s', '%s', NULL, 'ferry.run-events', 'q', 16, 'w2', 30000)"
-                     " \\g /dev/null" % (tenants, ids, arr("w"), arr("1"), jsons, arr("1")))
-    lines.append("SELECT round(extract(epoch FROM clock_timestamp() - :'t0'::timestamptz) * 1000 / 100, 2),"
+        lines.append("EXECUTE cac('%s', '%s', '%s', '%s', '%s', '%s', NULL, 'ferry.run-events', 'q', %d, 'w2', 30000)"
+                     " \\g /dev/null" % (tenants, ids, arr("w"), arr("1"), jsons, arr("1"), batch))
+    lines.append("SELECT round(extract(epoch FROM clock_timestamp() - :'t0'::timestamptz) * 1000 / %d, 2)," % (2000 // batch) +
                  " (SELECT count(*) FROM jobs WHERE state = 'succeeded');")
     out = psql(URL, inp="\n".join(lines))
     ms, done = out.stdout.strip().split("\n")[-1].split("|")
@@ -81,12 +81,14 @@ def one(statement, mode):
 
 
 def main():
-    rounds = int(sys.argv[sys.argv.index("--rounds") + 1]) if "--rounds" in sys.argv else 2
+    arg = lambda name, default: int(sys.argv[sys.argv.index(name) + 1]) if name in sys.argv else default  # noqa: E731
+    rounds = arg("--rounds", 2)
+    batch = arg("--batch", 16)
     statement = subprocess.run([sys.executable, f"{HERE}/render.py", "complete_and_claim", f"{ROOT}/sql/jobs.sql"],
                                capture_output=True, text=True, check=True).stdout
     for _ in range(rounds):
         for mode in ("auto", "force_generic_plan"):
-            one(statement, mode)
+            one(statement, mode, batch)
 
 
 main()
