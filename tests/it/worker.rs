@@ -659,44 +659,69 @@ async fn router_kills_an_unknown_operation(kind: Kind) {
     assert_dies_at_once(kind, "chargeback", request, "unknown_operation").await;
 }
 
-/// Runs a worker of `cfg` whose handler answers job `i` = 0 at once (saying
-/// so on the returned channel) and job 1 only when `gate` is notified:
-/// successfully, or with a terminal error if `fail` is set. Returns that
-/// channel, the stop sender, the running worker and its counters.
-#[allow(clippy::type_complexity)]
-fn gated_worker(
-    t: &TestDb,
-    cfg: WorkerConfig,
+/// A running worker whose handler answers job `i` = 0 at once (saying so on
+/// `answered`) and job 1 only when `gate` is notified.
+struct Gated {
     gate: Arc<tokio::sync::Notify>,
-    fail: bool,
-) -> (
-    mpsc::UnboundedReceiver<()>,
-    tokio::sync::oneshot::Sender<()>,
-    tokio::task::JoinHandle<ferry::Result<()>>,
-    Arc<WorkerStats>,
-) {
-    let (answered_tx, answered) = mpsc::unbounded_channel::<()>();
-    let worker = Worker::new(t.ferry.clone(), cfg, move |job: Claimed, _ctx: JobContext| {
-        let gate = gate.clone();
-        let answered_tx = answered_tx.clone();
-        async move {
-            if job.request["i"] != 1 {
-                let _ = answered_tx.send(());
-                return Ok(json!({}));
+    answered: mpsc::UnboundedReceiver<()>,
+    stop: tokio::sync::oneshot::Sender<()>,
+    running: tokio::task::JoinHandle<ferry::Result<()>>,
+    stats: Arc<WorkerStats>,
+}
+
+impl Gated {
+    /// Starts a worker of `cfg` on `t`; job 1 answers successfully, or with
+    /// a terminal error if `fail` is set.
+    fn start(t: &TestDb, cfg: WorkerConfig, fail: bool) -> Gated {
+        let gate = Arc::new(tokio::sync::Notify::new());
+        let g = gate.clone();
+        let (answered_tx, answered) = mpsc::unbounded_channel::<()>();
+        let worker = Worker::new(t.ferry.clone(), cfg, move |job: Claimed, _ctx: JobContext| {
+            let gate = g.clone();
+            let answered_tx = answered_tx.clone();
+            async move {
+                if job.request["i"] != 1 {
+                    let _ = answered_tx.send(());
+                    return Ok(json!({}));
+                }
+                gate.notified().await;
+                if fail {
+                    return Err(JobError::terminal("refused"));
+                }
+                Ok(json!({}))
             }
-            gate.notified().await;
-            if fail {
-                return Err(JobError::terminal("refused"));
-            }
-            Ok(json!({}))
+        });
+        let stats = worker.stats();
+        let (stop, stop_rx) = tokio::sync::oneshot::channel::<()>();
+        let running = tokio::spawn(worker.run(async move {
+            let _ = stop_rx.await;
+        }));
+        Gated {
+            gate,
+            answered,
+            stop,
+            running,
+            stats,
         }
-    });
-    let stats = worker.stats();
-    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
-    let running = tokio::spawn(worker.run(async move {
-        let _ = stop_rx.await;
-    }));
-    (answered, stop_tx, running, stats)
+    }
+
+    /// Stops the worker and returns its counters.
+    async fn stop(self) -> Arc<WorkerStats> {
+        self.stop.send(()).unwrap();
+        self.running.await.unwrap().unwrap();
+        self.stats
+    }
+
+    /// Waits (bounded by 20 s, a third of the window) until run `id` is
+    /// `state`, stops the worker, and checks how many jobs it completed.
+    async fn ends_soon(self, t: &TestDb, id: uuid::Uuid, state: RunState, completed: u64) {
+        let ended = tokio::time::timeout(Duration::from_secs(20), until_terminal(t, id))
+            .await
+            .expect("the completion is committed without waiting for the window");
+        assert_eq!(ended, state);
+        let stats = self.stop().await;
+        assert_eq!(stats.completed.load(Ordering::SeqCst), completed);
+    }
 }
 
 /// Two slots claimed together, a 60 s completion window (a completion waits
@@ -711,28 +736,6 @@ fn waiting_config(owner: &str) -> WorkerConfig {
     }
 }
 
-/// Waits (bounded by 20 s, a third of the window) until run `id` is
-/// `state`, stops the worker, and checks how many jobs it completed.
-async fn ends_soon(
-    t: &TestDb,
-    id: uuid::Uuid,
-    state: RunState,
-    (stop_tx, running, stats): (
-        tokio::sync::oneshot::Sender<()>,
-        tokio::task::JoinHandle<ferry::Result<()>>,
-        Arc<WorkerStats>,
-    ),
-    completed: u64,
-) {
-    let ended = tokio::time::timeout(Duration::from_secs(20), until_terminal(t, id))
-        .await
-        .expect("the completion is committed without waiting for the window");
-    assert_eq!(ended, state);
-    stop_tx.send(()).unwrap();
-    running.await.unwrap().unwrap();
-    assert_eq!(stats.completed.load(Ordering::SeqCst), completed);
-}
-
 /// Jobs claimed together whose handlers answer at different moments share
 /// one completion statement: while a job claimed with a batch's job is
 /// still to answer, the completer waits for it (up to the completion
@@ -744,21 +747,19 @@ async fn ends_soon(
 async fn answers_of_one_claim_share_a_completion_statement(kind: Kind) {
     let t = TestDb::new(kind).await;
     let ids = accept(&t, 2).await;
-    let gate = Arc::new(tokio::sync::Notify::new());
-    let (mut answered, stop_tx, running, stats) = gated_worker(&t, waiting_config("sharer"), gate.clone(), false);
-    answered.recv().await.unwrap();
+    let mut w = Gated::start(&t, waiting_config("sharer"), false);
+    w.answered.recv().await.unwrap();
     let alone = tokio::time::timeout(Duration::from_secs(2), async {
-        while stats.completion_statements.load(Ordering::SeqCst) == 0 {
+        while w.stats.completion_statements.load(Ordering::SeqCst) == 0 {
             tokio::time::sleep(Duration::from_millis(5)).await;
         }
     })
     .await;
-    gate.notify_one();
+    w.gate.notify_one();
     for id in &ids {
         assert_eq!(until_terminal(&t, *id).await, RunState::Succeeded);
     }
-    stop_tx.send(()).unwrap();
-    running.await.unwrap().unwrap();
+    let stats = w.stop().await;
     assert!(alone.is_err(), "job 0 was completed before job 1 answered");
     assert_eq!(stats.completion_statements.load(Ordering::SeqCst), 1);
     assert_eq!(stats.completed.load(Ordering::SeqCst), 2);
@@ -770,9 +771,8 @@ async fn answers_of_one_claim_share_a_completion_statement(kind: Kind) {
 async fn a_last_answer_is_not_held_by_the_completion_window(kind: Kind) {
     let t = TestDb::new(kind).await;
     let ids = accept(&t, 1).await;
-    let gate = Arc::new(tokio::sync::Notify::new());
-    let (_answered, stop_tx, running, stats) = gated_worker(&t, waiting_config("lone"), gate, false);
-    ends_soon(&t, ids[0], RunState::Succeeded, (stop_tx, running, stats), 1).await;
+    let w = Gated::start(&t, waiting_config("lone"), false);
+    w.ends_soon(&t, ids[0], RunState::Succeeded, 1).await;
 }
 
 /// A job that ends without a completion lets the waiting completions of its
@@ -781,12 +781,11 @@ async fn a_last_answer_is_not_held_by_the_completion_window(kind: Kind) {
 async fn a_failed_job_lets_its_claim_s_completions_go(kind: Kind) {
     let t = TestDb::new(kind).await;
     let ids = accept(&t, 2).await;
-    let gate = Arc::new(tokio::sync::Notify::new());
-    let (mut answered, stop_tx, running, stats) = gated_worker(&t, waiting_config("failer"), gate.clone(), true);
-    answered.recv().await.unwrap();
-    gate.notify_one();
+    let mut w = Gated::start(&t, waiting_config("failer"), true);
+    w.answered.recv().await.unwrap();
+    w.gate.notify_one();
     assert_eq!(until_terminal(&t, ids[1]).await, RunState::Failed);
-    ends_soon(&t, ids[0], RunState::Succeeded, (stop_tx, running, stats), 1).await;
+    w.ends_soon(&t, ids[0], RunState::Succeeded, 1).await;
 }
 
 /// Jobs of another claim never hold a completion: job 1 is claimed first and
@@ -796,8 +795,7 @@ async fn a_running_job_of_another_claim_does_not_hold_a_completion(kind: Kind) {
     let t = TestDb::new(kind).await;
     let first = NewRun::new("acme", "work", "k-1", json!({"i": 1})).queue("q");
     let held = t.ferry.create_run_idempotent(first).await.unwrap().run.run_id;
-    let gate = Arc::new(tokio::sync::Notify::new());
-    let (_answered, stop_tx, running, stats) = gated_worker(&t, waiting_config("other"), gate.clone(), false);
+    let w = Gated::start(&t, waiting_config("other"), false);
     tokio::time::timeout(Duration::from_secs(20), async {
         while t.scalar("SELECT count(*) FROM jobs WHERE state = 'leased'").await == 0 {
             tokio::time::sleep(Duration::from_millis(5)).await;
@@ -812,8 +810,8 @@ async fn a_running_job_of_another_claim_does_not_hold_a_completion(kind: Kind) {
         .expect("job 0 is committed while job 1 of the other claim still runs");
     assert_eq!(ended, RunState::Succeeded);
     assert_eq!(t.ferry.get_run("acme", held).await.unwrap().state, RunState::Queued);
-    gate.notify_one();
-    ends_soon(&t, held, RunState::Succeeded, (stop_tx, running, stats), 2).await;
+    w.gate.notify_one();
+    w.ends_soon(&t, held, RunState::Succeeded, 2).await;
 }
 
 /// A completion window of half the lease left after a renewal period or

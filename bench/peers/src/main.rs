@@ -83,12 +83,19 @@ async fn main() -> Res<()> {
             ..Default::default()
         };
         let defaults = WorkerConfig::default();
-        ferry_worker(&base, jobs, "Ferry Worker, 16 slots, defaults", cfg(16, defaults.batch)).await?;
+        ferry_worker(
+            &base,
+            jobs,
+            "Ferry Worker, 16 slots, defaults",
+            cfg(16, defaults.batch),
+            true,
+        )
+        .await?;
         let c16_two = WorkerConfig {
             completions_in_flight: 2,
             ..cfg(16, defaults.batch)
         };
-        ferry_worker(&base, jobs, "Ferry Worker, 16 slots, 2 in flight", c16_two).await?;
+        ferry_worker(&base, jobs, "Ferry Worker, 16 slots, 2 in flight", c16_two, true).await?;
         awa_worker(&base, jobs, "awa Client, 16 workers, defaults", 16).await?;
         graphile(
             &base,
@@ -96,14 +103,14 @@ async fn main() -> Res<()> {
             &["work", &n, "16", "-1", "-1", "1"],
         )
         .await?;
-        ferry_worker(&base, jobs, "Ferry Worker, 100 slots, batch 50", cfg(100, 50)).await?;
+        ferry_worker(&base, jobs, "Ferry Worker, 100 slots, batch 50", cfg(100, 50), true).await?;
         awa_worker(&base, jobs, "awa Client, 100 workers", 100).await?;
-        ferry_worker(&base, jobs, "Ferry Worker, 200 slots, batch 100", cfg(200, 100)).await?;
+        ferry_worker(&base, jobs, "Ferry Worker, 200 slots, batch 100", cfg(200, 100), true).await?;
         let two = WorkerConfig {
             completions_in_flight: 2,
             ..cfg(100, 50)
         };
-        ferry_worker(&base, jobs, "Ferry Worker, 100 slots, batch 50, 2 in flight", two).await?;
+        ferry_worker(&base, jobs, "Ferry Worker, 100 slots, batch 50, 2 in flight", two, true).await?;
         awa_worker(&base, jobs, "awa Client, 200 workers", 200).await?;
         let batched = ["work", &n, "16", "500", "10", "1"];
         graphile(&base, "graphile-worker, 16, local queue 500, complete batch", &batched).await?;
@@ -131,9 +138,16 @@ async fn main() -> Res<()> {
             // out of Kafka (`publish_events` off): no outbox row per event.
             let quiet = "(queue publish_events off)";
             let c16 = cfg(16, defaults.batch);
-            ferry_worker_in(&base, jobs, &format!("Ferry, 16 slots {quiet}"), c16, false).await?;
+            ferry_worker(&base, jobs, &format!("Ferry, 16 slots {quiet}"), c16, false).await?;
             let best = cfg(200, 100);
-            ferry_worker_in(&base, jobs, &format!("Ferry, 200 slots, batch 100 {quiet}"), best, false).await?;
+            ferry_worker(
+                &base,
+                jobs,
+                &format!("Ferry, 200 slots, batch 100 {quiet}"),
+                best,
+                false,
+            )
+            .await?;
             ferry_bulk(&base, jobs, false).await?;
         }
         println!("end of round {round}, {}\n", uptime()?);
@@ -179,12 +193,9 @@ async fn until_count(pool: &PgPool, sql: &str, n: i64) -> Res<()> {
     }
 }
 
-async fn ferry_worker(base: &str, jobs: usize, name: &str, cfg: WorkerConfig) -> Res<()> {
-    ferry_worker_in(base, jobs, name, cfg, true).await
-}
-
-/// [`ferry_worker`] on a queue with `publish_events` as given.
-async fn ferry_worker_in(base: &str, jobs: usize, name: &str, cfg: WorkerConfig, publish: bool) -> Res<()> {
+/// Ferry's worker with a no-op handler per job, on a queue with
+/// `publish_events` as given.
+async fn ferry_worker(base: &str, jobs: usize, name: &str, cfg: WorkerConfig, publish: bool) -> Res<()> {
     let done = Arc::new(AtomicU64::new(0));
     let d = done.clone();
     let handler = move |_job: ferry::Claimed, _ctx| {
