@@ -76,7 +76,7 @@ impl Attempt {
             // Returning drops the handler's future.
             Ended::Abandoned => return,
         };
-        self.answer(&lease, outcome, signalled, slot).await
+        self.answer(&lease, outcome, signalled, slot, &watch).await
     }
 
     /// Records the handler's answer for `lease`: completed (the slot goes
@@ -90,9 +90,10 @@ impl Attempt {
         outcome: std::result::Result<Value, JobError>,
         signalled: bool,
         slot: Slot,
+        watch: &LeaseWatch,
     ) {
         match outcome {
-            Ok(result) => self.complete(lease, result, slot).await,
+            Ok(result) => self.complete(lease, result, slot, watch.local_deadline()).await,
             Err(err) if signalled && err.class == ErrorClass::Retryable => {
                 drop(slot);
                 self.release(lease).await
@@ -193,7 +194,7 @@ impl Attempt {
     /// Hands the handler's result and its slot to the completer and counts
     /// the answer. The attempt counts as answered once the result is queued
     /// (not before: a completer waiting for it must find it there).
-    async fn complete(&self, lease: &Lease, result: Value, slot: Slot) {
+    async fn complete(&self, lease: &Lease, result: Value, slot: Slot, deadline: Option<tokio::time::Instant>) {
         let Slot { permit, answering } = slot;
         let (reply, answer) = oneshot::channel();
         let completion = Completion {
@@ -202,6 +203,7 @@ impl Attempt {
             reply,
             slot: Some(permit),
             claim: answering.claim(),
+            deadline,
         };
         let sent = self.completions.send(completion).await;
         drop(answering);

@@ -79,10 +79,12 @@ impl Attempt {
         let held = members
             .into_iter()
             .zip(answers)
-            .filter_map(|(m, answer)| m.slot.map(|slot| (m.lease, answer, slot)));
+            .filter_map(|(m, answer)| m.slot.map(|slot| (m.lease, answer, slot, m.watch)));
         let this = &self;
-        join_all(held.map(|(lease, answer, slot)| async move { this.answer(&lease, answer, signalled, slot).await }))
-            .await;
+        join_all(held.map(|(lease, answer, slot, watch)| async move {
+            this.answer(&lease, answer, signalled, slot, &watch).await
+        }))
+        .await;
     }
 
     /// Polls the batch call until it returns, renewing every held lease

@@ -247,10 +247,16 @@ impl<H: Handler> ClaimLoop<H> {
         claim_sent: tokio::time::Instant,
     ) {
         let mut batches: Vec<(usize, Vec<Claimed>, Vec<Slot>)> = Vec::new();
-        // Fewer jobs than slots: the extra permits drop here.
+        // Every job of the claim counts before any of them runs (one that
+        // answered at once would otherwise find its claim complete). Fewer
+        // jobs than slots: the extra permits drop here.
         let claim = Claim::new(&self.answered);
-        for (job, permit) in claimed.into_iter().zip(permits) {
-            let slot = Slot::new(permit, &claim);
+        let slots: Vec<Slot> = permits
+            .into_iter()
+            .take(claimed.len())
+            .map(|permit| Slot::new(permit, &claim))
+            .collect();
+        for (job, slot) in claimed.into_iter().zip(slots) {
             let attempt = self.attempt(claim_sent);
             let handler = self.handler.clone();
             let Some(size) = handler.batch_size(&job.operation) else {

@@ -95,6 +95,9 @@ pub(super) struct Completion {
     pub(super) slot: Option<OwnedSemaphorePermit>,
     /// The claim the job came with (its other jobs may still answer).
     pub(super) claim: Arc<Claim>,
+    /// When the job's lease, as last renewed, runs out on the worker's
+    /// clock (`None` with an injected clock).
+    pub(super) deadline: Option<tokio::time::Instant>,
 }
 
 /// Jobs claimed with a batch of completions, each with its slot, and when
@@ -122,9 +125,9 @@ impl Completer {
     /// Completes finished jobs in batches: whatever queued up while the
     /// previous commit ran goes into the next one, and jobs claimed together
     /// with the batch's jobs that are still running are waited for up to the
-    /// completion window (`gather`), so completions share commits without
-    /// delaying a job whose claim has nothing left to answer. Each batch
-    /// claims up to one job per slot it frees, in the same commit.
+    /// completion window (`gather`), so completions share commits; a batch
+    /// none of whose claims has a job left to answer is not delayed. Each
+    /// batch claims up to one job per slot it frees, in the same commit.
     ///
     /// Up to `in_flight` statements run at once: a batch starts as soon as
     /// one is free, so a worker with few slots does not wait for one commit
@@ -156,10 +159,12 @@ impl Completer {
     /// Adds to `batch` what is queued (up to `max_batch`), then, while a job
     /// claimed with one of its members is still to answer and the batch is
     /// smaller than the claim size `cfg.batch`, what is answered within the
-    /// completion window. Never waits once shutdown is signalled.
+    /// completion window. Never waits once shutdown is signalled, nor once
+    /// a member's lease has less than a renewal period left (nothing renews
+    /// it while it waits).
     async fn gather(&self, rx: &mut mpsc::Receiver<Completion>, batch: &mut Vec<Completion>, max_batch: usize) {
         let window = self.cfg.completion_window;
-        let until = tokio::time::Instant::now() + window;
+        let started = tokio::time::Instant::now();
         loop {
             while batch.len() < max_batch {
                 match rx.try_recv() {
@@ -169,7 +174,14 @@ impl Completer {
             }
             // A statement claims at most `batch` jobs again: waiting for
             // more completions than that only idles the database.
+            let until = wait_until(
+                started,
+                window,
+                self.cfg.renew_period(),
+                batch.iter().filter_map(|c| c.deadline),
+            );
             if window.is_zero()
+                || tokio::time::Instant::now() >= until
                 || batch.len() >= max_batch.min(self.cfg.batch.max(1) as usize)
                 || self.soft.is_cancelled()
                 || !batch.iter().any(|c| c.claim.waiting())
@@ -266,5 +278,45 @@ impl Completer {
                 }
             }
         }
+    }
+}
+
+/// When a batch's wait for more answers ends: `window` after `started`, or a
+/// renewal period (`renew`) before the first of its members' lease
+/// `deadlines`, whichever comes first (nothing renews a finished job's
+/// lease while its completion waits).
+fn wait_until(
+    started: tokio::time::Instant,
+    window: std::time::Duration,
+    renew: std::time::Duration,
+    deadlines: impl Iterator<Item = tokio::time::Instant>,
+) -> tokio::time::Instant {
+    deadlines.fold(started + window, |until, deadline| {
+        until.min(deadline.checked_sub(renew).unwrap_or(started))
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use tokio::time::Instant;
+
+    use super::wait_until;
+
+    #[test]
+    fn a_wait_ends_a_renewal_period_before_the_first_lease_runs_out() {
+        let now = Instant::now();
+        let (window, renew) = (Duration::from_millis(1), Duration::from_secs(10));
+        let far = now + Duration::from_secs(30);
+        assert_eq!(wait_until(now, window, renew, [far].into_iter()), now + window);
+        assert_eq!(wait_until(now, window, renew, std::iter::empty()), now + window);
+        // A lease with less than a renewal period left: no wait at all.
+        let near = now + Duration::from_secs(5);
+        assert!(wait_until(now, window, renew, [far, near].into_iter()) <= now);
+        // A long window is cut at the first lease's last renewal period.
+        let long = Duration::from_secs(20);
+        let until = wait_until(now, long, renew, [far, now + Duration::from_secs(15)].into_iter());
+        assert_eq!(until, now + Duration::from_secs(5));
     }
 }

@@ -19,18 +19,18 @@ pub struct WorkerConfig {
     /// How long the loop waits for more free slots before a claim, so claims
     /// and completions batch under load (default 2 ms).
     pub claim_window: Duration,
-    /// How long the completer waits, before it commits a batch of
+    /// How long the completer may wait, before it commits a batch of
     /// completions, for the answers of jobs claimed together with the
     /// batch's jobs (default 1 ms), so that jobs claimed together and
-    /// finishing together share one statement. It never waits once every
-    /// job of those claims has answered or ended (a lone job is not
-    /// delayed), once the batch holds `batch` completions (the most one
-    /// statement claims again), or once shutdown is signalled; zero turns
-    /// the wait off. Jobs of other claims, however long they run, never hold
-    /// a batch. A non-zero window must be shorter than half of the lease
-    /// left after a renewal period (`(lease - renew period) / 2`: 10 s with
-    /// the defaults): a finished job's lease is not renewed while its
-    /// completion waits.
+    /// finishing together can share one statement. It never waits once no
+    /// claim of the batch's jobs has a job still to answer (a batch of lone
+    /// jobs is not delayed), once the batch holds `batch` completions (the
+    /// most one statement claims again), once shutdown is signalled, or once
+    /// a batch member's lease has less than a renewal period left (nothing
+    /// renews it while it waits); zero turns the wait off. A job of another
+    /// claim holds a batch only if a completion of its claim is in that
+    /// batch. A non-zero window must be shorter than
+    /// `(lease - renew period) / 2` (10 s with the defaults).
     pub completion_window: Duration,
     /// Complete-and-claim statements the worker runs at once (default 1;
     /// more made small batches that competed for the CPU in the measurements):

@@ -126,18 +126,25 @@ impl<H: Handler> Worker<H> {
     /// only the jobs it still owns. Anything else is recovered by lease expiry.
     ///
     /// Fails at once with [`Error::Config`] without a queue or a slot, when
-    /// a non-zero completion window is not shorter than half of the lease
-    /// left after a renewal period (a third of the lease by default: a
-    /// finished job's lease is not renewed while its completion waits), or
-    /// when a queue name breaks the limits.
+    /// the renewal period is not shorter than the lease (every lease would
+    /// run out before its renewal), when a non-zero completion window is not
+    /// shorter than half of the lease left after a renewal period (10 s with
+    /// the defaults), or when a queue name breaks the limits.
     pub async fn run(self, shutdown: impl Future<Output = ()> + Send) -> Result<()> {
         let cfg = Arc::new(self.config);
         if cfg.queues.is_empty() || cfg.concurrency == 0 {
             return Err(Error::Config("a worker needs at least one queue and one slot".into()));
         }
-        // A finished job's lease has at least `lease - renew period` left,
-        // and it is not renewed while its completion waits: the window must
-        // leave half of that for the statement itself.
+        if cfg.renew_period() >= cfg.lease {
+            return Err(Error::Config(format!(
+                "renew_every ({:?}) must be shorter than the lease ({:?})",
+                cfg.renew_period(),
+                cfg.lease
+            )));
+        }
+        // A bound on the window, not the safety margin: each completion's
+        // wait also ends a renewal period before its own lease runs out
+        // (`Completer::gather`).
         let room = cfg.lease.saturating_sub(cfg.renew_period()) / 2;
         if !cfg.completion_window.is_zero() && cfg.completion_window >= room {
             return Err(Error::Config(format!(

@@ -816,13 +816,22 @@ async fn a_running_job_of_another_claim_does_not_hold_a_completion(kind: Kind) {
 
 /// A completion window of half the lease left after a renewal period or
 /// more is refused before anything is claimed (a finished job's lease is not
-/// renewed while its completion waits); a zero window is always accepted.
+/// renewed while its completion waits), and so is a renewal period that is
+/// not shorter than the lease.
 async fn a_completion_window_near_the_lease_is_refused(kind: Kind) {
     let t = TestDb::new(kind).await;
     let ids = accept(&t, 1).await;
     let s = Duration::from_secs;
     // The defaults leave (30 - 10) / 2 = 10 s; a 27 s renewal period 1.5 s.
-    for (window, renew_every) in [(s(10), None), (Duration::MAX, None), (s(2), Some(s(27)))] {
+    // A renewal period of the whole lease is refused for itself, whatever
+    // the window (zero here).
+    let cases = [
+        (s(10), None, "completion_window"),
+        (Duration::MAX, None, "completion_window"),
+        (s(2), Some(s(27)), "completion_window"),
+        (Duration::ZERO, Some(s(30)), "renew_every"),
+    ];
+    for (window, renew_every, blamed) in cases {
         let cfg = WorkerConfig {
             completion_window: window,
             lease: s(30),
@@ -834,7 +843,7 @@ async fn a_completion_window_near_the_lease_is_refused(kind: Kind) {
         });
         let err = worker.run(std::future::pending()).await.unwrap_err();
         assert_eq!(err.code(), "config", "{err}");
-        assert!(err.to_string().contains("completion_window"), "{err}");
+        assert!(err.to_string().contains(blamed), "{err}");
     }
     assert_eq!(t.ferry.get_run("acme", ids[0]).await.unwrap().state, RunState::Queued);
 }
