@@ -15,7 +15,6 @@
 //! `scripts/install-kafka`; a test never passes without its broker.
 
 use std::io::Read;
-use std::net::TcpListener;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
@@ -25,6 +24,7 @@ use rdkafka::client::DefaultClientContext;
 use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::ClientConfig;
 
+use crate::ports::free_port_below_ephemeral;
 use crate::watchdog::{Signal, Watchdog};
 
 /// The pinned Apache Kafka version: the one `scripts/kafka/pom.xml` resolves.
@@ -76,8 +76,8 @@ impl Kafka {
             kafka_version(),
             libs.display()
         );
-        // A port found free can be taken (by a client socket's ephemeral
-        // port, or another test's broker) before the broker binds it: then
+        // A port found free can be taken (by another test process's
+        // service) before the broker binds it: then
         // the broker exits at once with "Address already in use", and the
         // start is tried again on new ports, a few times.
         let mut attempt = 0;
@@ -97,8 +97,8 @@ impl Kafka {
     /// A broker's directory and `server.properties` on two free ports (not
     /// started).
     fn configure(overrides: &[(&str, &str)]) -> Kafka {
-        let port = free_port();
-        let controller_port = free_port();
+        let port = free_port_below_ephemeral();
+        let controller_port = free_port_below_ephemeral();
         let dir = std::env::temp_dir().join(format!("ferry-kafka-{}-{port}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(dir.join("data")).expect("broker temp dir");
@@ -347,13 +347,6 @@ impl Drop for Kafka {
         self.kill();
         let _ = std::fs::remove_dir_all(&self.dir);
     }
-}
-
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("a free loopback port")
 }
 
 /// A KRaft cluster id: 16 random bytes, base64url without padding (what

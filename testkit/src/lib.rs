@@ -14,6 +14,7 @@ mod harness;
 mod kafka;
 mod outbox;
 mod pg;
+mod ports;
 mod watchdog;
 
 pub use db::{fresh_database_url, postgres_url, TestDbError};

@@ -20,12 +20,12 @@
 //! When the server binaries are missing, starting fails with a message naming
 //! them; a test never passes without its database.
 
-use std::net::TcpListener;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
+use crate::ports::free_port_below_ephemeral;
 use crate::watchdog::{Signal, Watchdog};
 
 /// How long a start may take before the harness gives up and quotes the log.
@@ -346,27 +346,6 @@ fn system_user(name: &str) -> Option<(u32, u32)> {
         let f: Vec<&str> = l.split(':').collect();
         (f.len() > 3 && f[0] == name).then(|| Some((f[2].parse().ok()?, f[3].parse().ok()?)))?
     })
-}
-
-/// A free loopback port below the kernel's ephemeral range (from 10000 up),
-/// picked at random so concurrent clusters rarely try the same one.
-fn free_port_below_ephemeral() -> u16 {
-    let low: u16 = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
-        .ok()
-        .and_then(|r| r.split_whitespace().next()?.parse().ok())
-        .unwrap_or(32768);
-    assert!(
-        low > 11_000,
-        "the ephemeral port range starts at {low}: the test cluster needs free ports below it"
-    );
-    let span = u128::from(low - 10_000);
-    for _ in 0..200 {
-        let port = 10_000 + (uuid::Uuid::new_v4().as_u128() % span) as u16;
-        if TcpListener::bind(("127.0.0.1", port)).is_ok() {
-            return port;
-        }
-    }
-    panic!("no free loopback port between 10000 and {low}");
 }
 
 #[cfg(test)]

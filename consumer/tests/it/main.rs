@@ -1591,9 +1591,9 @@ impl Handler for Meet {
     }
 }
 
-/// Sends `n` records keyed `key` to each of partitions `parts` of `pairs`
-/// (ids from `first`), and waits for their acknowledgements.
-async fn produce_to(p: &FutureProducer, key: &str, parts: &[i32], first: usize, n: usize) {
+/// Sends `n` records keyed `key` with `payload` to each of partitions
+/// `parts` of `pairs` (ids from `first`), and waits for their acknowledgements.
+async fn produce_to(p: &FutureProducer, key: &str, parts: &[i32], first: usize, n: usize, payload: &str) {
     let sends: Vec<_> = (0..parts.len() * n)
         .map(|i| {
             let id = (first + i).to_string();
@@ -1604,7 +1604,7 @@ async fn produce_to(p: &FutureProducer, key: &str, parts: &[i32], first: usize, 
             let record = FutureRecord::to("pairs")
                 .key(key)
                 .partition(parts[i % parts.len()])
-                .payload("{}")
+                .payload(payload)
                 .headers(h);
             p.send_result(record).map_err(|(e, _)| e).unwrap()
         })
@@ -1639,6 +1639,10 @@ async fn a_poll_s_partitions_are_handled_at_once() {
         // partition's records.
         .lease(Duration::from_secs(600))
         .kafka("session.timeout.ms", "6000")
+        // A fetch is answered once 30 kB are there (or after 5 s, which
+        // the warm and gate records wait).
+        .kafka("fetch.min.bytes", "30000")
+        .kafka("fetch.wait.max.ms", "5000")
         .build()
         .unwrap();
     let consumer = Running::spawn(c);
@@ -1646,23 +1650,19 @@ async fn a_poll_s_partitions_are_handled_at_once() {
     let handled = "SELECT count(*) FROM consumer_ledger WHERE group_id = 'meet'";
     // Both partitions assigned and fetching (a first fetch starts each
     // partition on its own).
-    produce_to(&p, "warm", &[0, 1], 1, 1).await;
+    produce_to(&p, "warm", &[0, 1], 1, 1, "{}").await;
     until_at_least(&ferry, handled, 2, Duration::from_secs(60)).await;
     // The gate holds the loop in its handler; meanwhile librdkafka fetches
     // the records after it into its queue, both partitions'.
-    produce_to(&p, "gate", &[0], 3, 1).await;
+    produce_to(&p, "gate", &[0], 3, 1, "{}").await;
     tokio::time::timeout(Duration::from_secs(60), at_gate.notified())
         .await
         .expect("the gate record reached the handler");
-    // One produce request for both partitions (it lingers for them all),
-    // so one fetch answer carries both.
-    let together: FutureProducer = ClientConfig::new()
-        .set("bootstrap.servers", broker.brokers())
-        .set("enable.idempotence", "true")
-        .set("linger.ms", "200")
-        .create()
-        .unwrap();
-    produce_to(&together, "pair", &[0, 1], 4, 20).await;
+    // Each partition's 20 records of 1 kB are fewer bytes than a fetch
+    // waits for (`fetch.min.bytes`), both partitions' are more: one fetch
+    // answer carries both, so they are in one poll.
+    let pad = format!("{{\"pad\":\"{}\"}}", "x".repeat(1000));
+    produce_to(&p, "pair", &[0, 1], 4, 20, &pad).await;
     open.notify_one();
     until_at_least(&ferry, handled, 43, Duration::from_secs(120)).await;
     consumer.stop().await;
