@@ -814,6 +814,32 @@ async fn a_running_job_of_another_claim_does_not_hold_a_completion(kind: Kind) {
     w.ends_soon(&t, held, RunState::Succeeded, 2).await;
 }
 
+/// Shutdown's signal ends a completion's wait for the rest of its claim:
+/// job 0 answers and its completion waits for job 1 (60 s window); the
+/// worker is told to stop while job 1 still runs, and job 0 is committed
+/// within 20 s, before the window or the 120 s grace period could have let
+/// it go. Job 1, let go afterwards, still completes inside the grace period.
+async fn shutdown_s_signal_ends_a_completion_window_wait(kind: Kind) {
+    let t = TestDb::new(kind).await;
+    let ids = accept(&t, 2).await;
+    let cfg = WorkerConfig {
+        grace: Duration::from_secs(120),
+        ..waiting_config("leaver")
+    };
+    let mut w = Gated::start(&t, cfg, false);
+    w.answered.recv().await.unwrap();
+    w.stop.send(()).unwrap();
+    let ended = tokio::time::timeout(Duration::from_secs(20), until_terminal(&t, ids[0]))
+        .await
+        .expect("job 0 is committed once shutdown is signalled");
+    assert_eq!(ended, RunState::Succeeded);
+    assert_eq!(t.ferry.get_run("acme", ids[1]).await.unwrap().state, RunState::Queued);
+    w.gate.notify_one();
+    w.running.await.unwrap().unwrap();
+    assert_eq!(until_terminal(&t, ids[1]).await, RunState::Succeeded);
+    assert_eq!(w.stats.completed.load(Ordering::SeqCst), 2);
+}
+
 /// A completion window of half the lease left after a renewal period or
 /// more is refused before anything is claimed (a finished job's lease is not
 /// renewed while its completion waits), and so is a renewal period that is
@@ -863,5 +889,6 @@ on_both_engines!(
     a_last_answer_is_not_held_by_the_completion_window,
     a_failed_job_lets_its_claim_s_completions_go,
     a_running_job_of_another_claim_does_not_hold_a_completion,
+    shutdown_s_signal_ends_a_completion_window_wait,
     a_completion_window_near_the_lease_is_refused,
 );
