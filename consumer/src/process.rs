@@ -118,22 +118,41 @@ pub async fn record_dead_letter(
     }
 }
 
+/// Why a micro-batch did not commit ([`process_batch`]): nothing of it was
+/// written.
+#[derive(Debug, thiserror::Error)]
+#[error("{error}")]
+pub struct BatchError {
+    /// What failed.
+    pub error: ProcessError,
+    /// The record the batch stopped at (its ledger row or its handler
+    /// failed), by index: the records before it ran without an error.
+    /// `None` when it failed before its first record (a connection,
+    /// `BEGIN`) or after its last (the offset, the commit).
+    pub at: Option<usize>,
+}
+
 /// Processes consecutive records of one partition in one transaction (a
 /// micro-batch): the lease is checked, each record's ledger row inserted and
 /// its handler run (duplicates skipped), and the offset after the last record
 /// stored, all committed together. Any failure rolls the whole batch back
-/// (nothing of it is written); the caller then processes the records one by
-/// one to isolate the failing record.
+/// (nothing of it is written) and says which record it stopped at, if any:
+/// the caller can then batch the records before it again, isolate that one,
+/// and batch the rest.
 pub async fn process_batch(
     store: &ConsumerStore,
     lease: &PartitionLease,
     records: &[(Record, String)],
     handler: &dyn Handler,
-) -> Result<Vec<Processed>, ProcessError> {
+) -> Result<Vec<Processed>, BatchError> {
     let Some((last, _)) = records.last() else {
         return Ok(Vec::new());
     };
-    let mut tx = store.begin().await?;
+    let outside = |e: ferry::Error| BatchError {
+        error: e.into(),
+        at: None,
+    };
+    let mut tx = store.begin().await.map_err(outside)?;
     let mut out = Vec::with_capacity(records.len());
     let result: Result<(), ProcessError> = async {
         for (record, key) in records {
@@ -148,18 +167,26 @@ pub async fn process_batch(
                 }
             }
         }
-        store.advance_offset(tx.conn(), lease, last.offset + 1).await?;
         Ok(())
     }
     .await;
+    // Every record before `out.len()` ran without an error.
+    let at = (out.len() < records.len()).then_some(out.len());
+    let result = match result {
+        Ok(()) => store
+            .advance_offset(tx.conn(), lease, last.offset + 1)
+            .await
+            .map_err(ProcessError::from),
+        Err(e) => Err(e),
+    };
     match result {
         Ok(()) => {
-            tx.commit().await?;
+            tx.commit().await.map_err(outside)?;
             Ok(out)
         }
-        Err(e) => {
+        Err(error) => {
             let _ = tx.rollback().await;
-            Err(e)
+            Err(BatchError { error, at })
         }
     }
 }

@@ -24,36 +24,55 @@ use crate::process::{process_batch, process_record, ProcessError, Processed};
 use crate::record::Record;
 
 impl Consumer {
-    /// Processes a partition's records: as one micro-batch transaction when
-    /// they all carry effect keys and it commits, otherwise one by one.
-    /// Returns a retry to schedule if a record must wait.
+    /// Processes a partition's records, in order: as one micro-batch
+    /// transaction when it commits. When a batch stops at a record (it has
+    /// no effect key, or its ledger row or handler failed), the records
+    /// before it, which ran without an error, are batched again, that record
+    /// goes alone (done, retried or dead-lettered), and the rest is batched
+    /// again. Otherwise (a failure outside any record, or the retried prefix
+    /// failed too) the records go one by one. Returns a retry to schedule if
+    /// a record must wait.
     pub(super) async fn handle_group(
         &self,
         consumer: &BaseConsumer<LeaseContext>,
         leases: &Leases,
         dlq: Option<&FutureProducer>,
         generation: i64,
-        records: Vec<Record>,
+        mut records: Vec<Record>,
     ) -> Option<Retry> {
         let tp = (records[0].topic.clone(), records[0].partition);
-        let lease = current_lease(leases, &tp, generation);
-        if let (Some(lease), true) = (lease, records.len() > 1) {
-            if self.try_batch(consumer, &lease, &tp, &records).await {
-                return None;
+        while !records.is_empty() {
+            // How many of `records` go one by one before a batch is tried again.
+            let mut singles = records.len();
+            let lease = current_lease(leases, &tp, generation);
+            if let (Some(lease), true) = (lease, records.len() > 1) {
+                match self.try_batch(consumer, &lease, &tp, &records).await {
+                    BatchOutcome::Committed => return None,
+                    BatchOutcome::Unkeyed(at) | BatchOutcome::RolledBack(Some(at)) => {
+                        singles = at + 1;
+                        if at > 1
+                            && self.try_batch(consumer, &lease, &tp, &records[..at]).await == BatchOutcome::Committed
+                        {
+                            records.drain(..at);
+                            singles = 1;
+                        }
+                    }
+                    BatchOutcome::RolledBack(None) => {}
+                }
             }
-        }
-        for record in records {
-            if let Some(retry) = self.handle(consumer, leases, dlq, generation, record, None).await {
-                // Later records of this partition are fetched again after the retry.
-                return Some(retry);
+            for record in records.drain(..singles).collect::<Vec<_>>() {
+                if let Some(retry) = self.handle(consumer, leases, dlq, generation, record, None).await {
+                    // Later records of this partition are fetched again after the retry.
+                    return Some(retry);
+                }
             }
         }
         None
     }
 
     /// Commits `records` in one micro-batch transaction when they all carry
-    /// effect keys, then tells Kafka. Returns whether it committed (if not,
-    /// nothing of it was written and the caller goes one by one). Runs in a
+    /// effect keys, then tells Kafka. Returns how it ended (unless it
+    /// committed, nothing of it was written). Runs in a
     /// `ferry.consume.batch` span (group, topic, partition, lease generation,
     /// first and last offset, count, outcome; never keys or payloads).
     async fn try_batch(
@@ -62,7 +81,7 @@ impl Consumer {
         lease: &PartitionLease,
         tp: &TopicPartition,
         records: &[Record],
-    ) -> bool {
+    ) -> BatchOutcome {
         let span = tracing::info_span!(
             "ferry.consume.batch",
             group = %lease.group,
@@ -79,7 +98,7 @@ impl Consumer {
             .instrument(span.clone())
             .await;
         span.record("outcome", outcome.as_str());
-        outcome == BatchOutcome::Committed
+        outcome
     }
 
     /// The micro-batch itself: effect keys, the transaction, the metrics and
@@ -91,20 +110,20 @@ impl Consumer {
         tp: &TopicPartition,
         records: &[Record],
     ) -> BatchOutcome {
-        let keyed: Option<Vec<(Record, String)>> = records
-            .iter()
-            .map(|r| {
-                r.effect_key()
-                    .or_else(|| self.b.effect_key_fn.as_ref().and_then(|f| f(r)))
-                    .map(|k| (r.clone(), k))
-            })
-            .collect();
-        let Some(keyed) = keyed else {
-            return BatchOutcome::Unkeyed;
-        };
+        let mut keyed = Vec::with_capacity(records.len());
+        for (i, r) in records.iter().enumerate() {
+            let key = r
+                .effect_key()
+                .or_else(|| self.b.effect_key_fn.as_ref().and_then(|f| f(r)));
+            match key {
+                Some(k) => keyed.push((r.clone(), k)),
+                None => return BatchOutcome::Unkeyed(i),
+            }
+        }
         let started = Instant::now();
-        let Ok(done) = process_batch(&self.b.store, lease, &keyed, self.handler.as_ref()).await else {
-            return BatchOutcome::RolledBack;
+        let done = match process_batch(&self.b.store, lease, &keyed, self.handler.as_ref()).await {
+            Ok(done) => done,
+            Err(e) => return BatchOutcome::RolledBack(e.at),
         };
         self.metrics.observe_handler(started.elapsed().as_secs_f64());
         for p in done {
@@ -365,23 +384,25 @@ impl Consumer {
     }
 }
 
-/// How a micro-batch attempt ended (the `outcome` of its span).
+/// How a micro-batch attempt ended (the `outcome` of its span), and the
+/// record it stopped at, by index, if it stopped at one.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum BatchOutcome {
     /// Committed, and the offset after it sent to Kafka.
     Committed,
-    /// A record had no effect key: nothing was tried.
-    Unkeyed,
-    /// The transaction failed and was rolled back: nothing was written.
-    RolledBack,
+    /// The first record without an effect key: nothing was tried.
+    Unkeyed(usize),
+    /// The transaction failed and was rolled back: nothing was written
+    /// ([`BatchError::at`](crate::process::BatchError::at)).
+    RolledBack(Option<usize>),
 }
 
 impl BatchOutcome {
     fn as_str(self) -> &'static str {
         match self {
             BatchOutcome::Committed => "committed",
-            BatchOutcome::Unkeyed => "unkeyed",
-            BatchOutcome::RolledBack => "rolled_back",
+            BatchOutcome::Unkeyed(_) => "unkeyed",
+            BatchOutcome::RolledBack(_) => "rolled_back",
         }
     }
 }

@@ -370,6 +370,63 @@ async fn poison_goes_to_the_dead_letter_topic_and_the_partition_flows() {
     assert_eq!(codes, ["missing_effect_key", "poison_key"]);
 }
 
+/// A poison record in the middle of a micro-batch costs one record's
+/// isolation, not the batch: the records before it are committed together
+/// again, it is dead-lettered alone, and the records after it are committed
+/// together. All 41 records are in the log before the consumer starts, so
+/// after the first turn (one record, until a record was timed) one poll
+/// carries the rest; goes one by one after the rollback, each of the 30
+/// records after the poison would be a transaction of its own.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_poison_record_leaves_the_rest_of_its_batch_batched() {
+    let broker = Kafka::start();
+    broker.create_topic("mixed", 1);
+    broker.create_topic("mixed.dlq", 1);
+    let (ferry, _) = pg().await;
+    let p = producer(&broker.brokers());
+    produce_range(&p, "mixed", 1, 11).await;
+    produce(&p, "mixed", "poison", Some("11")).await;
+    produce_range(&p, "mixed", 12, 42).await;
+    let consumer = in_process(
+        ferry.clone(),
+        &broker.brokers(),
+        "gm",
+        "mixed",
+        Assignment::CooperativeSticky,
+        "c",
+    );
+    until_at_least(
+        &ferry,
+        "SELECT COALESCE(max(next_offset), 0) FROM consumer_partitions WHERE group_id = 'gm'",
+        41,
+        Duration::from_secs(60),
+    )
+    .await;
+    consumer.stop().await;
+    assert_eq!(
+        scalar(&ferry, "SELECT count(*) FROM effects_applied WHERE applied = 1").await,
+        40
+    );
+    assert_eq!(
+        scalar(
+            &ferry,
+            "SELECT count(*) FROM consumer_ledger WHERE group_id = 'gm' AND outcome = 'dead_lettered' AND \"offset\" = 10"
+        )
+        .await,
+        1
+    );
+    let transactions = |filter: &str| {
+        format!("SELECT count(DISTINCT xmin::text) FROM consumer_ledger WHERE group_id = 'gm' AND \"offset\" {filter}")
+    };
+    let before = scalar(&ferry, &transactions("< 10")).await;
+    let after = scalar(&ferry, &transactions("> 10")).await;
+    assert!(
+        before <= 3,
+        "the 10 records before the poison took {before} transactions"
+    );
+    assert!(after <= 3, "the 30 records after the poison took {after} transactions");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn ledger_retention_shorter_than_the_redelivery_window_is_refused() {
     let (ferry, _) = pg().await;
