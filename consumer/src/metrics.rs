@@ -41,6 +41,10 @@ pub struct Metrics {
     pub lease_losses: Counter,
     /// Reclaims put off because another member held a live lease.
     pub reclaims_deferred: Counter,
+    /// Micro-batches rolled back: a record stopped them (a handler error or
+    /// a ledger write), or the offset or the commit failed. Their records
+    /// were redone around the record they stopped at.
+    pub batches_rolled_back: Counter,
     /// Records behind the high watermark, per partition.
     pub lag: Family<PartitionLabel, Gauge>,
     /// Handler time in seconds.
@@ -70,6 +74,7 @@ impl Metrics {
             infrastructure_retries: Counter::default(),
             lease_losses: Counter::default(),
             reclaims_deferred: Counter::default(),
+            batches_rolled_back: Counter::default(),
             lag: Family::default(),
             handler_latency: Histogram::new([0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0]),
             otel_latency: meter
@@ -102,6 +107,11 @@ impl Metrics {
             "Reclaims of a lost partition put off: another member holds a live lease",
             m.reclaims_deferred.clone(),
         );
+        registry.register(
+            "batches_rolled_back",
+            "Micro-batches rolled back (a record stopped them, or the offset or commit failed); redone around that record",
+            m.batches_rolled_back.clone(),
+        );
         registry.register("lag", "Records behind the high watermark", m.lag.clone());
         registry.register("handler_latency_seconds", "Handler time", m.handler_latency.clone());
         let observed = [
@@ -115,6 +125,7 @@ impl Metrics {
             ),
             ("ferry_consumer_lease_losses", m.lease_losses.clone()),
             ("ferry_consumer_reclaims_deferred", m.reclaims_deferred.clone()),
+            ("ferry_consumer_batches_rolled_back", m.batches_rolled_back.clone()),
         ]
         .into_iter()
         .map(|(name, c)| {

@@ -119,11 +119,13 @@ pub async fn record_dead_letter(
 }
 
 /// Why a micro-batch did not commit ([`process_batch`]): nothing of it was
-/// written.
+/// written (unless a commit whose outcome is unknown did commit, as for
+/// [`ProcessError`]).
 #[derive(Debug, thiserror::Error)]
 #[error("{error}")]
 pub struct BatchError {
     /// What failed.
+    #[source]
     pub error: ProcessError,
     /// The record the batch stopped at (its ledger row or its handler
     /// failed), by index: the records before it ran without an error.
@@ -142,7 +144,7 @@ pub struct BatchError {
 pub async fn process_batch(
     store: &ConsumerStore,
     lease: &PartitionLease,
-    records: &[(Record, String)],
+    records: &[(&Record, String)],
     handler: &dyn Handler,
 ) -> Result<Vec<Processed>, BatchError> {
     let Some((last, _)) = records.last() else {

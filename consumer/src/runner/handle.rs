@@ -29,9 +29,13 @@ impl Consumer {
     /// no effect key, or its ledger row or handler failed), the records
     /// before it, which ran without an error, are batched again, that record
     /// goes alone (done, retried or dead-lettered), and the rest is batched
-    /// again. Otherwise (a failure outside any record, or the retried prefix
-    /// failed too) the records go one by one. Returns a retry to schedule if
-    /// a record must wait.
+    /// again. Records go one by one instead: all of them after a failure
+    /// outside any record (the offset, the commit); those up to the stopping
+    /// record when the batch before it fails too; and all that are left
+    /// when two batches in a row stop at their first or second record
+    /// (failing records close together: a run of them costs two failed
+    /// batches, not one per record). Returns a retry to schedule if a record
+    /// must wait.
     pub(super) async fn handle_group(
         &self,
         consumer: &BaseConsumer<LeaseContext>,
@@ -41,6 +45,8 @@ impl Consumer {
         mut records: Vec<Record>,
     ) -> Option<Retry> {
         let tp = (records[0].topic.clone(), records[0].partition);
+        // Whether the last batch stopped at its first or second record.
+        let mut stopped_short = false;
         while !records.is_empty() {
             // How many of `records` go one by one before a batch is tried again.
             let mut singles = records.len();
@@ -48,7 +54,8 @@ impl Consumer {
             if let (Some(lease), true) = (lease, records.len() > 1) {
                 match self.try_batch(consumer, &lease, &tp, &records).await {
                     BatchOutcome::Committed => return None,
-                    BatchOutcome::Unkeyed(at) | BatchOutcome::RolledBack(Some(at)) => {
+                    BatchOutcome::Unkeyed(at) | BatchOutcome::RolledBack(Some(at)) if !(at < 2 && stopped_short) => {
+                        stopped_short = at < 2;
                         singles = at + 1;
                         if at > 1
                             && self.try_batch(consumer, &lease, &tp, &records[..at]).await == BatchOutcome::Committed
@@ -57,7 +64,7 @@ impl Consumer {
                             singles = 1;
                         }
                     }
-                    BatchOutcome::RolledBack(None) => {}
+                    BatchOutcome::Unkeyed(_) | BatchOutcome::RolledBack(_) => {}
                 }
             }
             for record in records.drain(..singles).collect::<Vec<_>>() {
@@ -72,7 +79,8 @@ impl Consumer {
 
     /// Commits `records` in one micro-batch transaction when they all carry
     /// effect keys, then tells Kafka. Returns how it ended (unless it
-    /// committed, nothing of it was written). Runs in a
+    /// committed, nothing of it was written, but for a commit whose outcome
+    /// is unknown: the ledger then makes its records duplicates). Runs in a
     /// `ferry.consume.batch` span (group, topic, partition, lease generation,
     /// first and last offset, count, outcome; never keys or payloads).
     async fn try_batch(
@@ -116,14 +124,18 @@ impl Consumer {
                 .effect_key()
                 .or_else(|| self.b.effect_key_fn.as_ref().and_then(|f| f(r)));
             match key {
-                Some(k) => keyed.push((r.clone(), k)),
+                Some(k) => keyed.push((r, k)),
                 None => return BatchOutcome::Unkeyed(i),
             }
         }
         let started = Instant::now();
         let done = match process_batch(&self.b.store, lease, &keyed, self.handler.as_ref()).await {
             Ok(done) => done,
-            Err(e) => return BatchOutcome::RolledBack(e.at),
+            Err(e) => {
+                self.metrics.batches_rolled_back.inc();
+                tracing::debug!(topic = %tp.0, partition = tp.1, at = ?e.at, error = %e, "micro-batch rolled back");
+                return BatchOutcome::RolledBack(e.at);
+            }
         };
         self.metrics.observe_handler(started.elapsed().as_secs_f64());
         for p in done {

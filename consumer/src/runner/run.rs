@@ -86,8 +86,8 @@ impl Consumer {
         let handled: Vec<_> = stream::iter(groups)
             .map(|(tp, gen, records)| async move {
                 // The whole group is timed, whichever way it went (one
-                // batch, a batch rolled back and redone one by one, dead
-                // letters), so every turn feeds `turn_cap`.
+                // batch, a batch rolled back and redone around the record
+                // it stopped at, dead letters), so every turn feeds `turn_cap`.
                 let (started, n) = (Instant::now(), records.len());
                 let pending = self.handle_group(consumer, leases, dlq, gen, records).await;
                 self.note_record_time(started.elapsed(), n);

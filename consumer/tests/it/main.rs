@@ -370,51 +370,66 @@ async fn poison_goes_to_the_dead_letter_topic_and_the_partition_flows() {
     assert_eq!(codes, ["missing_effect_key", "poison_key"]);
 }
 
-/// A poison record in the middle of a micro-batch costs one record's
-/// isolation, not the batch: the records before it are committed together
-/// again, it is dead-lettered alone, and the records after it are committed
-/// together. All 41 records are in the log before the consumer starts, so
-/// after the first turn (one record, until a record was timed) one poll
-/// carries the rest; goes one by one after the rollback, each of the 30
-/// records after the poison would be a transaction of its own.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_poison_record_leaves_the_rest_of_its_batch_batched() {
+/// Runs a consumer (group `group`) over `good` good records, then
+/// `poisons` poison ones (the handler refuses them for good), then `good`
+/// more, all in the log before it starts (after its first turn, one record
+/// until a record was timed, one poll carries the rest), until it has stored
+/// every offset; checks each good record applied once and each poison one
+/// dead-lettered, and returns the consumer's metrics.
+async fn poison_between(
+    ferry: &Ferry,
+    group: &str,
+    good: usize,
+    poisons: usize,
+) -> Arc<ferry_consumer::metrics::Metrics> {
     let broker = Kafka::start();
     broker.create_topic("mixed", 1);
     broker.create_topic("mixed.dlq", 1);
-    let (ferry, _) = pg().await;
     let p = producer(&broker.brokers());
-    produce_range(&p, "mixed", 1, 11).await;
-    produce(&p, "mixed", "poison", Some("11")).await;
-    produce_range(&p, "mixed", 12, 42).await;
+    produce_range(&p, "mixed", 1, good + 1).await;
+    for i in 0..poisons {
+        produce(&p, "mixed", "poison", Some(&(good + 1 + i).to_string())).await;
+    }
+    produce_range(&p, "mixed", good + poisons + 1, 2 * good + poisons + 1).await;
     let consumer = in_process(
         ferry.clone(),
         &broker.brokers(),
-        "gm",
+        group,
         "mixed",
         Assignment::CooperativeSticky,
         "c",
     );
+    let metrics = consumer.metrics();
     until_at_least(
-        &ferry,
-        "SELECT COALESCE(max(next_offset), 0) FROM consumer_partitions WHERE group_id = 'gm'",
-        41,
+        ferry,
+        &format!("SELECT COALESCE(max(next_offset), 0) FROM consumer_partitions WHERE group_id = '{group}'"),
+        (2 * good + poisons) as i64,
         Duration::from_secs(60),
     )
     .await;
     consumer.stop().await;
     assert_eq!(
-        scalar(&ferry, "SELECT count(*) FROM effects_applied WHERE applied = 1").await,
-        40
+        scalar(ferry, "SELECT count(*) FROM effects_applied WHERE applied = 1").await,
+        (2 * good) as i64
     );
-    assert_eq!(
-        scalar(
-            &ferry,
-            "SELECT count(*) FROM consumer_ledger WHERE group_id = 'gm' AND outcome = 'dead_lettered' AND \"offset\" = 10"
-        )
-        .await,
-        1
+    let dead = format!(
+        "SELECT count(*) FROM consumer_ledger WHERE group_id = '{group}' AND outcome = 'dead_lettered' \
+         AND \"offset\" BETWEEN {good} AND {}",
+        good + poisons - 1
     );
+    assert_eq!(scalar(ferry, &dead).await, poisons as i64);
+    metrics
+}
+
+/// A poison record in the middle of a micro-batch costs one record's
+/// isolation, not the batch: the records before it are committed together
+/// again, it is dead-lettered alone, and the records after it are committed
+/// together. Gone one by one after the rollback, each of the 10 records
+/// before the poison and the 10 after it would be a transaction of its own.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_poison_record_leaves_the_rest_of_its_batch_batched() {
+    let (ferry, _) = pg().await;
+    let metrics = poison_between(&ferry, "gm", 10, 1).await;
     let transactions = |filter: &str| {
         format!("SELECT count(DISTINCT xmin::text) FROM consumer_ledger WHERE group_id = 'gm' AND \"offset\" {filter}")
     };
@@ -424,7 +439,23 @@ async fn a_poison_record_leaves_the_rest_of_its_batch_batched() {
         before <= 3,
         "the 10 records before the poison took {before} transactions"
     );
-    assert!(after <= 3, "the 30 records after the poison took {after} transactions");
+    assert!(after <= 3, "the 10 records after the poison took {after} transactions");
+    assert!(metrics.batches_rolled_back.get() <= 1);
+}
+
+/// A run of poison records costs two failed batches, not one per record:
+/// after two batches in a row stop at their first record, the rest of the
+/// poll goes one by one (6 poison records among 20 good ones: 3 rolled back
+/// batches, the first stopping after the good records before the run).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_run_of_poison_records_costs_two_failed_batches() {
+    let (ferry, _) = pg().await;
+    let metrics = poison_between(&ferry, "gs", 10, 6).await;
+    let rolled_back = metrics.batches_rolled_back.get();
+    assert!(
+        rolled_back <= 3,
+        "{rolled_back} micro-batches rolled back for a run of 6 poison records"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
