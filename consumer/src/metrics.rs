@@ -41,9 +41,10 @@ pub struct Metrics {
     pub lease_losses: Counter,
     /// Reclaims put off because another member held a live lease.
     pub reclaims_deferred: Counter,
-    /// Micro-batches rolled back: a record stopped them (a handler error or
-    /// a ledger write), or the offset or the commit failed. Their records
-    /// were redone around the record they stopped at.
+    /// Micro-batch transactions that failed: a record's ledger row or its
+    /// handler, or the connection, `BEGIN`, the offset or the commit (an
+    /// unknown commit outcome counts too). A batch stopped by a record
+    /// without an effect key runs no transaction and is not counted.
     pub batches_rolled_back: Counter,
     /// Records behind the high watermark, per partition.
     pub lag: Family<PartitionLabel, Gauge>,
@@ -109,7 +110,7 @@ impl Metrics {
         );
         registry.register(
             "batches_rolled_back",
-            "Micro-batches rolled back (a record stopped them, or the offset or commit failed); redone around that record",
+            "Micro-batch transactions that failed (a record's ledger row or handler, the connection, the offset or the commit)",
             m.batches_rolled_back.clone(),
         );
         registry.register("lag", "Records behind the high watermark", m.lag.clone());

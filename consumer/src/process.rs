@@ -124,8 +124,7 @@ pub async fn record_dead_letter(
 #[derive(Debug, thiserror::Error)]
 #[error("{error}")]
 pub struct BatchError {
-    /// What failed.
-    #[source]
+    /// What failed (its message is this error's).
     pub error: ProcessError,
     /// The record the batch stopped at (its ledger row or its handler
     /// failed), by index: the records before it ran without an error.

@@ -25,17 +25,20 @@ use crate::record::Record;
 
 impl Consumer {
     /// Processes a partition's records, in order: as one micro-batch
-    /// transaction when it commits. When a batch stops at a record (it has
-    /// no effect key, or its ledger row or handler failed), the records
-    /// before it, which ran without an error, are batched again, that record
-    /// goes alone (done, retried or dead-lettered), and the rest is batched
-    /// again. Records go one by one instead: all of them after a failure
-    /// outside any record (the offset, the commit); those up to the stopping
-    /// record when the batch before it fails too; and all that are left
-    /// when two batches in a row stop at their first or second record
-    /// (failing records close together: a run of them costs two failed
-    /// batches, not one per record). Returns a retry to schedule if a record
-    /// must wait.
+    /// transaction when it commits. When a batch stops at a record (its
+    /// ledger row or handler failed, or it has no effect key, which is seen
+    /// before any transaction), the records before it, which ran without an
+    /// error, are batched again, that record goes alone (done, retried or
+    /// dead-lettered), and the rest is batched again. Records go one by one
+    /// instead: all of them after a failure outside any record (the
+    /// connection, the offset, the commit); those up to the stopping record
+    /// when the batch before it fails too; and, while failed batches keep
+    /// stopping at their first or second record (failing records close
+    /// together), a window of records that doubles from two each time it
+    /// happens again, until a batch commits: a run of `r` failing records
+    /// costs about `log2(r) + 3` failed batches, not one per record, and
+    /// the good records after it are batched again. Returns a retry to
+    /// schedule if a record must wait.
     pub(super) async fn handle_group(
         &self,
         consumer: &BaseConsumer<LeaseContext>,
@@ -45,26 +48,38 @@ impl Consumer {
         mut records: Vec<Record>,
     ) -> Option<Retry> {
         let tp = (records[0].topic.clone(), records[0].partition);
-        // Whether the last batch stopped at its first or second record.
-        let mut stopped_short = false;
+        // Failed batches in a row that stopped at their first or second record.
+        let mut short_stops = 0u32;
+        // How many records go one by one from the second such stop on.
+        let mut window = 2usize;
         while !records.is_empty() {
             // How many of `records` go one by one before a batch is tried again.
             let mut singles = records.len();
             let lease = current_lease(leases, &tp, generation);
             if let (Some(lease), true) = (lease, records.len() > 1) {
-                match self.try_batch(consumer, &lease, &tp, &records).await {
+                let at = match self.try_batch(consumer, &lease, &tp, &records).await {
                     BatchOutcome::Committed => return None,
-                    BatchOutcome::Unkeyed(at) | BatchOutcome::RolledBack(Some(at)) if !(at < 2 && stopped_short) => {
-                        stopped_short = at < 2;
-                        singles = at + 1;
-                        if at > 1
-                            && self.try_batch(consumer, &lease, &tp, &records[..at]).await == BatchOutcome::Committed
-                        {
-                            records.drain(..at);
-                            singles = 1;
-                        }
+                    BatchOutcome::Unkeyed(at) => Some(at),
+                    BatchOutcome::RolledBack(Some(at)) => {
+                        short_stops = if at < 2 { short_stops + 1 } else { 0 };
+                        Some(at)
                     }
-                    BatchOutcome::Unkeyed(_) | BatchOutcome::RolledBack(_) => {}
+                    BatchOutcome::RolledBack(None) => None,
+                };
+                if let Some(at) = at {
+                    // `window` is at least 2, so it holds the stopping record.
+                    singles = if short_stops >= 2 && at < 2 {
+                        window = window.saturating_mul(2);
+                        (window / 2).min(records.len())
+                    } else {
+                        at + 1
+                    };
+                    if at > 1 && self.try_batch(consumer, &lease, &tp, &records[..at]).await == BatchOutcome::Committed
+                    {
+                        records.drain(..at);
+                        singles = 1;
+                        (short_stops, window) = (0, 2);
+                    }
                 }
             }
             for record in records.drain(..singles).collect::<Vec<_>>() {

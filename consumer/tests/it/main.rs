@@ -421,6 +421,15 @@ async fn poison_between(
     metrics
 }
 
+/// Distinct transactions that wrote group `group`'s ledger rows at the
+/// offsets `filter` selects (`< 10`, `> 21`).
+async fn ledger_transactions(ferry: &Ferry, group: &str, filter: &str) -> i64 {
+    let sql = format!(
+        "SELECT count(DISTINCT xmin::text) FROM consumer_ledger WHERE group_id = '{group}' AND \"offset\" {filter}"
+    );
+    scalar(ferry, &sql).await
+}
+
 /// A poison record in the middle of a micro-batch costs one record's
 /// isolation, not the batch: the records before it are committed together
 /// again, it is dead-lettered alone, and the records after it are committed
@@ -430,11 +439,8 @@ async fn poison_between(
 async fn a_poison_record_leaves_the_rest_of_its_batch_batched() {
     let (ferry, _) = pg().await;
     let metrics = poison_between(&ferry, "gm", 10, 1).await;
-    let transactions = |filter: &str| {
-        format!("SELECT count(DISTINCT xmin::text) FROM consumer_ledger WHERE group_id = 'gm' AND \"offset\" {filter}")
-    };
-    let before = scalar(&ferry, &transactions("< 10")).await;
-    let after = scalar(&ferry, &transactions("> 10")).await;
+    let before = ledger_transactions(&ferry, "gm", "< 10").await;
+    let after = ledger_transactions(&ferry, "gm", "> 10").await;
     assert!(
         before <= 3,
         "the 10 records before the poison took {before} transactions"
@@ -443,19 +449,30 @@ async fn a_poison_record_leaves_the_rest_of_its_batch_batched() {
     assert!(metrics.batches_rolled_back.get() <= 1);
 }
 
-/// A run of poison records costs two failed batches, not one per record:
-/// after two batches in a row stop at their first record, the rest of the
-/// poll goes one by one (6 poison records among 20 good ones: 3 rolled back
-/// batches, the first stopping after the good records before the run).
+/// A run of poison records costs a few failed batches, not one per record,
+/// and the good records after it are batched again: 12 poison records
+/// between good ones (offsets 10 to 21). The poll after the first turn
+/// (offset 0 alone) carries offsets 1 to 31: the batch stops at the run
+/// (1), then two at its start send 2 records one by one, then 4, then 8
+/// (4 poison records and 4 good ones), and the last 6 good records commit
+/// together: 5 failed batches, and 5 transactions after the run. A batch
+/// tried after each isolated record fails 12 times; all the records left
+/// sent one by one after two short stops take 10 transactions after the run.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_run_of_poison_records_costs_two_failed_batches() {
+async fn a_run_of_poison_records_costs_a_few_failed_batches() {
     let (ferry, _) = pg().await;
-    let metrics = poison_between(&ferry, "gs", 10, 6).await;
+    let metrics = poison_between(&ferry, "gs", 10, 12).await;
+    // One poll carried the records before the run and the run itself:
+    // otherwise the counts below are not this test's.
+    let before = ledger_transactions(&ferry, "gs", "< 10").await;
+    assert!(before <= 2, "the 10 records before the run took {before} transactions");
     let rolled_back = metrics.batches_rolled_back.get();
     assert!(
-        rolled_back <= 3,
-        "{rolled_back} micro-batches rolled back for a run of 6 poison records"
+        rolled_back <= 6,
+        "{rolled_back} micro-batches rolled back for a run of 12 poison records"
     );
+    let after = ledger_transactions(&ferry, "gs", "> 21").await;
+    assert!(after <= 6, "the 10 records after the run took {after} transactions");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
