@@ -27,17 +27,17 @@ impl Consumer {
     /// Processes a partition's records, in order: as one micro-batch
     /// transaction when it commits. When a batch stops at a record (its
     /// ledger row or handler failed, or it has no effect key, which is seen
-    /// before any transaction), the records before it, which ran without an
-    /// error, are batched again, that record goes alone (done, retried or
-    /// dead-lettered), and the rest is batched again. Records go one by one
-    /// instead: all of them after a failure outside any record (the
-    /// connection, the offset, the commit); those up to the stopping record
-    /// when the batch before it fails too; and, while failed batches keep
-    /// stopping at their first or second record (failing records close
-    /// together), a window of records that doubles from two each time it
-    /// happens again, until a batch commits: a run of `r` failing records
-    /// costs about `log2(r) + 3` failed batches, not one per record, and
-    /// the good records after it are batched again. Returns a retry to
+    /// before any transaction), the records before it (which ran without an
+    /// error, or never ran) are batched again, that record goes alone (done,
+    /// retried or dead-lettered), and the rest is batched again. Records go
+    /// one by one instead: all of them after a failure outside any record
+    /// (the connection, the offset, the commit); those up to the stopping
+    /// record when the batch before it fails too; and, while failed batches
+    /// keep stopping at their first or second record (failing records close
+    /// together), a window of records that doubles from two each time,
+    /// until a batch commits: within one poll, a run of `r` failing records
+    /// costs at most `ceil(log2 r) + 1` failed batches, not one per record,
+    /// and the good records after it are batched again. Returns a retry to
     /// schedule if a record must wait.
     pub(super) async fn handle_group(
         &self,
@@ -57,18 +57,18 @@ impl Consumer {
             let mut singles = records.len();
             let lease = current_lease(leases, &tp, generation);
             if let (Some(lease), true) = (lease, records.len() > 1) {
-                let at = match self.try_batch(consumer, &lease, &tp, &records).await {
+                let (at, rolled_back) = match self.try_batch(consumer, &lease, &tp, &records).await {
                     BatchOutcome::Committed => return None,
-                    BatchOutcome::Unkeyed(at) => Some(at),
+                    BatchOutcome::Unkeyed(at) => (Some(at), false),
                     BatchOutcome::RolledBack(Some(at)) => {
                         short_stops = if at < 2 { short_stops + 1 } else { 0 };
-                        Some(at)
+                        (Some(at), true)
                     }
-                    BatchOutcome::RolledBack(None) => None,
+                    BatchOutcome::RolledBack(None) => (None, true),
                 };
                 if let Some(at) = at {
                     // `window` is at least 2, so it holds the stopping record.
-                    singles = if short_stops >= 2 && at < 2 {
+                    singles = if rolled_back && short_stops >= 2 && at < 2 {
                         window = window.saturating_mul(2);
                         (window / 2).min(records.len())
                     } else {

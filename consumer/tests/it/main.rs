@@ -453,9 +453,10 @@ async fn a_poison_record_leaves_the_rest_of_its_batch_batched() {
 /// and the good records after it are batched again: 12 poison records
 /// between good ones (offsets 10 to 21). The poll after the first turn
 /// (offset 0 alone) carries offsets 1 to 31: the batch stops at the run
-/// (1), then two at its start send 2 records one by one, then 4, then 8
-/// (4 poison records and 4 good ones), and the last 6 good records commit
-/// together: 5 failed batches, and 5 transactions after the run. A batch
+/// (1), then two stops at its start (the first sends 1 record alone, the
+/// second 2 one by one), then 4, then 8 (4 poison records and 4 good
+/// ones), and the last 6 good records commit together: 5 failed batches,
+/// and 5 transactions after the run. A batch
 /// tried after each isolated record fails 12 times; all the records left
 /// sent one by one after two short stops take 10 transactions after the run.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
