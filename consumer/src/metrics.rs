@@ -41,8 +41,9 @@ pub struct Metrics {
     pub lease_losses: Counter,
     /// Reclaims put off because another member held a live lease.
     pub reclaims_deferred: Counter,
-    /// Micro-batch transactions that failed: a record's ledger row or its
-    /// handler, or the connection, `BEGIN`, the offset or the commit (an
+    /// Micro-batch transactions that failed: a record's handler, or the
+    /// connection, `BEGIN`, the partition lock, the batch's ledger rows, the
+    /// offset or the commit (an
     /// unknown commit outcome counts too). A batch stopped by a record
     /// without an effect key runs no transaction and is not counted.
     pub batches_rolled_back: Counter,
@@ -110,7 +111,7 @@ impl Metrics {
         );
         registry.register(
             "batches_rolled_back",
-            "Micro-batch transactions that failed (a record's ledger row or handler, the connection, the offset or the commit)",
+            "Micro-batch transactions that failed (a record's handler, the connection, the lock, the ledger rows, the offset or the commit)",
             m.batches_rolled_back.clone(),
         );
         registry.register("lag", "Records behind the high watermark", m.lag.clone());

@@ -126,16 +126,17 @@ pub async fn record_dead_letter(
 pub struct BatchError {
     /// What failed (its message is this error's).
     pub error: ProcessError,
-    /// The record the batch stopped at (its ledger row or its handler
-    /// failed), by index: the records before it ran without an error.
-    /// `None` when it failed before its first record (a connection,
-    /// `BEGIN`) or after its last (the offset, the commit).
+    /// The record the batch stopped at (its handler failed), by index: the
+    /// records before it ran without an error. `None` when it failed before
+    /// its first handler (a connection, `BEGIN`, the partition lock, the
+    /// batch's ledger rows) or after its last (the offset, the commit).
     pub at: Option<usize>,
 }
 
 /// Processes consecutive records of one partition in one transaction (a
-/// micro-batch): the lease is checked, each record's ledger row inserted and
-/// its handler run (duplicates skipped), and the offset after the last record
+/// micro-batch): the lease is checked and the ledger rows of all records
+/// inserted in one statement each, then each new record's handler runs in
+/// order (duplicates skipped), and the offset after the last record is
 /// stored, all committed together. Any failure rolls the whole batch back
 /// (nothing of it is written) and says which record it stopped at, if any:
 /// the caller can then batch the records before it again, isolate that one,
@@ -154,13 +155,25 @@ pub async fn process_batch(
         at: None,
     };
     let mut tx = store.begin().await.map_err(outside)?;
+    // The lock and the ledger rows are taken once for the whole batch: an
+    // error there is no record's (`at` stays `None`).
+    let entries = async {
+        store.lock_partition(tx.conn(), lease).await?;
+        let keyed: Vec<(&str, i64)> = records.iter().map(|(r, k)| (k.as_str(), r.offset)).collect();
+        store.insert_ledger_batch(tx.conn(), lease, &keyed).await
+    }
+    .await;
+    let entries = match entries {
+        Ok(entries) => entries,
+        Err(e) => {
+            let _ = tx.rollback().await;
+            return Err(outside(e));
+        }
+    };
     let mut out = Vec::with_capacity(records.len());
     let result: Result<(), ProcessError> = async {
-        for (record, key) in records {
-            match store
-                .begin_record(tx.conn(), lease, key, record.offset, "applied")
-                .await?
-            {
+        for ((record, _), entry) in records.iter().zip(entries) {
+            match entry {
                 LedgerEntry::Duplicate => out.push(Processed::Duplicate),
                 LedgerEntry::New => {
                     handler.handle(record, &mut tx).await.map_err(ProcessError::Handler)?;

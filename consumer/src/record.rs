@@ -22,6 +22,12 @@ pub struct Record {
     pub payload: Option<Vec<u8>>,
     /// Headers (the last value wins for a repeated name).
     pub headers: BTreeMap<String, Vec<u8>>,
+    /// The record's Kafka timestamp in milliseconds since the Unix epoch:
+    /// when the producer made it (`CreateTime`, the default; for the relay's
+    /// records, when it handed the row to its producer) or when the broker
+    /// appended it (`LogAppendTime`, a topic setting). `None` when the record
+    /// carries none.
+    pub timestamp: Option<i64>,
 }
 
 impl Record {
@@ -42,6 +48,7 @@ impl Record {
             key: m.key().map(<[u8]>::to_vec),
             payload: m.payload().map(<[u8]>::to_vec),
             headers,
+            timestamp: m.timestamp().to_millis(),
         }
     }
 

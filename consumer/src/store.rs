@@ -235,7 +235,7 @@ impl ConsumerStore {
     }
 
     /// Steps 1–2 of processing a record, inside the caller's transaction:
-    /// locks the partition row if `lease` is current ([`Error::LostLease`]
+    /// locks the partition row if `lease` is current ([`Error::LostPartition`]
     /// otherwise, with nothing written) and inserts the ledger row for
     /// `effect_key`, telling whether it is new or a duplicate.
     pub async fn begin_record(
@@ -246,19 +246,7 @@ impl ConsumerStore {
         offset: i64,
         outcome: &str,
     ) -> Result<LedgerEntry> {
-        let held: Option<Option<i64>> = on_conn!(conn.reborrow(), QUERIES, |c, q| {
-            sqlx::query_scalar(q.lock_partition)
-                .bind(&lease.group)
-                .bind(&lease.topic)
-                .bind(lease.partition)
-                .bind(&lease.owner)
-                .bind(lease.generation)
-                .fetch_optional(&mut *c)
-                .await?
-        });
-        if held.is_none() {
-            return Err(lease.lost());
-        }
+        self.lock_partition(conn.reborrow(), lease).await?;
         let inserted: Option<String> = on_conn!(conn, QUERIES, |c, q| {
             sqlx::query_scalar(q.insert_ledger)
                 .bind(&lease.group)
@@ -276,6 +264,76 @@ impl ConsumerStore {
         } else {
             LedgerEntry::Duplicate
         })
+    }
+
+    /// Step 1, inside the caller's transaction: locks the partition row
+    /// until commit if `lease` is current (no takeover can interleave with
+    /// the effects), [`Error::LostPartition`] otherwise, with nothing
+    /// written. A micro-batch takes it once for all its records.
+    pub async fn lock_partition(&self, conn: Conn<'_>, lease: &PartitionLease) -> Result<()> {
+        let held: Option<Option<i64>> = on_conn!(conn, QUERIES, |c, q| {
+            sqlx::query_scalar(q.lock_partition)
+                .bind(&lease.group)
+                .bind(&lease.topic)
+                .bind(lease.partition)
+                .bind(&lease.owner)
+                .bind(lease.generation)
+                .fetch_optional(&mut *c)
+                .await?
+        });
+        match held {
+            Some(_) => Ok(()),
+            None => Err(lease.lost()),
+        }
+    }
+
+    /// Step 2 for a micro-batch, after [`Self::lock_partition`] in the same
+    /// transaction: inserts the `applied` ledger rows of `records` (effect
+    /// key, offset; in record order) in one statement and tells, per record,
+    /// whether it is new or a duplicate. A key that comes twice is new only
+    /// at its first record, as if the records were inserted one by one.
+    pub async fn insert_ledger_batch(
+        &self,
+        conn: Conn<'_>,
+        lease: &PartitionLease,
+        records: &[(&str, i64)],
+    ) -> Result<Vec<LedgerEntry>> {
+        let (keys, offsets): (Vec<&str>, Vec<i64>) = records.iter().copied().unzip();
+        let inserted: Vec<String> = match conn {
+            Conn::Postgres(c) => {
+                sqlx::query_scalar(QUERIES.postgres.insert_ledger_batch)
+                    .bind(&lease.group)
+                    .bind(&keys)
+                    .bind(&offsets)
+                    .bind(&lease.topic)
+                    .bind(lease.partition)
+                    .bind("applied")
+                    .bind(self.now())
+                    .fetch_all(&mut *c)
+                    .await?
+            }
+            Conn::Sqlite(c) => {
+                let json = |v: serde_json::Value| v.to_string();
+                sqlx::query_scalar(QUERIES.sqlite.insert_ledger_batch)
+                    .bind(&lease.group)
+                    .bind(json(keys.into()))
+                    .bind(json(offsets.into()))
+                    .bind(&lease.topic)
+                    .bind(lease.partition)
+                    .bind("applied")
+                    .bind(self.now())
+                    .fetch_all(&mut *c)
+                    .await?
+            }
+        };
+        let mut new: std::collections::HashSet<String> = inserted.into_iter().collect();
+        Ok(records
+            .iter()
+            .map(|(key, _)| match new.remove(*key) {
+                true => LedgerEntry::New,
+                false => LedgerEntry::Duplicate,
+            })
+            .collect())
     }
 
     /// Step 4: stores `next_offset` with the effects, under the lease.

@@ -9,4 +9,43 @@ async fn every_consumer_query_prepares(engine: Engine) {
     ConsumerStore::new(t.ferry.clone()).check_queries().await.unwrap();
 }
 
-on_both_engines!(every_consumer_query_prepares);
+
+/// A micro-batch's ledger rows, inserted in one statement, tell each record
+/// what inserting them one by one would: a key already in the ledger, or met
+/// earlier in the batch, is a duplicate, and a repeated key's row keeps its
+/// first record's offset.
+async fn a_batch_s_ledger_rows_match_one_by_one(engine: Engine) {
+    use ferry_consumer::store::LedgerEntry::{Duplicate, New};
+    let t = TestDb::new(engine).await;
+    let store = ConsumerStore::new(t.ferry.clone());
+    let (lease, _) = store
+        .acquire_partition("g", "orders", 0, "m", std::time::Duration::from_secs(30))
+        .await
+        .unwrap();
+    let mut tx = store.begin().await.unwrap();
+    store
+        .begin_record(tx.conn(), &lease, "seen", 0, "applied")
+        .await
+        .unwrap();
+    tx.commit().await.unwrap();
+
+    let mut tx = store.begin().await.unwrap();
+    store.lock_partition(tx.conn(), &lease).await.unwrap();
+    let batch = [("a", 1), ("seen", 2), ("b", 3), ("a", 4), ("c", 5)];
+    let entries = store.insert_ledger_batch(tx.conn(), &lease, &batch).await.unwrap();
+    assert_eq!(entries, [New, Duplicate, New, Duplicate, New]);
+    tx.commit().await.unwrap();
+    let db = t.ferry.db();
+    let offset =
+        |key: &str| format!("SELECT \"offset\" FROM consumer_ledger WHERE group_id = 'g' AND effect_key = '{key}'");
+    assert_eq!(db.fetch_i64("SELECT count(*) FROM consumer_ledger").await.unwrap(), 4);
+    assert_eq!(
+        db.fetch_i64(&offset("a")).await.unwrap(),
+        1,
+        "a repeated key keeps its first record's offset"
+    );
+    assert_eq!(db.fetch_i64(&offset("b")).await.unwrap(), 3);
+    assert_eq!(db.fetch_i64(&offset("seen")).await.unwrap(), 0);
+}
+
+on_both_engines!(every_consumer_query_prepares, a_batch_s_ledger_rows_match_one_by_one);

@@ -89,7 +89,7 @@ async fn bench(brokers: &str, rt: &[Handle], warm: u64, secs: u64, rates: &[u64]
     // alone (not its key) polled every 20 ms during the drains took 11-16 s
     // per query and was itself most of the database's load.
     sqlx::query(
-        "CREATE TABLE bench_effects (run_id UUID PRIMARY KEY, created_ms BIGINT NOT NULL, completed_ms BIGINT NOT NULL, effect_ms BIGINT NOT NULL)",
+        "CREATE TABLE bench_effects (run_id UUID PRIMARY KEY, created_ms BIGINT NOT NULL, completed_ms BIGINT NOT NULL, produced_ms BIGINT NOT NULL, effect_ms BIGINT NOT NULL)",
     )
     .execute(&pool)
     .await?;
@@ -174,10 +174,10 @@ impl Handler for Effect {
                 .map_err(|_| HandlerError::terminal("bad_event_payload"))?;
             let run_id = event["run_id"].as_str().unwrap_or_default().to_owned();
             tx.execute(
-                "INSERT INTO bench_effects (run_id, created_ms, completed_ms, effect_ms) \
-                 SELECT r.run_id, r.created_at, r.updated_at, (extract(epoch FROM clock_timestamp()) * 1000)::bigint \
+                "INSERT INTO bench_effects (run_id, created_ms, completed_ms, produced_ms, effect_ms) \
+                 SELECT r.run_id, r.created_at, r.updated_at, $2, (extract(epoch FROM clock_timestamp()) * 1000)::bigint \
                  FROM runs r WHERE r.tenant = 'bench' AND r.run_id = $1::uuid ON CONFLICT DO NOTHING",
-                &[Arg::from(&run_id)],
+                &[Arg::from(&run_id), Arg::from(r.timestamp.unwrap_or(0))],
             )
             .await?;
             Ok(())
@@ -252,14 +252,30 @@ async fn step(ferry: &Ferry, pool: &PgPool, slot: &str, clk_tck: f64, rate: u64,
     let cpu1 = cpu(pool, slot).await?;
     let steady_from = t0 + 5000.min((t1 - t0) / 2);
     let steady = effects_in(steady_from, t1).fetch_one(pool).await? as f64 / ((t1 - steady_from) as f64 / 1000.0);
-    let (p50, p99, max, c50, c99, e50, e99): (i64, i64, i64, i64, i64, i64, i64) = sqlx::query_as(
+    let (p50, p99, max, c50, c99, e50, e99, k50, k99, f50, f99): (
+        i64,
+        i64,
+        i64,
+        i64,
+        i64,
+        i64,
+        i64,
+        i64,
+        i64,
+        i64,
+        i64,
+    ) = sqlx::query_as(
         "SELECT percentile_disc(0.5) WITHIN GROUP (ORDER BY effect_ms - created_ms)::bigint, \
                 percentile_disc(0.99) WITHIN GROUP (ORDER BY effect_ms - created_ms)::bigint, \
                 max(effect_ms - created_ms), \
                 percentile_disc(0.5) WITHIN GROUP (ORDER BY completed_ms - created_ms)::bigint, \
                 percentile_disc(0.99) WITHIN GROUP (ORDER BY completed_ms - created_ms)::bigint, \
                 percentile_disc(0.5) WITHIN GROUP (ORDER BY effect_ms - completed_ms)::bigint, \
-                percentile_disc(0.99) WITHIN GROUP (ORDER BY effect_ms - completed_ms)::bigint \
+                percentile_disc(0.99) WITHIN GROUP (ORDER BY effect_ms - completed_ms)::bigint, \
+                percentile_disc(0.5) WITHIN GROUP (ORDER BY produced_ms - completed_ms)::bigint, \
+                percentile_disc(0.99) WITHIN GROUP (ORDER BY produced_ms - completed_ms)::bigint, \
+                percentile_disc(0.5) WITHIN GROUP (ORDER BY effect_ms - produced_ms)::bigint, \
+                percentile_disc(0.99) WITHIN GROUP (ORDER BY effect_ms - produced_ms)::bigint \
          FROM bench_effects WHERE created_ms >= $1",
     )
     .bind(t0)
@@ -271,6 +287,7 @@ async fn step(ferry: &Ferry, pool: &PgPool, slot: &str, clk_tck: f64, rate: u64,
         n as f64 / offered_s
     );
     println!("  acceptance → completion p50 {c50} ms, p99 {c99} ms; completion → effect p50 {e50} ms, p99 {e99} ms");
+    println!("  of which completion → produced (the record's Kafka timestamp) p50 {k50} ms, p99 {k99} ms; produced → effect p50 {f50} ms, p99 {f99} ms");
     println!("  {}", uptime());
     let mut line = String::from("  CPU, % of one core over the step:");
     for (group, ticks) in &cpu1 {

@@ -209,6 +209,7 @@ mod tests {
             key: None,
             payload: None,
             headers: Default::default(),
+            timestamp: None,
         };
         let key = unkeyed_ledger_key(&record);
         assert_eq!(key, "!unkeyed/orders/0/42");

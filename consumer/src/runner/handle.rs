@@ -26,13 +26,14 @@ use crate::record::Record;
 impl Consumer {
     /// Processes a partition's records, in order: as one micro-batch
     /// transaction when it commits. When a batch stops at a record (its
-    /// ledger row or handler failed, or it has no effect key, which is seen
+    /// handler failed, or it has no effect key, which is seen
     /// before any transaction), the records before it (which ran without an
     /// error, or never ran) are batched again, that record goes alone (done,
     /// retried or dead-lettered), and the rest is batched again. Records go
-    /// one by one instead: all of them after a failure outside any record
-    /// (the connection, the offset, the commit); those up to the stopping
-    /// record when the batch before it fails too; and, while failed batches
+    /// one by one instead: all of them after a failure outside any handler
+    /// (the connection, the lock, the ledger rows, the offset, the commit);
+    /// those up to the stopping record when the batch before it fails too;
+    /// and, while failed batches
     /// keep stopping at their first or second record (failing records close
     /// together), a window of records that doubles from two each time,
     /// until a batch commits: within one poll, a run of `r` failing records
