@@ -53,6 +53,9 @@ fn main() -> Res<()> {
     let micro_batch: usize = arg("--micro-batch")
         .and_then(|v| v.parse().ok())
         .unwrap_or(ferry_consumer::DEFAULT_MICRO_BATCH);
+    // The worker's slots and claim size.
+    let slots: usize = arg("--slots").and_then(|v| v.parse().ok()).unwrap_or(200);
+    let batch: u32 = arg("--batch").and_then(|v| v.parse().ok()).unwrap_or(100);
     let rates: Vec<u64> = arg("--rates")
         .map(|v| v.split(',').filter_map(|r| r.parse().ok()).collect())
         .unwrap_or_else(|| vec![1000, 2000, 5000]);
@@ -68,14 +71,22 @@ fn main() -> Res<()> {
     let handles: Vec<Handle> = parts.iter().map(|r| r.handle().clone()).collect();
     let broker = ferry_testkit::Kafka::start();
     broker.create_topic(DEFAULT_EVENTS_TOPIC, 6);
-    let result = accept.block_on(bench(&broker.brokers(), &handles, warm, secs, &rates, micro_batch));
+    let result = accept.block_on(bench(&broker.brokers(), &handles, warm, secs, &rates, micro_batch, (slots, batch)));
     for r in parts {
         r.shutdown_timeout(Duration::from_secs(5));
     }
     result
 }
 
-async fn bench(brokers: &str, rt: &[Handle], warm: u64, secs: u64, rates: &[u64], micro_batch: usize) -> Res<()> {
+async fn bench(
+    brokers: &str,
+    rt: &[Handle],
+    warm: u64,
+    secs: u64,
+    rates: &[u64],
+    micro_batch: usize,
+    (slots, batch): (usize, u32),
+) -> Res<()> {
     let base = ferry_testkit::fresh_database_url(Engine::Postgres).await?;
     let url = |component: &str| format!("{base}&application_name=ferry_bench_pipeline_{component}");
     let ferry = Ferry::builder(url("accept"))
@@ -103,8 +114,8 @@ async fn bench(brokers: &str, rt: &[Handle], warm: u64, secs: u64, rates: &[u64]
     let worker = rt[0].spawn(async move {
         let f = Ferry::builder(u).max_connections(16).connect().await?;
         let cfg = WorkerConfig {
-            concurrency: 200,
-            batch: 100,
+            concurrency: slots,
+            batch,
             ..Default::default()
         };
         let noop = |_job: ferry::Claimed, _ctx: JobContext| async { Ok::<_, ferry::JobError>(json!({})) };
@@ -136,7 +147,7 @@ async fn bench(brokers: &str, rt: &[Handle], warm: u64, secs: u64, rates: &[u64]
 
     let measured = async {
         let clk_tck = clock_ticks()?;
-        println!("pipeline: acceptance → worker (200 slots, batch 100, no-op) → relay (WAL) → Kafka (6 partitions) → ferry-consumer (effect ledger), {secs} s per rate\n");
+        println!("pipeline: acceptance → worker ({slots} slots, batch {batch}, no-op) → relay (WAL) → Kafka (6 partitions) → ferry-consumer (effect ledger), {secs} s per rate\n");
         // Warm-up: the consumer group joins, the slot is made, the broker warms.
         step(&ferry, &pool, &slot, clk_tck, 500, warm, "warm-up").await?;
         // Statistics, as autovacuum keeps them on a running database (the
