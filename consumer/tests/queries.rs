@@ -9,7 +9,6 @@ async fn every_consumer_query_prepares(engine: Engine) {
     ConsumerStore::new(t.ferry.clone()).check_queries().await.unwrap();
 }
 
-
 /// A micro-batch's ledger rows, inserted in one statement, tell each record
 /// what inserting them one by one would: a key already in the ledger, or met
 /// earlier in the batch, is a duplicate, and a repeated key's row keeps its

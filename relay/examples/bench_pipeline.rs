@@ -71,7 +71,15 @@ fn main() -> Res<()> {
     let handles: Vec<Handle> = parts.iter().map(|r| r.handle().clone()).collect();
     let broker = ferry_testkit::Kafka::start();
     broker.create_topic(DEFAULT_EVENTS_TOPIC, 6);
-    let result = accept.block_on(bench(&broker.brokers(), &handles, warm, secs, &rates, micro_batch, (slots, batch)));
+    let result = accept.block_on(bench(
+        &broker.brokers(),
+        &handles,
+        warm,
+        secs,
+        &rates,
+        micro_batch,
+        (slots, batch),
+    ));
     for r in parts {
         r.shutdown_timeout(Duration::from_secs(5));
     }
