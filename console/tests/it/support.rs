@@ -300,6 +300,7 @@ async fn record_of(f: &ferry::Ferry, id: i64, offset: i64) -> Record {
             .iter()
             .map(|h| (h.key.to_owned(), h.value.unwrap_or_default().to_vec()))
             .collect(),
+        timestamp: None,
     }
 }
 
