@@ -1,12 +1,13 @@
 //! `ferry-consumer`: Kafka consumer-group consumers whose handler effects
 //! commit at most once per group.
 //!
-//! Each record is one database transaction: the partition lease is checked
-//! at this member's generation, the ledger row `(group, effect key)` is
-//! inserted (a duplicate skips the handler), the handler writes its effects,
-//! and `next_offset` is stored, all committed together. Kafka offsets are
-//! committed afterwards too, for lag tools, but the offset of record is the
-//! one stored with the effects.
+//! Records commit in database transactions of consecutive records of one
+//! partition (a micro-batch) or of one record: the partition lease is
+//! checked at this member's generation, the ledger rows `(group, effect
+//! key)` are inserted (a duplicate skips the handler), the handlers write
+//! their effects, and `next_offset` is stored, all committed together.
+//! Kafka offsets are committed afterwards too, for lag tools, but the offset
+//! of record is the one stored with the effects.
 //!
 //! ```no_run
 //! # async fn demo(ferry: ferry::Ferry) -> Result<(), ferry_consumer::ConsumerError> {

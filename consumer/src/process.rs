@@ -1,6 +1,7 @@
-//! One record's transaction: check the partition lease at our generation,
-//! insert the ledger row (a duplicate skips the handler), run the handler's
-//! writes, store `next_offset = offset + 1`, commit.
+//! One record's or one micro-batch's transaction: check the partition lease
+//! at our generation, insert the ledger rows (a duplicate skips the
+//! handler), run the handlers' writes, store `next_offset = last offset + 1`,
+//! commit.
 
 use crate::store::ConsumerStore;
 use crate::store::{LedgerEntry, PartitionLease};

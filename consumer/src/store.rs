@@ -298,9 +298,9 @@ impl ConsumerStore {
         lease: &PartitionLease,
         records: &[(&str, i64)],
     ) -> Result<Vec<LedgerEntry>> {
-        let (keys, offsets): (Vec<&str>, Vec<i64>) = records.iter().copied().unzip();
         let inserted: Vec<String> = match conn {
             Conn::Postgres(c) => {
+                let (keys, offsets): (Vec<&str>, Vec<i64>) = records.iter().copied().unzip();
                 sqlx::query_scalar(QUERIES.postgres.insert_ledger_batch)
                     .bind(&lease.group)
                     .bind(&keys)
@@ -313,11 +313,16 @@ impl ConsumerStore {
                     .await?
             }
             Conn::Sqlite(c) => {
-                let json = |v: serde_json::Value| v.to_string();
+                let pairs = serde_json::Value::from(
+                    records
+                        .iter()
+                        .map(|(k, o)| serde_json::json!([k, o]))
+                        .collect::<Vec<_>>(),
+                );
                 sqlx::query_scalar(QUERIES.sqlite.insert_ledger_batch)
                     .bind(&lease.group)
-                    .bind(json(keys.into()))
-                    .bind(json(offsets.into()))
+                    .bind(pairs.to_string())
+                    .bind(None::<String>)
                     .bind(&lease.topic)
                     .bind(lease.partition)
                     .bind("applied")

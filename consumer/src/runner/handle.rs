@@ -26,15 +26,15 @@ use crate::record::Record;
 impl Consumer {
     /// Processes a partition's records, in order: as one micro-batch
     /// transaction when it commits. When a batch stops at a record (its
-    /// handler failed, or it has no effect key, which is seen
-    /// before any transaction), the records before it (which ran without an
-    /// error, or never ran) are batched again, that record goes alone (done,
-    /// retried or dead-lettered), and the rest is batched again. Records go
-    /// one by one instead: all of them after a failure outside any handler
-    /// (the connection, the lock, the ledger rows, the offset, the commit);
-    /// those up to the stopping record when the batch before it fails too;
-    /// and, while failed batches
-    /// keep stopping at their first or second record (failing records close
+    /// handler failed; or, seen before any transaction, it has no effect
+    /// key or one the batch's ledger statement may refuse), the records
+    /// before it (which ran without an error, or never ran) are batched
+    /// again, that record goes alone (done, retried or dead-lettered), and
+    /// the rest is batched again. Records go one by one instead: all of them
+    /// after a failure outside any handler (the connection, the lock, the
+    /// ledger rows, the offset, the commit); those up to the stopping record
+    /// when the batch before it fails too; and, while failed batches keep
+    /// stopping at their first or second record (failing records close
     /// together), a window of records that doubles from two each time,
     /// until a batch commits: within one poll, a run of `r` failing records
     /// costs at most `ceil(log2 r) + 1` failed batches, not one per record,
@@ -60,7 +60,7 @@ impl Consumer {
             if let (Some(lease), true) = (lease, records.len() > 1) {
                 let (at, rolled_back) = match self.try_batch(consumer, &lease, &tp, &records).await {
                     BatchOutcome::Committed => return None,
-                    BatchOutcome::Unkeyed(at) => (Some(at), false),
+                    BatchOutcome::Isolated(at) => (Some(at), false),
                     BatchOutcome::RolledBack(Some(at)) => {
                         short_stops = if at < 2 { short_stops + 1 } else { 0 };
                         (Some(at), true)
@@ -140,8 +140,8 @@ impl Consumer {
                 .effect_key()
                 .or_else(|| self.b.effect_key_fn.as_ref().and_then(|f| f(r)));
             match key {
-                Some(k) => keyed.push((r, k)),
-                None => return BatchOutcome::Unkeyed(i),
+                Some(k) if batchable(&k) => keyed.push((r, k)),
+                _ => return BatchOutcome::Isolated(i),
             }
         }
         let started = Instant::now();
@@ -418,8 +418,10 @@ impl Consumer {
 enum BatchOutcome {
     /// Committed, and the offset after it sent to Kafka.
     Committed,
-    /// The first record without an effect key: nothing was tried.
-    Unkeyed(usize),
+    /// The first record the batch cannot hold: one without an effect key,
+    /// or with a key the batch's ledger statement may refuse (see
+    /// [`batchable`]). Nothing was tried; the record goes alone.
+    Isolated(usize),
     /// The transaction failed and was rolled back: nothing was written
     /// ([`BatchError::at`](crate::process::BatchError::at)).
     RolledBack(Option<usize>),
@@ -429,8 +431,20 @@ impl BatchOutcome {
     fn as_str(self) -> &'static str {
         match self {
             BatchOutcome::Committed => "committed",
-            BatchOutcome::Unkeyed(_) => "unkeyed",
+            BatchOutcome::Isolated(_) => "isolated",
             BatchOutcome::RolledBack(_) => "rolled_back",
         }
     }
+}
+
+/// Whether an effect key may go in a micro-batch's single ledger statement.
+/// A key the database refuses (a NUL byte, which PostgreSQL's text cannot
+/// hold, or one too long for the ledger's primary-key index, whose entries
+/// stop at 2,704 bytes with the group) would fail the statement for the
+/// whole batch, with no record to blame; such a record goes alone, where
+/// the refusal is its own.
+fn batchable(key: &str) -> bool {
+    /// Leaves room for the group id within the index's entry limit.
+    const MAX_BATCHED_KEY_BYTES: usize = 2048;
+    key.len() <= MAX_BATCHED_KEY_BYTES && !key.contains('\0')
 }

@@ -476,6 +476,57 @@ async fn a_run_of_poison_records_costs_a_few_failed_batches() {
     assert!(after <= 6, "the 10 records after the run took {after} transactions");
 }
 
+/// A record whose effect key the batch's ledger statement would refuse (a
+/// NUL byte) goes alone before any transaction, so it fails no batch: the
+/// records before and after it are committed together, and it is
+/// dead-lettered. Sent to the database with the batch, it would fail the
+/// whole statement with no record to blame, and the 10 records after it
+/// would go one by one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_key_the_ledger_refuses_leaves_the_rest_of_its_batch_batched() {
+    let broker = Kafka::start();
+    broker.create_topic("nul", 1);
+    broker.create_topic("nul.dlq", 1);
+    let (ferry, _) = pg().await;
+    let p = producer(&broker.brokers());
+    produce_range(&p, "nul", 1, 11).await;
+    produce(&p, "nul", "bad", Some("bad\0key")).await;
+    produce_range(&p, "nul", 12, 22).await;
+    let consumer = in_process(
+        ferry.clone(),
+        &broker.brokers(),
+        "gn",
+        "nul",
+        Assignment::CooperativeSticky,
+        "c",
+    );
+    let metrics = consumer.metrics();
+    until_at_least(
+        &ferry,
+        "SELECT COALESCE(max(next_offset), 0) FROM consumer_partitions WHERE group_id = 'gn'",
+        21,
+        Duration::from_secs(60),
+    )
+    .await;
+    consumer.stop().await;
+    assert_eq!(
+        scalar(&ferry, "SELECT count(*) FROM effects_applied WHERE applied = 1").await,
+        20
+    );
+    assert_eq!(metrics.dead_lettered.get(), 1);
+    assert_eq!(metrics.batches_rolled_back.get(), 0, "no batch held the refused key");
+    let before = ledger_transactions(&ferry, "gn", "< 10").await;
+    let after = ledger_transactions(&ferry, "gn", "> 10").await;
+    assert!(
+        before <= 3,
+        "the 10 records before the refused key took {before} transactions"
+    );
+    assert!(
+        after <= 3,
+        "the 10 records after the refused key took {after} transactions"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn ledger_retention_shorter_than_the_redelivery_window_is_refused() {
     let (ferry, _) = pg().await;
