@@ -43,9 +43,9 @@ pub struct Metrics {
     pub reclaims_deferred: Counter,
     /// Micro-batch transactions that failed: a record's handler, or the
     /// connection, `BEGIN`, the partition lock, the batch's ledger rows, the
-    /// offset or the commit (an
-    /// unknown commit outcome counts too). A batch stopped by a record
-    /// without an effect key runs no transaction and is not counted.
+    /// offset or the commit (an unknown commit outcome counts too). A batch
+    /// stopped by a record without an effect key, or with one its ledger
+    /// statement may refuse, runs no transaction and is not counted.
     pub batches_rolled_back: Counter,
     /// Records behind the high watermark, per partition.
     pub lag: Family<PartitionLabel, Gauge>,

@@ -34,7 +34,7 @@ pub enum ProcessError {
     #[error("{0}")]
     Handler(HandlerError),
     /// One of the consumer's own steps failed (taking a connection, `BEGIN`,
-    /// the partition lock, the ledger row, the offset, the commit).
+    /// the partition lock, the ledger rows, the offset, the commit).
     /// [`classify`](crate::error::classify) says whose fault it is: nearly always the
     /// infrastructure's; the record's only when its own data was refused (a
     /// deferred constraint of the handler's writes, checked at commit).

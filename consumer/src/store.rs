@@ -55,7 +55,8 @@ pub struct StoredOffset {
     pub generation: i64,
 }
 
-/// What [`ConsumerStore::begin_record`] found in the ledger.
+/// What [`ConsumerStore::begin_record`] or
+/// [`ConsumerStore::insert_ledger_batch`] found in the ledger for a record.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum LedgerEntry {
     /// First time: run the handler's effects in this transaction.

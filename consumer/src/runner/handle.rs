@@ -140,7 +140,7 @@ impl Consumer {
                 .effect_key()
                 .or_else(|| self.b.effect_key_fn.as_ref().and_then(|f| f(r)));
             match key {
-                Some(k) if batchable(&k) => keyed.push((r, k)),
+                Some(k) if batchable(&lease.group, &k) => keyed.push((r, k)),
                 _ => return BatchOutcome::Isolated(i),
             }
         }
@@ -437,14 +437,15 @@ impl BatchOutcome {
     }
 }
 
-/// Whether an effect key may go in a micro-batch's single ledger statement.
-/// A key the database refuses (a NUL byte, which PostgreSQL's text cannot
-/// hold, or one too long for the ledger's primary-key index, whose entries
-/// stop at 2,704 bytes with the group) would fail the statement for the
-/// whole batch, with no record to blame; such a record goes alone, where
-/// the refusal is its own.
-fn batchable(key: &str) -> bool {
-    /// Leaves room for the group id within the index's entry limit.
-    const MAX_BATCHED_KEY_BYTES: usize = 2048;
-    key.len() <= MAX_BATCHED_KEY_BYTES && !key.contains('\0')
+/// Whether an effect key may go in a micro-batch's single ledger statement
+/// of `group`. A key the database refuses (a NUL byte, which PostgreSQL's
+/// text cannot hold, or one too long for the ledger's primary-key index,
+/// whose entries stop at 2,704 bytes with the group id and their headers)
+/// would fail the statement for the whole batch, with no record to blame;
+/// such a record goes alone, where the refusal is its own.
+fn batchable(group: &str, key: &str) -> bool {
+    /// The group id and the key together, below the index's entry limit
+    /// with room for the entry's headers.
+    const MAX_BATCHED_LEDGER_KEY_BYTES: usize = 2600;
+    group.len() + key.len() <= MAX_BATCHED_LEDGER_KEY_BYTES && !key.contains('\0')
 }

@@ -476,34 +476,34 @@ async fn a_run_of_poison_records_costs_a_few_failed_batches() {
     assert!(after <= 6, "the 10 records after the run took {after} transactions");
 }
 
-/// A record whose effect key the batch's ledger statement would refuse (a
-/// NUL byte) goes alone before any transaction, so it fails no batch: the
-/// records before and after it are committed together, and it is
-/// dead-lettered. Sent to the database with the batch, it would fail the
-/// whole statement with no record to blame, and the 10 records after it
-/// would go one by one.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_key_the_ledger_refuses_leaves_the_rest_of_its_batch_batched() {
+/// Runs a consumer (group `group`) over 10 good records, one whose effect
+/// key is `key`, and 10 good ones, and checks that the record whose key the
+/// batch's ledger statement would refuse goes alone before any transaction,
+/// so it fails no batch: the records before and after it are committed
+/// together, and it is dead-lettered. Sent to the database with the batch,
+/// it would fail the whole statement with no record to blame, and the 10
+/// records after it would go one by one.
+async fn refused_key_between(topic: &str, group: &str, key: &str) {
     let broker = Kafka::start();
-    broker.create_topic("nul", 1);
-    broker.create_topic("nul.dlq", 1);
+    broker.create_topic(topic, 1);
+    broker.create_topic(&format!("{topic}.dlq"), 1);
     let (ferry, _) = pg().await;
     let p = producer(&broker.brokers());
-    produce_range(&p, "nul", 1, 11).await;
-    produce(&p, "nul", "bad", Some("bad\0key")).await;
-    produce_range(&p, "nul", 12, 22).await;
+    produce_range(&p, topic, 1, 11).await;
+    produce(&p, topic, "bad", Some(key)).await;
+    produce_range(&p, topic, 12, 22).await;
     let consumer = in_process(
         ferry.clone(),
         &broker.brokers(),
-        "gn",
-        "nul",
+        group,
+        topic,
         Assignment::CooperativeSticky,
         "c",
     );
     let metrics = consumer.metrics();
     until_at_least(
         &ferry,
-        "SELECT COALESCE(max(next_offset), 0) FROM consumer_partitions WHERE group_id = 'gn'",
+        &format!("SELECT COALESCE(max(next_offset), 0) FROM consumer_partitions WHERE group_id = '{group}'"),
         21,
         Duration::from_secs(60),
     )
@@ -515,8 +515,8 @@ async fn a_key_the_ledger_refuses_leaves_the_rest_of_its_batch_batched() {
     );
     assert_eq!(metrics.dead_lettered.get(), 1);
     assert_eq!(metrics.batches_rolled_back.get(), 0, "no batch held the refused key");
-    let before = ledger_transactions(&ferry, "gn", "< 10").await;
-    let after = ledger_transactions(&ferry, "gn", "> 10").await;
+    let before = ledger_transactions(&ferry, group, "< 10").await;
+    let after = ledger_transactions(&ferry, group, "> 10").await;
     assert!(
         before <= 3,
         "the 10 records before the refused key took {before} transactions"
@@ -525,6 +525,29 @@ async fn a_key_the_ledger_refuses_leaves_the_rest_of_its_batch_batched() {
         after <= 3,
         "the 10 records after the refused key took {after} transactions"
     );
+}
+
+/// A NUL byte, which PostgreSQL's text cannot hold.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_key_the_ledger_refuses_leaves_the_rest_of_its_batch_batched() {
+    refused_key_between("nul", "gn", "bad\0key").await;
+}
+
+/// A key too long for the ledger's primary-key index (2,700 bytes that do
+/// not compress: its entries stop at 2,704 bytes with the group id).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_key_too_long_for_the_ledger_s_index_leaves_the_rest_of_its_batch_batched() {
+    const ALPHABET: &[u8] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789";
+    let mut x = 0x9E37_79B9_7F4A_7C15u64;
+    let key: String = (0..2700)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            ALPHABET[(x % ALPHABET.len() as u64) as usize] as char
+        })
+        .collect();
+    refused_key_between("long", "gl", &key).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
