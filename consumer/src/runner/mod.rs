@@ -1,8 +1,9 @@
 //! The consumer loop: a `BaseConsumer` whose rebalance callback drives the
 //! partition leases (take on assign and seek to the offset stored with the
 //! effects; give back on revoke only if still ours), one transaction per
-//! micro-batch of a partition's records (or per record), retries that pause only their partition, a dead-letter topic, and
-//! asynchronous Kafka offset commits so standard lag tools keep working.
+//! micro-batch of a partition's records (or per record), retries that pause
+//! only their partition, a dead-letter topic, and asynchronous Kafka offset
+//! commits so standard lag tools keep working.
 //!
 //! The parts, each in its own file:
 //! - `builder`: [`Consumer::builder`] and the [`ConsumerBuilder`] settings;
