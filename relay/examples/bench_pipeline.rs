@@ -43,6 +43,11 @@ type Res<T> = Result<T, Box<dyn std::error::Error + Send + Sync>>;
 const COMPONENTS: [&str; 3] = ["worker", "relay", "consumer"];
 
 fn main() -> Res<()> {
+    // Components' logs on stderr, by `RUST_LOG` (nothing by default).
+    tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+        .with_writer(std::io::stderr)
+        .init();
     let args: Vec<String> = std::env::args().collect();
     let arg = |name: &str| args.iter().position(|a| a == name).and_then(|i| args.get(i + 1));
     let secs: u64 = arg("--secs").and_then(|v| v.parse().ok()).unwrap_or(20);
