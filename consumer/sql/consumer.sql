@@ -51,18 +51,15 @@ ON CONFLICT (group_id, effect_key) DO NOTHING
 RETURNING effect_key
 
 -- name: insert_ledger_batch
--- insert_ledger for a micro-batch in one statement, in record order. On
--- PostgreSQL $2 and $3 are the effect keys and offsets (arrays); on SQLite $2
--- is one JSON array of [key, offset] pairs (a join of two json_each is
--- quadratic there) and $3 is unused. A key repeated among them is inserted
--- once, with its first record's offset. Returns the keys inserted.
+-- insert_ledger for a micro-batch in one statement, in record order: $2 is
+-- a JSON array of [effect key, offset] pairs (one array, not two: a join of
+-- two json_each is quadratic on SQLite). A key repeated among them is
+-- inserted once, with its first record's offset. Returns the keys inserted.
 INSERT INTO consumer_ledger (group_id, effect_key, topic, partition, "offset", outcome, processed_at)
-SELECT $1{pg:::text}, r.effect_key, $4{pg:::text}, $5{pg:::int}, r."offset", $6{pg:::text}, {now $7}
-FROM {pg:unnest($2::text[], $3::bigint[]) WITH ORDINALITY AS r (effect_key, "offset", ord)}{sqlite:(
-    SELECT p.value ->> 0 AS effect_key, p.value ->> 1 AS "offset", p.key AS ord FROM json_each($2) AS p
-) AS r}
+SELECT $1{pg:::text}, p.value ->> 0, $3{pg:::text}, $4{pg:::int}, {pg:(}p.value ->> 1{pg:)::bigint}, $5{pg:::text}, {now $6}
+FROM {pg:jsonb_array_elements($2::jsonb) WITH ORDINALITY AS p (value, ord)}{sqlite:json_each($2) AS p}
 WHERE true
-ORDER BY r.ord
+ORDER BY {pg:p.ord}{sqlite:p.key}
 ON CONFLICT (group_id, effect_key) DO NOTHING
 RETURNING effect_key
 

@@ -299,39 +299,19 @@ impl ConsumerStore {
         lease: &PartitionLease,
         records: &[(&str, i64)],
     ) -> Result<Vec<LedgerEntry>> {
-        let inserted: Vec<String> = match conn {
-            Conn::Postgres(c) => {
-                let (keys, offsets): (Vec<&str>, Vec<i64>) = records.iter().copied().unzip();
-                sqlx::query_scalar(QUERIES.postgres.insert_ledger_batch)
-                    .bind(&lease.group)
-                    .bind(&keys)
-                    .bind(&offsets)
-                    .bind(&lease.topic)
-                    .bind(lease.partition)
-                    .bind("applied")
-                    .bind(self.now())
-                    .fetch_all(&mut *c)
-                    .await?
-            }
-            Conn::Sqlite(c) => {
-                let pairs = serde_json::Value::from(
-                    records
-                        .iter()
-                        .map(|(k, o)| serde_json::json!([k, o]))
-                        .collect::<Vec<_>>(),
-                );
-                sqlx::query_scalar(QUERIES.sqlite.insert_ledger_batch)
-                    .bind(&lease.group)
-                    .bind(pairs.to_string())
-                    .bind(None::<String>)
-                    .bind(&lease.topic)
-                    .bind(lease.partition)
-                    .bind("applied")
-                    .bind(self.now())
-                    .fetch_all(&mut *c)
-                    .await?
-            }
-        };
+        // Tuples serialize as JSON arrays: `[["key", 7], …]`.
+        let pairs = serde_json::to_string(records).map_err(|e| Error::Invariant(e.to_string()))?;
+        let inserted: Vec<String> = on_conn!(conn, QUERIES, |c, q| {
+            sqlx::query_scalar(q.insert_ledger_batch)
+                .bind(&lease.group)
+                .bind(&pairs)
+                .bind(&lease.topic)
+                .bind(lease.partition)
+                .bind("applied")
+                .bind(self.now())
+                .fetch_all(&mut *c)
+                .await?
+        });
         let mut new: std::collections::HashSet<String> = inserted.into_iter().collect();
         Ok(records
             .iter()

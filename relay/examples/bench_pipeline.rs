@@ -276,35 +276,35 @@ async fn step(ferry: &Ferry, pool: &PgPool, slot: &str, clk_tck: f64, rate: u64,
     let cpu1 = cpu(pool, slot).await?;
     let steady_from = t0 + 5000.min((t1 - t0) / 2);
     let steady = effects_in(steady_from, t1).fetch_one(pool).await? as f64 / ((t1 - steady_from) as f64 / 1000.0);
-    let (p50, p99, max, c50, c99, e50, e99, k50, k99, f50, f99): (
-        i64,
-        i64,
-        i64,
-        i64,
-        i64,
-        i64,
-        i64,
-        i64,
-        i64,
-        i64,
-        i64,
-    ) = sqlx::query_as(
-        "SELECT percentile_disc(0.5) WITHIN GROUP (ORDER BY effect_ms - created_ms)::bigint, \
-                percentile_disc(0.99) WITHIN GROUP (ORDER BY effect_ms - created_ms)::bigint, \
-                max(effect_ms - created_ms), \
-                percentile_disc(0.5) WITHIN GROUP (ORDER BY completed_ms - created_ms)::bigint, \
-                percentile_disc(0.99) WITHIN GROUP (ORDER BY completed_ms - created_ms)::bigint, \
-                percentile_disc(0.5) WITHIN GROUP (ORDER BY effect_ms - completed_ms)::bigint, \
-                percentile_disc(0.99) WITHIN GROUP (ORDER BY effect_ms - completed_ms)::bigint, \
-                percentile_disc(0.5) WITHIN GROUP (ORDER BY produced_ms - completed_ms)::bigint, \
-                percentile_disc(0.99) WITHIN GROUP (ORDER BY produced_ms - completed_ms)::bigint, \
-                percentile_disc(0.5) WITHIN GROUP (ORDER BY effect_ms - produced_ms)::bigint, \
-                percentile_disc(0.99) WITHIN GROUP (ORDER BY effect_ms - produced_ms)::bigint \
-         FROM bench_effects WHERE created_ms >= $1",
+    // p50, p99 and max of each span, from the effect rows' timestamps.
+    let spans: Vec<(String, i64, i64, i64)> = sqlx::query_as(
+        "SELECT s.span, percentile_disc(0.5) WITHIN GROUP (ORDER BY s.ms)::bigint, \
+                percentile_disc(0.99) WITHIN GROUP (ORDER BY s.ms)::bigint, max(s.ms) \
+         FROM bench_effects e CROSS JOIN LATERAL (VALUES \
+             ('accepted_effect', e.effect_ms - e.created_ms), \
+             ('accepted_completed', e.completed_ms - e.created_ms), \
+             ('completed_effect', e.effect_ms - e.completed_ms), \
+             ('completed_produced', e.produced_ms - e.completed_ms), \
+             ('produced_effect', e.effect_ms - e.produced_ms)) AS s (span, ms) \
+         WHERE e.created_ms >= $1 GROUP BY s.span",
     )
     .bind(t0)
-    .fetch_one(pool)
+    .fetch_all(pool)
     .await?;
+    let span = |name: &str| {
+        spans
+            .iter()
+            .find(|s| s.0 == name)
+            .map_or((0, 0, 0), |s| (s.1, s.2, s.3))
+    };
+    let (p50, p99, max) = span("accepted_effect");
+    let [(c50, c99, _), (e50, e99, _), (k50, k99, _), (f50, f99, _)] = [
+        "accepted_completed",
+        "completed_effect",
+        "completed_produced",
+        "produced_effect",
+    ]
+    .map(span);
     println!(
         "{name}: {n} runs, accepted {:.0}/s, effects {steady:.0}/s in the offer's steady part, \
          backlog {backlog} when it ended, drained in {drain_s:.1} s; acceptance → effect p50 {p50} ms, p99 {p99} ms, max {max} ms",
