@@ -46,6 +46,6 @@ pub mod runner;
 pub mod store;
 
 pub use error::{classify, ConsumerError, Fault, HandlerClass, HandlerError};
-pub use process::{process_batch, process_record, BatchError, ProcessError, Processed};
+pub use process::{batchable_key, process_batch, process_record, BatchError, ProcessError, Processed};
 pub use record::{Handler, Record};
 pub use runner::{Assignment, Consumer, ConsumerBuilder, DEFAULT_MICRO_BATCH};

@@ -134,6 +134,19 @@ pub struct BatchError {
     pub at: Option<usize>,
 }
 
+/// Whether an effect key may go in a micro-batch's single ledger statement
+/// of `group`. A key the database refuses (a NUL byte, which PostgreSQL's
+/// text cannot hold, or one too long for the ledger's primary-key index,
+/// whose entries stop at 2,704 bytes with the group id and their headers)
+/// would fail the statement for the whole batch, with no record to blame;
+/// such a record goes alone, where the refusal is its own.
+pub fn batchable_key(group: &str, key: &str) -> bool {
+    /// The group id and the key together, below the index's entry limit
+    /// with room for the entry's headers.
+    const MAX_BATCHED_LEDGER_KEY_BYTES: usize = 2600;
+    group.len() + key.len() <= MAX_BATCHED_LEDGER_KEY_BYTES && !key.contains('\0')
+}
+
 /// Processes consecutive records of one partition in one transaction (a
 /// micro-batch): the lease is checked and the ledger rows of all records
 /// inserted in one statement each, then each new record's handler runs in
@@ -141,7 +154,9 @@ pub struct BatchError {
 /// stored, all committed together. Any failure rolls the whole batch back
 /// (nothing of it is written) and says which record it stopped at, if any:
 /// the caller can then batch the records before it again, isolate that one,
-/// and batch the rest.
+/// and batch the rest. Every key must pass [`batchable_key`] for `lease`'s
+/// group: one that does not may fail the batch's ledger statement, which
+/// blames no record (`at` is `None`).
 pub async fn process_batch(
     store: &ConsumerStore,
     lease: &PartitionLease,

@@ -78,7 +78,8 @@ impl Record {
 /// together with the ledger row and the stored offset, or not at all.
 pub trait Handler: Send + Sync + 'static {
     /// Writes the record's effects with `tx`. Never commit or roll back `tx`,
-    /// and never write `consumer_ledger`: in a micro-batch, the ledger rows
-    /// of all its records are inserted before its first handler runs.
+    /// and never read or write `consumer_ledger`: in a micro-batch, the
+    /// ledger rows of all its records are inserted before its first handler
+    /// runs, so a row there does not mean its record's effects are done.
     fn handle<'a>(&'a self, record: &'a Record, tx: &'a mut ferry::Tx) -> BoxFuture<'a, Result<(), HandlerError>>;
 }

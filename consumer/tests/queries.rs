@@ -47,4 +47,60 @@ async fn a_batch_s_ledger_rows_match_one_by_one(engine: Engine) {
     assert_eq!(db.fetch_i64(&offset("seen")).await.unwrap(), 0);
 }
 
-on_both_engines!(every_consumer_query_prepares, a_batch_s_ledger_rows_match_one_by_one);
+/// Counts its calls; writes nothing.
+struct Count(std::sync::atomic::AtomicUsize);
+
+impl ferry_consumer::Handler for Count {
+    fn handle<'a>(
+        &'a self,
+        _record: &'a ferry_consumer::Record,
+        _tx: &'a mut ferry::Tx,
+    ) -> futures::future::BoxFuture<'a, Result<(), ferry_consumer::HandlerError>> {
+        self.0.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        Box::pin(async { Ok(()) })
+    }
+}
+
+/// A micro-batch of a member whose partition was taken over is refused at
+/// its one lock, before any ledger row or handler: the lock taken once per
+/// batch fences as the lock per record did.
+async fn a_stale_member_s_batch_writes_nothing(engine: Engine) {
+    let t = TestDb::new(engine).await;
+    let store = ConsumerStore::new(t.ferry.clone());
+    let lease = std::time::Duration::from_secs(30);
+    let (stale, _) = store.acquire_partition("g", "orders", 0, "a", lease).await.unwrap();
+    store.acquire_partition("g", "orders", 0, "b", lease).await.unwrap();
+    let records: Vec<ferry_consumer::Record> = (0..3)
+        .map(|offset| ferry_consumer::Record {
+            topic: "orders".into(),
+            partition: 0,
+            offset,
+            key: None,
+            payload: None,
+            headers: Default::default(),
+            timestamp: None,
+        })
+        .collect();
+    let keyed: Vec<(&ferry_consumer::Record, String)> = records.iter().map(|r| (r, format!("k{}", r.offset))).collect();
+    let handler = Count(Default::default());
+    let err = ferry_consumer::process_batch(&store, &stale, &keyed, &handler)
+        .await
+        .unwrap_err();
+    assert!(matches!(err.error, ferry_consumer::ProcessError::LostLease(_)), "{err}");
+    assert_eq!(err.at, None, "no record is to blame");
+    assert_eq!(handler.0.load(std::sync::atomic::Ordering::SeqCst), 0);
+    let db = t.ferry.db();
+    assert_eq!(db.fetch_i64("SELECT count(*) FROM consumer_ledger").await.unwrap(), 0);
+    assert_eq!(
+        db.fetch_i64("SELECT COALESCE(max(next_offset), -1) FROM consumer_partitions")
+            .await
+            .unwrap(),
+        -1
+    );
+}
+
+on_both_engines!(
+    every_consumer_query_prepares,
+    a_batch_s_ledger_rows_match_one_by_one,
+    a_stale_member_s_batch_writes_nothing
+);

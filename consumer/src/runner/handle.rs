@@ -20,7 +20,7 @@ use super::rebalance::LeaseContext;
 use super::retry::{PendingDeadLetter, Retry, Step};
 use super::{Consumer, Leases, TopicPartition};
 use crate::error::{classify, Fault, HandlerClass};
-use crate::process::{process_batch, process_record, ProcessError, Processed};
+use crate::process::{batchable_key, process_batch, process_record, ProcessError, Processed};
 use crate::record::Record;
 
 impl Consumer {
@@ -140,7 +140,7 @@ impl Consumer {
                 .effect_key()
                 .or_else(|| self.b.effect_key_fn.as_ref().and_then(|f| f(r)));
             match key {
-                Some(k) if batchable(&lease.group, &k) => keyed.push((r, k)),
+                Some(k) if batchable_key(&lease.group, &k) => keyed.push((r, k)),
                 _ => return BatchOutcome::Isolated(i),
             }
         }
@@ -420,7 +420,7 @@ enum BatchOutcome {
     Committed,
     /// The first record the batch cannot hold: one without an effect key,
     /// or with a key the batch's ledger statement may refuse (see
-    /// [`batchable`]). Nothing was tried; the record goes alone.
+    /// [`batchable_key`]). Nothing was tried; the record goes alone.
     Isolated(usize),
     /// The transaction failed and was rolled back: nothing was written
     /// ([`BatchError::at`](crate::process::BatchError::at)).
@@ -435,17 +435,4 @@ impl BatchOutcome {
             BatchOutcome::RolledBack(_) => "rolled_back",
         }
     }
-}
-
-/// Whether an effect key may go in a micro-batch's single ledger statement
-/// of `group`. A key the database refuses (a NUL byte, which PostgreSQL's
-/// text cannot hold, or one too long for the ledger's primary-key index,
-/// whose entries stop at 2,704 bytes with the group id and their headers)
-/// would fail the statement for the whole batch, with no record to blame;
-/// such a record goes alone, where the refusal is its own.
-fn batchable(group: &str, key: &str) -> bool {
-    /// The group id and the key together, below the index's entry limit
-    /// with room for the entry's headers.
-    const MAX_BATCHED_LEDGER_KEY_BYTES: usize = 2600;
-    group.len() + key.len() <= MAX_BATCHED_LEDGER_KEY_BYTES && !key.contains('\0')
 }
