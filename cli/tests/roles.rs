@@ -126,7 +126,7 @@ async fn each_role_is_refused_outside_its_grant() {
     assert!(relay.wal_delete_delivered(&[-1]).await.unwrap().is_empty());
     // The ledger (rows the marks above delivered: covering them again
     // changes no answer).
-    assert_eq!(relay.wal_cover_delivered(&delivered).await.unwrap(), 3);
+    assert_eq!(relay.wal_cover_delivered(&delivered, None).await.unwrap(), 3);
     assert!(relay.wal_states(&[-1]).await.unwrap().is_empty());
     // It reads the job gauges' columns (the run above has ended: no queue
     // reports)...

@@ -51,10 +51,13 @@ SELECT pg_drop_replication_slot($1)
 -- Before a slot is created: the rows committed before it are not in its
 -- stream, so the table must be read once (set before creating it, so a
 -- crash between the two leaves the flag set).
-INSERT INTO relay_wal_slots (slot, caught_up, catch_up_through, updated_at)
-VALUES ($1, false, NULL, {now $2})
+-- The new slot's stream has positions of its own: what was marked of the
+-- old one's is forgotten.
+INSERT INTO relay_wal_slots (slot, caught_up, catch_up_through, updated_at, marked_lsn)
+VALUES ($1, false, NULL, {now $2}, NULL)
 ON CONFLICT ON CONSTRAINT relay_wal_slots_pkey
-DO UPDATE SET caught_up = false, catch_up_through = NULL, updated_at = EXCLUDED.updated_at
+DO UPDATE SET caught_up = false, catch_up_through = NULL, updated_at = EXCLUDED.updated_at,
+              marked_lsn = NULL
 
 -- name: wal_slot_catch_up_bound [postgres only]
 -- Right after the slot is created: every row committed before it is visible
@@ -66,6 +69,21 @@ WHERE slot = $1
 -- name: wal_slot_catch_up [postgres only]
 -- No row means a slot this relay did not create: read the whole table.
 SELECT caught_up, catch_up_through FROM relay_wal_slots WHERE slot = $1
+
+-- name: wal_slot_marked [postgres only]
+-- The end of the last streamed transaction of slot $1 marked delivered with
+-- every one before it (0: none yet, or a slot this relay did not create).
+SELECT COALESCE((SELECT marked_lsn FROM relay_wal_slots WHERE slot = $1), 0)
+
+-- name: wal_slot_set_marked [postgres only]
+-- In the mark's transaction (or right after `--delete-on-delivery`'s
+-- deletes): the slot's stream is marked through $2. It only goes up (a
+-- frozen relay's late mark never lowers it); a slot without a row (one
+-- this relay did not create) gets one, read in full as before.
+INSERT INTO relay_wal_slots (slot, caught_up, catch_up_through, updated_at, marked_lsn)
+VALUES ($1, false, NULL, {now $3}, $2)
+ON CONFLICT ON CONSTRAINT relay_wal_slots_pkey
+DO UPDATE SET marked_lsn = GREATEST(COALESCE(relay_wal_slots.marked_lsn, 0), EXCLUDED.marked_lsn)
 
 -- name: wal_slot_set_caught_up [postgres only]
 INSERT INTO relay_wal_slots (slot, caught_up, catch_up_through, updated_at)

@@ -57,6 +57,10 @@ pub struct Metrics {
     pub registry: Registry,
     /// Rows published and acknowledged.
     pub published: Counter,
+    /// WAL capture: streamed rows delivered already (an earlier session
+    /// marked them before the slot was confirmed past them, or exactly once,
+    /// a committed Kafka transaction holds them), skipped, not produced.
+    pub wal_marked_skipped: Counter,
     /// Publish errors by code.
     pub publish_errors: Family<CodeLabel, Counter>,
     /// Rows marked dead by this relay.
@@ -119,6 +123,7 @@ impl Metrics {
         let mut root = Registry::default();
         let m = Metrics {
             published: Counter::default(),
+            wal_marked_skipped: Counter::default(),
             publish_errors: Family::default(),
             dead: Counter::default(),
             dead_rows: Gauge::default(),
@@ -148,6 +153,11 @@ impl Metrics {
             "publish_errors",
             "Publish errors by classified code",
             m.publish_errors.clone(),
+        );
+        registry.register(
+            "wal_marked_skipped",
+            "WAL capture: streamed rows delivered already (marked by an earlier session, or in a committed Kafka transaction), skipped instead of produced again",
+            m.wal_marked_skipped.clone(),
         );
         registry.register("dead", "Rows this relay marked dead", m.dead.clone());
         registry.register("dead_rows", "Dead rows in the outbox", m.dead_rows.clone());

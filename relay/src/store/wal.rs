@@ -171,7 +171,10 @@ impl RelayStore {
     /// of `ids` were not covered before (a republished
     /// duplicate counts none). A row not visible yet needs no second look:
     /// covering a committed row is correct whether or not it is visible.
-    pub async fn wal_cover_delivered(&self, ids: &[i64]) -> Result<u64> {
+    ///
+    /// With `marked`, the slot's stream is recorded as marked through that
+    /// position in the same transaction ([`Self::wal_set_marked`]).
+    pub async fn wal_cover_delivered(&self, ids: &[i64], marked: Option<(&str, u64)>) -> Result<u64> {
         let runs = crate::wal::ledger::runs(ids);
         if runs.is_empty() {
             return Ok(0);
@@ -205,8 +208,43 @@ impl RelayStore {
                 .execute(&mut *tx)
                 .await?;
         }
+        if let Some((slot, lsn)) = marked {
+            self.set_marked_in(&mut tx, slot, lsn).await?;
+        }
         tx.commit().await?;
         Ok(change.newly_covered)
+    }
+
+    /// The end of the last streamed transaction of `slot` whose rows, and
+    /// every earlier streamed transaction's, are marked (0: none yet). A
+    /// session skips the streamed transactions it covers, whatever the
+    /// slot's confirmed position says.
+    pub async fn wal_marked(&self, slot: &str) -> Result<u64> {
+        let lsn: i64 = sqlx::query_scalar(Q.wal_slot_marked)
+            .bind(slot)
+            .fetch_one(self.pg()?)
+            .await?;
+        Ok(u64::try_from(lsn).unwrap_or(0))
+    }
+
+    /// Records that the stream of `slot` is marked through `lsn` (it only
+    /// goes up). Only after the marks it stands for are committed.
+    pub async fn wal_set_marked(&self, slot: &str, lsn: u64) -> Result<()> {
+        let mut conn = self.pg()?.acquire().await?;
+        self.set_marked_in(&mut conn, slot, lsn).await
+    }
+
+    async fn set_marked_in(&self, conn: &mut sqlx::PgConnection, slot: &str, lsn: u64) -> Result<()> {
+        // A position past i64::MAX is not recorded: skipping less only
+        // costs duplicates.
+        let Ok(lsn) = i64::try_from(lsn) else { return Ok(()) };
+        sqlx::query(Q.wal_slot_set_marked)
+            .bind(slot)
+            .bind(lsn)
+            .bind(self.ferry().clock().param())
+            .execute(conn)
+            .await?;
+        Ok(())
     }
 
     /// `--delete-on-delivery`: deletes acknowledged rows `ids` in one
@@ -292,7 +330,7 @@ mod tests {
             .unwrap();
 
         let other = RelayStore::new(t.ferry.clone());
-        let covered = tokio::time::timeout(6 * IDLE_IN_TRANSACTION_LIMIT, other.wal_cover_delivered(&[1, 2]))
+        let covered = tokio::time::timeout(6 * IDLE_IN_TRANSACTION_LIMIT, other.wal_cover_delivered(&[1, 2], None))
             .await
             .expect("a mark waited on a frozen relay's lock")
             .unwrap();

@@ -100,7 +100,18 @@ impl Marks {
 /// task ends when the session drops every [`Marks`], or at the first
 /// database error (the rows stay acknowledged and unmarked; the session
 /// sees the marker gone and ends).
-pub(super) fn spawn(state: Arc<RelayState>, delete: bool, confirmed: watch::Sender<u64>) -> (Marks, JoinHandle<()>) {
+///
+/// Each mark that carries a streamed transaction's position also records
+/// it as the slot's marked position (`RelayStore::wal_marked`), in the
+/// ledger's transaction: a later session (after a SIGKILL, or a standby's)
+/// skips what is marked instead of producing it again, since the slot's
+/// confirmed position follows only at the client's next status update.
+pub(super) fn spawn(
+    state: Arc<RelayState>,
+    slot: String,
+    delete: bool,
+    confirmed: watch::Sender<u64>,
+) -> (Marks, JoinHandle<()>) {
     let (tx, mut rx) = mpsc::unbounded_channel::<(Mark, OwnedSemaphorePermit)>();
     let room = Arc::new(Semaphore::new(MARK_ROOM));
     let ended = room.clone();
@@ -117,7 +128,8 @@ pub(super) fn spawn(state: Arc<RelayState>, delete: bool, confirmed: watch::Send
                 done.extend(more.done);
                 room.push(permit);
             }
-            if let Err(e) = mark(&state, ids, delete).await {
+            let marked = lsn.filter(|_| !ids.is_empty()).map(|l| (slot.as_str(), l));
+            if let Err(e) = mark(&state, ids, marked, delete).await {
                 tracing::warn!(error = %e, code = e.code(), "marking delivered failed; ending the session (the slot is not confirmed past these rows, so the next session publishes them again)");
                 // Before the batch's room comes back: a stream waiting for
                 // it is told the marker stopped, not handed a mark that
@@ -142,14 +154,19 @@ pub(super) fn spawn(state: Arc<RelayState>, delete: bool, confirmed: watch::Send
 }
 
 /// Marks `ids` delivered: covers them in the ledger (one transaction, no
-/// outbox row written), or deletes them with `delete`. A database error is
-/// returned at once.
-async fn mark(state: &RelayState, ids: Vec<i64>, delete: bool) -> ferry::Result<()> {
+/// outbox row written), or deletes them with `delete`; then the slot's
+/// stream is marked through `marked`'s position (in the ledger's
+/// transaction; after the deletes). A database error is returned at once.
+async fn mark(state: &RelayState, ids: Vec<i64>, marked: Option<(&str, u64)>, delete: bool) -> ferry::Result<()> {
     if delete {
-        return delete_delivered(state, ids).await;
+        delete_delivered(state, ids).await?;
+        if let Some((slot, lsn)) = marked {
+            state.store.wal_set_marked(slot, lsn).await?;
+        }
+        return Ok(());
     }
     let started = Instant::now();
-    let covered = state.store.wal_cover_delivered(&ids).await?;
+    let covered = state.store.wal_cover_delivered(&ids, marked).await?;
     let t = &state.metrics.timings;
     crate::metrics::Timings::add(&t.marks, &t.mark_ns, started.elapsed());
     state.metrics.published.inc_by(covered);
@@ -259,7 +276,7 @@ mod tests {
         let id = insert_row(&mut late).await;
         let marking = {
             let state = state.clone();
-            tokio::spawn(async move { mark(&state, vec![id], true).await })
+            tokio::spawn(async move { mark(&state, vec![id], None, true).await })
         };
         // The first statement ran without seeing the row...
         let deadline = Instant::now() + Duration::from_secs(10);
@@ -288,7 +305,7 @@ mod tests {
         let pool = t.ferry.db().as_postgres().unwrap().clone();
         let mut late = pool.begin().await.unwrap();
         let id = insert_row(&mut late).await;
-        mark(&state, vec![id], false).await.unwrap();
+        mark(&state, vec![id], None, false).await.unwrap();
         let timings = &state.metrics.timings;
         assert_eq!(timings.marks.load(Ordering::Relaxed), 1);
         assert_eq!(timings.mark_retries.load(Ordering::Relaxed), 0);
@@ -316,18 +333,18 @@ mod tests {
         let pool = t.ferry.db().as_postgres().unwrap().clone();
         let store = &state.store;
         let t0 = ferry_testkit::T0;
-        assert_eq!(store.wal_cover_delivered(&[3, 1, 2, 5, 6]).await.unwrap(), 5);
+        assert_eq!(store.wal_cover_delivered(&[3, 1, 2, 5, 6], None).await.unwrap(), 5);
         assert_eq!(ranges(&pool).await, vec![(1, 3, t0), (5, 6, t0)]);
         // Republished: nothing new, nothing written.
-        assert_eq!(store.wal_cover_delivered(&[1, 2, 5]).await.unwrap(), 0);
+        assert_eq!(store.wal_cover_delivered(&[1, 2, 5], None).await.unwrap(), 0);
         assert_eq!(ranges(&pool).await, vec![(1, 3, t0), (5, 6, t0)]);
         // 999 ms later, the same second: 4 fills the hole and 7 extends.
         t.ferry.clock().advance(Duration::from_millis(999)).unwrap();
-        assert_eq!(store.wal_cover_delivered(&[4, 7, 2]).await.unwrap(), 2);
+        assert_eq!(store.wal_cover_delivered(&[4, 7, 2], None).await.unwrap(), 2);
         assert_eq!(ranges(&pool).await, vec![(1, 7, t0 + 999)]);
         // The next second: a range of its own beside it.
         t.ferry.clock().advance(Duration::from_millis(1)).unwrap();
-        assert_eq!(store.wal_cover_delivered(&[8, 9, 11]).await.unwrap(), 3);
+        assert_eq!(store.wal_cover_delivered(&[8, 9, 11], None).await.unwrap(), 3);
         assert_eq!(
             ranges(&pool).await,
             vec![(1, 7, t0 + 999), (8, 9, t0 + 1000), (11, 11, t0 + 1000)]
@@ -345,7 +362,7 @@ mod tests {
         let state = test_state(&t.ferry);
         let pool = t.ferry.db().as_postgres().unwrap().clone();
         let id = insert_row(&mut pool.acquire().await.unwrap()).await;
-        assert_eq!(state.store.wal_cover_delivered(&[id]).await.unwrap(), 1);
+        assert_eq!(state.store.wal_cover_delivered(&[id], None).await.unwrap(), 1);
         state
             .store
             .wal_note_publish_error(id, "message_too_large")
@@ -367,7 +384,7 @@ mod tests {
             .map(|k| {
                 let state = state.clone();
                 let ids: Vec<i64> = (1..=400).filter(|i| i % 4 != k % 4 || k >= 4).collect();
-                tokio::spawn(async move { state.store.wal_cover_delivered(&ids).await })
+                tokio::spawn(async move { state.store.wal_cover_delivered(&ids, None).await })
             })
             .collect();
         let mut covered = 0;
@@ -393,7 +410,7 @@ mod tests {
         let state = test_state(&t.ferry);
         t.ferry.db().as_postgres().unwrap().close().await;
         let (confirmed, _) = watch::channel(0);
-        let (marks, task) = spawn(state.clone(), false, confirmed);
+        let (marks, task) = spawn(state.clone(), "ferry_test".into(), false, confirmed);
         let all = Mark {
             ids: (1..=MARK_ROOM as i64 + 1).collect(),
             lsn: Some(1),
@@ -432,7 +449,7 @@ mod tests {
         .await
         .unwrap();
         let started = Instant::now();
-        mark(&state, vec![id], true).await.unwrap();
+        mark(&state, vec![id], None, true).await.unwrap();
         let t = &state.metrics.timings;
         assert_eq!(t.marks.load(Ordering::Relaxed), 1, "one statement ran");
         assert_eq!(

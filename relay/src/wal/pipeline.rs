@@ -54,8 +54,9 @@ struct Txn {
     /// The lowest id of its rows that failed (a catch-up page's
     /// acknowledged rows below it are marked when the session fails).
     failed_from: Option<i64>,
-    /// Exactly once: the progress record says it is in Kafka already, so
-    /// its rows are marked, never produced.
+    /// Delivered already, so its rows are marked (nothing new), never
+    /// produced: an earlier session marked it (the slot's marked position),
+    /// or, exactly once, the progress record says it is in Kafka.
     skip: bool,
     /// Its commit timestamp and when the session handled its Begin (µs
     /// since the Unix epoch), for the latency; `None` for a catch-up page.
@@ -115,6 +116,9 @@ pub(super) struct Pipeline<'a> {
     pub(super) one_at_a_time: bool,
     /// Exactly once: the session's Kafka transactions (`None`: at least once).
     eo: Option<Transactional>,
+    /// The slot's marked position when the session began: a streamed
+    /// transaction ending at or before it is skipped.
+    marked: u64,
 }
 
 impl<'a> Pipeline<'a> {
@@ -126,6 +130,7 @@ impl<'a> Pipeline<'a> {
         database_id: &'a str,
         marks: Marks,
         eo: Option<Transactional>,
+        marked: u64,
     ) -> Self {
         Pipeline {
             state,
@@ -140,6 +145,7 @@ impl<'a> Pipeline<'a> {
             failed: None,
             one_at_a_time: false,
             eo,
+            marked,
         }
     }
 
@@ -168,11 +174,13 @@ impl<'a> Pipeline<'a> {
     /// A transaction begins (its commit record at `final_lsn`, committed at
     /// `commit_us` µs since the Unix epoch), or a page of the catch-up read
     /// (`None`, `None`).
+    /// A streamed transaction is skipped when the slot's marked position or
+    /// the exactly-once progress record covers it: it ends after
+    /// `final_lsn`, and every transaction that commits later starts its
+    /// commit record at or after the end of this one's, so
+    /// `final_lsn < marked` is `end ≤ marked`.
     pub(super) fn begin(&mut self, final_lsn: Option<u64>, commit_us: Option<i64>) {
-        let skip = match (&self.eo, final_lsn) {
-            (Some(eo), Some(f)) => eo.covers(f),
-            _ => false,
-        };
+        let skip = final_lsn.is_some_and(|f| f < self.marked || self.eo.as_ref().is_some_and(|eo| eo.covers(f)));
         self.txns.push_back(Txn {
             seq: self.next_seq,
             final_lsn,
@@ -213,6 +221,11 @@ impl<'a> Pipeline<'a> {
     }
 
     async fn produce_row(&mut self, row: &PendingRow, replayed: bool) {
+        if let Some(t) = self.txns.back_mut().filter(|t| t.skip) {
+            t.acked.push(row.id);
+            self.state.metrics.wal_marked_skipped.inc();
+            return;
+        }
         if self.eo.is_some() && !self.exactly_once_produces(row, replayed).await {
             return;
         }

@@ -64,8 +64,25 @@ pub(super) async fn run(ctx: &Ctx, iso: &mut Isolation, reseed: bool, finish: &C
         },
     };
     let (confirmed_tx, mut confirmed) = watch::channel(0u64);
-    let (marks, marker_task) = marker::spawn(ctx.state.clone(), ctx.cfg.delete_on_delivery, confirmed_tx);
-    let mut pipeline = Pipeline::new(&ctx.state, &ctx.cfg, &producer, &ctx.database_id, marks, eo);
+    // What earlier sessions marked of the stream is skipped, not produced
+    // again (read once the slot streams to this session: no other session
+    // marks more of it after that, but a frozen one's late marks, which
+    // only repeat what it produced).
+    let marked = match ctx.state.store.wal_marked(&ctx.capture.slot).await {
+        Ok(m) => m,
+        Err(e) => {
+            tracing::warn!(error = %e, "reading the slot's marked position failed");
+            let _ = tokio::time::timeout(Duration::from_secs(5), client.shutdown()).await;
+            return Ended::Retry("database");
+        }
+    };
+    let (marks, marker_task) = marker::spawn(
+        ctx.state.clone(),
+        ctx.capture.slot.clone(),
+        ctx.cfg.delete_on_delivery,
+        confirmed_tx,
+    );
+    let mut pipeline = Pipeline::new(&ctx.state, &ctx.cfg, &producer, &ctx.database_id, marks, eo, marked);
     let end = match catch_up(ctx, &mut pipeline, iso, finish).await {
         Some(end) => end,
         None => stream(ctx, &mut pipeline, &mut client, &mut confirmed, iso, finish).await,

@@ -325,7 +325,7 @@ async fn covered_rows(ferry: &ferry::Ferry, n: usize) {
         // Every other id is left out of the ledger, so the ranges never
         // merge: an uncovered row of another lane.
         plain_insert(&pool, 1, "k-gap", &format!("{i}")).await;
-        store.wal_cover_delivered(&[id]).await.unwrap();
+        store.wal_cover_delivered(&[id], None).await.unwrap();
     }
 }
 
@@ -517,7 +517,7 @@ async fn a_poll_relay_refused_a_covered_row_leaves_it_delivered() {
         .await
         .unwrap();
     assert_eq!(store.pending_batch(0, 10).await.unwrap().len(), 1);
-    store.wal_cover_delivered(&[id]).await.unwrap();
+    store.wal_cover_delivered(&[id], None).await.unwrap();
     store
         .note_publish_error("relay-a", lanes[0], id, "message_too_large")
         .await
@@ -541,7 +541,7 @@ async fn covered_rows_are_not_pending_to_any_relay_read() {
     for i in 0..4 {
         ids.push(plain_insert(&pool, 0, "k", &format!("{i}")).await);
     }
-    store.wal_cover_delivered(&ids[..2]).await.unwrap();
+    store.wal_cover_delivered(&ids[..2], None).await.unwrap();
     let lanes = store
         .acquire_lanes("relay-a", Duration::from_secs(30), 1)
         .await
@@ -571,7 +571,7 @@ async fn covered_rows_are_not_pending_to_any_relay_read() {
     // Exactly once asks a streamed row's state before publishing it again.
     let states = store.wal_states(&ids[1..3]).await.unwrap();
     assert_eq!(states, vec![(ids[1], "delivered".into()), (ids[2], "pending".into())]);
-    store.wal_cover_delivered(&ids[2..]).await.unwrap();
+    store.wal_cover_delivered(&ids[2..], None).await.unwrap();
     assert!(store.pending_batch(0, 10).await.unwrap().is_empty());
     assert!(store.lanes_with_pending("relay-a").await.unwrap().is_empty());
 }
@@ -592,7 +592,7 @@ async fn retention_sweeps_covered_rows_then_their_ranges() {
     // Covered: 0-2 and 4-5; 3 pending and not covered; 6 dead; 7 marked
     // delivered by a poll relay.
     store
-        .wal_cover_delivered(&[ids[0], ids[1], ids[2], ids[4], ids[5]])
+        .wal_cover_delivered(&[ids[0], ids[1], ids[2], ids[4], ids[5]], None)
         .await
         .unwrap();
     sqlx::query("UPDATE outbox SET state = 'dead' WHERE id = $1")

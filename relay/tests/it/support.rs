@@ -149,6 +149,7 @@ impl RunningRelay {
 pub struct Record {
     pub topic: String,
     pub partition: i32,
+    pub offset: i64,
     pub key: String,
     pub payload: Vec<u8>,
     pub headers: HashMap<String, String>,
@@ -256,6 +257,7 @@ fn to_record(m: &rdkafka::message::BorrowedMessage<'_>) -> Record {
             Record {
                 topic: m.topic().to_owned(),
                 partition: m.partition(),
+                offset: m.offset(),
                 key: String::from_utf8_lossy(m.key().unwrap_or_default()).into_owned(),
                 payload: m.payload().unwrap_or_default().to_vec(),
                 headers,

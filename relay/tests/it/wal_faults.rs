@@ -5,6 +5,7 @@
 //! stop PostgreSQL run on a cluster of their own (`PgCluster`); the others
 //! stream from a slot of their own on the shared one ([`SlotGuard`]).
 
+use std::collections::{HashMap, HashSet};
 use std::time::Duration;
 
 use ferry::{Ferry, OutboxMessage};
@@ -598,4 +599,93 @@ async fn wal_a_frozen_relay_is_fenced_and_publishes_nothing_new_after_sigcont() 
     eprintln!(
         "SIGSTOP/SIGCONT: {duplicates} duplicates, {tail} of them after SIGCONT (the old relay's unconfirmed tail)"
     );
+}
+
+/// Each partition's end offset of `topic` (the next offset to be written).
+fn end_offsets(brokers: &str, topic: &str) -> HashMap<i32, i64> {
+    let c: rdkafka::consumer::BaseConsumer = rdkafka::ClientConfig::new()
+        .set("bootstrap.servers", brokers)
+        .set("group.id", format!("ends-{}", uuid::Uuid::now_v7().simple()))
+        .create()
+        .unwrap();
+    let md = c.fetch_metadata(Some(topic), Duration::from_secs(10)).unwrap();
+    md.topics()[0]
+        .partitions()
+        .iter()
+        .map(|p| {
+            let (_, high) = c.fetch_watermarks(topic, p.id(), Duration::from_secs(10)).unwrap();
+            (p.id(), high)
+        })
+        .collect()
+}
+
+/// Duplicates per SIGKILL are bounded by what was in flight, not by the
+/// slot's status-update period (issue #32). A writer enqueues without
+/// pause while a `ferry-relay` process streaming from one slot is
+/// SIGKILLed three times, a new one started each time. At each kill the
+/// rows the ledger covers are delivered: whatever the slot's confirmed
+/// position says (it follows the marks only at the client's next status
+/// update, a second apart), no later relay may produce any of them again.
+/// Only rows produced and not yet acknowledged, or acknowledged and not
+/// yet marked, may come twice. Before the slot's marked position, every
+/// restart produced again about a second of covered rows.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn wal_a_relay_sigkilled_under_load_never_produces_a_covered_row_again() {
+    let broker = Kafka::start();
+    broker.create_topic("orders", 4);
+    let (ferry, url) = pg_ferry().await;
+    let slot = SlotGuard::new().await;
+    let pool = ferry.db().as_postgres().unwrap().clone();
+    let stop = tokio_util::sync::CancellationToken::new();
+    let writer = {
+        let (ferry, stop) = (ferry.clone(), stop.clone());
+        tokio::spawn(async move {
+            let mut i = 0;
+            while !stop.is_cancelled() {
+                enqueue(&ferry, i, i + 1).await;
+                i += 1;
+            }
+            i
+        })
+    };
+    let mut kills: Vec<(HashSet<i64>, HashMap<i32, i64>)> = Vec::new();
+    let mut before = None;
+    for _ in 0..3 {
+        let mut relay = spawn_relay_process(&url, &broker.brokers(), &slot.args(), &[]);
+        before = Some(wait_for_streaming(&pool, &slot.name, before, Duration::from_secs(60)).await);
+        let delivered = scalar(&ferry, &DELIVERED).await;
+        // Under load, well past the marks of the previous kill's replay.
+        wait_for_count(&ferry, &DELIVERED, delivered + 500, Duration::from_secs(60)).await;
+        relay.kill().unwrap(); // SIGKILL
+        relay.wait().unwrap();
+        let covered: HashSet<i64> = sqlx::query_scalar(&format!("SELECT id FROM {OUTBOX} WHERE state = 'delivered'"))
+            .fetch_all(&pool)
+            .await
+            .unwrap()
+            .into_iter()
+            .collect();
+        kills.push((covered, end_offsets(&broker.brokers(), "orders")));
+    }
+    stop.cancel();
+    let written = writer.await.unwrap();
+    let last = spawn_relay_process(&url, &broker.brokers(), &slot.args(), &[]);
+    wait_for_count(&ferry, &DELIVERED, written as i64, Duration::from_secs(120)).await;
+    drop(last);
+    let recs = read_all(&broker.brokers(), "orders", false, Duration::from_secs(60)).await;
+    let duplicates = nothing_lost(&recs, &all_ids(&ferry).await);
+    for (k, (covered, ends)) in kills.iter().enumerate() {
+        let again: Vec<i64> = recs
+            .iter()
+            .filter(|r| r.offset >= ends[&r.partition] && covered.contains(&r.outbox_id()))
+            .map(|r| r.outbox_id())
+            .collect();
+        assert!(
+            again.is_empty(),
+            "kill {}: {} rows the ledger covered were produced again, e.g. {:?}",
+            k + 1,
+            again.len(),
+            &again[..again.len().min(10)]
+        );
+    }
+    eprintln!("3 SIGKILLs under load: {duplicates} duplicates in {written} rows");
 }

@@ -145,9 +145,7 @@ pub(in crate::wal) async fn take_over(
 
 impl Transactional {
     /// Whether a streamed transaction committing at `final_lsn` is in Kafka
-    /// already: it ends after `final_lsn`, and every transaction that
-    /// commits later starts its commit record at or after the end of this
-    /// one's, so `final_lsn < end_lsn` is `end ≤ end_lsn`.
+    /// already (see [`Pipeline::begin`]).
     pub(super) fn covers(&self, final_lsn: u64) -> bool {
         final_lsn < self.committed.end_lsn
     }
@@ -171,8 +169,8 @@ impl Transactional {
 }
 
 impl Pipeline<'_> {
-    /// Exactly once, before `row` is produced: whether it is. A row of a
-    /// transaction in Kafka already is only marked; a row this relay
+    /// Exactly once, before `row` is produced (a skipped transaction's rows
+    /// never reach this): whether it is. A row this relay
     /// marked dead is left out of its insert's transaction, but not out of
     /// an operator's replay of it (`replayed`: it is pending again, and the
     /// replay is where it belongs now); a streamed row the table read may have
@@ -181,10 +179,6 @@ impl Pipeline<'_> {
     /// is both streamed and read). Otherwise the Kafka transaction opens
     /// (unless open) and counts the row. False after a failure too.
     pub(super) async fn exactly_once_produces(&mut self, row: &PendingRow, replayed: bool) -> bool {
-        if let Some(t) = self.txns.back_mut().filter(|t| t.skip) {
-            t.acked.push(row.id);
-            return false;
-        }
         let Some(eo) = self.eo.as_ref() else { return true };
         if !replayed && eo.dead.contains(&row.id) {
             return false;

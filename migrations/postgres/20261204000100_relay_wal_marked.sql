@@ -1,0 +1,11 @@
+-- `--capture wal`: how far a slot's stream is marked delivered (issue #32).
+-- `marked_lsn` is the end of the last streamed transaction whose rows, and
+-- every earlier streamed transaction's, are marked (covered in the ledger or
+-- deleted), written by the marker in the transaction of its mark. The slot's
+-- confirmed position follows it only at the replication client's next status
+-- update, so a relay killed in between would have the slot stream those
+-- transactions again: a session skips every streamed transaction ending at
+-- or before `marked_lsn` instead of producing it again. NULL until the slot's
+-- first mark, and made NULL whenever the slot is made anew (its positions
+-- belong to the slot's stream; a new slot streams only what commits after it).
+ALTER TABLE relay_wal_slots ADD COLUMN marked_lsn BIGINT;
