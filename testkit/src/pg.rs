@@ -128,6 +128,88 @@ impl PgCluster {
         self.spawn();
     }
 
+    /// A synchronous streaming standby of this cluster, on a port and in a
+    /// directory of its own: `pg_basebackup -R` (WAL streamed, a fast
+    /// checkpoint) from this cluster, started, and named in this cluster's
+    /// `synchronous_standby_names`, so a commit here returns once the
+    /// standby has flushed it. Returns once the standby accepts
+    /// connections. [`PgCluster::promote`] makes it a primary.
+    pub async fn start_standby(&self) -> PgCluster {
+        let port = free_port_below_ephemeral();
+        let dir = std::env::temp_dir().join(format!("ferry-pg-{}-{port}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).expect("standby temp dir");
+        if let Some((uid, gid)) = self.run_as {
+            std::os::unix::fs::chown(&dir, Some(uid), Some(gid)).expect("chown the standby dir to postgres");
+        }
+        let mut standby = PgCluster {
+            port,
+            dir,
+            bin: self.bin.clone(),
+            run_as: self.run_as,
+            proc: None,
+        };
+        let out = standby
+            .command("pg_basebackup")
+            .arg("-D")
+            .arg(standby.data())
+            .args(["-h", "127.0.0.1", "-p", &self.port.to_string(), "-U", "postgres"])
+            .args(["-R", "-X", "stream", "-c", "fast", "--no-sync"])
+            .output()
+            .unwrap_or_else(|e| panic!("running pg_basebackup: {e}"));
+        assert!(
+            out.status.success(),
+            "pg_basebackup failed: {}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        // The standby's name on the primary: its walreceiver's
+        // application_name.
+        let auto = standby.data().join("postgresql.auto.conf");
+        let mut conf = std::fs::read_to_string(&auto).expect("postgresql.auto.conf");
+        conf = conf.replace(
+            "primary_conninfo = '",
+            "primary_conninfo = 'application_name=ferry_standby ",
+        );
+        std::fs::write(&auto, conf).expect("write postgresql.auto.conf");
+        tokio::task::block_in_place(|| standby.spawn());
+        self.configure(&[("synchronous_standby_names", "ferry_standby")]).await;
+        let mut c = <sqlx::PgConnection as sqlx::Connection>::connect(&self.url())
+            .await
+            .expect("connect to the primary");
+        let deadline = Instant::now() + READY_WITHIN;
+        loop {
+            let sync: Option<String> = sqlx::query_scalar(
+                "SELECT sync_state FROM pg_stat_replication WHERE application_name = 'ferry_standby' AND state = 'streaming'",
+            )
+            .fetch_optional(&mut c)
+            .await
+            .expect("pg_stat_replication");
+            if sync.as_deref() == Some("sync") {
+                return standby;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "the standby on port {port} never became a synchronous standby; its log:\n{}",
+                standby.log_tail(20)
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    /// Promotes this standby (`pg_promote`, which waits until it is done):
+    /// it accepts writes once this returns.
+    pub async fn promote(&self) {
+        let mut c = <sqlx::PgConnection as sqlx::Connection>::connect(&self.url())
+            .await
+            .expect("connect to the standby");
+        let promoted: bool = sqlx::query_scalar("SELECT pg_promote(true, 60)")
+            .fetch_one(&mut c)
+            .await
+            .expect("pg_promote");
+        assert!(promoted, "the standby was not promoted within 60 s");
+    }
+
     /// Sets server settings with `ALTER SYSTEM` and reloads the
     /// configuration (settings a reload applies, such as
     /// `max_slot_wal_keep_size`, `wal_sender_timeout` or
@@ -269,7 +351,8 @@ impl PgCluster {
             let status = std::fs::read_to_string(&pid_file).unwrap_or_default();
             // Line 8 is the status (PostgreSQL 10+); the file is rewritten
             // in place, so a partial read just polls again.
-            if status.lines().nth(7).map(str::trim) == Some("ready") {
+            // A hot standby says `standby` once it accepts connections.
+            if matches!(status.lines().nth(7).map(str::trim), Some("ready" | "standby")) {
                 return;
             }
             if !self.proc.as_ref().is_some_and(Watchdog::server_alive) {

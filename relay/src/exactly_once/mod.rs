@@ -96,6 +96,15 @@ pub struct WalProgress {
     /// record to the next: a streamed row at or below it may have been
     /// published by the read, so it is produced only while still pending.
     pub catch_up_through: i64,
+    /// Streamed rows in Kafka (this Kafka transaction's and earlier ones')
+    /// whose marks the session had not seen committed when it wrote this
+    /// record, as runs of ids `(lo, hi)`. A session marks those still
+    /// pending before anything else: the stream's positions mean nothing to
+    /// a slot made anew (a failover to a standby, a restore), whose table
+    /// read would otherwise publish them again. Absent in records written
+    /// before it existed.
+    #[serde(default)]
+    pub unmarked: Vec<(i64, i64)>,
 }
 
 impl WalProgress {
@@ -299,13 +308,17 @@ mod tests {
             end_lsn: 42,
             catch_up: vec![7, 9],
             catch_up_through: 9,
+            unmarked: vec![(11, 20)],
         };
         let json = serde_json::to_string(&p).unwrap();
         assert_eq!(
             json,
-            r#"{"database":"db-1","slot":"ferry_ab","end_lsn":42,"catch_up":[7,9],"catch_up_through":9}"#
+            r#"{"database":"db-1","slot":"ferry_ab","end_lsn":42,"catch_up":[7,9],"catch_up_through":9,"unmarked":[[11,20]]}"#
         );
         assert_eq!(serde_json::from_str::<WalProgress>(&json).unwrap(), p);
+        // A record written before `unmarked` existed reads as none.
+        let old = r#"{"database":"db-1","slot":"ferry_ab","end_lsn":42,"catch_up":[],"catch_up_through":9}"#;
+        assert!(serde_json::from_str::<WalProgress>(old).unwrap().unmarked.is_empty());
         assert_eq!(WalProgress::key("db-1", "ferry_ab"), "db-1:wal:ferry_ab");
         assert_ne!(WalProgress::key("db-1", "0"), Progress::key("db-1", 0));
     }

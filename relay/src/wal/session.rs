@@ -83,9 +83,15 @@ pub(super) async fn run(ctx: &Ctx, iso: &mut Isolation, reseed: bool, finish: &C
         confirmed_tx,
     );
     let mut pipeline = Pipeline::new(&ctx.state, &ctx.cfg, &producer, &ctx.database_id, marks, eo, marked);
-    let end = match catch_up(ctx, &mut pipeline, iso, finish).await {
-        Some(end) => end,
-        None => stream(ctx, &mut pipeline, &mut client, &mut confirmed, iso, finish).await,
+    // Exactly once: what the progress record holds and may be unmarked is
+    // marked first, so neither a table read nor the stream publishes it again.
+    let end = if !pipeline.mark_committed().await {
+        pipeline.failed().cloned().unwrap_or(Ended::Retry("marker_stopped"))
+    } else {
+        match catch_up(ctx, &mut pipeline, iso, finish).await {
+            Some(end) => end,
+            None => stream(ctx, &mut pipeline, &mut client, &mut confirmed, iso, finish).await,
+        }
     };
     // Wind down: settle what is in flight, mark the acknowledged prefix,
     // confirm it, and only then let the slot go.
@@ -174,11 +180,6 @@ async fn catch_up(
         }
     };
     tracing::info!(%slot, through, "publishing the rows committed before the slot from the table");
-    // Exactly once: the last page a previous session committed is marked
-    // first (each page is marked before the next one is published).
-    if !pipeline.mark_catch_up_published().await {
-        return Some(Ended::Retry("marker_stopped"));
-    }
     pipeline.forget_old_slot_position();
     let exactly_once = matches!(ctx.publisher, Publisher::Transactional(_));
     let mut after = 0;

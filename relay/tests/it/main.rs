@@ -13,4 +13,5 @@ mod relay;
 mod support;
 mod trace;
 mod wal_exactly_once;
+mod wal_failover;
 mod wal_faults;

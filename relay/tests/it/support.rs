@@ -688,3 +688,53 @@ pub async fn wait_for_count(ferry: &Ferry, sql: &str, want: i64, limit: Duration
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
+
+/// Each partition's end offset of `topic` (the next offset to be written).
+pub fn end_offsets(brokers: &str, topic: &str) -> HashMap<i32, i64> {
+    let c: rdkafka::consumer::BaseConsumer = rdkafka::ClientConfig::new()
+        .set("bootstrap.servers", brokers)
+        .set("group.id", format!("ends-{}", uuid::Uuid::now_v7().simple()))
+        .create()
+        .unwrap();
+    let md = c.fetch_metadata(Some(topic), Duration::from_secs(10)).unwrap();
+    md.topics()[0]
+        .partitions()
+        .iter()
+        .map(|p| {
+            let (_, high) = c.fetch_watermarks(topic, p.id(), Duration::from_secs(10)).unwrap();
+            (p.id(), high)
+        })
+        .collect()
+}
+
+/// The ids delivered now (marked, or covered by the ledger).
+pub async fn delivered_ids(pool: &sqlx::PgPool) -> HashSet<i64> {
+    sqlx::query_scalar(&format!("SELECT id FROM {OUTBOX} WHERE state = 'delivered'"))
+        .fetch_all(pool)
+        .await
+        .unwrap()
+        .into_iter()
+        .collect()
+}
+
+/// No record past `ends` (each partition's end offset when the relay that
+/// delivered `delivered` was gone) carries one of those rows: what was
+/// delivered is never produced again (`what` names the moment).
+pub fn assert_nothing_delivered_produced_again(
+    recs: &[Record],
+    delivered: &HashSet<i64>,
+    ends: &HashMap<i32, i64>,
+    what: &str,
+) {
+    let again: Vec<i64> = recs
+        .iter()
+        .filter(|r| r.offset >= ends[&r.partition] && delivered.contains(&r.outbox_id()))
+        .map(Record::outbox_id)
+        .collect();
+    assert!(
+        again.is_empty(),
+        "{what}: {} rows delivered before it were produced again, e.g. {:?}",
+        again.len(),
+        &again[..again.len().min(10)]
+    );
+}

@@ -5,7 +5,6 @@
 //! stop PostgreSQL run on a cluster of their own (`PgCluster`); the others
 //! stream from a slot of their own on the shared one ([`SlotGuard`]).
 
-use std::collections::{HashMap, HashSet};
 use std::time::Duration;
 
 use ferry::{Ferry, OutboxMessage};
@@ -601,24 +600,6 @@ async fn wal_a_frozen_relay_is_fenced_and_publishes_nothing_new_after_sigcont() 
     );
 }
 
-/// Each partition's end offset of `topic` (the next offset to be written).
-fn end_offsets(brokers: &str, topic: &str) -> HashMap<i32, i64> {
-    let c: rdkafka::consumer::BaseConsumer = rdkafka::ClientConfig::new()
-        .set("bootstrap.servers", brokers)
-        .set("group.id", format!("ends-{}", uuid::Uuid::now_v7().simple()))
-        .create()
-        .unwrap();
-    let md = c.fetch_metadata(Some(topic), Duration::from_secs(10)).unwrap();
-    md.topics()[0]
-        .partitions()
-        .iter()
-        .map(|p| {
-            let (_, high) = c.fetch_watermarks(topic, p.id(), Duration::from_secs(10)).unwrap();
-            (p.id(), high)
-        })
-        .collect()
-}
-
 /// Duplicates per SIGKILL are bounded by what was in flight, not by the
 /// slot's status-update period (issue #32). A writer enqueues without
 /// pause while a `ferry-relay` process streaming from one slot is
@@ -648,7 +629,7 @@ async fn wal_a_relay_sigkilled_under_load_never_produces_a_covered_row_again() {
             i
         })
     };
-    let mut kills: Vec<(HashSet<i64>, HashMap<i32, i64>)> = Vec::new();
+    let mut kills = Vec::new();
     let mut before = None;
     for _ in 0..3 {
         let mut relay = spawn_relay_process(&url, &broker.brokers(), &slot.args(), &[]);
@@ -658,13 +639,7 @@ async fn wal_a_relay_sigkilled_under_load_never_produces_a_covered_row_again() {
         wait_for_count(&ferry, &DELIVERED, delivered + 500, Duration::from_secs(60)).await;
         relay.kill().unwrap(); // SIGKILL
         relay.wait().unwrap();
-        let covered: HashSet<i64> = sqlx::query_scalar(&format!("SELECT id FROM {OUTBOX} WHERE state = 'delivered'"))
-            .fetch_all(&pool)
-            .await
-            .unwrap()
-            .into_iter()
-            .collect();
-        kills.push((covered, end_offsets(&broker.brokers(), "orders")));
+        kills.push((delivered_ids(&pool).await, end_offsets(&broker.brokers(), "orders")));
     }
     stop.cancel();
     let written = writer.await.unwrap();
@@ -673,19 +648,8 @@ async fn wal_a_relay_sigkilled_under_load_never_produces_a_covered_row_again() {
     drop(last);
     let recs = read_all(&broker.brokers(), "orders", false, Duration::from_secs(60)).await;
     let duplicates = nothing_lost(&recs, &all_ids(&ferry).await);
-    for (k, (covered, ends)) in kills.iter().enumerate() {
-        let again: Vec<i64> = recs
-            .iter()
-            .filter(|r| r.offset >= ends[&r.partition] && covered.contains(&r.outbox_id()))
-            .map(|r| r.outbox_id())
-            .collect();
-        assert!(
-            again.is_empty(),
-            "kill {}: {} rows the ledger covered were produced again, e.g. {:?}",
-            k + 1,
-            again.len(),
-            &again[..again.len().min(10)]
-        );
+    for (k, (delivered, ends)) in kills.iter().enumerate() {
+        assert_nothing_delivered_produced_again(&recs, delivered, ends, &format!("kill {}", k + 1));
     }
     eprintln!("3 SIGKILLs under load: {duplicates} duplicates in {written} rows");
 }

@@ -33,13 +33,15 @@
 //!   the dead row, so its other rows are re-sent in order and nothing
 //!   overtakes them.
 
-use std::collections::HashSet;
+use std::collections::{HashSet, VecDeque};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use rdkafka::producer::{FutureProducer, FutureRecord, Producer};
+use tokio::sync::oneshot;
 
 use super::super::connect::Ended;
+use super::super::ledger;
 use super::super::marker::{self, Mark};
 use super::super::Ctx;
 use super::Pipeline;
@@ -76,6 +78,10 @@ pub(in crate::wal) struct Transactional {
     /// A new slot's table read forgot the progress record's position (see
     /// [`Pipeline::forget_old_slot_position`]), and no record says so yet.
     forgotten: bool,
+    /// The streamed rows of this session's committed Kafka transactions
+    /// whose marks are not known to be committed, oldest first: told when
+    /// they are; until then every progress record carries their runs.
+    unconfirmed: VecDeque<(oneshot::Receiver<()>, Vec<(i64, i64)>)>,
 }
 
 /// Session start, once the slot streams to this session: the slot's
@@ -119,6 +125,7 @@ pub(in crate::wal) async fn take_over(
         end_lsn: 0,
         catch_up: Vec::new(),
         catch_up_through: 0,
+        unmarked: Vec::new(),
     });
     tracing::info!(
         %slot,
@@ -139,6 +146,7 @@ pub(in crate::wal) async fn take_over(
             staged: Vec::new(),
             dead,
             forgotten: false,
+            unconfirmed: VecDeque::new(),
         },
     ))
 }
@@ -221,23 +229,67 @@ impl Pipeline<'_> {
         false
     }
 
-    /// Exactly once, at the start of an unfinished table read: marks the
-    /// ids of its last committed page (each page is marked before the next
-    /// is published, so only that one may be unmarked); false when the
-    /// marker stopped.
-    pub(in crate::wal) async fn mark_catch_up_published(&mut self) -> bool {
+    /// Exactly once, as a session starts: marks what the last progress
+    /// record says is in Kafka and may be unmarked, before anything is
+    /// read: the ids of a table read's last committed page (each page is
+    /// marked before the next is published, so only that one may be
+    /// unmarked) and the streamed rows whose marks were not known to be
+    /// committed. Of the streamed rows, only those still pending here are
+    /// marked: after a failover, a row the old primary streamed may never
+    /// have reached this database, and its id is not this database's to
+    /// cover. False when the marker stopped or a read failed.
+    pub(in crate::wal) async fn mark_committed(&mut self) -> bool {
         let Some(eo) = self.eo.as_mut() else { return true };
-        let ids = std::mem::take(&mut eo.committed.catch_up);
-        if ids.is_empty() {
-            return true;
+        let page = std::mem::take(&mut eo.committed.catch_up);
+        let unmarked = std::mem::take(&mut eo.committed.unmarked);
+        if !page.is_empty() {
+            tracing::info!(rows = page.len(), "marking the table read's last committed page");
+            self.hand(Mark {
+                ids: page,
+                lsn: None,
+                done: None,
+            })
+            .await;
         }
-        tracing::info!(rows = ids.len(), "marking the table read's last committed page");
-        self.hand(Mark {
-            ids,
-            lsn: None,
-            done: None,
-        })
-        .await;
+        let mut marked = 0;
+        for (lo, hi) in unmarked {
+            let mut from = lo;
+            loop {
+                let to = hi.min(from.saturating_add(marker::MARK_MAX as i64 - 1));
+                let ids: Vec<i64> = (from..=to).collect();
+                let pending: Vec<i64> = match self.state.store.wal_states(&ids).await {
+                    Ok(states) => states
+                        .into_iter()
+                        .filter(|(_, s)| s == "pending")
+                        .map(|(id, _)| id)
+                        .collect(),
+                    Err(e) => {
+                        tracing::warn!(error = %e, "reading the state of rows in Kafka failed");
+                        self.fail(Ended::Retry("database"));
+                        return false;
+                    }
+                };
+                marked += pending.len();
+                if !pending.is_empty() {
+                    self.hand(Mark {
+                        ids: pending,
+                        lsn: None,
+                        done: None,
+                    })
+                    .await;
+                }
+                if to >= hi {
+                    break;
+                }
+                from = to + 1;
+            }
+        }
+        if marked > 0 {
+            tracing::info!(
+                rows = marked,
+                "marking streamed rows a committed Kafka transaction holds"
+            );
+        }
         self.flush_marks().await
     }
 
@@ -329,6 +381,7 @@ impl Pipeline<'_> {
                 .flat_map(|m| m.ids.iter().copied())
                 .collect(),
             catch_up_through: 0,
+            unmarked: Vec::new(),
         };
         let progress = WalProgress {
             catch_up_through: progress
@@ -338,6 +391,27 @@ impl Pipeline<'_> {
                 .fold(eo.committed.catch_up_through, i64::max),
             ..progress
         };
+        // The streamed rows this commit puts in Kafka, and those of earlier
+        // commits whose marks are not known to be committed yet.
+        let streamed: Vec<i64> = eo
+            .staged
+            .iter()
+            .filter(|m| m.lsn.is_some())
+            .flat_map(|m| m.ids.iter().copied())
+            .collect();
+        let streamed = ledger::runs(&streamed);
+        let eo = self.eo.as_mut().expect("exactly once");
+        while eo
+            .unconfirmed
+            .front_mut()
+            .is_some_and(|(done, _)| done.try_recv().is_ok())
+        {
+            eo.unconfirmed.pop_front();
+        }
+        let mut unmarked: Vec<(i64, i64)> = eo.unconfirmed.iter().flat_map(|(_, r)| r.iter().copied()).collect();
+        unmarked.extend(streamed.iter().copied());
+        let progress = WalProgress { unmarked, ..progress };
+        let eo = self.eo.as_ref().expect("exactly once");
         let value = serde_json::to_vec(&progress).expect("progress serializes");
         let record = FutureRecord::to(&eo.topic)
             .partition(WAL_PARTITION)
@@ -371,7 +445,14 @@ impl Pipeline<'_> {
         eo.open_since = None;
         eo.rows = 0;
         eo.bytes = 0;
-        let staged = std::mem::take(&mut eo.staged);
+        let mut staged = std::mem::take(&mut eo.staged);
+        if !streamed.is_empty() {
+            let (tx, rx) = oneshot::channel();
+            if let Some(last) = staged.last_mut() {
+                last.done = Some(tx);
+            }
+            eo.unconfirmed.push_back((rx, streamed));
+        }
         for mark in staged {
             self.hand(mark).await;
         }
