@@ -74,6 +74,23 @@ impl RelayStore {
         }
     }
 
+    /// Adds this schema's `outbox` to `publication` (one that no longer
+    /// publishes it: the table was replaced by a copy, a new relation id,
+    /// or an operator altered it). Tables already in it stay; one already
+    /// there is not an error.
+    pub async fn add_outbox_to_wal_publication(&self, publication: &str) -> Result<()> {
+        crate::config::check_identifier("publication", publication).map_err(|_| Error::InvalidInput {
+            field: "publication",
+            reason: "use 1 to 63 lowercase letters, digits and '_'".into(),
+        })?;
+        let ddl = format!("ALTER PUBLICATION {publication} ADD TABLE outbox");
+        match sqlx::query(&ddl).execute(self.pg()?).await {
+            Ok(_) => Ok(()),
+            Err(e) if sqlstate(&e).as_deref() == Some("42710") => Ok(()), // already a member
+            Err(e) => Err(e.into()),
+        }
+    }
+
     /// Slot `slot`, if it exists.
     pub async fn wal_slot(&self, slot: &str) -> Result<Option<SlotState>> {
         Ok(sqlx::query_as(Q.wal_slot).bind(slot).fetch_optional(self.pg()?).await?)

@@ -127,14 +127,30 @@ async fn prepare(ctx: &Ctx, reseed: bool, finish: &CancellationToken) -> Result<
         Ended::Retry("database")
     };
     let (found, covers) = store.wal_publication(publication).await.map_err(db)?;
+    let mut existing = store.wal_slot(slot).await.map_err(db)?;
     if !found {
         tracing::info!(%publication, "creating the publication on outbox (inserts only)");
         store.create_wal_publication(publication).await.map_err(db)?;
     } else if !covers {
-        tracing::error!(%publication, "the publication exists but does not publish this schema's outbox inserts");
-        return Err(Ended::Retry("publication_mismatch"));
+        // The outbox was replaced (a copy has a new relation id, which the
+        // publication does not follow) or the publication altered: rows
+        // written since are in no stream. The slot goes first (so a crash
+        // in between finds the publication still wrong and comes back
+        // here), then the outbox is added, and the new slot's table read
+        // publishes what is pending.
+        tracing::warn!(%publication, %slot, "the publication does not publish this schema's outbox; adding it and making the slot anew (the table is read once)");
+        if let Some(s) = existing.filter(|s| s.usable) {
+            if s.active || !store.drop_wal_slot(slot).await.map_err(db)? {
+                return Err(Ended::SlotInUse);
+            }
+            existing = None;
+        }
+        store.add_outbox_to_wal_publication(publication).await.map_err(db)?;
+        if !store.wal_publication(publication).await.map_err(db)?.1 {
+            tracing::error!(%publication, "the publication does not publish this schema's outbox inserts, even with outbox added (publish = 'insert' is off?)");
+            return Err(Ended::Retry("publication_mismatch"));
+        }
     }
-    let existing = store.wal_slot(slot).await.map_err(db)?;
     if let Some(s) = existing {
         if !s.usable {
             tracing::error!(%slot, "the slot exists but is not a pgoutput slot of this database");
@@ -260,6 +276,7 @@ async fn stream(
         received: 0,
     };
     let marker = pipeline.marker();
+    let mut check_at = tokio::time::Instant::now() + PUBLICATION_CHECK;
     loop {
         if let Some(end) = pipeline.failed() {
             return end.clone();
@@ -275,6 +292,12 @@ async fn stream(
                 client.update_applied_lsn(Lsn::from_u64(*confirmed.borrow_and_update()));
             }
             Some(settled) = pipeline.next(), if pipeline.in_flight() > 0 => pipeline.settle(settled).await,
+            _ = tokio::time::sleep_until(check_at) => {
+                check_at = tokio::time::Instant::now() + PUBLICATION_CHECK;
+                if let Some(end) = publication_lost(ctx).await {
+                    return end;
+                }
+            }
             // Exactly once: the stream paused between transactions.
             _ = tokio::time::sleep_until(commit_due.unwrap_or_else(far_future)), if commit_due.is_some() => {
                 pipeline.commit_kafka().await;
@@ -297,6 +320,29 @@ async fn stream(
                     }
                 }
             }
+        }
+    }
+}
+
+/// How often a streaming session checks that its publication still
+/// publishes this schema's outbox: a table replaced by a copy (a new
+/// relation id) leaves the publication on the old one, and the stream
+/// would carry none of the new table's rows, with no error.
+pub const PUBLICATION_CHECK: Duration = Duration::from_secs(5);
+
+/// `Some` when the publication no longer publishes this schema's outbox:
+/// the session ends and the next one's `prepare` repairs it. A failed
+/// check is logged and tried again at the next one (the stream goes on).
+async fn publication_lost(ctx: &Ctx) -> Option<Ended> {
+    match ctx.state.store.wal_publication(&ctx.capture.publication).await {
+        Ok((true, true)) => None,
+        Ok((found, _)) => {
+            tracing::warn!(publication = %ctx.capture.publication, found, "the publication no longer publishes this schema's outbox; ending the session");
+            Some(Ended::Retry("publication_lost"))
+        }
+        Err(e) => {
+            tracing::warn!(error = %e, "checking the publication failed; checking again later");
+            None
         }
     }
 }
