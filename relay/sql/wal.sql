@@ -187,3 +187,20 @@ SELECT o.id,
                                ORDER BY d.lo DESC LIMIT 1) >= o.id, false)
             THEN 'delivered' ELSE o.state END AS state
 FROM outbox o WHERE o.id {ids $1}
+
+-- name: wal_ping [postgres only]
+-- A streaming session heard nothing for a while: a non-transactional
+-- logical message ($1 names this database's pings) goes through the WAL to
+-- every slot of the database at once; the session that sees it come back
+-- knows its replication connection carries data.
+SELECT pg_logical_emit_message(false, $1, '')::text
+
+-- name: wal_end_own_walsender [postgres only]
+-- The walsender holding slot $1 for application $2: this relay's own
+-- earlier session, whose connection went silent (half-open) while the
+-- server has not noticed yet (`wal_sender_timeout`). Ended, so the slot is
+-- free at once; another relay's session is never touched.
+SELECT pg_terminate_backend(s.active_pid)
+FROM pg_replication_slots s
+JOIN pg_stat_replication r ON r.pid = s.active_pid
+WHERE s.slot_name = $1 AND r.application_name = $2

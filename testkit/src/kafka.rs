@@ -54,6 +54,10 @@ const READY_WITHIN: Duration = Duration::from_secs(90);
 pub struct Kafka {
     port: u16,
     controller_port: u16,
+    /// A second client listener `(port, advertised port)`: clients that
+    /// bootstrap through a proxy on the advertised port keep going through
+    /// it ([`Kafka::start_behind`]).
+    proxied: Option<(u16, u16)>,
     dir: PathBuf,
     proc: Option<Watchdog>,
 }
@@ -69,6 +73,24 @@ impl Kafka {
     /// [`Kafka::start`] with extra `server.properties` lines (`key`, `value`),
     /// for example `("message.max.bytes", "20000")`.
     pub fn start_with(overrides: &[(&str, &str)]) -> Kafka {
+        Self::start_on(overrides, None)
+    }
+
+    /// [`Kafka::start`] with a second client listener, on
+    /// [`Kafka::proxied_port`], that advertises `127.0.0.1:<advertised>`:
+    /// a client bootstrapping from a TCP proxy listening there (toxiproxy,
+    /// forwarding to `proxied_port`) reaches the broker only through the
+    /// proxy, metadata included. [`Kafka::brokers`] stays direct.
+    pub fn start_behind(advertised: u16) -> Kafka {
+        Self::start_on(&[], Some(advertised))
+    }
+
+    /// The port of the listener [`Kafka::start_behind`] added.
+    pub fn proxied_port(&self) -> Option<u16> {
+        self.proxied.map(|(port, _)| port)
+    }
+
+    fn start_on(overrides: &[(&str, &str)], advertised: Option<u16>) -> Kafka {
         let libs = kafka_home().join("libs");
         assert!(
             libs.join(format!("kafka_2.13-{}.jar", kafka_version())).exists(),
@@ -83,7 +105,7 @@ impl Kafka {
         let mut attempt = 0;
         loop {
             attempt += 1;
-            let mut k = Self::configure(overrides);
+            let mut k = Self::configure(overrides, advertised);
             k.format();
             match k.try_spawn() {
                 Ok(()) => return k,
@@ -96,9 +118,18 @@ impl Kafka {
 
     /// A broker's directory and `server.properties` on two free ports (not
     /// started).
-    fn configure(overrides: &[(&str, &str)]) -> Kafka {
+    fn configure(overrides: &[(&str, &str)], advertised: Option<u16>) -> Kafka {
         let port = free_port_below_ephemeral();
         let controller_port = free_port_below_ephemeral();
+        let proxied = advertised.map(|a| (free_port_below_ephemeral(), a));
+        let (listener, advertised_listener, protocol) = match proxied {
+            Some((p, a)) => (
+                format!(",PROXIED://127.0.0.1:{p}"),
+                format!(",PROXIED://127.0.0.1:{a}"),
+                ",PROXIED:PLAINTEXT",
+            ),
+            None => (String::new(), String::new(), ""),
+        };
         let dir = std::env::temp_dir().join(format!("ferry-kafka-{}-{port}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(dir.join("data")).expect("broker temp dir");
@@ -106,10 +137,10 @@ impl Kafka {
             "process.roles=broker,controller\n\
              node.id=1\n\
              controller.quorum.bootstrap.servers=127.0.0.1:{controller_port}\n\
-             listeners=PLAINTEXT://127.0.0.1:{port},CONTROLLER://127.0.0.1:{controller_port}\n\
-             advertised.listeners=PLAINTEXT://127.0.0.1:{port}\n\
+             listeners=PLAINTEXT://127.0.0.1:{port},CONTROLLER://127.0.0.1:{controller_port}{listener}\n\
+             advertised.listeners=PLAINTEXT://127.0.0.1:{port}{advertised_listener}\n\
              controller.listener.names=CONTROLLER\n\
-             listener.security.protocol.map=CONTROLLER:PLAINTEXT,PLAINTEXT:PLAINTEXT\n\
+             listener.security.protocol.map=CONTROLLER:PLAINTEXT,PLAINTEXT:PLAINTEXT{protocol}\n\
              log.dirs={data}\n\
              offsets.topic.replication.factor=1\n\
              offsets.topic.num.partitions=10\n\
@@ -131,6 +162,7 @@ impl Kafka {
         Kafka {
             port,
             controller_port,
+            proxied,
             dir,
             proc: None,
         }

@@ -2,7 +2,9 @@
 //! production binary: a real Apache Kafka broker per test ([`Kafka`]), a
 //! fresh PostgreSQL schema or SQLite file per test
 //! ([`fresh_database_url`]), a PostgreSQL cluster of a test's own that the
-//! test can stop and restart ([`PgCluster`], for database outages), and the
+//! test can stop and restart ([`PgCluster`], for database outages, with a
+//! synchronous standby to promote), a TCP fault proxy between a client and
+//! its services ([`Toxiproxy`]: half-open connections, latency, resets), and the
 //! `ferry-test-worker` binary the chaos tests SIGKILL mid-job, and the
 //! outbox's states as its readers see them with the delivered-ranges ledger
 //! ([`OUTBOX`]). Every helper
@@ -15,6 +17,7 @@ mod kafka;
 mod outbox;
 mod pg;
 mod ports;
+mod toxiproxy;
 mod watchdog;
 
 pub use db::{fresh_database_url, postgres_url, TestDbError};
@@ -22,3 +25,4 @@ pub use harness::{fresh_url, manual_clock, TestDb, T0};
 pub use kafka::*;
 pub use outbox::{assert_delivered_unwritten, outbox_states, OUTBOX};
 pub use pg::PgCluster;
+pub use toxiproxy::{Proxy, Toxiproxy};

@@ -61,6 +61,10 @@ pub struct Metrics {
     /// marked them before the slot was confirmed past them, or exactly once,
     /// a committed Kafka transaction holds them), skipped, not produced.
     pub wal_marked_skipped: Counter,
+    /// WAL capture: replication sessions ended, by why (`shutdown`,
+    /// `slot_in_use`, a reseed's or a retry's code, such as
+    /// `replication_silent` for a connection taken for dead).
+    pub wal_sessions_ended: Family<CodeLabel, Counter>,
     /// Publish errors by code.
     pub publish_errors: Family<CodeLabel, Counter>,
     /// Rows marked dead by this relay.
@@ -124,6 +128,7 @@ impl Metrics {
         let m = Metrics {
             published: Counter::default(),
             wal_marked_skipped: Counter::default(),
+            wal_sessions_ended: Family::default(),
             publish_errors: Family::default(),
             dead: Counter::default(),
             dead_rows: Gauge::default(),
@@ -158,6 +163,11 @@ impl Metrics {
             "wal_marked_skipped",
             "WAL capture: streamed rows delivered already (marked by an earlier session, or in a committed Kafka transaction), skipped instead of produced again",
             m.wal_marked_skipped.clone(),
+        );
+        registry.register(
+            "wal_sessions_ended",
+            "WAL capture: replication sessions ended, by code",
+            m.wal_sessions_ended.clone(),
         );
         registry.register("dead", "Rows this relay marked dead", m.dead.clone());
         registry.register("dead_rows", "Dead rows in the outbox", m.dead_rows.clone());
@@ -235,7 +245,14 @@ impl Metrics {
         }
     }
 
-    /// Counts a classified publish error.
+    /// Counts a WAL capture session's end under `code`.
+    pub fn wal_session_ended(&self, code: &str) {
+        self.wal_sessions_ended
+            .get_or_create(&CodeLabel { code: code.to_owned() })
+            .inc();
+    }
+
+    /// Counts a classified publish error under `code`.
     pub fn publish_error(&self, code: &str) {
         self.publish_errors
             .get_or_create(&CodeLabel { code: code.to_owned() })
@@ -465,6 +482,7 @@ mod tests {
     fn the_metric_list_matches_the_registries() {
         let relay = Metrics::new();
         relay.publish_error("broker_unreachable");
+        relay.wal_session_ended("replication_silent");
         relay.observe_latency(12);
         // Families render only once they have a member.
         relay.wal_slots.set(&[ferry::operator::WalSlot {

@@ -6,12 +6,32 @@
 //! time stream from it and only the streaming relay writes these marks.
 
 use std::future::Future;
+use std::time::Duration;
 
 use sqlx::PgPool;
 
 use super::queries::POSTGRES_ONLY as Q;
 use super::{PendingRow, PendingSqlRow, RelayStore};
 use ferry::{Error, Result};
+
+/// How long one of WAL capture's statements may go unanswered before it
+/// fails as a transient database error (`Error::Database`, an I/O timeout).
+/// A half-open connection (packets dropped, no reset) answers nothing and
+/// reports nothing: without a bound, a mark or a catch-up page sent into
+/// it would hold the session, and the relay's shutdown, for ever.
+pub const STATEMENT_BOUND: Duration = Duration::from_secs(30);
+
+/// `work` within [`STATEMENT_BOUND`]; its future (and connection) is
+/// dropped past it.
+pub(crate) async fn bounded<T>(work: impl Future<Output = Result<T>>) -> Result<T> {
+    match tokio::time::timeout(STATEMENT_BOUND, work).await {
+        Ok(r) => r,
+        Err(_) => Err(Error::Database(sqlx::Error::Io(std::io::Error::new(
+            std::io::ErrorKind::TimedOut,
+            format!("PostgreSQL did not answer within {STATEMENT_BOUND:?}"),
+        )))),
+    }
+}
 
 /// What decides the default capture mode on PostgreSQL.
 #[derive(Debug, Clone, PartialEq, Eq, sqlx::FromRow)]
@@ -46,32 +66,38 @@ impl RelayStore {
 
     /// Whether `wal_level` is `logical` and this role may replicate.
     pub async fn wal_setting(&self) -> Result<WalSetting> {
-        Ok(sqlx::query_as(Q.wal_capture_allowed).fetch_one(self.pg()?).await?)
+        bounded(async move { Ok(sqlx::query_as(Q.wal_capture_allowed).fetch_one(self.pg()?).await?) }).await
     }
 
     /// Whether `publication` exists, and whether it publishes the inserts of
     /// this schema's `outbox`.
     pub async fn wal_publication(&self, publication: &str) -> Result<(bool, bool)> {
-        Ok(sqlx::query_as(Q.wal_publication)
-            .bind(publication)
-            .fetch_one(self.pg()?)
-            .await?)
+        bounded(async move {
+            Ok(sqlx::query_as(Q.wal_publication)
+                .bind(publication)
+                .fetch_one(self.pg()?)
+                .await?)
+        })
+        .await
     }
 
     /// Creates `publication` on this schema's `outbox`, inserts only. The
     /// name is one [`crate::config::check_identifier`] accepted, so it needs
     /// no quoting. A concurrent creation by another relay is not an error.
     pub async fn create_wal_publication(&self, publication: &str) -> Result<()> {
-        crate::config::check_identifier("publication", publication).map_err(|_| Error::InvalidInput {
-            field: "publication",
-            reason: "use 1 to 63 lowercase letters, digits and '_'".into(),
-        })?;
-        let ddl = format!("CREATE PUBLICATION {publication} FOR TABLE outbox WITH (publish = 'insert')");
-        match sqlx::query(&ddl).execute(self.pg()?).await {
-            Ok(_) => Ok(()),
-            Err(e) if sqlstate(&e).as_deref() == Some("42710") => Ok(()), // duplicate_object: raced another relay
-            Err(e) => Err(e.into()),
-        }
+        bounded(async move {
+            crate::config::check_identifier("publication", publication).map_err(|_| Error::InvalidInput {
+                field: "publication",
+                reason: "use 1 to 63 lowercase letters, digits and '_'".into(),
+            })?;
+            let ddl = format!("CREATE PUBLICATION {publication} FOR TABLE outbox WITH (publish = 'insert')");
+            match sqlx::query(&ddl).execute(self.pg()?).await {
+                Ok(_) => Ok(()),
+                Err(e) if sqlstate(&e).as_deref() == Some("42710") => Ok(()), // duplicate_object: raced another relay
+                Err(e) => Err(e.into()),
+            }
+        })
+        .await
     }
 
     /// Adds this schema's `outbox` to `publication` (one that no longer
@@ -79,21 +105,24 @@ impl RelayStore {
     /// or an operator altered it). Tables already in it stay; one already
     /// there is not an error.
     pub async fn add_outbox_to_wal_publication(&self, publication: &str) -> Result<()> {
-        crate::config::check_identifier("publication", publication).map_err(|_| Error::InvalidInput {
-            field: "publication",
-            reason: "use 1 to 63 lowercase letters, digits and '_'".into(),
-        })?;
-        let ddl = format!("ALTER PUBLICATION {publication} ADD TABLE outbox");
-        match sqlx::query(&ddl).execute(self.pg()?).await {
-            Ok(_) => Ok(()),
-            Err(e) if sqlstate(&e).as_deref() == Some("42710") => Ok(()), // already a member
-            Err(e) => Err(e.into()),
-        }
+        bounded(async move {
+            crate::config::check_identifier("publication", publication).map_err(|_| Error::InvalidInput {
+                field: "publication",
+                reason: "use 1 to 63 lowercase letters, digits and '_'".into(),
+            })?;
+            let ddl = format!("ALTER PUBLICATION {publication} ADD TABLE outbox");
+            match sqlx::query(&ddl).execute(self.pg()?).await {
+                Ok(_) => Ok(()),
+                Err(e) if sqlstate(&e).as_deref() == Some("42710") => Ok(()), // already a member
+                Err(e) => Err(e.into()),
+            }
+        })
+        .await
     }
 
     /// Slot `slot`, if it exists.
     pub async fn wal_slot(&self, slot: &str) -> Result<Option<SlotState>> {
-        Ok(sqlx::query_as(Q.wal_slot).bind(slot).fetch_optional(self.pg()?).await?)
+        bounded(async move { Ok(sqlx::query_as(Q.wal_slot).bind(slot).fetch_optional(self.pg()?).await?) }).await
     }
 
     /// Creates logical slot `slot` (pgoutput), first flagging that the rows
@@ -135,12 +164,15 @@ impl RelayStore {
     /// Drops slot `slot`; `false` when a session streams from it (55006,
     /// object_in_use). A slot already gone counts as dropped.
     pub async fn drop_wal_slot(&self, slot: &str) -> Result<bool> {
-        match sqlx::query(Q.wal_drop_slot).bind(slot).execute(self.pg()?).await {
-            Ok(_) => Ok(true),
-            Err(e) if sqlstate(&e).as_deref() == Some("42704") => Ok(true), // undefined_object
-            Err(e) if sqlstate(&e).as_deref() == Some("55006") => Ok(false),
-            Err(e) => Err(e.into()),
-        }
+        bounded(async move {
+            match sqlx::query(Q.wal_drop_slot).bind(slot).execute(self.pg()?).await {
+                Ok(_) => Ok(true),
+                Err(e) if sqlstate(&e).as_deref() == Some("42704") => Ok(true), // undefined_object
+                Err(e) if sqlstate(&e).as_deref() == Some("55006") => Ok(false),
+                Err(e) => Err(e.into()),
+            }
+        })
+        .await
     }
 
     /// What is left to read from the table for `slot`: `None` when it was
@@ -148,37 +180,46 @@ impl RelayStore {
     /// (`i64::MAX` for a slot this relay did not create, or when the bound
     /// was never recorded: reading too much costs only duplicates).
     pub async fn wal_catch_up(&self, slot: &str) -> Result<Option<i64>> {
-        let found: Option<(bool, Option<i64>)> = sqlx::query_as(Q.wal_slot_catch_up)
-            .bind(slot)
-            .fetch_optional(self.pg()?)
-            .await?;
-        Ok(match found {
-            Some((true, _)) => None,
-            Some((false, through)) => Some(through.unwrap_or(i64::MAX)),
-            None => Some(i64::MAX),
+        bounded(async move {
+            let found: Option<(bool, Option<i64>)> = sqlx::query_as(Q.wal_slot_catch_up)
+                .bind(slot)
+                .fetch_optional(self.pg()?)
+                .await?;
+            Ok(match found {
+                Some((true, _)) => None,
+                Some((false, through)) => Some(through.unwrap_or(i64::MAX)),
+                None => Some(i64::MAX),
+            })
         })
+        .await
     }
 
     /// Records that the table's rows from before `slot` are published.
     pub async fn set_wal_slot_caught_up(&self, slot: &str) -> Result<()> {
-        sqlx::query(Q.wal_slot_set_caught_up)
-            .bind(slot)
-            .bind(self.ferry().clock().param())
-            .execute(self.pg()?)
-            .await?;
-        Ok(())
+        bounded(async move {
+            sqlx::query(Q.wal_slot_set_caught_up)
+                .bind(slot)
+                .bind(self.ferry().clock().param())
+                .execute(self.pg()?)
+                .await?;
+            Ok(())
+        })
+        .await
     }
 
     /// The catch-up read: up to `limit` pending rows above `after` and up
     /// to `through`, in id order.
     pub async fn pending_after(&self, after: i64, through: i64, limit: u32) -> Result<Vec<PendingRow>> {
-        let rows: Vec<PendingSqlRow> = sqlx::query_as(Q.wal_pending_after)
-            .bind(after)
-            .bind(i64::from(limit))
-            .bind(through)
-            .fetch_all(self.pg()?)
-            .await?;
-        Ok(Self::pending_rows(rows))
+        bounded(async move {
+            let rows: Vec<PendingSqlRow> = sqlx::query_as(Q.wal_pending_after)
+                .bind(after)
+                .bind(i64::from(limit))
+                .bind(through)
+                .fetch_all(self.pg()?)
+                .await?;
+            Ok(Self::pending_rows(rows))
+        })
+        .await
     }
 
     /// Records acknowledged rows `ids` as delivered in the ledger
@@ -192,44 +233,47 @@ impl RelayStore {
     /// With `marked`, the slot's stream is recorded as marked through that
     /// position in the same transaction ([`Self::wal_set_marked`]).
     pub async fn wal_cover_delivered(&self, ids: &[i64], marked: Option<(&str, u64)>) -> Result<u64> {
-        let runs = crate::wal::ledger::runs(ids);
-        if runs.is_empty() {
-            return Ok(0);
-        }
-        let mut tx = self.pg()?.begin().await?;
-        let now: i64 = sqlx::query_scalar(Q.wal_ledger_lock)
-            .bind(self.ferry().clock().param())
-            .fetch_one(&mut *tx)
-            .await?;
-        let (los, his): (Vec<i64>, Vec<i64>) = runs.iter().copied().unzip();
-        let near: Vec<crate::wal::ledger::Range> = sqlx::query_as(Q.wal_ledger_near)
-            .bind(&los)
-            .bind(&his)
-            .fetch_all(&mut *tx)
-            .await?;
-        let change = crate::wal::ledger::cover(&runs, &near, now);
-        if !change.delete.is_empty() {
-            sqlx::query(Q.wal_ledger_delete)
-                .bind(ferry::store::Ids(&change.delete))
-                .execute(&mut *tx)
+        bounded(async move {
+            let runs = crate::wal::ledger::runs(ids);
+            if runs.is_empty() {
+                return Ok(0);
+            }
+            let mut tx = self.pg()?.begin().await?;
+            let now: i64 = sqlx::query_scalar(Q.wal_ledger_lock)
+                .bind(self.ferry().clock().param())
+                .fetch_one(&mut *tx)
                 .await?;
-        }
-        if !change.insert.is_empty() {
-            let los: Vec<i64> = change.insert.iter().map(|r| r.lo).collect();
-            let his: Vec<i64> = change.insert.iter().map(|r| r.hi).collect();
-            let ats: Vec<i64> = change.insert.iter().map(|r| r.delivered_at).collect();
-            sqlx::query(Q.wal_ledger_insert)
+            let (los, his): (Vec<i64>, Vec<i64>) = runs.iter().copied().unzip();
+            let near: Vec<crate::wal::ledger::Range> = sqlx::query_as(Q.wal_ledger_near)
                 .bind(&los)
                 .bind(&his)
-                .bind(&ats)
-                .execute(&mut *tx)
+                .fetch_all(&mut *tx)
                 .await?;
-        }
-        if let Some((slot, lsn)) = marked {
-            self.set_marked_in(&mut tx, slot, lsn).await?;
-        }
-        tx.commit().await?;
-        Ok(change.newly_covered)
+            let change = crate::wal::ledger::cover(&runs, &near, now);
+            if !change.delete.is_empty() {
+                sqlx::query(Q.wal_ledger_delete)
+                    .bind(ferry::store::Ids(&change.delete))
+                    .execute(&mut *tx)
+                    .await?;
+            }
+            if !change.insert.is_empty() {
+                let los: Vec<i64> = change.insert.iter().map(|r| r.lo).collect();
+                let his: Vec<i64> = change.insert.iter().map(|r| r.hi).collect();
+                let ats: Vec<i64> = change.insert.iter().map(|r| r.delivered_at).collect();
+                sqlx::query(Q.wal_ledger_insert)
+                    .bind(&los)
+                    .bind(&his)
+                    .bind(&ats)
+                    .execute(&mut *tx)
+                    .await?;
+            }
+            if let Some((slot, lsn)) = marked {
+                self.set_marked_in(&mut tx, slot, lsn).await?;
+            }
+            tx.commit().await?;
+            Ok(change.newly_covered)
+        })
+        .await
     }
 
     /// The end of the last streamed transaction of `slot` whose rows, and
@@ -237,18 +281,24 @@ impl RelayStore {
     /// session skips the streamed transactions it covers, whatever the
     /// slot's confirmed position says.
     pub async fn wal_marked(&self, slot: &str) -> Result<u64> {
-        let lsn: i64 = sqlx::query_scalar(Q.wal_slot_marked)
-            .bind(slot)
-            .fetch_one(self.pg()?)
-            .await?;
-        Ok(u64::try_from(lsn).unwrap_or(0))
+        bounded(async move {
+            let lsn: i64 = sqlx::query_scalar(Q.wal_slot_marked)
+                .bind(slot)
+                .fetch_one(self.pg()?)
+                .await?;
+            Ok(u64::try_from(lsn).unwrap_or(0))
+        })
+        .await
     }
 
     /// Records that the stream of `slot` is marked through `lsn` (it only
     /// goes up). Only after the marks it stands for are committed.
     pub async fn wal_set_marked(&self, slot: &str, lsn: u64) -> Result<()> {
-        let mut conn = self.pg()?.acquire().await?;
-        self.set_marked_in(&mut conn, slot, lsn).await
+        bounded(async move {
+            let mut conn = self.pg()?.acquire().await?;
+            self.set_marked_in(&mut conn, slot, lsn).await
+        })
+        .await
     }
 
     async fn set_marked_in(&self, conn: &mut sqlx::PgConnection, slot: &str, lsn: u64) -> Result<()> {
@@ -268,52 +318,91 @@ impl RelayStore {
     /// statement; returns the ids it deleted (rows no longer pending, or not
     /// visible yet, are left alone).
     pub async fn wal_delete_delivered(&self, ids: &[i64]) -> Result<Vec<i64>> {
-        if ids.is_empty() {
-            return Ok(Vec::new());
-        }
-        Ok(sqlx::query_scalar(Q.wal_delete_delivered)
-            .bind(ferry::store::Ids(ids))
-            .fetch_all(self.pg()?)
-            .await?)
+        bounded(async move {
+            if ids.is_empty() {
+                return Ok(Vec::new());
+            }
+            Ok(sqlx::query_scalar(Q.wal_delete_delivered)
+                .bind(ferry::store::Ids(ids))
+                .fetch_all(self.pg()?)
+                .await?)
+        })
+        .await
     }
 
     /// The rows of `ids` visible now, with their state (`pending`,
     /// `delivered`, `dead`) as every reader sees it: a pending row the
     /// ledger covers is `delivered`.
     pub async fn wal_states(&self, ids: &[i64]) -> Result<Vec<(i64, String)>> {
-        Ok(sqlx::query_as(Q.wal_states)
-            .bind(ferry::store::Ids(ids))
-            .fetch_all(self.pg()?)
-            .await?)
+        bounded(async move {
+            Ok(sqlx::query_as(Q.wal_states)
+                .bind(ferry::store::Ids(ids))
+                .fetch_all(self.pg()?)
+                .await?)
+        })
+        .await
     }
 
     /// Marks row `id`, which Kafka refused alone, dead with `code`.
     pub async fn wal_mark_dead(&self, id: i64, code: &str) -> Result<()> {
-        sqlx::query(Q.wal_mark_dead)
-            .bind(id)
-            .bind(code)
-            .execute(self.pg()?)
-            .await?;
-        Ok(())
+        bounded(async move {
+            sqlx::query(Q.wal_mark_dead)
+                .bind(id)
+                .bind(code)
+                .execute(self.pg()?)
+                .await?;
+            Ok(())
+        })
+        .await
     }
 
     /// The announced rows `ids` that are still pending, in id order.
     pub async fn pending_ids(&self, ids: &[i64]) -> Result<Vec<PendingRow>> {
-        let rows: Vec<PendingSqlRow> = sqlx::query_as(Q.wal_pending_ids)
-            .bind(ferry::store::Ids(ids))
-            .fetch_all(self.pg()?)
-            .await?;
-        Ok(Self::pending_rows(rows))
+        bounded(async move {
+            let rows: Vec<PendingSqlRow> = sqlx::query_as(Q.wal_pending_ids)
+                .bind(ferry::store::Ids(ids))
+                .fetch_all(self.pg()?)
+                .await?;
+            Ok(Self::pending_rows(rows))
+        })
+        .await
+    }
+
+    /// Sends a ping through the WAL: a non-transactional logical message
+    /// with prefix `prefix`, streamed to every slot of the database.
+    pub async fn wal_ping(&self, prefix: &str) -> Result<()> {
+        bounded(async move {
+            sqlx::query(Q.wal_ping).bind(prefix).execute(self.pg()?).await?;
+            Ok(())
+        })
+        .await
+    }
+
+    /// Ends the walsender that holds `slot` for `application_name` (this
+    /// relay's own earlier session, gone silent); whether one was ended.
+    pub async fn wal_end_own_walsender(&self, slot: &str, application_name: &str) -> Result<bool> {
+        bounded(async move {
+            let ended: Vec<bool> = sqlx::query_scalar(Q.wal_end_own_walsender)
+                .bind(slot)
+                .bind(application_name)
+                .fetch_all(self.pg()?)
+                .await?;
+            Ok(ended.into_iter().any(|e| e))
+        })
+        .await
     }
 
     /// Records a failed publish of row `id` (attempt count and code).
     pub async fn wal_note_publish_error(&self, id: i64, code: &str) -> Result<()> {
-        sqlx::query(Q.wal_note_publish_error)
-            .bind(id)
-            .bind(code)
-            .execute(self.pg()?)
-            .await?;
-        Ok(())
+        bounded(async move {
+            sqlx::query(Q.wal_note_publish_error)
+                .bind(id)
+                .bind(code)
+                .execute(self.pg()?)
+                .await?;
+            Ok(())
+        })
+        .await
     }
 }
 

@@ -107,6 +107,21 @@ pub enum Ended {
     Fatal,
 }
 
+impl Ended {
+    /// The code a session's end is counted under
+    /// (`ferry_relay_wal_sessions_ended_total`).
+    pub fn code(&self) -> &'static str {
+        match self {
+            Ended::Shutdown => "shutdown",
+            Ended::SlotInUse => "slot_in_use",
+            Ended::Reseed(code) | Ended::Retry(code) => code,
+            Ended::Isolate { .. } => "isolate",
+            Ended::Aborted => "aborted",
+            Ended::Fatal => "fatal",
+        }
+    }
+}
+
 /// The classification of a replication client error. PostgreSQL's errors
 /// carry their SQLSTATE in the client's message (`… (SQLSTATE 55006)`);
 /// codes not named here are `unclassified` and retried, never guessed at.

@@ -67,6 +67,9 @@ pub struct WalCapture {
     pub schema: String,
     /// The replication connection's settings.
     pub replication: pgwire_replication::ReplicationConfig,
+    /// The replication connection's `application_name` (`ferry-relay
+    /// <relay id>`): how the relay finds its own earlier walsender.
+    pub application_name: String,
 }
 
 /// The default slot (and publication) name: `ferry_` and the first 12 hex
@@ -123,14 +126,15 @@ pub async fn plan(cfg: &RelayConfig, store: &RelayStore, owner: &str) -> Result<
         None => default_slot(&store.ferry().database_id().await?),
     };
     let publication = cfg.publication.clone().unwrap_or_else(|| slot.clone());
-    let replication =
-        connect::replication_config(&cfg.database_url, &slot, &publication, &format!("ferry-relay {owner}"))?;
+    let application_name = format!("ferry-relay {owner}");
+    let replication = connect::replication_config(&cfg.database_url, &slot, &publication, &application_name)?;
     tracing::info!(%slot, %publication, "capture: wal");
     Ok(Some(WalCapture {
         slot,
         publication,
         schema: setting.schema,
         replication,
+        application_name,
     }))
 }
 
@@ -199,6 +203,7 @@ pub async fn run(
     let mut reseed = false;
     while !finish.is_cancelled() {
         let ended = session::run(&ctx, &mut iso, reseed, &finish).await;
+        ctx.state.metrics.wal_session_ended(ended.code());
         reseed = false;
         let wait = match ended {
             Ended::Shutdown => break,
@@ -208,11 +213,31 @@ pub async fn run(
                 break;
             }
             Ended::SlotInUse => {
-                // A standby: healthy, waiting for the slot.
+                // A standby: healthy, waiting for the slot; unless the
+                // session holding it is this relay's own earlier one, whose
+                // connection died without the server noticing yet.
                 ctx.state.ready.store(true, std::sync::atomic::Ordering::Relaxed);
-                tracing::debug!(slot = %ctx.capture.slot, "the slot is in use; standing by");
                 backoff = crate::lane::retry_backoff();
-                ctx.cfg.lease / 3
+                let capture = &ctx.capture;
+                match ctx
+                    .state
+                    .store
+                    .wal_end_own_walsender(&capture.slot, &capture.application_name)
+                    .await
+                {
+                    Ok(true) => {
+                        tracing::warn!(slot = %capture.slot, "ended this relay's own earlier walsender, which still held the slot");
+                        Duration::ZERO
+                    }
+                    Ok(false) => {
+                        tracing::debug!(slot = %capture.slot, "the slot is in use; standing by");
+                        ctx.cfg.lease / 3
+                    }
+                    Err(e) => {
+                        tracing::warn!(error = %e, "looking for this relay's own earlier walsender failed");
+                        ctx.cfg.lease / 3
+                    }
+                }
             }
             Ended::Reseed(why) => {
                 tracing::warn!(slot = %ctx.capture.slot, why, "the slot cannot go on; making it anew");

@@ -43,13 +43,21 @@ pub(super) async fn run(ctx: &Ctx, iso: &mut Isolation, reseed: bool, finish: &C
         .replication
         .clone()
         .with_feedback_observer(FeedbackObserver::new(move |_| observed.notify_waiters()));
-    let mut client = match ReplicationClient::connect(repl).await {
-        Ok(c) => c,
-        Err(e) => return classify(&e),
+    // Bounded: a half-open network accepts the connection and answers
+    // nothing.
+    let started = tokio::time::timeout(CONNECT_BOUND, async {
+        let mut client = ReplicationClient::connect(repl).await?;
+        client.wait_started().await?;
+        Ok::<_, pgwire_replication::PgWireError>(client)
+    });
+    let mut client = match started.await {
+        Ok(Ok(c)) => c,
+        Ok(Err(e)) => return classify(&e),
+        Err(_) => {
+            tracing::warn!(bound = ?CONNECT_BOUND, "the replication connection did not start streaming in time");
+            return Ended::Retry("replication_connect_timeout");
+        }
     };
-    if let Err(e) = client.wait_started().await {
-        return classify(&e);
-    }
     ctx.state.ready.store(true, std::sync::atomic::Ordering::Relaxed);
     tracing::info!(slot = %ctx.capture.slot, "streaming from the replication slot");
     // Exactly once: only now, with the slot ours, fence earlier producers.
@@ -99,13 +107,21 @@ pub(super) async fn run(ctx: &Ctx, iso: &mut Isolation, reseed: bool, finish: &C
     let clean = end == Ended::Shutdown && pipeline.failed().is_none();
     iso.dead.extend(pipeline.close_kafka(clean).await);
     drop(pipeline);
-    let _ = marker_task.await;
+    // The marker's last statement may be stuck on a dead connection (its
+    // bound is 30 s): what it did not commit stays unmarked and the slot
+    // before it, so it is given a while and then dropped.
+    let mut marker_task = marker_task;
+    if tokio::time::timeout(PING_WAIT, &mut marker_task).await.is_err() {
+        tracing::warn!("the marker's last mark did not finish in time; dropped (its rows stay unmarked)");
+        marker_task.abort();
+    }
     let last = *confirmed.borrow_and_update();
     if last > 0 {
         client.update_applied_lsn(Lsn::from_u64(last));
     }
     let deadline = tokio::time::Instant::now() + STATUS_INTERVAL * 3;
-    while client.feedback_pending_since().is_some() && client.is_running() {
+    let dead = end == Ended::Retry("replication_silent");
+    while !dead && client.feedback_pending_since().is_some() && client.is_running() {
         if tokio::time::timeout_at(deadline, sent.notified()).await.is_err() {
             break;
         }
@@ -277,11 +293,23 @@ async fn stream(
     };
     let marker = pipeline.marker();
     let mut check_at = tokio::time::Instant::now() + PUBLICATION_CHECK;
+    let ping = format!("ferry.ping.{}", ctx.database_id);
+    // Silence: nothing heard while reading until `silent_at`; then a ping
+    // through the WAL, and if that does not come back either, the
+    // connection is taken for dead.
+    let mut silent_at = tokio::time::Instant::now() + SILENCE;
+    let mut pinged = false;
     loop {
         if let Some(end) = pipeline.failed() {
             return end.clone();
         }
         let read = reading(pipeline);
+        if !read {
+            // Not reading is this side's wait (Kafka, the marker), not
+            // the connection's silence.
+            silent_at = tokio::time::Instant::now() + SILENCE;
+            pinged = false;
+        }
         let commit_due = pipeline.commit_due();
         let waiting = std::time::Instant::now();
         tokio::select! {
@@ -292,6 +320,25 @@ async fn stream(
                 client.update_applied_lsn(Lsn::from_u64(*confirmed.borrow_and_update()));
             }
             Some(settled) = pipeline.next(), if pipeline.in_flight() > 0 => pipeline.settle(settled).await,
+            _ = tokio::time::sleep_until(silent_at), if read => {
+                if pinged {
+                    tracing::warn!(silent_for = ?(SILENCE + PING_WAIT), "the replication connection carried nothing, not even a ping through the WAL; taking it for dead (half-open)");
+                    return Ended::Retry("replication_silent");
+                }
+                match tokio::time::timeout(PING_WAIT, ctx.state.store.wal_ping(&ping)).await {
+                    Ok(Ok(())) => {}
+                    Ok(Err(e)) => {
+                        tracing::warn!(error = %e, "sending a ping through the WAL failed");
+                        return Ended::Retry("database");
+                    }
+                    Err(_) => {
+                        tracing::warn!(bound = ?PING_WAIT, "PostgreSQL did not take a ping through the WAL in time");
+                        return Ended::Retry("database");
+                    }
+                }
+                pinged = true;
+                silent_at = tokio::time::Instant::now() + PING_WAIT;
+            }
             _ = tokio::time::sleep_until(check_at) => {
                 check_at = tokio::time::Instant::now() + PUBLICATION_CHECK;
                 if let Some(end) = publication_lost(ctx).await {
@@ -303,6 +350,8 @@ async fn stream(
                 pipeline.commit_kafka().await;
             }
             event = client.recv(), if read => {
+                silent_at = tokio::time::Instant::now() + SILENCE;
+                pinged = false;
                 if let Err(end) = events.handle(ctx, pipeline, iso, event, Some(waiting)).await {
                     return end;
                 }
@@ -324,6 +373,18 @@ async fn stream(
     }
 }
 
+/// How long a streaming session may hear nothing from its replication
+/// connection (no row, no keepalive) before it sends a ping through the WAL
+/// (`pg_logical_emit_message`, one small record while the database is
+/// quiet)...
+pub const SILENCE: Duration = Duration::from_secs(10);
+/// ...and how long the ping may take to come back before the connection is
+/// taken for dead and the session ends: a half-open connection (packets
+/// dropped, no reset) is noticed within `SILENCE + PING_WAIT`, 20 s.
+pub const PING_WAIT: Duration = Duration::from_secs(10);
+/// How long connecting and starting to stream may take.
+pub const CONNECT_BOUND: Duration = Duration::from_secs(30);
+
 /// How often a streaming session checks that its publication still
 /// publishes this schema's outbox: a table replaced by a copy (a new
 /// relation id) leaves the publication on the old one, and the stream
@@ -332,17 +393,23 @@ pub const PUBLICATION_CHECK: Duration = Duration::from_secs(5);
 
 /// `Some` when the publication no longer publishes this schema's outbox:
 /// the session ends and the next one's `prepare` repairs it. A failed
-/// check is logged and tried again at the next one (the stream goes on).
+/// check is logged and tried again at the next one (the stream goes on);
+/// one unanswered for [`PING_WAIT`] ends the session as the database's
+/// (the stream waits for it meanwhile).
 async fn publication_lost(ctx: &Ctx) -> Option<Ended> {
-    match ctx.state.store.wal_publication(&ctx.capture.publication).await {
-        Ok((true, true)) => None,
-        Ok((found, _)) => {
+    match tokio::time::timeout(PING_WAIT, ctx.state.store.wal_publication(&ctx.capture.publication)).await {
+        Ok(Ok((true, true))) => None,
+        Ok(Ok((found, _))) => {
             tracing::warn!(publication = %ctx.capture.publication, found, "the publication no longer publishes this schema's outbox; ending the session");
             Some(Ended::Retry("publication_lost"))
         }
-        Err(e) => {
+        Ok(Err(e)) => {
             tracing::warn!(error = %e, "checking the publication failed; checking again later");
             None
+        }
+        Err(_) => {
+            tracing::warn!(bound = ?PING_WAIT, "PostgreSQL did not answer the publication check in time");
+            Some(Ended::Retry("database"))
         }
     }
 }

@@ -15,3 +15,4 @@ mod trace;
 mod wal_exactly_once;
 mod wal_failover;
 mod wal_faults;
+mod wal_network;

@@ -81,8 +81,12 @@ pub(in crate::wal) struct Transactional {
     /// The streamed rows of this session's committed Kafka transactions
     /// whose marks are not known to be committed, oldest first: told when
     /// they are; until then every progress record carries their runs.
-    unconfirmed: VecDeque<(oneshot::Receiver<()>, Vec<(i64, i64)>)>,
+    unconfirmed: VecDeque<Unconfirmed>,
 }
+
+/// A committed Kafka transaction's streamed rows (runs of ids), and the
+/// marker's word once they are marked.
+type Unconfirmed = (oneshot::Receiver<()>, Vec<(i64, i64)>);
 
 /// Session start, once the slot streams to this session: the slot's
 /// transactional producer (which fences every earlier one) and its last
