@@ -121,6 +121,20 @@ FROM relay_wal_slots w
 LEFT JOIN pg_replication_slots s ON s.slot_name = w.slot
 ORDER BY w.slot
 
+-- name: wal_failover [postgres only]
+-- Whether the slots WAL capture made survive a failover: the server's
+-- version (failover slots are PostgreSQL 17's), `synchronized_standby_slots`
+-- (the physical slots of the standbys that must confirm WAL before a
+-- logical slot's reader gets it; NULL before 17), and each present slot's
+-- `failover` flag (read through to_jsonb: the column is 17's).
+SELECT current_setting('server_version_num')::int AS version,
+       NULLIF(current_setting('synchronized_standby_slots', true), '') AS synchronized_standby_slots,
+       COALESCE(array_agg(w.slot ORDER BY w.slot) FILTER (WHERE s.slot_name IS NOT NULL
+                AND NOT COALESCE((to_jsonb(s) ->> 'failover')::boolean, false)), ARRAY[]::text[]) AS not_failover,
+       count(s.slot_name) AS present
+FROM relay_wal_slots w
+LEFT JOIN pg_replication_slots s ON s.slot_name = w.slot
+
 -- name: wal_keep_size [postgres only]
 -- `max_slot_wal_keep_size` in bytes, -1 when unbounded (a slot then holds
 -- WAL for ever while its relay is gone).

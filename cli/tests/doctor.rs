@@ -166,10 +166,11 @@ const RELAY_CHECKS: [&str; 4] = [
 
 /// The WAL capture checks: `[ok]` on PostgreSQL without a bad slot,
 /// `[skip]` on SQLite.
-const WAL_CHECKS: [&str; 4] = [
+const WAL_CHECKS: [&str; 5] = [
     "wal_slot_inactive",
     "wal_slot_lag",
     "wal_slot_wal_status",
+    "wal_slot_not_synchronized",
     "wal_keep_size_unbounded",
 ];
 
@@ -456,7 +457,7 @@ async fn doctor_reports_an_inactive_wal_slot() {
         slot: slot.clone(),
     };
     assert!(RelayStore::new(t.ferry.clone())
-        .create_wal_slot(&slot, std::future::pending())
+        .create_wal_slot(&slot, false, std::future::pending())
         .await
         .unwrap());
     // The shared cluster may leave max_slot_wal_keep_size unbounded: then

@@ -2,7 +2,8 @@
 //! the test's own (it changes `max_slot_wal_keep_size` and invalidates a
 //! slot): nothing where no relay made a slot; an inactive slot, a slot
 //! holding WAL back, and an unbounded `max_slot_wal_keep_size`, warn; a lost
-//! slot warns.
+//! slot warns; before PostgreSQL 17 the failover check says what a failover
+//! costs (no slot can be synchronised).
 
 use ferry::Ferry;
 use ferry_cli::doctor::{Finding, RelayThresholds, Severity};
@@ -42,7 +43,7 @@ async fn doctor_warns_about_slots_that_hold_wal_back() {
     // A slot no relay streams from, and WAL written since it was made.
     let store = RelayStore::new(ferry.clone());
     assert!(store
-        .create_wal_slot("ferry_doctor", std::future::pending())
+        .create_wal_slot("ferry_doctor", false, std::future::pending())
         .await
         .unwrap());
     sqlx::raw_sql("CREATE TABLE filler AS SELECT generate_series(1, 1000) AS n")
@@ -84,6 +85,24 @@ async fn doctor_warns_about_slots_that_hold_wal_back() {
     ] {
         let sev = f.iter().find(|x| x.check == w).unwrap().severity;
         assert_eq!(sev, Severity::Warning, "{w}");
+    }
+    // PostgreSQL 15 has no failover slots: the check says what a failover
+    // costs instead of warning.
+    let failover = f.iter().find(|x| x.check == "wal_slot_not_synchronized").unwrap();
+    let version = ferry.operator().wal_failover().await.unwrap().version;
+    if version < 170_000 {
+        assert!(
+            failover.skipped.is_some_and(|why| why.contains("makes the slot anew")),
+            "{failover:?}"
+        );
+    } else {
+        assert!(
+            failover
+                .items
+                .iter()
+                .any(|i| i.contains("synchronized_standby_slots is empty")),
+            "{failover:?}"
+        );
     }
     let roomy = relay_findings(&ferry, i64::MAX).await;
     assert!(items(&roomy, "wal_slot_lag").is_empty(), "below the threshold");

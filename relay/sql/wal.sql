@@ -9,7 +9,8 @@
 -- Whether this role may stream logical replication here, and whose outbox it reads.
 SELECT current_setting('wal_level') = 'logical' AS logical,
        (r.rolreplication OR r.rolsuper) AS may_replicate,
-       current_schema()::text AS schema
+       current_schema()::text AS schema,
+       current_setting('server_version_num')::int AS version
 FROM pg_roles r WHERE r.rolname = current_user
 
 -- name: wal_publication [postgres only]

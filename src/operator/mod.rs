@@ -16,7 +16,7 @@ use crate::runs::Accepted;
 use crate::{Ferry, Result, Role};
 
 pub use outbox::{Backlog, DeadFilter, DeadRow};
-pub use relays::{CaptureState, LaneOwner, LiveRelay, WalSlot};
+pub use relays::{CaptureState, LaneOwner, LiveRelay, WalFailover, WalSlot};
 
 /// The operator calls, from [`Ferry::operator`]: dead jobs and their replay,
 /// cancel with its audit entry, queue pauses and limits, run listing and

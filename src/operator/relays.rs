@@ -35,6 +35,23 @@ pub struct LaneOwner {
     pub lease_expires_at: Option<Millis>,
 }
 
+/// Whether WAL capture's slots survive a failover (PostgreSQL only), for
+/// `ferry doctor`: on PostgreSQL 17+ a failover slot that a standby
+/// synchronises continues after a promotion; otherwise the relay makes the
+/// slot anew on the new primary and reads the pending rows from the table.
+#[derive(Debug, Clone, PartialEq, Eq, sqlx::FromRow)]
+pub struct WalFailover {
+    /// `server_version_num` (150000 for 15.0).
+    pub version: i32,
+    /// `synchronized_standby_slots` when set (PostgreSQL 17+): the standbys
+    /// that must have WAL before a logical slot's reader gets it.
+    pub synchronized_standby_slots: Option<String>,
+    /// The present slots WAL capture made that are not failover slots.
+    pub not_failover: Vec<String>,
+    /// How many slots WAL capture made are present.
+    pub present: i64,
+}
+
 /// A slot WAL capture made, as `status`, `doctor` and the relay's gauges
 /// show it.
 #[derive(Debug, Clone, PartialEq, Eq, sqlx::FromRow)]
@@ -156,6 +173,17 @@ impl Operator<'_> {
             .bind(self.now())
             .fetch_all(pool)
             .await?)
+    }
+
+    /// Whether WAL capture's slots survive a failover: the server's
+    /// version, `synchronized_standby_slots`, and the slots that are not
+    /// failover slots.
+    pub async fn wal_failover(&self) -> Result<WalFailover> {
+        let pool = self
+            .db()
+            .as_postgres()
+            .ok_or(Error::Unsupported("WAL capture needs PostgreSQL"))?;
+        Ok(sqlx::query_as(POSTGRES_ONLY.wal_failover).fetch_one(pool).await?)
     }
 
     /// `max_slot_wal_keep_size` in bytes; `None` when unbounded (-1), where

@@ -122,6 +122,13 @@ const SLOT_WAL_STATUS: RelayCheck = RelayCheck {
     runbook: "docs/runbook.md#wal-slot-wal-status",
 };
 
+const SLOT_FAILOVER: RelayCheck = RelayCheck {
+    name: "wal_slot_not_synchronized",
+    severity: Severity::Warning,
+    action: "on PostgreSQL 17+, let standbys carry the slot: set sync_replication_slots = on and hot_standby_feedback = on on the standby, synchronized_standby_slots = '<the standby's physical slot>' on the primary, and drop the slot so the next relay makes it a failover slot; otherwise a failover makes the slot anew and reads the pending rows from the table (nothing is lost; rows in flight may be published twice at least once)",
+    runbook: "docs/runbook.md#wal-slot-failover",
+};
+
 const KEEP_SIZE_UNBOUNDED: RelayCheck = RelayCheck {
     name: "wal_keep_size_unbounded",
     severity: Severity::Warning,
@@ -137,7 +144,8 @@ const DEAD_GROUPS: i64 = 5;
 /// `lanes_unowned`; then on PostgreSQL the WAL capture ones (an info
 /// finding `wal_capture` with the capture mode and each slot's state, where
 /// a relay ever made a slot; `wal_slot_inactive`, `wal_slot_lag`,
-/// `wal_slot_wal_status`, `wal_keep_size_unbounded`), skipped on SQLite.
+/// `wal_slot_wal_status`, `wal_slot_not_synchronized`,
+/// `wal_keep_size_unbounded`), skipped on SQLite.
 pub async fn relay(ferry: &Ferry, thresholds: &RelayThresholds, limit: u32) -> Result<Vec<Finding>> {
     let operator = ferry.operator();
     let backlog = operator.outbox_backlog().await?;
@@ -224,7 +232,13 @@ async fn lanes_unowned(ferry: &Ferry, capture: &CaptureState, backlog: &Backlog,
 /// (context, where a relay ever made a slot) and the four warnings over the
 /// slots that exist.
 async fn wal_capture(ferry: &Ferry, capture: &CaptureState, thresholds: &RelayThresholds) -> Result<Vec<Finding>> {
-    let warnings = [SLOT_INACTIVE, SLOT_LAG, SLOT_WAL_STATUS, KEEP_SIZE_UNBOUNDED];
+    let warnings = [
+        SLOT_INACTIVE,
+        SLOT_LAG,
+        SLOT_WAL_STATUS,
+        SLOT_FAILOVER,
+        KEEP_SIZE_UNBOUNDED,
+    ];
     if ferry.db().as_postgres().is_none() {
         return Ok(warnings
             .iter()
@@ -289,7 +303,37 @@ async fn wal_capture(ferry: &Ferry, capture: &CaptureState, thresholds: &RelayTh
         SLOT_INACTIVE.found(inactive),
         SLOT_LAG.found(lagging),
         SLOT_WAL_STATUS.found(at_risk),
+        not_synchronized(ferry).await?,
         KEEP_SIZE_UNBOUNDED.found(unbounded),
     ]);
     Ok(out)
+}
+
+/// `wal_slot_not_synchronized`: a slot a promoted standby would not have.
+/// Before PostgreSQL 17 no slot can be synchronised (skipped, saying what
+/// a failover costs); on 17+ a slot made without `failover`, or a primary
+/// whose `synchronized_standby_slots` is empty (a standby may then lack
+/// what the slot's reader was sent), warns.
+async fn not_synchronized(ferry: &Ferry) -> Result<Finding> {
+    let f = ferry.operator().wal_failover().await?;
+    if f.present == 0 {
+        return Ok(SLOT_FAILOVER.found(Vec::new()));
+    }
+    if f.version < 170_000 {
+        return Ok(SLOT_FAILOVER.skip(
+            "PostgreSQL before 17 has no failover slots: after a failover the relay makes the slot anew on the new primary and reads the pending rows from the table",
+        ));
+    }
+    let mut items: Vec<String> = f
+        .not_failover
+        .iter()
+        .map(|s| format!("{s}: not a failover slot (a standby does not carry it)"))
+        .collect();
+    if f.synchronized_standby_slots.is_none() {
+        items.push(
+            "synchronized_standby_slots is empty: no standby is known to have the WAL the slot's reader was sent"
+                .into(),
+        );
+    }
+    Ok(SLOT_FAILOVER.found(items))
 }

@@ -42,7 +42,24 @@ pub struct WalSetting {
     pub may_replicate: bool,
     /// `current_schema()`: whose `outbox` the publication covers.
     pub schema: String,
+    /// `server_version_num`: from 170000, slots are made failover slots.
+    pub version: i32,
 }
+
+impl WalSetting {
+    /// Whether the server has failover slots (PostgreSQL 17+), which a
+    /// standby can synchronise so that a promotion keeps the slot.
+    pub fn failover_slots(&self) -> bool {
+        self.version >= 170_000
+    }
+}
+
+/// Slot creation on PostgreSQL 17+ (not a templated query: the checked
+/// query set must prepare on every supported version, and the five-argument
+/// form is 17's): a failover slot, which standbys with
+/// `sync_replication_slots` keep in step.
+const CREATE_FAILOVER_SLOT: &str =
+    "SELECT lsn::text FROM pg_create_logical_replication_slot($1, 'pgoutput', false, false, true)";
 
 /// A replication slot as `pg_replication_slots` shows it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, sqlx::FromRow)]
@@ -131,7 +148,9 @@ impl RelayStore {
     /// every transaction running when it starts to end; when `stop` comes
     /// first, the creating session is ended (a slot whose creator ends is
     /// not made) and `false` is returned.
-    pub async fn create_wal_slot(&self, slot: &str, stop: impl Future<Output = ()>) -> Result<bool> {
+    ///
+    /// With `failover` (PostgreSQL 17+), the slot is a failover slot.
+    pub async fn create_wal_slot(&self, slot: &str, failover: bool, stop: impl Future<Output = ()>) -> Result<bool> {
         let pool = self.pg()?;
         sqlx::query(Q.wal_slot_needs_catch_up)
             .bind(slot)
@@ -141,7 +160,9 @@ impl RelayStore {
         let mut creator = pool.acquire().await?;
         let pid: i32 = sqlx::query_scalar(Q.wal_session_pid).fetch_one(&mut *creator).await?;
         let created = tokio::select! {
-            created = sqlx::query(Q.wal_create_slot).bind(slot).fetch_one(&mut *creator) => Some(created),
+            created = sqlx::query(if failover { CREATE_FAILOVER_SLOT } else { Q.wal_create_slot })
+                .bind(slot)
+                .fetch_one(&mut *creator) => Some(created),
             _ = stop => None,
         };
         match created {

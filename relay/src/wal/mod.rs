@@ -67,6 +67,8 @@ pub struct WalCapture {
     pub schema: String,
     /// The replication connection's settings.
     pub replication: pgwire_replication::ReplicationConfig,
+    /// Slots are made failover slots (PostgreSQL 17+).
+    pub failover: bool,
     /// The replication connection's `application_name` (`ferry-relay
     /// <relay id>`): how the relay finds its own earlier walsender.
     pub application_name: String,
@@ -128,10 +130,11 @@ pub async fn plan(cfg: &RelayConfig, store: &RelayStore, owner: &str) -> Result<
     let publication = cfg.publication.clone().unwrap_or_else(|| slot.clone());
     let application_name = format!("ferry-relay {owner}");
     let replication = connect::replication_config(&cfg.database_url, &slot, &publication, &application_name)?;
-    tracing::info!(%slot, %publication, "capture: wal");
+    tracing::info!(%slot, %publication, failover_slot = setting.failover_slots(), "capture: wal");
     Ok(Some(WalCapture {
         slot,
         publication,
+        failover: setting.failover_slots(),
         schema: setting.schema,
         replication,
         application_name,

@@ -181,7 +181,11 @@ async fn prepare(ctx: &Ctx, reseed: bool, finish: &CancellationToken) -> Result<
         tracing::warn!(%slot, lost = s.lost, "dropped the replication slot; the table will be read once");
     }
     tracing::info!(%slot, "creating the replication slot");
-    match store.create_wal_slot(slot, finish.cancelled()).await.map_err(db)? {
+    match store
+        .create_wal_slot(slot, ctx.capture.failover, finish.cancelled())
+        .await
+        .map_err(db)?
+    {
         true => Ok(()),
         false => {
             tracing::info!(%slot, "shut down while the slot waited for running transactions; it was not made");

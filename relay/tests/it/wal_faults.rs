@@ -183,7 +183,7 @@ async fn wal_a_slot_being_created_is_not_shown_as_streaming() {
     let store = ferry_relay::store::RelayStore::new(ferry.clone());
     let creating = {
         let (store, name) = (store.clone(), slot.name.clone());
-        tokio::spawn(async move { store.create_wal_slot(&name, std::future::pending()).await })
+        tokio::spawn(async move { store.create_wal_slot(&name, false, std::future::pending()).await })
     };
     let held = format!(
         "SELECT count(*) FROM pg_replication_slots WHERE active AND slot_name = '{}'",
