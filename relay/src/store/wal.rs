@@ -254,8 +254,13 @@ impl RelayStore {
     /// With `marked`, the slot's stream is recorded as marked through that
     /// position in the same transaction ([`Self::wal_set_marked`]).
     pub async fn wal_cover_delivered(&self, ids: &[i64], marked: Option<(&str, u64)>) -> Result<u64> {
+        self.wal_cover_runs(&crate::wal::ledger::runs(ids), marked).await
+    }
+
+    /// [`Self::wal_cover_delivered`] for ids given as sorted, disjoint,
+    /// non-adjacent runs `(lo, hi)` (`IdSet::runs`).
+    pub async fn wal_cover_runs(&self, runs: &[(i64, i64)], marked: Option<(&str, u64)>) -> Result<u64> {
         bounded(async move {
-            let runs = crate::wal::ledger::runs(ids);
             if runs.is_empty() {
                 return Ok(0);
             }
@@ -270,7 +275,7 @@ impl RelayStore {
                 .bind(&his)
                 .fetch_all(&mut *tx)
                 .await?;
-            let change = crate::wal::ledger::cover(&runs, &near, now);
+            let change = crate::wal::ledger::cover(runs, &near, now);
             if !change.delete.is_empty() {
                 sqlx::query(Q.wal_ledger_delete)
                     .bind(ferry::store::Ids(&change.delete))

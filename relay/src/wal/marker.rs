@@ -25,6 +25,7 @@ use std::time::{Duration, Instant};
 use tokio::sync::{mpsc, oneshot, watch, OwnedSemaphorePermit, Semaphore};
 use tokio::task::JoinHandle;
 
+use super::ledger::IdSet;
 use crate::state::RelayState;
 
 /// How often, [`VISIBLE_WAIT`] apart, a statement looks again for rows the
@@ -47,7 +48,7 @@ pub const MARK_ROOM: usize = 100_000;
 #[derive(Debug)]
 pub(super) struct Mark {
     /// Rows to mark delivered (poison rows marked dead are not here).
-    pub ids: Vec<i64>,
+    pub ids: IdSet,
     /// Where the slot may be confirmed once these are marked.
     pub lsn: Option<u64>,
     /// Told once this and everything before it is marked.
@@ -70,7 +71,7 @@ impl Marks {
     /// Hands `mark` over once there is room for its rows; the time spent
     /// waiting for room is counted in the benchmarks' timings.
     pub(super) async fn send(&self, state: &RelayState, mark: Mark) -> Result<(), MarkerStopped> {
-        let rows = u32::try_from(mark.ids.len().clamp(1, MARK_ROOM)).expect("MARK_ROOM fits in u32");
+        let rows = u32::try_from(mark.ids.len().clamp(1, MARK_ROOM as u64)).expect("MARK_ROOM fits in u32");
         let permit = match self.room.clone().try_acquire_many_owned(rows) {
             Ok(p) => p,
             Err(_) => {
@@ -121,9 +122,9 @@ pub(super) fn spawn(
             let mut lsn = first.lsn;
             let mut done: Vec<oneshot::Sender<()>> = first.done.into_iter().collect();
             let mut room = vec![permit];
-            while ids.len() < MARK_MAX {
+            while ids.len() < MARK_MAX as u64 {
                 let Ok((more, permit)) = rx.try_recv() else { break };
-                ids.extend(more.ids);
+                ids.extend_with(more.ids);
                 lsn = more.lsn.or(lsn);
                 done.extend(more.done);
                 room.push(permit);
@@ -157,16 +158,16 @@ pub(super) fn spawn(
 /// outbox row written), or deletes them with `delete`; then the slot's
 /// stream is marked through `marked`'s position (in the ledger's
 /// transaction; after the deletes). A database error is returned at once.
-async fn mark(state: &RelayState, ids: Vec<i64>, marked: Option<(&str, u64)>, delete: bool) -> ferry::Result<()> {
+async fn mark(state: &RelayState, ids: IdSet, marked: Option<(&str, u64)>, delete: bool) -> ferry::Result<()> {
     if delete {
-        delete_delivered(state, ids).await?;
+        delete_delivered(state, ids.iter().collect()).await?;
         if let Some((slot, lsn)) = marked {
             state.store.wal_set_marked(slot, lsn).await?;
         }
         return Ok(());
     }
     let started = Instant::now();
-    let covered = state.store.wal_cover_delivered(&ids, marked).await?;
+    let covered = state.store.wal_cover_runs(&ids.runs(), marked).await?;
     let t = &state.metrics.timings;
     crate::metrics::Timings::add(&t.marks, &t.mark_ns, started.elapsed());
     state.metrics.published.inc_by(covered);
@@ -276,7 +277,7 @@ mod tests {
         let id = insert_row(&mut late).await;
         let marking = {
             let state = state.clone();
-            tokio::spawn(async move { mark(&state, vec![id], None, true).await })
+            tokio::spawn(async move { mark(&state, [id].into_iter().collect(), None, true).await })
         };
         // The first statement ran without seeing the row...
         let deadline = Instant::now() + Duration::from_secs(10);
@@ -305,7 +306,7 @@ mod tests {
         let pool = t.ferry.db().as_postgres().unwrap().clone();
         let mut late = pool.begin().await.unwrap();
         let id = insert_row(&mut late).await;
-        mark(&state, vec![id], None, false).await.unwrap();
+        mark(&state, [id].into_iter().collect(), None, false).await.unwrap();
         let timings = &state.metrics.timings;
         assert_eq!(timings.marks.load(Ordering::Relaxed), 1);
         assert_eq!(timings.mark_retries.load(Ordering::Relaxed), 0);
@@ -419,7 +420,7 @@ mod tests {
         marks.send(&state, all).await.unwrap();
         let (tx, rx) = oneshot::channel();
         let next = Mark {
-            ids: vec![0],
+            ids: [0].into_iter().collect(),
             lsn: Some(2),
             done: Some(tx),
         };
@@ -449,7 +450,7 @@ mod tests {
         .await
         .unwrap();
         let started = Instant::now();
-        mark(&state, vec![id], None, true).await.unwrap();
+        mark(&state, [id].into_iter().collect(), None, true).await.unwrap();
         let t = &state.metrics.timings;
         assert_eq!(t.marks.load(Ordering::Relaxed), 1, "one statement ran");
         assert_eq!(

@@ -24,6 +24,7 @@ use rdkafka::producer::{DeliveryFuture, FutureProducer};
 use tokio::sync::oneshot;
 
 use super::connect::Ended;
+use super::ledger::IdSet;
 use super::marker::{Mark, Marks};
 use crate::config::{OnPoison, RelayConfig};
 use crate::publish::{self, Outcome};
@@ -50,7 +51,7 @@ struct Txn {
     /// Records produced and not yet settled.
     outstanding: usize,
     /// Its acknowledged rows, to be marked delivered.
-    acked: Vec<i64>,
+    acked: IdSet,
     /// The lowest id of its rows that failed (a catch-up page's
     /// acknowledged rows below it are marked when the session fails).
     failed_from: Option<i64>,
@@ -187,7 +188,7 @@ impl<'a> Pipeline<'a> {
             end_lsn: None,
             committed: false,
             outstanding: 0,
-            acked: Vec::new(),
+            acked: IdSet::default(),
             failed_from: None,
             skip,
             stamps: commit_us.map(|c| (c, super::now_us())),
@@ -222,7 +223,7 @@ impl<'a> Pipeline<'a> {
 
     async fn produce_row(&mut self, row: &PendingRow, replayed: bool) {
         if let Some(t) = self.txns.back_mut().filter(|t| t.skip) {
-            t.acked.push(row.id);
+            t.acked.insert(row.id);
             self.state.metrics.wal_marked_skipped.inc();
             return;
         }
@@ -315,7 +316,7 @@ impl<'a> Pipeline<'a> {
             && wal_end > self.handed
         {
             self.hand(Mark {
-                ids: Vec::new(),
+                ids: IdSet::default(),
                 lsn: Some(wal_end),
                 done: None,
             })
@@ -338,7 +339,7 @@ impl<'a> Pipeline<'a> {
         while self.inflight.is_empty() && self.txns.front().is_some_and(|t| t.final_lsn.is_none()) {
             let t = self.txns.pop_front().expect("front exists");
             let ids = match t.failed_from {
-                Some(from) => t.acked.into_iter().filter(|id| *id < from).collect(),
+                Some(from) => t.acked.below(from),
                 None => t.acked,
             };
             self.hand(Mark {
@@ -354,7 +355,7 @@ impl<'a> Pipeline<'a> {
     pub(super) async fn flush_marks(&mut self) -> bool {
         let (tx, rx) = oneshot::channel();
         self.hand(Mark {
-            ids: Vec::new(),
+            ids: IdSet::default(),
             lsn: None,
             done: Some(tx),
         })
@@ -495,7 +496,9 @@ impl<'a> Pipeline<'a> {
     fn settled(&mut self, seq: u64, acked: Option<i64>) {
         if let Some(t) = self.txn(seq) {
             t.outstanding -= 1;
-            t.acked.extend(acked);
+            if let Some(id) = acked {
+                t.acked.insert(id);
+            }
         }
     }
 

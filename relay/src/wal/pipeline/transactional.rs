@@ -41,7 +41,7 @@ use rdkafka::producer::{FutureProducer, FutureRecord, Producer};
 use tokio::sync::oneshot;
 
 use super::super::connect::Ended;
-use super::super::ledger;
+use super::super::ledger::IdSet;
 use super::super::marker::{self, Mark};
 use super::super::Ctx;
 use super::Pipeline;
@@ -249,7 +249,7 @@ impl Pipeline<'_> {
         if !page.is_empty() {
             tracing::info!(rows = page.len(), "marking the table read's last committed page");
             self.hand(Mark {
-                ids: page,
+                ids: page.into_iter().collect(),
                 lsn: None,
                 done: None,
             })
@@ -276,7 +276,7 @@ impl Pipeline<'_> {
                 marked += pending.len();
                 if !pending.is_empty() {
                     self.hand(Mark {
-                        ids: pending,
+                        ids: pending.into_iter().collect(),
                         lsn: None,
                         done: None,
                     })
@@ -382,7 +382,7 @@ impl Pipeline<'_> {
                 .staged
                 .iter()
                 .filter(|m| m.lsn.is_none())
-                .flat_map(|m| m.ids.iter().copied())
+                .flat_map(|m| m.ids.iter())
                 .collect(),
             catch_up_through: 0,
             unmarked: Vec::new(),
@@ -397,13 +397,11 @@ impl Pipeline<'_> {
         };
         // The streamed rows this commit puts in Kafka, and those of earlier
         // commits whose marks are not known to be committed yet.
-        let streamed: Vec<i64> = eo
-            .staged
-            .iter()
-            .filter(|m| m.lsn.is_some())
-            .flat_map(|m| m.ids.iter().copied())
-            .collect();
-        let streamed = ledger::runs(&streamed);
+        let mut streamed = IdSet::default();
+        for m in eo.staged.iter().filter(|m| m.lsn.is_some()) {
+            streamed.extend_with(m.ids.clone());
+        }
+        let streamed = streamed.runs();
         let eo = self.eo.as_mut().expect("exactly once");
         while eo
             .unconfirmed
