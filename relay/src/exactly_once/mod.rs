@@ -203,6 +203,21 @@ pub fn transactional_producer(cfg: &RelayConfig, transactional_id: &str) -> Resu
     Ok(p)
 }
 
+/// The transactional producers' `transaction.timeout.ms`: the operator's
+/// `--kafka` setting, else 60 s. The broker aborts a Kafka transaction
+/// open longer than this.
+pub fn transaction_timeout(cfg: &RelayConfig) -> Duration {
+    cfg.kafka
+        .iter()
+        .rev()
+        .find(|(k, _)| k.trim() == "transaction.timeout.ms")
+        .and_then(|(_, v)| v.trim().parse::<u64>().ok())
+        .map_or(DEFAULT_TRANSACTION_TIMEOUT, Duration::from_millis)
+}
+
+/// `transaction.timeout.ms` unless the operator sets it.
+const DEFAULT_TRANSACTION_TIMEOUT: Duration = Duration::from_secs(60);
+
 /// The settings of a transactional producer of `transactional_id`:
 /// `transaction.timeout.ms` is 60 s unless the operator's `--kafka` sets
 /// it (WAL capture never splits a PostgreSQL transaction, so only a longer
@@ -211,7 +226,10 @@ fn transactional_config(cfg: &RelayConfig, transactional_id: &str) -> ClientConf
     let mut c = crate::publish::producer_config(cfg);
     c.set("transactional.id", transactional_id);
     if !cfg.kafka.iter().any(|(k, _)| k.trim() == "transaction.timeout.ms") {
-        c.set("transaction.timeout.ms", "60000");
+        c.set(
+            "transaction.timeout.ms",
+            DEFAULT_TRANSACTION_TIMEOUT.as_millis().to_string(),
+        );
     }
     c
 }

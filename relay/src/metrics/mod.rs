@@ -65,6 +65,9 @@ pub struct Metrics {
     /// `slot_in_use`, a reseed's or a retry's code, such as
     /// `replication_silent` for a connection taken for dead).
     pub wal_sessions_ended: Family<CodeLabel, Counter>,
+    /// WAL capture, exactly once: PostgreSQL transactions that could not
+    /// be published within the Kafka transaction's timeout.
+    pub wal_transactions_too_large: Counter,
     /// Publish errors by code.
     pub publish_errors: Family<CodeLabel, Counter>,
     /// Rows marked dead by this relay.
@@ -129,6 +132,7 @@ impl Metrics {
             published: Counter::default(),
             wal_marked_skipped: Counter::default(),
             wal_sessions_ended: Family::default(),
+            wal_transactions_too_large: Counter::default(),
             publish_errors: Family::default(),
             dead: Counter::default(),
             dead_rows: Gauge::default(),
@@ -168,6 +172,11 @@ impl Metrics {
             "wal_sessions_ended",
             "WAL capture: replication sessions ended, by code",
             m.wal_sessions_ended.clone(),
+        );
+        registry.register(
+            "wal_transactions_too_large",
+            "WAL capture, exactly once: PostgreSQL transactions too large to publish within transaction.timeout.ms",
+            m.wal_transactions_too_large.clone(),
         );
         registry.register("dead", "Rows this relay marked dead", m.dead.clone());
         registry.register("dead_rows", "Dead rows in the outbox", m.dead_rows.clone());

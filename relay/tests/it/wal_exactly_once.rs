@@ -406,3 +406,48 @@ async fn wal_exactly_once_a_new_slot_ignores_the_old_slot_s_position() {
     let recs = read_all(&brokers, "orders", true, Duration::from_secs(30)).await;
     assert_once_in_commit_order(&recs, 6);
 }
+
+/// One PostgreSQL transaction too large to publish within the Kafka
+/// transaction's timeout (`transaction.timeout.ms` 2 s here; 200,000 rows,
+/// never split): the relay stops it before the broker would abort it at
+/// the commit, says so in an error, counts it
+/// (`ferry_relay_wal_transactions_too_large_total`) and retries after a
+/// backoff, instead of having every session's commit refused with nothing
+/// said. A `read_committed` reader sees only the rows before it. Before the
+/// bound, nothing counted it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn wal_exactly_once_a_transaction_too_large_for_the_kafka_timeout_fails_loudly() {
+    let broker = Kafka::start();
+    broker.create_topic("orders", 3);
+    let brokers = broker.brokers();
+    let (ferry, url) = pg_ferry().await;
+    let slot = SlotGuard::new().await;
+    let mut cfg = slot.config(&url, &brokers);
+    cfg.exactly_once = true;
+    cfg.kafka.push(("transaction.timeout.ms".into(), "2000".into()));
+    cfg.kafka.push(("message.timeout.ms".into(), "2000".into()));
+    let relay = slot.start(cfg, ferry.clone()).await;
+    write_orders(&ferry, 10, 5).await;
+    wait_for_count(&ferry, &DELIVERED, 10, Duration::from_secs(60)).await;
+    sqlx::query(
+        "INSERT INTO outbox (tenant, topic, key, lane, payload, headers, created_at)
+         SELECT 'acme', 'orders', 'key-' || (g % 20), 0, convert_to('{}', 'UTF8'), '{}'::jsonb, 0
+         FROM generate_series(1, 200000) g",
+    )
+    .execute(ferry.db().as_postgres().unwrap())
+    .await
+    .unwrap();
+    let too_large = &relay.state.metrics.wal_transactions_too_large;
+    let started = std::time::Instant::now();
+    while too_large.get() == 0 {
+        assert!(
+            started.elapsed() < Duration::from_secs(90),
+            "the too large transaction was never reported"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    relay.shutdown().await;
+    assert_eq!(scalar(&ferry, &DELIVERED).await, 10, "nothing of it was marked");
+    let recs = read_all(&brokers, "orders", true, Duration::from_secs(60)).await;
+    assert_once_in_commit_order(&recs, 10);
+}

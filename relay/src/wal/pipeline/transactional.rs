@@ -67,6 +67,9 @@ pub(in crate::wal) struct Transactional {
     committed: WalProgress,
     /// Since when a Kafka transaction is open.
     open_since: Option<Instant>,
+    /// How long a Kafka transaction may stay open: 90 % of
+    /// `transaction.timeout.ms`, past which the broker would abort it.
+    open_limit: Duration,
     /// Records and bytes in the open Kafka transaction.
     rows: usize,
     bytes: usize,
@@ -145,6 +148,7 @@ pub(in crate::wal) async fn take_over(
             key: WalProgress::key(&ctx.database_id, &slot),
             committed,
             open_since: None,
+            open_limit: exactly_once::transaction_timeout(&ctx.cfg) * 9 / 10,
             rows: 0,
             bytes: 0,
             staged: Vec::new(),
@@ -200,6 +204,22 @@ impl Pipeline<'_> {
             return false;
         }
         let Some(eo) = self.eo.as_mut() else { return true };
+        if let Some(since) = eo.open_since.filter(|s| s.elapsed() > eo.open_limit) {
+            // One PostgreSQL transaction is never split, so it cannot be
+            // published within the broker's bound: say so and stop, rather
+            // than have the broker abort it at the commit, session after
+            // session, with nothing said.
+            let rows = eo.rows;
+            tracing::error!(
+                rows,
+                open_for = ?since.elapsed(),
+                transaction_timeout = ?exactly_once::transaction_timeout(self.cfg),
+                "a PostgreSQL transaction is too large to publish within the Kafka transaction's timeout: raise transaction.timeout.ms (--kafka transaction.timeout.ms=<ms>, up to the brokers' transaction.max.timeout.ms) or split the transaction; retrying after a backoff"
+            );
+            self.state.metrics.wal_transactions_too_large.inc();
+            self.fail(Ended::Retry("transaction_too_large"));
+            return false;
+        }
         if eo.open_since.is_none() {
             if let Err(e) = self.producer.begin_transaction() {
                 tracing::warn!(error = %e, "begin_transaction failed; ending the session");
