@@ -30,7 +30,10 @@
 //! - `--wal-latency`: the commit → ack runs of `--wal` alone;
 //! - `--wal-process`: that last `ferry-relay` process drain alone (to
 //!   profile the process: it runs after the seed, as the second
-//!   `ferry-relay` the run starts).
+//!   `ferry-relay` the run starts);
+//! - `--wal-big`: the same drain of 5M rows (500k with `--quick`) committed
+//!   in one PostgreSQL transaction, and the process's VmHWM (issue #32:
+//!   ≤ 64 MiB).
 #![allow(clippy::print_stdout, missing_docs)]
 
 use std::time::{Duration, Instant};
@@ -59,6 +62,7 @@ async fn main() -> Res<()> {
         "--bloat",
         "--wal",
         "--wal-process",
+        "--wal-big",
         "--wal-latency",
     ];
     if modes.iter().any(|m| has(m)) {
@@ -94,10 +98,15 @@ async fn main() -> Res<()> {
             drop_bench_slots(&format!("ferry_bench_{}_", std::process::id())).await?;
             ran?;
         }
-        if has("--wal-process") {
+        if has("--wal-process") || has("--wal-big") {
             drop_orphan_slots().await?;
-            let n = if quick { 100_000 } else { 1_000_000 };
-            let ran = wal_process(&brokers, &broker, n).await;
+            let n = match (has("--wal-big"), quick) {
+                (true, true) => 500_000,
+                (true, false) => 5_000_000,
+                (false, true) => 100_000,
+                (false, false) => 1_000_000,
+            };
+            let ran = wal_process(&brokers, &broker, n, has("--wal-big")).await;
             drop_bench_slots(&format!("ferry_bench_{}_", std::process::id())).await?;
             ran?;
         }
@@ -252,6 +261,28 @@ async fn seed(ferry: &Ferry, topic: &str, n: usize, size: usize) -> Res<()> {
         .execute(pool)
         .await?;
     }
+    Ok(())
+}
+
+/// Seeds `n` pending rows of `size` bytes on `topic` in one PostgreSQL
+/// transaction (one statement): WAL capture never splits it.
+async fn seed_one_transaction(ferry: &Ferry, topic: &str, n: usize, size: usize) -> Res<()> {
+    let pool = ferry.db().as_postgres().ok_or("PostgreSQL only")?;
+    let lanes: Vec<i32> = (0..1000)
+        .map(|i| ferry::outbox::lane_for(&format!("k{i}"), ferry.lanes()))
+        .collect();
+    sqlx::query(
+        "INSERT INTO outbox (tenant, topic, key, lane, payload, headers, created_at)
+         SELECT 'bench', $1, 'k' || (g % 1000), ($3::int[])[g % 1000 + 1], $4, '{}'::jsonb,
+                (extract(epoch FROM now()) * 1000)::bigint
+         FROM generate_series(0, $2 - 1) g",
+    )
+    .bind(topic)
+    .bind(n as i64)
+    .bind(&lanes)
+    .bind(vec![b'x'; size])
+    .execute(pool)
+    .await?;
     Ok(())
 }
 
@@ -951,16 +982,17 @@ async fn wal(brokers: &str, broker: &ferry_testkit::Kafka, quick: bool, debezium
         );
     }
     wal_latency(brokers, broker, quick, debezium).await?;
-    wal_process(brokers, broker, n).await
+    wal_process(brokers, broker, n, false).await
 }
 
 /// A `ferry-relay` process's drain of `n` rows in WAL capture: its rate,
 /// where the CPU went and its VmHWM (alone: `--wal-process`).
-async fn wal_process(brokers: &str, broker: &ferry_testkit::Kafka, n: usize) -> Res<()> {
-    let (rate, hwm, cpu) = wal_process_drain(brokers, broker, n).await?;
+async fn wal_process(brokers: &str, broker: &ferry_testkit::Kafka, n: usize, one_transaction: bool) -> Res<()> {
+    let (rate, hwm, cpu) = wal_process_drain(brokers, broker, n, one_transaction).await?;
+    let how = if one_transaction { "in one transaction" } else { "in transactions of 10,000" };
     println!(
         "{:<52} {rate:>12.0} {:>14}",
-        format!("ferry-relay process, --capture wal, drain {n} × 100 B"),
+        format!("ferry-relay process, --capture wal, drain {n} × 100 B {how}"),
         "-"
     );
     println!("    {cpu}");
@@ -1231,7 +1263,12 @@ async fn wal_latency(brokers: &str, broker: &ferry_testkit::Kafka, quick: bool, 
 
 /// A release `ferry-relay` process in WAL capture drains `n` rows committed
 /// after its slot was made; (rows/s, its VmHWM KiB, the CPU split).
-async fn wal_process_drain(brokers: &str, broker: &ferry_testkit::Kafka, n: usize) -> Res<(f64, u64, String)> {
+async fn wal_process_drain(
+    brokers: &str,
+    broker: &ferry_testkit::Kafka,
+    n: usize,
+    one_transaction: bool,
+) -> Res<(f64, u64, String)> {
     broker.create_topic("bench-wal-memory", 6);
     let (ferry, url) = fresh().await?;
     let admin = sqlx::PgPool::connect(&admin_url()).await?;
@@ -1248,7 +1285,11 @@ async fn wal_process_drain(brokers: &str, broker: &ferry_testkit::Kafka, n: usiz
         .await?;
     wait_delivered(&ferry).await?;
     stop_relays(first);
-    seed(&ferry, "bench-wal-memory", n, 100).await?;
+    if one_transaction {
+        seed_one_transaction(&ferry, "bench-wal-memory", n, 100).await?;
+    } else {
+        seed(&ferry, "bench-wal-memory", n, 100).await?;
+    }
     let started = Instant::now();
     let children = spawn_relays(&url, brokers, 1, &capture)?;
     let walsender = walsender_pid(&admin, &slot).await?;
