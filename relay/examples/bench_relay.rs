@@ -989,7 +989,11 @@ async fn wal(brokers: &str, broker: &ferry_testkit::Kafka, quick: bool, debezium
 /// where the CPU went and its VmHWM (alone: `--wal-process`).
 async fn wal_process(brokers: &str, broker: &ferry_testkit::Kafka, n: usize, one_transaction: bool) -> Res<()> {
     let (rate, hwm, cpu) = wal_process_drain(brokers, broker, n, one_transaction).await?;
-    let how = if one_transaction { "in one transaction" } else { "in transactions of 10,000" };
+    let how = if one_transaction {
+        "in one transaction"
+    } else {
+        "in transactions of 10,000"
+    };
     println!(
         "{:<52} {rate:>12.0} {:>14}",
         format!("ferry-relay process, --capture wal, drain {n} × 100 B {how}"),

@@ -57,7 +57,9 @@ async fn main() -> Res<()> {
                 .bind(&slot)
                 .execute(&admin)
                 .await?;
-            sqlx::query(&format!("DROP PUBLICATION IF EXISTS {slot}")).execute(&admin).await?;
+            sqlx::query(&format!("DROP PUBLICATION IF EXISTS {slot}"))
+                .execute(&admin)
+                .await?;
         }
         ran?;
     }

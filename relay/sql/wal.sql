@@ -10,7 +10,8 @@
 SELECT current_setting('wal_level') = 'logical' AS logical,
        (r.rolreplication OR r.rolsuper) AS may_replicate,
        current_schema()::text AS schema,
-       current_setting('server_version_num')::int AS version
+       current_setting('server_version_num')::int AS version,
+       COALESCE(current_setting('synchronized_standby_slots', true), '') <> '' AS standby_slots
 FROM pg_roles r WHERE r.rolname = current_user
 
 -- name: wal_publication [postgres only]
@@ -73,8 +74,14 @@ SELECT caught_up, catch_up_through FROM relay_wal_slots WHERE slot = $1
 
 -- name: wal_slot_marked [postgres only]
 -- The end of the last streamed transaction of slot $1 marked delivered with
--- every one before it (0: none yet, or a slot this relay did not create).
-SELECT COALESCE((SELECT marked_lsn FROM relay_wal_slots WHERE slot = $1), 0)
+-- every one before it (0: none yet, or a slot this relay did not create),
+-- and the server's current WAL position: a marked position past it came
+-- from another cluster (a dump restored beside a slot made by hand).
+SELECT COALESCE((SELECT marked_lsn FROM relay_wal_slots WHERE slot = $1), 0) AS marked,
+       (pg_current_wal_lsn() - '0/0'::pg_lsn)::bigint AS current
+
+-- name: wal_slot_forget_marked [postgres only]
+UPDATE relay_wal_slots SET marked_lsn = NULL WHERE slot = $1
 
 -- name: wal_slot_set_marked [postgres only]
 -- In the mark's transaction (or right after `--delete-on-delivery`'s
@@ -193,8 +200,8 @@ FROM outbox o WHERE o.id {ids $1}
 -- A streaming session heard nothing for a while: a non-transactional
 -- logical message ($1 names this database's pings) goes through the WAL to
 -- every slot of the database at once; the session that sees it come back
--- knows its replication connection carries data.
-SELECT pg_logical_emit_message(false, $1, '')::text
+-- knows its replication connection carries data. Returns its position.
+SELECT (pg_logical_emit_message(false, $1, '') - '0/0'::pg_lsn)::bigint
 
 -- name: wal_end_own_walsender [postgres only]
 -- The walsender holding slot $1 for application $2: this relay's own
@@ -202,6 +209,17 @@ SELECT pg_logical_emit_message(false, $1, '')::text
 -- server has not noticed yet (`wal_sender_timeout`). Ended, so the slot is
 -- free at once; another relay's session is never touched.
 SELECT pg_terminate_backend(s.active_pid)
+FROM pg_replication_slots s
+JOIN pg_stat_replication r ON r.pid = s.active_pid
+WHERE s.slot_name = $1 AND r.application_name = $2
+
+-- name: wal_own_sent [postgres only]
+-- How far the walsender streaming slot $1 for application $2 (this
+-- relay's session) has read the WAL; no row when the server has no such
+-- session. It moves while the walsender decodes WAL it sends nothing of
+-- (other tables), so a silent stream that is still catching up is told
+-- from a dead one.
+SELECT (r.sent_lsn - '0/0'::pg_lsn)::bigint
 FROM pg_replication_slots s
 JOIN pg_stat_replication r ON r.pid = s.active_pid
 WHERE s.slot_name = $1 AND r.application_name = $2

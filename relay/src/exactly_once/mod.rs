@@ -101,11 +101,20 @@ pub struct WalProgress {
     /// record, as runs of ids `(lo, hi)`. A session marks those still
     /// pending before anything else: the stream's positions mean nothing to
     /// a slot made anew (a failover to a standby, a restore), whose table
-    /// read would otherwise publish them again. Absent in records written
-    /// before it existed.
-    #[serde(default)]
-    pub unmarked: Vec<(i64, i64)>,
+    /// read would otherwise publish them again; and a streamed transaction
+    /// the record covers then needs no mark of its own (its rows were
+    /// marked, or are here). `None` in records written before it existed,
+    /// and when the runs would pass [`MAX_UNMARKED_RUNS`] (ids interleaved
+    /// with other writers'): then a covered streamed transaction's rows
+    /// are marked as it streams again, and a slot made anew may publish
+    /// them twice.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub unmarked: Option<Vec<(i64, i64)>>,
 }
+
+/// The most runs [`WalProgress::unmarked`] carries (about 20 bytes each: a
+/// record stays well below Kafka's default 1 MB limit).
+pub const MAX_UNMARKED_RUNS: usize = 20_000;
 
 impl WalProgress {
     /// The record key: `<database id>:wal:<slot>` (never a lane's key).
@@ -326,7 +335,7 @@ mod tests {
             end_lsn: 42,
             catch_up: vec![7, 9],
             catch_up_through: 9,
-            unmarked: vec![(11, 20)],
+            unmarked: Some(vec![(11, 20)]),
         };
         let json = serde_json::to_string(&p).unwrap();
         assert_eq!(
@@ -336,7 +345,7 @@ mod tests {
         assert_eq!(serde_json::from_str::<WalProgress>(&json).unwrap(), p);
         // A record written before `unmarked` existed reads as none.
         let old = r#"{"database":"db-1","slot":"ferry_ab","end_lsn":42,"catch_up":[],"catch_up_through":9}"#;
-        assert!(serde_json::from_str::<WalProgress>(old).unwrap().unmarked.is_empty());
+        assert_eq!(serde_json::from_str::<WalProgress>(old).unwrap().unmarked, None);
         assert_eq!(WalProgress::key("db-1", "ferry_ab"), "db-1:wal:ferry_ab");
         assert_ne!(WalProgress::key("db-1", "0"), Progress::key("db-1", 0));
     }

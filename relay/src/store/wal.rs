@@ -21,14 +21,25 @@ use ferry::{Error, Result};
 /// it would hold the session, and the relay's shutdown, for ever.
 pub const STATEMENT_BOUND: Duration = Duration::from_secs(30);
 
+/// The bound of the statements whose work grows with the data (the table
+/// read's page, a mark's ledger statement or deletes, which may also wait
+/// for the ledger's lock during an operator's replay): long enough for any
+/// legitimate one, still a bound on a connection that went half-open.
+pub const LONG_STATEMENT_BOUND: Duration = Duration::from_secs(600);
+
 /// `work` within [`STATEMENT_BOUND`]; its future (and connection) is
 /// dropped past it.
 pub(crate) async fn bounded<T>(work: impl Future<Output = Result<T>>) -> Result<T> {
-    match tokio::time::timeout(STATEMENT_BOUND, work).await {
+    bounded_by(STATEMENT_BOUND, work).await
+}
+
+/// `work` within `bound`, else a transient database error.
+async fn bounded_by<T>(bound: Duration, work: impl Future<Output = Result<T>>) -> Result<T> {
+    match tokio::time::timeout(bound, work).await {
         Ok(r) => r,
         Err(_) => Err(Error::Database(sqlx::Error::Io(std::io::Error::new(
             std::io::ErrorKind::TimedOut,
-            format!("PostgreSQL did not answer within {STATEMENT_BOUND:?}"),
+            format!("PostgreSQL did not answer within {bound:?}"),
         )))),
     }
 }
@@ -42,15 +53,22 @@ pub struct WalSetting {
     pub may_replicate: bool,
     /// `current_schema()`: whose `outbox` the publication covers.
     pub schema: String,
-    /// `server_version_num`: from 170000, slots are made failover slots.
+    /// `server_version_num`: failover slots are 17's.
     pub version: i32,
+    /// `synchronized_standby_slots` is set (PostgreSQL 17+): the walsender
+    /// sends a logical slot's reader only WAL those standbys have.
+    pub standby_slots: bool,
 }
 
 impl WalSetting {
-    /// Whether the server has failover slots (PostgreSQL 17+), which a
-    /// standby can synchronise so that a promotion keeps the slot.
+    /// Whether slots are made failover slots, which a standby synchronises
+    /// so that a promotion keeps the slot: PostgreSQL 17+ with
+    /// `synchronized_standby_slots` set. Without it, the relay could be sent
+    /// (and, exactly once, record in its progress) positions a promoted
+    /// standby never had, and a kept slot would then skip transactions the
+    /// new primary writes below them.
     pub fn failover_slots(&self) -> bool {
-        self.version >= 170_000
+        self.version >= 170_000 && self.standby_slots
     }
 }
 
@@ -231,7 +249,7 @@ impl RelayStore {
     /// The catch-up read: up to `limit` pending rows above `after` and up
     /// to `through`, in id order.
     pub async fn pending_after(&self, after: i64, through: i64, limit: u32) -> Result<Vec<PendingRow>> {
-        bounded(async move {
+        bounded_by(LONG_STATEMENT_BOUND, async move {
             let rows: Vec<PendingSqlRow> = sqlx::query_as(Q.wal_pending_after)
                 .bind(after)
                 .bind(i64::from(limit))
@@ -260,7 +278,7 @@ impl RelayStore {
     /// [`Self::wal_cover_delivered`] for ids given as sorted, disjoint,
     /// non-adjacent runs `(lo, hi)` (`IdSet::runs`).
     pub async fn wal_cover_runs(&self, runs: &[(i64, i64)], marked: Option<(&str, u64)>) -> Result<u64> {
-        bounded(async move {
+        bounded_by(LONG_STATEMENT_BOUND, async move {
             if runs.is_empty() {
                 return Ok(0);
             }
@@ -306,13 +324,30 @@ impl RelayStore {
     /// every earlier streamed transaction's, are marked (0: none yet). A
     /// session skips the streamed transactions it covers, whatever the
     /// slot's confirmed position says.
+    ///
+    /// A position past the server's current one came from another cluster
+    /// (a dump restored beside a slot made by hand, where LSNs start lower):
+    /// it is forgotten, never honoured.
     pub async fn wal_marked(&self, slot: &str) -> Result<u64> {
         bounded(async move {
-            let lsn: i64 = sqlx::query_scalar(Q.wal_slot_marked)
+            let (marked, current): (i64, i64) = sqlx::query_as(Q.wal_slot_marked)
                 .bind(slot)
                 .fetch_one(self.pg()?)
                 .await?;
-            Ok(u64::try_from(lsn).unwrap_or(0))
+            if marked > current {
+                tracing::warn!(
+                    slot,
+                    marked,
+                    current,
+                    "the slot's marked position is past the server's WAL (another cluster's); forgotten"
+                );
+                sqlx::query(Q.wal_slot_forget_marked)
+                    .bind(slot)
+                    .execute(self.pg()?)
+                    .await?;
+                return Ok(0);
+            }
+            Ok(u64::try_from(marked).unwrap_or(0))
         })
         .await
     }
@@ -344,7 +379,7 @@ impl RelayStore {
     /// statement; returns the ids it deleted (rows no longer pending, or not
     /// visible yet, are left alone).
     pub async fn wal_delete_delivered(&self, ids: &[i64]) -> Result<Vec<i64>> {
-        bounded(async move {
+        bounded_by(LONG_STATEMENT_BOUND, async move {
             if ids.is_empty() {
                 return Ok(Vec::new());
             }
@@ -396,10 +431,28 @@ impl RelayStore {
 
     /// Sends a ping through the WAL: a non-transactional logical message
     /// with prefix `prefix`, streamed to every slot of the database.
-    pub async fn wal_ping(&self, prefix: &str) -> Result<()> {
+    /// Returns the ping's position.
+    pub async fn wal_ping(&self, prefix: &str) -> Result<i64> {
         bounded(async move {
-            sqlx::query(Q.wal_ping).bind(prefix).execute(self.pg()?).await?;
-            Ok(())
+            Ok(sqlx::query_scalar(Q.wal_ping)
+                .bind(prefix)
+                .fetch_one(self.pg()?)
+                .await?)
+        })
+        .await
+    }
+
+    /// How far this relay's walsender (the one streaming `slot` for
+    /// `application_name`) has read the WAL; `None` when the server has no
+    /// such session.
+    pub async fn wal_own_sent(&self, slot: &str, application_name: &str) -> Result<Option<i64>> {
+        bounded(async move {
+            Ok(sqlx::query_scalar(Q.wal_own_sent)
+                .bind(slot)
+                .bind(application_name)
+                .fetch_optional(self.pg()?)
+                .await?
+                .flatten())
         })
         .await
     }

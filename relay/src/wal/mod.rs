@@ -128,7 +128,11 @@ pub async fn plan(cfg: &RelayConfig, store: &RelayStore, owner: &str) -> Result<
         None => default_slot(&store.ferry().database_id().await?),
     };
     let publication = cfg.publication.clone().unwrap_or_else(|| slot.clone());
-    let application_name = format!("ferry-relay {owner}");
+    // PostgreSQL keeps 63 bytes of it: what it shows is what is compared.
+    let mut application_name = format!("ferry-relay {owner}");
+    while application_name.len() > 63 {
+        application_name.pop();
+    }
     let replication = connect::replication_config(&cfg.database_url, &slot, &publication, &application_name)?;
     tracing::info!(%slot, %publication, failover_slot = setting.failover_slots(), "capture: wal");
     Ok(Some(WalCapture {
@@ -230,7 +234,10 @@ pub async fn run(
                 {
                     Ok(true) => {
                         tracing::warn!(slot = %capture.slot, "ended this relay's own earlier walsender, which still held the slot");
-                        Duration::ZERO
+                        // A moment for it to exit (two relays given one
+                        // --relay-id would end each other's sessions: the
+                        // id must be unique).
+                        Duration::from_millis(200)
                     }
                     Ok(false) => {
                         tracing::debug!(slot = %capture.slot, "the slot is in use; standing by");

@@ -55,10 +55,17 @@ struct Txn {
     /// The lowest id of its rows that failed (a catch-up page's
     /// acknowledged rows below it are marked when the session fails).
     failed_from: Option<i64>,
-    /// Delivered already, so its rows are marked (nothing new), never
-    /// produced: an earlier session marked it (the slot's marked position),
-    /// or, exactly once, the progress record says it is in Kafka.
+    /// Delivered already, so its rows are never produced: an earlier
+    /// session marked it (the slot's marked position), or, exactly once,
+    /// the progress record says it is in Kafka.
     skip: bool,
+    /// A skipped transaction's rows are marked as they stream again: only
+    /// exactly once, from a progress record that does not list what may be
+    /// unmarked. Otherwise they were marked already (or by
+    /// `mark_committed`), and marking them again could cover a row that
+    /// died in it and an operator replayed since, which would then never be
+    /// published.
+    mark_skipped: bool,
     /// Its commit timestamp and when the session handled its Begin (µs
     /// since the Unix epoch), for the latency; `None` for a catch-up page.
     stamps: Option<(i64, i64)>,
@@ -181,7 +188,9 @@ impl<'a> Pipeline<'a> {
     /// commit record at or after the end of this one's, so
     /// `final_lsn < marked` is `end ≤ marked`.
     pub(super) fn begin(&mut self, final_lsn: Option<u64>, commit_us: Option<i64>) {
-        let skip = final_lsn.is_some_and(|f| f < self.marked || self.eo.as_ref().is_some_and(|eo| eo.covers(f)));
+        let marked = final_lsn.is_some_and(|f| f < self.marked);
+        let in_kafka = final_lsn.is_some_and(|f| self.eo.as_ref().is_some_and(|eo| eo.covers(f)));
+        let mark_skipped = !marked && in_kafka && self.eo.as_ref().is_some_and(Transactional::marks_covered);
         self.txns.push_back(Txn {
             seq: self.next_seq,
             final_lsn,
@@ -190,7 +199,8 @@ impl<'a> Pipeline<'a> {
             outstanding: 0,
             acked: IdSet::default(),
             failed_from: None,
-            skip,
+            skip: marked || in_kafka,
+            mark_skipped,
             stamps: commit_us.map(|c| (c, super::now_us())),
         });
         self.next_seq += 1;
@@ -223,7 +233,9 @@ impl<'a> Pipeline<'a> {
 
     async fn produce_row(&mut self, row: &PendingRow, replayed: bool) {
         if let Some(t) = self.txns.back_mut().filter(|t| t.skip) {
-            t.acked.insert(row.id);
+            if t.mark_skipped {
+                t.acked.insert(row.id);
+            }
             self.state.metrics.wal_marked_skipped.inc();
             return;
         }

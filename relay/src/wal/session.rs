@@ -108,10 +108,19 @@ pub(super) async fn run(ctx: &Ctx, iso: &mut Isolation, reseed: bool, finish: &C
     iso.dead.extend(pipeline.close_kafka(clean).await);
     drop(pipeline);
     // The marker's last statement may be stuck on a dead connection (its
-    // bound is 30 s): what it did not commit stays unmarked and the slot
-    // before it, so it is given a while and then dropped.
+    // bound is longer): what it did not commit stays unmarked and the slot
+    // before it (the next session produces it again), so it is given a
+    // while and then dropped; less when the session ended on a failure.
+    // After a connection was found dead (or the database not answering)
+    // nothing is waited for on it.
+    let dead = matches!(end, Ended::Retry("replication_silent" | "database"));
+    let (marker_wait, client_wait) = match (&end, dead) {
+        (Ended::Shutdown, _) => (PING_WAIT, Duration::from_secs(5)),
+        (_, false) => (Duration::from_secs(2), Duration::from_secs(5)),
+        (_, true) => (Duration::from_secs(2), Duration::from_secs(1)),
+    };
     let mut marker_task = marker_task;
-    if tokio::time::timeout(PING_WAIT, &mut marker_task).await.is_err() {
+    if tokio::time::timeout(marker_wait, &mut marker_task).await.is_err() {
         tracing::warn!("the marker's last mark did not finish in time; dropped (its rows stay unmarked)");
         marker_task.abort();
     }
@@ -120,13 +129,12 @@ pub(super) async fn run(ctx: &Ctx, iso: &mut Isolation, reseed: bool, finish: &C
         client.update_applied_lsn(Lsn::from_u64(last));
     }
     let deadline = tokio::time::Instant::now() + STATUS_INTERVAL * 3;
-    let dead = end == Ended::Retry("replication_silent");
     while !dead && client.feedback_pending_since().is_some() && client.is_running() {
         if tokio::time::timeout_at(deadline, sent.notified()).await.is_err() {
             break;
         }
     }
-    let _ = tokio::time::timeout(Duration::from_secs(5), client.shutdown()).await;
+    let _ = tokio::time::timeout(client_wait, client.shutdown()).await;
     end
 }
 
@@ -297,12 +305,7 @@ async fn stream(
     };
     let marker = pipeline.marker();
     let mut check_at = tokio::time::Instant::now() + PUBLICATION_CHECK;
-    let ping = format!("ferry.ping.{}", ctx.database_id);
-    // Silence: nothing heard while reading until `silent_at`; then a ping
-    // through the WAL, and if that does not come back either, the
-    // connection is taken for dead.
-    let mut silent_at = tokio::time::Instant::now() + SILENCE;
-    let mut pinged = false;
+    let mut silence = Silence::new(ctx);
     loop {
         if let Some(end) = pipeline.failed() {
             return end.clone();
@@ -311,8 +314,7 @@ async fn stream(
         if !read {
             // Not reading is this side's wait (Kafka, the marker), not
             // the connection's silence.
-            silent_at = tokio::time::Instant::now() + SILENCE;
-            pinged = false;
+            silence.heard();
         }
         let commit_due = pipeline.commit_due();
         let waiting = std::time::Instant::now();
@@ -324,24 +326,10 @@ async fn stream(
                 client.update_applied_lsn(Lsn::from_u64(*confirmed.borrow_and_update()));
             }
             Some(settled) = pipeline.next(), if pipeline.in_flight() > 0 => pipeline.settle(settled).await,
-            _ = tokio::time::sleep_until(silent_at), if read => {
-                if pinged {
-                    tracing::warn!(silent_for = ?(SILENCE + PING_WAIT), "the replication connection carried nothing, not even a ping through the WAL; taking it for dead (half-open)");
-                    return Ended::Retry("replication_silent");
+            _ = tokio::time::sleep_until(silence.at), if read => {
+                if let Some(end) = silence.check().await {
+                    return end;
                 }
-                match tokio::time::timeout(PING_WAIT, ctx.state.store.wal_ping(&ping)).await {
-                    Ok(Ok(())) => {}
-                    Ok(Err(e)) => {
-                        tracing::warn!(error = %e, "sending a ping through the WAL failed");
-                        return Ended::Retry("database");
-                    }
-                    Err(_) => {
-                        tracing::warn!(bound = ?PING_WAIT, "PostgreSQL did not take a ping through the WAL in time");
-                        return Ended::Retry("database");
-                    }
-                }
-                pinged = true;
-                silent_at = tokio::time::Instant::now() + PING_WAIT;
             }
             _ = tokio::time::sleep_until(check_at) => {
                 check_at = tokio::time::Instant::now() + PUBLICATION_CHECK;
@@ -354,8 +342,7 @@ async fn stream(
                 pipeline.commit_kafka().await;
             }
             event = client.recv(), if read => {
-                silent_at = tokio::time::Instant::now() + SILENCE;
-                pinged = false;
+                silence.heard();
                 if let Err(end) = events.handle(ctx, pipeline, iso, event, Some(waiting)).await {
                     return end;
                 }
@@ -377,14 +364,97 @@ async fn stream(
     }
 }
 
+/// A streaming session's watch on its replication connection: nothing
+/// heard for [`SILENCE`] (while reading) sends a ping through the WAL; then
+/// every [`PING_WAIT`] without an event asks the server how far this
+/// relay's walsender has read. The connection is taken for dead
+/// (`replication_silent`) when the server has no such walsender, when it
+/// read past the ping (so sent it) and nothing arrived, or when it did not
+/// move (stuck); a walsender still reading WAL before the ping (decoding a
+/// backlog of other tables' changes, which it sends nothing of) is waited
+/// for.
+struct Silence<'a> {
+    ctx: &'a Ctx,
+    prefix: String,
+    /// When to act next.
+    at: tokio::time::Instant,
+    /// The ping in flight: its position, and how far the walsender had
+    /// read at the last look.
+    ping: Option<(i64, Option<i64>)>,
+}
+
+impl<'a> Silence<'a> {
+    fn new(ctx: &'a Ctx) -> Self {
+        Silence {
+            ctx,
+            prefix: format!("ferry.ping.{}", ctx.database_id),
+            at: tokio::time::Instant::now() + SILENCE,
+            ping: None,
+        }
+    }
+
+    /// Something arrived (or the session is not reading): no silence.
+    fn heard(&mut self) {
+        self.at = tokio::time::Instant::now() + SILENCE;
+        self.ping = None;
+    }
+
+    /// The next step at [`Silence::at`]; `Some` ends the session. A
+    /// statement that fails or is not answered within [`PING_WAIT`] ends it
+    /// as the database's.
+    async fn check(&mut self) -> Option<Ended> {
+        let store = &self.ctx.state.store;
+        let capture = &self.ctx.capture;
+        let db = |what: &str, r: Result<ferry::Result<Option<i64>>, tokio::time::error::Elapsed>| match r {
+            Ok(Ok(v)) => Ok(v),
+            Ok(Err(e)) => {
+                tracing::warn!(error = %e, "{what} failed");
+                Err(Ended::Retry("database"))
+            }
+            Err(_) => {
+                tracing::warn!(bound = ?PING_WAIT, "{what}: PostgreSQL did not answer in time");
+                Err(Ended::Retry("database"))
+            }
+        };
+        let sent = tokio::time::timeout(PING_WAIT, store.wal_own_sent(&capture.slot, &capture.application_name)).await;
+        let sent = match db("reading the walsender's position", sent) {
+            Ok(v) => v,
+            Err(end) => return Some(end),
+        };
+        let dead = |why: &str| {
+            tracing::warn!(
+                why,
+                "the replication connection carried nothing, not even a ping through the WAL; taking it for dead"
+            );
+            Some(Ended::Retry("replication_silent"))
+        };
+        match (self.ping, sent) {
+            (_, None) => return dead("the server has no walsender of this session"),
+            (Some((ping, _)), Some(s)) if s >= ping => return dead("the walsender sent the ping, which never arrived"),
+            (Some((_, before)), Some(s)) if before == Some(s) => return dead("the walsender did not move"),
+            (Some((ping, _)), now) => self.ping = Some((ping, now)),
+            (None, now) => {
+                let ping = tokio::time::timeout(PING_WAIT, store.wal_ping(&self.prefix)).await;
+                match db("sending a ping through the WAL", ping.map(|r| r.map(Some))) {
+                    Ok(p) => self.ping = Some((p.unwrap_or(0), now)),
+                    Err(end) => return Some(end),
+                }
+            }
+        }
+        self.at = tokio::time::Instant::now() + PING_WAIT;
+        None
+    }
+}
+
 /// How long a streaming session may hear nothing from its replication
 /// connection (no row, no keepalive) before it sends a ping through the WAL
 /// (`pg_logical_emit_message`, one small record while the database is
 /// quiet)...
 pub const SILENCE: Duration = Duration::from_secs(10);
-/// ...and how long the ping may take to come back before the connection is
-/// taken for dead and the session ends: a half-open connection (packets
-/// dropped, no reset) is noticed within `SILENCE + PING_WAIT`, 20 s.
+/// ...and how long the ping may take to come back before the server is
+/// asked whether its walsender sent it: a half-open connection (packets
+/// dropped, no reset) or a stuck walsender is noticed within
+/// `SILENCE + PING_WAIT`, 20 s (see [`Silence`]).
 pub const PING_WAIT: Duration = Duration::from_secs(10);
 /// How long connecting and starting to stream may take.
 pub const CONNECT_BOUND: Duration = Duration::from_secs(30);

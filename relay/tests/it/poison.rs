@@ -50,7 +50,7 @@ pub(crate) async fn poison_rows(ferry: &Ferry) -> i64 {
 
 /// A topic whose `max.message.bytes` (2,000) refuses the 50 kB row: a real
 /// poison record, refused by the broker and not by the client.
-fn poison_topic(broker: &Kafka, name: &str, partitions: i32) {
+pub(crate) fn poison_topic(broker: &Kafka, name: &str, partitions: i32) {
     broker.create_topic_with(name, partitions, &[("max.message.bytes", "2000")]);
 }
 

@@ -363,7 +363,7 @@ async fn wal_exactly_once_a_new_slot_ignores_the_old_slot_s_position() {
         end_lsn: now as u64 + (1 << 40),
         catch_up: Vec::new(),
         catch_up_through: 0,
-        unmarked: Vec::new(),
+        unmarked: Some(Vec::new()),
     })
     .unwrap();
     let key = ferry_relay::exactly_once::WalProgress::key(&database, &slot.name);

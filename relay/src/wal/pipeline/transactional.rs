@@ -132,7 +132,7 @@ pub(in crate::wal) async fn take_over(
         end_lsn: 0,
         catch_up: Vec::new(),
         catch_up_through: 0,
-        unmarked: Vec::new(),
+        unmarked: Some(Vec::new()),
     });
     tracing::info!(
         %slot,
@@ -160,6 +160,16 @@ pub(in crate::wal) async fn take_over(
 }
 
 impl Transactional {
+    /// Whether the rows of a streamed transaction the progress record
+    /// covers must be marked as it streams again: only when the record
+    /// does not list what may be unmarked ([`WalProgress::unmarked`] is
+    /// `None`); otherwise they were marked, or [`Pipeline::mark_committed`]
+    /// marked them, and marking them again could cover a row that died in
+    /// it and was replayed since.
+    pub(super) fn marks_covered(&self) -> bool {
+        self.committed.unmarked.is_none()
+    }
+
     /// Whether a streamed transaction committing at `final_lsn` is in Kafka
     /// already (see [`Pipeline::begin`]).
     pub(super) fn covers(&self, final_lsn: u64) -> bool {
@@ -203,23 +213,10 @@ impl Pipeline<'_> {
         if streamed && row.id <= eo.committed.catch_up_through && !self.still_pending(row.id).await {
             return false;
         }
-        let Some(eo) = self.eo.as_mut() else { return true };
-        if let Some(since) = eo.open_since.filter(|s| s.elapsed() > eo.open_limit) {
-            // One PostgreSQL transaction is never split, so it cannot be
-            // published within the broker's bound: say so and stop, rather
-            // than have the broker abort it at the commit, session after
-            // session, with nothing said.
-            let rows = eo.rows;
-            tracing::error!(
-                rows,
-                open_for = ?since.elapsed(),
-                transaction_timeout = ?exactly_once::transaction_timeout(self.cfg),
-                "a PostgreSQL transaction is too large to publish within the Kafka transaction's timeout: raise transaction.timeout.ms (--kafka transaction.timeout.ms=<ms>, up to the brokers' transaction.max.timeout.ms) or split the transaction; retrying after a backoff"
-            );
-            self.state.metrics.wal_transactions_too_large.inc();
-            self.fail(Ended::Retry("transaction_too_large"));
+        if self.too_large(false) {
             return false;
         }
+        let Some(eo) = self.eo.as_mut() else { return true };
         if eo.open_since.is_none() {
             if let Err(e) = self.producer.begin_transaction() {
                 tracing::warn!(error = %e, "begin_transaction failed; ending the session");
@@ -230,6 +227,34 @@ impl Pipeline<'_> {
         }
         eo.rows += 1;
         eo.bytes += row.payload.len() + row.key.len();
+        true
+    }
+
+    /// Whether the open Kafka transaction has been open past its limit: 90 %
+    /// of `transaction.timeout.ms` while rows are still produced, all of it
+    /// at the `commit` (the broker has aborted it then). One PostgreSQL
+    /// transaction is never split, so it cannot be published within the
+    /// broker's bound. Says so, counts it and fails the session, rather
+    /// than have the broker abort it at the commit, session after session,
+    /// with nothing said.
+    fn too_large(&mut self, commit: bool) -> bool {
+        let Some(eo) = self.eo.as_ref() else { return false };
+        let limit = if commit {
+            exactly_once::transaction_timeout(self.cfg)
+        } else {
+            eo.open_limit
+        };
+        let Some(since) = eo.open_since.filter(|s| s.elapsed() > limit) else {
+            return false;
+        };
+        tracing::error!(
+            rows = eo.rows,
+            open_for = ?since.elapsed(),
+            transaction_timeout = ?exactly_once::transaction_timeout(self.cfg),
+            "a PostgreSQL transaction is too large to publish within the Kafka transaction's timeout: raise transaction.timeout.ms (--kafka transaction.timeout.ms=<ms>, up to the brokers' transaction.max.timeout.ms) or split the transaction; retrying after a backoff"
+        );
+        self.state.metrics.wal_transactions_too_large.inc();
+        self.fail(Ended::Retry("transaction_too_large"));
         true
     }
 
@@ -265,7 +290,7 @@ impl Pipeline<'_> {
     pub(in crate::wal) async fn mark_committed(&mut self) -> bool {
         let Some(eo) = self.eo.as_mut() else { return true };
         let page = std::mem::take(&mut eo.committed.catch_up);
-        let unmarked = std::mem::take(&mut eo.committed.unmarked);
+        let unmarked = eo.committed.unmarked.clone().unwrap_or_default();
         if !page.is_empty() {
             tracing::info!(rows = page.len(), "marking the table read's last committed page");
             self.hand(Mark {
@@ -386,7 +411,7 @@ impl Pipeline<'_> {
             return;
         }
         self.settle_all().await;
-        if self.failed.is_some() {
+        if self.failed.is_some() || self.too_large(true) {
             return;
         }
         let Some(eo) = self.eo.as_ref() else { return };
@@ -405,7 +430,7 @@ impl Pipeline<'_> {
                 .flat_map(|m| m.ids.iter())
                 .collect(),
             catch_up_through: 0,
-            unmarked: Vec::new(),
+            unmarked: None,
         };
         let progress = WalProgress {
             catch_up_through: progress
@@ -432,6 +457,7 @@ impl Pipeline<'_> {
         }
         let mut unmarked: Vec<(i64, i64)> = eo.unconfirmed.iter().flat_map(|(_, r)| r.iter().copied()).collect();
         unmarked.extend(streamed.iter().copied());
+        let unmarked = (unmarked.len() <= exactly_once::MAX_UNMARKED_RUNS).then_some(unmarked);
         let progress = WalProgress { unmarked, ..progress };
         let eo = self.eo.as_ref().expect("exactly once");
         let value = serde_json::to_vec(&progress).expect("progress serializes");
