@@ -1,0 +1,133 @@
+#!/usr/bin/env python3
+"""Runs every test of the workspace, built once, test binaries in parallel.
+
+What `cargo test --workspace` runs, the same tests and the same binaries,
+but not one binary after another: cargo test waits for each binary before
+the next, so the relay's integration suite alone (a hundred tests that
+mostly wait on brokers, clusters and timeouts, two at a time) set the pace
+of the whole command. Here:
+
+  - `cargo test --workspace --no-run` builds every test binary once (the
+    debug binaries the tests spawn, `ferry-relay` among them, come from the
+    same build);
+  - each binary lists its tests (`--list`); one with more than SHARD_SIZE
+    tests is split into shards by name (`--exact` with the names), each a
+    process of its own, so its slow tests run side by side;
+  - up to JOBS processes (FERRY_TEST_JOBS, default 6) run at once, the
+    longest expected first, each in its package's directory as cargo test
+    runs it, with its own log;
+  - the doc tests run as one more job (`cargo test --workspace --doc`).
+
+A job's output is printed when it fails; every job's `test result` line is
+summed, and the total number of tests run is printed at the end (it must
+not drop from one change to the next). Exits non-zero when a test failed,
+a binary could not run, or a binary ran fewer tests than it listed.
+"""
+
+import concurrent.futures
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+JOBS = int(os.environ.get("FERRY_TEST_JOBS", "6"))
+# A binary with more tests than this is split into shards of about this many.
+SHARD_SIZE = int(os.environ.get("FERRY_TEST_SHARD_SIZE", "12"))
+RESULT = re.compile(r"test result: (\w+)\. (\d+) passed; (\d+) failed; (\d+) ignored")
+
+
+def build():
+    """Builds the test binaries; [(name, package dir, executable)]."""
+    out = subprocess.run(
+        ["cargo", "test", "--workspace", "--no-run", "--message-format=json-render-diagnostics"],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        check=True,
+        text=True,
+    ).stdout
+    binaries = []
+    for line in out.splitlines():
+        try:
+            msg = json.loads(line)
+        except ValueError:
+            continue
+        if msg.get("reason") != "compiler-artifact" or not msg.get("executable"):
+            continue
+        if not msg.get("profile", {}).get("test"):
+            continue
+        target = msg["target"]
+        package_dir = os.path.dirname(msg["manifest_path"])
+        name = f"{os.path.relpath(package_dir, ROOT)}:{'/'.join(target['kind'])}:{target['name']}"
+        binaries.append((name, package_dir, msg["executable"]))
+    return binaries
+
+
+def listed(exe, cwd):
+    """The names of the tests `exe` holds."""
+    out = subprocess.run([exe, "--list", "--format", "terse"], cwd=cwd, stdout=subprocess.PIPE, check=True, text=True)
+    return [l[: -len(": test")] for l in out.stdout.splitlines() if l.endswith(": test")]
+
+
+def jobs_of(binaries):
+    """One job per binary, or per shard of a large one: (label, cwd, argv, tests)."""
+    jobs = []
+    for name, cwd, exe in binaries:
+        tests = listed(exe, cwd)
+        if not tests:
+            continue
+        shards = max(1, math.ceil(len(tests) / SHARD_SIZE))
+        for i in range(shards):
+            part = tests[i::shards]
+            label = name if shards == 1 else f"{name} [{i + 1}/{shards}]"
+            argv = [exe] if shards == 1 else [exe, "--exact", *part]
+            jobs.append((label, cwd, argv, len(part)))
+    # The relay's and the other integration suites' shards first (they wait
+    # the longest), then by size.
+    jobs.sort(key=lambda j: (":test:it" not in j[0], -j[3]))
+    return jobs
+
+
+def run(job):
+    label, cwd, argv, expected = job
+    started = time.monotonic()
+    p = subprocess.run(argv, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    took = time.monotonic() - started
+    passed = failed = ignored = 0
+    for m in RESULT.finditer(p.stdout):
+        passed += int(m.group(2))
+        failed += int(m.group(3))
+        ignored += int(m.group(4))
+    ok = p.returncode == 0 and failed == 0 and (expected is None or passed + ignored >= expected)
+    return label, ok, passed, failed, took, p.stdout
+
+
+def main():
+    started = time.monotonic()
+    binaries = build()
+    jobs = jobs_of(binaries)
+    jobs.append(("doc tests", ROOT, ["cargo", "test", "--workspace", "--doc"], None))
+    print(f"run-tests: {len(binaries)} test binaries, {len(jobs)} jobs, {JOBS} at a time", flush=True)
+    total = bad = 0
+    with concurrent.futures.ThreadPoolExecutor(max_workers=JOBS) as pool:
+        running = [pool.submit(run, job) for job in jobs]
+        for done in concurrent.futures.as_completed(running):
+            label, ok, passed, failed, took, out = done.result()
+            total += passed
+            status = "ok" if ok else "FAILED"
+            print(f"run-tests: {status:6} {passed:4} passed {failed:3} failed {took:7.1f}s  {label}", flush=True)
+            if not ok:
+                bad += 1
+                print(out, flush=True)
+    print(
+        f"run-tests: {total} tests passed; {bad} jobs failed; {time.monotonic() - started:.0f}s",
+        flush=True,
+    )
+    sys.exit(1 if bad else 0)
+
+
+if __name__ == "__main__":
+    main()
