@@ -13,7 +13,7 @@ of the whole command. Here:
   - each binary lists its tests (`--list`); one with more than SHARD_SIZE
     tests is split into shards by name (`--exact` with the names), each a
     process of its own, so its slow tests run side by side;
-  - up to JOBS processes (FERRY_TEST_JOBS, default 6) run at once, the
+  - up to JOBS processes (FERRY_TEST_JOBS, default 3) run at once, the
     longest expected first, each in its package's directory as cargo test
     runs it, with its own log;
   - the doc tests run as one more job (`cargo test --workspace --doc`).
@@ -34,7 +34,7 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-JOBS = int(os.environ.get("FERRY_TEST_JOBS", "6"))
+JOBS = int(os.environ.get("FERRY_TEST_JOBS", "3"))
 # A binary with more tests than this is split into shards of about this many.
 SHARD_SIZE = int(os.environ.get("FERRY_TEST_SHARD_SIZE", "12"))
 RESULT = re.compile(r"test result: (\w+)\. (\d+) passed; (\d+) failed; (\d+) ignored")
@@ -85,10 +85,21 @@ def jobs_of(binaries):
             label = name if shards == 1 else f"{name} [{i + 1}/{shards}]"
             argv = [exe] if shards == 1 else [exe, "--exact", *part]
             jobs.append((label, cwd, argv, len(part)))
-    # The relay's and the other integration suites' shards first (they wait
-    # the longest), then by size.
-    jobs.sort(key=lambda j: (":test:it" not in j[0], -j[3]))
+    # The slowest suites' shards first (the relay's tests wait on brokers,
+    # clusters and timeouts for tens of seconds each), then by size.
+    jobs.sort(key=lambda j: (first(j[0]), -j[3]))
     return jobs
+
+
+# Test binaries by how long their tests take, slowest first; others after.
+SLOWEST = ["relay:test:it", "consumer:test:it", "console:test:it", "testkit:test:chaos", ".:test:it"]
+
+
+def first(label):
+    for i, prefix in enumerate(SLOWEST):
+        if label.startswith(prefix):
+            return i
+    return len(SLOWEST)
 
 
 def run(job):
