@@ -125,7 +125,7 @@ pub(super) async fn run(ctx: &Ctx, iso: &mut Isolation, reseed: bool, finish: &C
         marker_task.abort();
     }
     let last = *confirmed.borrow_and_update();
-    if last > 0 {
+    if last > 0 && confirms() {
         client.update_applied_lsn(Lsn::from_u64(last));
     }
     let deadline = tokio::time::Instant::now() + STATUS_INTERVAL * 3;
@@ -323,7 +323,10 @@ async fn stream(
             _ = finish.cancelled() => return Ended::Shutdown,
             _ = marker.closed() => return Ended::Retry("marker_stopped"),
             Ok(()) = confirmed.changed() => {
-                client.update_applied_lsn(Lsn::from_u64(*confirmed.borrow_and_update()));
+                let position = *confirmed.borrow_and_update();
+                if confirms() {
+                    client.update_applied_lsn(Lsn::from_u64(position));
+                }
             }
             Some(settled) = pipeline.next(), if pipeline.in_flight() > 0 => pipeline.settle(settled).await,
             _ = tokio::time::sleep_until(silence.at), if read => {
@@ -486,6 +489,16 @@ async fn publication_lost(ctx: &Ctx) -> Option<Ended> {
             Some(Ended::Retry("database"))
         }
     }
+}
+
+/// Whether the session confirms positions to the slot: always, but for the
+/// crash tests' seam `FERRY_RELAY_FAILPOINT=never-confirm`, with which the
+/// slot never moves, so the next session streams everything again (what a
+/// relay killed between its marks and the client's next status update
+/// leaves behind, without the race).
+fn confirms() -> bool {
+    static NEVER: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    !*NEVER.get_or_init(|| std::env::var("FERRY_RELAY_FAILPOINT").is_ok_and(|v| v == "never-confirm"))
 }
 
 /// Replication events handled in one turn of the session's loop at most,

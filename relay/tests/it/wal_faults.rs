@@ -706,11 +706,12 @@ async fn wal_a_relay_sigkilled_under_load_never_produces_a_covered_row_again() {
 /// A streamed transaction skipped because an earlier session marked it
 /// must not be marked again: a row of it that Kafka refused (marked dead)
 /// and an operator replayed since would be covered by that second mark and
-/// never published. The relay process is frozen (SIGSTOP) once the
-/// transaction is marked and before the slot is confirmed past it (the
-/// client confirms a second later), then killed; the poison row is shrunk
-/// and replayed; the next relay streams the transaction again (skipped),
-/// then the replay: the row is published.
+/// never published. The first relay process never confirms the slot (the
+/// crash tests' `never-confirm` seam: what a relay killed between its
+/// marks and the client's next status update leaves, without the race);
+/// once its rows are marked and the poison row dead it is killed; the row
+/// is shrunk and replayed; the next relay streams every transaction again
+/// (skipped), then the replay: the row is published.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn wal_a_row_replayed_after_its_transaction_was_marked_is_published() {
     let broker = Kafka::start();
@@ -720,39 +721,25 @@ async fn wal_a_row_replayed_after_its_transaction_was_marked_is_published() {
     let pool = ferry.db().as_postgres().unwrap().clone();
     let mut args = slot.args().to_vec();
     args.extend(["--on-poison", "dead"]);
-    let marked = |slot: String, pool: sqlx::PgPool| async move {
-        sqlx::query_scalar::<_, Option<i64>>("SELECT marked_lsn FROM relay_wal_slots WHERE slot = $1")
-            .bind(slot)
-            .fetch_optional(&pool)
-            .await
-            .unwrap()
-            .flatten()
-            .unwrap_or(0)
-    };
-    // Until a try freezes the relay in the window (marked, not confirmed).
-    let mut poison = 0;
-    for attempt in 0.. {
-        assert!(
-            attempt < 10,
-            "never froze the relay between its mark and the slot's confirmation"
-        );
-        let mut relay = spawn_relay_process(&url, &broker.brokers(), &args, &[]);
-        wait_for_streaming(&pool, &slot.name, None, Duration::from_secs(60)).await;
-        let before = marked(slot.name.clone(), pool.clone()).await;
-        poison = crate::poison::poison_rows(&ferry).await;
-        let dead = format!("SELECT count(*) FROM outbox WHERE id = {poison} AND state = 'dead'");
-        wait_for_count(&ferry, &dead, 1, Duration::from_secs(60)).await;
-        while marked(slot.name.clone(), pool.clone()).await == before {
-            tokio::time::sleep(Duration::from_millis(2)).await;
-        }
-        signal(relay.id(), "STOP");
-        let frozen = confirmed_flush(&pool, &slot.name).await < marked(slot.name.clone(), pool.clone()).await;
-        relay.kill().unwrap();
-        relay.wait().unwrap();
-        if frozen {
-            break;
-        }
-    }
+    let mut first = spawn_relay_process(
+        &url,
+        &broker.brokers(),
+        &args,
+        &[("FERRY_RELAY_FAILPOINT", "never-confirm")],
+    );
+    wait_for_streaming(&pool, &slot.name, None, Duration::from_secs(60)).await;
+    let poison = crate::poison::poison_rows(&ferry).await;
+    wait_for_count(&ferry, &DELIVERED, 6, Duration::from_secs(60)).await;
+    let dead = format!("SELECT count(*) FROM outbox WHERE id = {poison} AND state = 'dead'");
+    wait_for_count(&ferry, &dead, 1, Duration::from_secs(60)).await;
+    let marked = "SELECT COALESCE(max(marked_lsn), 0) FROM relay_wal_slots";
+    let confirmed = confirmed_flush(&pool, &slot.name).await;
+    assert!(
+        scalar(&ferry, marked).await > confirmed,
+        "the slot stayed before the marks"
+    );
+    first.kill().unwrap();
+    first.wait().unwrap();
     sqlx::query("UPDATE outbox SET payload = 'small' WHERE id = $1")
         .bind(poison)
         .execute(&pool)

@@ -45,12 +45,12 @@ fn writer(ferry: &Ferry, stop: &CancellationToken) -> tokio::task::JoinHandle<us
     })
 }
 
+/// What was delivered at a fault, and where each partition ended.
+type Snapshot = (std::collections::HashSet<i64>, std::collections::HashMap<i32, i64>);
+
 /// What was delivered now, and where each partition ends: none of these
 /// rows may be produced past those offsets.
-async fn snapshot(
-    pool: &sqlx::PgPool,
-    brokers: &str,
-) -> (std::collections::HashSet<i64>, std::collections::HashMap<i32, i64>) {
+async fn snapshot(pool: &sqlx::PgPool, brokers: &str) -> Snapshot {
     let delivered = delivered_ids(pool).await;
     (delivered, end_offsets(brokers, "orders"))
 }
@@ -114,6 +114,86 @@ impl Drop for Stopped {
 /// WAL given 10 s; the rest is slack for a loaded machine.
 const NOTICED_WITHIN: Duration = Duration::from_secs(30);
 
+/// A WAL capture relay (in-process, on a slot of its own) streaming under a
+/// writer's load, its database reached directly or through a proxy.
+struct Scene {
+    _broker: Kafka,
+    brokers: String,
+    ferry: Ferry,
+    pool: sqlx::PgPool,
+    slot: SlotGuard,
+    relay: RunningRelay,
+    /// The proxy between the relay and PostgreSQL, when asked for.
+    proxy: Option<(Toxiproxy, ferry_testkit::Proxy)>,
+    stop: CancellationToken,
+    writing: tokio::task::JoinHandle<usize>,
+}
+
+impl Scene {
+    /// Starts it and waits until 300 rows are delivered.
+    async fn start(through_proxy: bool) -> Scene {
+        let broker = Kafka::start();
+        broker.create_topic("orders", 4);
+        let brokers = broker.brokers();
+        let (ferry, url) = pg_ferry().await;
+        let pool = ferry.db().as_postgres().unwrap().clone();
+        let slot = SlotGuard::new().await;
+        let (relay, proxy) = if through_proxy {
+            let toxi = Toxiproxy::start();
+            let pg = toxi.proxy("postgres", port_of(&url));
+            let proxied = via(&url, pg.port());
+            let relay_ferry = Ferry::builder(&proxied).connect().await.unwrap();
+            (
+                slot.start(slot.config(&proxied, &brokers), relay_ferry).await,
+                Some((toxi, pg)),
+            )
+        } else {
+            (slot.start(slot.config(&url, &brokers), ferry.clone()).await, None)
+        };
+        let stop = CancellationToken::new();
+        let writing = writer(&ferry, &stop);
+        wait_for_count(&ferry, &DELIVERED, 300, Duration::from_secs(60)).await;
+        Scene {
+            _broker: broker,
+            brokers,
+            ferry,
+            pool,
+            slot,
+            relay,
+            proxy,
+            stop,
+            writing,
+        }
+    }
+
+    /// The proxy (the scene must have one).
+    fn proxy(&self) -> &ferry_testkit::Proxy {
+        &self.proxy.as_ref().expect("a scene through the proxy").1
+    }
+
+    /// Stops the writer, waits until every row is delivered, stops the
+    /// relay, and checks the topic: nothing lost, and no row of a
+    /// `snapshot` produced past its offsets. Returns the duplicates and
+    /// the rows written.
+    async fn finish(self, faults: &[Snapshot]) -> (usize, usize) {
+        self.stop.cancel();
+        let written = self.writing.await.unwrap();
+        wait_for_count(&self.ferry, &DELIVERED, written as i64, Duration::from_secs(120)).await;
+        self.relay.shutdown().await;
+        let recs = read_all(&self.brokers, "orders", false, Duration::from_secs(60)).await;
+        let ids: Vec<i64> = sqlx::query_scalar("SELECT id FROM outbox ORDER BY id")
+            .fetch_all(&self.pool)
+            .await
+            .unwrap();
+        let duplicates = nothing_lost(&recs, &ids);
+        for (k, (delivered, ends)) in faults.iter().enumerate() {
+            assert_nothing_delivered_produced_again(&recs, delivered, ends, &format!("fault {}", k + 1));
+        }
+        drop(self.slot);
+        (duplicates, written)
+    }
+}
+
 /// A replication connection that carries nothing while the database is
 /// otherwise fine (what a NAT or a firewall that dropped a long-lived
 /// connection does, or a walsender stuck): the walsender is SIGSTOPped
@@ -126,39 +206,20 @@ const NOTICED_WITHIN: Duration = Duration::from_secs(30);
 /// silent connection for ever.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn wal_a_silent_replication_connection_is_noticed_and_nothing_is_lost() {
-    let broker = Kafka::start();
-    broker.create_topic("orders", 4);
-    let brokers = broker.brokers();
-    let (ferry, url) = pg_ferry().await;
-    let pool = ferry.db().as_postgres().unwrap().clone();
-    let slot = SlotGuard::new().await;
-    let relay = slot.start(slot.config(&url, &brokers), ferry.clone()).await;
-    let stop = CancellationToken::new();
-    let writing = writer(&ferry, &stop);
-    wait_for_count(&ferry, &DELIVERED, 300, Duration::from_secs(60)).await;
-    let walsender = wait_for_streaming(&pool, &slot.name, None, Duration::from_secs(60)).await;
+    let scene = Scene::start(false).await;
+    let walsender = wait_for_streaming(&scene.pool, &scene.slot.name, None, Duration::from_secs(60)).await;
     let stopped = Stopped::new(walsender as u32);
-    let (delivered, ends) = snapshot(&pool, &brokers).await;
-    let noticed = until_a_session_ends(&relay, NOTICED_WITHIN + Duration::from_secs(15)).await;
+    let fault = snapshot(&scene.pool, &scene.brokers).await;
+    let noticed = until_a_session_ends(&scene.relay, NOTICED_WITHIN + Duration::from_secs(15)).await;
     drop(stopped);
-    let codes = ended_codes(&relay);
-    stop.cancel();
-    let written = writing.await.unwrap();
-    wait_for_count(&ferry, &DELIVERED, written as i64, Duration::from_secs(120)).await;
-    relay.shutdown().await;
+    let codes = ended_codes(&scene.relay);
+    let (duplicates, written) = scene.finish(&[fault]).await;
     assert!(noticed <= NOTICED_WITHIN, "noticed after {noticed:?}");
     assert_eq!(
         codes,
         vec![("replication_silent".to_owned(), 1)],
         "how the session ended"
     );
-    let recs = read_all(&brokers, "orders", false, Duration::from_secs(60)).await;
-    let ids: Vec<i64> = sqlx::query_scalar("SELECT id FROM outbox ORDER BY id")
-        .fetch_all(&pool)
-        .await
-        .unwrap();
-    let duplicates = nothing_lost(&recs, &ids);
-    assert_nothing_delivered_produced_again(&recs, &delivered, &ends, "the silence");
     eprintln!("silent replication connection: noticed after {noticed:?}; {duplicates} duplicates in {written} rows");
 }
 
@@ -172,36 +233,13 @@ async fn wal_a_silent_replication_connection_is_noticed_and_nothing_is_lost() {
 /// produced again. Before the bounds, the session waited for ever.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn wal_a_half_open_network_to_postgres_is_noticed_and_nothing_is_lost() {
-    let broker = Kafka::start();
-    broker.create_topic("orders", 4);
-    let brokers = broker.brokers();
-    let (ferry, url) = pg_ferry().await;
-    let pool = ferry.db().as_postgres().unwrap().clone();
-    let slot = SlotGuard::new().await;
-    let toxi = Toxiproxy::start();
-    let pg = toxi.proxy("postgres", port_of(&url));
-    let proxied = via(&url, pg.port());
-    let relay_ferry = Ferry::builder(&proxied).connect().await.unwrap();
-    let relay = slot.start(slot.config(&proxied, &brokers), relay_ferry).await;
-    let stop = CancellationToken::new();
-    let writing = writer(&ferry, &stop);
-    wait_for_count(&ferry, &DELIVERED, 300, Duration::from_secs(60)).await;
-    pg.blackhole();
-    let (delivered, ends) = snapshot(&pool, &brokers).await;
-    let noticed = until_a_session_ends(&relay, NOTICED_WITHIN + Duration::from_secs(15)).await;
-    pg.remove("blackhole");
-    stop.cancel();
-    let written = writing.await.unwrap();
-    wait_for_count(&ferry, &DELIVERED, written as i64, Duration::from_secs(120)).await;
-    relay.shutdown().await;
+    let scene = Scene::start(true).await;
+    scene.proxy().blackhole();
+    let fault = snapshot(&scene.pool, &scene.brokers).await;
+    let noticed = until_a_session_ends(&scene.relay, NOTICED_WITHIN + Duration::from_secs(15)).await;
+    scene.proxy().remove("blackhole");
+    let (duplicates, written) = scene.finish(&[fault]).await;
     assert!(noticed <= NOTICED_WITHIN, "noticed after {noticed:?}");
-    let recs = read_all(&brokers, "orders", false, Duration::from_secs(60)).await;
-    let ids: Vec<i64> = sqlx::query_scalar("SELECT id FROM outbox ORDER BY id")
-        .fetch_all(&pool)
-        .await
-        .unwrap();
-    let duplicates = nothing_lost(&recs, &ids);
-    assert_nothing_delivered_produced_again(&recs, &delivered, &ends, "the black hole");
     eprintln!("half-open network to PostgreSQL: noticed after {noticed:?}; {duplicates} duplicates in {written} rows");
 }
 
@@ -212,47 +250,23 @@ async fn wal_a_half_open_network_to_postgres_is_noticed_and_nothing_is_lost() {
 /// produced again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn wal_latency_spikes_and_resets_towards_postgres_lose_nothing() {
-    let broker = Kafka::start();
-    broker.create_topic("orders", 4);
-    let brokers = broker.brokers();
-    let (ferry, url) = pg_ferry().await;
-    let pool = ferry.db().as_postgres().unwrap().clone();
-    let slot = SlotGuard::new().await;
-    let toxi = Toxiproxy::start();
-    let pg = toxi.proxy("postgres", port_of(&url));
-    let proxied = via(&url, pg.port());
-    let relay_ferry = Ferry::builder(&proxied).connect().await.unwrap();
-    let relay = slot.start(slot.config(&proxied, &brokers), relay_ferry).await;
-    let stop = CancellationToken::new();
-    let writing = writer(&ferry, &stop);
+    let scene = Scene::start(true).await;
     let mut faults = Vec::new();
     let mut delivered = 300;
     for round in 0..3 {
-        wait_for_count(&ferry, &DELIVERED, delivered, Duration::from_secs(90)).await;
-        faults.push(snapshot(&pool, &brokers).await);
+        wait_for_count(&scene.ferry, &DELIVERED, delivered, Duration::from_secs(90)).await;
+        faults.push(snapshot(&scene.pool, &scene.brokers).await);
         if round == 1 {
-            pg.latency(300, 100);
-            let now = scalar(&ferry, &DELIVERED).await;
-            wait_for_count(&ferry, &DELIVERED, now + 100, Duration::from_secs(90)).await;
-            pg.remove("latency");
+            scene.proxy().latency(300, 100);
+            let now = scalar(&scene.ferry, &DELIVERED).await;
+            wait_for_count(&scene.ferry, &DELIVERED, now + 100, Duration::from_secs(90)).await;
+            scene.proxy().remove("latency");
         } else {
-            pg.reset_connections();
+            scene.proxy().reset_connections();
         }
-        delivered = scalar(&ferry, &DELIVERED).await + 300;
+        delivered = scalar(&scene.ferry, &DELIVERED).await + 300;
     }
-    stop.cancel();
-    let written = writing.await.unwrap();
-    wait_for_count(&ferry, &DELIVERED, written as i64, Duration::from_secs(120)).await;
-    relay.shutdown().await;
-    let recs = read_all(&brokers, "orders", false, Duration::from_secs(60)).await;
-    let ids: Vec<i64> = sqlx::query_scalar("SELECT id FROM outbox ORDER BY id")
-        .fetch_all(&pool)
-        .await
-        .unwrap();
-    let duplicates = nothing_lost(&recs, &ids);
-    for (k, (delivered, ends)) in faults.iter().enumerate() {
-        assert_nothing_delivered_produced_again(&recs, delivered, ends, &format!("fault {}", k + 1));
-    }
+    let (duplicates, written) = scene.finish(&faults).await;
     eprintln!("latency and resets towards PostgreSQL: {duplicates} duplicates in {written} rows");
 }
 
