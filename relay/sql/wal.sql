@@ -218,8 +218,8 @@ WHERE s.slot_name = $1 AND r.application_name = $2
 -- relay's session) has read the WAL; no row when the server has no such
 -- session. It moves while the walsender decodes WAL it sends nothing of
 -- (other tables), so a silent stream that is still catching up is told
--- from a dead one.
-SELECT (r.sent_lsn - '0/0'::pg_lsn)::bigint
+-- from a dead one. -1 when the position is not shown to this role.
+SELECT COALESCE((r.sent_lsn - '0/0'::pg_lsn)::bigint, -1)
 FROM pg_replication_slots s
 JOIN pg_stat_replication r ON r.pid = s.active_pid
 WHERE s.slot_name = $1 AND r.application_name = $2

@@ -443,8 +443,8 @@ impl RelayStore {
     }
 
     /// How far this relay's walsender (the one streaming `slot` for
-    /// `application_name`) has read the WAL; `None` when the server has no
-    /// such session.
+    /// `application_name`) has read the WAL (-1 when the server does not
+    /// show it to this role); `None` when the server has no such session.
     pub async fn wal_own_sent(&self, slot: &str, application_name: &str) -> Result<Option<i64>> {
         bounded(async move {
             Ok(sqlx::query_scalar(Q.wal_own_sent)

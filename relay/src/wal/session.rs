@@ -433,6 +433,8 @@ impl<'a> Silence<'a> {
         };
         match (self.ping, sent) {
             (_, None) => return dead("the server has no walsender of this session"),
+            // Its position is not shown to this role: the ping alone tells.
+            (Some(_), Some(-1)) => return dead("the ping never arrived"),
             (Some((ping, _)), Some(s)) if s >= ping => return dead("the walsender sent the ping, which never arrived"),
             (Some((_, before)), Some(s)) if before == Some(s) => return dead("the walsender did not move"),
             (Some((ping, _)), now) => self.ping = Some((ping, now)),
