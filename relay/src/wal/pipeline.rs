@@ -182,6 +182,7 @@ impl<'a> Pipeline<'a> {
     /// A transaction begins (its commit record at `final_lsn`, committed at
     /// `commit_us` µs since the Unix epoch), or a page of the catch-up read
     /// (`None`, `None`).
+    ///
     /// A streamed transaction is skipped when the slot's marked position or
     /// the exactly-once progress record covers it: it ends after
     /// `final_lsn`, and every transaction that commits later starts its
