@@ -116,22 +116,13 @@ impl RelayStore {
         .await
     }
 
-    /// Creates `publication` on this schema's `outbox`, inserts only. The
-    /// name is one [`crate::config::check_identifier`] accepted, so it needs
-    /// no quoting. A concurrent creation by another relay is not an error.
+    /// Creates `publication` on this schema's `outbox`, inserts only. A
+    /// concurrent creation by another relay is not an error.
     pub async fn create_wal_publication(&self, publication: &str) -> Result<()> {
-        bounded(async move {
-            crate::config::check_identifier("publication", publication).map_err(|_| Error::InvalidInput {
-                field: "publication",
-                reason: "use 1 to 63 lowercase letters, digits and '_'".into(),
-            })?;
-            let ddl = format!("CREATE PUBLICATION {publication} FOR TABLE outbox WITH (publish = 'insert')");
-            match sqlx::query(&ddl).execute(self.pg()?).await {
-                Ok(_) => Ok(()),
-                Err(e) if sqlstate(&e).as_deref() == Some("42710") => Ok(()), // duplicate_object: raced another relay
-                Err(e) => Err(e.into()),
-            }
-        })
+        self.publication_ddl(
+            publication,
+            "CREATE PUBLICATION {p} FOR TABLE outbox WITH (publish = 'insert')",
+        )
         .await
     }
 
@@ -140,15 +131,23 @@ impl RelayStore {
     /// or an operator altered it). Tables already in it stay; one already
     /// there is not an error.
     pub async fn add_outbox_to_wal_publication(&self, publication: &str) -> Result<()> {
+        self.publication_ddl(publication, "ALTER PUBLICATION {p} ADD TABLE outbox")
+            .await
+    }
+
+    /// Runs `ddl` with `{p}` replaced by `publication`, a name
+    /// [`crate::config::check_identifier`] accepts (so it needs no
+    /// quoting); `duplicate_object` (another relay raced it, or the table is
+    /// in it already) is not an error.
+    async fn publication_ddl(&self, publication: &str, ddl: &str) -> Result<()> {
         bounded(async move {
             crate::config::check_identifier("publication", publication).map_err(|_| Error::InvalidInput {
                 field: "publication",
                 reason: "use 1 to 63 lowercase letters, digits and '_'".into(),
             })?;
-            let ddl = format!("ALTER PUBLICATION {publication} ADD TABLE outbox");
-            match sqlx::query(&ddl).execute(self.pg()?).await {
+            match sqlx::query(&ddl.replace("{p}", publication)).execute(self.pg()?).await {
                 Ok(_) => Ok(()),
-                Err(e) if sqlstate(&e).as_deref() == Some("42710") => Ok(()), // already a member
+                Err(e) if sqlstate(&e).as_deref() == Some("42710") => Ok(()), // duplicate_object
                 Err(e) => Err(e.into()),
             }
         })
