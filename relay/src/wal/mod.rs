@@ -209,15 +209,8 @@ pub async fn run(
     let mut iso = Isolation::default();
     let mut reseed = false;
     while !finish.is_cancelled() {
-        let ended = session::run(&ctx, &mut iso, reseed, &finish).await;
+        let ended = session::run(&ctx, &mut iso, &mut reseed, &finish).await;
         ctx.state.metrics.wal_session_ended(ended.code());
-        // A reseed waits out a slot still in use (the walsender of the
-        // session that found the slot unusable may not have exited yet):
-        // dropped here, the next session would stream from the old slot,
-        // fail the same way, and race its walsender's exit again.
-        if ended != Ended::SlotInUse {
-            reseed = false;
-        }
         let wait = match ended {
             Ended::Shutdown => break,
             Ended::Fatal => {

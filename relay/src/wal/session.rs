@@ -32,7 +32,7 @@ pub const MAX_IN_FLIGHT: usize = 16_384;
 const PG_EPOCH_US: i64 = 946_684_800_000_000;
 
 /// Runs one session; how it ended decides what the relay does next.
-pub(super) async fn run(ctx: &Ctx, iso: &mut Isolation, reseed: bool, finish: &CancellationToken) -> Ended {
+pub(super) async fn run(ctx: &Ctx, iso: &mut Isolation, reseed: &mut bool, finish: &CancellationToken) -> Ended {
     if let Err(end) = prepare(ctx, reseed, finish).await {
         return end;
     }
@@ -143,7 +143,11 @@ pub(super) async fn run(ctx: &Ctx, iso: &mut Isolation, reseed: bool, finish: &C
 /// flags the table for one catch-up read. Creating the slot waits for the
 /// transactions running then, however long: `finish` ends the wait (and
 /// the creation).
-async fn prepare(ctx: &Ctx, reseed: bool, finish: &CancellationToken) -> Result<(), Ended> {
+///
+/// `reseed` is cleared once the slot is gone (dropped here, or missing):
+/// a reseed that meets the slot still in use waits for it, and one that
+/// another relay already carried out is not done twice.
+async fn prepare(ctx: &Ctx, reseed: &mut bool, finish: &CancellationToken) -> Result<(), Ended> {
     let store = &ctx.state.store;
     let (slot, publication) = (&ctx.capture.slot, &ctx.capture.publication);
     let db = |e: ferry::Error| {
@@ -180,7 +184,7 @@ async fn prepare(ctx: &Ctx, reseed: bool, finish: &CancellationToken) -> Result<
             tracing::error!(%slot, "the slot exists but is not a pgoutput slot of this database");
             return Err(Ended::Retry("slot_unusable"));
         }
-        if !(s.lost || reseed) {
+        if !(s.lost || *reseed) {
             return Ok(());
         }
         if s.active || !store.drop_wal_slot(slot).await.map_err(db)? {
@@ -188,6 +192,7 @@ async fn prepare(ctx: &Ctx, reseed: bool, finish: &CancellationToken) -> Result<
         }
         tracing::warn!(%slot, lost = s.lost, "dropped the replication slot; the table will be read once");
     }
+    *reseed = false;
     tracing::info!(%slot, "creating the replication slot");
     match store
         .create_wal_slot(slot, ctx.capture.failover, finish.cancelled())
