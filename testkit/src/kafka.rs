@@ -284,6 +284,19 @@ impl Kafka {
         }
     }
 
+    /// `-XX:SharedArchiveFile` for the class-data sharing archive `name`
+    /// (`format` or `broker`) that `scripts/install-kafka` made in
+    /// `<kafka home>/cds`, when it is there: the JVM maps the startup
+    /// classes instead of loading and verifying them (a broker starts on
+    /// 1.3 s of CPU instead of 2.4 s, the format takes 0.5 s instead of 1.0 s).
+    /// An archive the JVM cannot use is ignored by it (`-Xshare:auto`).
+    fn class_data(name: &str) -> Option<String> {
+        let archive = kafka_home().join("cds").join(format!("{name}.jsa"));
+        archive
+            .exists()
+            .then(|| format!("-XX:SharedArchiveFile={}", archive.display()))
+    }
+
     fn log4j() -> String {
         format!(
             "-Dlog4j2.configurationFile={}",
@@ -295,6 +308,7 @@ impl Kafka {
     fn format(&self) {
         let out = Command::new(Self::java())
             .args(Self::jvm_options())
+            .args(Self::class_data("format"))
             .arg(Self::log4j())
             .arg("-cp")
             .arg(Self::classpath())
@@ -333,6 +347,7 @@ impl Kafka {
             .arg(Self::java())
             .args(["-Xms256m", "-Xmx768m", "-Djava.awt.headless=true"])
             .args(Self::jvm_options())
+            .args(Self::class_data("broker"))
             .arg(Self::log4j())
             .arg("-cp")
             .arg(Self::classpath())
