@@ -481,3 +481,42 @@ async fn the_console_role_runs_doctor_and_status() {
         .await
         .expect("ferry status as ferry_console");
 }
+
+/// `ferry_writer`, the role of a writer outside Rust, enqueues through
+/// `ferry_enqueue` and `ferry_enqueue_json` and is refused everything else:
+/// the outbox table itself, its sequence, the runs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_writer_role_may_only_enqueue_through_the_functions() {
+    let t = TestDb::new(Kind::Postgres).await;
+    sqlx::raw_sql(include_str!("../../deploy/sql/roles.sql"))
+        .execute(t.ferry.db().as_postgres().unwrap())
+        .await
+        .expect("roles.sql applies");
+    let writer = as_role(&t, "ferry_writer").await;
+    let pool = writer.db().as_postgres().unwrap();
+    let mut tx = pool.begin().await.unwrap();
+    let a: i64 = sqlx::query_scalar("SELECT ferry_enqueue_json('acme', 'orders', 'o-1', '{\"n\":1}')")
+        .fetch_one(&mut *tx)
+        .await
+        .expect("the writer calls ferry_enqueue_json");
+    let b: i64 = sqlx::query_scalar("SELECT ferry_enqueue('acme', 'orders', 'o-1', '\\x01'::bytea)")
+        .fetch_one(&mut *tx)
+        .await
+        .expect("the writer calls ferry_enqueue");
+    tx.commit().await.unwrap();
+    assert!(b > a);
+    refused(&writer, "SELECT payload FROM outbox").await;
+    refused(
+        &writer,
+        "INSERT INTO outbox (tenant, topic, key, lane, payload, headers, created_at) VALUES ('acme', 'orders', 'o-1', 0, '', '{}', 0)",
+    )
+    .await;
+    refused(&writer, "SELECT nextval('outbox_id_seq')").await;
+    refused(&writer, "SELECT * FROM runs").await;
+    refused(&writer, "SELECT ferry_invalid('a', 'b')").await;
+    let rows: i64 = sqlx::query_scalar("SELECT count(*) FROM outbox")
+        .fetch_one(t.ferry.db().as_postgres().unwrap())
+        .await
+        .unwrap();
+    assert_eq!(rows, 2);
+}

@@ -23,6 +23,12 @@ END $$;
 
 DO $$
 BEGIN
+    CREATE ROLE ferry_writer NOLOGIN;
+EXCEPTION WHEN duplicate_object THEN NULL;
+END $$;
+
+DO $$
+BEGIN
     CREATE ROLE ferry_operator NOLOGIN;
 EXCEPTION WHEN duplicate_object THEN NULL;
 END $$;
@@ -39,7 +45,7 @@ REVOKE CREATE ON SCHEMA public FROM PUBLIC;
 
 DO $$
 BEGIN
-    EXECUTE format('GRANT USAGE ON SCHEMA %I TO ferry_service, ferry_relay, ferry_consumer, ferry_operator, ferry_console',
+    EXECUTE format('GRANT USAGE ON SCHEMA %I TO ferry_service, ferry_writer, ferry_relay, ferry_consumer, ferry_operator, ferry_console',
                    current_schema());
 END $$;
 
@@ -76,6 +82,13 @@ GRANT USAGE ON SEQUENCE ferry_audit_id_seq TO ferry_service;
 -- tokens from the bucket; pausing and limits are the operator's.
 GRANT SELECT ON ferry_queues TO ferry_service;
 GRANT UPDATE (tokens, refilled_at) ON ferry_queues TO ferry_service;
+
+-- A writer outside Rust (Java, Go, Python, Node) enqueues outbox rows through
+-- ferry_enqueue and ferry_enqueue_json (SECURITY DEFINER: they insert as the
+-- schema owner, after the library's checks) and may do nothing else here: no
+-- table, no sequence. The service may call them too.
+GRANT EXECUTE ON FUNCTION ferry_enqueue(text, text, text, bytea, jsonb, text, text),
+    ferry_enqueue_json(text, text, text, json, jsonb, text, text) TO ferry_writer, ferry_service;
 
 -- The relay reads and marks the outbox and its lanes; of the jobs it reads
 -- only the columns of its job gauges (oldest due job, expired leases, dead

@@ -19,5 +19,6 @@ mod queue_events;
 mod queues;
 mod scheduled;
 mod schedules;
+mod sql_writers;
 mod support;
 mod worker;

@@ -16,3 +16,4 @@ mod wal_exactly_once;
 mod wal_failover;
 mod wal_faults;
 mod wal_network;
+mod writers;
