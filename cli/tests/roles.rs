@@ -28,10 +28,11 @@ async fn as_role(t: &TestDb, role: &str) -> Ferry {
 }
 
 async fn refused(f: &Ferry, sql: &str) {
-    let err = sqlx::query(sql)
-        .execute(f.db().as_postgres().unwrap())
-        .await
-        .expect_err(sql);
+    refused_on(f.db().as_postgres().unwrap(), sql).await;
+}
+
+async fn refused_on(pool: &sqlx::PgPool, sql: &str) {
+    let err = sqlx::query(sql).execute(pool).await.expect_err(sql);
     let code = err.as_database_error().and_then(|e| e.code()).map(|c| c.into_owned());
     assert_eq!(
         code.as_deref(),
@@ -492,8 +493,8 @@ async fn the_writer_role_may_only_enqueue_through_the_functions() {
         .execute(t.ferry.db().as_postgres().unwrap())
         .await
         .expect("roles.sql applies");
-    let writer = as_role(&t, "ferry_writer").await;
-    let pool = writer.db().as_postgres().unwrap();
+    // Not a Ferry: a writer outside Rust has only its driver's connection.
+    let pool = sqlx::PgPool::connect(&role_url(&t, "ferry_writer")).await.unwrap();
     let mut tx = pool.begin().await.unwrap();
     let a: i64 = sqlx::query_scalar("SELECT ferry_enqueue_json('acme', 'orders', 'o-1', '{\"n\":1}')")
         .fetch_one(&mut *tx)
@@ -505,15 +506,16 @@ async fn the_writer_role_may_only_enqueue_through_the_functions() {
         .expect("the writer calls ferry_enqueue");
     tx.commit().await.unwrap();
     assert!(b > a);
-    refused(&writer, "SELECT payload FROM outbox").await;
-    refused(
-        &writer,
+    for sql in [
+        "SELECT payload FROM outbox",
         "INSERT INTO outbox (tenant, topic, key, lane, payload, headers, created_at) VALUES ('acme', 'orders', 'o-1', 0, '', '{}', 0)",
-    )
-    .await;
-    refused(&writer, "SELECT nextval('outbox_id_seq')").await;
-    refused(&writer, "SELECT * FROM runs").await;
-    refused(&writer, "SELECT ferry_invalid('a', 'b')").await;
+        "SELECT nextval('outbox_id_seq')",
+        "SELECT * FROM runs",
+        "SELECT * FROM ferry_settings",
+        "SELECT ferry_invalid('a', 'b')",
+    ] {
+        refused_on(&pool, sql).await;
+    }
     let rows: i64 = sqlx::query_scalar("SELECT count(*) FROM outbox")
         .fetch_one(t.ferry.db().as_postgres().unwrap())
         .await
