@@ -349,8 +349,10 @@ pub async fn readyz_until(relay: &RunningRelay, want: &str, limit: Duration) {
 }
 
 /// A `ferry-relay run` child process, SIGKILLed when dropped (also when
-/// the test fails), so no relay outlives its test.
-pub struct RelayProcess(pub std::process::Child);
+/// the test fails), so no relay outlives its test. Its warnings and errors
+/// go to a file of its own, printed when it is dropped during a failing
+/// test: a relay that stalled says why in the test's output.
+pub struct RelayProcess(pub std::process::Child, Option<std::path::PathBuf>);
 
 impl std::ops::Deref for RelayProcess {
     type Target = std::process::Child;
@@ -369,23 +371,40 @@ impl Drop for RelayProcess {
     fn drop(&mut self) {
         let _ = self.0.kill();
         let _ = self.0.wait();
+        if let Some(log) = self.1.take() {
+            if std::thread::panicking() {
+                let text = std::fs::read_to_string(&log).unwrap_or_default();
+                let lines: Vec<&str> = text.lines().collect();
+                eprintln!(
+                    "ferry-relay (pid {}) warnings and errors, last 40 lines:\n{}",
+                    self.0.id(),
+                    lines[lines.len().saturating_sub(40)..].join("\n")
+                );
+            }
+            let _ = std::fs::remove_file(log);
+        }
     }
 }
 
 /// A `ferry-relay run` process (1 s lane leases, batches of 50), polling
 /// unless `extra` holds [`CaptureGuard::args`], with extra flags and
-/// environment, for the crash tests.
+/// environment, for the crash tests. Its log: [`RelayProcess`]
+/// (`FERRY_TEST_RELAY_LOG=<filter>` sends it to the test's stderr instead).
 pub fn spawn_relay_process(url: &str, brokers: &str, extra: &[&str], env: &[(&str, &str)]) -> RelayProcess {
     let mut cmd = relay_command(url, brokers, extra, env);
-    cmd.env(
-        "RUST_LOG",
-        std::env::var("FERRY_TEST_RELAY_LOG").unwrap_or_else(|_| "off".into()),
-    )
-    .stderr(match std::env::var("FERRY_TEST_RELAY_LOG") {
-        Ok(_) => std::process::Stdio::inherit(),
-        Err(_) => std::process::Stdio::null(),
-    });
-    RelayProcess(cmd.spawn().expect("spawn ferry-relay"))
+    if let Ok(filter) = std::env::var("FERRY_TEST_RELAY_LOG") {
+        cmd.env("RUST_LOG", filter).stderr(std::process::Stdio::inherit());
+        return RelayProcess(cmd.spawn().expect("spawn ferry-relay"), None);
+    }
+    static SEQ: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+    let log = std::env::temp_dir().join(format!(
+        "ferry-relay-test-{}-{}.log",
+        std::process::id(),
+        SEQ.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+    ));
+    let file = std::fs::File::create(&log).expect("relay log file");
+    cmd.env("RUST_LOG", "warn").stderr(file);
+    RelayProcess(cmd.spawn().expect("spawn ferry-relay"), Some(log))
 }
 
 /// [`spawn_relay_process`] whose warnings and errors go to `log`, one JSON
@@ -394,7 +413,7 @@ pub fn spawn_relay_process_logging(url: &str, brokers: &str, extra: &[&str], log
     let file = std::fs::File::create(log).expect("relay log file");
     let mut cmd = relay_command(url, brokers, extra, &[]);
     cmd.env("RUST_LOG", "warn").env("FERRY_LOG_FORMAT", "json").stderr(file);
-    RelayProcess(cmd.spawn().expect("spawn ferry-relay"))
+    RelayProcess(cmd.spawn().expect("spawn ferry-relay"), None)
 }
 
 fn relay_command(url: &str, brokers: &str, extra: &[&str], env: &[(&str, &str)]) -> std::process::Command {
