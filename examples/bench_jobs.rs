@@ -6,7 +6,7 @@
 //! `bulk` compares bulk acceptance (`create_runs_idempotent`, batches of
 //! 1000) with per-run acceptance at 1000 per transaction and with plain
 //! multi-row INSERTs of the same five rows per run. `limits` compares the
-//! claim with and without queue limits (issue #13), in the same run.
+//! claim with and without queue limits, in the same run.
 //!
 //!     cargo run --release --example bench_jobs -- [--quick] [worker | keylock | bulk | limits | notify]
 #![allow(clippy::print_stdout)]

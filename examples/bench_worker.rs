@@ -1,4 +1,4 @@
-//! Worker throughput on PostgreSQL (issue #12): no-op jobs worked by the
+//! Worker throughput on PostgreSQL: no-op jobs worked by the
 //! `Worker`, each mode beside raw-SQL loops of the same statements run in
 //! the same process and the same run:
 //!
@@ -12,7 +12,7 @@
 //! mode (200 slots, batch 100; 100 slots, batch 50); one claim per job at 16
 //! slots (16 loops of `claim(1)` + `complete`, 16 loops of
 //! `complete_and_claim(1)`, and the `Worker` with batch 1); batch handlers
-//! (`Router::batch_route`, issue #21) at 200 slots (100 per call) and 16
+//! (`Router::batch_route`) at 200 slots (100 per call) and 16
 //! slots (16 per call). Each row prints
 //! the worker's counters (statements, jobs per statement, idle waits).
 //!

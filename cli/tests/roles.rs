@@ -506,6 +506,36 @@ async fn the_writer_role_may_only_enqueue_through_the_functions() {
         .expect("the writer calls ferry_enqueue");
     tx.commit().await.unwrap();
     assert!(b > a);
+    // A writer's temporary objects shadow nothing the functions read or
+    // write (their search path puts pg_temp last): not a `ferry_settings`
+    // that would lift the limits and move the lanes, not an `outbox`.
+    let mut c = pool.acquire().await.unwrap();
+    sqlx::raw_sql(
+        "CREATE TEMP VIEW ferry_settings AS SELECT * FROM (VALUES ('max_headers', '0'), ('outbox_lanes', '1')) AS s (name, value); \
+         CREATE TEMP TABLE outbox (id BIGINT, tenant TEXT, topic TEXT, key TEXT, lane INTEGER, payload BYTEA, headers JSONB, \
+             effect_key TEXT, traceparent TEXT, created_at BIGINT)",
+    )
+    .execute(&mut *c)
+    .await
+    .expect("a writer may make temporary objects");
+    let shadowed: i64 =
+        sqlx::query_scalar("SELECT ferry_enqueue_json('acme', 'orders', 'o-2', '{}', '{\"h\": \"v\"}')")
+            .fetch_one(&mut *c)
+            .await
+            .expect("the real limits: one header is allowed");
+    let temp_rows: i64 = sqlx::query_scalar("SELECT count(*) FROM pg_temp.outbox")
+        .fetch_one(&mut *c)
+        .await
+        .unwrap();
+    assert_eq!(temp_rows, 0, "the writer's temporary outbox was not written");
+    sqlx::query("DISCARD TEMP").execute(&mut *c).await.unwrap();
+    drop(c);
+    let lane: i32 = sqlx::query_scalar("SELECT lane FROM outbox WHERE id = $1")
+        .bind(shadowed)
+        .fetch_one(t.ferry.db().as_postgres().unwrap())
+        .await
+        .unwrap();
+    assert_eq!(lane, ferry::outbox::lane_for("o-2", 64), "the real lane count");
     for sql in [
         "SELECT payload FROM outbox",
         "INSERT INTO outbox (tenant, topic, key, lane, payload, headers, created_at) VALUES ('acme', 'orders', 'o-1', 0, '', '{}', 0)",
@@ -520,5 +550,5 @@ async fn the_writer_role_may_only_enqueue_through_the_functions() {
         .fetch_one(t.ferry.db().as_postgres().unwrap())
         .await
         .unwrap();
-    assert_eq!(rows, 2);
+    assert_eq!(rows, 3);
 }

@@ -19,8 +19,10 @@
 -- The limits are the library's defaults unless `ferry_settings` holds
 -- `max_key_bytes`, `max_tenant_bytes`, `max_payload_bytes`,
 -- `max_publish_bytes` or `max_headers` (set them to what the services'
--- `Limits` say). SECURITY DEFINER: `ferry_writer` (deploy/sql/roles.sql) may
--- call them and nothing else.
+-- `Limits` say). Lengths are counted in UTF-8 bytes, as the library counts
+-- them, whatever the database's encoding. SECURITY DEFINER, with the search
+-- path fixed to Ferry's schema and `pg_temp` last: `ferry_writer`
+-- (deploy/sql/roles.sql) may call them and nothing else.
 
 CREATE FUNCTION ferry_murmur2(data bytea) RETURNS integer
 LANGUAGE plpgsql IMMUTABLE STRICT PARALLEL SAFE
@@ -85,7 +87,6 @@ CREATE FUNCTION ferry_enqueue(
     traceparent text DEFAULT NULL
 ) RETURNS bigint
 LANGUAGE plpgsql VOLATILE SECURITY DEFINER
-SET search_path FROM CURRENT
 AS $$
 DECLARE
     max_key integer := 255;
@@ -114,7 +115,7 @@ BEGIN
     END LOOP;
 
     -- The checks of OutboxMessage::validate, in its order.
-    IF tenant IS NULL OR octet_length(tenant) NOT BETWEEN 1 AND max_tenant THEN
+    IF tenant IS NULL OR octet_length(convert_to(tenant, 'UTF8')) NOT BETWEEN 1 AND max_tenant THEN
         PERFORM ferry_invalid('tenant', format('must be 1 to %s bytes', max_tenant));
     END IF;
     IF tenant !~ '^[A-Za-z0-9._:-]+$' THEN
@@ -123,7 +124,7 @@ BEGIN
     IF topic IS NULL OR topic !~ '^[A-Za-z0-9._-]{1,249}$' OR topic IN ('.', '..') THEN
         PERFORM ferry_invalid('topic', 'must be 1 to 249 bytes of [A-Za-z0-9._-]');
     END IF;
-    IF key IS NULL OR octet_length(key) NOT BETWEEN 1 AND max_key THEN
+    IF key IS NULL OR octet_length(convert_to(key, 'UTF8')) NOT BETWEEN 1 AND max_key THEN
         PERFORM ferry_invalid('key', format('must be 1 to %s bytes', max_key));
     END IF;
     IF payload IS NULL THEN
@@ -135,13 +136,13 @@ BEGIN
     IF headers IS NULL OR jsonb_typeof(headers) <> 'object' THEN
         PERFORM ferry_invalid('headers', 'must be a JSON object of strings');
     END IF;
-    size := 36 + octet_length(key) + octet_length(payload);
+    size := 36 + octet_length(convert_to(key, 'UTF8')) + octet_length(payload);
     FOR header IN SELECT h.key AS name, h.value FROM jsonb_each(headers) h LOOP
         header_count := header_count + 1;
         IF jsonb_typeof(header.value) <> 'string' THEN
             PERFORM ferry_invalid('headers', 'must be a JSON object of strings');
         END IF;
-        size := size + 10 + octet_length(header.name) + octet_length(header.value #>> '{}');
+        size := size + 10 + octet_length(convert_to(header.name, 'UTF8')) + octet_length(convert_to(header.value #>> '{}', 'UTF8'));
     END LOOP;
     IF header_count > max_headers THEN
         PERFORM ferry_invalid('headers', format('at most %s headers', max_headers));
@@ -149,7 +150,7 @@ BEGIN
     IF EXISTS (SELECT 1 FROM jsonb_object_keys(headers) AS n WHERE n = '' OR n LIKE 'ferry-%') THEN
         PERFORM ferry_invalid('headers', 'names must be non-empty and not start with ferry-');
     END IF;
-    IF effect_key IS NOT NULL AND octet_length(effect_key) NOT BETWEEN 1 AND max_key THEN
+    IF effect_key IS NOT NULL AND octet_length(convert_to(effect_key, 'UTF8')) NOT BETWEEN 1 AND max_key THEN
         PERFORM ferry_invalid('effect_key', format('must be 1 to %s bytes', max_key));
     END IF;
     IF traceparent IS NOT NULL
@@ -161,9 +162,9 @@ BEGIN
     -- ferry-effect-key) and a traceparent always included.
     size := size
         + (10 + 15 + 20)
-        + (10 + 12 + octet_length(tenant))
+        + (10 + 12 + octet_length(convert_to(tenant, 'UTF8')))
         + (10 + 16 + CASE WHEN effect_key IS NULL THEN 36 + 1 + 20
-                         ELSE octet_length(tenant) + 1 + octet_length(effect_key) END)
+                         ELSE octet_length(convert_to(tenant, 'UTF8')) + 1 + octet_length(convert_to(effect_key, 'UTF8')) END)
         + (10 + 11 + 55);
     IF size > max_publish THEN
         PERFORM ferry_invalid('payload', format(
@@ -171,6 +172,13 @@ BEGIN
     END IF;
 
     SELECT s.value::integer INTO lanes FROM ferry_settings s WHERE s.name = 'outbox_lanes';
+    IF lanes IS NULL OR lanes <= 0 THEN
+        -- Error::NotMigrated, as the library's load_lanes.
+        RAISE EXCEPTION USING
+            ERRCODE = 'object_not_in_prerequisite_state',
+            MESSAGE = 'schema not migrated: ferry_settings.outbox_lanes is missing or not a positive integer',
+            DETAIL = 'ferry code: not_migrated';
+    END IF;
     -- insert_outbox_key_locked: the same lock as the library's writers.
     PERFORM pg_advisory_xact_lock(hashtextextended(topic || '/' || key, 0));
     INSERT INTO outbox (tenant, topic, key, lane, payload, headers, effect_key, traceparent, created_at)
@@ -178,7 +186,7 @@ BEGIN
         ferry_enqueue.tenant,
         ferry_enqueue.topic,
         ferry_enqueue.key,
-        (ferry_murmur2(convert_to(ferry_enqueue.key, 'UTF8')) & 2147483647) % greatest(lanes, 1),
+        (ferry_murmur2(convert_to(ferry_enqueue.key, 'UTF8')) & 2147483647) % lanes,
         ferry_enqueue.payload,
         ferry_enqueue.headers,
         ferry_enqueue.effect_key,
@@ -203,7 +211,6 @@ CREATE FUNCTION ferry_enqueue_json(
     traceparent text DEFAULT NULL
 ) RETURNS bigint
 LANGUAGE sql VOLATILE SECURITY DEFINER
-SET search_path FROM CURRENT
 AS $$
     -- OutboxMessage::json: the document's text as given (a `json` argument
     -- keeps it byte for byte) and `content-type: application/json`, which a
@@ -220,6 +227,18 @@ AS $$
 $$;
 COMMENT ON FUNCTION ferry_enqueue_json(text, text, text, json, jsonb, text, text) IS
     'ferry_enqueue with a JSON document as the value and content-type: application/json';
+
+-- SECURITY DEFINER functions resolve names in Ferry's schema, then in the
+-- caller's temporary schema last (PostgreSQL looks there first unless told
+-- otherwise): a caller's temporary `ferry_settings` view or `outbox` table
+-- is never what they read or write.
+DO $$
+BEGIN
+    EXECUTE format('ALTER FUNCTION ferry_enqueue(text, text, text, bytea, jsonb, text, text) SET search_path = %I, pg_temp',
+                   current_schema());
+    EXECUTE format('ALTER FUNCTION ferry_enqueue_json(text, text, text, json, jsonb, text, text) SET search_path = %I, pg_temp',
+                   current_schema());
+END $$;
 
 REVOKE ALL ON FUNCTION ferry_murmur2(bytea) FROM PUBLIC;
 REVOKE ALL ON FUNCTION ferry_invalid(text, text) FROM PUBLIC;

@@ -1,4 +1,4 @@
-//! The whole pipeline at a steady offered rate (issue #21): library
+//! The whole pipeline at a steady offered rate: library
 //! acceptance (`create_runs_idempotent`) → a `Worker` with a no-op handler →
 //! an in-process relay (WAL capture from a slot of its own, dropped at the
 //! end) → Apache Kafka (a single-node broker started by `ferry-testkit`) →

@@ -20,7 +20,7 @@
 //!   to a 1M backlog;
 //! - `--bloat`: dead tuples and table size after 1M rows, marking and
 //!   deleting, and a drain while another session holds a snapshot open;
-//! - `--wal`: WAL capture (issue #20) beside its baselines: a 1M-row drain
+//! - `--wal`: WAL capture beside its baselines: a 1M-row drain
 //!   at 100 B and 1 KiB by `--capture wal`, `--capture poll`, a raw produce
 //!   and `pg_recvlogical` (with `--debezium`, Debezium's embedded outbox
 //!   EventRouter too, `bench/debezium/run`), where the CPU went, commit → ack
@@ -32,8 +32,8 @@
 //!   profile the process: it runs after the seed, as the second
 //!   `ferry-relay` the run starts);
 //! - `--wal-big`: the same drain of 5M rows (500k with `--quick`) committed
-//!   in one PostgreSQL transaction, and the process's VmHWM (issue #32:
-//!   ≤ 64 MiB).
+//!   in one PostgreSQL transaction, and the process's VmHWM (the
+//!   goal: ≤ 64 MiB).
 #![allow(clippy::print_stdout, missing_docs)]
 
 use std::time::{Duration, Instant};

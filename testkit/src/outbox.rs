@@ -1,5 +1,5 @@
-//! The outbox as its readers see it since the delivered-ranges ledger
-//! (issue #20): `--capture wal` records delivery as ranges of ids in
+//! The outbox as its readers see it since the delivered-ranges ledger:
+//! `--capture wal` records delivery as ranges of ids in
 //! `outbox_delivered` and leaves the rows `pending`, so a test that asks
 //! whether a row is delivered asks through [`OUTBOX`] (the one copy of the
 //! readers' predicate in the tests), never `outbox.state` alone.

@@ -157,6 +157,26 @@ async fn the_sql_function_refuses_what_the_library_refuses_with_its_message() {
                 ..ok()
             },
         ),
+        // Two faults: the one the library checks first is the one named.
+        (
+            "bad tenant and bad topic",
+            OutboxMessage {
+                tenant: "ac me".into(),
+                topic: "a/b".into(),
+                ..ok()
+            },
+        ),
+        (
+            "too many headers and a reserved one",
+            OutboxMessage {
+                headers: (0..65).map(|i| (format!("ferry-{i}"), "v".to_owned())).collect(),
+                ..ok()
+            },
+        ),
+        (
+            "bad effect key and bad traceparent",
+            ok().effect_key("").traceparent("x"),
+        ),
         (
             "record too large with headers",
             OutboxMessage {
@@ -172,6 +192,22 @@ async fn the_sql_function_refuses_what_the_library_refuses_with_its_message() {
         let (state, message) = sql_error(&t, case, msg).await;
         assert_eq!(state, "22023", "{case}");
         assert_eq!(message, lib.to_string(), "{case}: the library's message");
+    }
+    // A refused call inside a transaction that already enqueued: the
+    // transaction fails whole, nothing of it is written.
+    {
+        let pool = t.ferry.db().as_postgres().unwrap();
+        let mut tx = pool.begin().await.unwrap();
+        sqlx::query("SELECT ferry_enqueue('acme', 'orders', 'o-1', '\\x01'::bytea)")
+            .execute(&mut *tx)
+            .await
+            .unwrap();
+        sqlx::query("SELECT ferry_enqueue('acme', 'bad/topic', 'o-1', '\\x01'::bytea)")
+            .execute(&mut *tx)
+            .await
+            .expect_err("a bad topic");
+        // PostgreSQL answers the commit of a failed transaction with ROLLBACK.
+        tx.commit().await.unwrap();
     }
     // Just within the record limit, both write.
     let fits = OutboxMessage {
@@ -245,4 +281,123 @@ async fn one_keys_ids_follow_commit_order_across_the_library_and_sql_writers() {
         b_id > a_id,
         "the SQL writer's id ({b_id}) follows the library writer's ({a_id})"
     );
+}
+
+/// The row a SQL writer enqueues is the row the library enqueues for the
+/// same message: every column the relay publishes from (headers, effect key,
+/// trace context, lane) equal, `created_at` in milliseconds from the same
+/// clock; `ferry_enqueue_json` adds `content-type` unless the caller set
+/// one; the commit sends the wake-up workers and relays listen for.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sql_writers_row_is_the_row_the_library_writes() {
+    let t = TestDb::new(Kind::Postgres).await;
+    let pool = t.ferry.db().as_postgres().unwrap();
+    let mut listener = sqlx::postgres::PgListener::connect_with(pool).await.unwrap();
+    listener.listen(ferry::NOTIFY_CHANNEL).await.unwrap();
+    let msg = OutboxMessage::json("acme", "orders", "o-1", &serde_json::json!({"n": 1}))
+        .unwrap()
+        .header("x-source", "billing")
+        .effect_key("charge-1")
+        .traceparent("00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01");
+    let mut writer = pool.acquire().await.unwrap();
+    let writer_pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
+        .fetch_one(&mut *writer)
+        .await
+        .unwrap();
+    let sql: i64 = sqlx::query_scalar("SELECT ferry_enqueue_json($1, $2, $3, $4::json, $5, $6, $7)")
+        .bind(&msg.tenant)
+        .bind(&msg.topic)
+        .bind(&msg.key)
+        .bind(String::from_utf8(msg.payload.clone()).unwrap())
+        .bind(serde_json::json!({"x-source": "billing"}))
+        .bind(&msg.effect_key)
+        .bind(&msg.traceparent)
+        .fetch_one(&mut *writer)
+        .await
+        .unwrap();
+    drop(writer);
+    // The SQL writer's commit wakes the listeners: a notification from its
+    // backend (other tests share the database, and notify too).
+    tokio::time::timeout(std::time::Duration::from_secs(10), async {
+        loop {
+            let n = listener.recv().await.unwrap();
+            if n.channel() == ferry::NOTIFY_CHANNEL && n.process_id() == writer_pid as u32 {
+                break;
+            }
+        }
+    })
+    .await
+    .expect("the SQL writer's commit sent no wake-up");
+    let lib = t.ferry.enqueue(&msg).await.unwrap();
+    type Row = (
+        String,
+        String,
+        String,
+        i32,
+        Vec<u8>,
+        serde_json::Value,
+        Option<String>,
+        Option<String>,
+        i64,
+    );
+    let row = |id: i64| async move {
+        sqlx::query_as::<_, Row>(
+            "SELECT tenant, topic, key, lane, payload, headers, effect_key, traceparent, created_at FROM outbox WHERE id = $1",
+        )
+        .bind(id)
+        .fetch_one(pool)
+        .await
+        .unwrap()
+    };
+    let (a, b) = (row(lib).await, row(sql).await);
+    assert_eq!(
+        (&a.0, &a.1, &a.2, a.3, &a.4, &a.5, &a.6, &a.7),
+        (&b.0, &b.1, &b.2, b.3, &b.4, &b.5, &b.6, &b.7),
+        "the same row"
+    );
+    assert!(
+        (b.8 - a.8).abs() < 60_000,
+        "created_at in milliseconds: {} and {}",
+        a.8,
+        b.8
+    );
+    // A content type of the caller's replaces the default.
+    let own: i64 = sqlx::query_scalar(
+        "SELECT ferry_enqueue_json('acme', 'orders', 'o-1', '{}', '{\"content-type\": \"application/vnd.acme+json\"}')",
+    )
+    .fetch_one(pool)
+    .await
+    .unwrap();
+    assert_eq!(
+        row(own).await.5,
+        serde_json::json!({"content-type": "application/vnd.acme+json"})
+    );
+}
+
+/// Limits set in `ferry_settings` hold; without a lane count the function
+/// refuses as the library does (not migrated), instead of guessing one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_sql_function_takes_its_limits_and_lanes_from_ferry_settings() {
+    let t = TestDb::new(Kind::Postgres).await;
+    let pool = t.ferry.db().as_postgres().unwrap();
+    sqlx::query("INSERT INTO ferry_settings (name, value) VALUES ('max_headers', '2')")
+        .execute(pool)
+        .await
+        .unwrap();
+    let three = OutboxMessage::bytes("acme", "orders", "o-1", vec![1])
+        .header("a", "1")
+        .header("b", "2")
+        .header("c", "3");
+    let (state, message) = sql_error(&t, "three headers", &three).await;
+    assert_eq!(
+        (state.as_str(), message.as_str()),
+        ("22023", "invalid input: headers: at most 2 headers")
+    );
+    sqlx::query("DELETE FROM ferry_settings WHERE name = 'outbox_lanes'")
+        .execute(pool)
+        .await
+        .unwrap();
+    let (state, message) = sql_error(&t, "no lanes", &OutboxMessage::bytes("acme", "orders", "o-1", vec![1])).await;
+    assert_eq!(state, "55000");
+    assert!(message.starts_with("schema not migrated"), "{message}");
 }

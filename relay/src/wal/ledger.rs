@@ -1,5 +1,5 @@
-//! The arithmetic of the delivered-ranges ledger (`outbox_delivered`,
-//! issue #20), without the database: which ranges one mark deletes and
+//! The arithmetic of the delivered-ranges ledger (`outbox_delivered`),
+//! without the database: which ranges one mark deletes and
 //! inserts so that the ledger covers the acknowledged ids and nothing else.
 //! An outbox id is *covered* when a range has `lo <= id <= hi`; ranges never
 //! overlap, an id that was not acknowledged (in flight, rolled back, dead)

@@ -90,7 +90,7 @@ async fn a_plain_writer_and_the_library_keep_commit_order(capture: Capture) {
 
 in_both_capture_modes!(a_plain_writer_and_the_library_keep_commit_order);
 
-/// Issue #20: a WAL drain writes no outbox row. Delivery is recorded as
+/// A WAL drain writes no outbox row. Delivery is recorded as
 /// ranges in the ledger, so every row keeps the version its writer's
 /// transaction made (`xmin` unchanged: an UPDATE would make a new one),
 /// reads delivered through the ledger, and reaches Kafka once.

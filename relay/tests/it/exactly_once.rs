@@ -174,7 +174,7 @@ fn distinct(r: &[Record]) -> usize {
 /// two-core machine.
 const ALL_LANES_WITHIN: Duration = Duration::from_secs(20);
 
-/// Issue #19, item 3: a restarted relay took its lanes one at a time, each
+/// A restarted relay took its lanes one at a time, each
 /// progress read waiting behind one shared consumer for an end-of-partition
 /// event, so the row of the lane taken last waited about a minute; and each
 /// of those expected ends was logged as an ERROR.
@@ -242,7 +242,7 @@ fn transactional_producer(brokers: &str, transactional_id: &str) -> BaseProducer
     p
 }
 
-/// Issue #19, item 4: the takeover read the lane's progress only up to the
+/// The takeover read the lane's progress only up to the
 /// last stable offset, so another database's open transaction on the same
 /// progress partition hid the previous owner's last progress record, and
 /// the rows that record names, published and committed, were published

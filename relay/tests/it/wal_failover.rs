@@ -1,4 +1,4 @@
-//! WAL capture across a primary failover (issue #32): a primary with a
+//! WAL capture across a primary failover: a primary with a
 //! synchronous streaming standby (`PgCluster::start_standby`), the primary
 //! crashed (an immediate shutdown) mid-stream, the standby promoted, and a
 //! relay started against it. PostgreSQL 15 does not carry logical slots to

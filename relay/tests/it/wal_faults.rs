@@ -650,7 +650,7 @@ async fn wal_a_frozen_relay_is_fenced_and_publishes_nothing_new_after_sigcont() 
 }
 
 /// Duplicates per SIGKILL are bounded by what was in flight, not by the
-/// slot's status-update period (issue #32). A writer enqueues without
+/// slot's status-update period. A writer enqueues without
 /// pause while a `ferry-relay` process streaming from one slot is
 /// SIGKILLed three times, a new one started each time. At each kill the
 /// rows the ledger covers are delivered: whatever the slot's confirmed
