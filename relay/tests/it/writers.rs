@@ -163,14 +163,11 @@ async fn another_language_writes_rows_kafka_cannot_tell_from_the_librarys(langua
     }
     for k in 0..KEYS {
         let recs = &by_key[key(k).as_str()];
-        let seqs: Vec<i64> = recs
+        let values: Vec<Value> = recs
             .iter()
-            .map(|r| {
-                serde_json::from_slice::<Value>(&r.payload).unwrap()["seq"]
-                    .as_i64()
-                    .unwrap()
-            })
+            .map(|r| serde_json::from_slice(&r.payload).unwrap())
             .collect();
+        let seqs: Vec<i64> = values.iter().map(|v| v["seq"].as_i64().unwrap()).collect();
         assert_eq!(
             seqs,
             (0..PER_ROUND * ROUNDS).collect::<Vec<_>>(),
@@ -179,8 +176,7 @@ async fn another_language_writes_rows_kafka_cannot_tell_from_the_librarys(langua
         );
         let partitions: BTreeSet<i32> = recs.iter().map(|r| r.partition).collect();
         assert_eq!(partitions.len(), 1, "key {}: one partition, {partitions:?}", key(k));
-        for r in recs {
-            let value: Value = serde_json::from_slice(&r.payload).unwrap();
+        for (r, value) in recs.iter().zip(&values) {
             let writer = value["writer"].as_str().unwrap();
             // The value's bytes are the writer's document as it wrote it.
             assert_eq!(
@@ -201,14 +197,9 @@ async fn another_language_writes_rows_kafka_cannot_tell_from_the_librarys(langua
                 format!("{database_id}:{}", r.outbox_id())
             );
         }
-        let writers: BTreeSet<String> = recs
+        let writers: BTreeSet<String> = values
             .iter()
-            .map(|r| {
-                serde_json::from_slice::<Value>(&r.payload).unwrap()["writer"]
-                    .as_str()
-                    .unwrap()
-                    .to_owned()
-            })
+            .map(|v| v["writer"].as_str().unwrap().to_owned())
             .collect();
         assert_eq!(writers, BTreeSet::from(["rust".to_owned(), language.to_owned()]));
     }
