@@ -137,6 +137,16 @@ CROSS JOIN LATERAL (
 WHERE d.hi >= r.lo - 1
 ORDER BY d.lo
 
+-- name: wal_ledger_from [postgres only]
+-- A streaming session's view of the ledger: up to $2 ranges in lo order,
+-- from the last one starting at or below id $1 (the one that covers it, if
+-- any: one probe) on.
+SELECT d.lo, d.hi, d.delivered_at FROM outbox_delivered d
+WHERE d.lo >= COALESCE((SELECT b.lo FROM outbox_delivered b
+                        WHERE b.lo <= $1 ORDER BY b.lo DESC LIMIT 1), $1)
+ORDER BY d.lo
+LIMIT $2
+
 -- name: wal_ledger_delete [postgres only]
 -- The ranges a merge absorbed (by lo).
 DELETE FROM outbox_delivered WHERE lo {ids $1}

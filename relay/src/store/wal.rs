@@ -374,6 +374,19 @@ impl RelayStore {
         Ok(())
     }
 
+    /// Up to `limit` ledger ranges in `lo` order, from the last one
+    /// starting at or below `id` on (the one covering `id`, if any).
+    pub async fn wal_ledger_from(&self, id: i64, limit: i64) -> Result<Vec<crate::wal::ledger::Range>> {
+        bounded(async move {
+            Ok(sqlx::query_as(Q.wal_ledger_from)
+                .bind(id)
+                .bind(limit)
+                .fetch_all(self.pg()?)
+                .await?)
+        })
+        .await
+    }
+
     /// `--delete-on-delivery`: deletes acknowledged rows `ids` in one
     /// statement; returns the ids it deleted (rows no longer pending, or not
     /// visible yet, are left alone).

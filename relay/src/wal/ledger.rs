@@ -208,6 +208,49 @@ fn flush(group: &mut Vec<Piece>, change: &mut Change) {
     group.clear();
 }
 
+/// How many ranges one load of [`Known`] reads (`wal_ledger_from`).
+pub const KNOWN_LOAD: usize = 1_024;
+
+/// A streaming session's view of the ledger, loaded as its rows need it:
+/// every range that meets `span` as a load found it. A row the stream
+/// carries that the ledger covered when the session looked is never
+/// produced again, whatever the slot's marked and confirmed positions
+/// say (a restart, a second relay, a failover's new slot). Ids arrive
+/// mostly rising, so after the first load from the lowest id the view
+/// answers from memory; an id below the span loads again from it.
+#[derive(Debug, Default)]
+pub struct Known {
+    /// The ranges a load returned, in `lo` order.
+    ranges: Vec<Range>,
+    /// The ids the view answers for: `(from, to)`, inclusive.
+    span: Option<(i64, i64)>,
+}
+
+impl Known {
+    /// Whether the ledger covered `id` when it was loaded; `None` when `id`
+    /// lies outside what was loaded ([`Known::learn`] from it first).
+    pub fn covers(&self, id: i64) -> Option<bool> {
+        let (from, to) = self.span?;
+        if id < from || id > to {
+            return None;
+        }
+        let after = self.ranges.partition_point(|r| r.lo <= id);
+        Some(after > 0 && self.ranges[after - 1].hi >= id)
+    }
+
+    /// Replaces the view with one load from `id` (what `wal_ledger_from`
+    /// returned for it with `limit`): a load shorter than `limit` holds
+    /// every range above `id`; a full one, those up to its last range's `hi`.
+    pub fn learn(&mut self, id: i64, loaded: Vec<Range>, limit: usize) {
+        let to = match loaded.last() {
+            Some(last) if loaded.len() >= limit => last.hi.max(id),
+            _ => i64::MAX,
+        };
+        self.ranges = loaded;
+        self.span = Some((id, to));
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -306,6 +349,30 @@ mod tests {
         assert!(c.delete.is_empty());
         assert_eq!(c.insert, vec![range(25, 25, NOW)]);
         assert_eq!(c.newly_covered, 1);
+    }
+
+    /// The view answers only inside what it loaded: below the id it was
+    /// loaded from, and past a full load's last range, it does not know.
+    #[test]
+    fn the_known_view_answers_only_inside_its_load() {
+        let mut k = Known::default();
+        assert_eq!(k.covers(5), None);
+        // The range before the id (covering it or not) comes with the load.
+        k.learn(
+            5,
+            vec![range(1, 6, NOW), range(9, 9, NOW), range(12, 20, NOW)],
+            KNOWN_LOAD,
+        );
+        let seen: Vec<_> = [4, 5, 6, 7, 9, 10, 12, 20, 21, i64::MAX].map(|i| k.covers(i)).to_vec();
+        let t = Some(true);
+        let f = Some(false);
+        assert_eq!(seen, vec![None, t, t, f, t, f, t, t, f, f]);
+        // A full load knows up to its last range only.
+        k.learn(7, vec![range(1, 6, NOW), range(9, 9, NOW)], 2);
+        assert_eq!([6, 7, 8, 9, 10].map(|i| k.covers(i)), [None, f, f, t, None]);
+        // An empty load: nothing from the id on is covered.
+        k.learn(3, Vec::new(), 2);
+        assert_eq!([2, 3, i64::MAX].map(|i| k.covers(i)), [None, f, f]);
     }
 
     /// One existing range spanning several runs is consulted for each.

@@ -24,7 +24,7 @@ use rdkafka::producer::{DeliveryFuture, FutureProducer};
 use tokio::sync::oneshot;
 
 use super::connect::Ended;
-use super::ledger::IdSet;
+use super::ledger::{IdSet, Known, KNOWN_LOAD};
 use super::marker::{Mark, Marks};
 use crate::config::{OnPoison, RelayConfig};
 use crate::publish::{self, Outcome};
@@ -127,6 +127,10 @@ pub(super) struct Pipeline<'a> {
     /// The slot's marked position when the session began: a streamed
     /// transaction ending at or before it is skipped.
     marked: u64,
+    /// The ledger as this session found it: a row it covered is skipped in
+    /// any transaction (one marked while an earlier one was still in
+    /// flight lies above the marked position).
+    known: Known,
 }
 
 impl<'a> Pipeline<'a> {
@@ -154,6 +158,7 @@ impl<'a> Pipeline<'a> {
             one_at_a_time: false,
             eo,
             marked,
+            known: Known::default(),
         }
     }
 
@@ -161,6 +166,28 @@ impl<'a> Pipeline<'a> {
     /// ([`Marks::closed`]) while nothing is handed to it.
     pub(super) fn marker(&self) -> Marks {
         self.marks.clone()
+    }
+
+    /// Whether the ledger covered row `id` when this session loaded the
+    /// part of it around `id` (then the row is not produced again). A
+    /// failed load ends the session as the database's (`true`: nothing
+    /// more is produced).
+    async fn covered(&mut self, id: i64) -> bool {
+        if let Some(covered) = self.known.covers(id) {
+            return covered;
+        }
+        let limit = i64::try_from(KNOWN_LOAD).expect("KNOWN_LOAD fits in i64");
+        match self.state.store.wal_ledger_from(id, limit).await {
+            Ok(ranges) => {
+                self.known.learn(id, ranges, KNOWN_LOAD);
+                self.known.covers(id) == Some(true)
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "reading the delivered-ranges ledger failed");
+                self.fail(Ended::Retry("database"));
+                true
+            }
+        }
     }
 
     /// Records in flight.
@@ -238,6 +265,18 @@ impl<'a> Pipeline<'a> {
                 t.acked.insert(row.id);
             }
             self.state.metrics.wal_marked_skipped.inc();
+            return;
+        }
+        // Streamed rows only: a catch-up page reads uncovered rows, and the
+        // view, loaded after the table read's marks, covers them when the
+        // stream carries them too (committed while the slot was made). A
+        // replay's row was uncovered in the replay's transaction, after the
+        // view was loaded: it is produced.
+        let streamed = self.txns.back().is_some_and(|t| t.final_lsn.is_some());
+        if streamed && !replayed && self.covered(row.id).await {
+            if self.failed.is_none() {
+                self.state.metrics.wal_marked_skipped.inc();
+            }
             return;
         }
         if self.eo.is_some() && !self.exactly_once_produces(row, replayed).await {

@@ -763,3 +763,44 @@ async fn wal_a_row_replayed_after_its_transaction_was_marked_is_published() {
         "the replayed row was marked delivered without being published"
     );
 }
+
+/// Two relays on slots of their own over one outbox (a blue/green deploy,
+/// a slot renamed): the ledger is shared, the slots' marked positions are
+/// not. Relay B's slot, made before the rows were written, carries every
+/// row relay A delivered meanwhile; B skips each of them (the ledger covers
+/// them, whatever B's slot says) and publishes only the rows written after.
+/// Before sessions looked at the ledger, B produced all of A's rows again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn wal_rows_the_ledger_covers_are_skipped_whatever_the_slot_says() {
+    let broker = Kafka::start();
+    broker.create_topic("orders", 3);
+    let brokers = broker.brokers();
+    let (ferry, url) = pg_ferry().await;
+    let pool = ferry.db().as_postgres().unwrap().clone();
+    let (a, b) = (SlotGuard::new().await, SlotGuard::new().await);
+    // B makes its slot and streams, then stops: its slot holds what follows.
+    let relay_b = b.start(b.config(&url, &brokers), ferry.clone()).await;
+    wait_for_streaming(&pool, &b.name, None, Duration::from_secs(60)).await;
+    relay_b.shutdown().await;
+    let relay_a = a.start(a.config(&url, &brokers), ferry.clone()).await;
+    wait_for_streaming(&pool, &a.name, None, Duration::from_secs(60)).await;
+    enqueue(&ferry, 0, 200).await;
+    wait_for_count(&ferry, &DELIVERED, 200, Duration::from_secs(60)).await;
+    relay_a.shutdown().await;
+    let by_a = (delivered_ids(&pool).await, end_offsets(&brokers, "orders"));
+    enqueue(&ferry, 200, 250).await;
+    // B's stream holds A's rows before these: once these are delivered, B
+    // has handled every one of A's.
+    let relay_b = b.start(b.config(&url, &brokers), ferry.clone()).await;
+    wait_for_count(&ferry, &DELIVERED, 250, Duration::from_secs(60)).await;
+    let skipped = relay_b.state.metrics.wal_marked_skipped.get();
+    relay_b.shutdown().await;
+    let recs = read_all(&brokers, "orders", false, Duration::from_secs(30)).await;
+    let duplicates = nothing_lost(&recs, &all_ids(&ferry).await);
+    assert_nothing_delivered_produced_again(&recs, &by_a.0, &by_a.1, "relay B");
+    assert_eq!(
+        (duplicates, skipped),
+        (0, 200),
+        "B skipped A's rows and produced them once"
+    );
+}
