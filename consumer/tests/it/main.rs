@@ -21,6 +21,8 @@ use rdkafka::producer::{FutureProducer, FutureRecord};
 use rdkafka::ClientConfig;
 use tokio_util::sync::CancellationToken;
 
+mod python;
+
 async fn pg() -> (Ferry, String) {
     let url = ferry_testkit::fresh_database_url(Engine::Postgres)
         .await

@@ -531,7 +531,10 @@ async fn a_fatal_producer_error_fails_readiness_and_exits_to_be_restarted(captur
     let (cfg, guard) = config_for(capture, &url, &mock.bootstrap_servers()).await;
     let relay = guard.start(cfg.clone(), ferry.clone()).await;
     let state = relay.state.clone();
-    let err = tokio::time::timeout(Duration::from_secs(60), relay.handle)
+    // WAL capture first makes its slot, which waits for every transaction
+    // running in the cluster (other tests' on the shared one, some held
+    // open on purpose): the bound covers that wait too.
+    let err = tokio::time::timeout(Duration::from_secs(180), relay.handle)
         .await
         .expect("the relay exits after a fatal producer error")
         .unwrap()
