@@ -27,7 +27,7 @@ import sys
 import time
 
 import psycopg
-from confluent_kafka import Consumer, KafkaError, TopicPartition
+from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, TopicPartition
 
 # The statements of consumer/sql/consumer.sql, with the database's clock
 # (`now` is milliseconds since the Unix epoch).
@@ -39,6 +39,19 @@ VALUES (%(group)s, %(topic)s, %(partition)s, %(owner)s, 1, {NOW} + %(lease)s)
 ON CONFLICT (group_id, topic, partition) DO UPDATE
     SET owner = EXCLUDED.owner, generation = p.generation + 1,
         lease_expires_at = EXCLUDED.lease_expires_at
+RETURNING generation, next_offset
+"""
+
+# The reclaim of a lease this member lost while Kafka still assigns it the
+# partition: only if nobody holds it (released, expired, or its own).
+ACQUIRE_FREE = f"""
+INSERT INTO consumer_partitions AS p (group_id, topic, partition, owner, generation, lease_expires_at)
+VALUES (%(group)s, %(topic)s, %(partition)s, %(owner)s, 1, {NOW} + %(lease)s)
+ON CONFLICT (group_id, topic, partition) DO UPDATE
+    SET owner = EXCLUDED.owner, generation = p.generation + 1,
+        lease_expires_at = EXCLUDED.lease_expires_at
+    WHERE p.owner IS NULL OR p.owner = EXCLUDED.owner OR p.lease_expires_at IS NULL
+        OR p.lease_expires_at <= {NOW}
 RETURNING generation, next_offset
 """
 
@@ -63,7 +76,7 @@ FOR UPDATE
 
 LEDGER = f"""
 INSERT INTO consumer_ledger (group_id, effect_key, topic, partition, "offset", outcome, processed_at)
-VALUES (%(group)s, %(key)s, %(topic)s, %(partition)s, %(offset)s, 'applied', {NOW})
+VALUES (%(group)s, %(key)s, %(topic)s, %(partition)s, %(offset)s, %(outcome)s, {NOW})
 ON CONFLICT (group_id, effect_key) DO NOTHING
 RETURNING effect_key
 """
@@ -90,16 +103,26 @@ def apply_effect(cur, msg, table):
     )
 
 
+def header(msg, name):
+    """The first header `name` as text; None when absent or not UTF-8."""
+    for key, value in msg.headers() or []:
+        if key == name:
+            try:
+                return None if value is None else value.decode()
+            except UnicodeDecodeError:
+                return None
+    return None
+
+
 def effect_key(msg):
-    """What to dedupe on: the `ferry-effect-key` header every Ferry record
-    carries (the writer's effect key, or the database id and outbox id),
-    else `ferry-outbox-id` (records of relays that set no effect key), as
-    `ferry-consumer` does."""
-    headers = dict(msg.headers() or [])
-    for name in ("ferry-effect-key", "ferry-outbox-id"):
-        if headers.get(name):
-            return headers[name].decode()
-    raise ValueError(f"no effect key at {msg.topic()}/{msg.partition()}@{msg.offset()}")
+    """What to dedupe on, by `ferry-consumer`'s rule: the `ferry-effect-key`
+    header every Ferry record carries (the writer's effect key, or the
+    database id and outbox id), else `ferry-outbox-id` (relays that set no
+    effect key); None when that is missing or empty."""
+    key = header(msg, "ferry-effect-key")
+    if key is None:
+        key = header(msg, "ferry-outbox-id")
+    return key or None
 
 
 class Member:
@@ -109,17 +132,28 @@ class Member:
         self.lease_ms = int(os.environ.get("FERRY_LEASE_MS", "10000"))
         self.table = os.environ.get("FERRY_EFFECTS_TABLE", "example_effects")
         self.db = psycopg.connect(os.environ["FERRY_DATABASE_URL"], autocommit=True)
+        # A member stopped inside a transaction (SIGSTOP, a long pause) holds
+        # its partition row's lock; the server ends it after this, so the
+        # member that took the partition over is not held up behind it.
+        self.db.execute("SET idle_in_transaction_session_timeout = '10s'")
         self.db.execute(
             f"CREATE TABLE IF NOT EXISTS {self.table} (effect_key TEXT PRIMARY KEY, applied BIGINT NOT NULL)"
         )
         # (topic, partition) -> generation of the lease this member holds.
         self.leases = {}
+        # Partitions Kafka assigns here whose lease was lost: paused, and
+        # taken back once nobody holds the lease.
+        self.unleased = set()
         self.consumer = Consumer(
             {
                 "bootstrap.servers": os.environ["FERRY_BROKERS"],
                 "group.id": self.group,
                 "enable.auto.commit": False,
                 "auto.offset.reset": "earliest",
+                # Eager: ferry-consumer's `Assignment::Eager` members use
+                # `range` too, so both may share a group (cooperative-sticky
+                # members would find no common protocol with this one).
+                "partition.assignment.strategy": "range",
                 "session.timeout.ms": 6000,
                 "heartbeat.interval.ms": 1000,
             }
@@ -141,6 +175,7 @@ class Member:
             params["lease"] = self.lease_ms
             generation, next_offset = self.db.execute(ACQUIRE, params).fetchone()
             self.leases[(tp.topic, tp.partition)] = generation
+            self.unleased.discard((tp.topic, tp.partition))
             if next_offset is not None:
                 tp.offset = next_offset
         consumer.assign(partitions)
@@ -150,22 +185,39 @@ class Member:
     def on_revoke(self, consumer, partitions):
         """Give each lease back, only if still this generation."""
         for tp in partitions:
+            self.unleased.discard((tp.topic, tp.partition))
             generation = self.leases.pop((tp.topic, tp.partition), None)
             if generation is not None:
                 self.db.execute(RELEASE, self.lease(tp.topic, tp.partition, generation))
         consumer.unassign()
 
     def renew(self):
-        """Extends every lease held; one another member took is dropped and
-        its partition paused until Kafka assigns it here again."""
+        """Extends every lease held (one another member took is lost: its
+        partition pauses) and takes back a lost one nobody holds any more,
+        starting again at the offset stored with the effects."""
         for (topic, partition), generation in list(self.leases.items()):
             params = self.lease(topic, partition, generation)
             params["lease"] = self.lease_ms
             if self.db.execute(RENEW, params).rowcount == 0:
                 self.lost(topic, partition)
+        for topic, partition in list(self.unleased):
+            params = self.lease(topic, partition)
+            params["lease"] = self.lease_ms
+            row = self.db.execute(ACQUIRE_FREE, params).fetchone()
+            if row is None:
+                continue
+            generation, next_offset = row
+            self.unleased.discard((topic, partition))
+            self.leases[(topic, partition)] = generation
+            # Records polled while the lease was lost were passed over: start
+            # again at the stored offset (none stored: nothing was processed).
+            start = OFFSET_BEGINNING if next_offset is None else next_offset
+            self.consumer.seek(TopicPartition(topic, partition, start))
+            self.consumer.resume([TopicPartition(topic, partition)])
 
     def lost(self, topic, partition):
         self.leases.pop((topic, partition), None)
+        self.unleased.add((topic, partition))
         self.consumer.pause([TopicPartition(topic, partition)])
         print(f"lease lost: {topic}/{partition}", file=sys.stderr, flush=True)
 
@@ -174,24 +226,30 @@ class Member:
         member's generation, insert the ledger row, apply the effect only if
         the key is new, store the next offset; commit. The Kafka offset is
         committed after, for monitoring only: the stored offset is the truth."""
-        key = (msg.topic(), msg.partition())
-        generation = self.leases.get(key)
+        generation = self.leases.get((msg.topic(), msg.partition()))
         if generation is None:
             return
         params = self.lease(msg.topic(), msg.partition(), generation)
+        key = effect_key(msg)
+        if key is None:
+            # Not a Ferry record: recorded as dead-lettered under a key no
+            # relay publishes, as ferry-consumer does (which also sends it
+            # to its dead-letter topic), and passed over.
+            print(f"no effect key: {msg.topic()}/{msg.partition()}@{msg.offset()}", file=sys.stderr, flush=True)
+            ledger = {"key": f"!unkeyed/{msg.topic()}/{msg.partition()}/{msg.offset()}", "outcome": "dead_lettered"}
+        else:
+            ledger = {"key": key, "outcome": "applied"}
         try:
             with self.db.transaction():
                 with self.db.cursor() as cur:
                     if cur.execute(LOCK, params).fetchone() is None:
                         raise LostPartition()
-                    new = cur.execute(
-                        LEDGER, {**params, "key": effect_key(msg), "offset": msg.offset()}
-                    ).fetchone()
-                    if new is not None:
+                    new = cur.execute(LEDGER, {**params, **ledger, "offset": msg.offset()}).fetchone()
+                    if new is not None and key is not None:
                         apply_effect(cur, msg, self.table)
                     cur.execute(ADVANCE, {**params, "next": msg.offset() + 1})
         except LostPartition:
-            self.lost(*key)
+            self.lost(msg.topic(), msg.partition())
             return
         self.consumer.commit(message=msg, asynchronous=True)
 
@@ -208,9 +266,13 @@ class Member:
             if msg is None:
                 continue
             if msg.error():
-                if msg.error().code() == KafkaError._PARTITION_EOF:
-                    continue
-                raise RuntimeError(msg.error())
+                # Only a fatal error ends the member; the client retries
+                # the others (a broker away, a topic not there yet).
+                if msg.error().fatal():
+                    raise RuntimeError(msg.error())
+                if msg.error().code() != KafkaError._PARTITION_EOF:
+                    print(f"kafka: {msg.error()}", file=sys.stderr, flush=True)
+                continue
             self.process(msg)
         # Leaving the group revokes the partitions: on_revoke releases them.
         self.consumer.close()

@@ -583,6 +583,14 @@ async fn a_zero_lease_is_refused() {
 struct Member(Option<Child>);
 
 impl Member {
+    /// Fails when the process already exited on its own (a crash would
+    /// otherwise pass for the test's kill).
+    fn assert_running(&mut self) {
+        let c = self.0.as_mut().expect("a member process");
+        let status = c.try_wait().unwrap();
+        assert!(status.is_none(), "the member exited on its own: {status:?}");
+    }
+
     fn sigkill(mut self) {
         if let Some(mut c) = self.0.take() {
             c.kill().unwrap();

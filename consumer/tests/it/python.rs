@@ -61,12 +61,14 @@ async fn produce_keyed(p: &FutureProducer, topic: &str, from: usize, to: usize) 
     }
 }
 
-/// Two Python members and a `ferry-projection` (eager, so the group shares
-/// the `range` assignor) consume one topic, with records republished (the
-/// same effect keys at later offsets, as a relay's restart republishes);
-/// members are SIGKILLed and replaced at each step of progress, the Rust
-/// one once. Every effect key is applied exactly once, whoever applied it,
-/// and the offsets stored with the effects reach the log end.
+/// Two Python members consume one topic alone, SIGKILLed and replaced at
+/// each step of progress (so the Python side does the work), then a
+/// `ferry-projection` joins them (eager, so the group shares the `range`
+/// assignor) and is SIGKILLed once, while more records and a republished
+/// slice arrive (the same effect keys at later offsets, as a relay's restart
+/// republishes). No member dies on its own; every effect key is applied
+/// exactly once, whoever applied it, and the offsets stored with the
+/// effects reach the log end.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn python_and_rust_members_apply_every_effect_once_under_sigkills() {
     const N: usize = 3_000;
@@ -82,19 +84,31 @@ async fn python_and_rust_members_apply_every_effect_once_under_sigkills() {
         python_member(&url, &brokers, group, "py"),
         python_member(&url, &brokers, group, "py"),
     ];
-    let mut rust = projection_with(&url, &brokers, group, "py", None, "eager");
     let ledger = format!("SELECT count(*) FROM consumer_ledger WHERE group_id = '{group}'");
-    for (step, at) in [200, 700, 1_200, 1_700, 2_200].into_iter().enumerate() {
+    let mut rust = None;
+    for (step, at) in [200, 500, 800, 1_300, 1_800, 2_300].into_iter().enumerate() {
         until_at_least(&ferry, &ledger, at, Duration::from_secs(120)).await;
-        if step == 2 {
-            rust.sigkill();
-            rust = projection_with(&url, &brokers, group, "py", None, "eager");
-            // The second half, and a republished slice of the first.
-            produce_keyed(&p, "py", N / 2, N).await;
-            produce_keyed(&p, "py", 0, 300).await;
-        } else {
-            pythons.remove(step % pythons.len()).sigkill();
-            pythons.push(python_member(&url, &brokers, group, "py"));
+        for m in &mut pythons {
+            m.assert_running();
+        }
+        match step {
+            // Up to here the Python members alone applied the effects.
+            2 => {
+                rust = Some(projection_with(&url, &brokers, group, "py", None, "eager"));
+                // The second half, and a republished slice of the first.
+                produce_keyed(&p, "py", N / 2, N).await;
+                produce_keyed(&p, "py", 0, 300).await;
+            }
+            4 => {
+                let mut killed = rust.take().expect("the Rust member runs");
+                killed.assert_running();
+                killed.sigkill();
+                rust = Some(projection_with(&url, &brokers, group, "py", None, "eager"));
+            }
+            _ => {
+                pythons.remove(step % pythons.len()).sigkill();
+                pythons.push(python_member(&url, &brokers, group, "py"));
+            }
         }
     }
     until_at_least(&ferry, &ledger, N as i64, Duration::from_secs(120)).await;
@@ -128,10 +142,13 @@ async fn python_and_rust_members_apply_every_effect_once_under_sigkills() {
         );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    for m in pythons {
+    let mut rust = rust.expect("the Rust member runs");
+    rust.assert_running();
+    rust.terminate();
+    for mut m in pythons {
+        m.assert_running();
         m.terminate();
     }
-    rust.terminate();
     assert_eq!(
         scalar(&ferry, "SELECT count(*) FROM ferry_projection_applied").await,
         N as i64,

@@ -142,7 +142,11 @@ impl Scene {
             let toxi = Toxiproxy::start();
             let pg = toxi.proxy("postgres", port_of(&url));
             let proxied = via(&url, pg.port());
-            let relay_ferry = Ferry::builder(&proxied).connect().await.unwrap();
+            // As the relay binary connects: a session idle in a transaction
+            // is ended by the server. Without it a statement black-holed
+            // mid-transaction kept its transaction (and xid) open on the
+            // shared cluster, and every other test's new slot waited for it.
+            let relay_ferry = ferry_relay::service::connect(&proxied).await.unwrap();
             (
                 slot.start(slot.config(&proxied, &brokers), relay_ferry).await,
                 Some((toxi, pg)),
