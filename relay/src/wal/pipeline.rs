@@ -128,8 +128,8 @@ pub(super) struct Pipeline<'a> {
     /// transaction ending at or before it is skipped.
     marked: u64,
     /// The ledger as this session found it: a row it covered is skipped in
-    /// any transaction (one marked while an earlier one was still in
-    /// flight lies above the marked position).
+    /// any transaction, above the marked position too (rows another slot's
+    /// relay delivered, or the table read while the slot was being made).
     known: Known,
 }
 
