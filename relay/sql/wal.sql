@@ -15,12 +15,13 @@ SELECT current_setting('wal_level') = 'logical' AS logical,
 FROM pg_roles r WHERE r.rolname = current_user
 
 -- name: wal_publication [postgres only]
--- Whether publication $1 exists, and whether it publishes this schema's outbox inserts.
+-- Whether publication $1 exists, and whether it publishes the inserts of table
+-- $3 in schema $2 (NULL: this schema's; Ferry's own is outbox).
 SELECT EXISTS (SELECT 1 FROM pg_publication WHERE pubname = $1) AS found,
        EXISTS (SELECT 1 FROM pg_publication p
                JOIN pg_publication_tables t ON t.pubname = p.pubname
                WHERE p.pubname = $1 AND p.pubinsert
-                 AND t.schemaname = current_schema() AND t.tablename = 'outbox') AS covers_outbox
+                 AND t.schemaname = COALESCE($2::text, current_schema()) AND t.tablename = $3::text) AS covers_outbox
 
 -- name: wal_slot [postgres only]
 -- Slot $1: whether a session streams from it, whether PostgreSQL removed

@@ -13,6 +13,7 @@
 
 pub mod cli;
 pub mod config;
+pub mod debezium;
 pub mod error;
 pub mod exactly_once;
 pub mod http;

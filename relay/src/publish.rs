@@ -131,6 +131,27 @@ pub fn record<'a>(topic: &'a str, row: &'a PendingRow, database_id: &str) -> Fut
         .headers(headers_for(row, Some(database_id)))
 }
 
+/// The record of a Debezium-layout row: the EventRouter's topic, key, value
+/// and headers as they are (partitioned by the key's murmur2, as Kafka
+/// Connect's producer partitions it).
+pub fn event_record(event: &crate::debezium::Event) -> FutureRecord<'_, [u8], [u8]> {
+    let mut headers = OwnedHeaders::new_with_capacity(event.headers.len());
+    for (key, value) in &event.headers {
+        headers = headers.insert(Header {
+            key,
+            value: value.as_deref(),
+        });
+    }
+    let mut r = FutureRecord::to(&event.topic).headers(headers);
+    if let Some(key) = &event.key {
+        r = r.key(&key[..]);
+    }
+    if let Some(value) = &event.value {
+        r = r.payload(&value[..]);
+    }
+    r
+}
+
 /// The outcome of a delivery future.
 pub fn delivered(
     r: Result<rdkafka::producer::future_producer::OwnedDeliveryResult, futures::channel::oneshot::Canceled>,

@@ -119,6 +119,16 @@ pub struct RelayConfig {
     /// digits and `_`, at most 63.
     #[arg(long, env = "FERRY_PUBLICATION")]
     pub publication: Option<String>,
+    /// A Debezium connector's configuration (Kafka Connect JSON or
+    /// `.properties`) whose outbox `EventRouter` the relay plays: WAL
+    /// capture of the table in `table.include.list`, each insert published
+    /// as the record Debezium 3.6.1 makes of it (topic, key, value bytes,
+    /// headers), at least once. Default slot and publication: the
+    /// connector's (`slot.name`, `publication.name`), so the relay takes
+    /// over where the connector stopped. See
+    /// docs/migrating-from-debezium.md.
+    #[arg(long, env = "FERRY_DEBEZIUM_CONFIG")]
+    pub debezium_config: Option<std::path::PathBuf>,
 }
 
 impl RelayConfig {
@@ -146,6 +156,7 @@ impl RelayConfig {
             capture: None,
             slot: None,
             publication: None,
+            debezium_config: None,
         }
     }
 
@@ -187,6 +198,18 @@ impl RelayConfig {
         }
         if self.exactly_once {
             self.check_transaction_timeout()?;
+        }
+        if self.debezium_config.is_some() {
+            if self.exactly_once {
+                return Err(RelayError::Config(
+                    "--debezium-config publishes at least once; --exactly-once is not supported with it".into(),
+                ));
+            }
+            if self.capture == Some(Capture::Poll) {
+                return Err(RelayError::Config(
+                    "--debezium-config reads the WAL; --capture poll is not supported with it".into(),
+                ));
+            }
         }
         Ok(())
     }

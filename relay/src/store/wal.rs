@@ -44,6 +44,27 @@ async fn bounded_by<T>(bound: Duration, work: impl Future<Output = Result<T>>) -
     }
 }
 
+/// The table a publication publishes: this schema's `outbox`, or with
+/// `--debezium-config` a Debezium-layout table.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PublishedTable {
+    /// Its schema (`None`: the connection's `current_schema()`).
+    pub schema: Option<String>,
+    /// Its name.
+    pub name: String,
+}
+
+impl PublishedTable {
+    /// The table as SQL names it, each part quoted.
+    fn quoted(&self) -> String {
+        let q = |s: &str| format!("\"{}\"", s.replace('"', "\"\""));
+        match &self.schema {
+            Some(schema) => format!("{}.{}", q(schema), q(&self.name)),
+            None => q(&self.name),
+        }
+    }
+}
+
 /// What decides the default capture mode on PostgreSQL.
 #[derive(Debug, Clone, PartialEq, Eq, sqlx::FromRow)]
 pub struct WalSetting {
@@ -105,47 +126,51 @@ impl RelayStore {
     }
 
     /// Whether `publication` exists, and whether it publishes the inserts of
-    /// this schema's `outbox`.
-    pub async fn wal_publication(&self, publication: &str) -> Result<(bool, bool)> {
+    /// `table`.
+    pub async fn wal_publication(&self, publication: &str, table: &PublishedTable) -> Result<(bool, bool)> {
         bounded(async move {
             Ok(sqlx::query_as(Q.wal_publication)
                 .bind(publication)
+                .bind(table.schema.as_deref())
+                .bind(&table.name)
                 .fetch_one(self.pg()?)
                 .await?)
         })
         .await
     }
 
-    /// Creates `publication` on this schema's `outbox`, inserts only. A
-    /// concurrent creation by another relay is not an error.
-    pub async fn create_wal_publication(&self, publication: &str) -> Result<()> {
+    /// Creates `publication` on `table`, inserts only. A concurrent
+    /// creation by another relay is not an error.
+    pub async fn create_wal_publication(&self, publication: &str, table: &PublishedTable) -> Result<()> {
         self.publication_ddl(
             publication,
-            "CREATE PUBLICATION {p} FOR TABLE outbox WITH (publish = 'insert')",
+            table,
+            "CREATE PUBLICATION {p} FOR TABLE {t} WITH (publish = 'insert')",
         )
         .await
     }
 
-    /// Adds this schema's `outbox` to `publication` (one that no longer
-    /// publishes it: the table was replaced by a copy, a new relation id,
-    /// or an operator altered it). Tables already in it stay; one already
-    /// there is not an error.
-    pub async fn add_outbox_to_wal_publication(&self, publication: &str) -> Result<()> {
-        self.publication_ddl(publication, "ALTER PUBLICATION {p} ADD TABLE outbox")
+    /// Adds `table` to `publication` (one that no longer publishes it: the
+    /// table was replaced by a copy, a new relation id, or an operator
+    /// altered it). Tables already in it stay; one already there is not an
+    /// error.
+    pub async fn add_table_to_wal_publication(&self, publication: &str, table: &PublishedTable) -> Result<()> {
+        self.publication_ddl(publication, table, "ALTER PUBLICATION {p} ADD TABLE {t}")
             .await
     }
 
     /// Runs `ddl` with `{p}` replaced by `publication`, a name
     /// [`crate::config::check_identifier`] accepts (so it needs no
-    /// quoting); `duplicate_object` (another relay raced it, or the table is
-    /// in it already) is not an error.
-    async fn publication_ddl(&self, publication: &str, ddl: &str) -> Result<()> {
+    /// quoting), and `{t}` by `table` (quoted); `duplicate_object` (another
+    /// relay raced it, or the table is in it already) is not an error.
+    async fn publication_ddl(&self, publication: &str, table: &PublishedTable, ddl: &str) -> Result<()> {
         bounded(async move {
             crate::config::check_identifier("publication", publication).map_err(|_| Error::InvalidInput {
                 field: "publication",
                 reason: "use 1 to 63 lowercase letters, digits and '_'".into(),
             })?;
-            match sqlx::query(&ddl.replace("{p}", publication)).execute(self.pg()?).await {
+            let ddl = ddl.replace("{p}", publication).replace("{t}", &table.quoted());
+            match sqlx::query(&ddl).execute(self.pg()?).await {
                 Ok(_) => Ok(()),
                 Err(e) if sqlstate(&e).as_deref() == Some("42710") => Ok(()), // duplicate_object
                 Err(e) => Err(e.into()),

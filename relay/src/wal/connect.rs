@@ -55,8 +55,10 @@ pub fn replication_config(
             .with_start_lsn(Lsn::ZERO)
             .with_status_interval(STATUS_INTERVAL)
             .with_wakeup_interval(Duration::from_secs(5))
-            // The decoder reads bytea in hex, whatever the server's default.
-            .with_options("-c bytea_output=hex")
+            // The decoder reads bytea in hex, and timestamps (of a
+            // Debezium-layout table) in ISO format and UTC, whatever the
+            // server's defaults.
+            .with_options("-c bytea_output=hex -c DateStyle=ISO -c TimeZone=UTC")
             .with_application_name(application_name),
     )
 }

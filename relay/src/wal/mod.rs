@@ -41,10 +41,11 @@ use rdkafka::producer::FutureProducer;
 use tokio_util::sync::CancellationToken;
 
 use crate::config::{Capture, RelayConfig};
+use crate::debezium::EventRouter;
 use crate::error::RelayError;
 use crate::exactly_once::ProgressReader;
 use crate::state::RelayState;
-use crate::store::RelayStore;
+use crate::store::{PublishedTable, RelayStore};
 
 mod connect;
 pub(crate) mod ledger;
@@ -54,6 +55,7 @@ mod pipeline;
 mod session;
 
 use connect::Ended;
+pub(crate) use pgoutput::unhex;
 
 /// What `--capture wal` streams from, settled at start.
 #[derive(Debug, Clone)]
@@ -72,6 +74,26 @@ pub struct WalCapture {
     /// The replication connection's `application_name` (`ferry-relay
     /// <relay id>`): how the relay finds its own earlier walsender.
     pub application_name: String,
+    /// With `--debezium-config`: the Debezium-layout table streamed
+    /// instead of `outbox`, and how its rows become records.
+    pub router: Option<Arc<EventRouter>>,
+}
+
+impl WalCapture {
+    /// The table the publication must publish: this schema's `outbox`, or
+    /// the Debezium-layout table.
+    pub fn table(&self) -> PublishedTable {
+        match &self.router {
+            Some(r) => PublishedTable {
+                schema: Some(r.schema.clone()),
+                name: r.table.clone(),
+            },
+            None => PublishedTable {
+                schema: None,
+                name: "outbox".into(),
+            },
+        }
+    }
 }
 
 /// The default slot (and publication) name: `ferry_` and the first 12 hex
@@ -96,10 +118,12 @@ pub fn default_slot(database_id: &str) -> String {
 /// records are not read by WAL capture).
 pub async fn plan(cfg: &RelayConfig, store: &RelayStore, owner: &str) -> Result<Option<WalCapture>, RelayError> {
     let refuse = |why: &str| RelayError::Config(format!("--capture wal: {why}"));
+    // `--debezium-config` reads the WAL or nothing.
+    let wal_asked = cfg.capture == Some(Capture::Wal) || cfg.debezium_config.is_some();
     if store.ferry().db().as_postgres().is_none() {
-        return match cfg.capture {
-            Some(Capture::Wal) => Err(refuse("needs PostgreSQL; SQLite always polls")),
-            _ => Ok(None),
+        return match wal_asked {
+            true => Err(refuse("needs PostgreSQL; SQLite always polls")),
+            false => Ok(None),
         };
     }
     if cfg.capture == Some(Capture::Poll) {
@@ -117,17 +141,33 @@ pub async fn plan(cfg: &RelayConfig, store: &RelayStore, owner: &str) -> Result<
         None
     };
     if let Some(why) = why_not {
-        if cfg.capture == Some(Capture::Wal) {
+        if wal_asked {
             return Err(refuse(why));
         }
         tracing::info!("capture: poll ({why})");
         return Ok(None);
     }
-    let slot = match &cfg.slot {
-        Some(s) => s.clone(),
-        None => default_slot(&store.ferry().database_id().await?),
+    let router = match &cfg.debezium_config {
+        Some(path) => {
+            let text = std::fs::read_to_string(path)
+                .map_err(|e| RelayError::Config(format!("--debezium-config {}: {e}", path.display())))?;
+            Some(Arc::new(EventRouter::parse(&text)?))
+        }
+        None => None,
     };
-    let publication = cfg.publication.clone().unwrap_or_else(|| slot.clone());
+    // With a Debezium connector's file, its slot and publication: the
+    // relay stands by while the connector streams, and resumes where it
+    // stopped.
+    let slot = match (&cfg.slot, &router) {
+        (Some(s), _) => s.clone(),
+        (None, Some(r)) => r.slot.clone(),
+        (None, None) => default_slot(&store.ferry().database_id().await?),
+    };
+    let publication = match (&cfg.publication, &router) {
+        (Some(p), _) => p.clone(),
+        (None, Some(r)) if cfg.slot.is_none() => r.publication.clone(),
+        (None, _) => slot.clone(),
+    };
     // PostgreSQL keeps 63 bytes of it: what it shows is what is compared.
     let mut application_name = format!("ferry-relay {owner}");
     while application_name.len() > 63 {
@@ -142,6 +182,7 @@ pub async fn plan(cfg: &RelayConfig, store: &RelayStore, owner: &str) -> Result<
         schema: setting.schema,
         replication,
         application_name,
+        router,
     }))
 }
 

@@ -1,6 +1,8 @@
 //! Decoding the `pgoutput` messages (protocol version 1) that carry outbox
 //! rows: `Relation` (the columns of a table, sent before its first row and
-//! after any change to it) and `Insert` (one row, as text). Begin and Commit
+//! after any change to it) and `Insert` (one row, as text): Ferry's
+//! `outbox`, or with `--debezium-config` a table in Debezium's outbox
+//! layout, whose rows become the EventRouter's records (`crate::debezium`). Begin and Commit
 //! are decoded by the replication client; `Type` and `Origin` carry nothing
 //! the relay needs; the publication publishes inserts only, so `Update`,
 //! `Delete` and `Truncate` are skipped should an operator widen it. Any
@@ -8,7 +10,9 @@
 //! know.
 
 use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
 
+use crate::debezium::{self, EventRouter};
 use crate::store::PendingRow;
 
 /// A message the relay cannot read: the stream is restarted (and the
@@ -26,6 +30,8 @@ fn err<T>(what: impl Into<String>) -> Result<T, DecodeError> {
 pub enum Message {
     /// A pending outbox row, inserted by a committed transaction.
     Row(Box<PendingRow>),
+    /// A row of a Debezium-layout outbox, as the EventRouter's record.
+    Event(Box<debezium::Event>),
     /// An insert the relay does not publish: a row of another table, or one
     /// inserted in a state other than `pending`.
     Ignored,
@@ -40,6 +46,7 @@ pub enum Message {
 #[derive(Debug, Clone)]
 enum Relation {
     Outbox(Result<Layout, DecodeError>),
+    Debezium(Arc<EventRouter>, Result<debezium::Layout, DecodeError>),
     Other,
 }
 
@@ -90,14 +97,19 @@ pub struct Decoder {
     relations: HashMap<u32, Relation>,
     /// The schema whose `outbox` is ours.
     schema: String,
+    /// With `--debezium-config`: the table and router whose rows are
+    /// decoded instead.
+    router: Option<Arc<EventRouter>>,
 }
 
 impl Decoder {
-    /// A decoder for the `outbox` table of `schema`.
-    pub fn new(schema: impl Into<String>) -> Self {
+    /// A decoder for the `outbox` table of `schema`, or with `router`, for
+    /// the router's table.
+    pub fn new(schema: impl Into<String>, router: Option<Arc<EventRouter>>) -> Self {
         Decoder {
             relations: HashMap::new(),
             schema: schema.into(),
+            router,
         }
     }
 
@@ -114,14 +126,22 @@ impl Decoder {
                 let mut columns = Vec::with_capacity(usize::from(n));
                 for _ in 0..n {
                     let _flags = r.u8()?;
-                    columns.push(r.cstr()?);
-                    let _type_oid = r.u32()?;
-                    let _type_modifier = r.u32()?;
+                    let column = r.cstr()?;
+                    let oid = r.u32()?;
+                    let modifier = r.u32()? as i32;
+                    columns.push((column, debezium::ColumnType { oid, modifier }));
                 }
-                let relation = if name == "outbox" && namespace == self.schema {
-                    Relation::Outbox(Layout::of(&columns))
-                } else {
-                    Relation::Other
+                let relation = match &self.router {
+                    Some(router) if name == router.table && namespace == router.schema => {
+                        let layout = router.layout(&columns).map_err(|e| DecodeError(e.to_string()));
+                        Relation::Debezium(router.clone(), layout)
+                    }
+                    Some(_) => Relation::Other,
+                    None if name == "outbox" && namespace == self.schema => {
+                        let names: Vec<String> = columns.into_iter().map(|(c, _)| c).collect();
+                        Relation::Outbox(Layout::of(&names))
+                    }
+                    None => Relation::Other,
                 };
                 self.relations.insert(id, relation);
                 Ok(Message::Relation)
@@ -135,6 +155,14 @@ impl Decoder {
                     None => return err(format!("insert into relation {id} before its Relation message")),
                     Some(Relation::Other) => return Ok(Message::Ignored),
                     Some(Relation::Outbox(layout)) => layout.clone()?,
+                    Some(Relation::Debezium(router, layout)) => {
+                        let layout = layout.as_ref().map_err(Clone::clone)?;
+                        let values = r.tuple()?;
+                        return match router.event(layout, &values) {
+                            Ok(e) => Ok(Message::Event(Box::new(e))),
+                            Err(e) => Err(DecodeError(e.to_string())),
+                        };
+                    }
                 };
                 let values = r.tuple()?;
                 if values.len() != layout.width {
@@ -200,7 +228,7 @@ fn bytea(text: &str) -> Result<Vec<u8>, DecodeError> {
 /// Hex digits to bytes in one pass (the `hex` crate's iterator-based
 /// decoding cost ~8 % of the relay's CPU on 100 B rows); `None` for an odd
 /// length or a character that is not a hex digit.
-fn unhex(hex: &[u8]) -> Option<Vec<u8>> {
+pub(crate) fn unhex(hex: &[u8]) -> Option<Vec<u8>> {
     fn digit(c: u8) -> Option<u8> {
         match c {
             b'0'..=b'9' => Some(c - b'0'),
@@ -354,7 +382,7 @@ mod tests {
 
     #[test]
     fn an_outbox_insert_becomes_a_pending_row() {
-        let mut d = Decoder::new("app");
+        let mut d = Decoder::new("app", None);
         assert_eq!(
             d.decode(&relation(16385, "app", "outbox", COLUMNS)).unwrap(),
             Message::Relation
@@ -371,7 +399,7 @@ mod tests {
 
     #[test]
     fn other_tables_schemas_and_states_are_not_published() {
-        let mut d = Decoder::new("app");
+        let mut d = Decoder::new("app", None);
         d.decode(&relation(1, "other", "outbox", COLUMNS)).unwrap();
         d.decode(&relation(2, "app", "outbox", COLUMNS)).unwrap();
         assert_eq!(
@@ -387,7 +415,7 @@ mod tests {
 
     #[test]
     fn what_cannot_be_read_is_an_error_never_a_skip() {
-        let mut d = Decoder::new("app");
+        let mut d = Decoder::new("app", None);
         assert!(
             d.decode(&insert(9, &values("pending", "\\x00"))).is_err(),
             "unknown relation"
@@ -406,7 +434,7 @@ mod tests {
     /// an error at its first insert.
     #[test]
     fn columns_are_found_by_name_in_any_order() {
-        let mut d = Decoder::new("app");
+        let mut d = Decoder::new("app", None);
         let reversed: Vec<&str> = COLUMNS.iter().rev().copied().collect();
         d.decode(&relation(3, "app", "outbox", &reversed)).unwrap();
         let backwards: Vec<Option<&str>> = values("pending", "\\x6869").into_iter().rev().collect();

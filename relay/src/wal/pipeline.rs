@@ -74,7 +74,9 @@ struct Txn {
 /// A delivery in flight: the future and what it is about.
 struct Delivery {
     seq: u64,
-    id: i64,
+    /// The outbox row's id (`None`: a Debezium-layout row, which has no
+    /// place in the ledger).
+    id: Option<i64>,
     created_at: i64,
     stamps: Option<(i64, i64)>,
     fut: DeliveryFuture,
@@ -83,7 +85,7 @@ struct Delivery {
 /// A settled delivery: transaction, row id, row creation time, outcome.
 pub(super) struct Settled {
     seq: u64,
-    id: i64,
+    id: Option<i64>,
     created_at: i64,
     stamps: Option<(i64, i64)>,
     outcome: Outcome,
@@ -283,22 +285,53 @@ impl<'a> Pipeline<'a> {
             return;
         }
         let topic = self.cfg.route(&row.topic, &row.tenant);
+        // A replayed row's `created_at` is its first insert's, long before
+        // the replay's commit: timed from `created_at`, as before.
+        let database_id = self.database_id;
+        let record = || publish::record(&topic, row, database_id);
+        self.send(Some(row.id), row.created_at.get(), !replayed, record).await;
+    }
+
+    /// Hands the record of a Debezium-layout row to the producer as part of
+    /// the open transaction (at least once: exactly once is refused with
+    /// `--debezium-config`). A transaction the slot's marked position
+    /// covers is skipped; there is no ledger to consult.
+    pub(super) async fn produce_event(&mut self, event: &crate::debezium::Event) {
+        if self.txns.back().is_some_and(|t| t.skip) {
+            self.state.metrics.wal_marked_skipped.inc();
+            return;
+        }
+        let commit_ms = self
+            .txns
+            .back()
+            .and_then(|t| t.stamps)
+            .map_or(0, |(commit, _)| commit / 1000);
+        let record = || publish::event_record(event);
+        self.send(None, commit_ms, true, record).await;
+    }
+
+    /// Sends the record `build` makes as part of the open transaction (row
+    /// `id`, created at `created_at` ms; `stamped`: timed from the
+    /// transaction's commit); while the producer's queue is full, waits for
+    /// the oldest deliveries.
+    async fn send<'r>(
+        &mut self,
+        id: Option<i64>,
+        created_at: i64,
+        stamped: bool,
+        build: impl Fn() -> rdkafka::producer::FutureRecord<'r, [u8], [u8]>,
+    ) {
         while self.failed.is_none() {
-            // A replayed row's `created_at` is its first insert's, long
-            // before the replay's commit: timed from `created_at`, as before.
-            let Some((seq, stamps)) = self.txns.back().map(|t| (t.seq, t.stamps.filter(|_| !replayed))) else {
+            let Some((seq, stamps)) = self.txns.back().map(|t| (t.seq, t.stamps.filter(|_| stamped))) else {
                 self.failed = Some(Ended::Retry("row_outside_transaction"));
                 return;
             };
-            match self
-                .producer
-                .send_result(publish::record(&topic, row, self.database_id))
-            {
+            match self.producer.send_result(build()) {
                 Ok(fut) => {
                     self.inflight.push(Delivery {
                         seq,
-                        id: row.id,
-                        created_at: row.created_at.get(),
+                        id,
+                        created_at,
                         stamps,
                         fut,
                     });
@@ -325,8 +358,8 @@ impl<'a> Pipeline<'a> {
                     }
                     let settled = Settled {
                         seq,
-                        id: row.id,
-                        created_at: row.created_at.get(),
+                        id,
+                        created_at,
                         stamps,
                         outcome: publish::classify(&e),
                     };
@@ -437,26 +470,33 @@ impl<'a> Pipeline<'a> {
                     ]);
                 }
                 m.timings.wal_acked.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                self.settled(s.seq, Some(s.id));
+                self.settled(s.seq, s.id);
                 self.advance().await;
             }
             Outcome::Poison(code) => {
                 m.publish_error(code);
-                if !(alone && self.cfg.on_poison == OnPoison::Dead) {
+                // A Debezium-layout row has no state to mark dead: it
+                // blocks the stream, as a Kafka Connect task fails.
+                let dead = self.cfg.on_poison == OnPoison::Dead && s.id.is_some();
+                if !(alone && dead) {
                     self.failed_row(s.seq, s.id);
                 }
                 if !alone {
                     self.poison_in_request(s.seq, s.id);
-                } else if self.cfg.on_poison == OnPoison::Dead {
-                    let marked = self.dead(s.seq, s.id, code).await;
+                } else if let (true, Some(id)) = (dead, s.id) {
+                    let marked = self.dead(s.seq, id, code).await;
                     // Exactly once, the refusal dooms the Kafka transaction:
                     // it is aborted and streamed again without the row.
                     if let (true, Some(eo)) = (marked, self.eo.as_mut()) {
-                        eo.dead.insert(s.id);
+                        eo.dead.insert(id);
                         self.fail(Ended::Aborted);
                     }
                 } else {
-                    tracing::error!(id = s.id, code, "poison record blocks the stream (--on-poison=block)");
+                    tracing::error!(
+                        id = s.id,
+                        code,
+                        "poison record blocks the stream (--on-poison=block, or a Debezium-layout row)"
+                    );
                     self.note(s.id, code).await;
                     self.fail(Ended::Retry(code));
                 }
@@ -476,7 +516,8 @@ impl<'a> Pipeline<'a> {
     }
 
     /// Row `id` of transaction `seq` failed (it stays pending).
-    fn failed_row(&mut self, seq: u64, id: i64) {
+    fn failed_row(&mut self, seq: u64, id: Option<i64>) {
+        let Some(id) = id else { return };
         if let Some(t) = self.txn(seq) {
             t.failed_from = Some(t.failed_from.map_or(id, |f| f.min(id)));
         }
@@ -484,7 +525,7 @@ impl<'a> Pipeline<'a> {
 
     /// A record refused with others: isolate up to the latest transaction
     /// (or catch-up row) refused so far.
-    fn poison_in_request(&mut self, seq: u64, id: i64) {
+    fn poison_in_request(&mut self, seq: u64, id: Option<i64>) {
         let final_lsn = self.txn(seq).and_then(|t| t.final_lsn);
         let (mut lsn, mut through_id) = match &self.failed {
             Some(Ended::Isolate {
@@ -493,9 +534,10 @@ impl<'a> Pipeline<'a> {
             }) => (*through_lsn, *through_id),
             _ => (None, None),
         };
-        match final_lsn {
-            Some(l) => lsn = Some(lsn.map_or(l, |x| x.max(l))),
-            None => through_id = Some(through_id.map_or(id, |x| x.max(id))),
+        match (final_lsn, id) {
+            (Some(l), _) => lsn = Some(lsn.map_or(l, |x| x.max(l))),
+            (None, Some(id)) => through_id = Some(through_id.map_or(id, |x| x.max(id))),
+            (None, None) => {}
         }
         if matches!(self.failed, None | Some(Ended::Isolate { .. })) {
             self.failed = Some(Ended::Isolate {
@@ -526,7 +568,8 @@ impl<'a> Pipeline<'a> {
 
     /// Counts a failed attempt on the row (best effort: the failure is
     /// handled whether or not this is written).
-    async fn note(&self, id: i64, code: &str) {
+    async fn note(&self, id: Option<i64>, code: &str) {
+        let Some(id) = id else { return };
         if let Err(e) = self.state.store.wal_note_publish_error(id, code).await {
             tracing::debug!(id, error = %e, "recording a publish error failed");
         }
@@ -544,7 +587,8 @@ impl<'a> Pipeline<'a> {
         self.txns.get_mut(usize::try_from(seq.checked_sub(front)?).ok()?)
     }
 
-    /// One record of transaction `seq` settled (acknowledged: its id).
+    /// One record of transaction `seq` settled (acknowledged: its id, if
+    /// it is an outbox row).
     fn settled(&mut self, seq: u64, acked: Option<i64>) {
         if let Some(t) = self.txn(seq) {
             t.outstanding -= 1;

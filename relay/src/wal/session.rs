@@ -96,7 +96,14 @@ pub(super) async fn run(ctx: &Ctx, iso: &mut Isolation, reseed: &mut bool, finis
     let end = if !pipeline.mark_committed().await {
         pipeline.failed().cloned().unwrap_or(Ended::Retry("marker_stopped"))
     } else {
-        match catch_up(ctx, &mut pipeline, iso, finish).await {
+        // A Debezium-layout table is not read: its rows are usually
+        // deleted in the transaction that wrote them, and the slot, made
+        // before the cut-over, streams what commits after it.
+        let read = match ctx.capture.router {
+            None => catch_up(ctx, &mut pipeline, iso, finish).await,
+            Some(_) => None,
+        };
+        match read {
             Some(end) => end,
             None => stream(ctx, &mut pipeline, &mut client, &mut confirmed, iso, finish).await,
         }
@@ -154,11 +161,12 @@ async fn prepare(ctx: &Ctx, reseed: &mut bool, finish: &CancellationToken) -> Re
         tracing::warn!(error = %e, code = e.code(), "preparing the replication slot failed");
         Ended::Retry("database")
     };
-    let (found, covers) = store.wal_publication(publication).await.map_err(db)?;
+    let table = ctx.capture.table();
+    let (found, covers) = store.wal_publication(publication, &table).await.map_err(db)?;
     let mut existing = store.wal_slot(slot).await.map_err(db)?;
     if !found {
-        tracing::info!(%publication, "creating the publication on outbox (inserts only)");
-        store.create_wal_publication(publication).await.map_err(db)?;
+        tracing::info!(%publication, table = %table.name, "creating the publication (inserts only)");
+        store.create_wal_publication(publication, &table).await.map_err(db)?;
     } else if !covers {
         // The outbox was replaced (a copy has a new relation id, which the
         // publication does not follow) or the publication altered: rows
@@ -173,8 +181,11 @@ async fn prepare(ctx: &Ctx, reseed: &mut bool, finish: &CancellationToken) -> Re
             }
             existing = None;
         }
-        store.add_outbox_to_wal_publication(publication).await.map_err(db)?;
-        if !store.wal_publication(publication).await.map_err(db)?.1 {
+        store
+            .add_table_to_wal_publication(publication, &table)
+            .await
+            .map_err(db)?;
+        if !store.wal_publication(publication, &table).await.map_err(db)?.1 {
             tracing::error!(%publication, "the publication does not publish this schema's outbox inserts, even with outbox added (publish = 'insert' is off?)");
             return Err(Ended::Retry("publication_mismatch"));
         }
@@ -303,7 +314,7 @@ async fn stream(
     finish: &CancellationToken,
 ) -> Ended {
     let mut events = Events {
-        decoder: Decoder::new(ctx.capture.schema.clone()),
+        decoder: Decoder::new(ctx.capture.schema.clone(), ctx.capture.router.clone()),
         replay: format!("ferry.replay.{}", ctx.database_id),
         forwarded: client.metrics(),
         received: 0,
@@ -481,7 +492,13 @@ pub const PUBLICATION_CHECK: Duration = Duration::from_secs(5);
 /// one unanswered for [`PING_WAIT`] ends the session as the database's
 /// (the stream waits for it meanwhile).
 async fn publication_lost(ctx: &Ctx) -> Option<Ended> {
-    match tokio::time::timeout(PING_WAIT, ctx.state.store.wal_publication(&ctx.capture.publication)).await {
+    let table = ctx.capture.table();
+    match tokio::time::timeout(
+        PING_WAIT,
+        ctx.state.store.wal_publication(&ctx.capture.publication, &table),
+    )
+    .await
+    {
         Ok(Ok((true, true))) => None,
         Ok(Ok((found, _))) => {
             tracing::warn!(publication = %ctx.capture.publication, found, "the publication no longer publishes this schema's outbox; ending the session");
@@ -566,6 +583,7 @@ impl Events {
             }
             Ok(Some(ReplicationEvent::XLogData { data, .. })) => match self.decoder.decode(&data) {
                 Ok(Message::Row(row)) => pipeline.produce(&row).await,
+                Ok(Message::Event(event)) => pipeline.produce_event(&event).await,
                 Ok(Message::Ignored | Message::Relation) => {}
                 Err(e) => {
                     tracing::error!(error = %e, "a replication message could not be decoded");

@@ -2,6 +2,7 @@
 
 mod alerts;
 mod capture;
+mod debezium;
 mod effect_keys;
 mod exactly_once;
 mod job_gauges;

@@ -1,0 +1,650 @@
+//! A Debezium connector's configuration (Kafka Connect's JSON, as posted to
+//! its REST API, or a `.properties` file, as Debezium Server and the
+//! embedded engine read it), reduced to what the outbox `EventRouter` and
+//! the converters do to a row. Options that would change the bytes in a
+//! way Ferry does not reproduce are refused by name.
+
+use std::collections::BTreeMap;
+
+use regex::Regex;
+
+use super::json;
+use super::{ColumnType, Event, Unsupported, Value};
+use crate::error::RelayError;
+
+const ROUTER: &str = "io.debezium.transforms.outbox.EventRouter";
+
+/// Where an additional field goes (`table.fields.additional.placement`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Placement {
+    Header,
+    Envelope,
+}
+
+/// One entry of `table.fields.additional.placement`.
+#[derive(Debug, Clone)]
+struct Additional {
+    column: String,
+    placement: Placement,
+    alias: String,
+}
+
+/// A Kafka Connect converter Ferry reproduces.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Converter {
+    /// `org.apache.kafka.connect.storage.StringConverter`.
+    String,
+    /// `org.apache.kafka.connect.json.JsonConverter` with
+    /// `schemas.enable=false`.
+    Json,
+    /// `org.apache.kafka.connect.converters.ByteArrayConverter` (and
+    /// Debezium's `BinaryDataConverter`): bytes as they are.
+    Bytes,
+}
+
+/// The outbox `EventRouter` of one connector, with its table and converters.
+#[derive(Debug, Clone)]
+pub struct EventRouter {
+    /// The outbox table's schema.
+    pub schema: String,
+    /// The outbox table.
+    pub table: String,
+    /// The connector's replication slot (`slot.name`, Debezium's default
+    /// `debezium`): the relay's default, so it takes over where the
+    /// connector stopped.
+    pub slot: String,
+    /// The connector's publication (`publication.name`, default
+    /// `dbz_publication`).
+    pub publication: String,
+    id: String,
+    key: String,
+    payload: String,
+    route_by: String,
+    route: Regex,
+    /// The replacement, in the `regex` crate's syntax.
+    replacement: String,
+    additional: Vec<Additional>,
+    expand_json: bool,
+    tombstone_on_empty: bool,
+    key_converter: Converter,
+    value_converter: Converter,
+    /// The connector's context headers (`extended.headers.enabled`), which
+    /// every record of the connector carries before the router's own.
+    context: Vec<(String, Vec<u8>)>,
+}
+
+/// Where each column the router reads sits in a row of the table, and its
+/// type: resolved once per `Relation` message.
+#[derive(Debug, Clone)]
+pub struct Layout {
+    width: usize,
+    id: (usize, ColumnType),
+    key: (usize, ColumnType),
+    payload: (usize, ColumnType),
+    route_by: (usize, ColumnType),
+    additional: Vec<(usize, ColumnType)>,
+}
+
+fn config_err(what: impl Into<String>) -> RelayError {
+    RelayError::Config(format!("--debezium-config: {}", what.into()))
+}
+
+/// A connector configuration's keys and values: `{"name": …, "config":
+/// {…}}`, a flat JSON object, or `.properties` lines.
+fn entries(text: &str) -> Result<BTreeMap<String, String>, RelayError> {
+    if text.trim_start().starts_with('{') {
+        let v: serde_json::Value =
+            serde_json::from_str(text).map_err(|e| config_err(format!("not a JSON object: {e}")))?;
+        let obj = v.get("config").unwrap_or(&v);
+        let obj = obj
+            .as_object()
+            .ok_or_else(|| config_err("the JSON has no object of settings"))?;
+        return obj
+            .iter()
+            .map(|(k, v)| match v {
+                serde_json::Value::String(s) => Ok((k.clone(), s.clone())),
+                serde_json::Value::Number(n) => Ok((k.clone(), n.to_string())),
+                serde_json::Value::Bool(b) => Ok((k.clone(), b.to_string())),
+                _ => Err(config_err(format!("{k} is not a string, number or boolean"))),
+            })
+            .collect();
+    }
+    let mut out = BTreeMap::new();
+    let mut pending = String::new();
+    for line in text.lines() {
+        let line = line.trim_start();
+        if pending.is_empty() && (line.is_empty() || line.starts_with('#') || line.starts_with('!')) {
+            continue;
+        }
+        // A trailing backslash continues the entry on the next line.
+        if let Some(head) = line.strip_suffix('\\').filter(|h| !h.ends_with('\\')) {
+            pending.push_str(head);
+            continue;
+        }
+        pending.push_str(line);
+        let entry = std::mem::take(&mut pending);
+        let at = entry
+            .find(['=', ':'])
+            .ok_or_else(|| config_err(format!("a line without '=': {entry}")))?;
+        let (k, v) = entry.split_at(at);
+        out.insert(unescape(k.trim()), unescape(v[1..].trim()));
+    }
+    Ok(out)
+}
+
+/// A `.properties` key or value with Java's escapes read: `\t`, `\n`,
+/// `\r`, `\f`, `\uXXXX`, and `\` before any other character is that
+/// character (`public\.outbox` is `public.outbox`).
+fn unescape(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    let mut chars = s.chars();
+    while let Some(c) = chars.next() {
+        if c != '\\' {
+            out.push(c);
+            continue;
+        }
+        match chars.next() {
+            Some('t') => out.push('\t'),
+            Some('n') => out.push('\n'),
+            Some('r') => out.push('\r'),
+            Some('f') => out.push('\u{c}'),
+            Some('u') => {
+                let hex: String = chars.by_ref().take(4).collect();
+                if let Some(ch) = u32::from_str_radix(&hex, 16).ok().and_then(char::from_u32) {
+                    out.push(ch);
+                }
+            }
+            Some(other) => out.push(other),
+            None => {}
+        }
+    }
+    out
+}
+
+/// A Java replacement string (`$1`, `${name}`, `\$`) in the `regex` crate's
+/// syntax (`${1}`, `${name}`, `$$`).
+fn replacement(java: &str) -> Result<String, RelayError> {
+    let mut out = String::new();
+    let mut chars = java.chars().peekable();
+    while let Some(c) = chars.next() {
+        match c {
+            '\\' => match chars.next() {
+                Some('$') => out.push_str("$$"),
+                Some(c) => out.push(c),
+                None => return Err(config_err("route.topic.replacement ends with a backslash")),
+            },
+            '$' => match chars.peek() {
+                Some('{') => {
+                    let name: String = chars.by_ref().skip(1).take_while(|c| *c != '}').collect();
+                    out.push_str(&format!("${{{name}}}"));
+                }
+                Some(d) if d.is_ascii_digit() => {
+                    let d = chars.next().expect("peeked");
+                    out.push_str(&format!("${{{d}}}"));
+                }
+                _ => return Err(config_err("route.topic.replacement has a '$' without a group")),
+            },
+            c => out.push(c),
+        }
+    }
+    Ok(out)
+}
+
+fn boolean(v: Option<&String>, name: &str) -> Result<bool, RelayError> {
+    match v.map(|s| s.trim().to_ascii_lowercase()).as_deref() {
+        None => Ok(false),
+        Some("true") => Ok(true),
+        Some("false") => Ok(false),
+        Some(other) => Err(config_err(format!("{name} is {other:?}, not true or false"))),
+    }
+}
+
+impl EventRouter {
+    /// Reads the connector configuration in `text` (JSON or properties).
+    pub fn parse(text: &str) -> Result<Self, RelayError> {
+        let c = entries(text)?;
+        let names: Vec<&str> = c
+            .get("transforms")
+            .map(|t| t.split(',').map(str::trim).filter(|s| !s.is_empty()).collect())
+            .unwrap_or_default();
+        let routers: Vec<&str> = names
+            .iter()
+            .copied()
+            .filter(|n| c.get(&format!("transforms.{n}.type")).map(|s| s.trim()) == Some(ROUTER))
+            .collect();
+        let name = match (routers.as_slice(), names.len()) {
+            ([one], 1) => *one,
+            ([], _) => return Err(config_err(format!("no transform of type {ROUTER}"))),
+            _ => {
+                return Err(config_err(format!(
+                    "the transforms must be one {ROUTER} alone (found: {})",
+                    names.join(", ")
+                )))
+            }
+        };
+        let prefix = format!("transforms.{name}.");
+        let mut opts: BTreeMap<&str, &String> = BTreeMap::new();
+        for (k, v) in &c {
+            if let Some(opt) = k.strip_prefix(&prefix) {
+                opts.insert(opt, v);
+            } else if k.starts_with("predicates") {
+                return Err(config_err(format!("{k}: predicates are not supported")));
+            }
+        }
+        const KNOWN: &[&str] = &[
+            "type",
+            "table.field.event.id",
+            "table.field.event.key",
+            "table.field.event.payload",
+            "table.field.event.timestamp",
+            "table.field.event.type",
+            "table.field.event.schema.version",
+            "table.fields.additional.placement",
+            "table.expand.json.payload",
+            "table.op.invalid.behavior",
+            "debezium.op.invalid.behavior",
+            "route.by.field",
+            "route.topic.regex",
+            "route.topic.replacement",
+            "route.tombstone.on.empty.payload",
+        ];
+        if let Some(unknown) = opts.keys().find(|k| !KNOWN.contains(k)) {
+            return Err(config_err(format!(
+                "{prefix}{unknown} is not supported (Ferry would publish other records)"
+            )));
+        }
+        let opt = |k: &str, default: &str| opts.get(k).map_or_else(|| default.to_owned(), |v| v.trim().to_owned());
+        let table = c
+            .get("table.include.list")
+            .ok_or_else(|| config_err("table.include.list must name the outbox table (schema.table)"))?;
+        let table = table.trim().replace("\\.", ".");
+        let ident = |s: &str| !s.is_empty() && s.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_');
+        let (schema, table) = match table.split_once('.') {
+            Some((s, t)) if ident(s) && ident(t) => (s.to_owned(), t.to_owned()),
+            _ => {
+                return Err(config_err(format!(
+                    "table.include.list must be one table as schema.table, not {table:?}"
+                )))
+            }
+        };
+        let converter = |role: &str| -> Result<Converter, RelayError> {
+            let class = c.get(&format!("{role}.converter")).map(|s| s.trim()).ok_or_else(|| {
+                config_err(format!(
+                    "{role}.converter must be set (the worker's default is not in the connector's file)"
+                ))
+            })?;
+            let schemas = c
+                .get(&format!("{role}.converter.schemas.enable"))
+                .map_or("true", |s| s.trim());
+            match class {
+                "org.apache.kafka.connect.storage.StringConverter" => Ok(Converter::String),
+                "org.apache.kafka.connect.converters.ByteArrayConverter" | "io.debezium.converters.BinaryDataConverter" => {
+                    Ok(Converter::Bytes)
+                }
+                "org.apache.kafka.connect.json.JsonConverter" if schemas.eq_ignore_ascii_case("false") => {
+                    Ok(Converter::Json)
+                }
+                "org.apache.kafka.connect.json.JsonConverter" => Err(config_err(format!(
+                    "{role}.converter JsonConverter needs {role}.converter.schemas.enable=false (records with schemas are not supported)"
+                ))),
+                other => Err(config_err(format!("{role}.converter {other} is not supported"))),
+            }
+        };
+        let key_converter = converter("key")?;
+        let value_converter = converter("value")?;
+        if let Some(h) = c.get("header.converter").map(|s| s.trim()) {
+            if h != "org.apache.kafka.connect.storage.SimpleHeaderConverter" {
+                return Err(config_err(format!("header.converter {h} is not supported")));
+            }
+        }
+        for (k, ok) in [("binary.handling.mode", "bytes"), ("time.precision.mode", "adaptive")] {
+            if let Some(v) = c.get(k).map(|s| s.trim()).filter(|v| *v != ok) {
+                return Err(config_err(format!("{k}={v} is not supported (only {ok})")));
+            }
+        }
+        let mut additional = Vec::new();
+        for entry in opt("table.fields.additional.placement", "").split(',') {
+            let entry = entry.trim();
+            if entry.is_empty() {
+                continue;
+            }
+            let parts: Vec<&str> = entry.split(':').map(str::trim).collect();
+            let (column, placement, alias) = match parts.as_slice() {
+                [c, p] => (*c, *p, *c),
+                [c, p, a] => (*c, *p, *a),
+                _ => return Err(config_err(format!("table.fields.additional.placement entry {entry:?}"))),
+            };
+            let placement = match placement {
+                "header" => Placement::Header,
+                "envelope" => Placement::Envelope,
+                other => {
+                    return Err(config_err(format!(
+                        "table.fields.additional.placement {other:?} is not supported (header or envelope)"
+                    )))
+                }
+            };
+            additional.push(Additional {
+                column: column.to_owned(),
+                placement,
+                alias: alias.to_owned(),
+            });
+        }
+        let expand_json = boolean(
+            opts.get("table.expand.json.payload").copied(),
+            "table.expand.json.payload",
+        )?;
+        if expand_json && additional.iter().any(|a| a.placement == Placement::Envelope) {
+            // Debezium fails such a record: the envelope's payload field
+            // keeps the column's string schema.
+            return Err(config_err(
+                "table.expand.json.payload with envelope fields is not supported (the EventRouter refuses such records)",
+            ));
+        }
+        let regex = opt("route.topic.regex", "(?<routedByValue>.*)");
+        let route = Regex::new(&format!("^(?:{regex})$"))
+            .map_err(|e| config_err(format!("route.topic.regex {regex:?} is not supported: {e}")))?;
+        let context = if boolean(
+            c.get("extended.headers.enabled").or(Some(&"true".to_owned())),
+            "extended.headers.enabled",
+        )? {
+            let prefix = c
+                .get("topic.prefix")
+                .ok_or_else(|| config_err("topic.prefix must be set (the connector's context headers name it)"))?;
+            // The connector's type, its task, and a run id per start (of
+            // the engine there, of the relay here).
+            vec![
+                (
+                    "__debezium.context.connectorLogicalName".to_owned(),
+                    prefix.trim().as_bytes().to_vec(),
+                ),
+                ("__debezium.context.taskId".to_owned(), b"0".to_vec()),
+                ("__debezium.context.connectorName".to_owned(), b"postgresql".to_vec()),
+                (
+                    "__debezium.context.runId".to_owned(),
+                    uuid::Uuid::now_v7().to_string().into_bytes(),
+                ),
+            ]
+        } else {
+            Vec::new()
+        };
+        let name_of = |key: &str, default: &str| -> Result<String, RelayError> {
+            let v = c.get(key).map_or(default, |s| s.trim()).to_owned();
+            crate::config::check_identifier(key, &v)?;
+            Ok(v)
+        };
+        Ok(EventRouter {
+            schema,
+            table,
+            slot: name_of("slot.name", "debezium")?,
+            publication: name_of("publication.name", "dbz_publication")?,
+            id: opt("table.field.event.id", "id"),
+            key: opt("table.field.event.key", "aggregateid"),
+            payload: opt("table.field.event.payload", "payload"),
+            route_by: opt("route.by.field", "aggregatetype"),
+            route,
+            replacement: replacement(&opt("route.topic.replacement", "outbox.event.${routedByValue}"))?,
+            additional,
+            expand_json,
+            tombstone_on_empty: boolean(
+                opts.get("route.tombstone.on.empty.payload").copied(),
+                "route.tombstone.on.empty.payload",
+            )?,
+            key_converter,
+            value_converter,
+            context,
+        })
+    }
+
+    /// Where the router's columns sit among `columns` (names and types,
+    /// as a `Relation` message lists them); `Err` names what is missing or
+    /// unreadable.
+    pub fn layout(&self, columns: &[(String, ColumnType)]) -> Result<Layout, Unsupported> {
+        let at = |name: &str| -> Result<(usize, ColumnType), Unsupported> {
+            let i = columns
+                .iter()
+                .position(|(c, _)| c == name)
+                .ok_or_else(|| Unsupported(format!("the table has no column {name}")))?;
+            let ty = columns[i].1;
+            if !super::readable(ty.oid) {
+                return Err(Unsupported(format!("column {name} has type id {}", ty.oid)));
+            }
+            Ok((i, ty))
+        };
+        Ok(Layout {
+            width: columns.len(),
+            id: at(&self.id)?,
+            key: at(&self.key)?,
+            payload: at(&self.payload)?,
+            route_by: at(&self.route_by)?,
+            additional: self
+                .additional
+                .iter()
+                .map(|a| at(&a.column))
+                .collect::<Result<_, _>>()?,
+        })
+    }
+
+    /// The record of one inserted row (text columns, as `pgoutput` sends
+    /// them, placed by `layout`).
+    pub fn event(&self, layout: &Layout, row: &[Option<&[u8]>]) -> Result<Event, Unsupported> {
+        if row.len() != layout.width {
+            return Err(Unsupported(
+                "a row and its relation disagree on the column count".into(),
+            ));
+        }
+        let get = |(i, ty): (usize, ColumnType)| super::column(ty, row[i]);
+        let routed = match get(layout.route_by)? {
+            Value::Text(s) => s,
+            other => {
+                return Err(Unsupported(format!(
+                    "route.by.field {} is {other:?}, not a string",
+                    self.route_by
+                )))
+            }
+        };
+        let topic = match self.route.captures(&routed) {
+            Some(caps) => {
+                let mut t = String::new();
+                caps.expand(&self.replacement, &mut t);
+                t
+            }
+            None => routed,
+        };
+        let mut headers: Vec<(String, Option<Vec<u8>>)> =
+            self.context.iter().map(|(k, v)| (k.clone(), Some(v.clone()))).collect();
+        headers.push(("id".to_owned(), header(&get(layout.id)?)?));
+        let mut payload = get(layout.payload)?;
+        if self.expand_json {
+            if let Value::Text(s) = &payload {
+                if let Some(expanded) = json::expand(s)? {
+                    payload = expanded;
+                }
+            }
+        }
+        let mut envelope = Vec::new();
+        for (a, at) in self.additional.iter().zip(&layout.additional) {
+            let v = get(*at)?;
+            match a.placement {
+                Placement::Header => headers.push((a.alias.clone(), header(&v)?)),
+                Placement::Envelope => envelope.push((a.alias.clone(), v)),
+            }
+        }
+        let empty = match &payload {
+            Value::Null => true,
+            Value::Text(s) => s.trim().is_empty(),
+            _ => false,
+        };
+        let value = if empty && self.tombstone_on_empty {
+            None
+        } else if envelope.is_empty() {
+            encode(self.value_converter, &payload)?
+        } else {
+            let mut fields = vec![("payload".to_owned(), payload)];
+            fields.extend(envelope);
+            encode(self.value_converter, &Value::Struct(fields))?
+        };
+        let key = encode(self.key_converter, &get(layout.key)?)?;
+        Ok(Event {
+            topic,
+            key,
+            value,
+            headers,
+        })
+    }
+}
+
+/// A value through `converter`. A null is no bytes, but through
+/// `JsonConverter`, which writes a null with a schema (a column's) as the
+/// JSON `null`.
+fn encode(converter: Converter, v: &Value) -> Result<Option<Vec<u8>>, Unsupported> {
+    if *v == Value::Null && converter != Converter::Json {
+        return Ok(None);
+    }
+    Ok(Some(match (converter, v) {
+        (Converter::Json, v) => {
+            let mut out = Vec::new();
+            json::write(v, &mut out);
+            out
+        }
+        (Converter::String, Value::Text(s)) => s.as_bytes().to_vec(),
+        (Converter::String, Value::Int(i)) => i.to_string().into_bytes(),
+        (Converter::String, Value::Bool(b)) => b.to_string().into_bytes(),
+        (Converter::Bytes, Value::Bytes(b)) => b.clone(),
+        (c, v) => return Err(Unsupported(format!("{v:?} through the {c:?} converter"))),
+    }))
+}
+
+/// A header value as `SimpleHeaderConverter` writes it.
+fn header(v: &Value) -> Result<Option<Vec<u8>>, Unsupported> {
+    match v {
+        Value::Null => Ok(None),
+        Value::Text(s) => Ok(Some(s.as_bytes().to_vec())),
+        Value::Int(i) => Ok(Some(i.to_string().into_bytes())),
+        Value::Bool(b) => Ok(Some(b.to_string().into_bytes())),
+        other => Err(Unsupported(format!("a header of {other:?}"))),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const DEFAULTS: &str = "
+name=orders-outbox
+topic.prefix=dbserver1
+table.include.list=inventory.outbox
+transforms=outbox
+transforms.outbox.type=io.debezium.transforms.outbox.EventRouter
+key.converter=org.apache.kafka.connect.storage.StringConverter
+value.converter=org.apache.kafka.connect.storage.StringConverter
+";
+
+    fn columns() -> Vec<(String, ColumnType)> {
+        [
+            ("id", 2950),
+            ("aggregatetype", 1043),
+            ("aggregateid", 1043),
+            ("type", 1043),
+            ("payload", 3802),
+        ]
+        .into_iter()
+        .map(|(n, oid)| (n.to_owned(), ColumnType { oid, modifier: -1 }))
+        .collect()
+    }
+
+    #[test]
+    fn the_defaults_route_to_outbox_event_with_the_id_header() {
+        let r = EventRouter::parse(DEFAULTS).unwrap();
+        assert_eq!((r.schema.as_str(), r.table.as_str()), ("inventory", "outbox"));
+        let l = r.layout(&columns()).unwrap();
+        let row: Vec<Option<&[u8]>> = vec![
+            Some(b"5d1c"),
+            Some(b"Order"),
+            Some(b"42"),
+            Some(b"OrderCreated"),
+            Some(br#"{"a": 1}"#),
+        ];
+        let e = r.event(&l, &row).unwrap();
+        assert_eq!(e.topic, "outbox.event.Order");
+        assert_eq!(e.key.as_deref(), Some(&b"42"[..]));
+        assert_eq!(e.value.as_deref(), Some(&br#"{"a": 1}"#[..]));
+        let names: Vec<&str> = e.headers.iter().map(|(k, _)| k.as_str()).collect();
+        assert_eq!(
+            names,
+            [
+                "__debezium.context.connectorLogicalName",
+                "__debezium.context.taskId",
+                "__debezium.context.connectorName",
+                "__debezium.context.runId",
+                "id"
+            ]
+        );
+        assert_eq!(e.headers[4].1.as_deref(), Some(&b"5d1c"[..]));
+    }
+
+    #[test]
+    fn what_would_change_the_bytes_is_refused_by_name() {
+        for (extra, needle) in [
+            ("transforms.outbox.route.topic.regex=(?=x)", "route.topic.regex"),
+            (
+                "transforms.outbox.table.fields.additional.placement=type:partition",
+                "partition",
+            ),
+            (
+                "transforms.outbox.tracing.span.context.field=x",
+                "tracing.span.context.field",
+            ),
+            (
+                "value.converter.schemas.enable=true\nvalue.converter=org.apache.kafka.connect.json.JsonConverter",
+                "schemas",
+            ),
+            ("binary.handling.mode=base64", "binary.handling.mode"),
+        ] {
+            let e = EventRouter::parse(&format!("{DEFAULTS}\n{extra}\n"))
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains(needle), "{extra}: {e}");
+        }
+        let e = EventRouter::parse(&DEFAULTS.replace(
+            "table.include.list=inventory.outbox",
+            "table.include.list=inventory.outbox,x.y",
+        ))
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("one table"), "{e}");
+    }
+
+    #[test]
+    fn json_configs_and_java_replacements_read() {
+        let json = r#"{"name": "c", "config": {
+            "topic.prefix": "p", "extended.headers.enabled": "false",
+            "table.include.list": "public\\.events",
+            "transforms": "router",
+            "transforms.router.type": "io.debezium.transforms.outbox.EventRouter",
+            "transforms.router.route.topic.regex": "(?<routedByValue>[a-z]+)-(\\d+)",
+            "transforms.router.route.topic.replacement": "t.${routedByValue}.$2\\$",
+            "key.converter": "org.apache.kafka.connect.json.JsonConverter",
+            "key.converter.schemas.enable": false,
+            "value.converter": "org.apache.kafka.connect.json.JsonConverter",
+            "value.converter.schemas.enable": "false"}}"#;
+        let r = EventRouter::parse(json).unwrap();
+        assert_eq!(r.table, "events");
+        let l = r.layout(&columns()).unwrap();
+        let row: Vec<Option<&[u8]>> = vec![Some(b"i"), Some(b"order-7"), Some(b"k\""), None, None];
+        let e = r.event(&l, &row).unwrap();
+        assert_eq!(e.topic, "t.order.7$");
+        assert_eq!(e.key.as_deref(), Some(&br#""k\"""#[..]));
+        assert_eq!(
+            e.value.as_deref(),
+            Some(&b"null"[..]),
+            "JsonConverter writes a null column as null"
+        );
+        assert_eq!(e.headers.len(), 1);
+        let row: Vec<Option<&[u8]>> = vec![Some(b"i"), Some(b"Order"), Some(b"k"), None, None];
+        assert_eq!(
+            r.event(&l, &row).unwrap().topic,
+            "Order",
+            "no match: the topic as it is"
+        );
+    }
+}
