@@ -318,3 +318,150 @@ async fn a_row_ferry_cannot_render_stops_the_stream_until_the_configuration_chan
         Some(&br#""{\"lines\": [{\"sku\": \"a\"}, {\"qty\": 2}]}""#[..])
     );
 }
+
+/// The connector's slot, made and read by someone else (Debezium), is
+/// where the relay starts: given the connector's file alone (its
+/// `slot.name` and `publication.name`, a publication of every operation),
+/// it publishes exactly the inserts after the slot's confirmed position,
+/// none before it, and no update or delete.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_relay_takes_over_the_connector_s_slot_where_it_stopped() {
+    let (ferry, url) = pg_ferry().await;
+    let pool = ferry.db().as_postgres().unwrap().clone();
+    let kafka = Kafka::start();
+    let topic = "outbox.event.Order".to_owned();
+    kafka.create_topic(&topic, 1);
+    tables(&pool).await;
+    let slot = SlotGuard::new().await;
+    let name = slot.name.clone();
+    sqlx::query(&format!("CREATE PUBLICATION {name} FOR TABLE outbox_event"))
+        .execute(&pool)
+        .await
+        .unwrap();
+    sqlx::query("SELECT 1 FROM pg_create_logical_replication_slot($1, 'pgoutput')")
+        .bind(&name)
+        .execute(&pool)
+        .await
+        .unwrap();
+    let insert = |n: u32| {
+        format!(
+            "INSERT INTO outbox_event (id, aggregatetype, aggregateid, type, payload) \
+             VALUES ('00000000-0000-4000-8000-{n:012}', 'Order', 'o-{n}', 'T', '{{\"n\": {n}}}')"
+        )
+    };
+    for n in 1..=3 {
+        sqlx::query(&insert(n)).execute(&pool).await.unwrap();
+    }
+    // "Debezium" published rows 1-3 and confirmed them.
+    sqlx::query("SELECT 1 FROM pg_replication_slot_advance($1, pg_current_wal_lsn())")
+        .bind(&name)
+        .execute(&pool)
+        .await
+        .unwrap();
+    for n in 4..=6 {
+        sqlx::query(&insert(n)).execute(&pool).await.unwrap();
+    }
+    sqlx::query("UPDATE outbox_event SET type = 'U'")
+        .execute(&pool)
+        .await
+        .unwrap();
+    sqlx::query("DELETE FROM outbox_event").execute(&pool).await.unwrap();
+    sqlx::query(&insert(7)).execute(&pool).await.unwrap();
+    let config = connector_file(&pool, "outbox_event.properties", |t| {
+        format!("{t}slot.name={name}\npublication.name={name}\n")
+    })
+    .await;
+    let mut cfg = slot.config(&url, &kafka.brokers());
+    (cfg.slot, cfg.publication) = (None, None);
+    cfg.debezium_config = Some(config);
+    let relay = slot.start(cfg, ferry.clone()).await;
+    let got = read(
+        &kafka.brokers(),
+        std::slice::from_ref(&topic),
+        4,
+        Duration::from_secs(60),
+    );
+    relay.shutdown().await;
+    let keys: Vec<&[u8]> = got.iter().map(|r| r.key.as_deref().unwrap()).collect();
+    assert_eq!(keys, [&b"o-4"[..], b"o-5", b"o-6", b"o-7"]);
+    assert_eq!(
+        records_in(&kafka.brokers(), std::slice::from_ref(&topic)),
+        4,
+        "an update, a delete or a confirmed row published"
+    );
+}
+
+/// A relay process is SIGKILLed while it publishes one 5,001-row
+/// transaction whose last row's topic does not exist yet (so the
+/// transaction cannot settle and the slot cannot move past it); a second
+/// relay resumes from the slot: every row is published, each key's first
+/// occurrences in commit order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_relay_sigkilled_mid_transaction_loses_nothing() {
+    let (ferry, url) = pg_ferry().await;
+    let pool = ferry.db().as_postgres().unwrap().clone();
+    let kafka = Kafka::start();
+    let topic = "outbox.event.Order".to_owned();
+    kafka.create_topic(&topic, 3);
+    tables(&pool).await;
+    let config = connector_file(&pool, "outbox_event.properties", |t| t).await;
+    let slot = SlotGuard::new().await;
+    let args = slot.args();
+    let config = config.display().to_string();
+    let mut flags: Vec<&str> = args.to_vec();
+    flags.extend(["--debezium-config", config.as_str()]);
+    let mut first = spawn_relay_process(&url, &kafka.brokers(), &flags, &[]);
+    wait_for_streaming(&pool, &slot.name, None, Duration::from_secs(60)).await;
+    const ROWS: i64 = 5_000;
+    sqlx::raw_sql(&format!(
+        "BEGIN;
+         INSERT INTO outbox_event (id, aggregatetype, aggregateid, type, payload)
+           SELECT ('00000000-0000-4000-8000-' || lpad(i::text, 12, '0'))::uuid, 'Order', 'k' || (i % 10), 'T',
+                  jsonb_build_object('i', i)
+           FROM generate_series(1, {ROWS}) i;
+         INSERT INTO outbox_event (id, aggregatetype, aggregateid, type, payload)
+           VALUES ('00000000-0000-4000-9000-000000000000', 'Later', 'last', 'T', '{{}}');
+         COMMIT;"
+    ))
+    .execute(&pool)
+    .await
+    .unwrap();
+    let seen = read(
+        &kafka.brokers(),
+        std::slice::from_ref(&topic),
+        1,
+        Duration::from_secs(60),
+    );
+    assert!(!seen.is_empty());
+    first.kill().unwrap(); // SIGKILL mid-transaction
+    first.wait().unwrap();
+    kafka.create_topic("outbox.event.Later", 1);
+    let _second = spawn_relay_process(&url, &kafka.brokers(), &flags, &[]);
+    let later = read(
+        &kafka.brokers(),
+        &["outbox.event.Later".to_owned()],
+        1,
+        Duration::from_secs(120),
+    );
+    assert_eq!(later[0].key.as_deref(), Some(&b"last"[..]));
+    // Every row, each key's first occurrences in commit order.
+    let c = consumer(&kafka.brokers(), &[topic.as_str()]);
+    let mut first_seen: BTreeSet<i64> = BTreeSet::new();
+    let mut last_of_key: BTreeMap<String, i64> = BTreeMap::new();
+    let mut total = 0i64;
+    read_until(&c, Duration::from_secs(120), |recs| {
+        for r in &recs[usize::try_from(total).unwrap()..] {
+            let v: Value = serde_json::from_slice(&r.payload).unwrap();
+            let i = v["i"].as_i64().unwrap();
+            if first_seen.insert(i) {
+                if let Some(prev) = last_of_key.insert(r.key.clone(), i) {
+                    assert!(prev < i, "key {}: {prev} then {i}", r.key);
+                }
+            }
+        }
+        total = recs.len() as i64;
+        first_seen.len() as i64 == ROWS
+    })
+    .await;
+    eprintln!("SIGKILL mid-transaction: {} duplicates", total - ROWS);
+}
