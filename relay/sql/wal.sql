@@ -14,6 +14,15 @@ SELECT current_setting('wal_level') = 'logical' AS logical,
        COALESCE(current_setting('synchronized_standby_slots', true), '') <> '' AS standby_slots
 FROM pg_roles r WHERE r.rolname = current_user
 
+-- name: wal_defaulted_columns [postgres only]
+-- The columns of table $2 in schema $1 that have a default (a Debezium-layout
+-- table: Debezium publishes a column's default where the row holds NULL).
+SELECT a.attname::text
+FROM pg_attribute a
+JOIN pg_class c ON c.oid = a.attrelid
+JOIN pg_namespace n ON n.oid = c.relnamespace
+WHERE n.nspname = $1 AND c.relname = $2 AND a.attnum > 0 AND NOT a.attisdropped AND a.atthasdef
+
 -- name: wal_publication [postgres only]
 -- Whether publication $1 exists, and whether it publishes the inserts of table
 -- $3 in schema $2 (NULL: this schema's; Ferry's own is outbox).

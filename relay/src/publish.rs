@@ -149,6 +149,9 @@ pub fn event_record(event: &crate::debezium::Event) -> FutureRecord<'_, [u8], [u
     if let Some(value) = &event.value {
         r = r.payload(&value[..]);
     }
+    if let Some(ms) = event.timestamp {
+        r = r.timestamp(ms);
+    }
     r
 }
 

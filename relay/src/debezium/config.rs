@@ -56,15 +56,25 @@ pub struct EventRouter {
     /// The connector's publication (`publication.name`, default
     /// `dbz_publication`).
     pub publication: String,
+    /// The table's columns with a default (read from the database): where
+    /// one of the router's holds NULL, Debezium publishes the default (its
+    /// field schema carries it), which Ferry does not reproduce.
+    pub defaulted: Vec<String>,
     id: String,
     key: String,
     payload: String,
     route_by: String,
+    /// `route.topic.regex`, matched whole (RegexRouter's `matches()`)...
     route: Regex,
+    /// ...and as it is, for the replacement (`replaceFirst()`: the first
+    /// match, which may be shorter than the whole).
+    route_first: Regex,
     /// The replacement, in the `regex` crate's syntax.
     replacement: String,
     additional: Vec<Additional>,
     expand_json: bool,
+    /// `table.field.event.timestamp`: the record's timestamp.
+    timestamp: Option<String>,
     tombstone_on_empty: bool,
     key_converter: Converter,
     value_converter: Converter,
@@ -83,6 +93,9 @@ pub struct Layout {
     payload: (usize, ColumnType),
     route_by: (usize, ColumnType),
     additional: Vec<(usize, ColumnType)>,
+    timestamp: Option<(usize, ColumnType)>,
+    /// Positions of the columns with a default.
+    defaulted: Vec<usize>,
 }
 
 fn config_err(what: impl Into<String>) -> RelayError {
@@ -162,8 +175,12 @@ fn unescape(s: &str) -> String {
 }
 
 /// A Java replacement string (`$1`, `${name}`, `\$`) in the `regex` crate's
-/// syntax (`${1}`, `${name}`, `$$`).
-fn replacement(java: &str) -> Result<String, RelayError> {
+/// syntax (`${1}`, `${name}`, `$$`), checked against `route`'s groups as
+/// Java's `Matcher` checks it on every record (a group that does not exist
+/// fails each one: refused here). After `$`, the first digit is the group
+/// number, and each next digit joins it while the number stays a group.
+fn replacement(java: &str, route: &Regex) -> Result<String, RelayError> {
+    let groups = route.captures_len() - 1;
     let mut out = String::new();
     let mut chars = java.chars().peekable();
     while let Some(c) = chars.next() {
@@ -176,11 +193,30 @@ fn replacement(java: &str) -> Result<String, RelayError> {
             '$' => match chars.peek() {
                 Some('{') => {
                     let name: String = chars.by_ref().skip(1).take_while(|c| *c != '}').collect();
+                    if !route.capture_names().flatten().any(|n| n == name) {
+                        return Err(config_err(format!(
+                            "route.topic.replacement names group {name:?}, which route.topic.regex does not have"
+                        )));
+                    }
                     out.push_str(&format!("${{{name}}}"));
                 }
                 Some(d) if d.is_ascii_digit() => {
-                    let d = chars.next().expect("peeked");
-                    out.push_str(&format!("${{{d}}}"));
+                    let mut n = d.to_digit(10).expect("a digit") as usize;
+                    chars.next();
+                    while let Some(next) = chars.peek().and_then(|c| c.to_digit(10)) {
+                        let joined = n * 10 + next as usize;
+                        if joined > groups {
+                            break;
+                        }
+                        n = joined;
+                        chars.next();
+                    }
+                    if n > groups {
+                        return Err(config_err(format!(
+                            "route.topic.replacement names group {n}; route.topic.regex has {groups}"
+                        )));
+                    }
+                    out.push_str(&format!("${{{n}}}"));
                 }
                 _ => return Err(config_err("route.topic.replacement has a '$' without a group")),
             },
@@ -188,6 +224,62 @@ fn replacement(java: &str) -> Result<String, RelayError> {
         }
     }
     Ok(out)
+}
+
+/// Refuses what Java's and the `regex` crate's patterns read differently:
+/// shorthand classes and `\b` (ASCII in Java, Unicode here), `\p{…}`
+/// classes and inline flags.
+fn check_regex(regex: &str) -> Result<(), RelayError> {
+    let mut chars = regex.chars().peekable();
+    while let Some(c) = chars.next() {
+        let bad = match c {
+            '\\' => chars
+                .next()
+                .filter(|n| "wWdDsSbBpP".contains(*n))
+                .map(|n| format!("\\{n}")),
+            '(' if chars.peek() == Some(&'?') => {
+                chars.next();
+                chars
+                    .peek()
+                    .filter(|n| !matches!(n, '<' | ':'))
+                    .map(|_| "an inline flag".to_owned())
+            }
+            _ => None,
+        };
+        if let Some(bad) = bad {
+            return Err(config_err(format!(
+                "route.topic.regex {regex:?}: {bad} is not supported (Java reads it otherwise)"
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// Connector settings that change values before the EventRouter sees them
+/// (masking, truncation, column filters, custom converters, skipped
+/// inserts), or use keys Ferry does not read (Debezium Server's
+/// `debezium.*` form): refused rather than published otherwise.
+fn check_connector(c: &BTreeMap<String, String>) -> Result<(), RelayError> {
+    for (k, v) in c {
+        let refused = k.starts_with("column.mask.")
+            || k.starts_with("column.truncate.to.")
+            || k.starts_with("debezium.")
+            || matches!(k.as_str(), "column.exclude.list" | "column.include.list" | "converters")
+            || (k == "skipped.operations" && v.split(',').any(|o| o.trim() == "c"))
+            || (k.ends_with(".converter.encoding")
+                && !matches!(v.trim().to_ascii_uppercase().as_str(), "UTF-8" | "UTF8"));
+        if refused {
+            return Err(config_err(format!(
+                "{k} is not supported (Ferry would publish other records)"
+            )));
+        }
+    }
+    match c.get("plugin.name").map(|s| s.trim()) {
+        Some("pgoutput") => Ok(()),
+        other => Err(config_err(format!(
+            "plugin.name must be pgoutput (found {other:?}; Debezium's default is decoderbufs), the plugin the relay reads"
+        ))),
+    }
 }
 
 fn boolean(v: Option<&String>, name: &str) -> Result<bool, RelayError> {
@@ -203,6 +295,7 @@ impl EventRouter {
     /// Reads the connector configuration in `text` (JSON or properties).
     pub fn parse(text: &str) -> Result<Self, RelayError> {
         let c = entries(text)?;
+        check_connector(&c)?;
         let names: Vec<&str> = c
             .get("transforms")
             .map(|t| t.split(',').map(str::trim).filter(|s| !s.is_empty()).collect())
@@ -341,8 +434,19 @@ impl EventRouter {
             ));
         }
         let regex = opt("route.topic.regex", "(?<routedByValue>.*)");
-        let route = Regex::new(&format!("^(?:{regex})$"))
-            .map_err(|e| config_err(format!("route.topic.regex {regex:?} is not supported: {e}")))?;
+        check_regex(&regex)?;
+        let compile = |r: &str| {
+            Regex::new(r).map_err(|e| config_err(format!("route.topic.regex {regex:?} is not supported: {e}")))
+        };
+        let route = compile(&format!("^(?:{regex})$"))?;
+        let route_first = compile(&regex)?;
+        if value_converter == Converter::String
+            && (expand_json || additional.iter().any(|a| a.placement == Placement::Envelope))
+        {
+            return Err(config_err(
+                "value.converter StringConverter with an expanded payload or envelope fields is not supported (it writes a Struct's toString)",
+            ));
+        }
         let context = if boolean(
             c.get("extended.headers.enabled").or(Some(&"true".to_owned())),
             "extended.headers.enabled",
@@ -376,13 +480,19 @@ impl EventRouter {
             schema,
             table,
             slot: name_of("slot.name", "debezium")?,
+            defaulted: Vec::new(),
             publication: name_of("publication.name", "dbz_publication")?,
             id: opt("table.field.event.id", "id"),
             key: opt("table.field.event.key", "aggregateid"),
             payload: opt("table.field.event.payload", "payload"),
             route_by: opt("route.by.field", "aggregatetype"),
             route,
-            replacement: replacement(&opt("route.topic.replacement", "outbox.event.${routedByValue}"))?,
+            replacement: replacement(
+                &opt("route.topic.replacement", "outbox.event.${routedByValue}"),
+                &route_first,
+            )?,
+            route_first,
+            timestamp: opts.get("table.field.event.timestamp").map(|s| s.trim().to_owned()),
             additional,
             expand_json,
             tombstone_on_empty: boolean(
@@ -410,7 +520,7 @@ impl EventRouter {
             }
             Ok((i, ty))
         };
-        Ok(Layout {
+        let layout = Layout {
             width: columns.len(),
             id: at(&self.id)?,
             key: at(&self.key)?,
@@ -421,7 +531,37 @@ impl EventRouter {
                 .iter()
                 .map(|a| at(&a.column))
                 .collect::<Result<_, _>>()?,
-        })
+            timestamp: self.timestamp.as_deref().map(at).transpose()?,
+            defaulted: columns
+                .iter()
+                .enumerate()
+                .filter(|(_, (c, _))| self.defaulted.contains(c))
+                .map(|(i, _)| i)
+                .collect(),
+        };
+        // What Kafka Connect fails on every record of: refused at the
+        // table's first row.
+        if let Some((_, ty)) = layout.timestamp {
+            if ty.oid != super::oid::TIMESTAMP {
+                return Err(Unsupported(
+                    "table.field.event.timestamp on a column that is not a timestamp (Debezium fails every record)"
+                        .into(),
+                ));
+            }
+        }
+        let bytea = |(_, ty): (usize, ColumnType)| ty.oid == super::oid::BYTEA;
+        let envelope = self.additional.iter().any(|a| a.placement == Placement::Envelope);
+        if self.value_converter == Converter::Bytes && (envelope || !bytea(layout.payload)) {
+            return Err(Unsupported(
+                "a bytes value converter on a payload that is not bytea, or with envelope fields".into(),
+            ));
+        }
+        if self.key_converter == Converter::Bytes && !bytea(layout.key) {
+            return Err(Unsupported(
+                "a bytes key converter on a key column that is not bytea".into(),
+            ));
+        }
+        Ok(layout)
     }
 
     /// The record of one inserted row (text columns, as `pgoutput` sends
@@ -432,7 +572,14 @@ impl EventRouter {
                 "a row and its relation disagree on the column count".into(),
             ));
         }
-        let get = |(i, ty): (usize, ColumnType)| super::column(ty, row[i]);
+        let get = |(i, ty): (usize, ColumnType)| {
+            if row[i].is_none() && layout.defaulted.contains(&i) {
+                return Err(Unsupported(
+                    "NULL in a column with a default (Debezium publishes the default)".into(),
+                ));
+            }
+            super::column(ty, row[i])
+        };
         let routed = match get(layout.route_by)? {
             Value::Text(s) => s,
             other => {
@@ -442,13 +589,20 @@ impl EventRouter {
                 )))
             }
         };
-        let topic = match self.route.captures(&routed) {
-            Some(caps) => {
-                let mut t = String::new();
-                caps.expand(&self.replacement, &mut t);
-                t
-            }
-            None => routed,
+        // Java's `.` stops at these line terminators too; Rust's only at
+        // `\n`.
+        if routed.contains(['\r', '\u{85}', '\u{2028}', '\u{2029}']) {
+            return Err(Unsupported(format!(
+                "route.by.field {} holds a line terminator",
+                self.route_by
+            )));
+        }
+        let topic = if self.route.is_match(&routed) {
+            self.route_first
+                .replacen(&routed, 1, self.replacement.as_str())
+                .into_owned()
+        } else {
+            routed
         };
         let mut headers: Vec<(String, Option<Vec<u8>>)> =
             self.context.iter().map(|(k, v)| (k.clone(), Some(v.clone()))).collect();
@@ -471,7 +625,8 @@ impl EventRouter {
         }
         let empty = match &payload {
             Value::Null => true,
-            Value::Text(s) => s.trim().is_empty(),
+            // Java's `String.trim`: characters up to U+0020.
+            Value::Text(s) => s.trim_matches(|c| c <= '\u{20}').is_empty(),
             _ => false,
         };
         let value = if empty && self.tombstone_on_empty {
@@ -484,11 +639,22 @@ impl EventRouter {
             encode(self.value_converter, &Value::Struct(fields))?
         };
         let key = encode(self.key_converter, &get(layout.key)?)?;
+        let timestamp = match layout.timestamp {
+            Some(at) => match get(at)? {
+                // `Timestamp` (ms) up to 3 fractional digits, else
+                // `MicroTimestamp` (the EventRouter divides by 1,000).
+                Value::Int(t) if (0..=3).contains(&at.1.modifier) => Some(t),
+                Value::Int(t) => Some(t / 1000),
+                _ => None,
+            },
+            None => None,
+        };
         Ok(Event {
             topic,
             key,
             value,
             headers,
+            timestamp,
         })
     }
 }
@@ -531,6 +697,7 @@ mod tests {
 
     const DEFAULTS: &str = "
 name=orders-outbox
+plugin.name=pgoutput
 topic.prefix=dbserver1
 table.include.list=inventory.outbox
 transforms=outbox
@@ -599,6 +766,13 @@ value.converter=org.apache.kafka.connect.storage.StringConverter
                 "schemas",
             ),
             ("binary.handling.mode=base64", "binary.handling.mode"),
+            ("plugin.name=decoderbufs", "plugin.name"),
+            ("column.mask.with.12.chars=inventory.outbox.payload", "column.mask"),
+            ("skipped.operations=c,u", "skipped.operations"),
+            ("transforms.outbox.route.topic.replacement=${nope}", "nope"),
+            ("transforms.outbox.route.topic.replacement=$2", "group 2"),
+            ("transforms.outbox.route.topic.regex=(?<routedByValue>\\\\w+)", "\\w"),
+            ("transforms.outbox.route.topic.regex=(?i)(.*)", "inline flag"),
         ] {
             let e = EventRouter::parse(&format!("{DEFAULTS}\n{extra}\n"))
                 .unwrap_err()
@@ -621,7 +795,8 @@ value.converter=org.apache.kafka.connect.storage.StringConverter
             "table.include.list": "public\\.events",
             "transforms": "router",
             "transforms.router.type": "io.debezium.transforms.outbox.EventRouter",
-            "transforms.router.route.topic.regex": "(?<routedByValue>[a-z]+)-(\\d+)",
+            "transforms.router.route.topic.regex": "(?<routedByValue>[a-z]+)-([0-9]+)",
+            "plugin.name": "pgoutput",
             "transforms.router.route.topic.replacement": "t.${routedByValue}.$2\\$",
             "key.converter": "org.apache.kafka.connect.json.JsonConverter",
             "key.converter.schemas.enable": false,
@@ -646,5 +821,82 @@ value.converter=org.apache.kafka.connect.storage.StringConverter
             "Order",
             "no match: the topic as it is"
         );
+    }
+
+    /// RegexRouter checks the whole topic (`matches()`) but replaces the
+    /// first match (`replaceFirst()`); Java's `.` stops at `\r` too.
+    #[test]
+    fn routing_follows_java_s_matcher() {
+        let r = EventRouter::parse(&format!(
+            "{DEFAULTS}transforms.outbox.route.topic.regex=(?<routedByValue>.*?)\ntransforms.outbox.route.topic.replacement=${{routedByValue}}.x\n"
+        ))
+        .unwrap();
+        let l = r.layout(&columns()).unwrap();
+        let row = |t: &'static [u8]| -> Vec<Option<&'static [u8]>> {
+            vec![Some(b"i"), Some(t), Some(b"k"), Some(b"T"), None]
+        };
+        assert_eq!(r.event(&l, &row(b"Order")).unwrap().topic, ".xOrder");
+        assert!(r.event(&l, &row(b"Or\rder")).is_err(), "a line terminator");
+    }
+
+    #[test]
+    fn timestamps_and_empty_payloads_follow_java() {
+        let r = EventRouter::parse(&format!(
+            "{DEFAULTS}transforms.outbox.table.field.event.timestamp=at\ntransforms.outbox.route.tombstone.on.empty.payload=true\n"
+        ))
+        .unwrap();
+        let mut cols = columns();
+        cols[4].1 = ColumnType { oid: 25, modifier: -1 };
+        cols.push(("at".into(), ColumnType { oid: 1114, modifier: 3 }));
+        let l = r.layout(&cols).unwrap();
+        let e = r
+            .event(
+                &l,
+                &[
+                    Some(b"i"),
+                    Some(b"O"),
+                    Some(b"k"),
+                    Some(b"T"),
+                    Some(b" \t"),
+                    Some(b"1970-01-01 00:00:01.5"),
+                ],
+            )
+            .unwrap();
+        assert_eq!(
+            (e.timestamp, e.value),
+            (Some(1_500), None),
+            "ms, and a blank payload is a tombstone"
+        );
+        let nbsp = "\u{a0}".as_bytes();
+        let e = r
+            .event(&l, &[Some(b"i"), Some(b"O"), Some(b"k"), Some(b"T"), Some(nbsp), None])
+            .unwrap();
+        assert_eq!(
+            (e.timestamp, e.value.as_deref()),
+            (None, Some(nbsp)),
+            "Java's trim keeps U+00A0"
+        );
+        cols[5].1 = ColumnType {
+            oid: 1184,
+            modifier: -1,
+        };
+        assert!(
+            r.layout(&cols).is_err(),
+            "a timestamptz event timestamp fails every record in Debezium"
+        );
+    }
+
+    #[test]
+    fn a_null_where_the_column_has_a_default_is_not_rendered() {
+        let mut r = EventRouter::parse(DEFAULTS).unwrap();
+        r.defaulted = vec!["payload".into()];
+        let l = r.layout(&columns()).unwrap();
+        let e = r
+            .event(&l, &[Some(b"i"), Some(b"O"), Some(b"k"), Some(b"T"), None])
+            .unwrap_err();
+        assert!(e.0.contains("default"), "{e}");
+        assert!(r
+            .event(&l, &[Some(b"i"), Some(b"O"), Some(b"k"), Some(b"T"), Some(b"{}")])
+            .is_ok());
     }
 }

@@ -14,6 +14,8 @@ pub fn write(value: &Value, out: &mut Vec<u8>) {
         Value::Null => out.extend_from_slice(b"null"),
         Value::Bool(b) => out.extend_from_slice(if *b { b"true" } else { b"false" }),
         Value::Int(i) => out.extend_from_slice(i.to_string().as_bytes()),
+        // Jackson quotes what is not a JSON number (QUOTE_NON_NUMERIC_NUMBERS).
+        Value::Double(d) if !d.is_finite() => string(&java_double(*d), out),
         Value::Double(d) => out.extend_from_slice(java_double(*d).as_bytes()),
         Value::Text(s) => string(s, out),
         Value::Bytes(b) => {
@@ -218,9 +220,25 @@ fn object(fields: Vec<(String, Node)>) -> Result<Value, Expand> {
             Node::Array(items) if items.is_empty() => continue,
             _ => {}
         }
+        // Kafka's SchemaBuilder refuses an empty field name.
+        if name.is_empty() {
+            return Err(Expand::StaysText);
+        }
         out.push((name, value(node)?));
     }
     Ok(Value::Struct(out))
+}
+
+/// A scalar's exact kind (Jackson's node class): 0 for anything else.
+fn scalar_kind(n: &Node) -> u8 {
+    match n {
+        Node::Bool(_) => 1,
+        Node::Int(_) => 2,
+        Node::Long(_) => 3,
+        Node::Double(_) => 4,
+        Node::Text(_) => 5,
+        _ => 0,
+    }
 }
 
 /// Jackson's node type, as the EventRouter compares array members.
@@ -261,16 +279,44 @@ fn value(node: Node) -> Result<Value, Expand> {
             if ints > 0 && longs > 0 {
                 return Err(unsupported("32- and 64-bit integers in one array"));
             }
-            if present.iter().any(|n| matches!(n, Node::Array(a) if a.is_empty())) {
+            if matches!(first, Node::Array(a) if a.is_empty()) {
                 return Err(Expand::StaysText);
+            }
+            // Arrays of arrays: the first member's schema is every
+            // member's, so each must be alike (one kind of scalars).
+            if let Node::Array(_) = first {
+                let shape = |n: &Node| match n {
+                    Node::Array(inner) => {
+                        let kinds: Vec<u8> = inner.iter().filter(|i| **i != Node::Null).map(scalar_kind).collect();
+                        match kinds.first() {
+                            Some(k) if *k != 0 && kinds.iter().all(|x| x == k) => Some(*k),
+                            _ => None,
+                        }
+                    }
+                    _ => None,
+                };
+                let first_shape = shape(first);
+                if first_shape.is_none() || present.iter().any(|n| shape(n) != first_shape) {
+                    return Err(unsupported("an array of arrays that are not all alike"));
+                }
             }
             if present.len() > 1 {
                 let mut names: Vec<&str> = Vec::new();
+                let mut field_kind = 0;
                 for n in &present {
                     if let Node::Object(fields) = n {
                         for (name, v) in fields {
-                            if matches!(v, Node::Object(_) | Node::Array(_)) {
-                                return Err(unsupported("an array of objects holding objects or arrays"));
+                            if matches!(v, Node::Object(_) | Node::Array(_)) || name.is_empty() {
+                                return Err(unsupported(
+                                    "an array of objects holding objects, arrays or empty names",
+                                ));
+                            }
+                            if *v != Node::Null {
+                                let k = scalar_kind(v);
+                                if field_kind != 0 && k != field_kind {
+                                    return Err(unsupported("an array of objects whose field changes kind"));
+                                }
+                                field_kind = k;
                             }
                             if !names.contains(&name.as_str()) {
                                 names.push(name);
@@ -413,16 +459,42 @@ impl Parser<'_> {
         }
     }
 
+    /// A number in JSON's grammar, as strict as Jackson's defaults (no
+    /// leading zeros, digits on both sides of the point).
     fn number(&mut self) -> Result<Node, Parse> {
         let start = self.at;
-        let mut float = false;
-        while let Some(c) = self.peek() {
-            match c {
-                b'0'..=b'9' | b'-' | b'+' => {}
-                b'.' | b'e' | b'E' => float = true,
-                _ => break,
+        let digits = |p: &mut Self| {
+            let from = p.at;
+            while p.peek().is_some_and(|c| c.is_ascii_digit()) {
+                p.at += 1;
             }
+            p.at - from
+        };
+        if self.peek() == Some(b'-') {
             self.at += 1;
+        }
+        let int_start = self.at;
+        let n = digits(self);
+        if n == 0 || (n > 1 && self.s[int_start] == b'0') {
+            return Err(Parse::Invalid);
+        }
+        let mut float = false;
+        if self.peek() == Some(b'.') {
+            self.at += 1;
+            float = true;
+            if digits(self) == 0 {
+                return Err(Parse::Invalid);
+            }
+        }
+        if matches!(self.peek(), Some(b'e' | b'E')) {
+            self.at += 1;
+            float = true;
+            if matches!(self.peek(), Some(b'+' | b'-')) {
+                self.at += 1;
+            }
+            if digits(self) == 0 {
+                return Err(Parse::Invalid);
+            }
         }
         let text = std::str::from_utf8(&self.s[start..self.at]).map_err(|_| Parse::Invalid)?;
         if float {
@@ -449,6 +521,10 @@ impl Parser<'_> {
                 .iter()
                 .position(|b| *b == b'"' || *b == b'\\')
                 .ok_or(Parse::Invalid)?;
+            // Jackson refuses unescaped control characters.
+            if rest[..end].iter().any(|b| *b < 0x20) {
+                return Err(Parse::Invalid);
+            }
             out.push_str(std::str::from_utf8(&rest[..end]).map_err(|_| Parse::Invalid)?);
             self.at += end;
             if self.s[self.at] == b'"' {
@@ -563,7 +639,16 @@ mod tests {
         ] {
             assert_eq!(expand(stays_text).unwrap(), None, "{stays_text}");
         }
+        assert_eq!(expand(r#"{"": 1}"#).unwrap(), None, "an empty field name");
+        assert_eq!(expand("{\"a\": \"x\u{1}\"}").unwrap(), None, "a raw control character");
+        for loose in [r#"{"a": 01}"#, r#"{"a": 1.}"#, r#"{"a": 1.e5}"#, r#"{"a": .5}"#] {
+            assert_eq!(expand(loose).unwrap(), None, "{loose}");
+        }
+        assert_eq!(expanded(r#"{"a": 1e400}"#), r#"{"a":"Infinity"}"#);
         for refused in [
+            r#"{"a": [[1], [2.5]]}"#,
+            r#"{"a": [[1], []]}"#,
+            r#"{"a": [{"x": 1}, {"x": "s"}]}"#,
             "[1]",
             r#"{"a": 123456789012345678901234}"#,
             r#"{"a": [{"x": 1}, {"y": 2}]}"#,

@@ -9,10 +9,12 @@
 //! (`config`): the `EventRouter` transform's options, the table, the
 //! converters. What Ferry does not reproduce byte for byte is refused when
 //! the relay starts (a typed configuration error naming the option), and a
-//! row it cannot render (`Unsupported`) stops the stream at that row with
-//! the reason in the log and `ferry_relay_wal_sessions_ended_total{code=
-//! "decode"}`, as a Kafka Connect task fails on a record its converter
-//! refuses: nothing is skipped and no other bytes are published.
+//! row it cannot render (`Unsupported`) stops WAL capture at that row with
+//! the reason in the log, `ferry_relay_wal_sessions_ended_total{code=
+//! "unsupported_event"}` and the relay unready, as a Kafka Connect task
+//! fails on a record its converter refuses: nothing is skipped, no other
+//! bytes are published, and nothing is retried until an operator changes
+//! the configuration and restarts the relay.
 //!
 //! A row's columns arrive as `pgoutput` text with their type ids; each
 //! becomes the value Debezium's PostgreSQL connector gives it ([`Value`]:
@@ -68,11 +70,14 @@ pub struct Event {
     pub value: Option<Vec<u8>>,
     /// Headers in order: name and the header converter's bytes.
     pub headers: Vec<(String, Option<Vec<u8>>)>,
+    /// The record's timestamp (ms), from `table.field.event.timestamp`;
+    /// `None`: the producer's clock (Debezium's is its processing time).
+    pub timestamp: Option<i64>,
 }
 
 /// PostgreSQL type ids the decoder reads (`pg_type.oid`, fixed for
 /// built-in types).
-mod oid {
+pub(crate) mod oid {
     pub const BOOL: u32 = 16;
     pub const BYTEA: u32 = 17;
     pub const INT8: u32 = 20;
@@ -117,7 +122,16 @@ pub fn column(ty: ColumnType, text: Option<&[u8]>) -> Result<Value, Unsupported>
                 .and_then(|h| crate::wal::unhex(h.as_bytes()))
                 .ok_or_else(|| bad("bytea"))?,
         ),
-        oid::TIMESTAMP => Value::Int(timestamp_us(s, false).ok_or_else(|| bad("timestamp"))?),
+        // `Timestamp` (ms) for up to 3 fractional digits, else
+        // `MicroTimestamp` (adaptive precision).
+        oid::TIMESTAMP => {
+            let us = timestamp_us(s, false).ok_or_else(|| bad("timestamp"))?;
+            Value::Int(if (0..=3).contains(&ty.modifier) {
+                us.div_euclid(1000)
+            } else {
+                us
+            })
+        }
         oid::TIMESTAMPTZ => {
             let digits = if ty.modifier >= 0 { ty.modifier } else { 6 };
             Value::Text(zoned(timestamp_us(s, true).ok_or_else(|| bad("timestamptz"))?, digits))

@@ -125,6 +125,19 @@ impl RelayStore {
         bounded(async move { Ok(sqlx::query_as(Q.wal_capture_allowed).fetch_one(self.pg()?).await?) }).await
     }
 
+    /// The columns of `schema.table` that have a default (none if the table
+    /// does not exist).
+    pub async fn wal_defaulted_columns(&self, schema: &str, table: &str) -> Result<Vec<String>> {
+        bounded(async move {
+            Ok(sqlx::query_scalar(Q.wal_defaulted_columns)
+                .bind(schema)
+                .bind(table)
+                .fetch_all(self.pg()?)
+                .await?)
+        })
+        .await
+    }
+
     /// Whether `publication` exists, and whether it publishes the inserts of
     /// `table`.
     pub async fn wal_publication(&self, publication: &str, table: &PublishedTable) -> Result<(bool, bool)> {

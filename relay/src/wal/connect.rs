@@ -107,6 +107,12 @@ pub enum Ended {
     Retry(&'static str),
     /// The shared producer failed fatally: the relay exits to be restarted.
     Fatal,
+    /// The stream holds a row this relay cannot publish as it is
+    /// configured to (a Debezium-layout row it cannot render): WAL capture
+    /// stops, the relay turns unready, and an operator changes the
+    /// configuration and restarts it. Retrying would only publish the
+    /// transaction's earlier rows again.
+    Stopped(&'static str),
 }
 
 impl Ended {
@@ -116,7 +122,7 @@ impl Ended {
         match self {
             Ended::Shutdown => "shutdown",
             Ended::SlotInUse => "slot_in_use",
-            Ended::Reseed(code) | Ended::Retry(code) => code,
+            Ended::Reseed(code) | Ended::Retry(code) | Ended::Stopped(code) => code,
             Ended::Isolate { .. } => "isolate",
             Ended::Aborted => "aborted",
             Ended::Fatal => "fatal",

@@ -151,7 +151,9 @@ pub async fn plan(cfg: &RelayConfig, store: &RelayStore, owner: &str) -> Result<
         Some(path) => {
             let text = std::fs::read_to_string(path)
                 .map_err(|e| RelayError::Config(format!("--debezium-config {}: {e}", path.display())))?;
-            Some(Arc::new(EventRouter::parse(&text)?))
+            let mut router = EventRouter::parse(&text)?;
+            router.defaulted = store.wal_defaulted_columns(&router.schema, &router.table).await?;
+            Some(Arc::new(router))
         }
         None => None,
     };
@@ -245,6 +247,7 @@ pub async fn run(
         publisher,
         database_id,
         capture,
+        streamed: std::sync::atomic::AtomicBool::new(false),
     };
     let mut backoff = crate::lane::retry_backoff();
     let mut iso = Isolation::default();
@@ -257,6 +260,11 @@ pub async fn run(
             Ended::Fatal => {
                 tracing::error!("fatal producer error; the relay stops and exits to be restarted");
                 ctx.state.fatal.cancel();
+                break;
+            }
+            Ended::Stopped(code) => {
+                tracing::error!(code, "WAL capture stopped at a row it cannot publish; change the configuration and restart the relay (it resumes from the slot)");
+                ctx.state.ready.store(false, std::sync::atomic::Ordering::Relaxed);
                 break;
             }
             Ended::SlotInUse => {
@@ -339,4 +347,7 @@ pub(super) struct Ctx {
     pub publisher: Publisher,
     pub database_id: Arc<str>,
     pub capture: WalCapture,
+    /// A session of this process has streamed from the slot: a slot
+    /// missing since was dropped, not yet made.
+    pub streamed: std::sync::atomic::AtomicBool,
 }

@@ -32,6 +32,9 @@ pub enum Message {
     Row(Box<PendingRow>),
     /// A row of a Debezium-layout outbox, as the EventRouter's record.
     Event(Box<debezium::Event>),
+    /// A row of a Debezium-layout outbox that cannot be rendered as
+    /// Debezium would render it, and why.
+    Unrenderable(String),
     /// An insert the relay does not publish: a row of another table, or one
     /// inserted in a state other than `pending`.
     Ignored,
@@ -46,7 +49,7 @@ pub enum Message {
 #[derive(Debug, Clone)]
 enum Relation {
     Outbox(Result<Layout, DecodeError>),
-    Debezium(Arc<EventRouter>, Result<debezium::Layout, DecodeError>),
+    Debezium(Arc<EventRouter>, Result<debezium::Layout, debezium::Unsupported>),
     Other,
 }
 
@@ -133,8 +136,7 @@ impl Decoder {
                 }
                 let relation = match &self.router {
                     Some(router) if name == router.table && namespace == router.schema => {
-                        let layout = router.layout(&columns).map_err(|e| DecodeError(e.to_string()));
-                        Relation::Debezium(router.clone(), layout)
+                        Relation::Debezium(router.clone(), router.layout(&columns))
                     }
                     Some(_) => Relation::Other,
                     None if name == "outbox" && namespace == self.schema => {
@@ -156,12 +158,15 @@ impl Decoder {
                     Some(Relation::Other) => return Ok(Message::Ignored),
                     Some(Relation::Outbox(layout)) => layout.clone()?,
                     Some(Relation::Debezium(router, layout)) => {
-                        let layout = layout.as_ref().map_err(Clone::clone)?;
-                        let values = r.tuple()?;
-                        return match router.event(layout, &values) {
-                            Ok(e) => Ok(Message::Event(Box::new(e))),
-                            Err(e) => Err(DecodeError(e.to_string())),
+                        let layout = match layout {
+                            Ok(l) => l,
+                            Err(e) => return Ok(Message::Unrenderable(e.to_string())),
                         };
+                        let values = r.tuple()?;
+                        return Ok(match router.event(layout, &values) {
+                            Ok(e) => Message::Event(Box::new(e)),
+                            Err(e) => Message::Unrenderable(e.to_string()),
+                        });
                     }
                 };
                 let values = r.tuple()?;

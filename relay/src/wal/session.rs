@@ -59,6 +59,7 @@ pub(super) async fn run(ctx: &Ctx, iso: &mut Isolation, reseed: &mut bool, finis
         }
     };
     ctx.state.ready.store(true, std::sync::atomic::Ordering::Relaxed);
+    ctx.streamed.store(true, std::sync::atomic::Ordering::Relaxed);
     tracing::info!(slot = %ctx.capture.slot, "streaming from the replication slot");
     // Exactly once: only now, with the slot ours, fence earlier producers.
     let (producer, eo) = match &ctx.publisher {
@@ -164,9 +165,21 @@ async fn prepare(ctx: &Ctx, reseed: &mut bool, finish: &CancellationToken) -> Re
     let table = ctx.capture.table();
     let (found, covers) = store.wal_publication(publication, &table).await.map_err(db)?;
     let mut existing = store.wal_slot(slot).await.map_err(db)?;
+    // A Debezium-layout table is never read, so its slot is never dropped
+    // or made anew behind an operator's back: each would skip rows.
+    let debezium = ctx.capture.router.is_some();
+    if !found && debezium && existing.is_some() {
+        tracing::error!(%publication, %slot, "the slot exists but its publication does not (publication.name, or --publication, names another?): nothing is published until it exists");
+        return Err(Ended::Retry("publication_missing"));
+    }
     if !found {
         tracing::info!(%publication, table = %table.name, "creating the publication (inserts only)");
         store.create_wal_publication(publication, &table).await.map_err(db)?;
+    } else if !covers && debezium {
+        // A Debezium-layout table has no table read to cover a slot made
+        // anew: the slot is kept and the relay waits for an operator.
+        tracing::error!(%publication, table = %table.name, "the publication does not publish the table's inserts; add it (ALTER PUBLICATION … ADD TABLE …): the slot is kept, nothing is published until then");
+        return Err(Ended::Retry("publication_mismatch"));
     } else if !covers {
         // The outbox was replaced (a copy has a new relation id, which the
         // publication does not follow) or the publication altered: rows
@@ -198,10 +211,24 @@ async fn prepare(ctx: &Ctx, reseed: &mut bool, finish: &CancellationToken) -> Re
         if !(s.lost || *reseed) {
             return Ok(());
         }
+        if debezium {
+            tracing::error!(%slot, lost = s.lost, "the slot cannot go on and is not made anew (the Debezium-layout table is not read): drop it and restart the relay to start from now, accepting what it skips");
+            *reseed = false;
+            return Err(Ended::Retry(if s.lost {
+                "slot_invalidated"
+            } else {
+                "slot_unreadable"
+            }));
+        }
         if s.active || !store.drop_wal_slot(slot).await.map_err(db)? {
             return Err(Ended::SlotInUse);
         }
         tracing::warn!(%slot, lost = s.lost, "dropped the replication slot; the table will be read once");
+    }
+    if debezium && (*reseed || ctx.streamed.load(std::sync::atomic::Ordering::Relaxed)) {
+        tracing::error!(%slot, "the slot this relay streamed from is gone and is not made anew (the Debezium-layout table is not read): restart the relay to make it, accepting what it skips");
+        *reseed = false;
+        return Err(Ended::Retry("slot_missing"));
     }
     *reseed = false;
     tracing::info!(%slot, "creating the replication slot");
@@ -315,7 +342,13 @@ async fn stream(
 ) -> Ended {
     let mut events = Events {
         decoder: Decoder::new(ctx.capture.schema.clone(), ctx.capture.router.clone()),
-        replay: format!("ferry.replay.{}", ctx.database_id),
+        // A Debezium-layout table's relay publishes none of Ferry's own
+        // outbox, replays included.
+        replay: ctx
+            .capture
+            .router
+            .is_none()
+            .then(|| format!("ferry.replay.{}", ctx.database_id)),
         forwarded: client.metrics(),
         received: 0,
     };
@@ -540,8 +573,9 @@ fn reading(pipeline: &Pipeline<'_>) -> bool {
 /// The stream's events, as the session reads them.
 struct Events {
     decoder: Decoder,
-    /// The prefix of this database's replay announcements.
-    replay: String,
+    /// The prefix of this database's replay announcements (`None`: they
+    /// are not this relay's).
+    replay: Option<String>,
     /// The replication client's count of events it queued for the session.
     forwarded: Arc<pgwire_replication::ReplicationMetrics>,
     /// Events the session took from the queue.
@@ -584,6 +618,10 @@ impl Events {
             Ok(Some(ReplicationEvent::XLogData { data, .. })) => match self.decoder.decode(&data) {
                 Ok(Message::Row(row)) => pipeline.produce(&row).await,
                 Ok(Message::Event(event)) => pipeline.produce_event(&event).await,
+                Ok(Message::Unrenderable(why)) => {
+                    tracing::error!(%why, "a row of the Debezium-layout table cannot be published as Debezium would publish it");
+                    return Err(Ended::Stopped("unsupported_event"));
+                }
                 Ok(Message::Ignored | Message::Relation) => {}
                 Err(e) => {
                     tracing::error!(error = %e, "a replication message could not be decoded");
@@ -605,7 +643,7 @@ impl Events {
                 prefix,
                 content,
                 ..
-            })) if prefix == self.replay => replayed(ctx, pipeline, &content).await?,
+            })) if self.replay.as_ref() == Some(&prefix) => replayed(ctx, pipeline, &content).await?,
             // Another application's pg_logical_emit_message: not ours.
             Ok(Some(ReplicationEvent::Message { .. })) => {}
             Ok(Some(ReplicationEvent::StoppedAt { .. }) | None) => return Err(Ended::Retry("stream_ended")),

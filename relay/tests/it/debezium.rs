@@ -7,8 +7,9 @@
 //! order per partition, nothing more. Rows deleted in the transaction that
 //! inserted them (Debezium's recommended pattern) are published; updates and
 //! rolled-back inserts are not. A row Ferry cannot render as Debezium would
-//! stops the stream there, and nothing after it is published until the
-//! configuration changes; then it resumes from the slot and loses nothing.
+//! stops WAL capture there (the relay unready), and nothing after it is
+//! published until the configuration changes; then it resumes from the slot
+//! and loses nothing.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
@@ -237,12 +238,14 @@ async fn custom_columns_regex_routes_and_envelope_fields_publish_debezium_s_reco
     publishes_what_debezium_published("domain_events.json").await;
 }
 
-fn decode_ends(relay: &RunningRelay) -> u64 {
+fn unsupported_ends(relay: &RunningRelay) -> u64 {
     relay
         .state
         .metrics
         .wal_sessions_ended
-        .get_or_create(&CodeLabel { code: "decode".into() })
+        .get_or_create(&CodeLabel {
+            code: "unsupported_event".into(),
+        })
         .get()
 }
 
@@ -282,18 +285,20 @@ async fn a_row_ferry_cannot_render_stops_the_stream_until_the_configuration_chan
         Duration::from_secs(60),
     );
     assert_eq!(first[0].value.as_deref(), Some(&br#"{"n":1}"#[..]));
-    // The stream stops at row 2 and is tried again (a second session ends
-    // at it too), never past it.
+    // WAL capture stops at row 2, once (a retry would publish the
+    // transaction's earlier rows again), and the relay turns unready.
     let deadline = Instant::now() + Duration::from_secs(60);
-    while decode_ends(&relay) < 2 {
+    while unsupported_ends(&relay) < 1 {
         assert!(Instant::now() < deadline, "the stream did not stop at the row");
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
+    readyz_until(&relay, "503", Duration::from_secs(30)).await;
     assert_eq!(
         records_in(&kafka.brokers(), std::slice::from_ref(&topic)),
         1,
         "published past the row"
     );
+    assert_eq!(unsupported_ends(&relay), 1, "the stream was tried again");
     relay.shutdown().await;
 
     // Without expansion the payload is a JSON string, which Ferry renders:

@@ -11,7 +11,14 @@
  *
  *   java ... ferry.bench.EventRouterGolden <connector file> <records> <output>
  *
- * bench/debezium/golden runs it (it lists the environment).
+ * bench/debezium/golden runs it (it lists the environment). With
+ * BENCH_BROKERS set it is instead the Debezium side of
+ * relay/examples/bench_debezium.rs: each converted record is produced to
+ * that broker as Kafka Connect's worker sends it (acks=all, idempotent,
+ * linger.ms=5, lz4, the same as the relay), a batch marked processed once
+ * Kafka acknowledged all of it, and "rows/s N" printed once <records> were
+ * acknowledged, from the first acknowledgement (the engine's start left
+ * out; the output file is not written).
  */
 package ferry.bench;
 
@@ -36,6 +43,12 @@ import java.util.concurrent.CountDownLatch;
 import java.util.concurrent.ExecutorService;
 import java.util.concurrent.Executors;
 import java.util.concurrent.TimeUnit;
+import java.util.concurrent.atomic.AtomicLong;
+import java.util.concurrent.atomic.AtomicReference;
+import org.apache.kafka.clients.producer.KafkaProducer;
+import org.apache.kafka.clients.producer.ProducerRecord;
+import org.apache.kafka.common.header.internals.RecordHeaders;
+import org.apache.kafka.common.serialization.ByteArraySerializer;
 import org.apache.kafka.common.utils.Utils;
 import org.apache.kafka.connect.header.Header;
 import org.apache.kafka.connect.source.SourceRecord;
@@ -66,17 +79,73 @@ public final class EventRouterGolden {
         p.setProperty("publication.name", slot);
         p.setProperty("publication.autocreate.mode", "disabled");
         p.setProperty("snapshot.mode", "no_data");
+        String pollMs = System.getenv("BENCH_POLL_INTERVAL_MS");
+        if (pollMs != null && !pollMs.isEmpty()) {
+            p.setProperty("poll.interval.ms", pollMs);
+        }
 
         Converter key = converter(p, "key");
         Converter value = converter(p, "value");
         HeaderConverter headers = new SimpleHeaderConverter();
         headers.configure(new HashMap<>());
 
+        String brokers = System.getenv("BENCH_BROKERS");
+        KafkaProducer<byte[], byte[]> producer = null;
+        if (brokers != null && !brokers.isEmpty()) {
+            Properties kp = new Properties();
+            kp.setProperty("bootstrap.servers", brokers);
+            kp.setProperty("acks", "all");
+            kp.setProperty("enable.idempotence", "true");
+            kp.setProperty("linger.ms", "5");
+            kp.setProperty("compression.type", "lz4");
+            producer = new KafkaProducer<>(kp, new ByteArraySerializer(), new ByteArraySerializer());
+        }
+        final KafkaProducer<byte[], byte[]> kafka = producer;
+        AtomicLong acked = new AtomicLong();
+        AtomicLong firstAck = new AtomicLong();
+        AtomicReference<Exception> failed = new AtomicReference<>();
         List<String> lines = new ArrayList<>();
         CountDownLatch done = new CountDownLatch(1);
         DebeziumEngine<ChangeEvent<SourceRecord, SourceRecord>> engine = DebeziumEngine.create(Connect.class)
                 .using(p)
                 .notifying((records, committer) -> {
+                    if (kafka != null) {
+                        CountDownLatch batch = new CountDownLatch(records.size());
+                        for (ChangeEvent<SourceRecord, SourceRecord> event : records) {
+                            SourceRecord r = event.value();
+                            if (r == null) {
+                                batch.countDown();
+                                continue;
+                            }
+                            byte[] k = key.fromConnectData(r.topic(), r.keySchema(), r.key());
+                            byte[] v = value.fromConnectData(r.topic(), r.valueSchema(), r.value());
+                            RecordHeaders hs = new RecordHeaders();
+                            for (Header h : r.headers()) {
+                                hs.add(h.key(), headers.fromConnectHeader(r.topic(), h.key(), h.schema(), h.value()));
+                            }
+                            kafka.send(new ProducerRecord<>(r.topic(), null, k, v, hs), (meta, e) -> {
+                                if (e != null) {
+                                    failed.compareAndSet(null, e);
+                                    done.countDown();
+                                } else {
+                                    long a = acked.incrementAndGet();
+                                    if (a == 1) {
+                                        firstAck.set(System.nanoTime());
+                                    }
+                                    if (a == want) {
+                                        done.countDown();
+                                    }
+                                }
+                                batch.countDown();
+                            });
+                        }
+                        batch.await();
+                        for (ChangeEvent<SourceRecord, SourceRecord> event : records) {
+                            committer.markProcessed(event);
+                        }
+                        committer.markBatchFinished();
+                        return;
+                    }
                     for (ChangeEvent<SourceRecord, SourceRecord> event : records) {
                         SourceRecord r = event.value();
                         if (r != null && lines.size() < want) {
@@ -98,6 +167,19 @@ public final class EventRouterGolden {
                 .build();
         ExecutorService runner = Executors.newSingleThreadExecutor();
         runner.execute(engine);
+        if (kafka != null) {
+            boolean all = done.await(600, TimeUnit.SECONDS) && failed.get() == null;
+            double secs = (System.nanoTime() - firstAck.get()) / 1e9;
+            if (all) {
+                System.out.printf("rows/s %.0f%n", (want - 1) / secs);
+            } else {
+                System.err.println("produce failed or timed out: " + failed.get() + ", " + acked.get() + " acknowledged");
+            }
+            System.out.flush();
+            engine.close();
+            kafka.close();
+            System.exit(all ? 0 : 1);
+        }
         boolean all = done.await(120, TimeUnit.SECONDS) && lines.size() == want;
         Files.write(output, lines, StandardCharsets.UTF_8);
         if (!all) {
