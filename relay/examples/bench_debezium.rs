@@ -239,20 +239,12 @@ async fn run(
     }
 
     let ours = latency(Side::Ferry, url, ferry, pool, connector, &ferry_broker).await?;
-    let theirs = latency(Side::Debezium(None), url, ferry, pool, connector, &dbz_broker).await?;
-    let quick = latency(Side::Debezium(Some(10)), url, ferry, pool, connector, &dbz_broker).await?;
+    let theirs = latency(Side::Debezium, url, ferry, pool, connector, &dbz_broker).await?;
     println!("commit -> consumer at 1,000 rows/s for 10 s, ms (p50 / p99):");
+    println!("  ferry-relay --debezium-config  {:>6.1} / {:>6.1}", ours.0, ours.1);
     println!(
-        "  ferry-relay --debezium-config                   {:>6.1} / {:>6.1}",
-        ours.0, ours.1
-    );
-    println!(
-        "  Debezium 3.6.1 embedded (poll.interval.ms 500)  {:>6.1} / {:>6.1}",
+        "  Debezium 3.6.1 embedded        {:>6.1} / {:>6.1}  (its default poll.interval.ms, 500)",
         theirs.0, theirs.1
-    );
-    println!(
-        "  Debezium 3.6.1 embedded, poll.interval.ms=10    {:>6.1} / {:>6.1}",
-        quick.0, quick.1
     );
     Ok(())
 }
@@ -260,8 +252,7 @@ async fn run(
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Side {
     Ferry,
-    /// With its `poll.interval.ms` (`None`: the default, 500).
-    Debezium(Option<u32>),
+    Debezium,
 }
 
 const LATENCY_TOPIC: &str = "outbox.event.Lat";
@@ -276,10 +267,7 @@ async fn latency(
     connector: &Path,
     broker: &ferry_testkit::Kafka,
 ) -> Res<(f64, f64)> {
-    let who = match side {
-        Side::Ferry => "fr".to_owned(),
-        Side::Debezium(poll) => format!("dbz{}", poll.unwrap_or(0)),
-    };
+    let who = if side == Side::Ferry { "fr" } else { "dbz" };
     let slot = format!("bench_lat_{who}_{}", std::process::id());
     sqlx::query(&format!(
         "CREATE PUBLICATION {slot} FOR TABLE outbox_event WITH (publish = 'insert')"
@@ -327,13 +315,9 @@ async fn measure(
     let mut java = None;
     let mut relay = None;
     match side {
-        Side::Debezium(poll) => {
+        Side::Debezium => {
             java = Some(
                 std::process::Command::new("java")
-                    .env(
-                        "BENCH_POLL_INTERVAL_MS",
-                        poll.map(|p| p.to_string()).unwrap_or_default(),
-                    )
                     .arg("-cp")
                     .arg(format!(
                         "{}:{}/*",
