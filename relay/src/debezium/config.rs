@@ -129,18 +129,27 @@ fn entries(text: &str) -> Result<BTreeMap<String, String>, RelayError> {
         if pending.is_empty() && (line.is_empty() || line.starts_with('#') || line.starts_with('!')) {
             continue;
         }
-        // A trailing backslash continues the entry on the next line.
-        if let Some(head) = line.strip_suffix('\\').filter(|h| !h.ends_with('\\')) {
-            pending.push_str(head);
+        // An odd number of trailing backslashes continues the entry on the
+        // next line (an even number is escaped backslashes).
+        let trailing = line.bytes().rev().take_while(|b| *b == b'\\').count();
+        if trailing % 2 == 1 {
+            pending.push_str(&line[..line.len() - 1]);
             continue;
         }
         pending.push_str(line);
         let entry = std::mem::take(&mut pending);
-        let at = entry
-            .find(['=', ':'])
-            .ok_or_else(|| config_err(format!("a line without '=': {entry}")))?;
-        let (k, v) = entry.split_at(at);
-        out.insert(unescape(k.trim()), unescape(v[1..].trim()));
+        // The key ends at the first unescaped '=', ':' or whitespace; one
+        // '=' or ':' may follow the whitespace (Java's `Properties.load`).
+        let bytes = entry.as_bytes();
+        let mut at = 0;
+        while at < bytes.len() && !matches!(bytes[at], b'=' | b':' | b' ' | b'\t' | b'\x0c') {
+            at += if bytes[at] == b'\\' { 2 } else { 1 };
+        }
+        let at = at.min(bytes.len());
+        let (k, rest) = entry.split_at(at);
+        let rest = rest.trim_start_matches([' ', '\t', '\x0c']);
+        let v = rest.strip_prefix(['=', ':']).unwrap_or(rest);
+        out.insert(unescape(k), unescape(v.trim_start()));
     }
     Ok(out)
 }
@@ -163,8 +172,21 @@ fn unescape(s: &str) -> String {
             Some('f') => out.push('\u{c}'),
             Some('u') => {
                 let hex: String = chars.by_ref().take(4).collect();
-                if let Some(ch) = u32::from_str_radix(&hex, 16).ok().and_then(char::from_u32) {
-                    out.push(ch);
+                let Ok(unit) = u32::from_str_radix(&hex, 16) else {
+                    continue;
+                };
+                match char::from_u32(unit) {
+                    Some(ch) => out.push(ch),
+                    // A surrogate pair, escaped as two `\\u`s.
+                    None if (0xD800..0xDC00).contains(&unit) => {
+                        let rest: String = chars.clone().take(6).collect();
+                        let low = rest.strip_prefix("\\u").and_then(|h| u32::from_str_radix(h, 16).ok());
+                        if let Some(low) = low.filter(|l| (0xDC00..0xE000).contains(l)) {
+                            chars.by_ref().take(6).for_each(drop);
+                            out.extend(char::from_u32(0x10000 + ((unit - 0xD800) << 10) + (low - 0xDC00)));
+                        }
+                    }
+                    None => {}
                 }
             }
             Some(other) => out.push(other),
@@ -345,6 +367,13 @@ impl EventRouter {
             return Err(config_err(format!(
                 "{prefix}{unknown} is not supported (Ferry would publish other records)"
             )));
+        }
+        for k in ["table.op.invalid.behavior", "debezium.op.invalid.behavior"] {
+            if opts.get(k).is_some_and(|v| v.trim().eq_ignore_ascii_case("fatal")) {
+                return Err(config_err(format!(
+                    "{prefix}{k}=fatal is not supported: the relay's publication carries inserts only, so it never sees the update Debezium would fail on"
+                )));
+            }
         }
         let opt = |k: &str, default: &str| opts.get(k).map_or_else(|| default.to_owned(), |v| v.trim().to_owned());
         let table = c
@@ -786,6 +815,17 @@ value.converter=org.apache.kafka.connect.storage.StringConverter
         .unwrap_err()
         .to_string();
         assert!(e.contains("one table"), "{e}");
+    }
+
+    #[test]
+    fn properties_read_as_java_reads_them() {
+        let c = entries("a b\nc : d\ne=f\\\n  g\nh\\ i=\\uD83D\\uDE00 \\u00e9\n# no\nj=k\\\\\\\nl\n").unwrap();
+        assert_eq!(c["a"], "b");
+        assert_eq!(c["c"], "d");
+        assert_eq!(c["e"], "fg");
+        assert_eq!(c["h i"], "\u{1F600} é");
+        assert_eq!(c["j"], "k\\l", "an escaped backslash, then a continuation");
+        assert_eq!(c.len(), 5);
     }
 
     #[test]
