@@ -15,13 +15,16 @@ SELECT current_setting('wal_level') = 'logical' AS logical,
 FROM pg_roles r WHERE r.rolname = current_user
 
 -- name: wal_defaulted_columns [postgres only]
--- The columns of table $2 in schema $1 that have a default (a Debezium-layout
--- table: Debezium publishes a column's default where the row holds NULL).
+-- The columns of table $2 in schema $1 whose default is a constant (a
+-- Debezium-layout table: Debezium's JsonConverter writes a column's constant
+-- default where the row holds NULL; a function's, like now(), it has not).
 SELECT a.attname::text
 FROM pg_attribute a
 JOIN pg_class c ON c.oid = a.attrelid
 JOIN pg_namespace n ON n.oid = c.relnamespace
-WHERE n.nspname = $1 AND c.relname = $2 AND a.attnum > 0 AND NOT a.attisdropped AND a.atthasdef
+JOIN pg_attrdef d ON d.adrelid = a.attrelid AND d.adnum = a.attnum
+WHERE n.nspname = $1 AND c.relname = $2 AND a.attnum > 0 AND NOT a.attisdropped
+  AND pg_get_expr(d.adbin, d.adrelid) NOT LIKE '%(%' 
 
 -- name: wal_publication [postgres only]
 -- Whether publication $1 exists, and whether it publishes the inserts of table

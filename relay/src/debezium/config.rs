@@ -96,6 +96,9 @@ pub struct Layout {
     timestamp: Option<(usize, ColumnType)>,
     /// Positions of the columns with a default.
     defaulted: Vec<usize>,
+    /// `aggregateid`, when it is not the key column: the EventRouter's
+    /// fallback key (`table.field.event.payload.id`) for a NULL key.
+    fallback_key: Option<usize>,
 }
 
 fn config_err(what: impl Into<String>) -> RelayError {
@@ -124,8 +127,9 @@ fn entries(text: &str) -> Result<BTreeMap<String, String>, RelayError> {
     }
     let mut out = BTreeMap::new();
     let mut pending = String::new();
-    for line in text.lines() {
-        let line = line.trim_start();
+    // Java's line ends: \n, \r\n and a lone \r.
+    for line in text.split(['\n', '\r']) {
+        let line = line.trim_start_matches([' ', '\t', '\x0c']);
         if pending.is_empty() && (line.is_empty() || line.starts_with('#') || line.starts_with('!')) {
             continue;
         }
@@ -137,27 +141,36 @@ fn entries(text: &str) -> Result<BTreeMap<String, String>, RelayError> {
             continue;
         }
         pending.push_str(line);
-        let entry = std::mem::take(&mut pending);
-        // The key ends at the first unescaped '=', ':' or whitespace; one
-        // '=' or ':' may follow the whitespace (Java's `Properties.load`).
-        let bytes = entry.as_bytes();
-        let mut at = 0;
-        while at < bytes.len() && !matches!(bytes[at], b'=' | b':' | b' ' | b'\t' | b'\x0c') {
-            at += if bytes[at] == b'\\' { 2 } else { 1 };
-        }
-        let at = at.min(bytes.len());
-        let (k, rest) = entry.split_at(at);
-        let rest = rest.trim_start_matches([' ', '\t', '\x0c']);
-        let v = rest.strip_prefix(['=', ':']).unwrap_or(rest);
-        out.insert(unescape(k), unescape(v.trim_start()));
+        property(&std::mem::take(&mut pending), &mut out)?;
+    }
+    // A continuation on the last line ends the entry there.
+    if !pending.is_empty() {
+        property(&pending, &mut out)?;
     }
     Ok(out)
+}
+
+/// One logical line of a `.properties` file into `out`: the key ends at the
+/// first unescaped '=', ':' or whitespace, and one '=' or ':' may follow the
+/// whitespace (Java's `Properties.load`).
+fn property(entry: &str, out: &mut BTreeMap<String, String>) -> Result<(), RelayError> {
+    let bytes = entry.as_bytes();
+    let mut at = 0;
+    while at < bytes.len() && !matches!(bytes[at], b'=' | b':' | b' ' | b'\t' | b'\x0c') {
+        at += if bytes[at] == b'\\' { 2 } else { 1 };
+    }
+    let at = at.min(bytes.len());
+    let (k, rest) = entry.split_at(at);
+    let rest = rest.trim_start_matches([' ', '\t', '\x0c']);
+    let v = rest.strip_prefix(['=', ':']).unwrap_or(rest);
+    out.insert(unescape(k)?, unescape(v.trim_start_matches([' ', '\t', '\x0c']))?);
+    Ok(())
 }
 
 /// A `.properties` key or value with Java's escapes read: `\t`, `\n`,
 /// `\r`, `\f`, `\uXXXX`, and `\` before any other character is that
 /// character (`public\.outbox` is `public.outbox`).
-fn unescape(s: &str) -> String {
+fn unescape(s: &str) -> Result<String, RelayError> {
     let mut out = String::with_capacity(s.len());
     let mut chars = s.chars();
     while let Some(c) = chars.next() {
@@ -172,9 +185,10 @@ fn unescape(s: &str) -> String {
             Some('f') => out.push('\u{c}'),
             Some('u') => {
                 let hex: String = chars.by_ref().take(4).collect();
-                let Ok(unit) = u32::from_str_radix(&hex, 16) else {
-                    continue;
-                };
+                let unit = Some(&hex)
+                    .filter(|h| h.len() == 4 && h.bytes().all(|b| b.is_ascii_hexdigit()))
+                    .and_then(|h| u32::from_str_radix(h, 16).ok())
+                    .ok_or_else(|| config_err(format!("a malformed \\u escape: \\u{hex}")))?;
                 match char::from_u32(unit) {
                     Some(ch) => out.push(ch),
                     // A surrogate pair, escaped as two `\\u`s.
@@ -193,7 +207,7 @@ fn unescape(s: &str) -> String {
             None => {}
         }
     }
-    out
+    Ok(out)
 }
 
 /// A Java replacement string (`$1`, `${name}`, `\$`) in the `regex` crate's
@@ -249,16 +263,18 @@ fn replacement(java: &str, route: &Regex) -> Result<String, RelayError> {
 }
 
 /// Refuses what Java's and the `regex` crate's patterns read differently:
-/// shorthand classes and `\b` (ASCII in Java, Unicode here), `\p{…}`
-/// classes and inline flags.
+/// shorthand classes and `\b` (ASCII in Java, Unicode here), `\v`, `\h`,
+/// `\p{…}` classes, nested classes and inline flags.
 fn check_regex(regex: &str) -> Result<(), RelayError> {
     let mut chars = regex.chars().peekable();
     while let Some(c) = chars.next() {
         let bad = match c {
             '\\' => chars
                 .next()
-                .filter(|n| "wWdDsSbBpP".contains(*n))
+                .filter(|n| "wWdDsSbBpPvVhH".contains(*n))
                 .map(|n| format!("\\{n}")),
+            // `[[:alpha:]]` is a POSIX class here, literal characters in Java.
+            '[' if chars.peek() == Some(&'[') => Some("a nested class".to_owned()),
             '(' if chars.peek() == Some(&'?') => {
                 chars.next();
                 chars
@@ -561,6 +577,10 @@ impl EventRouter {
                 .map(|a| at(&a.column))
                 .collect::<Result<_, _>>()?,
             timestamp: self.timestamp.as_deref().map(at).transpose()?,
+            fallback_key: columns
+                .iter()
+                .position(|(c, _)| c == "aggregateid")
+                .filter(|_| self.key != "aggregateid"),
             defaulted: columns
                 .iter()
                 .enumerate()
@@ -601,14 +621,21 @@ impl EventRouter {
                 "a row and its relation disagree on the column count".into(),
             ));
         }
-        let get = |(i, ty): (usize, ColumnType)| {
-            if row[i].is_none() && layout.defaulted.contains(&i) {
-                return Err(Unsupported(
-                    "NULL in a column with a default (Debezium publishes the default)".into(),
-                ));
-            }
-            super::column(ty, row[i])
+        // Only JsonConverter writes a column's default for its NULL.
+        let json = |at: (usize, ColumnType), converter: Converter| {
+            converter == Converter::Json && row[at.0].is_none() && layout.defaulted.contains(&at.0)
         };
+        let envelope_json = self
+            .additional
+            .iter()
+            .zip(&layout.additional)
+            .any(|(a, at)| a.placement == Placement::Envelope && json(*at, self.value_converter));
+        if json(layout.key, self.key_converter) || json(layout.payload, self.value_converter) || envelope_json {
+            return Err(Unsupported(
+                "NULL in a column with a constant default (Debezium's JsonConverter publishes the default)".into(),
+            ));
+        }
+        let get = |(i, ty): (usize, ColumnType)| super::column(ty, row[i]);
         let routed = match get(layout.route_by)? {
             Value::Text(s) => s,
             other => {
@@ -667,13 +694,26 @@ impl EventRouter {
             fields.extend(envelope);
             encode(self.value_converter, &Value::Struct(fields))?
         };
-        let key = encode(self.key_converter, &get(layout.key)?)?;
+        let key_value = get(layout.key)?;
+        if key_value == Value::Null && layout.fallback_key.is_some() {
+            return Err(Unsupported(
+                "a NULL key where the table has aggregateid (the EventRouter's fallback key)".into(),
+            ));
+        }
+        let key = encode(self.key_converter, &key_value)?;
         let timestamp = match layout.timestamp {
             Some(at) => match get(at)? {
                 // `Timestamp` (ms) up to 3 fractional digits, else
                 // `MicroTimestamp` (the EventRouter divides by 1,000).
-                Value::Int(t) if (0..=3).contains(&at.1.modifier) => Some(t),
-                Value::Int(t) => Some(t / 1000),
+                Value::Int(t) => {
+                    let ms = if (0..=3).contains(&at.1.modifier) { t } else { t / 1000 };
+                    // Kafka's producer refuses a negative timestamp (the
+                    // task fails), and librdkafka reads 0 as "now".
+                    if ms <= 0 {
+                        return Err(Unsupported(format!("an event timestamp of {ms} ms")));
+                    }
+                    Some(ms)
+                }
                 _ => None,
             },
             None => None,
@@ -928,7 +968,20 @@ value.converter=org.apache.kafka.connect.storage.StringConverter
 
     #[test]
     fn a_null_where_the_column_has_a_default_is_not_rendered() {
-        let mut r = EventRouter::parse(DEFAULTS).unwrap();
+        let json = DEFAULTS.replace(
+            "value.converter=org.apache.kafka.connect.storage.StringConverter",
+            "value.converter=org.apache.kafka.connect.json.JsonConverter\nvalue.converter.schemas.enable=false",
+        );
+        let mut strings = EventRouter::parse(DEFAULTS).unwrap();
+        strings.defaulted = vec!["payload".into()];
+        let l = strings.layout(&columns()).unwrap();
+        let row: [Option<&[u8]>; 5] = [Some(b"i"), Some(b"O"), Some(b"k"), Some(b"T"), None];
+        assert_eq!(
+            strings.event(&l, &row).unwrap().value,
+            None,
+            "StringConverter writes null"
+        );
+        let mut r = EventRouter::parse(&json).unwrap();
         r.defaulted = vec!["payload".into()];
         let l = r.layout(&columns()).unwrap();
         let e = r
@@ -938,5 +991,37 @@ value.converter=org.apache.kafka.connect.storage.StringConverter
         assert!(r
             .event(&l, &[Some(b"i"), Some(b"O"), Some(b"k"), Some(b"T"), Some(b"{}")])
             .is_ok());
+    }
+
+    #[test]
+    fn edges_java_refuses_or_reads_otherwise() {
+        let c = entries("a=b\\").unwrap();
+        assert_eq!(c["a"], "b", "a continuation on the last line");
+        assert!(entries("a=\\u12x4").is_err(), "a malformed \\u escape");
+        let r = EventRouter::parse(&format!("{DEFAULTS}transforms.outbox.table.field.event.key=type\n")).unwrap();
+        let l = r.layout(&columns()).unwrap();
+        let e = r
+            .event(&l, &[Some(b"i"), Some(b"O"), Some(b"k"), None, Some(b"{}")])
+            .unwrap_err();
+        assert!(e.0.contains("aggregateid"), "{e}");
+        let r = EventRouter::parse(&format!("{DEFAULTS}transforms.outbox.table.field.event.timestamp=at\n")).unwrap();
+        let mut cols = columns();
+        cols.push((
+            "at".into(),
+            ColumnType {
+                oid: 1114,
+                modifier: -1,
+            },
+        ));
+        let l = r.layout(&cols).unwrap();
+        let row: [Option<&[u8]>; 6] = [
+            Some(b"i"),
+            Some(b"O"),
+            Some(b"k"),
+            Some(b"T"),
+            None,
+            Some(b"1969-12-31 23:59:59"),
+        ];
+        assert!(r.event(&l, &row).is_err(), "a negative timestamp");
     }
 }

@@ -306,10 +306,12 @@ fn value(node: Node) -> Result<Value, Expand> {
                 for n in &present {
                     if let Node::Object(fields) = n {
                         for (name, v) in fields {
-                            if matches!(v, Node::Object(_) | Node::Array(_)) || name.is_empty() {
-                                return Err(unsupported(
-                                    "an array of objects holding objects, arrays or empty names",
-                                ));
+                            // Kafka's SchemaBuilder refuses an empty name.
+                            if name.is_empty() {
+                                return Err(Expand::StaysText);
+                            }
+                            if matches!(v, Node::Object(_) | Node::Array(_)) {
+                                return Err(unsupported("an array of objects holding objects or arrays"));
                             }
                             if *v != Node::Null {
                                 let k = scalar_kind(v);
@@ -564,6 +566,9 @@ impl Parser<'_> {
 
     fn hex4(&mut self) -> Result<u32, Parse> {
         let h = self.s.get(self.at..self.at + 4).ok_or(Parse::Invalid)?;
+        if !h.iter().all(u8::is_ascii_hexdigit) {
+            return Err(Parse::Invalid);
+        }
         let h = std::str::from_utf8(h).map_err(|_| Parse::Invalid)?;
         let v = u32::from_str_radix(h, 16).map_err(|_| Parse::Invalid)?;
         self.at += 4;

@@ -320,6 +320,11 @@ pub async fn run(
                 Duration::ZERO
             }
             Ended::Retry(code) => {
+                // A Debezium-layout relay waiting for an operator (its slot
+                // or publication) is not ready.
+                if ctx.capture.router.is_some() && (code.starts_with("slot_") || code.starts_with("publication_")) {
+                    ctx.state.ready.store(false, std::sync::atomic::Ordering::Relaxed);
+                }
                 tracing::warn!(code, "WAL capture stopped; resuming from the slot after a backoff");
                 backoff.next().unwrap_or(Duration::from_secs(10))
             }

@@ -192,6 +192,11 @@ impl<'a> Pipeline<'a> {
         }
     }
 
+    /// Whether the open transaction is skipped (marked already).
+    pub(super) fn skipping(&self) -> bool {
+        self.txns.back().is_some_and(|t| t.skip)
+    }
+
     /// Records in flight.
     pub(super) fn in_flight(&self) -> usize {
         self.inflight.len()

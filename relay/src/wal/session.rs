@@ -225,8 +225,11 @@ async fn prepare(ctx: &Ctx, reseed: &mut bool, finish: &CancellationToken) -> Re
         }
         tracing::warn!(%slot, lost = s.lost, "dropped the replication slot; the table will be read once");
     }
-    if debezium && (*reseed || ctx.streamed.load(std::sync::atomic::Ordering::Relaxed)) {
-        tracing::error!(%slot, "the slot this relay streamed from is gone and is not made anew (the Debezium-layout table is not read): restart the relay to make it, accepting what it skips");
+    // A slot marked before (by this relay or another of its group, before
+    // a restart) is gone: making it anew would skip what committed since.
+    let marked_before = debezium && store.wal_marked(slot).await.map_err(db)? > 0;
+    if debezium && (*reseed || marked_before || ctx.streamed.load(std::sync::atomic::Ordering::Relaxed)) {
+        tracing::error!(%slot, "the slot this relay group streamed from is gone and is not made anew (the Debezium-layout table is not read): to start over from now, accepting what it skips, delete its row (DELETE FROM relay_wal_slots WHERE slot = '…') and restart the relay");
         *reseed = false;
         return Err(Ended::Retry("slot_missing"));
     }
@@ -618,6 +621,9 @@ impl Events {
             Ok(Some(ReplicationEvent::XLogData { data, .. })) => match self.decoder.decode(&data) {
                 Ok(Message::Row(row)) => pipeline.produce(&row).await,
                 Ok(Message::Event(event)) => pipeline.produce_event(&event).await,
+                // A transaction marked already (streamed again) is skipped
+                // whatever it holds.
+                Ok(Message::Unrenderable(_)) if pipeline.skipping() => {}
                 Ok(Message::Unrenderable(why)) => {
                     tracing::error!(%why, "a row of the Debezium-layout table cannot be published as Debezium would publish it");
                     return Err(Ended::Stopped("unsupported_event"));
