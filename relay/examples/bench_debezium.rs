@@ -53,6 +53,57 @@ fn admin_url() -> String {
     std::env::var("DATABASE_URL").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".into())
 }
 
+/// Debezium's side (`EventRouterGolden` with `BENCH_BROKERS`): `records`
+/// rows of `slot`, through the connector file's router and converters, to
+/// `brokers`.
+fn debezium(connector: &Path, records: usize, slot: &str, brokers: &str) -> std::process::Command {
+    let mut c = std::process::Command::new("java");
+    c.arg("-Xmx1g")
+        .arg("-cp")
+        .arg(format!(
+            "{}:{}/*",
+            bench_dir().join("target/debezium-outbox-bench-1.jar").display(),
+            bench_dir().join("target/lib").display()
+        ))
+        .arg("ferry.bench.EventRouterGolden")
+        .arg(connector)
+        .arg(records.to_string())
+        .arg("-")
+        .env("BENCH_DATABASE_URL", admin_url())
+        .env("BENCH_SLOT", slot)
+        .env("BENCH_BROKERS", brokers);
+    c
+}
+
+type Running = tokio::task::JoinHandle<Result<(), ferry_relay::RelayError>>;
+
+/// `ferry-relay --debezium-config` in this process on `slot`: its state,
+/// the token that stops it, and its task.
+async fn start_relay(
+    url: &str,
+    ferry: &Ferry,
+    brokers: &str,
+    slot: &str,
+    connector: &Path,
+) -> Res<(
+    std::sync::Arc<ferry_relay::state::RelayState>,
+    CancellationToken,
+    Running,
+)> {
+    let mut cfg = RelayConfig::new(url, brokers);
+    cfg.capture = Some(Capture::Wal);
+    cfg.slot = Some(slot.to_owned());
+    cfg.publication = Some(slot.to_owned());
+    cfg.debezium_config = Some(connector.to_owned());
+    let relay = Relay::new(cfg, ferry.clone())?;
+    let state = relay.state();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let stop = CancellationToken::new();
+    let s = stop.clone();
+    let handle = tokio::spawn(relay.run(listener, async move { s.cancelled().await }));
+    Ok((state, stop, handle))
+}
+
 /// A record as read back: topic, partition, key, value, headers.
 type Rec = (
     String,
@@ -153,21 +204,7 @@ async fn run(
     if !mvn.success() {
         return Err("mvn package of bench/debezium failed".into());
     }
-    let out = std::process::Command::new("java")
-        .arg("-Xmx1g")
-        .arg("-cp")
-        .arg(format!(
-            "{}:{}/*",
-            bench_dir().join("target/debezium-outbox-bench-1.jar").display(),
-            bench_dir().join("target/lib").display()
-        ))
-        .arg("ferry.bench.EventRouterGolden")
-        .arg(connector)
-        .arg(n.to_string())
-        .arg("-")
-        .env("BENCH_DATABASE_URL", admin_url())
-        .env("BENCH_SLOT", dbz_slot)
-        .env("BENCH_BROKERS", dbz_broker.brokers())
+    let out = debezium(connector, n, dbz_slot, &dbz_broker.brokers())
         .stderr(std::process::Stdio::null())
         .output()?;
     let stdout = String::from_utf8_lossy(&out.stdout);
@@ -181,17 +218,7 @@ async fn run(
     let ferry_broker = ferry_testkit::Kafka::start();
     ferry_broker.create_topic(TOPIC, PARTITIONS);
     ferry_broker.create_topic(LATENCY_TOPIC, PARTITIONS);
-    let mut cfg = RelayConfig::new(url, ferry_broker.brokers());
-    cfg.capture = Some(Capture::Wal);
-    cfg.slot = Some(ferry_slot.to_owned());
-    cfg.publication = Some(ferry_slot.to_owned());
-    cfg.debezium_config = Some(connector.to_owned());
-    let relay = Relay::new(cfg, ferry.clone())?;
-    let state = relay.state();
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
-    let stop = CancellationToken::new();
-    let s = stop.clone();
-    let handle = tokio::spawn(relay.run(listener, async move { s.cancelled().await }));
+    let (state, stop, handle) = start_relay(url, ferry, &ferry_broker.brokers(), ferry_slot, connector).await?;
     let acked = || {
         state
             .metrics
@@ -317,36 +344,15 @@ async fn measure(
     match side {
         Side::Debezium => {
             java = Some(
-                std::process::Command::new("java")
-                    .arg("-cp")
-                    .arg(format!(
-                        "{}:{}/*",
-                        bench_dir().join("target/debezium-outbox-bench-1.jar").display(),
-                        bench_dir().join("target/lib").display()
-                    ))
-                    .arg("ferry.bench.EventRouterGolden")
-                    .arg(connector)
-                    .arg(i32::MAX.to_string())
-                    .arg("-")
-                    .env("BENCH_DATABASE_URL", admin_url())
-                    .env("BENCH_SLOT", slot)
-                    .env("BENCH_BROKERS", broker.brokers())
+                debezium(connector, i32::MAX as usize, slot, &broker.brokers())
                     .stdout(std::process::Stdio::null())
                     .stderr(std::process::Stdio::null())
                     .spawn()?,
             );
         }
         Side::Ferry => {
-            let mut cfg = RelayConfig::new(url, broker.brokers());
-            cfg.capture = Some(Capture::Wal);
-            cfg.slot = Some(slot.to_owned());
-            cfg.publication = Some(slot.to_owned());
-            cfg.debezium_config = Some(connector.to_owned());
-            let r = Relay::new(cfg, ferry.clone())?;
-            let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
-            let stop = CancellationToken::new();
-            let s = stop.clone();
-            relay = Some((stop, tokio::spawn(r.run(listener, async move { s.cancelled().await }))));
+            let (_, stop, handle) = start_relay(url, ferry, &broker.brokers(), slot, connector).await?;
+            relay = Some((stop, handle));
         }
     }
     let begun = Instant::now();
