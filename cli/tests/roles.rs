@@ -120,8 +120,12 @@ async fn each_role_is_refused_outside_its_grant() {
     // WAL capture's own statements (the slot itself needs REPLICATION,
     // which these roles do not have: the relay then polls).
     assert!(!relay.wal_setting().await.unwrap().may_replicate);
-    assert_eq!(relay.wal_catch_up("s").await.unwrap(), Some(i64::MAX));
-    relay.set_wal_slot_caught_up("s").await.unwrap();
+    let whole = ferry_relay::store::CatchUp {
+        through: i64::MAX,
+        generation: 0,
+    };
+    assert_eq!(relay.wal_catch_up("s").await.unwrap(), Some(whole));
+    assert!(relay.set_wal_slot_caught_up("s", 0).await.unwrap());
     assert_eq!(relay.wal_catch_up("s").await.unwrap(), None);
     assert!(relay.pending_after(0, i64::MAX, 10).await.unwrap().is_empty());
     assert!(relay.wal_delete_delivered(&[-1]).await.unwrap().is_empty());

@@ -68,11 +68,12 @@ SELECT pg_drop_replication_slot($1)
 -- crash between the two leaves the flag set).
 -- The new slot's stream has positions of its own: what was marked of the
 -- old one's is forgotten.
-INSERT INTO relay_wal_slots (slot, caught_up, catch_up_through, updated_at, marked_lsn)
-VALUES ($1, false, NULL, {now $2}, NULL)
+-- A new generation: a table read of an earlier one records nothing.
+INSERT INTO relay_wal_slots (slot, caught_up, catch_up_through, updated_at, marked_lsn, generation)
+VALUES ($1, false, NULL, {now $2}, NULL, 1)
 ON CONFLICT ON CONSTRAINT relay_wal_slots_pkey
 DO UPDATE SET caught_up = false, catch_up_through = NULL, updated_at = EXCLUDED.updated_at,
-              marked_lsn = NULL
+              marked_lsn = NULL, generation = relay_wal_slots.generation + 1
 
 -- name: wal_slot_catch_up_bound [postgres only]
 -- Right after the slot is created: every row committed before it is visible
@@ -83,7 +84,8 @@ WHERE slot = $1
 
 -- name: wal_slot_catch_up [postgres only]
 -- No row means a slot this relay did not create: read the whole table.
-SELECT caught_up, catch_up_through FROM relay_wal_slots WHERE slot = $1
+-- The generation read goes with the bound to `wal_slot_set_caught_up`.
+SELECT caught_up, catch_up_through, generation FROM relay_wal_slots WHERE slot = $1
 
 -- name: wal_slot_marked [postgres only]
 -- The end of the last streamed transaction of slot $1 marked delivered with
@@ -107,10 +109,14 @@ ON CONFLICT ON CONSTRAINT relay_wal_slots_pkey
 DO UPDATE SET marked_lsn = GREATEST(COALESCE(relay_wal_slots.marked_lsn, 0), EXCLUDED.marked_lsn)
 
 -- name: wal_slot_set_caught_up [postgres only]
-INSERT INTO relay_wal_slots (slot, caught_up, catch_up_through, updated_at)
-VALUES ($1, true, NULL, {now $2})
+-- Only for generation $3, the one whose bound the read used (0: no record
+-- then): none when the slot was made anew meanwhile, whose rows the read
+-- may have missed.
+INSERT INTO relay_wal_slots (slot, caught_up, catch_up_through, updated_at, generation)
+VALUES ($1, true, NULL, {now $2}, $3)
 ON CONFLICT ON CONSTRAINT relay_wal_slots_pkey
 DO UPDATE SET caught_up = true, updated_at = EXCLUDED.updated_at
+WHERE relay_wal_slots.generation = $3
 
 -- name: wal_pending_after [postgres only]
 -- The catch-up read: pending rows above id $1 and up to $3 that no ledger

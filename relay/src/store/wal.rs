@@ -112,6 +112,17 @@ pub struct SlotState {
     pub usable: bool,
 }
 
+/// The table read a slot still needs ([`RelayStore::wal_catch_up`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CatchUp {
+    /// The highest id to read: every row committed before the slot has an
+    /// id at most this (`i64::MAX` when unknown: duplicates, never a loss).
+    pub through: i64,
+    /// Which making of the slot the bound belongs to (0: no record of the
+    /// slot): recording the read done is conditional on it.
+    pub generation: i64,
+}
+
 impl RelayStore {
     fn pg(&self) -> Result<&PgPool> {
         self.ferry()
@@ -260,31 +271,44 @@ impl RelayStore {
     /// What is left to read from the table for `slot`: `None` when it was
     /// read once since the slot was created, else the highest id to read
     /// (`i64::MAX` for a slot this relay did not create, or when the bound
-    /// was never recorded: reading too much costs only duplicates).
-    pub async fn wal_catch_up(&self, slot: &str) -> Result<Option<i64>> {
+    /// was never recorded: reading too much costs only duplicates) and the
+    /// slot's generation, which the read hands back to
+    /// [`Self::set_wal_slot_caught_up`].
+    pub async fn wal_catch_up(&self, slot: &str) -> Result<Option<CatchUp>> {
         bounded(async move {
-            let found: Option<(bool, Option<i64>)> = sqlx::query_as(Q.wal_slot_catch_up)
+            let found: Option<(bool, Option<i64>, i64)> = sqlx::query_as(Q.wal_slot_catch_up)
                 .bind(slot)
                 .fetch_optional(self.pg()?)
                 .await?;
             Ok(match found {
-                Some((true, _)) => None,
-                Some((false, through)) => Some(through.unwrap_or(i64::MAX)),
-                None => Some(i64::MAX),
+                Some((true, _, _)) => None,
+                Some((false, through, generation)) => Some(CatchUp {
+                    through: through.unwrap_or(i64::MAX),
+                    generation,
+                }),
+                None => Some(CatchUp {
+                    through: i64::MAX,
+                    generation: 0,
+                }),
             })
         })
         .await
     }
 
-    /// Records that the table's rows from before `slot` are published.
-    pub async fn set_wal_slot_caught_up(&self, slot: &str) -> Result<()> {
+    /// Records that the table's rows from before `slot` are published, for
+    /// the slot's `generation` read with the bound ([`CatchUp`]); `false`
+    /// (nothing recorded) when the slot was made anew since: the rows
+    /// committed between the two slots are in no stream this read saw, so
+    /// the new slot's session must read the table itself.
+    pub async fn set_wal_slot_caught_up(&self, slot: &str, generation: i64) -> Result<bool> {
         bounded(async move {
-            sqlx::query(Q.wal_slot_set_caught_up)
+            let done = sqlx::query(Q.wal_slot_set_caught_up)
                 .bind(slot)
                 .bind(self.ferry().clock().param())
+                .bind(generation)
                 .execute(self.pg()?)
                 .await?;
-            Ok(())
+            Ok(done.rows_affected() == 1)
         })
         .await
     }

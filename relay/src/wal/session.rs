@@ -261,9 +261,9 @@ async fn catch_up(
 ) -> Option<Ended> {
     let store = &ctx.state.store;
     let slot = &ctx.capture.slot;
-    let through = match store.wal_catch_up(slot).await {
+    let (through, generation) = match store.wal_catch_up(slot).await {
         Ok(None) => return None,
-        Ok(Some(through)) => through,
+        Ok(Some(c)) => (c.through, c.generation),
         Err(e) => {
             tracing::warn!(error = %e, "reading the slot's catch-up flag failed");
             return Some(Ended::Retry("database"));
@@ -325,11 +325,19 @@ async fn catch_up(
     if !pipeline.record_forgotten_position().await {
         return Some(pipeline.failed().cloned().unwrap_or(Ended::Retry("progress_record")));
     }
-    if let Err(e) = store.set_wal_slot_caught_up(slot).await {
-        tracing::warn!(error = %e, "recording the catch-up failed; it will be read again");
-        return Some(Ended::Retry("database"));
+    match store.set_wal_slot_caught_up(slot, generation).await {
+        Ok(true) => None,
+        // Invalidated under this read (its session ended by the server)
+        // and made anew by another relay: that slot's read is its own.
+        Ok(false) => {
+            tracing::warn!(%slot, "the slot was made anew while its table was read; this read records nothing, the new slot's session reads the table");
+            Some(Ended::Retry("slot_made_anew"))
+        }
+        Err(e) => {
+            tracing::warn!(error = %e, "recording the catch-up failed; it will be read again");
+            Some(Ended::Retry("database"))
+        }
     }
-    None
 }
 
 /// Publishes the stream until shutdown or a failure, the marker's

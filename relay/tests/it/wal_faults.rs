@@ -801,3 +801,95 @@ async fn wal_rows_the_ledger_covers_are_skipped_whatever_the_slot_says() {
     assert_eq!(duplicates, 0, "every row produced once");
     assert!(skipped >= 200, "B skipped A's 200 rows ({skipped} skipped)");
 }
+
+/// The session blocked by `holder` on a statement whose text contains
+/// `text`, once there is one (the holder's transaction is the only thing
+/// it waits for).
+async fn wait_for_blocked(pool: &sqlx::PgPool, holder: i32, text: &str, what: &str) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    loop {
+        let blocked: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM pg_stat_activity WHERE $1 = ANY(pg_blocking_pids(pid)) AND strpos(query, $2) > 0",
+        )
+        .bind(holder)
+        .bind(text)
+        .fetch_one(pool)
+        .await
+        .unwrap();
+        if blocked > 0 {
+            return;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{what} never waited on the held lock"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// A session reads the table for its new slot while the slot is lost
+/// (PostgreSQL invalidates it and ends the session's stream) and another
+/// relay makes it anew. A row committed between the two slots is in no
+/// stream anyone will read and above the first read's bound: only the new
+/// slot's table read publishes it. The first read, ending after the new
+/// slot was made, must not record the table read for the new slot. Before
+/// a read was tied to the slot's generation it did: the new slot's session
+/// skipped its read and the row was lost (10 of 11 delivered).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn wal_a_table_read_outlived_by_its_slot_is_not_taken_for_the_new_slots() {
+    let broker = Kafka::start();
+    broker.create_topic("orders", 3);
+    let brokers = broker.brokers();
+    let (ferry, url) = pg_ferry().await;
+    let pool = ferry.db().as_postgres().unwrap().clone();
+    let slot = SlotGuard::new().await;
+    enqueue(&ferry, 0, 10).await;
+    // The publication, and the first slot made as a relay makes it: its
+    // table read goes up to the 10 rows.
+    sqlx::query(&format!(
+        "CREATE PUBLICATION {} FOR TABLE outbox WITH (publish = 'insert')",
+        slot.name
+    ))
+    .execute(&pool)
+    .await
+    .unwrap();
+    let store = ferry_relay::store::RelayStore::new(ferry.clone());
+    assert!(store
+        .create_wal_slot(&slot.name, false, std::future::pending())
+        .await
+        .unwrap());
+    // The relay's table read waits: the ledger it probes is locked.
+    let mut holder = pool.begin().await.unwrap();
+    sqlx::query("LOCK TABLE outbox_delivered IN ACCESS EXCLUSIVE MODE")
+        .execute(&mut *holder)
+        .await
+        .unwrap();
+    let holder_pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
+        .fetch_one(&mut *holder)
+        .await
+        .unwrap();
+    let relay = slot.start(slot.config(&url, &brokers), ferry.clone()).await;
+    wait_for_blocked(&pool, holder_pid, "o.id <= $3", "the relay's table read").await;
+    // The slot is lost under the read (its session ended, the slot gone)...
+    while !terminate_and_drop_slot(&pool, &slot.name).await {}
+    // Committed with no slot: in no stream, and above the read's bound.
+    enqueue(&ferry, 10, 11).await;
+    // ... and another relay makes it anew (its creation waits for the
+    // holder's transaction: its record is already reset).
+    let other = ferry_relay::store::RelayStore::new(ferry.clone());
+    let name = slot.name.clone();
+    let making = tokio::spawn(async move { other.create_wal_slot(&name, false, std::future::pending()).await });
+    wait_for_blocked(
+        &pool,
+        holder_pid,
+        "pg_create_logical_replication_slot",
+        "the new slot's creation",
+    )
+    .await;
+    holder.commit().await.unwrap();
+    assert!(making.await.unwrap().unwrap());
+    wait_for_count(&ferry, &DELIVERED, 11, Duration::from_secs(60)).await;
+    relay.shutdown().await;
+    let recs = read_all(&brokers, "orders", false, Duration::from_secs(30)).await;
+    nothing_lost(&recs, &all_ids(&ferry).await);
+}
