@@ -893,3 +893,64 @@ async fn wal_a_table_read_outlived_by_its_slot_is_not_taken_for_the_new_slots() 
     let recs = read_all(&brokers, "orders", false, Duration::from_secs(30)).await;
     nothing_lost(&recs, &all_ids(&ferry).await);
 }
+
+/// Two relays make one slot at once: the second's `CREATE` meets the
+/// first's (`duplicate_object`) while the first waits for a running
+/// transaction to end (its consistent point). A table-read bound the second
+/// recorded then (the highest id visible before that transaction commits)
+/// could stand once the first's own was written (an `UPDATE` overlapping
+/// it keeps its earlier value): a row of that transaction is then in no
+/// stream and above the bound, lost (seen once under load: the first
+/// outbox row never published). The bound is only the creator's, set after
+/// its `CREATE` returns.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn wal_a_slot_made_by_two_relays_at_once_takes_its_bound_from_the_creator() {
+    let (ferry, _) = pg_ferry().await;
+    let pool = ferry.db().as_postgres().unwrap().clone();
+    let slot = SlotGuard::new().await;
+    enqueue(&ferry, 0, 3).await;
+    // A writer's transaction, running when the slot is made.
+    let mut writer = pool.begin().await.unwrap();
+    let writer_pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
+        .fetch_one(&mut *writer)
+        .await
+        .unwrap();
+    let late: i64 = sqlx::query_scalar(
+        "INSERT INTO outbox (tenant, topic, key, lane, payload, headers, created_at)
+         VALUES ('acme', 'orders', 'k', 0, '\\x00', '{}'::jsonb, 0) RETURNING id",
+    )
+    .fetch_one(&mut *writer)
+    .await
+    .unwrap();
+    let (first, second) = (
+        ferry_relay::store::RelayStore::new(ferry.clone()),
+        ferry_relay::store::RelayStore::new(ferry.clone()),
+    );
+    let name = slot.name.clone();
+    let creating = tokio::spawn(async move { first.create_wal_slot(&name, false, std::future::pending()).await });
+    wait_for_blocked(
+        &pool,
+        writer_pid,
+        "pg_create_logical_replication_slot",
+        "the first relay's creation",
+    )
+    .await;
+    assert!(second
+        .create_wal_slot(&slot.name, false, std::future::pending())
+        .await
+        .unwrap());
+    let read = second.wal_catch_up(&slot.name).await.unwrap().unwrap();
+    assert_eq!(
+        read.through,
+        i64::MAX,
+        "a bound recorded before the creator's consistent point (the running transaction's row {late} above it)"
+    );
+    writer.commit().await.unwrap();
+    assert!(creating.await.unwrap().unwrap());
+    let read = second.wal_catch_up(&slot.name).await.unwrap().unwrap();
+    assert!(
+        read.through >= late,
+        "the creator's bound {} misses row {late}",
+        read.through
+    );
+}
