@@ -74,13 +74,15 @@ VALUES ($1, false, NULL, {now $2}, NULL, 1)
 ON CONFLICT ON CONSTRAINT relay_wal_slots_pkey
 DO UPDATE SET caught_up = false, catch_up_through = NULL, updated_at = EXCLUDED.updated_at,
               marked_lsn = NULL, generation = relay_wal_slots.generation + 1
+RETURNING generation
 
 -- name: wal_slot_catch_up_bound [postgres only]
 -- Right after the slot is created: every row committed before it is visible
--- now, so its id is at most this.
+-- now, so its id is at most this. Only for generation $2, the creator's: a
+-- slot made anew since has its own.
 UPDATE relay_wal_slots
 SET catch_up_through = (SELECT COALESCE(max(id), 0) FROM outbox)
-WHERE slot = $1
+WHERE slot = $1 AND generation = $2
 
 -- name: wal_slot_catch_up [postgres only]
 -- No row means a slot this relay did not create: read the whole table.

@@ -218,10 +218,10 @@ impl RelayStore {
     /// With `failover` (PostgreSQL 17+), the slot is a failover slot.
     pub async fn create_wal_slot(&self, slot: &str, failover: bool, stop: impl Future<Output = ()>) -> Result<bool> {
         let pool = self.pg()?;
-        sqlx::query(Q.wal_slot_needs_catch_up)
+        let generation: i64 = sqlx::query_scalar(Q.wal_slot_needs_catch_up)
             .bind(slot)
             .bind(self.ferry().clock().param())
-            .execute(pool)
+            .fetch_one(pool)
             .await?;
         let mut creator = pool.acquire().await?;
         let pid: i32 = sqlx::query_scalar(Q.wal_session_pid).fetch_one(&mut *creator).await?;
@@ -250,7 +250,11 @@ impl RelayStore {
             Some(Err(e)) => return Err(e.into()),
         }
         drop(creator);
-        sqlx::query(Q.wal_slot_catch_up_bound).bind(slot).execute(pool).await?;
+        sqlx::query(Q.wal_slot_catch_up_bound)
+            .bind(slot)
+            .bind(generation)
+            .execute(pool)
+            .await?;
         Ok(true)
     }
 
