@@ -18,6 +18,10 @@ of the whole command. Here:
     runs it, with its own log;
   - the doc tests run as one more job (`cargo test --workspace --doc`).
 
+A job still running after FERRY_TEST_JOB_TIMEOUT seconds (default 900) is
+killed with the processes it started and fails: a hang fails the run fast,
+naming its test, instead of holding CI until its limit.
+
 A job's output is printed when it fails; every job's `test result` line is
 summed, and the total number of tests run is printed at the end (it must
 not drop from one change to the next). Exits non-zero when a test failed,
@@ -29,6 +33,7 @@ import json
 import math
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -37,6 +42,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 JOBS = int(os.environ.get("FERRY_TEST_JOBS", "3"))
 # A binary with more tests than this is split into shards of about this many.
 SHARD_SIZE = int(os.environ.get("FERRY_TEST_SHARD_SIZE", "12"))
+# A job still running after this many seconds hangs: it is killed and fails
+# (the slowest job takes about 200 s on 2 cores).
+JOB_TIMEOUT = int(os.environ.get("FERRY_TEST_JOB_TIMEOUT", "900"))
 RESULT = re.compile(r"test result: (\w+)\. (\d+) passed; (\d+) failed; (\d+) ignored")
 
 
@@ -105,15 +113,28 @@ def first(label):
 def run(job):
     label, cwd, argv, expected = job
     started = time.monotonic()
-    p = subprocess.run(argv, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    # A session of its own: a job that hangs is killed with what it started
+    # (brokers, relays), and fails with what it printed so far (libtest
+    # names a test running for over 60 seconds).
+    p = subprocess.Popen(
+        argv, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
+    try:
+        stdout, _ = p.communicate(timeout=JOB_TIMEOUT)
+        hung = False
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        stdout, _ = p.communicate()
+        stdout += f"\nrun-tests: {label} still running after {JOB_TIMEOUT} s (FERRY_TEST_JOB_TIMEOUT): killed\n"
+        hung = True
     took = time.monotonic() - started
     passed = failed = ignored = 0
-    for m in RESULT.finditer(p.stdout):
+    for m in RESULT.finditer(stdout):
         passed += int(m.group(2))
         failed += int(m.group(3))
         ignored += int(m.group(4))
-    ok = p.returncode == 0 and failed == 0 and (expected is None or passed + ignored >= expected)
-    return label, ok, passed, failed, took, p.stdout
+    ok = not hung and p.returncode == 0 and failed == 0 and (expected is None or passed + ignored >= expected)
+    return label, ok, passed, failed, took, stdout
 
 
 def main():

@@ -103,8 +103,11 @@ GRANT USAGE ON SEQUENCE ferry_audit_id_seq TO ferry_relay;
 -- `--capture wal` also needs `ALTER ROLE ferry_relay REPLICATION` and its
 -- publication, which only the outbox's owner may create:
 --   CREATE PUBLICATION <slot name> FOR TABLE outbox WITH (publish = 'insert');
+-- With `--streams N`, one per stream k (0 to N-1), named <slot>_<k>of<N>:
+--   CREATE PUBLICATION <slot>_<k>of<N> FOR TABLE outbox WHERE (lane % N = k) WITH (publish = 'insert');
 -- Without the REPLICATION attribute the relay polls (`--capture poll`).
-GRANT SELECT, INSERT, UPDATE ON relay_wal_slots TO ferry_relay;
+GRANT SELECT, INSERT, UPDATE ON relay_wal_slots, relay_wal_layouts TO ferry_relay;
+GRANT SELECT, INSERT, UPDATE, DELETE ON relay_wal_members TO ferry_relay;
 -- Delivered ranges (`--capture wal` writes them; retention and a poll
 -- relay's fold delete them).
 GRANT SELECT, INSERT, UPDATE, DELETE ON outbox_delivered TO ferry_relay;
@@ -145,4 +148,4 @@ GRANT SELECT, INSERT, UPDATE ON ferry_queues TO ferry_operator;
 -- and `ferry status` run as it too: they also read the WAL capture slots.
 -- Still no DELETE, no publishing marks, no lane, slot or partition writes.
 GRANT ferry_operator TO ferry_console;
-GRANT SELECT ON relay_lanes, relay_instances, relay_wal_slots, outbox_delivered, consumer_partitions, consumer_ledger, effects TO ferry_console;
+GRANT SELECT ON relay_lanes, relay_instances, relay_wal_slots, relay_wal_layouts, relay_wal_members, outbox_delivered, consumer_partitions, consumer_ledger, effects TO ferry_console;

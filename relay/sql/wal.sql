@@ -28,12 +28,35 @@ WHERE n.nspname = $1 AND c.relname = $2 AND a.attnum > 0 AND NOT a.attisdropped
 
 -- name: wal_publication [postgres only]
 -- Whether publication $1 exists, and whether it publishes the inserts of table
--- $3 in schema $2 (NULL: this schema's; Ferry's own is outbox).
+-- $3 in schema $2 (NULL: this schema's; Ferry's own is outbox), with row
+-- filter $4 (NULL: none) when $5 (`rowfilter`, PostgreSQL 15+, read through
+-- to_jsonb so the query prepares on every version).
 SELECT EXISTS (SELECT 1 FROM pg_publication WHERE pubname = $1) AS found,
        EXISTS (SELECT 1 FROM pg_publication p
                JOIN pg_publication_tables t ON t.pubname = p.pubname
                WHERE p.pubname = $1 AND p.pubinsert
-                 AND t.schemaname = COALESCE($2::text, current_schema()) AND t.tablename = $3::text) AS covers_outbox
+                 AND t.schemaname = COALESCE($2::text, current_schema()) AND t.tablename = $3::text
+                 AND (NOT $5::bool OR (to_jsonb(t) ->> 'rowfilter') IS NOT DISTINCT FROM $4::text)) AS covers_outbox
+
+-- name: wal_layout [postgres only]
+-- How many streams relay group $1 (its base slot) is split into; no row: one.
+SELECT streams FROM relay_wal_layouts WHERE slot = $1
+
+-- name: wal_set_layout [postgres only]
+-- A relay's start: its group is split into $2 streams from now on.
+INSERT INTO relay_wal_layouts (slot, streams, updated_at) VALUES ($1, $2, {now $3})
+ON CONFLICT ON CONSTRAINT relay_wal_layouts_pkey
+DO UPDATE SET streams = EXCLUDED.streams, updated_at = EXCLUDED.updated_at
+WHERE relay_wal_layouts.streams <> EXCLUDED.streams
+
+-- name: wal_layout_slots [postgres only]
+-- Every slot of relay group $1 in this database, whatever its layout: the
+-- base slot and the streams' (`<slot>_<k>of<N>`); with whether a session
+-- streams from it.
+SELECT slot_name::text AS name, active FROM pg_replication_slots
+WHERE database = current_database()
+  AND (slot_name = $1 OR slot_name ~ ('^' || $1 || '_[0-9]+of[0-9]+$'))
+ORDER BY slot_name
 
 -- name: wal_slot [postgres only]
 -- Slot $1: whether a session streams from it, whether PostgreSQL removed
@@ -125,9 +148,10 @@ WHERE relay_wal_slots.generation = $3
 -- range covers (a recovered slot publishes again only what was not
 -- delivered), in id order (the primary key). The covering range of an id is
 -- the one with the greatest lo <= id (ranges never overlap): one probe.
+-- Only stream $5 of $4's lanes (`--streams`; 0 of 1: every row).
 SELECT o.id, o.tenant, o.topic, o.key, o.payload, o.headers, o.effect_key, o.traceparent, o.created_at
 FROM outbox o
-WHERE o.state = 'pending' AND o.id > $1 AND o.id <= $3
+WHERE o.state = 'pending' AND o.id > $1 AND o.id <= $3 AND o.lane % $4::int = $5::int
   AND NOT COALESCE((SELECT d.hi FROM outbox_delivered d WHERE d.lo <= o.id
                     ORDER BY d.lo DESC LIMIT 1) >= o.id, false)
 ORDER BY o.id
@@ -206,10 +230,11 @@ WHERE id = $1 AND state = 'pending'
 -- name: wal_pending_ids [postgres only]
 -- The rows a replay announced, still pending and not covered (a session
 -- reading the announcement again after an earlier one delivered them), in
--- id order.
+-- id order. Only stream $3 of $2's lanes (`--streams`; 0 of 1: every row):
+-- every stream reads the announcement.
 SELECT o.id, o.tenant, o.topic, o.key, o.payload, o.headers, o.effect_key, o.traceparent, o.created_at
 FROM outbox o
-WHERE o.id {ids $1} AND o.state = 'pending'
+WHERE o.id {ids $1} AND o.state = 'pending' AND o.lane % $2::int = $3::int
   AND NOT COALESCE((SELECT d.hi FROM outbox_delivered d WHERE d.lo <= o.id
                     ORDER BY d.lo DESC LIMIT 1) >= o.id, false)
 ORDER BY o.id
@@ -254,3 +279,19 @@ SELECT COALESCE((r.sent_lsn - '0/0'::pg_lsn)::bigint, -1)
 FROM pg_replication_slots s
 JOIN pg_stat_replication r ON r.pid = s.active_pid
 WHERE s.slot_name = $1 AND r.application_name = $2
+
+-- name: wal_member_heartbeat [postgres only]
+-- Relay $2 takes part in group $1's streams for $4 more.
+INSERT INTO relay_wal_members (slot, owner, expires_at) VALUES ($1, $2, {now $3} + $4)
+ON CONFLICT ON CONSTRAINT relay_wal_members_pkey DO UPDATE SET expires_at = EXCLUDED.expires_at
+
+-- name: wal_members [postgres only]
+-- Group $1's relays whose heartbeat has not expired, by owner; the
+-- expired are swept first.
+WITH swept AS (
+    DELETE FROM relay_wal_members WHERE slot = $1 AND expires_at <= {now $2}
+)
+SELECT owner FROM relay_wal_members WHERE slot = $1 AND expires_at > {now $2} ORDER BY owner
+
+-- name: wal_member_leave [postgres only]
+DELETE FROM relay_wal_members WHERE slot = $1 AND owner = $2

@@ -268,14 +268,16 @@ impl Relay {
                 lane::Sink::Shared(p, _) => crate::wal::Publisher::Shared(p.clone()),
                 lane::Sink::Transactional(reader) => crate::wal::Publisher::Transactional(reader.clone()),
             };
-            tasks.spawn(crate::wal::run(
+            crate::wal::start(
+                &mut tasks,
                 state.clone(),
                 cfg.clone(),
                 publisher,
                 database_id.clone(),
                 capture,
                 wal_finish.clone(),
-            ));
+            )
+            .await?;
         }
         loop {
             if stopped {

@@ -126,6 +126,9 @@ async fn lost_lease_and_cancellation_stop_the_handler(kind: Kind) {
     // free, may reclaim the job before the thief does; then the thief waits
     // for that handler to start and expires it too.
     let mut started: u32 = 1;
+    // Counted wherever they arrive: a stale handler dropped before the
+    // victim reclaims is signalled before that reclaim's start.
+    let mut dropped: u32 = 0;
     let mut rounds = 0;
     let thief = loop {
         rounds += 1;
@@ -139,11 +142,15 @@ async fn lost_lease_and_cancellation_stop_the_handler(kind: Kind) {
         if let Some(c) = claimed.into_iter().next() {
             break c;
         }
-        while rx.recv().await.expect("handler signals") != "started" {}
+        loop {
+            match rx.recv().await.expect("handler signals") {
+                "started" => break,
+                _ => dropped += 1,
+            }
+        }
         started += 1;
     };
     assert_eq!(thief.lease.generation, 1 + i64::from(started));
-    let mut dropped = 0;
     while dropped < started {
         match rx.recv().await {
             Some("dropped") => dropped += 1,

@@ -129,7 +129,19 @@ pub struct RelayConfig {
     /// docs/migrating-from-debezium.md.
     #[arg(long, env = "FERRY_DEBEZIUM_CONFIG")]
     pub debezium_config: Option<std::path::PathBuf>,
+    /// `--capture wal`: how many streams the outbox is split into, by lane
+    /// (`lane % N`), each a slot and a row-filtered publication of its own
+    /// (`<slot>_<k>of<N>`; one stream keeps the slot's own name). A key
+    /// stays in one stream, in commit order. The relays of a group spread
+    /// the streams evenly and take over a dead relay's; the last relay
+    /// started with another N sets the group's (the others stand by,
+    /// unready, until restarted with it). 1 to 64, at most the lane count.
+    #[arg(long, env = "FERRY_STREAMS", default_value_t = 1)]
+    pub streams: u32,
 }
+
+/// The most streams `--streams` takes (each holds a walsender and a slot).
+pub const MAX_STREAMS: u32 = 64;
 
 impl RelayConfig {
     /// A configuration with the defaults above.
@@ -157,6 +169,7 @@ impl RelayConfig {
             slot: None,
             publication: None,
             debezium_config: None,
+            streams: 1,
         }
     }
 
@@ -199,7 +212,22 @@ impl RelayConfig {
         if self.exactly_once {
             self.check_transaction_timeout()?;
         }
+        if !(1..=MAX_STREAMS).contains(&self.streams) {
+            return Err(RelayError::Config(format!("--streams must be 1 to {MAX_STREAMS}")));
+        }
+        if self.streams > 1 && self.capture == Some(Capture::Poll) {
+            return Err(RelayError::Config(
+                "--streams splits WAL capture; polled lanes are already parallel (--capture poll takes no --streams)"
+                    .into(),
+            ));
+        }
         if self.debezium_config.is_some() {
+            if self.streams > 1 {
+                return Err(RelayError::Config(
+                    "--debezium-config streams from the connector's one slot; --streams is not supported with it"
+                        .into(),
+                ));
+            }
             if self.exactly_once {
                 return Err(RelayError::Config(
                     "--debezium-config publishes at least once; --exactly-once is not supported with it".into(),

@@ -22,7 +22,7 @@ mod queries {
 mod wal;
 use queries::QUERIES;
 
-pub use wal::{CatchUp, PublishedTable, SlotState, WalSetting};
+pub use wal::{CatchUp, LayoutSlot, PublishedTable, SlotState, Stream, WalSetting};
 
 /// A lane this relay holds, at a generation.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, sqlx::FromRow)]

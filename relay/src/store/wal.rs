@@ -112,6 +112,46 @@ pub struct SlotState {
     pub usable: bool,
 }
 
+/// One stream of a relay group's outbox (`--streams`): the rows whose
+/// `lane % count == index`, from a slot and a row-filtered publication of
+/// their own.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Stream {
+    /// Which stream, 0 to `count - 1`.
+    pub index: u32,
+    /// How many streams the group's outbox is split into.
+    pub count: u32,
+}
+
+impl Stream {
+    /// The outbox whole, in one stream (no `--streams`).
+    pub const WHOLE: Stream = Stream { index: 0, count: 1 };
+
+    /// The publication's row filter, as PostgreSQL prints it back
+    /// (`pg_publication_tables.rowfilter`); `None` for the whole outbox.
+    pub fn row_filter(&self) -> Option<String> {
+        (self.count > 1).then(|| format!("((lane % {}) = {})", self.count, self.index))
+    }
+
+    /// The slot (or publication) name of this stream in a group named
+    /// `base`: `base` itself for the whole outbox, else `<base>_<k>of<N>`.
+    pub fn name(&self, base: &str) -> String {
+        match self.count {
+            1 => base.to_string(),
+            n => format!("{base}_{}of{n}", self.index),
+        }
+    }
+}
+
+/// A slot of a relay group, whatever its layout ([`RelayStore::wal_layout_slots`]).
+#[derive(Debug, Clone, PartialEq, Eq, sqlx::FromRow)]
+pub struct LayoutSlot {
+    /// The slot's name.
+    pub name: String,
+    /// A session streams from it.
+    pub active: bool,
+}
+
 /// The table read a slot still needs ([`RelayStore::wal_catch_up`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct CatchUp {
@@ -150,27 +190,132 @@ impl RelayStore {
     }
 
     /// Whether `publication` exists, and whether it publishes the inserts of
-    /// `table`.
-    pub async fn wal_publication(&self, publication: &str, table: &PublishedTable) -> Result<(bool, bool)> {
+    /// `table` (with `filter`: exactly that row filter, `None` for none; a
+    /// publication filtered otherwise would skip rows the stream owns).
+    pub async fn wal_publication(
+        &self,
+        publication: &str,
+        table: &PublishedTable,
+        filter: Option<Option<String>>,
+    ) -> Result<(bool, bool)> {
         bounded(async move {
             Ok(sqlx::query_as(Q.wal_publication)
                 .bind(publication)
                 .bind(table.schema.as_deref())
                 .bind(&table.name)
+                .bind(filter.clone().flatten())
+                .bind(filter.is_some())
                 .fetch_one(self.pg()?)
                 .await?)
         })
         .await
     }
 
-    /// Creates `publication` on `table`, inserts only. A concurrent
-    /// creation by another relay is not an error.
-    pub async fn create_wal_publication(&self, publication: &str, table: &PublishedTable) -> Result<()> {
-        self.publication_ddl(
-            publication,
-            table,
-            "CREATE PUBLICATION {p} FOR TABLE {t} WITH (publish = 'insert')",
-        )
+    /// Creates `publication` on `table`, inserts only, and with `stream`
+    /// only its lanes' rows (a row filter). A concurrent creation by
+    /// another relay is not an error.
+    pub async fn create_wal_publication(
+        &self,
+        publication: &str,
+        table: &PublishedTable,
+        stream: Stream,
+    ) -> Result<()> {
+        let ddl = match stream.row_filter() {
+            Some(f) => format!("CREATE PUBLICATION {{p}} FOR TABLE {{t}} WHERE {f} WITH (publish = 'insert')"),
+            None => "CREATE PUBLICATION {p} FOR TABLE {t} WITH (publish = 'insert')".into(),
+        };
+        self.publication_ddl(publication, table, &ddl).await
+    }
+
+    /// Drops `publication` (a stream layout's no relay uses any more); one
+    /// already gone is not an error.
+    pub async fn drop_wal_publication(&self, publication: &str) -> Result<()> {
+        crate::config::check_identifier("publication", publication).map_err(|_| Error::InvalidInput {
+            field: "publication",
+            reason: "use 1 to 63 lowercase letters, digits and '_'".into(),
+        })?;
+        bounded(async move {
+            sqlx::query(&format!("DROP PUBLICATION IF EXISTS {publication}"))
+                .execute(self.pg()?)
+                .await?;
+            Ok(())
+        })
+        .await
+    }
+
+    /// How many streams relay group `base` (its base slot's name) is split
+    /// into: the last started relay's `--streams`; 1 when none said.
+    pub async fn wal_layout(&self, base: &str) -> Result<u32> {
+        bounded(async move {
+            let n: Option<i32> = sqlx::query_scalar(Q.wal_layout)
+                .bind(base)
+                .fetch_optional(self.pg()?)
+                .await?;
+            Ok(n.map_or(1, |n| n.max(1) as u32))
+        })
+        .await
+    }
+
+    /// Sets relay group `base`'s stream count (a relay's start); returns
+    /// the count it replaced.
+    pub async fn set_wal_layout(&self, base: &str, streams: u32) -> Result<u32> {
+        let before = self.wal_layout(base).await?;
+        bounded(async move {
+            sqlx::query(Q.wal_set_layout)
+                .bind(base)
+                .bind(streams as i32)
+                .bind(self.ferry().clock().param())
+                .execute(self.pg()?)
+                .await?;
+            Ok(before)
+        })
+        .await
+    }
+
+    /// Announces relay `owner` in group `base`'s streams for `ttl`, and
+    /// returns the group's live relays (this one included), by owner.
+    pub async fn wal_member_heartbeat(&self, base: &str, owner: &str, ttl: Duration) -> Result<Vec<String>> {
+        let ttl = ferry::time::duration_ms(ttl)?;
+        bounded(async move {
+            let pool = self.pg()?;
+            sqlx::query(Q.wal_member_heartbeat)
+                .bind(base)
+                .bind(owner)
+                .bind(self.ferry().clock().param())
+                .bind(ttl)
+                .execute(pool)
+                .await?;
+            Ok(sqlx::query_scalar(Q.wal_members)
+                .bind(base)
+                .bind(self.ferry().clock().param())
+                .fetch_all(pool)
+                .await?)
+        })
+        .await
+    }
+
+    /// Relay `owner` leaves group `base`'s streams (a clean shutdown): the
+    /// others take its share at once instead of after its heartbeat.
+    pub async fn wal_member_leave(&self, base: &str, owner: &str) -> Result<()> {
+        bounded(async move {
+            sqlx::query(Q.wal_member_leave)
+                .bind(base)
+                .bind(owner)
+                .execute(self.pg()?)
+                .await?;
+            Ok(())
+        })
+        .await
+    }
+
+    /// Every slot of relay group `base` in this database, of any layout.
+    pub async fn wal_layout_slots(&self, base: &str) -> Result<Vec<LayoutSlot>> {
+        bounded(async move {
+            Ok(sqlx::query_as(Q.wal_layout_slots)
+                .bind(base)
+                .fetch_all(self.pg()?)
+                .await?)
+        })
         .await
     }
 
@@ -178,9 +323,21 @@ impl RelayStore {
     /// table was replaced by a copy, a new relation id, or an operator
     /// altered it). Tables already in it stay; one already there is not an
     /// error.
-    pub async fn add_table_to_wal_publication(&self, publication: &str, table: &PublishedTable) -> Result<()> {
-        self.publication_ddl(publication, table, "ALTER PUBLICATION {p} ADD TABLE {t}")
-            .await
+    ///
+    /// A stream's publication (`--streams`, Ferry's own, on `outbox` alone)
+    /// is set to the table with the stream's row filter instead, whatever
+    /// it held.
+    pub async fn add_table_to_wal_publication(
+        &self,
+        publication: &str,
+        table: &PublishedTable,
+        stream: Stream,
+    ) -> Result<()> {
+        let ddl = match stream.row_filter() {
+            Some(f) => format!("ALTER PUBLICATION {{p}} SET TABLE {{t}} WHERE {f}"),
+            None => "ALTER PUBLICATION {p} ADD TABLE {t}".into(),
+        };
+        self.publication_ddl(publication, table, &ddl).await
     }
 
     /// Runs `ddl` with `{p}` replaced by `publication`, a name
@@ -320,11 +477,24 @@ impl RelayStore {
     /// The catch-up read: up to `limit` pending rows above `after` and up
     /// to `through`, in id order.
     pub async fn pending_after(&self, after: i64, through: i64, limit: u32) -> Result<Vec<PendingRow>> {
+        self.pending_after_in(Stream::WHOLE, after, through, limit).await
+    }
+
+    /// [`Self::pending_after`] for the rows of `stream`'s lanes only.
+    pub async fn pending_after_in(
+        &self,
+        stream: Stream,
+        after: i64,
+        through: i64,
+        limit: u32,
+    ) -> Result<Vec<PendingRow>> {
         bounded_by(LONG_STATEMENT_BOUND, async move {
             let rows: Vec<PendingSqlRow> = sqlx::query_as(Q.wal_pending_after)
                 .bind(after)
                 .bind(i64::from(limit))
                 .bind(through)
+                .bind(stream.count as i32)
+                .bind(stream.index as i32)
                 .fetch_all(self.pg()?)
                 .await?;
             Ok(Self::pending_rows(rows))
@@ -503,9 +673,17 @@ impl RelayStore {
 
     /// The announced rows `ids` that are still pending, in id order.
     pub async fn pending_ids(&self, ids: &[i64]) -> Result<Vec<PendingRow>> {
+        self.pending_ids_in(Stream::WHOLE, ids).await
+    }
+
+    /// [`Self::pending_ids`] for the rows of `stream`'s lanes only (every
+    /// stream reads a replay's announcement; each publishes its own rows).
+    pub async fn pending_ids_in(&self, stream: Stream, ids: &[i64]) -> Result<Vec<PendingRow>> {
         bounded(async move {
             let rows: Vec<PendingSqlRow> = sqlx::query_as(Q.wal_pending_ids)
                 .bind(ferry::store::Ids(ids))
+                .bind(stream.count as i32)
+                .bind(stream.index as i32)
                 .fetch_all(self.pg()?)
                 .await?;
             Ok(Self::pending_rows(rows))

@@ -81,6 +81,11 @@ pub enum Ended {
     /// Another session streams from the slot (SQLSTATE 55006): wait as a
     /// standby and try again.
     SlotInUse,
+    /// `--streams`: the stream is another relay's share (the session
+    /// did not start), or this relay streams more than its share and gave
+    /// its highest stream back, ending cleanly: wait until the share
+    /// changes.
+    Yielded,
     /// The slot cannot carry on: it was dropped (42704 on the slot), lost
     /// the WAL it needed (55000), or its publication is gone (42704 on the
     /// publication: the slot's historic catalog never sees a new one). The
@@ -122,6 +127,7 @@ impl Ended {
         match self {
             Ended::Shutdown => "shutdown",
             Ended::SlotInUse => "slot_in_use",
+            Ended::Yielded => "stream_yielded",
             Ended::Reseed(code) | Ended::Retry(code) | Ended::Stopped(code) => code,
             Ended::Isolate { .. } => "isolate",
             Ended::Aborted => "aborted",

@@ -45,7 +45,7 @@ use crate::debezium::EventRouter;
 use crate::error::RelayError;
 use crate::exactly_once::ProgressReader;
 use crate::state::RelayState;
-use crate::store::{PublishedTable, RelayStore};
+use crate::store::{PublishedTable, RelayStore, Stream};
 
 mod connect;
 pub(crate) mod ledger;
@@ -53,6 +53,7 @@ mod marker;
 mod pgoutput;
 mod pipeline;
 mod session;
+pub(crate) mod streams;
 
 use connect::Ended;
 pub(crate) use pgoutput::unhex;
@@ -77,9 +78,65 @@ pub struct WalCapture {
     /// With `--debezium-config`: the Debezium-layout table streamed
     /// instead of `outbox`, and how its rows become records.
     pub router: Option<Arc<EventRouter>>,
+    /// The relay group's base slot (`--slot`, or the default): its stream
+    /// layout is recorded under it, and the streams' slots are named after
+    /// it.
+    pub group: String,
+    /// Which of the group's streams this is ([`Stream::WHOLE`] without
+    /// `--streams`).
+    pub stream: Stream,
 }
 
 impl WalCapture {
+    /// The `count` streams of this group (`--streams`): stream k streams
+    /// from slot `<slot>_<k>of<N>` and publication `<publication>_<k>of<N>`
+    /// (filtered on `lane % N = k`); one stream is this capture itself.
+    /// Refused when a name would pass PostgreSQL's 63 bytes.
+    pub fn streams(&self, database_url: &str, count: u32) -> Result<Vec<WalCapture>, RelayError> {
+        (0..count)
+            .map(|index| {
+                let stream = Stream { index, count };
+                let (slot, publication) = (stream.name(&self.group), stream.name(&self.publication_base()));
+                for (what, name) in [("--slot", &slot), ("--publication", &publication)] {
+                    crate::config::check_identifier(what, name).map_err(|_| {
+                        RelayError::Config(format!(
+                            "--streams {count}: stream {index}'s {what} name {name} is over 63 bytes; choose a shorter {what}"
+                        ))
+                    })?;
+                }
+                let replication =
+                    connect::replication_config(database_url, &slot, &publication, &self.application_name)?;
+                Ok(WalCapture {
+                    slot,
+                    publication,
+                    replication,
+                    stream,
+                    ..self.clone()
+                })
+            })
+            .collect()
+    }
+
+    /// The publication name the streams' are made from (this capture's,
+    /// before any stream suffix).
+    pub(crate) fn publication_base(&self) -> String {
+        match self.stream.count {
+            1 => self.publication.clone(),
+            _ => self
+                .publication
+                .strip_suffix(&format!("_{}of{}", self.stream.index, self.stream.count))
+                .unwrap_or(&self.publication)
+                .to_string(),
+        }
+    }
+
+    /// The row filter the publication must have (`Some(None)`: none), or
+    /// `None` when it is not checked (a Debezium connector's publication,
+    /// which an operator made).
+    pub fn row_filter(&self) -> Option<Option<String>> {
+        self.router.is_none().then(|| self.stream.row_filter())
+    }
+
     /// The table the publication must publish: this schema's `outbox`, or
     /// the Debezium-layout table.
     pub fn table(&self) -> PublishedTable {
@@ -118,8 +175,8 @@ pub fn default_slot(database_id: &str) -> String {
 /// records are not read by WAL capture).
 pub async fn plan(cfg: &RelayConfig, store: &RelayStore, owner: &str) -> Result<Option<WalCapture>, RelayError> {
     let refuse = |why: &str| RelayError::Config(format!("--capture wal: {why}"));
-    // `--debezium-config` reads the WAL or nothing.
-    let wal_asked = cfg.capture == Some(Capture::Wal) || cfg.debezium_config.is_some();
+    // `--debezium-config` reads the WAL or nothing, and `--streams` splits it.
+    let wal_asked = cfg.capture == Some(Capture::Wal) || cfg.debezium_config.is_some() || cfg.streams > 1;
     if store.ferry().db().as_postgres().is_none() {
         return match wal_asked {
             true => Err(refuse("needs PostgreSQL; SQLite always polls")),
@@ -146,6 +203,13 @@ pub async fn plan(cfg: &RelayConfig, store: &RelayStore, owner: &str) -> Result<
         }
         tracing::info!("capture: poll ({why})");
         return Ok(None);
+    }
+    let lanes = store.ferry().lanes();
+    if i64::from(cfg.streams) > i64::from(lanes) {
+        return Err(RelayError::Config(format!(
+            "--streams {} splits the outbox by lane, and the database has {lanes} lanes: at most {lanes} streams",
+            cfg.streams
+        )));
     }
     let router = match &cfg.debezium_config {
         Some(path) => {
@@ -176,8 +240,10 @@ pub async fn plan(cfg: &RelayConfig, store: &RelayStore, owner: &str) -> Result<
         application_name.pop();
     }
     let replication = connect::replication_config(&cfg.database_url, &slot, &publication, &application_name)?;
-    tracing::info!(%slot, %publication, failover_slot = setting.failover_slots(), "capture: wal");
+    tracing::info!(%slot, %publication, failover_slot = setting.failover_slots(), streams = cfg.streams, "capture: wal");
     Ok(Some(WalCapture {
+        group: slot.clone(),
+        stream: Stream::WHOLE,
         slot,
         publication,
         failover: setting.failover_slots(),
@@ -229,18 +295,81 @@ pub enum Publisher {
     Transactional(Arc<ProgressReader>),
 }
 
-/// Streams the outbox from the WAL until `finish`: one session after
-/// another, waiting as a standby while another relay holds the slot,
-/// making the slot anew when it cannot go on, backing off after failures.
-/// Cancels `state.fatal` when the producer failed fatally.
-pub async fn run(
+/// Starts WAL capture on `tasks`: records the group's stream layout (this
+/// relay's `--streams`), then one session loop per stream ([`run`]) and,
+/// with several, the membership that spreads them ([`streams::coordinate`]).
+pub(crate) async fn start(
+    tasks: &mut tokio::task::JoinSet<()>,
     state: Arc<RelayState>,
     cfg: Arc<RelayConfig>,
     publisher: Publisher,
     database_id: Arc<str>,
     capture: WalCapture,
     finish: CancellationToken,
+) -> Result<(), RelayError> {
+    let count = cfg.streams;
+    let captures = capture.streams(&cfg.database_url, count)?;
+    let before = state.store.set_wal_layout(&capture.group, count).await?;
+    if before != count {
+        tracing::warn!(group = %capture.group, before, now = count, "the relay group's stream layout changes: relays of the old one stop streaming; the new streams start once the old slots are idle (their pending rows are read from the table)");
+    }
+    let share = match count {
+        1 => streams::Share::whole(),
+        _ => {
+            let share = streams::Share::split();
+            tasks.spawn(streams::coordinate(
+                state.clone(),
+                capture.group.clone(),
+                state.owner.clone(),
+                count,
+                cfg.lease,
+                share.clone(),
+                finish.clone(),
+            ));
+            share
+        }
+    };
+    for capture in captures {
+        // At least once, each further stream has a producer of its own: a
+        // stream isolating a poison row publishes one record per produce
+        // request, which a producer shared with another stream would batch
+        // with that stream's records (a valid row then refused with
+        // another's poison row, taken for poison itself). Each stream's
+        // producer is also its own librdkafka threads.
+        let publisher = match (&publisher, capture.stream.index) {
+            (Publisher::Shared(_), 1..) => Publisher::Shared(crate::publish::producer(&cfg)?),
+            _ => publisher.clone(),
+        };
+        tasks.spawn(run(
+            state.clone(),
+            cfg.clone(),
+            publisher,
+            database_id.clone(),
+            capture,
+            share.clone(),
+            finish.clone(),
+        ));
+    }
+    Ok(())
+}
+
+/// Streams the outbox from the WAL until `finish`: one session after
+/// another, waiting as a standby while another relay holds the slot,
+/// making the slot anew when it cannot go on, backing off after failures.
+/// Cancels `state.fatal` when the producer failed fatally.
+///
+/// With `--streams`, one such loop runs per stream, all sharing `share`
+/// (see [`streams`]).
+pub(crate) async fn run(
+    state: Arc<RelayState>,
+    cfg: Arc<RelayConfig>,
+    publisher: Publisher,
+    database_id: Arc<str>,
+    capture: WalCapture,
+    share: Arc<streams::Share>,
+    finish: CancellationToken,
 ) {
+    let mut share_changed = share.subscribe();
     let ctx = Ctx {
         state,
         cfg,
@@ -248,6 +377,7 @@ pub async fn run(
         database_id,
         capture,
         streamed: std::sync::atomic::AtomicBool::new(false),
+        share,
     };
     let mut backoff = crate::lane::retry_backoff();
     let mut iso = Isolation::default();
@@ -255,8 +385,17 @@ pub async fn run(
     while !finish.is_cancelled() {
         let ended = session::run(&ctx, &mut iso, &mut reseed, &finish).await;
         ctx.state.metrics.wal_session_ended(ended.code());
+        let mut on_share = false;
         let wait = match ended {
             Ended::Shutdown => break,
+            Ended::Yielded => {
+                // Another relay's stream (or given to one): healthy, waiting
+                // for this relay's share to change.
+                ctx.state.ready.store(true, std::sync::atomic::Ordering::Relaxed);
+                backoff = crate::lane::retry_backoff();
+                on_share = true;
+                ctx.cfg.lease / 3
+            }
             Ended::Fatal => {
                 tracing::error!("fatal producer error; the relay stops and exits to be restarted");
                 ctx.state.fatal.cancel();
@@ -331,6 +470,7 @@ pub async fn run(
         };
         tokio::select! {
             _ = tokio::time::sleep(wait) => {}
+            _ = share_changed.changed(), if on_share => {}
             _ = finish.cancelled() => break,
         }
     }
@@ -355,4 +495,6 @@ pub(super) struct Ctx {
     /// A session of this process has streamed from the slot: a slot
     /// missing since was dropped, not yet made.
     pub streamed: std::sync::atomic::AtomicBool,
+    /// This relay's share of the group's streams (`--streams`).
+    pub share: Arc<streams::Share>,
 }

@@ -18,6 +18,7 @@ use super::connect::{classify, Ended, STATUS_INTERVAL};
 use super::pgoutput::{Decoder, Message};
 use super::pipeline::{self, Pipeline};
 use super::{marker, Ctx, Isolation, Publisher};
+use crate::store::CatchUp;
 
 /// The most records in flight before the stream waits for
 /// acknowledgements (the idempotent producer keeps each partition in order,
@@ -33,9 +34,31 @@ const PG_EPOCH_US: i64 = 946_684_800_000_000;
 
 /// Runs one session; how it ended decides what the relay does next.
 pub(super) async fn run(ctx: &Ctx, iso: &mut Isolation, reseed: &mut bool, finish: &CancellationToken) -> Ended {
+    if !ctx.share.may_take(ctx.capture.stream.index) {
+        return Ended::Yielded;
+    }
     if let Err(end) = prepare(ctx, reseed, finish).await {
         return end;
     }
+    // The table read this slot still needs, read before streaming starts:
+    // a making of the slot after this (the slot invalidated under the
+    // session, and made anew by another relay) changes the generation, so
+    // this read records nothing for it. Read later, it could take a new
+    // slot's generation before that slot's consistent point and record a
+    // read that missed rows committed before it. A Debezium-layout table
+    // is not read: its rows are usually deleted in the transaction that
+    // wrote them, and the slot, made before the cut-over, streams what
+    // commits after it.
+    let read = match ctx.capture.router {
+        Some(_) => None,
+        None => match ctx.state.store.wal_catch_up(&ctx.capture.slot).await {
+            Ok(read) => read,
+            Err(e) => {
+                tracing::warn!(error = %e, "reading the slot's catch-up flag failed");
+                return Ended::Retry("database");
+            }
+        },
+    };
     let sent = Arc::new(Notify::new());
     let observed = sent.clone();
     let repl = ctx
@@ -60,6 +83,7 @@ pub(super) async fn run(ctx: &Ctx, iso: &mut Isolation, reseed: &mut bool, finis
     };
     ctx.state.ready.store(true, std::sync::atomic::Ordering::Relaxed);
     ctx.streamed.store(true, std::sync::atomic::Ordering::Relaxed);
+    let _held = ctx.share.hold(ctx.capture.stream.index);
     tracing::info!(slot = %ctx.capture.slot, "streaming from the replication slot");
     // Exactly once: only now, with the slot ours, fence earlier producers.
     let (producer, eo) = match &ctx.publisher {
@@ -97,14 +121,11 @@ pub(super) async fn run(ctx: &Ctx, iso: &mut Isolation, reseed: &mut bool, finis
     let end = if !pipeline.mark_committed().await {
         pipeline.failed().cloned().unwrap_or(Ended::Retry("marker_stopped"))
     } else {
-        // A Debezium-layout table is not read: its rows are usually
-        // deleted in the transaction that wrote them, and the slot, made
-        // before the cut-over, streams what commits after it.
-        let read = match ctx.capture.router {
-            None => catch_up(ctx, &mut pipeline, iso, finish).await,
-            Some(_) => None,
+        let ended = match read {
+            Some(read) => catch_up(ctx, &mut pipeline, read, iso, finish).await,
+            None => None,
         };
-        match read {
+        match ended {
             Some(end) => end,
             None => stream(ctx, &mut pipeline, &mut client, &mut confirmed, iso, finish).await,
         }
@@ -112,7 +133,7 @@ pub(super) async fn run(ctx: &Ctx, iso: &mut Isolation, reseed: &mut bool, finis
     // Wind down: settle what is in flight, mark the acknowledged prefix,
     // confirm it, and only then let the slot go.
     pipeline.settle_all().await;
-    let clean = end == Ended::Shutdown && pipeline.failed().is_none();
+    let clean = matches!(end, Ended::Shutdown | Ended::Yielded) && pipeline.failed().is_none();
     iso.dead.extend(pipeline.close_kafka(clean).await);
     drop(pipeline);
     // The marker's last statement may be stuck on a dead connection (its
@@ -123,7 +144,7 @@ pub(super) async fn run(ctx: &Ctx, iso: &mut Isolation, reseed: &mut bool, finis
     // nothing is waited for on it.
     let dead = matches!(end, Ended::Retry("replication_silent" | "database"));
     let (marker_wait, client_wait) = match (&end, dead) {
-        (Ended::Shutdown, _) => (PING_WAIT, Duration::from_secs(5)),
+        (Ended::Shutdown | Ended::Yielded, _) => (PING_WAIT, Duration::from_secs(5)),
         (_, false) => (Duration::from_secs(2), Duration::from_secs(5)),
         (_, true) => (Duration::from_secs(2), Duration::from_secs(1)),
     };
@@ -162,8 +183,13 @@ async fn prepare(ctx: &Ctx, reseed: &mut bool, finish: &CancellationToken) -> Re
         tracing::warn!(error = %e, code = e.code(), "preparing the replication slot failed");
         Ended::Retry("database")
     };
+    super::streams::retire_other_layouts(ctx).await?;
     let table = ctx.capture.table();
-    let (found, covers) = store.wal_publication(publication, &table).await.map_err(db)?;
+    let filter = ctx.capture.row_filter();
+    let (found, covers) = store
+        .wal_publication(publication, &table, filter.clone())
+        .await
+        .map_err(db)?;
     let mut existing = store.wal_slot(slot).await.map_err(db)?;
     // A Debezium-layout table is never read, so its slot is never dropped
     // or made anew behind an operator's back: each would skip rows.
@@ -174,7 +200,10 @@ async fn prepare(ctx: &Ctx, reseed: &mut bool, finish: &CancellationToken) -> Re
     }
     if !found {
         tracing::info!(%publication, table = %table.name, "creating the publication (inserts only)");
-        store.create_wal_publication(publication, &table).await.map_err(db)?;
+        store
+            .create_wal_publication(publication, &table, ctx.capture.stream)
+            .await
+            .map_err(db)?;
     } else if !covers && debezium {
         // A Debezium-layout table has no table read to cover a slot made
         // anew: the slot is kept and the relay waits for an operator.
@@ -195,10 +224,10 @@ async fn prepare(ctx: &Ctx, reseed: &mut bool, finish: &CancellationToken) -> Re
             existing = None;
         }
         store
-            .add_table_to_wal_publication(publication, &table)
+            .add_table_to_wal_publication(publication, &table, ctx.capture.stream)
             .await
             .map_err(db)?;
-        if !store.wal_publication(publication, &table).await.map_err(db)?.1 {
+        if !store.wal_publication(publication, &table, filter).await.map_err(db)?.1 {
             tracing::error!(%publication, "the publication does not publish this schema's outbox inserts, even with outbox added (publish = 'insert' is off?)");
             return Err(Ended::Retry("publication_mismatch"));
         }
@@ -256,19 +285,13 @@ async fn prepare(ctx: &Ctx, reseed: &mut bool, finish: &CancellationToken) -> Re
 async fn catch_up(
     ctx: &Ctx,
     pipeline: &mut Pipeline<'_>,
+    read: CatchUp,
     iso: &mut Isolation,
     finish: &CancellationToken,
 ) -> Option<Ended> {
     let store = &ctx.state.store;
     let slot = &ctx.capture.slot;
-    let (through, generation) = match store.wal_catch_up(slot).await {
-        Ok(None) => return None,
-        Ok(Some(c)) => (c.through, c.generation),
-        Err(e) => {
-            tracing::warn!(error = %e, "reading the slot's catch-up flag failed");
-            return Some(Ended::Retry("database"));
-        }
-    };
+    let CatchUp { through, generation } = read;
     tracing::info!(%slot, through, "publishing the rows committed before the slot from the table");
     pipeline.forget_old_slot_position();
     let exactly_once = matches!(ctx.publisher, Publisher::Transactional(_));
@@ -284,7 +307,7 @@ async fn catch_up(
         } else {
             ctx.cfg.batch_size
         };
-        let rows = match store.pending_after(after, through, limit).await {
+        let rows = match store.pending_after_in(ctx.capture.stream, after, through, limit).await {
             Ok(rows) => rows,
             Err(e) => {
                 tracing::warn!(error = %e, "the catch-up read failed");
@@ -397,6 +420,13 @@ async fn stream(
             _ = tokio::time::sleep_until(check_at) => {
                 check_at = tokio::time::Instant::now() + PUBLICATION_CHECK;
                 if let Some(end) = publication_lost(ctx).await {
+                    return end;
+                }
+                if ctx.share.must_yield(ctx.capture.stream.index) {
+                    tracing::info!(slot = %ctx.capture.slot, "this relay streams more than its share: giving this stream to another relay");
+                    return Ended::Yielded;
+                }
+                if let Err(end) = super::streams::layout_is_mine(ctx).await {
                     return end;
                 }
             }
@@ -539,7 +569,9 @@ async fn publication_lost(ctx: &Ctx) -> Option<Ended> {
     let table = ctx.capture.table();
     match tokio::time::timeout(
         PING_WAIT,
-        ctx.state.store.wal_publication(&ctx.capture.publication, &table),
+        ctx.state
+            .store
+            .wal_publication(&ctx.capture.publication, &table, ctx.capture.row_filter()),
     )
     .await
     {
@@ -697,7 +729,12 @@ async fn replayed(ctx: &Ctx, pipeline: &mut Pipeline<'_>, content: &[u8]) -> Res
         }
         tokio::time::sleep(marker::VISIBLE_WAIT).await;
     }
-    let rows = ctx.state.store.pending_ids(&ids).await.map_err(db)?;
+    let rows = ctx
+        .state
+        .store
+        .pending_ids_in(ctx.capture.stream, &ids)
+        .await
+        .map_err(db)?;
     for row in &rows {
         pipeline.produce_replayed(row).await;
     }

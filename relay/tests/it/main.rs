@@ -17,4 +17,5 @@ mod wal_exactly_once;
 mod wal_failover;
 mod wal_faults;
 mod wal_network;
+mod wal_streams;
 mod writers;

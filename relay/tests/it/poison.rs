@@ -54,12 +54,17 @@ pub(crate) fn poison_topic(broker: &Kafka, name: &str, partitions: i32) {
     broker.create_topic_with(name, partitions, &[("max.message.bytes", "2000")]);
 }
 
-/// `n` keys whose rows fall in `n` different lanes.
+/// `n` keys whose rows fall in `n` different lanes of one stream.
 fn keys_in_distinct_lanes(ferry: &Ferry, n: usize) -> Vec<String> {
+    // All in one stream (`--streams`), whose rows share a producer.
+    let streams = streams() as i32;
     let mut lanes = HashSet::new();
     (0..)
         .map(|i| format!("key-{i}"))
-        .filter(|k| lanes.insert(lane_for(k, ferry.lanes())))
+        .filter(|k| {
+            let lane = lane_for(k, ferry.lanes());
+            lane % streams == 0 && lanes.insert(lane)
+        })
         .take(n)
         .collect()
 }

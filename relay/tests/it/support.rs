@@ -40,9 +40,11 @@ pub fn relay_config(url: &str, brokers: &str) -> RelayConfig {
 }
 
 /// Runs `scenario(capture)` once per capture mode, as the tests
-/// `<scenario>::poll` and `<scenario>::wal`: one conformance suite, since
-/// every promise of the relay holds whichever way rows are captured.
-/// (`cargo test -p ferry-relay --test it ::wal` runs the WAL half.)
+/// `<scenario>::poll`, `<scenario>::wal` and `<scenario>::wal_streams`
+/// (WAL capture split into [`TEST_STREAMS`] streams, `--streams`): one
+/// conformance suite, since every promise of the relay holds whichever way
+/// rows are captured. (`cargo test -p ferry-relay --test it ::wal` runs the
+/// WAL part.)
 macro_rules! in_both_capture_modes {
     ($($scenario:ident),* $(,)?) => {
         $(
@@ -56,11 +58,31 @@ macro_rules! in_both_capture_modes {
                 async fn wal() {
                     super::$scenario(::ferry_relay::Capture::Wal).await
                 }
+
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn wal_streams() {
+                    $crate::support::STREAMS
+                        .scope($crate::support::TEST_STREAMS, super::$scenario(::ferry_relay::Capture::Wal))
+                        .await
+                }
             }
         )*
     };
 }
 pub(crate) use in_both_capture_modes;
+
+/// The stream count of the conformance suite's `wal_streams` runs.
+pub const TEST_STREAMS: u32 = 2;
+
+tokio::task_local! {
+    /// `--streams` for the slots made in this scope ([`SlotGuard::new`]).
+    pub static STREAMS: u32;
+}
+
+/// The stream count of the running scenario (1 outside a `wal_streams` run).
+pub fn streams() -> u32 {
+    STREAMS.try_with(|n| *n).unwrap_or(1)
+}
 
 /// A test's capture mode: the relay configuration for it and, in WAL
 /// capture, the test's own replication slot, dropped with this guard (after
@@ -446,6 +468,10 @@ fn relay_command(url: &str, brokers: &str, extra: &[&str], env: &[(&str, &str)])
 /// hour old.
 pub struct SlotGuard {
     pub name: String,
+    /// `--streams` of the relays on it (the slots are then
+    /// `<name>_<k>of<N>`).
+    pub streams: u32,
+    streams_arg: String,
     /// The relays started on it: stopped first, or one could make the slot
     /// anew after the guard dropped it.
     relays: std::sync::Mutex<Vec<tokio::task::AbortHandle>>,
@@ -462,10 +488,26 @@ impl SlotGuard {
         if n == 0 {
             drop_stale_slots(born).await;
         }
+        let streams = streams();
         SlotGuard {
             name: format!("ferry_test_{born}_{}_{n}", std::process::id()),
+            streams,
+            streams_arg: streams.to_string(),
             relays: Default::default(),
         }
+    }
+
+    /// The replication slots of the relays on it, one per stream.
+    pub fn slots(&self) -> Vec<String> {
+        (0..self.streams)
+            .map(|index| {
+                ferry_relay::store::Stream {
+                    index,
+                    count: self.streams,
+                }
+                .name(&self.name)
+            })
+            .collect()
     }
 
     /// Starts an in-process relay streaming from this slot.
@@ -475,9 +517,14 @@ impl SlotGuard {
         relay
     }
 
-    /// `--capture wal --slot … --publication …` for a relay process.
-    pub fn args(&self) -> [&str; 6] {
-        ["--capture", "wal", "--slot", &self.name, "--publication", &self.name]
+    /// `--capture wal --slot … --publication …` (and `--streams`) for a
+    /// relay process.
+    pub fn args(&self) -> Vec<&str> {
+        let mut args = vec!["--capture", "wal", "--slot", &self.name, "--publication", &self.name];
+        if self.streams > 1 {
+            args.extend(["--streams", &self.streams_arg]);
+        }
+        args
     }
 
     /// A relay configuration streaming from this slot.
@@ -486,6 +533,7 @@ impl SlotGuard {
         cfg.capture = Some(ferry_relay::Capture::Wal);
         cfg.slot = Some(self.name.clone());
         cfg.publication = Some(self.name.clone());
+        cfg.streams = self.streams;
         cfg
     }
 }
@@ -547,7 +595,11 @@ impl Drop for SlotGuard {
         for relay in self.relays.lock().unwrap().drain(..) {
             relay.abort();
         }
-        let name = self.name.clone();
+        // The slot of one stream too: a test may change the layout.
+        let mut names = self.slots();
+        if self.streams > 1 {
+            names.push(self.name.clone());
+        }
         // A runtime of its own: drop runs inside (or after) the test's.
         let _ = std::thread::spawn(move || {
             let rt = tokio::runtime::Builder::new_current_thread()
@@ -559,13 +611,15 @@ impl Drop for SlotGuard {
                     return;
                 };
                 let deadline = Instant::now() + Duration::from_secs(20);
-                while !terminate_and_drop_slot(&pool, &name).await && Instant::now() < deadline {
-                    tokio::time::sleep(Duration::from_millis(100)).await;
+                for name in names {
+                    while !terminate_and_drop_slot(&pool, &name).await && Instant::now() < deadline {
+                        tokio::time::sleep(Duration::from_millis(100)).await;
+                    }
+                    // Publications are per database, not per schema: no leftovers.
+                    let _ = sqlx::query(&format!("DROP PUBLICATION IF EXISTS {name}"))
+                        .execute(&pool)
+                        .await;
                 }
-                // Publications are per database, not per schema: no leftovers.
-                let _ = sqlx::query(&format!("DROP PUBLICATION IF EXISTS {name}"))
-                    .execute(&pool)
-                    .await;
             });
         })
         .join();

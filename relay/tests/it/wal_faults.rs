@@ -901,10 +901,13 @@ async fn wal_a_table_read_outlived_by_its_slot_is_not_taken_for_the_new_slots() 
 /// could stand once the first's own was written (an `UPDATE` overlapping
 /// it keeps its earlier value): a row of that transaction is then in no
 /// stream and above the bound, lost (seen once under load: the first
-/// outbox row never published). The bound is only the creator's, set after
-/// its `CREATE` returns.
+/// outbox row never published). No bound read before the creator's
+/// consistent point is ever recorded: the second records none, and the
+/// creator's, for a generation the second's start moved on, is not
+/// recorded either (the read then takes every pending row: duplicates at
+/// worst).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn wal_a_slot_made_by_two_relays_at_once_takes_its_bound_from_the_creator() {
+async fn wal_a_slot_made_by_two_relays_at_once_records_no_bound_read_before_its_consistent_point() {
     let (ferry, _) = pg_ferry().await;
     let pool = ferry.db().as_postgres().unwrap().clone();
     let slot = SlotGuard::new().await;

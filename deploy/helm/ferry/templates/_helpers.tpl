@@ -135,6 +135,9 @@ the rendered list with the relay binary.
 {{- with $r.publication }}
 - {{ printf "--publication=%s" . | quote }}
 {{- end }}
+{{- if gt (int $r.streams) 1 }}
+- {{ printf "--streams=%d" (int $r.streams) | quote }}
+{{- end }}
 {{- if $r.exactlyOnce }}
 - --exactly-once
 {{- end }}
