@@ -105,9 +105,12 @@ WHERE s.name = 'database_id' AND current_setting('wal_level') = 'logical'
 -- lag (how long the oldest row not yet delivered has waited: the slot's
 -- confirmed position has passed no pending row, and a row the ledger
 -- covers is delivered; 0 when none waits), and
--- PostgreSQL's `wal_status` and `safe_wal_size` (NULL when it has none).
+-- PostgreSQL's `wal_status` and `safe_wal_size` (NULL when it has none),
+-- and the relay streaming from it (its replication connection's
+-- `application_name`, `ferry-relay <relay id>`).
 SELECT w.slot,
        EXISTS (SELECT 1 FROM pg_stat_replication r WHERE r.pid = s.active_pid) AS active,
+       (SELECT r.application_name::text FROM pg_stat_replication r WHERE r.pid = s.active_pid) AS streamed_by,
        s.slot_name IS NOT NULL AS present,
        COALESCE((pg_current_wal_lsn() - s.confirmed_flush_lsn)::bigint, 0) AS lag_bytes,
        COALESCE((SELECT {now $1} - min(b.oldest)

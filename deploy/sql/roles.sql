@@ -103,8 +103,9 @@ GRANT USAGE ON SEQUENCE ferry_audit_id_seq TO ferry_relay;
 -- `--capture wal` also needs `ALTER ROLE ferry_relay REPLICATION` and its
 -- publication, which only the outbox's owner may create:
 --   CREATE PUBLICATION <slot name> FOR TABLE outbox WITH (publish = 'insert');
--- With `--streams N`, one per stream k (0 to N-1), named <slot>_<k>of<N>:
---   CREATE PUBLICATION <slot>_<k>of<N> FOR TABLE outbox WHERE (lane % N = k) WITH (publish = 'insert');
+-- With `--streams N`, one per stream k (0 to N-1), named after the
+-- publication (`--publication`, default the slot's name):
+--   CREATE PUBLICATION <publication>_<k>of<N> FOR TABLE outbox WHERE (lane % N = k) WITH (publish = 'insert');
 -- Without the REPLICATION attribute the relay polls (`--capture poll`).
 GRANT SELECT, INSERT, UPDATE ON relay_wal_slots, relay_wal_layouts TO ferry_relay;
 GRANT SELECT, INSERT, UPDATE, DELETE ON relay_wal_members TO ferry_relay;

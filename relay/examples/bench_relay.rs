@@ -33,7 +33,12 @@
 //!   `ferry-relay` the run starts);
 //! - `--wal-big`: the same drain of 5M rows (500k with `--quick`) committed
 //!   in one PostgreSQL transaction, and the process's VmHWM (the
-//!   goal: ≤ 64 MiB).
+//!   goal: ≤ 64 MiB);
+//! - `--wal-streams`: one backlog of 1M rows of 100 B (200k with `--quick`)
+//!   drained by one relay with `--streams` 1, 2 and 4, each beside its
+//!   ceilings from the same run: a raw produce, and as many
+//!   `pg_recvlogical` at once as streams, on the same row-filtered
+//!   publications; with the CPU of the relay, the walsenders and the broker.
 #![allow(clippy::print_stdout, missing_docs)]
 
 use std::time::{Duration, Instant};
@@ -64,6 +69,7 @@ async fn main() -> Res<()> {
         "--wal-process",
         "--wal-big",
         "--wal-latency",
+        "--wal-streams",
     ];
     if modes.iter().any(|m| has(m)) {
         println!(
@@ -95,6 +101,12 @@ async fn main() -> Res<()> {
         if has("--wal-latency") {
             drop_orphan_slots().await?;
             let ran = wal_latency(&brokers, &broker, quick, has("--debezium")).await;
+            drop_bench_slots(&format!("ferry_bench_{}_", std::process::id())).await?;
+            ran?;
+        }
+        if has("--wal-streams") {
+            drop_orphan_slots().await?;
+            let ran = wal_streams(&brokers, &broker, quick).await;
             drop_bench_slots(&format!("ferry_bench_{}_", std::process::id())).await?;
             ran?;
         }
@@ -1078,6 +1090,163 @@ async fn wal_drain(brokers: &str, topic: &str, n: usize, size: usize, delete: bo
     stop.cancel();
     handle.await??;
     drop_bench_slots(&slot).await?;
+    Ok((rate, cpu))
+}
+
+/// `--wal-streams`: the drain of one backlog with `--streams` 1, 2 and 4,
+/// each beside a raw produce and as many `pg_recvlogical` at once on the
+/// same row-filtered publications (the ceiling of N streams).
+async fn wal_streams(brokers: &str, broker: &ferry_testkit::Kafka, quick: bool) -> Res<()> {
+    let n = if quick { 200_000 } else { 1_000_000 };
+    let topic = "bench-streams";
+    broker.create_topic(topic, 6);
+    println!("load before: {}", uptime());
+    // The broker warmed first, as the relays find it.
+    raw_produce(brokers, topic, n.min(100_000), 100).await?;
+    let raw = raw_produce(brokers, topic, n, 100).await?;
+    println!(
+        "{:<52} {raw:>12.0} {:>14}",
+        format!("raw rdkafka produce, {n} × 100 B (rows/s)"),
+        "ceiling"
+    );
+    for count in [1u32, 2, 4] {
+        let (recv, recv_cpu) = recvlogical_streams(n, count).await?;
+        let (rate, cpu) = streams_drain(brokers, topic, n, count).await?;
+        let ceiling = raw.min(recv);
+        println!(
+            "{:<52} {rate:>12.0} {:>14}",
+            format!("--capture wal --streams {count}, drain {n} × 100 B"),
+            format!("{:.2}× ceiling", rate / ceiling)
+        );
+        println!("    {cpu}");
+        println!(
+            "{:<52} {recv:>12.0} {:>14}",
+            format!("{count} × pg_recvlogical → /dev/null at once"),
+            "ceiling"
+        );
+        println!("    {recv_cpu}");
+    }
+    println!("load after: {}", uptime());
+    Ok(())
+}
+
+/// The slot names of `count` streams of group `slot`.
+fn stream_slots(slot: &str, count: u32) -> Vec<String> {
+    (0..count)
+        .map(|index| ferry_relay::store::Stream { index, count }.name(slot))
+        .collect()
+}
+
+/// Labels for the CPU split of up to 4 walsenders.
+const WALSENDERS: [&str; 4] = ["walsender 0", "walsender 1", "walsender 2", "walsender 3"];
+
+/// One relay (this process) with `--streams count` drains `n` rows
+/// committed after its slots were made.
+async fn streams_drain(brokers: &str, topic: &str, n: usize, count: u32) -> Res<(f64, String)> {
+    let (ferry, url) = fresh().await?;
+    let admin = sqlx::PgPool::connect(&admin_url()).await?;
+    let slot = slot_name();
+    let mut cfg = wal_config(&url, brokers, &slot);
+    cfg.streams = count;
+    let slots = stream_slots(&slot, count);
+    // Every stream's slot made (and streaming) before the rows are written.
+    let (stop, handle, _) = start_with(cfg.clone(), ferry.clone())?;
+    for s in &slots {
+        walsender_pid(&admin, s).await?;
+    }
+    stop.cancel();
+    handle.await??;
+    seed(&ferry, topic, n, 100).await?;
+    let started = Instant::now();
+    let (stop, handle, _) = start_with(cfg, ferry.clone())?;
+    let mut pids = vec![
+        ("relay (bench process)", std::process::id()),
+        ("broker", broker_pid().unwrap_or(0)),
+    ];
+    for (k, s) in slots.iter().enumerate() {
+        pids.push((WALSENDERS[k], walsender_pid(&admin, s).await?));
+    }
+    let cpu = CpuSplit::start(pids);
+    wait_delivered(&ferry).await?;
+    let rate = n as f64 / started.elapsed().as_secs_f64();
+    let cpu = cpu.finish();
+    stop.cancel();
+    handle.await??;
+    drop_bench_slots(&slot).await?;
+    Ok((rate, cpu))
+}
+
+/// `count` `pg_recvlogical` at once, each streaming the rows of one lane
+/// stream (a publication filtered on `lane % count`) of `n` rows to
+/// `/dev/null`: what PostgreSQL's decoding and sending alone allows N
+/// streams.
+async fn recvlogical_streams(n: usize, count: u32) -> Res<(f64, String)> {
+    let (ferry, _) = fresh().await?;
+    let admin = sqlx::PgPool::connect(&admin_url()).await?;
+    let pool = ferry.db().as_postgres().ok_or("PostgreSQL only")?;
+    let schema: String = sqlx::query_scalar("SELECT current_schema()::text")
+        .fetch_one(pool)
+        .await?;
+    let slots = stream_slots(&slot_name(), count);
+    for (k, s) in slots.iter().enumerate() {
+        let filter = match count {
+            1 => String::new(),
+            _ => format!(" WHERE (lane % {count} = {k})"),
+        };
+        sqlx::query(&format!(
+            "CREATE PUBLICATION {s} FOR TABLE \"{schema}\".outbox{filter} WITH (publish = 'insert')"
+        ))
+        .execute(&admin)
+        .await?;
+        sqlx::query("SELECT pg_create_logical_replication_slot($1, 'pgoutput')")
+            .bind(s)
+            .execute(&admin)
+            .await?;
+    }
+    seed(&ferry, "bench-recvlogical", n, 100).await?;
+    let end: String = sqlx::query_scalar("SELECT pg_current_wal_lsn()::text")
+        .fetch_one(&admin)
+        .await?;
+    let started = Instant::now();
+    let mut children = Vec::new();
+    for s in &slots {
+        children.push(
+            tokio::process::Command::new("pg_recvlogical")
+                .args([
+                    "-d",
+                    &admin_url(),
+                    "--slot",
+                    s,
+                    "--start",
+                    "--no-loop",
+                    "--endpos",
+                    &end,
+                ])
+                .args(["-o", "proto_version=1", "-o", &format!("publication_names={s}")])
+                .args(["-f", "/dev/null"])
+                .spawn()?,
+        );
+    }
+    let mut pids = Vec::new();
+    for (k, s) in slots.iter().enumerate() {
+        pids.push((WALSENDERS[k], walsender_pid(&admin, s).await?));
+    }
+    let cpu = CpuSplit::start(pids);
+    let mut failed = None;
+    for mut child in children {
+        let status = child.wait().await?;
+        if !status.success() {
+            failed = Some(status);
+        }
+    }
+    let rate = n as f64 / started.elapsed().as_secs_f64();
+    let cpu = cpu.finish();
+    for s in &slots {
+        drop_bench_slots(s).await?;
+    }
+    if let Some(status) = failed {
+        return Err(format!("pg_recvlogical: {status}").into());
+    }
     Ok((rate, cpu))
 }
 

@@ -60,6 +60,10 @@ pub struct WalSlot {
     pub slot: String,
     /// A relay streams from it now.
     pub active: bool,
+    /// The replication connection streaming from it
+    /// (`application_name`: a relay's is `ferry-relay <relay id>`); `None`
+    /// when none does.
+    pub streamed_by: Option<String>,
     /// It still exists (a dropped one is made anew by the next relay).
     pub present: bool,
     /// WAL it holds back: the current position minus its confirmed one
@@ -79,14 +83,16 @@ pub struct WalSlot {
 }
 
 impl WalSlot {
-    /// Its state (`active (streaming)`, `inactive`, `dropped`), its lag in
+    /// Its state (`active (streaming to <application_name>)`, `inactive`,
+    /// `dropped`), its lag in
     /// bytes and time, its `wal_status` and `safe_wal_size` when PostgreSQL
     /// reports them, on one line.
     pub fn describe(&self) -> String {
-        let state = match (self.present, self.active) {
-            (false, _) => "dropped",
-            (true, true) => "active (streaming)",
-            (true, false) => "inactive",
+        let state = match (self.present, self.active, &self.streamed_by) {
+            (false, _, _) => "dropped".to_string(),
+            (true, true, Some(by)) => format!("active (streaming to {by})"),
+            (true, true, None) => "active (streaming)".to_string(),
+            (true, false, _) => "inactive".to_string(),
         };
         let mut line = format!(
             "{state}, lag {} bytes, {:.1}s",

@@ -135,7 +135,8 @@ pub struct RelayConfig {
     /// stays in one stream, in commit order. The relays of a group spread
     /// the streams evenly and take over a dead relay's; the last relay
     /// started with another N sets the group's (the others stand by,
-    /// unready, until restarted with it). 1 to 64, at most the lane count.
+    /// until restarted with it). 1 to 64, at most the lane count;
+    /// PostgreSQL 15+.
     #[arg(long, env = "FERRY_STREAMS", default_value_t = 1)]
     pub streams: u32,
 }

@@ -497,6 +497,7 @@ mod tests {
         relay.wal_slots.set(&[ferry::operator::WalSlot {
             slot: "ferry_main".into(),
             active: true,
+            streamed_by: None,
             present: true,
             lag_bytes: 0,
             lag_ms: 0,

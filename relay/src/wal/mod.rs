@@ -130,11 +130,11 @@ impl WalCapture {
         }
     }
 
-    /// The row filter the publication must have (`Some(None)`: none), or
-    /// `None` when it is not checked (a Debezium connector's publication,
-    /// which an operator made).
+    /// The row filter a stream's publication must have, or `None` when it
+    /// is not checked (one stream: the publication an operator may have
+    /// made, as before `--streams`).
     pub fn row_filter(&self) -> Option<Option<String>> {
-        self.router.is_none().then(|| self.stream.row_filter())
+        (self.stream.count > 1).then(|| self.stream.row_filter())
     }
 
     /// The table the publication must publish: this schema's `outbox`, or
@@ -203,6 +203,12 @@ pub async fn plan(cfg: &RelayConfig, store: &RelayStore, owner: &str) -> Result<
         }
         tracing::info!("capture: poll ({why})");
         return Ok(None);
+    }
+    if cfg.streams > 1 && setting.version < 150_000 {
+        return Err(RelayError::Config(format!(
+            "--streams {} needs PostgreSQL 15 or later (publication row filters); this server is {}",
+            cfg.streams, setting.version
+        )));
     }
     let lanes = store.ferry().lanes();
     if i64::from(cfg.streams) > i64::from(lanes) {
@@ -309,9 +315,17 @@ pub(crate) async fn start(
 ) -> Result<(), RelayError> {
     let count = cfg.streams;
     let captures = capture.streams(&cfg.database_url, count)?;
-    let before = state.store.set_wal_layout(&capture.group, count).await?;
-    if before != count {
-        tracing::warn!(group = %capture.group, before, now = count, "the relay group's stream layout changes: relays of the old one stop streaming; the new streams start once the old slots are idle (their pending rows are read from the table)");
+    match state.store.set_wal_layout(&capture.group, count).await {
+        Ok(before) if before != count => {
+            tracing::warn!(group = %capture.group, before, now = count, "the relay group's stream layout changes: relays of the old one stop streaming; the new streams start once the old slots are idle (their pending rows are read from the table)");
+        }
+        Ok(_) => {}
+        // One stream needs no layout: a deployment whose role lacks the
+        // table's grants (deploy/sql/roles.sql) streams as it did.
+        Err(e) if count == 1 => {
+            tracing::warn!(error = %e, code = e.code(), "recording the stream layout failed; streaming as one stream")
+        }
+        Err(e) => return Err(e.into()),
     }
     let share = match count {
         1 => streams::Share::whole(),

@@ -426,7 +426,7 @@ async fn stream(
                     tracing::info!(slot = %ctx.capture.slot, "this relay streams more than its share: giving this stream to another relay");
                     return Ended::Yielded;
                 }
-                if let Err(end) = super::streams::layout_is_mine(ctx).await {
+                if let Some(end) = super::streams::layout_changed(ctx).await {
                     return end;
                 }
             }

@@ -16,7 +16,7 @@
 //!   after the lease and the others' shares grow to cover its streams.
 //! - **Changing N** ([`retire_other_layouts`]): the last relay started
 //!   records its N for the group; a relay of another N stops streaming
-//!   and stands by, unready. The new layout's slots are made only once
+//!   and stands by, taking no share. The new layout's slots are made only once
 //!   every slot of another layout is dropped, which waits until no session
 //!   streams from it: the new slots' table reads then publish whatever the
 //!   old streams had not marked (duplicates, never a loss), and no old
@@ -144,6 +144,23 @@ pub(crate) async fn coordinate(
             _ = every.tick() => {}
             _ = finish.cancelled() => break,
         }
+        // A relay of another layout (one started since set another N)
+        // takes no share: it leaves, so the layout's relays cover every
+        // stream between them.
+        match state.store.wal_layout(&group).await {
+            Ok(n) if n != count => {
+                share.set(0);
+                if let Err(e) = state.store.wal_member_leave(&group, &owner).await {
+                    tracing::warn!(error = %e, "leaving the streams' membership failed");
+                }
+                continue;
+            }
+            Ok(_) => {}
+            Err(e) => {
+                tracing::warn!(error = %e, code = e.code(), "reading the stream layout failed");
+                continue;
+            }
+        }
         match state.store.wal_member_heartbeat(&group, &owner, lease).await {
             Ok(members) => {
                 let mine = share_of(count, &members, &owner);
@@ -201,20 +218,56 @@ pub(super) async fn retire_other_layouts(ctx: &Ctx) -> Result<(), Ended> {
     Ok(())
 }
 
-/// `Err` (stand by, unready) when the group's recorded stream count is not
-/// this relay's: a relay started later with another `--streams` took over.
+/// `Err` (stand by) when the group's recorded stream count is not this
+/// relay's: a relay started later with another `--streams` took over. The
+/// relay stays ready (a sidecar's readiness is its service's), and says so
+/// in an error line and `ferry_relay_wal_sessions_ended_total{code=
+/// "stream_layout_changed"}`. A failed read ends the session as the
+/// database's, but for one stream, which streams as it did before layouts
+/// (a role without the table's grants).
 pub(super) async fn layout_is_mine(ctx: &Ctx) -> Result<(), Ended> {
     let capture = &ctx.capture;
-    match ctx.state.store.wal_layout(&capture.group).await {
-        Ok(n) if n == capture.stream.count => Ok(()),
-        Ok(n) => {
+    let read = tokio::time::timeout(super::session::PING_WAIT, ctx.state.store.wal_layout(&capture.group)).await;
+    match read {
+        Ok(Ok(n)) if n == capture.stream.count => Ok(()),
+        Ok(Ok(n)) => {
             tracing::error!(group = %capture.group, recorded = n, mine = capture.stream.count, "the relay group now runs --streams {n} (set by a relay started since): this relay stands by; restart it with --streams {n}");
-            ctx.state.ready.store(false, std::sync::atomic::Ordering::Relaxed);
             Err(Ended::Retry("stream_layout_changed"))
         }
-        Err(e) => {
-            tracing::warn!(error = %e, code = e.code(), "reading the streams' layout failed");
+        Ok(Err(e)) if capture.stream.count == 1 => {
+            tracing::warn!(error = %e, code = e.code(), "reading the stream layout failed; streaming as one stream");
+            Ok(())
+        }
+        Ok(Err(e)) => {
+            tracing::warn!(error = %e, code = e.code(), "reading the stream layout failed");
             Err(Ended::Retry("database"))
+        }
+        Err(_) => {
+            tracing::warn!("PostgreSQL did not answer the stream layout read in time");
+            Err(Ended::Retry("database"))
+        }
+    }
+}
+
+/// A streaming session's look (every 5 s): `Some` to end it when the
+/// group's layout is no longer this relay's; a failed or slow read is only
+/// logged (the stream goes on, as after a failed publication check).
+pub(super) async fn layout_changed(ctx: &Ctx) -> Option<Ended> {
+    let capture = &ctx.capture;
+    let read = tokio::time::timeout(super::session::PING_WAIT, ctx.state.store.wal_layout(&capture.group)).await;
+    match read {
+        Ok(Ok(n)) if n == capture.stream.count => None,
+        Ok(Ok(n)) => {
+            tracing::error!(group = %capture.group, recorded = n, mine = capture.stream.count, "the relay group now runs --streams {n} (set by a relay started since): this relay stops streaming and stands by; restart it with --streams {n}");
+            Some(Ended::Retry("stream_layout_changed"))
+        }
+        Ok(Err(e)) => {
+            tracing::warn!(error = %e, code = e.code(), "reading the stream layout failed; checking again later");
+            None
+        }
+        Err(_) => {
+            tracing::warn!("PostgreSQL did not answer the stream layout read in time; checking again later");
+            None
         }
     }
 }

@@ -71,7 +71,10 @@ async fn wal_slot_lag_and_activity_show_in_the_metrics_and_status() {
     let status = store.ferry().operator().status_report().await.unwrap();
     assert!(status.contains("capture             wal\n"), "{status}");
     assert!(
-        status.contains(&format!("wal slot {:<31} active (streaming), lag ", slot.name)),
+        status.contains(&format!(
+            "wal slot {:<31} active (streaming to ferry-relay {}), lag ",
+            slot.name, relay.state.owner
+        )),
         "{status}"
     );
     relay.shutdown().await;

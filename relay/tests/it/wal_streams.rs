@@ -149,7 +149,7 @@ async fn wal_streams_a_dead_relays_stream_moves_to_the_others() {
 
 /// Changing N on a running database: a relay streams the outbox as one
 /// stream under steady writes; a relay started with `--streams 2` takes
-/// the group over. The first stops streaming and stands by, unready; the
+/// the group over. The first stops streaming and stands by (saying why); the
 /// old slot is dropped once idle and the two new ones made (their table
 /// reads publish what the old stream had not marked). Nothing is lost,
 /// each key's first occurrences stay in commit order, and the old relay
@@ -195,9 +195,10 @@ async fn wal_streams_changing_n_loses_and_reorders_nothing() {
         .await
         .unwrap();
     assert_eq!(gone, 0, "the one-stream slot was dropped and not made again");
+    let ended = old.state.metrics.render();
     assert!(
-        !old.state.ready.load(std::sync::atomic::Ordering::Relaxed),
-        "the relay of the old layout stands by, unready"
+        ended.contains(r#"ferry_relay_wal_sessions_ended_total{code="stream_layout_changed"}"#),
+        "the relay of the old layout said why it stands by: {ended}"
     );
     old.shutdown().await;
     new.shutdown().await;
