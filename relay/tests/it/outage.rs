@@ -120,7 +120,7 @@ async fn a_database_outage_loses_nothing(capture: Capture) {
     );
 }
 
-in_both_capture_modes!(a_database_outage_loses_nothing);
+in_every_capture_mode!(a_database_outage_loses_nothing);
 
 /// `--exactly-once`: a `read_committed` reader sees every row exactly once,
 /// each key in id order, though the rows of the transactions committed

@@ -518,6 +518,19 @@ async fn an_early_row_s_refusal_outranks_later_rows_refused_before_sending() {
     assert_eq!(dead(&ferry).await, vec![(poison, Some("message_too_large".into()))]);
 }
 
+/// In two streams (`--streams 2`), the big and the small rows in one
+/// stream, whose records share a producer: isolating the poison row never
+/// blames a row of the same request.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_row_refused_with_another_lane_s_poison_row_is_delivered_in_two_streams() {
+    STREAMS
+        .scope(
+            TEST_STREAMS,
+            a_row_refused_with_another_lane_s_poison_row_is_delivered(Capture::Wal),
+        )
+        .await
+}
+
 in_both_capture_modes!(
     a_poison_record_goes_dead_and_the_lane_flows,
     a_row_refused_with_another_lane_s_poison_row_is_delivered,

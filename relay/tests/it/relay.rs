@@ -2,7 +2,8 @@
 //! least once, same-key rows in id order, marks only after acks and only under
 //! the lane generation, and nothing lost to crashes, outages or shutdown.
 //! Every scenario whose promise holds in both capture modes runs in both
-//! (`in_both_capture_modes!`); the ones about polled lanes poll only.
+//! (`in_every_capture_mode!`, `in_both_capture_modes!`); the ones about
+//! polled lanes poll only.
 
 use std::collections::{HashMap, HashSet};
 use std::process::Command;
@@ -755,13 +756,13 @@ async fn a_late_commit_keeps_its_place_before_the_same_key_s_next_row(capture: C
     assert_eq!(order.len(), want.len());
 }
 
-in_both_capture_modes!(
+in_every_capture_mode!(
     end_to_end_every_row_once_with_the_right_partition,
     same_key_rows_arrive_in_id_order_with_concurrent_writers_and_two_relays,
     a_sigkilled_relay_loses_nothing,
     a_broker_outage_drains_after_restart,
     a_broker_crash_mid_stream_loses_nothing_and_keeps_first_occurrences_in_order,
     sigterm_marks_everything_acknowledged_within_the_grace,
-    a_fatal_producer_error_fails_readiness_and_exits_to_be_restarted,
     a_late_commit_keeps_its_place_before_the_same_key_s_next_row,
 );
+in_both_capture_modes!(a_fatal_producer_error_fails_readiness_and_exits_to_be_restarted);

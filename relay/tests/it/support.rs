@@ -40,12 +40,33 @@ pub fn relay_config(url: &str, brokers: &str) -> RelayConfig {
 }
 
 /// Runs `scenario(capture)` once per capture mode, as the tests
-/// `<scenario>::poll`, `<scenario>::wal` and `<scenario>::wal_streams`
-/// (WAL capture split into [`TEST_STREAMS`] streams, `--streams`): one
-/// conformance suite, since every promise of the relay holds whichever way
-/// rows are captured. (`cargo test -p ferry-relay --test it ::wal` runs the
-/// WAL part.)
+/// `<scenario>::poll` and `<scenario>::wal`: one conformance suite, since
+/// every promise of the relay holds whichever way rows are captured.
+/// (`cargo test -p ferry-relay --test it ::wal` runs the WAL part.)
 macro_rules! in_both_capture_modes {
+    ($($scenario:ident),* $(,)?) => {
+        $(
+            mod $scenario {
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn poll() {
+                    super::$scenario(::ferry_relay::Capture::Poll).await
+                }
+
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn wal() {
+                    super::$scenario(::ferry_relay::Capture::Wal).await
+                }
+            }
+        )*
+    };
+}
+pub(crate) use in_both_capture_modes;
+
+/// [`in_both_capture_modes`] and `<scenario>::wal_streams`: WAL capture
+/// split into [`TEST_STREAMS`] streams (`--streams`), for the fault
+/// scenarios (kills, outages, shutdown, order under concurrent writers),
+/// which every stream must survive as the one stream does.
+macro_rules! in_every_capture_mode {
     ($($scenario:ident),* $(,)?) => {
         $(
             mod $scenario {
@@ -69,7 +90,7 @@ macro_rules! in_both_capture_modes {
         )*
     };
 }
-pub(crate) use in_both_capture_modes;
+pub(crate) use in_every_capture_mode;
 
 /// The stream count of the conformance suite's `wal_streams` runs.
 pub const TEST_STREAMS: u32 = 2;
