@@ -85,6 +85,18 @@ SELECT pg_terminate_backend($1)
 -- name: wal_drop_slot [postgres only]
 SELECT pg_drop_replication_slot($1)
 
+-- name: wal_slot_make_lock [postgres only]
+-- One relay makes slot $1 at a time (a session lock, held from before the
+-- catch-up flag is reset until the bound is recorded): another relay
+-- waits here, then finds the slot made and leaves its record alone.
+SELECT pg_advisory_lock(hashtextextended('ferry.wal_slot/' || $1::text, 0))
+
+-- name: wal_slot_make_unlock [postgres only]
+SELECT pg_advisory_unlock(hashtextextended('ferry.wal_slot/' || $1::text, 0))
+
+-- name: wal_slot_exists [postgres only]
+SELECT EXISTS (SELECT 1 FROM pg_replication_slots WHERE slot_name = $1)
+
 -- name: wal_slot_needs_catch_up [postgres only]
 -- Before a slot is created: the rows committed before it are not in its
 -- stream, so the table must be read once (set before creating it, so a

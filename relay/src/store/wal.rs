@@ -366,53 +366,101 @@ impl RelayStore {
     }
 
     /// Creates logical slot `slot` (pgoutput), first flagging that the rows
-    /// already committed must be read from the table once. Another relay
-    /// creating it at the same time is not an error. Creation waits for
+    /// already committed must be read from the table once, and then
+    /// recording the highest id committed before it (the table read's
+    /// bound). Relays make a slot one at a time (a session advisory lock):
+    /// one that waited finds the slot made and changes nothing. Had it reset
+    /// the record after the maker's bound, the table read would have no
+    /// bound and would publish rows committed after the slot, which the
+    /// stream carries in commit order, in id order. Creation waits for
     /// every transaction running when it starts to end; when `stop` comes
-    /// first, the creating session is ended (a slot whose creator ends is
-    /// not made) and `false` is returned.
+    /// first (while waiting for the lock too), the session is ended (a slot
+    /// whose creator ends is not made) and `false` is returned.
     ///
     /// With `failover` (PostgreSQL 17+), the slot is a failover slot.
     pub async fn create_wal_slot(&self, slot: &str, failover: bool, stop: impl Future<Output = ()>) -> Result<bool> {
         let pool = self.pg()?;
-        let generation: i64 = sqlx::query_scalar(Q.wal_slot_needs_catch_up)
-            .bind(slot)
-            .bind(self.ferry().clock().param())
-            .fetch_one(pool)
-            .await?;
-        let mut creator = pool.acquire().await?;
-        let pid: i32 = sqlx::query_scalar(Q.wal_session_pid).fetch_one(&mut *creator).await?;
-        let created = tokio::select! {
-            created = sqlx::query(if failover { CREATE_FAILOVER_SLOT } else { Q.wal_create_slot })
-                .bind(slot)
-                .fetch_one(&mut *creator) => Some(created),
-            _ = stop => None,
+        let mut maker = pool.acquire().await?;
+        let pid: i32 = sqlx::query_scalar(Q.wal_session_pid).fetch_one(&mut *maker).await?;
+        tokio::pin!(stop);
+        let locked = tokio::select! {
+            locked = sqlx::query(Q.wal_slot_make_lock).bind(slot).execute(&mut *maker) => Some(locked),
+            _ = &mut stop => None,
         };
-        match created {
+        match locked {
+            Some(Ok(_)) => {}
+            Some(Err(e)) => {
+                drop(maker.detach());
+                return Err(e.into());
+            }
             None => {
-                // The server goes on waiting whatever this side drops: end
-                // the session, and never hand its connection back.
-                drop(creator.detach());
+                drop(maker.detach());
                 sqlx::query(Q.wal_end_session).bind(pid).execute(pool).await?;
                 return Ok(false);
             }
-            Some(Ok(_)) => {}
-            // Another relay makes it (duplicate_object), perhaps still
-            // waiting for its consistent point: the bound is its to set,
-            // after its `CREATE` returns. One set here, now, could miss a
-            // row that commits before that point (in no stream, and above
-            // this bound): a table read without a bound reads every
-            // pending row instead.
-            Some(Err(e)) if sqlstate(&e).as_deref() == Some("42710") => return Ok(true),
-            Some(Err(e)) => return Err(e.into()),
         }
-        drop(creator);
-        sqlx::query(Q.wal_slot_catch_up_bound)
-            .bind(slot)
-            .bind(generation)
-            .execute(pool)
-            .await?;
-        Ok(true)
+        // From here the lock is held: any failure closes the session (which
+        // releases it) instead of handing the connection back.
+        let made = async {
+            let exists: bool = sqlx::query_scalar(Q.wal_slot_exists)
+                .bind(slot)
+                .fetch_one(&mut *maker)
+                .await?;
+            if exists {
+                return Ok::<_, sqlx::Error>(Some(true));
+            }
+            let generation: i64 = sqlx::query_scalar(Q.wal_slot_needs_catch_up)
+                .bind(slot)
+                .bind(self.ferry().clock().param())
+                .fetch_one(&mut *maker)
+                .await?;
+            let created = tokio::select! {
+                created = sqlx::query(if failover { CREATE_FAILOVER_SLOT } else { Q.wal_create_slot })
+                    .bind(slot)
+                    .fetch_one(&mut *maker) => Some(created),
+                _ = &mut stop => None,
+            };
+            match created {
+                None => return Ok(None),
+                Some(Ok(_)) => {}
+                // Made by someone who does not take the lock (an older relay,
+                // an operator): its bound is unknown, so the read takes every
+                // pending row.
+                Some(Err(e)) if sqlstate(&e).as_deref() == Some("42710") => return Ok(Some(true)),
+                Some(Err(e)) => return Err(e),
+            }
+            sqlx::query(Q.wal_slot_catch_up_bound)
+                .bind(slot)
+                .bind(generation)
+                .execute(&mut *maker)
+                .await?;
+            Ok(Some(true))
+        }
+        .await;
+        match made {
+            Ok(Some(made)) => match sqlx::query(Q.wal_slot_make_unlock)
+                .bind(slot)
+                .execute(&mut *maker)
+                .await
+            {
+                Ok(_) => Ok(made),
+                Err(e) => {
+                    drop(maker.detach());
+                    Err(e.into())
+                }
+            },
+            Ok(None) => {
+                // The server goes on waiting whatever this side drops: end
+                // the session, and never hand its connection back.
+                drop(maker.detach());
+                sqlx::query(Q.wal_end_session).bind(pid).execute(pool).await?;
+                Ok(false)
+            }
+            Err(e) => {
+                drop(maker.detach());
+                Err(e.into())
+            }
+        }
     }
 
     /// Drops slot `slot`; `false` when a session streams from it (55006,

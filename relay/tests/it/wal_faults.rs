@@ -897,20 +897,18 @@ async fn wal_a_table_read_outlived_by_its_slot_is_not_taken_for_the_new_slots() 
     nothing_lost(&recs, &all_ids(&ferry).await);
 }
 
-/// Two relays make one slot at once: the second's `CREATE` meets the
-/// first's (`duplicate_object`) while the first waits for a running
-/// transaction to end (its consistent point). A table-read bound the second
-/// recorded then (the highest id visible before that transaction commits)
-/// could stand once the first's own was written (an `UPDATE` overlapping
-/// it keeps its earlier value): a row of that transaction is then in no
-/// stream and above the bound, lost (seen once under load: the first
-/// outbox row never published). No bound read before the creator's
-/// consistent point is ever recorded: the second records none, and the
-/// creator's, for a generation the second's start moved on, is not
-/// recorded either (the read then takes every pending row: duplicates at
-/// worst).
+/// Two relays make one slot at once while a writer's transaction runs (the
+/// first waits for it: its consistent point). The second must neither
+/// record a bound read before that point (the highest id visible before the
+/// transaction commits: its row, in no stream and above the bound, was
+/// lost, seen once under load) nor reset the record after the first
+/// recorded its bound (a table read without a bound publishes the rows
+/// committed after the slot, which the stream carries in commit order, in
+/// id order: a key's records out of order, seen in a full run). Relays make
+/// a slot one at a time: the second waits, finds the slot made and leaves
+/// the first's bound, exactly the running transaction's row.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn wal_a_slot_made_by_two_relays_at_once_records_no_bound_read_before_its_consistent_point() {
+async fn wal_two_relays_making_one_slot_at_once_keep_the_makers_bound() {
     let (ferry, _) = pg_ferry().await;
     let pool = ferry.db().as_postgres().unwrap().clone();
     let slot = SlotGuard::new().await;
@@ -933,7 +931,7 @@ async fn wal_a_slot_made_by_two_relays_at_once_records_no_bound_read_before_its_
         ferry_relay::store::RelayStore::new(ferry.clone()),
     );
     let name = slot.name.clone();
-    let creating = tokio::spawn(async move { first.create_wal_slot(&name, false, std::future::pending()).await });
+    let making = tokio::spawn(async move { first.create_wal_slot(&name, false, std::future::pending()).await });
     wait_for_blocked(
         &pool,
         writer_pid,
@@ -941,22 +939,34 @@ async fn wal_a_slot_made_by_two_relays_at_once_records_no_bound_read_before_its_
         "the first relay's creation",
     )
     .await;
-    assert!(second
-        .create_wal_slot(&slot.name, false, std::future::pending())
+    let name = slot.name.clone();
+    let meeting = tokio::spawn(async move { second.create_wal_slot(&name, false, std::future::pending()).await });
+    // The second waits for the first's making.
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    loop {
+        let waiting: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM pg_stat_activity WHERE wait_event = 'advisory' AND strpos(query, 'ferry.wal_slot/') > 0",
+        )
+        .fetch_one(&pool)
         .await
-        .unwrap());
-    let read = second.wal_catch_up(&slot.name).await.unwrap().unwrap();
-    assert_eq!(
-        read.through,
-        i64::MAX,
-        "a bound recorded before the creator's consistent point (the running transaction's row {late} above it)"
-    );
+        .unwrap();
+        if waiting > 0 {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the second relay never waited for the first"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
     writer.commit().await.unwrap();
-    assert!(creating.await.unwrap().unwrap());
-    let read = second.wal_catch_up(&slot.name).await.unwrap().unwrap();
-    assert!(
-        read.through >= late,
-        "the creator's bound {} misses row {late}",
-        read.through
+    assert!(making.await.unwrap().unwrap());
+    assert!(meeting.await.unwrap().unwrap());
+    let store = ferry_relay::store::RelayStore::new(ferry.clone());
+    let read = store.wal_catch_up(&slot.name).await.unwrap().unwrap();
+    assert_eq!(
+        read.through, late,
+        "the table read's bound is the maker's: every row committed before the slot, none after"
     );
+    assert_eq!(read.generation, 1, "the second relay left the record alone");
 }
