@@ -91,8 +91,17 @@ SELECT pg_drop_replication_slot($1)
 -- waits here, then finds the slot made and leaves its record alone.
 SELECT pg_advisory_lock(hashtextextended('ferry.wal_slot/' || $1::text, 0))
 
--- name: wal_slot_make_unlock [postgres only]
-SELECT pg_advisory_unlock(hashtextextended('ferry.wal_slot/' || $1::text, 0))
+-- name: wal_slot_made_wait [postgres only]
+-- A session about to read slot $1's catch-up record: waits (until its
+-- transaction ends) for a relay making the slot to have recorded its bound.
+SELECT pg_advisory_xact_lock_shared(hashtextextended('ferry.wal_slot/' || $1::text, 0))
+
+-- name: wal_slot_maker_idle_limit [postgres only]
+-- The making session is ended by the server after 60 s idle (PostgreSQL
+-- 14+): a maker whose client died between two statements does not hold
+-- the lock until TCP keepalives notice.
+SELECT CASE WHEN current_setting('server_version_num')::int >= 140000
+            THEN set_config('idle_session_timeout', '60000', false) END
 
 -- name: wal_slot_exists [postgres only]
 SELECT EXISTS (SELECT 1 FROM pg_replication_slots WHERE slot_name = $1)

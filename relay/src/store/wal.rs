@@ -368,7 +368,8 @@ impl RelayStore {
     /// Creates logical slot `slot` (pgoutput), first flagging that the rows
     /// already committed must be read from the table once, and then
     /// recording the highest id committed before it (the table read's
-    /// bound). Relays make a slot one at a time (a session advisory lock):
+    /// bound). Relays make a slot one at a time (a session advisory lock,
+    /// on a connection closed at the end, never handed back to the pool):
     /// one that waited finds the slot made and changes nothing. Had it reset
     /// the record after the maker's bound, the table read would have no
     /// bound and would publish rows committed after the slot, which the
@@ -381,6 +382,10 @@ impl RelayStore {
     pub async fn create_wal_slot(&self, slot: &str, failover: bool, stop: impl Future<Output = ()>) -> Result<bool> {
         let pool = self.pg()?;
         let mut maker = pool.acquire().await?;
+        // Never handed back to the pool, however this ends (a caller
+        // dropping this future included): the lock goes with the session.
+        maker.close_on_drop();
+        sqlx::query(Q.wal_slot_maker_idle_limit).execute(&mut *maker).await?;
         let pid: i32 = sqlx::query_scalar(Q.wal_session_pid).fetch_one(&mut *maker).await?;
         tokio::pin!(stop);
         let locked = tokio::select! {
@@ -389,18 +394,13 @@ impl RelayStore {
         };
         match locked {
             Some(Ok(_)) => {}
-            Some(Err(e)) => {
-                drop(maker.detach());
-                return Err(e.into());
-            }
+            Some(Err(e)) => return Err(e.into()),
             None => {
-                drop(maker.detach());
+                drop(maker);
                 sqlx::query(Q.wal_end_session).bind(pid).execute(pool).await?;
                 return Ok(false);
             }
         }
-        // From here the lock is held: any failure closes the session (which
-        // releases it) instead of handing the connection back.
         let made = async {
             let exists: bool = sqlx::query_scalar(Q.wal_slot_exists)
                 .bind(slot)
@@ -437,29 +437,17 @@ impl RelayStore {
             Ok(Some(true))
         }
         .await;
+        // Closing the session releases the lock.
+        drop(maker);
         match made {
-            Ok(Some(made)) => match sqlx::query(Q.wal_slot_make_unlock)
-                .bind(slot)
-                .execute(&mut *maker)
-                .await
-            {
-                Ok(_) => Ok(made),
-                Err(e) => {
-                    drop(maker.detach());
-                    Err(e.into())
-                }
-            },
+            Ok(Some(made)) => Ok(made),
             Ok(None) => {
-                // The server goes on waiting whatever this side drops: end
-                // the session, and never hand its connection back.
-                drop(maker.detach());
+                // The server goes on making the slot whatever this side
+                // drops: end the session.
                 sqlx::query(Q.wal_end_session).bind(pid).execute(pool).await?;
                 Ok(false)
             }
-            Err(e) => {
-                drop(maker.detach());
-                Err(e.into())
-            }
+            Err(e) => Err(e.into()),
         }
     }
 
@@ -483,12 +471,20 @@ impl RelayStore {
     /// was never recorded: reading too much costs only duplicates) and the
     /// slot's generation, which the read hands back to
     /// [`Self::set_wal_slot_caught_up`].
+    ///
+    /// A relay making the slot at that moment is waited for (its lock), so
+    /// the bound it records is read, not the reset before it (a table read
+    /// without a bound would publish rows committed after the slot in id
+    /// order).
     pub async fn wal_catch_up(&self, slot: &str) -> Result<Option<CatchUp>> {
         bounded(async move {
+            let mut tx = self.pg()?.begin().await?;
+            sqlx::query(Q.wal_slot_made_wait).bind(slot).execute(&mut *tx).await?;
             let found: Option<(bool, Option<i64>, i64)> = sqlx::query_as(Q.wal_slot_catch_up)
                 .bind(slot)
-                .fetch_optional(self.pg()?)
+                .fetch_optional(&mut *tx)
                 .await?;
+            tx.commit().await?;
             Ok(match found {
                 Some((true, _, _)) => None,
                 Some((false, through, generation)) => Some(CatchUp {

@@ -757,12 +757,14 @@ async fn a_late_commit_keeps_its_place_before_the_same_key_s_next_row(capture: C
 }
 
 in_every_capture_mode!(
-    end_to_end_every_row_once_with_the_right_partition,
     same_key_rows_arrive_in_id_order_with_concurrent_writers_and_two_relays,
     a_sigkilled_relay_loses_nothing,
-    a_broker_outage_drains_after_restart,
     a_broker_crash_mid_stream_loses_nothing_and_keeps_first_occurrences_in_order,
+);
+in_both_capture_modes!(
+    end_to_end_every_row_once_with_the_right_partition,
+    a_broker_outage_drains_after_restart,
     sigterm_marks_everything_acknowledged_within_the_grace,
+    a_fatal_producer_error_fails_readiness_and_exits_to_be_restarted,
     a_late_commit_keeps_its_place_before_the_same_key_s_next_row,
 );
-in_both_capture_modes!(a_fatal_producer_error_fails_readiness_and_exits_to_be_restarted);

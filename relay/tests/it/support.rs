@@ -64,8 +64,9 @@ pub(crate) use in_both_capture_modes;
 
 /// [`in_both_capture_modes`] and `<scenario>::wal_streams`: WAL capture
 /// split into [`TEST_STREAMS`] streams (`--streams`), for the fault
-/// scenarios (kills, outages, shutdown, order under concurrent writers),
-/// which every stream must survive as the one stream does.
+/// scenarios every stream must survive as the one stream does (a SIGKILL,
+/// a broker crash, a database outage, order under concurrent writers and
+/// two relays); the others run in two modes (the test command's time).
 macro_rules! in_every_capture_mode {
     ($($scenario:ident),* $(,)?) => {
         $(

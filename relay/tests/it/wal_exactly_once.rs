@@ -96,17 +96,6 @@ async fn sigkills_mid_stream() {
 /// the progress record and publishes none of them again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn wal_exactly_once_a_crash_between_the_kafka_commit_and_the_mark_publishes_nothing_twice() {
-    crash_between_commit_and_mark().await
-}
-
-/// The same with `--streams 2` (the failpoint counts the commits of every
-/// stream: the crash comes in whichever commits second, or third).
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn wal_exactly_once_a_crash_between_the_kafka_commit_and_the_mark_in_two_streams() {
-    STREAMS.scope(2, crash_between_commit_and_mark()).await
-}
-
-async fn crash_between_commit_and_mark() {
     let broker = Kafka::start();
     broker.create_topic("orders", 6);
     let brokers = broker.brokers();

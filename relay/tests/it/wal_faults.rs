@@ -941,7 +941,12 @@ async fn wal_two_relays_making_one_slot_at_once_keep_the_makers_bound() {
     .await;
     let name = slot.name.clone();
     let meeting = tokio::spawn(async move { second.create_wal_slot(&name, false, std::future::pending()).await });
-    // The second waits for the first's making.
+    // A third relay, which found the slot listed (it is, while being
+    // made), reads its catch-up record: it must read the maker's bound.
+    let third = ferry_relay::store::RelayStore::new(ferry.clone());
+    let name = slot.name.clone();
+    let reading = tokio::spawn(async move { third.wal_catch_up(&name).await });
+    // The second and the third wait for the first's making.
     let deadline = std::time::Instant::now() + Duration::from_secs(60);
     loop {
         let waiting: i64 = sqlx::query_scalar(
@@ -950,18 +955,20 @@ async fn wal_two_relays_making_one_slot_at_once_keep_the_makers_bound() {
         .fetch_one(&pool)
         .await
         .unwrap();
-        if waiting > 0 {
+        if waiting == 2 {
             break;
         }
         assert!(
             std::time::Instant::now() < deadline,
-            "the second relay never waited for the first"
+            "the other relays never waited for the first"
         );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     writer.commit().await.unwrap();
     assert!(making.await.unwrap().unwrap());
     assert!(meeting.await.unwrap().unwrap());
+    let read = reading.await.unwrap().unwrap().unwrap();
+    assert_eq!(read.through, late, "the reader waited for the maker's bound");
     let store = ferry_relay::store::RelayStore::new(ferry.clone());
     let read = store.wal_catch_up(&slot.name).await.unwrap().unwrap();
     assert_eq!(
