@@ -111,8 +111,9 @@ impl Drop for Stopped {
 }
 
 /// The bound the README states: 10 s of silence, then a ping through the
-/// WAL given 10 s; the rest is slack for a loaded machine.
-const NOTICED_WITHIN: Duration = Duration::from_secs(30);
+/// WAL given 10 s; the rest is slack for a loaded machine (a warm run of the
+/// whole test command on 2 cores once took 35.6 s).
+const NOTICED_WITHIN: Duration = Duration::from_secs(45);
 
 /// A WAL capture relay (in-process, on a slot of its own) streaming under a
 /// writer's load, its database reached directly or through a proxy.
