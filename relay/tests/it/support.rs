@@ -833,3 +833,11 @@ pub fn assert_nothing_delivered_produced_again(
         &again[..again.len().min(10)]
     );
 }
+
+/// Every outbox id, in order.
+pub async fn all_ids(ferry: &Ferry) -> Vec<i64> {
+    sqlx::query_scalar("SELECT id FROM outbox ORDER BY id")
+        .fetch_all(ferry.db().as_postgres().unwrap())
+        .await
+        .unwrap()
+}

@@ -270,14 +270,6 @@ async fn enqueue(ferry: &Ferry, from: usize, to: usize) {
 
 const KEYS: usize = 20;
 
-/// Every outbox id, in order.
-async fn all_ids(ferry: &Ferry) -> Vec<i64> {
-    sqlx::query_scalar("SELECT id FROM outbox ORDER BY id")
-        .fetch_all(ferry.db().as_postgres().unwrap())
-        .await
-        .unwrap()
-}
-
 /// With `max_slot_wal_keep_size = 1MB`, the relay stopped and rows written,
 /// PostgreSQL removes WAL the slot needs (`wal_status = 'lost'`); the next
 /// relay drops the slot, makes it anew and publishes the rows not delivered

@@ -53,11 +53,24 @@ async fn wait_for_owners(pool: &sqlx::PgPool, slots: &[String], what: &str, ok: 
     }
 }
 
-async fn all_ids(ferry: &Ferry) -> Vec<i64> {
-    sqlx::query_scalar("SELECT id FROM outbox ORDER BY id")
-        .fetch_all(ferry.db().as_postgres().unwrap())
-        .await
-        .unwrap()
+/// Two relays with `--streams 2` on a slot of their own, once each streams
+/// one stream.
+async fn two_relays_one_stream_each(
+    ferry: &Ferry,
+    url: &str,
+    brokers: &str,
+) -> (SlotGuard, RunningRelay, RunningRelay) {
+    let pool = ferry.db().as_postgres().unwrap().clone();
+    let slot = STREAMS.scope(2, SlotGuard::new()).await;
+    let a = slot.start(slot.config(url, brokers), ferry.clone()).await;
+    let b = slot
+        .start(slot.config(url, brokers), Ferry::builder(url).connect().await.unwrap())
+        .await;
+    wait_for_owners(&pool, &slot.slots(), "one stream each", |o| {
+        o.iter().all(Option::is_some) && o[0] != o[1]
+    })
+    .await;
+    (slot, a, b)
 }
 
 /// Two relays with `--streams 2`: each streams one stream (its slot, with a
@@ -70,19 +83,8 @@ async fn wal_streams_split_the_outbox_by_lane_and_spread_over_the_relays() {
     let brokers = broker.brokers();
     let (ferry, url) = pg_ferry().await;
     let pool = ferry.db().as_postgres().unwrap().clone();
-    let slot = STREAMS.scope(2, SlotGuard::new()).await;
+    let (slot, a, b) = two_relays_one_stream_each(&ferry, &url, &brokers).await;
     let slots = slot.slots();
-    let a = slot.start(slot.config(&url, &brokers), ferry.clone()).await;
-    let b = slot
-        .start(
-            slot.config(&url, &brokers),
-            Ferry::builder(&url).connect().await.unwrap(),
-        )
-        .await;
-    wait_for_owners(&pool, &slots, "one stream each", |o| {
-        o.iter().all(Option::is_some) && o[0] != o[1]
-    })
-    .await;
     for (k, name) in slots.iter().enumerate() {
         let filter: String = sqlx::query_scalar("SELECT rowfilter FROM pg_publication_tables WHERE pubname = $1")
             .bind(name)
@@ -112,19 +114,8 @@ async fn wal_streams_a_dead_relays_stream_moves_to_the_others() {
     let brokers = broker.brokers();
     let (ferry, url) = pg_ferry().await;
     let pool = ferry.db().as_postgres().unwrap().clone();
-    let slot = STREAMS.scope(2, SlotGuard::new()).await;
+    let (slot, a, b) = two_relays_one_stream_each(&ferry, &url, &brokers).await;
     let slots = slot.slots();
-    let a = slot.start(slot.config(&url, &brokers), ferry.clone()).await;
-    let b = slot
-        .start(
-            slot.config(&url, &brokers),
-            Ferry::builder(&url).connect().await.unwrap(),
-        )
-        .await;
-    wait_for_owners(&pool, &slots, "one stream each", |o| {
-        o.iter().all(Option::is_some) && o[0] != o[1]
-    })
-    .await;
     let writer = {
         let ferry = ferry.clone();
         tokio::spawn(async move {
