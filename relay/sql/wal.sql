@@ -91,6 +91,11 @@ SELECT pg_drop_replication_slot($1)
 -- waits here, then finds the slot made and leaves its record alone.
 SELECT pg_advisory_lock(hashtextextended('ferry.wal_slot/' || $1::text, 0))
 
+-- name: wal_slot_made_wait_limit [postgres only]
+-- The wait below gives up after 5 s on the server (lock_not_available): a
+-- maker waiting on a long transaction keeps no reader's connection busy.
+SELECT set_config('lock_timeout', '5000', true)
+
 -- name: wal_slot_made_wait [postgres only]
 -- A session about to read slot $1's catch-up record: waits (until its
 -- transaction ends) for a relay making the slot to have recorded its bound.

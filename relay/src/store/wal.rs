@@ -479,6 +479,9 @@ impl RelayStore {
     pub async fn wal_catch_up(&self, slot: &str) -> Result<Option<CatchUp>> {
         bounded(async move {
             let mut tx = self.pg()?.begin().await?;
+            // Bounded on the server: a client-side timeout would leave the
+            // dropped connection waiting for the lock in the pool.
+            sqlx::query(Q.wal_slot_made_wait_limit).execute(&mut *tx).await?;
             sqlx::query(Q.wal_slot_made_wait).bind(slot).execute(&mut *tx).await?;
             let found: Option<(bool, Option<i64>, i64)> = sqlx::query_as(Q.wal_slot_catch_up)
                 .bind(slot)

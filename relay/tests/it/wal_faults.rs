@@ -969,3 +969,54 @@ async fn wal_two_relays_making_one_slot_at_once_keep_the_makers_bound() {
     );
     assert_eq!(read.generation, 1, "the second relay left the record alone");
 }
+
+/// A relay reading a slot's catch-up record while another relay makes the
+/// slot and waits on a long transaction gives up after the server's lock
+/// timeout, leaving no session of its own waiting on the lock (a
+/// client-side timeout left the dropped connection waiting in the pool, one
+/// more per retry, until the transaction ended).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn wal_a_catch_up_read_behind_a_long_slot_creation_gives_up_on_the_server() {
+    let (ferry, _) = pg_ferry().await;
+    let pool = ferry.db().as_postgres().unwrap().clone();
+    let slot = SlotGuard::new().await;
+    let mut writer = pool.begin().await.unwrap();
+    let writer_pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
+        .fetch_one(&mut *writer)
+        .await
+        .unwrap();
+    sqlx::query(
+        "INSERT INTO outbox (tenant, topic, key, lane, payload, headers, created_at)
+         VALUES ('acme', 'orders', 'k', 0, '\\x00', '{}'::jsonb, 0)",
+    )
+    .execute(&mut *writer)
+    .await
+    .unwrap();
+    let maker = ferry_relay::store::RelayStore::new(ferry.clone());
+    let name = slot.name.clone();
+    let making = tokio::spawn(async move { maker.create_wal_slot(&name, false, std::future::pending()).await });
+    wait_for_blocked(
+        &pool,
+        writer_pid,
+        "pg_create_logical_replication_slot",
+        "the slot's creation",
+    )
+    .await;
+    let reader = ferry_relay::store::RelayStore::new(ferry.clone());
+    let read = tokio::time::timeout(Duration::from_secs(20), reader.wal_catch_up(&slot.name))
+        .await
+        .expect("the read gave up on the server's lock timeout");
+    assert!(
+        read.is_err(),
+        "no record is read while the slot is being made: {read:?}"
+    );
+    let waiting: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM pg_stat_activity WHERE wait_event = 'advisory' AND strpos(query, 'ferry.wal_slot/') > 0",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!(waiting, 0, "no session still waits on the making lock");
+    writer.commit().await.unwrap();
+    assert!(making.await.unwrap().unwrap());
+}
