@@ -898,6 +898,8 @@ fn broker_pid() -> Option<u32> {
 struct CpuSplit {
     pids: Vec<(&'static str, u32)>,
     before: Vec<f64>,
+    /// Every PostgreSQL process's CPU at the start, when asked for.
+    postgres: Option<std::collections::HashMap<u32, f64>>,
     started: Instant,
 }
 
@@ -907,21 +909,51 @@ impl CpuSplit {
         CpuSplit {
             pids,
             before,
+            postgres: None,
             started: Instant::now(),
         }
+    }
+
+    /// Also every PostgreSQL process's CPU (walsenders, the relay's own
+    /// backends, which mark, and the rest): what the database as a whole
+    /// spent.
+    fn with_postgres(mut self) -> CpuSplit {
+        self.postgres = Some(postgres_cpu());
+        self
     }
 
     /// Each part's CPU as a share of one core over the wall time.
     fn finish(self) -> String {
         let wall = self.started.elapsed().as_secs_f64();
-        let parts: Vec<String> = self
+        let mut parts: Vec<String> = self
             .pids
             .iter()
             .zip(&self.before)
             .map(|((name, p), b)| format!("{name} {:.0}%", 100.0 * (cpu_secs(*p) - b) / wall))
             .collect();
+        if let Some(before) = &self.postgres {
+            let spent: f64 = postgres_cpu()
+                .iter()
+                .map(|(pid, now)| now - before.get(pid).copied().unwrap_or(0.0))
+                .sum();
+            parts.push(format!("all PostgreSQL processes {:.0}%", 100.0 * spent / wall));
+        }
         format!("CPU over {wall:.1} s (100% = one core): {}", parts.join(", "))
     }
+}
+
+/// The CPU seconds of every running `postgres` process, by pid.
+fn postgres_cpu() -> std::collections::HashMap<u32, f64> {
+    std::fs::read_dir("/proc")
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|e| {
+            let pid: u32 = e.file_name().to_str()?.parse().ok()?;
+            let comm = std::fs::read_to_string(format!("/proc/{pid}/comm")).ok()?;
+            (comm.trim() == "postgres").then(|| (pid, cpu_secs(pid)))
+        })
+        .collect()
 }
 
 /// The pid of the walsender streaming from `slot`, once it is active (a
@@ -1166,14 +1198,17 @@ async fn streams_drain(brokers: &str, topic: &str, n: usize, count: u32) -> Res<
     for (k, s) in slots.iter().enumerate() {
         pids.push((WALSENDERS[k], walsender_pid(&admin, s).await?));
     }
-    let cpu = CpuSplit::start(pids);
+    let cpu = CpuSplit::start(pids).with_postgres();
     wait_delivered(&ferry).await?;
+    let ranges: i64 = sqlx::query_scalar("SELECT count(*) FROM outbox_delivered")
+        .fetch_one(ferry.db().as_postgres().ok_or("PostgreSQL only")?)
+        .await?;
     let rate = n as f64 / started.elapsed().as_secs_f64();
     let cpu = cpu.finish();
     stop.cancel();
     handle.await??;
     drop_bench_slots(&slot).await?;
-    Ok((rate, cpu))
+    Ok((rate, format!("{cpu}; {ranges} delivered ranges in the ledger")))
 }
 
 /// `count` `pg_recvlogical` at once, each streaming the rows of one lane

@@ -111,6 +111,16 @@ SELECT CASE WHEN current_setting('server_version_num')::int >= 140000
 -- name: wal_slot_exists [postgres only]
 SELECT EXISTS (SELECT 1 FROM pg_replication_slots WHERE slot_name = $1)
 
+-- name: wal_slot_unbound [postgres only]
+-- Slot $1's record was reset for a making (`wal_slot_needs_catch_up`) and
+-- never given its bound, and nothing of its stream was marked: its maker
+-- died between the slot's creation and the bound (or met a slot made
+-- without the lock). Checked again under the making lock, where a live
+-- maker is not in that state.
+SELECT EXISTS (SELECT 1 FROM relay_wal_slots
+               WHERE slot = $1 AND NOT caught_up AND catch_up_through IS NULL
+                 AND marked_lsn IS NULL)
+
 -- name: wal_slot_needs_catch_up [postgres only]
 -- Before a slot is created: the rows committed before it are not in its
 -- stream, so the table must be read once (set before creating it, so a

@@ -88,14 +88,9 @@ impl WalSlot {
     /// bytes and time, its `wal_status` and `safe_wal_size` when PostgreSQL
     /// reports them, on one line.
     pub fn describe(&self) -> String {
-        let state = match (self.present, self.active, &self.streamed_by) {
-            (false, _, _) => "dropped".to_string(),
-            (true, true, Some(by)) => format!("active (streaming to {by})"),
-            (true, true, None) => "active (streaming)".to_string(),
-            (true, false, _) => "inactive".to_string(),
-        };
         let mut line = format!(
-            "{state}, lag {} bytes, {:.1}s",
+            "{}, lag {} bytes, {:.1}s",
+            self.state(),
             self.lag_bytes,
             self.lag_ms as f64 / 1000.0
         );
@@ -106,6 +101,20 @@ impl WalSlot {
             let _ = write!(line, ", safe_wal_size {n} bytes");
         }
         line
+    }
+}
+
+impl WalSlot {
+    /// `active (streaming to <application_name>)`, `active (streaming)`,
+    /// `inactive` (no relay streams from it: its WAL is held) or `dropped`
+    /// (the next relay makes it anew).
+    pub fn state(&self) -> String {
+        match (self.present, self.active, &self.streamed_by) {
+            (false, _, _) => "dropped".to_string(),
+            (true, true, Some(by)) => format!("active (streaming to {by})"),
+            (true, true, None) => "active (streaming)".to_string(),
+            (true, false, _) => "inactive".to_string(),
+        }
     }
 }
 

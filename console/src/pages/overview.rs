@@ -1,6 +1,7 @@
 //! The overview: outbox backlog and lane leases grouped by owner (each
-//! lane's backlog one click away), dead rows, live relays, jobs by queue and
-//! state (with pause and resume), consumer groups with their partitions and
+//! lane's backlog one click away), dead rows, live relays, WAL capture's
+//! slots (one per stream), jobs by queue and state (with pause and resume),
+//! consumer groups with their partitions and
 //! ledger, and the sampled plot of backlog and throughput with its axes.
 
 use std::collections::{BTreeMap, BTreeSet};
@@ -46,10 +47,18 @@ pub(crate) async fn page(
         }
     };
     let operator = state.ferry.operator();
-    let (lanes, owners, relays, census, dead, partitions, groups, queues, now) = tokio::try_join!(
+    let (lanes, owners, relays, slots, census, dead, partitions, groups, queues, now) = tokio::try_join!(
         state.store.outbox_lanes(t),
         operator.lane_owners(),
         operator.live_relays(),
+        // A slot's time lag is the oldest pending row's, any tenant's: read
+        // only unfiltered.
+        async {
+            match t {
+                None => operator.wal_slots().await,
+                Some(_) => Ok(Vec::new()),
+            }
+        },
         jobs,
         state.store.outbox_dead_groups(t),
         state.store.consumer_partitions(),
@@ -145,6 +154,19 @@ pub(crate) async fn page(
                             td.num { (owners.iter().filter(|l| l.owner.as_deref() == Some(&r.owner) && l.lease_expires_at.is_some_and(|e| e.get() > now)).count()) }
                             td.num { (r.max_lanes) } }
                     } } }
+            }
+        }
+        @if !slots.is_empty() {
+            section {
+                h2 { "WAL capture slots" }
+                table #wal-slots { thead { tr { th { "slot" } th { "state" } th { "WAL held" } th { "oldest waiting" } th { "wal_status" } } }
+                    tbody { @for s in &slots {
+                        tr data-slot=(s.slot) { td { (s.slot) } td.slot-state { (s.state()) }
+                            td.num.lag-bytes { (s.lag_bytes) " B" } td.num { (age(s.lag_ms)) }
+                            td { (s.wal_status.as_deref().unwrap_or("—")) } }
+                    } } }
+                p.note { "One slot per stream with " code { "--streams N" } " (" code { "<slot>_<k>of<N>" }
+                    "), each streamed by one relay at a time; an inactive slot holds its WAL until a relay streams from it again." }
             }
         }
         section {

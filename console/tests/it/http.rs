@@ -608,6 +608,50 @@ async fn the_overview_shows_each_consumer_group_with_what_the_database_knows(eng
     assert!(page.contains("<code>ferry_consumer_lag</code>"));
 }
 
+/// WAL capture's slots (one per stream) show on the unfiltered overview
+/// with their state, the WAL they hold and their `wal_status`: a slot made
+/// and not streamed from is inactive, one recorded and gone is dropped. A
+/// tenant's view has none (a slot's time lag is any tenant's oldest row).
+#[tokio::test]
+async fn the_overview_shows_each_wal_capture_slot() {
+    let a = app(Engine::Postgres).await;
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_nanos();
+    let base = format!("ferry_console_{}_{nanos}", std::process::id());
+    let (made, gone) = (format!("{base}_0of2"), format!("{base}_1of2"));
+    let relays = ferry_relay::store::RelayStore::new(a.db.ferry.clone());
+    assert!(relays
+        .create_wal_slot(&made, false, true, std::future::pending())
+        .await
+        .unwrap());
+    sqlx::query("INSERT INTO relay_wal_slots (slot, caught_up, updated_at) VALUES ($1, true, 0)")
+        .bind(&gone)
+        .execute(a.db.ferry.db().as_postgres().unwrap())
+        .await
+        .unwrap();
+    let (all, scoped) = (a.get(ROOT, "/").await.body, a.get(ACME, "/").await.body);
+    // A slot holds WAL for ever: dropped before anything can fail.
+    sqlx::query("SELECT pg_drop_replication_slot($1)")
+        .bind(&made)
+        .execute(a.db.ferry.db().as_postgres().unwrap())
+        .await
+        .unwrap();
+    let row = |slot: &str| {
+        let at = all
+            .find(&format!("data-slot=\"{slot}\""))
+            .unwrap_or_else(|| panic!("{slot} on the overview: {all}"));
+        all[at..all[at..].find("</tr>").unwrap() + at].to_owned()
+    };
+    let made = row(&made);
+    assert!(made.contains("class=\"slot-state\">inactive<"), "{made}");
+    assert!(made.contains("<td>reserved</td>"), "{made}");
+    let gone = row(&gone);
+    assert!(gone.contains("class=\"slot-state\">dropped<"), "{gone}");
+    assert!(!scoped.contains("wal-slots"), "a tenant's view shows no slot");
+}
+
 async fn a_scoped_overview_shows_no_other_tenant_s_consumer_ledger(engine: Engine) {
     let a = app(engine).await;
     seed(&a.db.ferry).await;

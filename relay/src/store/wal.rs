@@ -360,6 +360,21 @@ impl RelayStore {
         .await
     }
 
+    /// Whether slot `slot`'s record was reset for a making and never given
+    /// the table read's bound, with nothing of its stream marked: its maker
+    /// died between creating the slot and recording the bound. Read without
+    /// the making lock, so a live maker can be seen in that state too;
+    /// [`Self::create_wal_slot`] checks again under the lock.
+    pub async fn wal_slot_unbound(&self, slot: &str) -> Result<bool> {
+        bounded(async move {
+            Ok(sqlx::query_scalar(Q.wal_slot_unbound)
+                .bind(slot)
+                .fetch_one(self.pg()?)
+                .await?)
+        })
+        .await
+    }
+
     /// Slot `slot`, if it exists.
     pub async fn wal_slot(&self, slot: &str) -> Result<Option<SlotState>> {
         bounded(async move { Ok(sqlx::query_as(Q.wal_slot).bind(slot).fetch_optional(self.pg()?).await?) }).await
@@ -378,8 +393,20 @@ impl RelayStore {
     /// first (while waiting for the lock too), the session is ended (a slot
     /// whose creator ends is not made) and `false` is returned.
     ///
+    /// With `remake_unbound`, a slot found made whose maker died between
+    /// its creation and its bound ([`Self::wal_slot_unbound`]) is dropped
+    /// and made anew (unless a session streams from it): its table read
+    /// would have no bound. A Debezium-layout capture, which never reads
+    /// the table, keeps it (dropping it would skip what committed since).
+    ///
     /// With `failover` (PostgreSQL 17+), the slot is a failover slot.
-    pub async fn create_wal_slot(&self, slot: &str, failover: bool, stop: impl Future<Output = ()>) -> Result<bool> {
+    pub async fn create_wal_slot(
+        &self,
+        slot: &str,
+        failover: bool,
+        remake_unbound: bool,
+        stop: impl Future<Output = ()>,
+    ) -> Result<bool> {
         let pool = self.pg()?;
         let mut maker = pool.acquire().await?;
         // Never handed back to the pool, however this ends (a caller
@@ -407,7 +434,22 @@ impl RelayStore {
                 .fetch_one(&mut *maker)
                 .await?;
             if exists {
-                return Ok::<_, sqlx::Error>(Some(true));
+                let unbound = remake_unbound
+                    && sqlx::query_scalar(Q.wal_slot_unbound)
+                        .bind(slot)
+                        .fetch_one(&mut *maker)
+                        .await?;
+                if !unbound {
+                    return Ok::<_, sqlx::Error>(Some(true));
+                }
+                match sqlx::query(Q.wal_drop_slot).bind(slot).execute(&mut *maker).await {
+                    Ok(_) => tracing::warn!(%slot, "the slot's maker stopped before recording the table read's bound; making it anew"),
+                    Err(e) if sqlstate(&e).as_deref() == Some("42704") => {} // dropped meanwhile
+                    // A session streams from it (an older relay): it is
+                    // left to that session.
+                    Err(e) if sqlstate(&e).as_deref() == Some("55006") => return Ok(Some(true)),
+                    Err(e) => return Err(e),
+                }
             }
             let generation: i64 = sqlx::query_scalar(Q.wal_slot_needs_catch_up)
                 .bind(slot)

@@ -238,9 +238,15 @@ async fn prepare(ctx: &Ctx, reseed: &mut bool, finish: &CancellationToken) -> Re
             return Err(Ended::Retry("slot_unusable"));
         }
         if !(s.lost || *reseed) {
-            return Ok(());
-        }
-        if debezium {
+            // A slot whose maker died before recording the table read's
+            // bound is made anew (under the making lock, by
+            // `create_wal_slot`): read without a bound, the table would
+            // publish rows committed after the slot in id order, while the
+            // stream carries them in commit order.
+            if debezium || !store.wal_slot_unbound(slot).await.map_err(db)? {
+                return Ok(());
+            }
+        } else if debezium {
             tracing::error!(%slot, lost = s.lost, "the slot cannot go on and is not made anew (the Debezium-layout table is not read): drop it and restart the relay to start from now, accepting what it skips");
             *reseed = false;
             return Err(Ended::Retry(if s.lost {
@@ -248,11 +254,12 @@ async fn prepare(ctx: &Ctx, reseed: &mut bool, finish: &CancellationToken) -> Re
             } else {
                 "slot_unreadable"
             }));
+        } else {
+            if s.active || !store.drop_wal_slot(slot).await.map_err(db)? {
+                return Err(Ended::SlotInUse);
+            }
+            tracing::warn!(%slot, lost = s.lost, "dropped the replication slot; the table will be read once");
         }
-        if s.active || !store.drop_wal_slot(slot).await.map_err(db)? {
-            return Err(Ended::SlotInUse);
-        }
-        tracing::warn!(%slot, lost = s.lost, "dropped the replication slot; the table will be read once");
     }
     // A slot marked before (by this relay or another of its group, before
     // a restart) is gone: making it anew would skip what committed since.
@@ -265,7 +272,7 @@ async fn prepare(ctx: &Ctx, reseed: &mut bool, finish: &CancellationToken) -> Re
     *reseed = false;
     tracing::info!(%slot, "creating the replication slot");
     match store
-        .create_wal_slot(slot, ctx.capture.failover, finish.cancelled())
+        .create_wal_slot(slot, ctx.capture.failover, !debezium, finish.cancelled())
         .await
         .map_err(db)?
     {

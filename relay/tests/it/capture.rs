@@ -153,7 +153,12 @@ async fn wal_a_restart_resumes_from_the_slot_in_commit_order() {
     let slot = SlotGuard::new().await;
     let pool = ferry.db().as_postgres().unwrap().clone();
     crate::relay::write_orders(&ferry, 100, 10).await;
-    let relay = slot.start(slot.config(&url, &broker.brokers()), ferry.clone()).await;
+    // The clean shutdown's last confirmation comes after its settling and
+    // marking: under a loaded machine's load that took longer than the
+    // tests' 5 s grace (the session abandoned, the slot not moved on).
+    let mut cfg = slot.config(&url, &broker.brokers());
+    cfg.grace = Duration::from_secs(60);
+    let relay = slot.start(cfg.clone(), ferry.clone()).await;
     let delivered = &format!("SELECT count(*) FROM {OUTBOX} WHERE state = 'delivered'");
     wait_for_count(&ferry, delivered, 100, Duration::from_secs(60)).await;
     relay.shutdown().await;
@@ -171,7 +176,7 @@ async fn wal_a_restart_resumes_from_the_slot_in_commit_order() {
     late.commit().await.unwrap();
     crate::relay::write_orders(&ferry, 50, 10).await;
 
-    let relay = slot.start(slot.config(&url, &broker.brokers()), ferry.clone()).await;
+    let relay = slot.start(cfg, ferry.clone()).await;
     wait_for_count(&ferry, delivered, 152, Duration::from_secs(60)).await;
     relay.shutdown().await;
     assert!(

@@ -186,7 +186,7 @@ async fn wal_a_slot_being_created_is_not_shown_as_streaming() {
     let store = ferry_relay::store::RelayStore::new(ferry.clone());
     let creating = {
         let (store, name) = (store.clone(), slot.name.clone());
-        tokio::spawn(async move { store.create_wal_slot(&name, false, std::future::pending()).await })
+        tokio::spawn(async move { store.create_wal_slot(&name, false, true, std::future::pending()).await })
     };
     let held = format!(
         "SELECT count(*) FROM pg_replication_slots WHERE active AND slot_name = '{}'",
@@ -850,7 +850,7 @@ async fn wal_a_table_read_outlived_by_its_slot_is_not_taken_for_the_new_slots() 
     .unwrap();
     let store = ferry_relay::store::RelayStore::new(ferry.clone());
     assert!(store
-        .create_wal_slot(&slot.name, false, std::future::pending())
+        .create_wal_slot(&slot.name, false, true, std::future::pending())
         .await
         .unwrap());
     // The relay's table read waits: the ledger it probes is locked.
@@ -873,7 +873,7 @@ async fn wal_a_table_read_outlived_by_its_slot_is_not_taken_for_the_new_slots() 
     // holder's transaction: its record is already reset).
     let other = ferry_relay::store::RelayStore::new(ferry.clone());
     let name = slot.name.clone();
-    let making = tokio::spawn(async move { other.create_wal_slot(&name, false, std::future::pending()).await });
+    let making = tokio::spawn(async move { other.create_wal_slot(&name, false, true, std::future::pending()).await });
     wait_for_blocked(
         &pool,
         holder_pid,
@@ -923,7 +923,7 @@ async fn wal_two_relays_making_one_slot_at_once_keep_the_makers_bound() {
         ferry_relay::store::RelayStore::new(ferry.clone()),
     );
     let name = slot.name.clone();
-    let making = tokio::spawn(async move { first.create_wal_slot(&name, false, std::future::pending()).await });
+    let making = tokio::spawn(async move { first.create_wal_slot(&name, false, true, std::future::pending()).await });
     wait_for_blocked(
         &pool,
         writer_pid,
@@ -932,7 +932,7 @@ async fn wal_two_relays_making_one_slot_at_once_keep_the_makers_bound() {
     )
     .await;
     let name = slot.name.clone();
-    let meeting = tokio::spawn(async move { second.create_wal_slot(&name, false, std::future::pending()).await });
+    let meeting = tokio::spawn(async move { second.create_wal_slot(&name, false, true, std::future::pending()).await });
     // A third relay, which found the slot listed (it is, while being
     // made), reads its catch-up record: it must read the maker's bound.
     let third = ferry_relay::store::RelayStore::new(ferry.clone());
@@ -970,6 +970,68 @@ async fn wal_two_relays_making_one_slot_at_once_keep_the_makers_bound() {
     assert_eq!(read.generation, 1, "the second relay left the record alone");
 }
 
+/// A relay killed between creating a slot and recording its table read's
+/// bound leaves a slot whose record has no bound. The next relay found the
+/// slot made and read the table without a bound: the rows committed after
+/// the slot were published from the table in id order (and again from the
+/// stream), where the stream carries them in commit order. It must make the
+/// slot anew instead, with a bound: on the code before, the record stayed
+/// at generation 1 with no bound.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn wal_a_slot_whose_maker_died_before_its_bound_is_made_anew() {
+    let broker = Kafka::start();
+    broker.create_topic("orders", 3);
+    let brokers = broker.brokers();
+    let (ferry, url) = pg_ferry().await;
+    let pool = ferry.db().as_postgres().unwrap().clone();
+    let slot = SlotGuard::new().await;
+    enqueue(&ferry, 0, 3).await;
+    // The publication first, as a relay makes it: the slot streams from it.
+    sqlx::query(&format!(
+        "CREATE PUBLICATION {} FOR TABLE outbox WITH (publish = 'insert')",
+        slot.name
+    ))
+    .execute(&pool)
+    .await
+    .unwrap();
+    // The dead maker: the record reset, then the slot created, and no
+    // bound (its process killed in between).
+    sqlx::query(
+        "INSERT INTO relay_wal_slots (slot, caught_up, catch_up_through, updated_at, marked_lsn, generation)
+         VALUES ($1, false, NULL, 0, NULL, 1)",
+    )
+    .bind(&slot.name)
+    .execute(&pool)
+    .await
+    .unwrap();
+    sqlx::query("SELECT pg_create_logical_replication_slot($1, 'pgoutput')")
+        .bind(&slot.name)
+        .execute(&pool)
+        .await
+        .unwrap();
+    // Committed after the dead maker's slot.
+    enqueue(&ferry, 3, 5).await;
+    let last = scalar(&ferry, "SELECT max(id) FROM outbox").await;
+    let relay = slot.start(slot.config(&url, &brokers), ferry.clone()).await;
+    wait_for_count(&ferry, &DELIVERED, 5, Duration::from_secs(60)).await;
+    let (through, generation): (Option<i64>, i64) =
+        sqlx::query_as("SELECT catch_up_through, generation FROM relay_wal_slots WHERE slot = $1")
+            .bind(&slot.name)
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    assert_eq!(
+        (through, generation),
+        (Some(last), 2),
+        "the slot was made anew, with the bound of the rows committed before it"
+    );
+    enqueue(&ferry, 5, 8).await;
+    wait_for_count(&ferry, &DELIVERED, 8, Duration::from_secs(60)).await;
+    relay.shutdown().await;
+    let recs = read_all(&brokers, "orders", false, Duration::from_secs(30)).await;
+    nothing_lost(&recs, &all_ids(&ferry).await);
+}
+
 /// A relay reading a slot's catch-up record while another relay makes the
 /// slot and waits on a long transaction gives up after the server's lock
 /// timeout, leaving no session of its own waiting on the lock (a
@@ -994,7 +1056,7 @@ async fn wal_a_catch_up_read_behind_a_long_slot_creation_gives_up_on_the_server(
     .unwrap();
     let maker = ferry_relay::store::RelayStore::new(ferry.clone());
     let name = slot.name.clone();
-    let making = tokio::spawn(async move { maker.create_wal_slot(&name, false, std::future::pending()).await });
+    let making = tokio::spawn(async move { maker.create_wal_slot(&name, false, true, std::future::pending()).await });
     wait_for_blocked(
         &pool,
         writer_pid,
