@@ -123,6 +123,7 @@ async fn each_role_is_refused_outside_its_grant() {
     let whole = ferry_relay::store::CatchUp {
         through: i64::MAX,
         generation: 0,
+        unbound: false,
     };
     assert_eq!(relay.wal_catch_up("s").await.unwrap(), Some(whole));
     assert!(relay.set_wal_slot_caught_up("s", 0).await.unwrap());

@@ -91,6 +91,10 @@ SELECT pg_drop_replication_slot($1)
 -- waits here, then finds the slot made and leaves its record alone.
 SELECT pg_advisory_lock(hashtextextended('ferry.wal_slot/' || $1::text, 0))
 
+-- name: wal_slot_try_make_lock [postgres only]
+-- `wal_slot_make_lock` only when no relay is making slot $1 (true: taken).
+SELECT pg_try_advisory_lock(hashtextextended('ferry.wal_slot/' || $1::text, 0))
+
 -- name: wal_slot_made_wait_limit [postgres only]
 -- The wait below gives up after 5 s on the server (lock_not_available): a
 -- maker waiting on a long transaction keeps no reader's connection busy.
@@ -146,7 +150,10 @@ WHERE slot = $1 AND generation = $2
 -- name: wal_slot_catch_up [postgres only]
 -- No row means a slot this relay did not create: read the whole table.
 -- The generation read goes with the bound to `wal_slot_set_caught_up`.
-SELECT caught_up, catch_up_through, generation FROM relay_wal_slots WHERE slot = $1
+-- No bound with nothing marked (and a generation: a making reset it) is a
+-- slot whose maker never recorded the bound (`wal_slot_unbound`).
+SELECT caught_up, catch_up_through, generation, marked_lsn IS NULL AS unmarked
+FROM relay_wal_slots WHERE slot = $1
 
 -- name: wal_slot_marked [postgres only]
 -- The end of the last streamed transaction of slot $1 marked delivered with

@@ -623,7 +623,7 @@ async fn the_overview_shows_each_wal_capture_slot() {
     let (made, gone) = (format!("{base}_0of2"), format!("{base}_1of2"));
     let relays = ferry_relay::store::RelayStore::new(a.db.ferry.clone());
     assert!(relays
-        .create_wal_slot(&made, false, true, std::future::pending())
+        .create_wal_slot(&made, false, std::future::pending())
         .await
         .unwrap());
     sqlx::query("INSERT INTO relay_wal_slots (slot, caught_up, updated_at) VALUES ($1, true, 0)")

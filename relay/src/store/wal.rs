@@ -161,6 +161,22 @@ pub struct CatchUp {
     /// Which making of the slot the bound belongs to (0: no record of the
     /// slot): recording the read done is conditional on it.
     pub generation: i64,
+    /// The slot was made and its bound never recorded (its maker died in
+    /// between, or met a slot made without the making lock): the read must
+    /// not run; the slot is made anew
+    /// ([`RelayStore::remake_unbound_wal_slot`]).
+    pub unbound: bool,
+}
+
+/// How [`RelayStore::make_wal_slot`] goes about the making lock and a slot
+/// found made.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Making {
+    /// Waits for the lock; a slot found made is kept.
+    Create,
+    /// Only when the lock is free; a slot found made and unbound is dropped
+    /// and made anew.
+    RemakeUnbound,
 }
 
 impl RelayStore {
@@ -364,7 +380,7 @@ impl RelayStore {
     /// the table read's bound, with nothing of its stream marked: its maker
     /// died between creating the slot and recording the bound. Read without
     /// the making lock, so a live maker can be seen in that state too;
-    /// [`Self::create_wal_slot`] checks again under the lock.
+    /// [`Self::remake_unbound_wal_slot`] checks again under the lock.
     pub async fn wal_slot_unbound(&self, slot: &str) -> Result<bool> {
         bounded(async move {
             Ok(sqlx::query_scalar(Q.wal_slot_unbound)
@@ -393,18 +409,37 @@ impl RelayStore {
     /// first (while waiting for the lock too), the session is ended (a slot
     /// whose creator ends is not made) and `false` is returned.
     ///
-    /// With `remake_unbound`, a slot found made whose maker died between
-    /// its creation and its bound ([`Self::wal_slot_unbound`]) is dropped
-    /// and made anew (unless a session streams from it): its table read
-    /// would have no bound. A Debezium-layout capture, which never reads
-    /// the table, keeps it (dropping it would skip what committed since).
-    ///
     /// With `failover` (PostgreSQL 17+), the slot is a failover slot.
-    pub async fn create_wal_slot(
+    pub async fn create_wal_slot(&self, slot: &str, failover: bool, stop: impl Future<Output = ()>) -> Result<bool> {
+        self.make_wal_slot(slot, failover, Making::Create, stop).await
+    }
+
+    /// Drops slot `slot` and makes it anew when its maker died between
+    /// creating it and recording the table read's bound
+    /// ([`Self::wal_slot_unbound`], checked again under the making lock):
+    /// read without a bound, the table would publish rows committed after
+    /// the slot in id order. Only when no relay is making it (the lock is
+    /// free: a live maker's record is unbound until it records the bound;
+    /// its session's [`Self::wal_catch_up`] waits for that, bounded) and no
+    /// session streams from it. `true` when the slot is there for a
+    /// session, made anew or left as it was; `false` as for
+    /// [`Self::create_wal_slot`]. Never for a Debezium-layout capture,
+    /// which does not read the table: making its slot anew would skip what
+    /// committed since.
+    pub async fn remake_unbound_wal_slot(
         &self,
         slot: &str,
         failover: bool,
-        remake_unbound: bool,
+        stop: impl Future<Output = ()>,
+    ) -> Result<bool> {
+        self.make_wal_slot(slot, failover, Making::RemakeUnbound, stop).await
+    }
+
+    async fn make_wal_slot(
+        &self,
+        slot: &str,
+        failover: bool,
+        making: Making,
         stop: impl Future<Output = ()>,
     ) -> Result<bool> {
         let pool = self.pg()?;
@@ -415,12 +450,22 @@ impl RelayStore {
         sqlx::query(Q.wal_slot_maker_idle_limit).execute(&mut *maker).await?;
         let pid: i32 = sqlx::query_scalar(Q.wal_session_pid).fetch_one(&mut *maker).await?;
         tokio::pin!(stop);
-        let locked = tokio::select! {
-            locked = sqlx::query(Q.wal_slot_make_lock).bind(slot).execute(&mut *maker) => Some(locked),
-            _ = &mut stop => None,
+        let locked = match making {
+            Making::Create => tokio::select! {
+                locked = sqlx::query(Q.wal_slot_make_lock).bind(slot).execute(&mut *maker) => Some(locked.map(|_| true)),
+                _ = &mut stop => None,
+            },
+            Making::RemakeUnbound => Some(
+                sqlx::query_scalar(Q.wal_slot_try_make_lock)
+                    .bind(slot)
+                    .fetch_one(&mut *maker)
+                    .await,
+            ),
         };
         match locked {
-            Some(Ok(_)) => {}
+            Some(Ok(true)) => {}
+            // Another relay is making it: its bound comes.
+            Some(Ok(false)) => return Ok(true),
             Some(Err(e)) => return Err(e.into()),
             None => {
                 drop(maker);
@@ -434,7 +479,7 @@ impl RelayStore {
                 .fetch_one(&mut *maker)
                 .await?;
             if exists {
-                let unbound = remake_unbound
+                let unbound = making == Making::RemakeUnbound
                     && sqlx::query_scalar(Q.wal_slot_unbound)
                         .bind(slot)
                         .fetch_one(&mut *maker)
@@ -466,8 +511,9 @@ impl RelayStore {
                 None => return Ok(None),
                 Some(Ok(_)) => {}
                 // Made by someone who does not take the lock (an older relay,
-                // an operator): its bound is unknown, so the read takes every
-                // pending row.
+                // an operator): its bound is unknown. The record stays
+                // unbound, so the session's catch-up read sees it and the
+                // slot is made anew under the lock.
                 Some(Err(e)) if sqlstate(&e).as_deref() == Some("42710") => return Ok(Some(true)),
                 Some(Err(e)) => return Err(e),
             }
@@ -525,20 +571,22 @@ impl RelayStore {
             // dropped connection waiting for the lock in the pool.
             sqlx::query(Q.wal_slot_made_wait_limit).execute(&mut *tx).await?;
             sqlx::query(Q.wal_slot_made_wait).bind(slot).execute(&mut *tx).await?;
-            let found: Option<(bool, Option<i64>, i64)> = sqlx::query_as(Q.wal_slot_catch_up)
+            let found: Option<(bool, Option<i64>, i64, bool)> = sqlx::query_as(Q.wal_slot_catch_up)
                 .bind(slot)
                 .fetch_optional(&mut *tx)
                 .await?;
             tx.commit().await?;
             Ok(match found {
-                Some((true, _, _)) => None,
-                Some((false, through, generation)) => Some(CatchUp {
+                Some((true, _, _, _)) => None,
+                Some((false, through, generation, unmarked)) => Some(CatchUp {
                     through: through.unwrap_or(i64::MAX),
                     generation,
+                    unbound: through.is_none() && unmarked && generation > 0,
                 }),
                 None => Some(CatchUp {
                     through: i64::MAX,
                     generation: 0,
+                    unbound: false,
                 }),
             })
         })

@@ -52,6 +52,13 @@ pub(super) async fn run(ctx: &Ctx, iso: &mut Isolation, reseed: &mut bool, finis
     let read = match ctx.capture.router {
         Some(_) => None,
         None => match ctx.state.store.wal_catch_up(&ctx.capture.slot).await {
+            // Read without its bound, the table would publish rows committed
+            // after the slot in id order: the next session's `prepare` makes
+            // the slot anew.
+            Ok(Some(read)) if read.unbound => {
+                tracing::warn!(slot = %ctx.capture.slot, "the slot's table-read bound was never recorded (its maker stopped, or the slot was made without the making lock); making it anew");
+                return Ended::Retry("slot_unbound");
+            }
             Ok(read) => read,
             Err(e) => {
                 tracing::warn!(error = %e, "reading the slot's catch-up flag failed");
@@ -239,13 +246,21 @@ async fn prepare(ctx: &Ctx, reseed: &mut bool, finish: &CancellationToken) -> Re
         }
         if !(s.lost || *reseed) {
             // A slot whose maker died before recording the table read's
-            // bound is made anew (under the making lock, by
-            // `create_wal_slot`): read without a bound, the table would
-            // publish rows committed after the slot in id order, while the
-            // stream carries them in commit order.
+            // bound is made anew (under the making lock, when no relay is
+            // making it): read without a bound, the table would publish
+            // rows committed after the slot in id order, while the stream
+            // carries them in commit order.
             if debezium || !store.wal_slot_unbound(slot).await.map_err(db)? {
                 return Ok(());
             }
+            return match store
+                .remake_unbound_wal_slot(slot, ctx.capture.failover, finish.cancelled())
+                .await
+                .map_err(db)?
+            {
+                true => Ok(()),
+                false => Err(Ended::Shutdown),
+            };
         } else if debezium {
             tracing::error!(%slot, lost = s.lost, "the slot cannot go on and is not made anew (the Debezium-layout table is not read): drop it and restart the relay to start from now, accepting what it skips");
             *reseed = false;
@@ -272,7 +287,7 @@ async fn prepare(ctx: &Ctx, reseed: &mut bool, finish: &CancellationToken) -> Re
     *reseed = false;
     tracing::info!(%slot, "creating the replication slot");
     match store
-        .create_wal_slot(slot, ctx.capture.failover, !debezium, finish.cancelled())
+        .create_wal_slot(slot, ctx.capture.failover, finish.cancelled())
         .await
         .map_err(db)?
     {
@@ -298,7 +313,9 @@ async fn catch_up(
 ) -> Option<Ended> {
     let store = &ctx.state.store;
     let slot = &ctx.capture.slot;
-    let CatchUp { through, generation } = read;
+    let CatchUp {
+        through, generation, ..
+    } = read;
     tracing::info!(%slot, through, "publishing the rows committed before the slot from the table");
     pipeline.forget_old_slot_position();
     let exactly_once = matches!(ctx.publisher, Publisher::Transactional(_));

@@ -186,7 +186,7 @@ async fn wal_a_slot_being_created_is_not_shown_as_streaming() {
     let store = ferry_relay::store::RelayStore::new(ferry.clone());
     let creating = {
         let (store, name) = (store.clone(), slot.name.clone());
-        tokio::spawn(async move { store.create_wal_slot(&name, false, true, std::future::pending()).await })
+        tokio::spawn(async move { store.create_wal_slot(&name, false, std::future::pending()).await })
     };
     let held = format!(
         "SELECT count(*) FROM pg_replication_slots WHERE active AND slot_name = '{}'",
@@ -850,7 +850,7 @@ async fn wal_a_table_read_outlived_by_its_slot_is_not_taken_for_the_new_slots() 
     .unwrap();
     let store = ferry_relay::store::RelayStore::new(ferry.clone());
     assert!(store
-        .create_wal_slot(&slot.name, false, true, std::future::pending())
+        .create_wal_slot(&slot.name, false, std::future::pending())
         .await
         .unwrap());
     // The relay's table read waits: the ledger it probes is locked.
@@ -873,7 +873,7 @@ async fn wal_a_table_read_outlived_by_its_slot_is_not_taken_for_the_new_slots() 
     // holder's transaction: its record is already reset).
     let other = ferry_relay::store::RelayStore::new(ferry.clone());
     let name = slot.name.clone();
-    let making = tokio::spawn(async move { other.create_wal_slot(&name, false, true, std::future::pending()).await });
+    let making = tokio::spawn(async move { other.create_wal_slot(&name, false, std::future::pending()).await });
     wait_for_blocked(
         &pool,
         holder_pid,
@@ -923,7 +923,7 @@ async fn wal_two_relays_making_one_slot_at_once_keep_the_makers_bound() {
         ferry_relay::store::RelayStore::new(ferry.clone()),
     );
     let name = slot.name.clone();
-    let making = tokio::spawn(async move { first.create_wal_slot(&name, false, true, std::future::pending()).await });
+    let making = tokio::spawn(async move { first.create_wal_slot(&name, false, std::future::pending()).await });
     wait_for_blocked(
         &pool,
         writer_pid,
@@ -932,7 +932,7 @@ async fn wal_two_relays_making_one_slot_at_once_keep_the_makers_bound() {
     )
     .await;
     let name = slot.name.clone();
-    let meeting = tokio::spawn(async move { second.create_wal_slot(&name, false, true, std::future::pending()).await });
+    let meeting = tokio::spawn(async move { second.create_wal_slot(&name, false, std::future::pending()).await });
     // A third relay, which found the slot listed (it is, while being
     // made), reads its catch-up record: it must read the maker's bound.
     let third = ferry_relay::store::RelayStore::new(ferry.clone());
@@ -1032,6 +1032,71 @@ async fn wal_a_slot_whose_maker_died_before_its_bound_is_made_anew() {
     nothing_lost(&recs, &all_ids(&ferry).await);
 }
 
+/// A slot whose bound was never recorded reads as unbound (a session then
+/// ends and its next `prepare` makes the slot anew, instead of reading the
+/// table without a bound), and is made anew only when no relay is making
+/// it: a live maker's record is unbound until it records the bound, and
+/// waiting for it would hold a connection as long as the creation waits.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn wal_an_unbound_slot_is_made_anew_only_when_no_relay_is_making_it() {
+    let (ferry, _) = pg_ferry().await;
+    let pool = ferry.db().as_postgres().unwrap().clone();
+    let slot = SlotGuard::new().await;
+    enqueue(&ferry, 0, 3).await;
+    sqlx::query(
+        "INSERT INTO relay_wal_slots (slot, caught_up, catch_up_through, updated_at, marked_lsn, generation)
+         VALUES ($1, false, NULL, 0, NULL, 1)",
+    )
+    .bind(&slot.name)
+    .execute(&pool)
+    .await
+    .unwrap();
+    sqlx::query("SELECT pg_create_logical_replication_slot($1, 'pgoutput')")
+        .bind(&slot.name)
+        .execute(&pool)
+        .await
+        .unwrap();
+    let last = scalar(&ferry, "SELECT max(id) FROM outbox").await;
+    let store = ferry_relay::store::RelayStore::new(ferry.clone());
+    let read = store.wal_catch_up(&slot.name).await.unwrap().unwrap();
+    assert!(read.unbound, "{read:?}");
+    let record = || async {
+        sqlx::query_as::<_, (Option<i64>, i64)>(
+            "SELECT catch_up_through, generation FROM relay_wal_slots WHERE slot = $1",
+        )
+        .bind(&slot.name)
+        .fetch_one(&pool)
+        .await
+        .unwrap()
+    };
+    // Another relay holds the making lock: the slot is left to it.
+    let mut maker = pool.acquire().await.unwrap();
+    let lock = "hashtextextended('ferry.wal_slot/' || $1::text, 0)";
+    sqlx::query(&format!("SELECT pg_advisory_lock({lock})"))
+        .bind(&slot.name)
+        .execute(&mut *maker)
+        .await
+        .unwrap();
+    assert!(store
+        .remake_unbound_wal_slot(&slot.name, false, std::future::pending())
+        .await
+        .unwrap());
+    assert_eq!(record().await, (None, 1), "a slot being made is left to its maker");
+    sqlx::query(&format!("SELECT pg_advisory_unlock({lock})"))
+        .bind(&slot.name)
+        .execute(&mut *maker)
+        .await
+        .unwrap();
+    drop(maker);
+    assert!(store
+        .remake_unbound_wal_slot(&slot.name, false, std::future::pending())
+        .await
+        .unwrap());
+    assert_eq!(record().await, (Some(last), 2), "made anew, with its bound");
+    let read = store.wal_catch_up(&slot.name).await.unwrap().unwrap();
+    assert_eq!((read.through, read.generation, read.unbound), (last, 2, false));
+}
+
 /// A relay reading a slot's catch-up record while another relay makes the
 /// slot and waits on a long transaction gives up after the server's lock
 /// timeout, leaving no session of its own waiting on the lock (a
@@ -1056,7 +1121,7 @@ async fn wal_a_catch_up_read_behind_a_long_slot_creation_gives_up_on_the_server(
     .unwrap();
     let maker = ferry_relay::store::RelayStore::new(ferry.clone());
     let name = slot.name.clone();
-    let making = tokio::spawn(async move { maker.create_wal_slot(&name, false, true, std::future::pending()).await });
+    let making = tokio::spawn(async move { maker.create_wal_slot(&name, false, std::future::pending()).await });
     wait_for_blocked(
         &pool,
         writer_pid,
