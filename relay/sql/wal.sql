@@ -116,14 +116,15 @@ SELECT CASE WHEN current_setting('server_version_num')::int >= 140000
 SELECT EXISTS (SELECT 1 FROM pg_replication_slots WHERE slot_name = $1)
 
 -- name: wal_slot_unbound [postgres only]
--- Slot $1's record was reset for a making (`wal_slot_needs_catch_up`) and
--- never given its bound, and nothing of its stream was marked: its maker
--- died between the slot's creation and the bound (or met a slot made
--- without the lock). Checked again under the making lock, where a live
--- maker is not in that state.
+-- Slot $1's record was reset for a making (`wal_slot_needs_catch_up`: a
+-- generation) and never given its bound: its maker died between the slot's
+-- creation and the bound (or met a slot made without the lock). Checked
+-- again under the making lock, where a live maker is not in that state.
+-- Not on `marked_lsn`: a frozen relay's late mark of the slot before may
+-- set it.
 SELECT EXISTS (SELECT 1 FROM relay_wal_slots
                WHERE slot = $1 AND NOT caught_up AND catch_up_through IS NULL
-                 AND marked_lsn IS NULL)
+                 AND generation > 0)
 
 -- name: wal_slot_needs_catch_up [postgres only]
 -- Before a slot is created: the rows committed before it are not in its
@@ -150,10 +151,9 @@ WHERE slot = $1 AND generation = $2
 -- name: wal_slot_catch_up [postgres only]
 -- No row means a slot this relay did not create: read the whole table.
 -- The generation read goes with the bound to `wal_slot_set_caught_up`.
--- No bound with nothing marked (and a generation: a making reset it) is a
--- slot whose maker never recorded the bound (`wal_slot_unbound`).
-SELECT caught_up, catch_up_through, generation, marked_lsn IS NULL AS unmarked
-FROM relay_wal_slots WHERE slot = $1
+-- No bound with a generation (a making reset it) is a slot whose maker
+-- never recorded the bound (`wal_slot_unbound`).
+SELECT caught_up, catch_up_through, generation FROM relay_wal_slots WHERE slot = $1
 
 -- name: wal_slot_marked [postgres only]
 -- The end of the last streamed transaction of slot $1 marked delivered with

@@ -377,8 +377,8 @@ impl RelayStore {
     }
 
     /// Whether slot `slot`'s record was reset for a making and never given
-    /// the table read's bound, with nothing of its stream marked: its maker
-    /// died between creating the slot and recording the bound. Read without
+    /// the table read's bound: its maker died between creating the slot and
+    /// recording the bound (or met a slot made without the making lock). Read without
     /// the making lock, so a live maker can be seen in that state too;
     /// [`Self::remake_unbound_wal_slot`] checks again under the lock.
     pub async fn wal_slot_unbound(&self, slot: &str) -> Result<bool> {
@@ -555,10 +555,11 @@ impl RelayStore {
 
     /// What is left to read from the table for `slot`: `None` when it was
     /// read once since the slot was created, else the highest id to read
-    /// (`i64::MAX` for a slot this relay did not create, or when the bound
-    /// was never recorded: reading too much costs only duplicates) and the
-    /// slot's generation, which the read hands back to
-    /// [`Self::set_wal_slot_caught_up`].
+    /// (`i64::MAX` for a slot this relay did not create: reading too much
+    /// costs duplicates, and rows committed after the slot in id order) and
+    /// the slot's generation, which the read hands back to
+    /// [`Self::set_wal_slot_caught_up`]. A slot whose maker never recorded
+    /// the bound is [`CatchUp::unbound`]: it is not read but made anew.
     ///
     /// A relay making the slot at that moment is waited for (its lock), so
     /// the bound it records is read, not the reset before it (a table read
@@ -571,17 +572,17 @@ impl RelayStore {
             // dropped connection waiting for the lock in the pool.
             sqlx::query(Q.wal_slot_made_wait_limit).execute(&mut *tx).await?;
             sqlx::query(Q.wal_slot_made_wait).bind(slot).execute(&mut *tx).await?;
-            let found: Option<(bool, Option<i64>, i64, bool)> = sqlx::query_as(Q.wal_slot_catch_up)
+            let found: Option<(bool, Option<i64>, i64)> = sqlx::query_as(Q.wal_slot_catch_up)
                 .bind(slot)
                 .fetch_optional(&mut *tx)
                 .await?;
             tx.commit().await?;
             Ok(match found {
-                Some((true, _, _, _)) => None,
-                Some((false, through, generation, unmarked)) => Some(CatchUp {
+                Some((true, _, _)) => None,
+                Some((false, through, generation)) => Some(CatchUp {
                     through: through.unwrap_or(i64::MAX),
                     generation,
-                    unbound: through.is_none() && unmarked && generation > 0,
+                    unbound: through.is_none() && generation > 0,
                 }),
                 None => Some(CatchUp {
                     through: i64::MAX,

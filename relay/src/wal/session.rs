@@ -56,6 +56,12 @@ pub(super) async fn run(ctx: &Ctx, iso: &mut Isolation, reseed: &mut bool, finis
             // after the slot in id order: the next session's `prepare` makes
             // the slot anew.
             Ok(Some(read)) if read.unbound => {
+                // Streamed by someone who takes no making lock (an older
+                // relay, an operator's client): standing by, as for any
+                // slot in use.
+                if matches!(ctx.state.store.wal_slot(&ctx.capture.slot).await, Ok(Some(s)) if s.active) {
+                    return Ended::SlotInUse;
+                }
                 tracing::warn!(slot = %ctx.capture.slot, "the slot's table-read bound was never recorded (its maker stopped, or the slot was made without the making lock); making it anew");
                 return Ended::Retry("slot_unbound");
             }
@@ -250,7 +256,9 @@ async fn prepare(ctx: &Ctx, reseed: &mut bool, finish: &CancellationToken) -> Re
             // making it): read without a bound, the table would publish
             // rows committed after the slot in id order, while the stream
             // carries them in commit order.
-            if debezium || !store.wal_slot_unbound(slot).await.map_err(db)? {
+            // One a session streams from (someone who takes no making lock)
+            // is left to it: this relay stands by (`run`).
+            if debezium || s.active || !store.wal_slot_unbound(slot).await.map_err(db)? {
                 return Ok(());
             }
             return match store
