@@ -1199,6 +1199,7 @@ async fn streams_drain(brokers: &str, topic: &str, n: usize, count: u32) -> Res<
         pids.push((WALSENDERS[k], walsender_pid(&admin, s).await?));
     }
     let cpu = CpuSplit::start(pids).with_postgres();
+    let busy = ActiveStatements::start(admin.clone());
     // The relay's count of rows marked delivered, not a query: a fragmented
     // ledger makes every reader of pending rows walk its gaps, and polling
     // one would measure this program's own queries.
@@ -1206,7 +1207,7 @@ async fn streams_drain(brokers: &str, topic: &str, n: usize, count: u32) -> Res<
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     let rate = n as f64 / started.elapsed().as_secs_f64();
-    let cpu = cpu.finish();
+    let cpu = format!("{}\n    {}", cpu.finish(), busy.finish().await);
     wait_delivered(&ferry).await?;
     let ranges: i64 = sqlx::query_scalar("SELECT count(*) FROM outbox_delivered")
         .fetch_one(ferry.db().as_postgres().ok_or("PostgreSQL only")?)
@@ -1215,6 +1216,55 @@ async fn streams_drain(brokers: &str, topic: &str, n: usize, count: u32) -> Res<
     handle.await??;
     drop_bench_slots(&slot).await?;
     Ok((rate, format!("{cpu}; {ranges} delivered ranges in the ledger")))
+}
+
+/// Where PostgreSQL's backends spend their time: the statements running
+/// (`pg_stat_activity`, replication excluded), sampled every 100 ms.
+struct ActiveStatements {
+    stop: CancellationToken,
+    task: tokio::task::JoinHandle<(usize, std::collections::HashMap<String, usize>)>,
+}
+
+impl ActiveStatements {
+    fn start(admin: sqlx::PgPool) -> ActiveStatements {
+        let stop = CancellationToken::new();
+        let until = stop.clone();
+        let task = tokio::spawn(async move {
+            let (mut samples, mut seen) = (0, std::collections::HashMap::<String, usize>::new());
+            while !until.is_cancelled() {
+                let running: Vec<String> = sqlx::query_scalar(
+                    "SELECT left(regexp_replace(query, '\\s+', ' ', 'g'), 70) FROM pg_stat_activity
+                     WHERE state = 'active' AND backend_type = 'client backend'
+                       AND pid <> pg_backend_pid() AND query NOT LIKE 'START_REPLICATION%'",
+                )
+                .fetch_all(&admin)
+                .await
+                .unwrap_or_default();
+                samples += 1;
+                for q in running {
+                    *seen.entry(q).or_default() += 1;
+                }
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            (samples, seen)
+        });
+        ActiveStatements { stop, task }
+    }
+
+    /// The statements seen running most often, each with the share of
+    /// samples it was seen in.
+    async fn finish(self) -> String {
+        self.stop.cancel();
+        let (samples, seen) = self.task.await.unwrap_or_default();
+        let mut top: Vec<(String, usize)> = seen.into_iter().collect();
+        top.sort_by(|a, b| b.1.cmp(&a.1));
+        let parts: Vec<String> = top
+            .iter()
+            .take(4)
+            .map(|(q, k)| format!("{:.0}% {q}", 100.0 * *k as f64 / samples.max(1) as f64))
+            .collect();
+        format!("running in PostgreSQL ({samples} samples): {}", parts.join(" | "))
+    }
 }
 
 /// `count` `pg_recvlogical` at once, each streaming the rows of one lane
