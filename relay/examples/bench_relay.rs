@@ -1257,7 +1257,7 @@ impl ActiveStatements {
         self.stop.cancel();
         let (samples, seen) = self.task.await.unwrap_or_default();
         let mut top: Vec<(String, usize)> = seen.into_iter().collect();
-        top.sort_by(|a, b| b.1.cmp(&a.1));
+        top.sort_by_key(|t| std::cmp::Reverse(t.1));
         let parts: Vec<String> = top
             .iter()
             .take(4)
