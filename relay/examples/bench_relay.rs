@@ -1219,7 +1219,8 @@ async fn streams_drain(brokers: &str, topic: &str, n: usize, count: u32) -> Res<
 }
 
 /// Where PostgreSQL's backends spend their time: the statements running
-/// (`pg_stat_activity`, replication excluded), sampled every 100 ms.
+/// and what each waits on, if anything (`pg_stat_activity`, replication
+/// excluded), sampled every 100 ms.
 struct ActiveStatements {
     stop: CancellationToken,
     task: tokio::task::JoinHandle<(usize, std::collections::HashMap<String, usize>)>,
@@ -1233,7 +1234,8 @@ impl ActiveStatements {
             let (mut samples, mut seen) = (0, std::collections::HashMap::<String, usize>::new());
             while !until.is_cancelled() {
                 let running: Vec<String> = sqlx::query_scalar(
-                    "SELECT left(regexp_replace(query, '\\s+', ' ', 'g'), 70) FROM pg_stat_activity
+                    "SELECT COALESCE(wait_event, 'on CPU') || ': ' || left(regexp_replace(query, '\\s+', ' ', 'g'), 70)
+                     FROM pg_stat_activity
                      WHERE state = 'active' AND backend_type = 'client backend'
                        AND pid <> pg_backend_pid() AND query NOT LIKE 'START_REPLICATION%'",
                 )
