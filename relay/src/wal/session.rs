@@ -269,7 +269,8 @@ async fn prepare(ctx: &Ctx, reseed: &mut bool, finish: &CancellationToken) -> Re
                 true => Ok(()),
                 false => Err(Ended::Shutdown),
             };
-        } else if debezium {
+        }
+        if debezium {
             tracing::error!(%slot, lost = s.lost, "the slot cannot go on and is not made anew (the Debezium-layout table is not read): drop it and restart the relay to start from now, accepting what it skips");
             *reseed = false;
             return Err(Ended::Retry(if s.lost {
@@ -277,12 +278,11 @@ async fn prepare(ctx: &Ctx, reseed: &mut bool, finish: &CancellationToken) -> Re
             } else {
                 "slot_unreadable"
             }));
-        } else {
-            if s.active || !store.drop_wal_slot(slot).await.map_err(db)? {
-                return Err(Ended::SlotInUse);
-            }
-            tracing::warn!(%slot, lost = s.lost, "dropped the replication slot; the table will be read once");
         }
+        if s.active || !store.drop_wal_slot(slot).await.map_err(db)? {
+            return Err(Ended::SlotInUse);
+        }
+        tracing::warn!(%slot, lost = s.lost, "dropped the replication slot; the table will be read once");
     }
     // A slot marked before (by this relay or another of its group, before
     // a restart) is gone: making it anew would skip what committed since.

@@ -970,6 +970,34 @@ async fn wal_two_relays_making_one_slot_at_once_keep_the_makers_bound() {
     assert_eq!(read.generation, 1, "the second relay left the record alone");
 }
 
+/// What a relay killed between creating slot `name` and recording its
+/// table read's bound leaves: the record reset (generation 1, no bound),
+/// then the slot created.
+async fn dead_makers_slot(pool: &sqlx::PgPool, name: &str) {
+    sqlx::query(
+        "INSERT INTO relay_wal_slots (slot, caught_up, catch_up_through, updated_at, marked_lsn, generation)
+         VALUES ($1, false, NULL, 0, NULL, 1)",
+    )
+    .bind(name)
+    .execute(pool)
+    .await
+    .unwrap();
+    sqlx::query("SELECT pg_create_logical_replication_slot($1, 'pgoutput')")
+        .bind(name)
+        .execute(pool)
+        .await
+        .unwrap();
+}
+
+/// Slot `name`'s recorded table-read bound and generation.
+async fn slot_record(pool: &sqlx::PgPool, name: &str) -> (Option<i64>, i64) {
+    sqlx::query_as("SELECT catch_up_through, generation FROM relay_wal_slots WHERE slot = $1")
+        .bind(name)
+        .fetch_one(pool)
+        .await
+        .unwrap()
+}
+
 /// A relay killed between creating a slot and recording its table read's
 /// bound leaves a slot whose record has no bound. The next relay found the
 /// slot made and read the table without a bound: the rows committed after
@@ -994,34 +1022,14 @@ async fn wal_a_slot_whose_maker_died_before_its_bound_is_made_anew() {
     .execute(&pool)
     .await
     .unwrap();
-    // The dead maker: the record reset, then the slot created, and no
-    // bound (its process killed in between).
-    sqlx::query(
-        "INSERT INTO relay_wal_slots (slot, caught_up, catch_up_through, updated_at, marked_lsn, generation)
-         VALUES ($1, false, NULL, 0, NULL, 1)",
-    )
-    .bind(&slot.name)
-    .execute(&pool)
-    .await
-    .unwrap();
-    sqlx::query("SELECT pg_create_logical_replication_slot($1, 'pgoutput')")
-        .bind(&slot.name)
-        .execute(&pool)
-        .await
-        .unwrap();
+    dead_makers_slot(&pool, &slot.name).await;
     // Committed after the dead maker's slot.
     enqueue(&ferry, 3, 5).await;
     let last = scalar(&ferry, "SELECT max(id) FROM outbox").await;
     let relay = slot.start(slot.config(&url, &brokers), ferry.clone()).await;
     wait_for_count(&ferry, &DELIVERED, 5, Duration::from_secs(60)).await;
-    let (through, generation): (Option<i64>, i64) =
-        sqlx::query_as("SELECT catch_up_through, generation FROM relay_wal_slots WHERE slot = $1")
-            .bind(&slot.name)
-            .fetch_one(&pool)
-            .await
-            .unwrap();
     assert_eq!(
-        (through, generation),
+        slot_record(&pool, &slot.name).await,
         (Some(last), 2),
         "the slot was made anew, with the bound of the rows committed before it"
     );
@@ -1043,32 +1051,11 @@ async fn wal_an_unbound_slot_is_made_anew_only_when_no_relay_is_making_it() {
     let pool = ferry.db().as_postgres().unwrap().clone();
     let slot = SlotGuard::new().await;
     enqueue(&ferry, 0, 3).await;
-    sqlx::query(
-        "INSERT INTO relay_wal_slots (slot, caught_up, catch_up_through, updated_at, marked_lsn, generation)
-         VALUES ($1, false, NULL, 0, NULL, 1)",
-    )
-    .bind(&slot.name)
-    .execute(&pool)
-    .await
-    .unwrap();
-    sqlx::query("SELECT pg_create_logical_replication_slot($1, 'pgoutput')")
-        .bind(&slot.name)
-        .execute(&pool)
-        .await
-        .unwrap();
+    dead_makers_slot(&pool, &slot.name).await;
     let last = scalar(&ferry, "SELECT max(id) FROM outbox").await;
     let store = ferry_relay::store::RelayStore::new(ferry.clone());
     let read = store.wal_catch_up(&slot.name).await.unwrap().unwrap();
     assert!(read.unbound, "{read:?}");
-    let record = || async {
-        sqlx::query_as::<_, (Option<i64>, i64)>(
-            "SELECT catch_up_through, generation FROM relay_wal_slots WHERE slot = $1",
-        )
-        .bind(&slot.name)
-        .fetch_one(&pool)
-        .await
-        .unwrap()
-    };
     // Another relay holds the making lock: the slot is left to it.
     let mut maker = pool.acquire().await.unwrap();
     let lock = "hashtextextended('ferry.wal_slot/' || $1::text, 0)";
@@ -1081,7 +1068,11 @@ async fn wal_an_unbound_slot_is_made_anew_only_when_no_relay_is_making_it() {
         .remake_unbound_wal_slot(&slot.name, false, std::future::pending())
         .await
         .unwrap());
-    assert_eq!(record().await, (None, 1), "a slot being made is left to its maker");
+    assert_eq!(
+        slot_record(&pool, &slot.name).await,
+        (None, 1),
+        "a slot being made is left to its maker"
+    );
     sqlx::query(&format!("SELECT pg_advisory_unlock({lock})"))
         .bind(&slot.name)
         .execute(&mut *maker)
@@ -1092,7 +1083,11 @@ async fn wal_an_unbound_slot_is_made_anew_only_when_no_relay_is_making_it() {
         .remake_unbound_wal_slot(&slot.name, false, std::future::pending())
         .await
         .unwrap());
-    assert_eq!(record().await, (Some(last), 2), "made anew, with its bound");
+    assert_eq!(
+        slot_record(&pool, &slot.name).await,
+        (Some(last), 2),
+        "made anew, with its bound"
+    );
     let read = store.wal_catch_up(&slot.name).await.unwrap().unwrap();
     assert_eq!((read.through, read.generation, read.unbound), (last, 2, false));
 }
