@@ -464,7 +464,10 @@ impl RelayStore {
         };
         match locked {
             Some(Ok(true)) => {}
-            // Another relay is making it: its bound comes.
+            // Held: by a relay making it (its bound comes), or by a reader
+            // of the record or a maker that will keep the slot (then the
+            // session's catch-up read finds it still unbound, and the next
+            // session, after a backoff, tries again).
             Some(Ok(false)) => return Ok(true),
             Some(Err(e)) => return Err(e.into()),
             None => {
