@@ -72,6 +72,11 @@ fn not_refreshed(what: &str, e: &ferry::Error) {
 /// lane tick.
 pub const GAUGES_EVERY: Duration = Duration::from_secs(5);
 
+/// How often the shared producers' fatal error state is read (see
+/// `Relay::run`): a fatal error fails readiness within this, plus the time
+/// librdkafka takes to raise it.
+const FATAL_CHECK_EVERY: Duration = Duration::from_millis(250);
+
 /// Ledger ranges a poll relay folds into row states per transaction at its
 /// start (`RelayStore::fold_delivered`): a range holds about a second of
 /// WAL capture's deliveries, so a transaction rewrites about this many
@@ -279,12 +284,24 @@ impl Relay {
             )
             .await?;
         }
+        // librdkafka raises a fatal error on its own threads (a refused
+        // producer id, a fenced idempotent producer) whether or not a row is
+        // in flight: watched here, so readiness fails and the relay exits
+        // even while its capture waits (WAL capture making its slot waits
+        // for every transaction running in the cluster).
+        let mut fatal_check = tokio::time::interval(FATAL_CHECK_EVERY);
         loop {
             if stopped {
                 break;
             }
             tokio::select! {
                 _ = &mut shutdown => break,
+                _ = fatal_check.tick(), if !state.fatal.is_cancelled() => {
+                    if let Some((code, reason)) = producer.as_ref().and_then(|p| p.client().fatal_error()).or_else(|| lone.fatal_error()) {
+                        tracing::error!(?code, %reason, "the producer failed fatally");
+                        state.fatal.cancel();
+                    }
+                }
                 _ = state.fatal.cancelled() => {
                     state.metrics.producer_fatal.inc();
                     tracing::error!("fatal producer error: draining and exiting so the producer is rebuilt");

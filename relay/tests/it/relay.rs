@@ -530,6 +530,10 @@ async fn sigterm_marks_everything_acknowledged_within_the_grace(capture: Capture
 /// (ClusterAuthorizationFailed on InitProducerId), which librdkafka raises as
 /// a fatal error: the relay must fail readiness, count it, drain without
 /// losing a row and exit with an error, and a restarted relay publishes.
+/// A transaction holding an xid stays open until the relay exited, so WAL
+/// capture is still waiting to make its slot: the fatal error is noticed
+/// without a row in flight (before, the relay waited for the slot first,
+/// and on a busy shared cluster that outlived the test's bound).
 async fn a_fatal_producer_error_fails_readiness_and_exits_to_be_restarted(capture: Capture) {
     use rdkafka::mocking::MockCluster;
     use rdkafka::types::{RDKafkaApiKey, RDKafkaRespErr};
@@ -542,17 +546,20 @@ async fn a_fatal_producer_error_fails_readiness_and_exits_to_be_restarted(captur
     );
     let (ferry, url) = pg_ferry().await;
     write_orders(&ferry, 20, 5).await;
+    let mut running = ferry.db().as_postgres().unwrap().begin().await.unwrap();
+    sqlx::query("SELECT txid_current()")
+        .execute(&mut *running)
+        .await
+        .unwrap();
     let (cfg, guard) = config_for(capture, &url, &mock.bootstrap_servers()).await;
     let relay = guard.start(cfg.clone(), ferry.clone()).await;
     let state = relay.state.clone();
-    // WAL capture first makes its slot, which waits for every transaction
-    // running in the cluster (other tests' on the shared one, some held
-    // open on purpose): the bound covers that wait too.
-    let err = tokio::time::timeout(Duration::from_secs(180), relay.handle)
+    let err = tokio::time::timeout(Duration::from_secs(60), relay.handle)
         .await
         .expect("the relay exits after a fatal producer error")
         .unwrap()
         .unwrap_err();
+    running.commit().await.unwrap();
     assert_eq!(err.code(), "kafka_fatal", "{err}");
     assert!(state.fatal.is_cancelled(), "/readyz fails from the fatal error on");
     assert_eq!(state.metrics.producer_fatal.get(), 1);
@@ -567,6 +574,9 @@ async fn a_fatal_producer_error_fails_readiness_and_exits_to_be_restarted(captur
         "nothing was marked past the fatal error"
     );
     // The orchestrator restarts it: a new producer publishes everything.
+    // WAL capture makes its slot first, which waits for every transaction
+    // running in the cluster (other tests' on the shared one): the bound
+    // covers that wait, and a miss names the transactions still running.
     mock.clear_request_errors(RDKafkaApiKey::InitProducerId);
     let relay = guard.start(cfg, ferry.clone()).await;
     let start = Instant::now();
@@ -577,10 +587,12 @@ async fn a_fatal_producer_error_fails_readiness_and_exits_to_be_restarted(captur
     .await
         < 20
     {
-        assert!(
-            start.elapsed() < Duration::from_secs(60),
-            "the restarted relay did not publish"
-        );
+        if start.elapsed() > Duration::from_secs(180) {
+            panic!(
+                "the restarted relay did not publish; transactions running: {}",
+                running_xacts(&ferry).await
+            );
+        }
         tokio::task::yield_now().await;
     }
     relay.shutdown().await;

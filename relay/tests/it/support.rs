@@ -772,6 +772,20 @@ pub async fn wait_for_streaming(pool: &sqlx::PgPool, slot: &str, except: Option<
     }
 }
 
+/// The cluster's transactions holding an xid, oldest first (what a new
+/// logical slot waits for): for the message of a test that timed out.
+pub async fn running_xacts(ferry: &Ferry) -> String {
+    sqlx::query_scalar::<_, String>(
+        "SELECT format('pid %s db %s xid %s for %s s %s: %s', pid, datname, backend_xid,
+                round(extract(epoch FROM clock_timestamp() - xact_start)), state, left(query, 120))
+         FROM pg_stat_activity WHERE backend_xid IS NOT NULL ORDER BY xact_start",
+    )
+    .fetch_all(ferry.db().as_postgres().unwrap())
+    .await
+    .map(|rows| rows.join("; "))
+    .unwrap_or_else(|e| format!("(unreadable: {e})"))
+}
+
 pub async fn wait_for_count(ferry: &Ferry, sql: &str, want: i64, limit: Duration) {
     let deadline = Instant::now() + limit;
     loop {
@@ -779,7 +793,12 @@ pub async fn wait_for_count(ferry: &Ferry, sql: &str, want: i64, limit: Duration
         if n >= want {
             return;
         }
-        assert!(Instant::now() < deadline, "{sql}: {n} after {limit:?}, wanted {want}");
+        if Instant::now() >= deadline {
+            panic!(
+                "{sql}: {n} after {limit:?}, wanted {want}; transactions running: {}",
+                running_xacts(ferry).await
+            );
+        }
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
