@@ -13,6 +13,19 @@
 //!
 //! When the jars are missing, starting fails with a message naming
 //! `scripts/install-kafka`; a test never passes without its broker.
+//!
+//! A broker is reused within a test process: when a test drops a broker it
+//! started with [`Kafka::start`] and never stopped, killed or restarted,
+//! and the test did not panic, the broker's topics and consumer groups are
+//! deleted and it waits, alive, for the process's next [`Kafka::start`]
+//! (at most [`POOL_MAX`] wait). The next test sees what a new broker shows
+//! (no topic, no group, offsets from 0) without a JVM start and format
+//! (about 1.9 s of CPU each, most of what short broker tests spend). A
+//! broker whose transactions coordinator was used (`__transaction_state`
+//! exists: a transactional id's epoch and open transactions outlive its
+//! topics), to which a client is still connected (a test's task or
+//! producer left running would write into the next test's topics), or whose
+//! reset fails (a group with members left) is killed as before. `FERRY_TEST_FRESH_BROKERS=1` starts a new broker every time.
 
 use std::io::Read;
 use std::path::{Path, PathBuf};
@@ -50,7 +63,15 @@ pub fn kafka_home() -> PathBuf {
 /// How long startup may take before the launcher gives up and quotes the log.
 const READY_WITHIN: Duration = Duration::from_secs(90);
 
-/// One Apache Kafka broker process; SIGKILLed on drop (data dir removed).
+/// How many reset brokers a test process keeps for its next tests.
+pub const POOL_MAX: usize = 2;
+
+/// The reset brokers waiting for a test of this process (see the module).
+static POOL: std::sync::Mutex<Vec<Kafka>> = std::sync::Mutex::new(Vec::new());
+
+/// One Apache Kafka broker process; on drop, reset and kept for the
+/// process's next test, or SIGKILLed and its data dir removed (see the
+/// module).
 pub struct Kafka {
     port: u16,
     controller_port: u16,
@@ -60,6 +81,9 @@ pub struct Kafka {
     proxied: Option<(u16, u16)>,
     dir: PathBuf,
     proc: Option<Watchdog>,
+    /// Started plainly and never stopped, killed or restarted: may be reset
+    /// and reused when dropped.
+    reusable: bool,
 }
 
 impl Kafka {
@@ -91,6 +115,13 @@ impl Kafka {
     }
 
     fn start_on(overrides: &[(&str, &str)], advertised: Option<u16>) -> Kafka {
+        let reusable =
+            overrides.is_empty() && advertised.is_none() && std::env::var_os("FERRY_TEST_FRESH_BROKERS").is_none();
+        if reusable {
+            if let Some(k) = Self::pooled() {
+                return k;
+            }
+        }
         let libs = kafka_home().join("libs");
         assert!(
             libs.join(format!("kafka_2.13-{}.jar", kafka_version())).exists(),
@@ -108,7 +139,10 @@ impl Kafka {
             let mut k = Self::configure(overrides, advertised);
             k.format();
             match k.try_spawn() {
-                Ok(()) => return k,
+                Ok(()) => {
+                    k.reusable = reusable;
+                    return k;
+                }
                 // Dropping `k` removes its directory.
                 Err(_) if attempt < 5 && k.log_tail(usize::MAX).contains("Address already in use") => {}
                 Err(e) => panic!("{e}"),
@@ -130,6 +164,8 @@ impl Kafka {
             ),
             None => (String::new(), String::new(), ""),
         };
+        static SWEPT: std::sync::Once = std::sync::Once::new();
+        SWEPT.call_once(remove_dead_processes_dirs);
         let dir = std::env::temp_dir().join(format!("ferry-kafka-{}-{port}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(dir.join("data")).expect("broker temp dir");
@@ -165,6 +201,81 @@ impl Kafka {
             proxied,
             dir,
             proc: None,
+            reusable: false,
+        }
+    }
+
+    /// A reset broker of this process that is still alive, if one waits.
+    fn pooled() -> Option<Kafka> {
+        loop {
+            let k = POOL.lock().unwrap_or_else(|e| e.into_inner()).pop()?;
+            if k.broker_alive() {
+                return Some(k);
+            }
+        }
+    }
+
+    /// Deletes every consumer group and every topic but the internal ones
+    /// (`__consumer_offsets`), and waits until the metadata shows none. An
+    /// error when a transactional producer used the broker, when a group
+    /// cannot be deleted (members left) or the topics do not go.
+    fn reset(&self) -> Result<(), String> {
+        // A client of the test that is still alive (a relay task left
+        // running until its runtime drops, a leaked producer with records
+        // queued for a topic of that name) would write into the next test's
+        // topics: only a broker no client is connected to is reused.
+        let clients = established_connections(self.port);
+        if clients > 0 {
+            return Err(format!("{clients} client connections still open"));
+        }
+        let c = self.metadata_client();
+        let md = c
+            .fetch_metadata(None, Duration::from_secs(5))
+            .map_err(|e| e.to_string())?;
+        if md.topics().iter().any(|t| t.name() == "__transaction_state") {
+            return Err("a transactional producer used it".into());
+        }
+        let topics: Vec<String> = md
+            .topics()
+            .iter()
+            .map(|t| t.name().to_owned())
+            .filter(|t| !t.starts_with("__"))
+            .collect();
+        let groups: Vec<String> = c
+            .fetch_group_list(None, Duration::from_secs(5))
+            .map_err(|e| e.to_string())?
+            .groups()
+            .iter()
+            .map(|g| g.name().to_owned())
+            .collect();
+        let admin: AdminClient<DefaultClientContext> = ClientConfig::new()
+            .set("bootstrap.servers", self.brokers())
+            .create()
+            .map_err(|e| e.to_string())?;
+        let opts = AdminOptions::new().operation_timeout(Some(Duration::from_secs(10)));
+        if !groups.is_empty() {
+            let names: Vec<&str> = groups.iter().map(String::as_str).collect();
+            for r in futures::executor::block_on(admin.delete_groups(&names, &opts)).map_err(|e| e.to_string())? {
+                r.map_err(|(g, e)| format!("group {g}: {e}"))?;
+            }
+        }
+        if topics.is_empty() {
+            return Ok(());
+        }
+        let names: Vec<&str> = topics.iter().map(String::as_str).collect();
+        for r in futures::executor::block_on(admin.delete_topics(&names, &opts)).map_err(|e| e.to_string())? {
+            r.map_err(|(t, e)| format!("topic {t}: {e}"))?;
+        }
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            if let Ok(md) = c.fetch_metadata(None, Duration::from_secs(2)) {
+                if !md.topics().iter().any(|t| topics.iter().any(|n| n == t.name())) {
+                    return Ok(());
+                }
+            }
+            if Instant::now() > deadline {
+                return Err("its topics were not deleted within 30 s".into());
+            }
         }
     }
 
@@ -237,11 +348,13 @@ impl Kafka {
     /// SIGTERM (controlled shutdown) and wait until the broker exited: it is
     /// down until [`Kafka::restart`].
     pub fn stop(&mut self) {
+        self.reusable = false;
         self.signal(Signal::Term);
     }
 
     /// SIGKILL the broker (a crash) and wait until it is gone.
     pub fn kill(&mut self) {
+        self.reusable = false;
         self.signal(Signal::Kill);
     }
 
@@ -408,8 +521,64 @@ impl Kafka {
 
 impl Drop for Kafka {
     fn drop(&mut self) {
+        if self.reusable && !std::thread::panicking() && self.broker_alive() && self.reset().is_ok() {
+            let mut pool = POOL.lock().unwrap_or_else(|e| e.into_inner());
+            if pool.len() < POOL_MAX {
+                pool.push(Kafka {
+                    port: self.port,
+                    controller_port: self.controller_port,
+                    proxied: self.proxied,
+                    dir: std::mem::take(&mut self.dir),
+                    proc: self.proc.take(),
+                    reusable: true,
+                });
+                return;
+            }
+        }
         self.kill();
         let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// The TCP connections in state ESTABLISHED whose local port is `port`
+/// (the server side of clients connected to a listener on it), from
+/// `/proc/net/tcp` and `/proc/net/tcp6`; `usize::MAX` when they cannot be
+/// read (then nothing is reused).
+fn established_connections(port: u16) -> usize {
+    let mut n = 0;
+    for table in ["/proc/net/tcp", "/proc/net/tcp6"] {
+        let Ok(text) = std::fs::read_to_string(table) else {
+            return usize::MAX;
+        };
+        n += text
+            .lines()
+            .skip(1)
+            .filter(|line| {
+                let mut cols = line.split_whitespace();
+                let local = cols.nth(1).unwrap_or_default();
+                let state = cols.nth(1).unwrap_or_default();
+                state == "01" && local.rsplit(':').next().and_then(|p| u16::from_str_radix(p, 16).ok()) == Some(port)
+            })
+            .count();
+    }
+    n
+}
+
+/// Removes the log dirs of brokers whose test process is gone: the
+/// brokers a process kept for reuse are killed by their watchdogs when it
+/// exits, but their directories are left (`ferry-kafka-<pid>-<port>`).
+fn remove_dead_processes_dirs() {
+    let Ok(entries) = std::fs::read_dir(std::env::temp_dir()) else {
+        return;
+    };
+    for e in entries.flatten() {
+        let name = e.file_name().to_string_lossy().into_owned();
+        let Some(pid) = name.strip_prefix("ferry-kafka-").and_then(|r| r.split('-').next()) else {
+            continue;
+        };
+        if pid.parse::<u32>().is_ok() && !Path::new("/proc").join(pid).exists() {
+            let _ = std::fs::remove_dir_all(e.path());
+        }
     }
 }
 
@@ -453,6 +622,61 @@ mod tests {
         assert_ne!(id, cluster_id());
         assert!((0..2000).all(|_| !cluster_id().starts_with('-')));
         assert_eq!(encode_cluster_id([0xfb; 16]), "-_v7-_v7-_v7-_v7-_v7-w");
+    }
+
+    /// A dropped broker comes back to the next start of the process with
+    /// no topic and no group (the same port: not a new JVM); a broker a
+    /// client is still connected to, or one that was killed, is not
+    /// reused. One test, so no other test of this binary takes the pooled
+    /// broker meanwhile.
+    #[test]
+    fn a_dropped_broker_is_reused_empty_unless_a_client_is_still_connected() {
+        if std::env::var_os("FERRY_TEST_FRESH_BROKERS").is_some() {
+            return; // reuse is off by request: nothing to check
+        }
+        let group_and_topic = |k: &Kafka| {
+            k.create_topic("orders", 2);
+            let c: BaseConsumer = ClientConfig::new()
+                .set("bootstrap.servers", k.brokers())
+                .set("group.id", "pool-test")
+                .create()
+                .unwrap();
+            let mut tpl = rdkafka::TopicPartitionList::new();
+            tpl.add_partition_offset("orders", 0, rdkafka::Offset::Offset(0))
+                .unwrap();
+            c.commit(&tpl, rdkafka::consumer::CommitMode::Sync).unwrap();
+            c
+        };
+        let first = Kafka::start();
+        let port = first.port();
+        drop(group_and_topic(&first));
+        drop(first);
+        let second = Kafka::start();
+        assert_eq!(second.port(), port, "the dropped broker is reused");
+        let c = second.metadata_client();
+        let md = c.fetch_metadata(None, Duration::from_secs(5)).unwrap();
+        let topics: Vec<&str> = md
+            .topics()
+            .iter()
+            .map(|t| t.name())
+            .filter(|t| !t.starts_with("__"))
+            .collect();
+        assert!(topics.is_empty(), "topics left: {topics:?}");
+        let groups = c.fetch_group_list(None, Duration::from_secs(5)).unwrap();
+        assert!(groups.groups().is_empty(), "groups left");
+        drop(c);
+        // A client still connected when it is dropped: not reused.
+        let leaked = group_and_topic(&second);
+        drop(second);
+        let third = Kafka::start();
+        assert_ne!(third.port(), port, "a broker with a client connected is not reused");
+        drop(leaked);
+        // A killed broker is not reused either.
+        let mut third = third;
+        let killed = third.port();
+        third.kill();
+        drop(third);
+        assert_ne!(Kafka::start().port(), killed);
     }
 
     #[test]
