@@ -23,7 +23,8 @@
 //! (about 1.9 s of CPU each, most of what short broker tests spend). A
 //! broker whose transactions coordinator was used (`__transaction_state`
 //! exists: a transactional id's epoch and open transactions outlive its
-//! topics), to which a client is still connected (a test's task or
+//! topics), where a topic had configs of its own (KRaft gives them back to
+//! a new topic of the same name after a restart), to which a client is still connected (a test's task or
 //! producer left running would write into the next test's topics), or whose
 //! reset fails (a group with members left) is killed as before. `FERRY_TEST_FRESH_BROKERS=1` starts a new broker every time.
 
@@ -32,7 +33,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
+use rdkafka::admin::{AdminClient, AdminOptions, ConfigSource, NewTopic, ResourceSpecifier, TopicReplication};
 use rdkafka::client::DefaultClientContext;
 use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::ClientConfig;
@@ -261,6 +262,17 @@ impl Kafka {
         }
         if topics.is_empty() {
             return Ok(());
+        }
+        // A topic's own configs outlive its deletion in KRaft's metadata
+        // log: after a restart, a new topic of that name had them again
+        // (a later test's `orders` refusing records as too large). A broker
+        // that had any is not reused.
+        let specs: Vec<ResourceSpecifier> = topics.iter().map(|t| ResourceSpecifier::Topic(t)).collect();
+        for r in futures::executor::block_on(admin.describe_configs(&specs, &opts)).map_err(|e| e.to_string())? {
+            let r = r.map_err(|e| e.to_string())?;
+            if let Some(e) = r.entries.iter().find(|e| e.source == ConfigSource::DynamicTopic) {
+                return Err(format!("a topic has its own {}", e.name));
+            }
         }
         let names: Vec<&str> = topics.iter().map(String::as_str).collect();
         for r in futures::executor::block_on(admin.delete_topics(&names, &opts)).map_err(|e| e.to_string())? {
@@ -626,11 +638,11 @@ mod tests {
 
     /// A dropped broker comes back to the next start of the process with
     /// no topic and no group (the same port: not a new JVM); a broker a
-    /// client is still connected to, or one that was killed, is not
-    /// reused. One test, so no other test of this binary takes the pooled
+    /// client is still connected to, one where a topic had a config of its
+    /// own, or one that was killed, is not reused. One test, so no other test of this binary takes the pooled
     /// broker meanwhile.
     #[test]
-    fn a_dropped_broker_is_reused_empty_unless_a_client_is_still_connected() {
+    fn a_dropped_broker_is_reused_empty_unless_a_client_or_a_topic_config_remains() {
         if std::env::var_os("FERRY_TEST_FRESH_BROKERS").is_some() {
             return; // reuse is off by request: nothing to check
         }
@@ -671,12 +683,21 @@ mod tests {
         let third = Kafka::start();
         assert_ne!(third.port(), port, "a broker with a client connected is not reused");
         drop(leaked);
-        // A killed broker is not reused either.
-        let mut third = third;
-        let killed = third.port();
-        third.kill();
+        // Nor one where a topic had configs of its own.
+        third.create_topic_with("small", 1, &[("max.message.bytes", "2000")]);
+        let configured = third.port();
         drop(third);
-        assert_ne!(Kafka::start().port(), killed);
+        let mut fourth = Kafka::start();
+        assert_ne!(
+            fourth.port(),
+            configured,
+            "a broker whose topic had its own config is not reused"
+        );
+        // Nor a killed one.
+        let killed = fourth.port();
+        fourth.kill();
+        drop(fourth);
+        assert_ne!(Kafka::start().port(), killed, "a killed broker is not reused");
     }
 
     #[test]
