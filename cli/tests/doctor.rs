@@ -211,6 +211,11 @@ fn assert_findings(kind: Kind, out: &Output, bad: &[&str]) -> String {
             "{stderr}\n{stdout}"
         );
     }
+    let pooler = block(&stdout, "transaction_pooler");
+    match kind {
+        Kind::Postgres => assert_eq!(pooler, ["[ok] transaction_pooler"], "{stdout}"),
+        Kind::Sqlite => assert_eq!(pooler, ["[skip] transaction_pooler: SQLite has no pooler"], "{stdout}"),
+    }
     for check in RELAY_CHECKS.iter().chain(&WAL_CHECKS) {
         let lines = block(&stdout, check);
         if bad.contains(check) {
@@ -448,6 +453,57 @@ impl Drop for DropSlot {
 /// `relay_wal_slots`, then `pg_create_logical_replication_slot`) that no
 /// walsender streams from is `wal_slot_inactive`, and no lane is expected
 /// to be held (`lanes_unowned` skips).
+/// Through the test PgBouncer in transaction pooling, the doctor's probe
+/// finds that a NOTIFY never reaches the LISTEN (it is lost, or comes back
+/// to the session that sent it), and says Ferry needs a direct URL; the
+/// same database reached directly is fine. The real binary prints it and
+/// fails `--strict`. Each client gets a database of its own: the server
+/// sessions PgBouncer keeps for a database hold the prepared statements of
+/// the last client (`sqlx_s_1`…), and another client's would collide with
+/// them, which is the fault this check is for.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn doctor_finds_a_pooler_in_transaction_mode() {
+    async fn migrated_behind_pgbouncer() -> (ferry::Ferry, String) {
+        let (direct, pooled) = ferry_testkit::fresh_database_behind_pgbouncer().await.unwrap();
+        (
+            ferry::Ferry::builder(&direct).migrate(true).connect().await.unwrap(),
+            pooled,
+        )
+    }
+    let (direct, pooled) = migrated_behind_pgbouncer().await;
+    let f = ferry_cli::doctor::transaction_pooler(&direct).await.unwrap();
+    assert_eq!(f.status(), "ok", "{f:?}");
+    // One connection, so its prepared statements stay on one server
+    // session while the probe runs (it opens its own two).
+    let through = ferry::Ferry::builder(&pooled)
+        .max_connections(1)
+        .connect()
+        .await
+        .unwrap();
+    let f = ferry_cli::doctor::transaction_pooler(&through).await.unwrap();
+    assert_eq!(f.status(), "critical", "{f:?}");
+    assert!(
+        f.items[0].contains("did not reach a LISTEN") || f.items[0].contains("not to the one that ran LISTEN"),
+        "{f:?}"
+    );
+    let (_, pooled) = migrated_behind_pgbouncer().await;
+    let out = Command::new(env!("CARGO_BIN_EXE_ferry"))
+        .args(["doctor", "--strict", "--database-url", &pooled])
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}\n{stdout}");
+    let lines = block(&stdout, "transaction_pooler");
+    assert_eq!(lines[0], "[critical] transaction_pooler", "{stdout}");
+    assert!(lines.iter().any(|l| l.contains("direct URL")), "{stdout}");
+    assert_eq!(
+        stdout.lines().filter(|l| l.starts_with('[')).count(),
+        1,
+        "no other check runs: {stdout}"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn doctor_reports_an_inactive_wal_slot() {
     let t = TestDb::new(Kind::Postgres).await;

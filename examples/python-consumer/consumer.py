@@ -136,9 +136,14 @@ class Member:
         # its partition row's lock; the server ends it after this, so the
         # member that took the partition over is not held up behind it.
         self.db.execute("SET idle_in_transaction_session_timeout = '10s'")
-        self.db.execute(
-            f"CREATE TABLE IF NOT EXISTS {self.table} (effect_key TEXT PRIMARY KEY, applied BIGINT NOT NULL)"
-        )
+        # Members start together, and two concurrent CREATE TABLE IF NOT
+        # EXISTS of one table can both pass the check and one then fails on
+        # the catalog's unique index: one member at a time.
+        with self.db.transaction():
+            self.db.execute("SELECT pg_advisory_xact_lock(hashtext('ferry-example-effects-ddl'))")
+            self.db.execute(
+                f"CREATE TABLE IF NOT EXISTS {self.table} (effect_key TEXT PRIMARY KEY, applied BIGINT NOT NULL)"
+            )
         # (topic, partition) -> generation of the lease this member holds.
         self.leases = {}
         # Partitions Kafka assigns here whose lease was lost: paused, and

@@ -23,6 +23,56 @@ pub fn postgres_url() -> String {
     std::env::var("DATABASE_URL").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".into())
 }
 
+/// The test PgBouncer in transaction pooling in front of [`postgres_url`]
+/// (`scripts/setup-pgbouncer`): `FERRY_PGBOUNCER_URL`, or the local one on
+/// port 6433. Every database name it is given reaches the same name on the
+/// server.
+pub fn pgbouncer_url() -> String {
+    std::env::var("FERRY_PGBOUNCER_URL").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:6433/postgres".into())
+}
+
+/// A new, empty database of its own on the test PostgreSQL, and its URL
+/// through the test PgBouncer ([`pgbouncer_url`]): `(direct, through the
+/// pooler)`. A database, not a schema: PgBouncer does not pass the
+/// `options` startup parameter that selects a test's schema.
+pub async fn fresh_database_behind_pgbouncer() -> Result<(String, String)> {
+    let n = SEQ.fetch_add(1, Ordering::Relaxed);
+    let born = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0);
+    let name = format!("ferry_t_{born}_{}_{n}", std::process::id());
+    let admin = admin_pool().await?;
+    drop_stale_databases(&admin, born).await;
+    sqlx::query(&format!("CREATE DATABASE {name}"))
+        .execute(&admin)
+        .await
+        .map_err(|e| TestDbError(format!("CREATE DATABASE {name}: {e}")))?;
+    admin.close().await;
+    let with_db = |url: &str| {
+        let base = url.split('?').next().unwrap_or(url);
+        let server = base.rsplit_once('/').map(|(s, _)| s).unwrap_or(base);
+        format!("{server}/{name}")
+    };
+    Ok((with_db(&postgres_url()), with_db(&pgbouncer_url())))
+}
+
+/// One connection to the test PostgreSQL, for making databases and schemas.
+async fn admin_pool() -> Result<sqlx::PgPool> {
+    let base = postgres_url();
+    let opts: PgConnectOptions = base.parse().map_err(|e| TestDbError(format!("DATABASE_URL: {e}")))?;
+    PgPoolOptions::new()
+        .max_connections(1)
+        .acquire_timeout(Duration::from_secs(5))
+        .connect_with(opts.disable_statement_logging())
+        .await
+        .map_err(|e| {
+            TestDbError(format!(
+                "PostgreSQL is required and unreachable at {base} ({e}); start it or set DATABASE_URL"
+            ))
+        })
+}
+
 static SEQ: AtomicU64 = AtomicU64::new(0);
 
 /// A URL to a new, empty database of `engine`: a fresh schema (selected by
@@ -45,17 +95,7 @@ pub async fn fresh_database_url(engine: Engine) -> Result<String> {
                 .map(|d| d.as_secs())
                 .unwrap_or(0);
             let schema = format!("ferry_t_{born}_{pid}_{n}");
-            let opts: PgConnectOptions = base.parse().map_err(|e| TestDbError(format!("DATABASE_URL: {e}")))?;
-            let admin = PgPoolOptions::new()
-                .max_connections(1)
-                .acquire_timeout(Duration::from_secs(5))
-                .connect_with(opts.disable_statement_logging())
-                .await
-                .map_err(|e| {
-                    TestDbError(format!(
-                        "PostgreSQL is required and unreachable at {base} ({e}); start it or set DATABASE_URL"
-                    ))
-                })?;
+            let admin = admin_pool().await?;
             if n == 0 {
                 drop_stale_schemas(&admin, born).await;
             }
@@ -82,6 +122,28 @@ async fn drop_stale_schemas(admin: &sqlx::PgPool, now: u64) {
         let born: u64 = s.split('_').nth(2).and_then(|b| b.parse().ok()).unwrap_or(0);
         if born + 24 * 3600 < now {
             let _ = sqlx::query(&format!("DROP SCHEMA IF EXISTS {s} CASCADE"))
+                .execute(admin)
+                .await;
+        }
+    }
+}
+
+/// Drops the `ferry_t_*` databases of [`fresh_database_behind_pgbouncer`]
+/// whose test process is gone (its pid in the name), or made more than a
+/// day ago: each holds a catalog's worth of disk (about 7.5 MB).
+async fn drop_stale_databases(admin: &sqlx::PgPool, now: u64) {
+    let names: Vec<String> =
+        sqlx::query_scalar("SELECT datname::text FROM pg_database WHERE datname LIKE 'ferry\\_t\\_%'")
+            .fetch_all(admin)
+            .await
+            .unwrap_or_default();
+    for d in names {
+        let mut parts = d.split('_').skip(2);
+        let born: u64 = parts.next().and_then(|b| b.parse().ok()).unwrap_or(0);
+        let pid = parts.next().unwrap_or_default();
+        let gone = pid.is_empty() || !std::path::Path::new("/proc").join(pid).exists();
+        if gone || born + 24 * 3600 < now {
+            let _ = sqlx::query(&format!("DROP DATABASE IF EXISTS {d} WITH (FORCE)"))
                 .execute(admin)
                 .await;
         }

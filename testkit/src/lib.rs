@@ -1,5 +1,6 @@
 //! Test support for Ferry and for services built on it, never linked into a
-//! production binary: a real Apache Kafka broker per test ([`Kafka`]), a
+//! production binary: a real Apache Kafka broker per test, reused reset by
+//! the process's next test ([`Kafka`]), a
 //! fresh PostgreSQL schema or SQLite file per test
 //! ([`fresh_database_url`]), a PostgreSQL cluster of a test's own that the
 //! test can stop and restart ([`PgCluster`], for database outages, with a
@@ -20,7 +21,7 @@ mod ports;
 mod toxiproxy;
 mod watchdog;
 
-pub use db::{fresh_database_url, postgres_url, TestDbError};
+pub use db::{fresh_database_behind_pgbouncer, fresh_database_url, pgbouncer_url, postgres_url, TestDbError};
 pub use harness::{fresh_url, manual_clock, TestDb, T0};
 pub use kafka::*;
 pub use outbox::{assert_delivered_unwritten, outbox_states, OUTBOX};

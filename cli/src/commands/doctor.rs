@@ -54,8 +54,15 @@ pub(super) async fn run(args: DoctorArgs) -> Result<(), CliError> {
         slot_lag,
     };
     let ferry = Ferry::builder(&db.database_url).connect().await?;
-    let mut findings = crate::doctor::run(&ferry, stuck_after, 20).await?;
-    findings.extend(crate::doctor::relay(&ferry, &thresholds, 20).await?);
+    // First: through a pooler in transaction mode the other checks' own
+    // statements can fail or reach another client's session, so they are
+    // not run.
+    let pooler = crate::doctor::transaction_pooler(&ferry).await?;
+    let mut findings = vec![pooler];
+    if !findings[0].is_problem() {
+        findings.extend(crate::doctor::run(&ferry, stuck_after, 20).await?);
+        findings.extend(crate::doctor::relay(&ferry, &thresholds, 20).await?);
+    }
     let mut bad = 0;
     for f in &findings {
         match f.skipped {

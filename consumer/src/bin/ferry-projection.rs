@@ -76,12 +76,22 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let env = |k: &str, d: &str| std::env::var(k).unwrap_or_else(|_| d.to_owned());
     let url = std::env::var("DATABASE_URL")?;
     let ferry = Ferry::builder(&url).migrate(true).connect().await?;
+    // Members start together, and two concurrent `CREATE TABLE IF NOT
+    // EXISTS` of one table can both pass the check and one then fails on
+    // the catalog's unique index: one member at a time (the lock is the
+    // transaction's; SQLite serializes its writers anyway).
+    let mut tx = ferry.db().begin().await?;
+    if ferry.db().engine() == ferry::Engine::Postgres {
+        tx.execute("SELECT pg_advisory_xact_lock(hashtext('ferry-projection-ddl'))", &[])
+            .await?;
+    }
     for ddl in [
         "CREATE TABLE IF NOT EXISTS ferry_projection (key TEXT PRIMARY KEY, events BIGINT NOT NULL, last_offset BIGINT NOT NULL)",
         "CREATE TABLE IF NOT EXISTS ferry_projection_applied (effect_key TEXT PRIMARY KEY, applied BIGINT NOT NULL)",
     ] {
-        ferry.db().execute_raw(ddl).await?;
+        tx.execute(ddl, &[]).await?;
     }
+    tx.commit().await?;
     let topics = env("FERRY_TOPICS", "ferry.run-events");
     let topics: Vec<&str> = topics.split(',').collect();
     let assignment = assignment(&env("FERRY_ASSIGNMENT", "cooperative"))?;
