@@ -449,44 +449,19 @@ impl Drop for DropSlot {
     }
 }
 
-/// A Ferry slot (made as the relay makes one: registered in
-/// `relay_wal_slots`, then `pg_create_logical_replication_slot`) that no
-/// walsender streams from is `wal_slot_inactive`, and no lane is expected
-/// to be held (`lanes_unowned` skips).
 /// Through the test PgBouncer in transaction pooling, the doctor's probe
-/// finds that a NOTIFY never reaches the LISTEN (it is lost, or comes back
-/// to the session that sent it), and says Ferry needs a direct URL; the
-/// same database reached directly is fine. The real binary prints it and
-/// fails `--strict`. Each client gets a database of its own: the server
-/// sessions PgBouncer keeps for a database hold the prepared statements of
-/// the last client (`sqlx_s_1`…), and another client's would collide with
-/// them, which is the fault this check is for.
+/// finds one connection's statements served by several server sessions
+/// (or another connection's transaction on the session it just used), and
+/// says Ferry needs a direct URL; the same database reached directly is
+/// fine. The real binary prints only that finding and fails `--strict`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn doctor_finds_a_pooler_in_transaction_mode() {
-    async fn migrated_behind_pgbouncer() -> (ferry::Ferry, String) {
-        let (direct, pooled) = ferry_testkit::fresh_database_behind_pgbouncer().await.unwrap();
-        (
-            ferry::Ferry::builder(&direct).migrate(true).connect().await.unwrap(),
-            pooled,
-        )
-    }
-    let (direct, pooled) = migrated_behind_pgbouncer().await;
+    let (direct, pooled) = ferry_testkit::fresh_database_behind_pgbouncer().await.unwrap();
     let f = ferry_cli::doctor::transaction_pooler(&direct).await.unwrap();
     assert_eq!(f.status(), "ok", "{f:?}");
-    // One connection, so its prepared statements stay on one server
-    // session while the probe runs (it opens its own two).
-    let through = ferry::Ferry::builder(&pooled)
-        .max_connections(1)
-        .connect()
-        .await
-        .unwrap();
-    let f = ferry_cli::doctor::transaction_pooler(&through).await.unwrap();
+    let f = ferry_cli::doctor::transaction_pooler(&pooled).await.unwrap();
     assert_eq!(f.status(), "critical", "{f:?}");
-    assert!(
-        f.items[0].contains("did not reach a LISTEN") || f.items[0].contains("not to the one that ran LISTEN"),
-        "{f:?}"
-    );
-    let (_, pooled) = migrated_behind_pgbouncer().await;
+    assert!(f.items[0].contains("served by server sessions"), "{f:?}");
     let out = Command::new(env!("CARGO_BIN_EXE_ferry"))
         .args(["doctor", "--strict", "--database-url", &pooled])
         .output()
@@ -504,6 +479,10 @@ async fn doctor_finds_a_pooler_in_transaction_mode() {
     );
 }
 
+/// A Ferry slot (made as the relay makes one: registered in
+/// `relay_wal_slots`, then `pg_create_logical_replication_slot`) that no
+/// walsender streams from is `wal_slot_inactive`, and no lane is expected
+/// to be held (`lanes_unowned` skips).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn doctor_reports_an_inactive_wal_slot() {
     let t = TestDb::new(Kind::Postgres).await;

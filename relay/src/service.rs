@@ -72,9 +72,10 @@ fn not_refreshed(what: &str, e: &ferry::Error) {
 /// lane tick.
 pub const GAUGES_EVERY: Duration = Duration::from_secs(5);
 
-/// How often the shared producers' fatal error state is read (see
-/// `Relay::run`): a fatal error fails readiness within this, plus the time
-/// librdkafka takes to raise it.
+/// How often the producers' fatal error state is read (the shared one, the
+/// lone re-send's and each further `--streams` stream's; see `Relay::run`):
+/// a fatal error fails readiness within this, plus the time librdkafka takes
+/// to raise it.
 const FATAL_CHECK_EVERY: Duration = Duration::from_millis(250);
 
 /// Ledger ranges a poll relay folds into row states per transaction at its
@@ -183,6 +184,7 @@ impl Relay {
             owner,
             ready: AtomicBool::new(false),
             fatal: CancellationToken::new(),
+            stream_producers: Default::default(),
         });
         Ok(Relay { cfg, state, producer })
     }
@@ -290,6 +292,7 @@ impl Relay {
         // even while its capture waits (WAL capture making its slot waits
         // for every transaction running in the cluster).
         let mut fatal_check = tokio::time::interval(FATAL_CHECK_EVERY);
+        fatal_check.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
         loop {
             if stopped {
                 break;
@@ -297,7 +300,7 @@ impl Relay {
             tokio::select! {
                 _ = &mut shutdown => break,
                 _ = fatal_check.tick(), if !state.fatal.is_cancelled() => {
-                    if let Some((code, reason)) = producer.as_ref().and_then(|p| p.client().fatal_error()).or_else(|| lone.fatal_error()) {
+                    if let Some((code, reason)) = producer.as_ref().and_then(|p| p.client().fatal_error()).or_else(|| lone.fatal_error()).or_else(|| state.stream_producers.fatal_error()) {
                         tracing::error!(?code, %reason, "the producer failed fatally");
                         state.fatal.cancel();
                     }

@@ -260,9 +260,36 @@ impl Kafka {
                 r.map_err(|(g, e)| format!("group {g}: {e}"))?;
             }
         }
-        if topics.is_empty() {
-            return Ok(());
+        if !topics.is_empty() {
+            self.delete_topics(&admin, &c, &topics)?;
         }
+        // Once more, now that the last test's clients had the time the
+        // deletions took: a transactional producer of a task still running
+        // then, or a client that was between connections at the first look.
+        let md = c
+            .fetch_metadata(None, Duration::from_secs(5))
+            .map_err(|e| e.to_string())?;
+        if md.topics().iter().any(|t| t.name() == "__transaction_state") {
+            return Err("a transactional producer used it".into());
+        }
+        drop(admin);
+        drop(c);
+        let clients = established_connections(self.port);
+        if clients > 0 {
+            return Err(format!("{clients} client connections still open"));
+        }
+        Ok(())
+    }
+
+    /// Deletes `topics` unless one has configs of its own, and waits until
+    /// the metadata no longer lists them.
+    fn delete_topics(
+        &self,
+        admin: &AdminClient<DefaultClientContext>,
+        c: &BaseConsumer,
+        topics: &[String],
+    ) -> Result<(), String> {
+        let opts = AdminOptions::new().operation_timeout(Some(Duration::from_secs(10)));
         // A topic's own configs outlive its deletion in KRaft's metadata
         // log: after a restart, a new topic of that name had them again
         // (a later test's `orders` refusing records as too large). A broker
@@ -639,10 +666,11 @@ mod tests {
     /// A dropped broker comes back to the next start of the process with
     /// no topic and no group (the same port: not a new JVM); a broker a
     /// client is still connected to, one where a topic had a config of its
-    /// own, or one that was killed, is not reused. One test, so no other test of this binary takes the pooled
+    /// own, one a transactional producer used, one that was killed, or one
+    /// started with settings of its own, is not reused. One test, so no other test of this binary takes the pooled
     /// broker meanwhile.
     #[test]
-    fn a_dropped_broker_is_reused_empty_unless_a_client_or_a_topic_config_remains() {
+    fn a_dropped_broker_is_reused_empty_unless_it_kept_something_of_its_test() {
         if std::env::var_os("FERRY_TEST_FRESH_BROKERS").is_some() {
             return; // reuse is off by request: nothing to check
         }
@@ -687,17 +715,40 @@ mod tests {
         third.create_topic_with("small", 1, &[("max.message.bytes", "2000")]);
         let configured = third.port();
         drop(third);
-        let mut fourth = Kafka::start();
+        let fourth = Kafka::start();
         assert_ne!(
             fourth.port(),
             configured,
             "a broker whose topic had its own config is not reused"
         );
-        // Nor a killed one.
-        let killed = fourth.port();
-        fourth.kill();
+        // Nor one a transactional producer used (its transactional ids
+        // outlive its topics).
+        let producer: rdkafka::producer::BaseProducer = ClientConfig::new()
+            .set("bootstrap.servers", fourth.brokers())
+            .set("transactional.id", "pool-test")
+            .create()
+            .unwrap();
+        rdkafka::producer::Producer::init_transactions(&producer, Duration::from_secs(30)).unwrap();
+        drop(producer);
+        let transactional = fourth.port();
         drop(fourth);
-        assert_ne!(Kafka::start().port(), killed, "a killed broker is not reused");
+        let mut fifth = Kafka::start();
+        assert_ne!(fifth.port(), transactional, "a broker with transactions is not reused");
+        // Nor a killed one.
+        let killed = fifth.port();
+        fifth.kill();
+        drop(fifth);
+        // Nor one started with settings of its own, which a plain start
+        // must not inherit.
+        let special = Kafka::start_with(&[("num.partitions", "2")]);
+        assert_ne!(special.port(), killed, "a killed broker is not reused");
+        let special_port = special.port();
+        drop(special);
+        assert_ne!(
+            Kafka::start().port(),
+            special_port,
+            "a broker with its own settings is not reused"
+        );
     }
 
     #[test]

@@ -53,13 +53,12 @@ pub(super) async fn run(args: DoctorArgs) -> Result<(), CliError> {
         slot_lag_bytes,
         slot_lag,
     };
-    let ferry = Ferry::builder(&db.database_url).connect().await?;
-    // First: through a pooler in transaction mode the other checks' own
-    // statements can fail or reach another client's session, so they are
-    // not run.
-    let pooler = crate::doctor::transaction_pooler(&ferry).await?;
-    let mut findings = vec![pooler];
+    // First, before Ferry prepares a statement: through a pooler in
+    // transaction mode the other checks' own statements can fail or reach
+    // another client's session, so they are not run.
+    let mut findings = vec![crate::doctor::transaction_pooler(&db.database_url).await?];
     if !findings[0].is_problem() {
+        let ferry = Ferry::builder(&db.database_url).connect().await?;
         findings.extend(crate::doctor::run(&ferry, stuck_after, 20).await?);
         findings.extend(crate::doctor::relay(&ferry, &thresholds, 20).await?);
     }

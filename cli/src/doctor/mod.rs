@@ -1,6 +1,6 @@
 //! Investigations an operator runs when something looks wrong, as queries:
 //! a URL through a pooler in transaction mode ([`transaction_pooler`],
-//! probed), duplicate paid generations, two workers completing one run, jobs leased
+//! probed before anything else), duplicate paid generations, two workers completing one run, jobs leased
 //! forever (here; `unreclaimed_leases` is watched by the
 //! `FerryJobLeasesUnreclaimed` alert), and the relay's side ([`relay()`]: dead outbox rows, an old
 //! backlog, no live relay, unowned lanes, WAL capture slots that are
@@ -115,21 +115,20 @@ pub async fn check_queries(ferry: &Ferry) -> Result<()> {
     ferry::store::check_queries(ferry.db(), QUERIES.get(ferry.db().engine()).all()).await
 }
 
-/// How long [`transaction_pooler`] waits for its own notification: direct,
-/// it arrives within milliseconds.
-const NOTIFY_PROBE_WAIT: Duration = Duration::from_secs(2);
-
-/// Whether this URL gives Ferry sessions of its own. A pooler in
-/// transaction mode (PgBouncer's `pool_mode = transaction`) hands each
-/// transaction, and each statement outside one, to any of its server
-/// sessions: it never delivers a notification to its client (workers and
-/// relays would wait out their poll interval for every wake-up), and
-/// prepared statements land on sessions other clients then use. Probed,
-/// not guessed: a `LISTEN` on a channel of its own, a `NOTIFY` on it from
-/// another connection, and [`NOTIFY_PROBE_WAIT`] for it to arrive (through
-/// such a pooler it is lost, or comes back to the connection that sent it
-/// when both statements got one server session). Skipped on SQLite.
-pub async fn transaction_pooler(ferry: &Ferry) -> Result<Finding> {
+/// Whether `url` gives each connection a server session of its own. A
+/// pooler in transaction mode (PgBouncer's `pool_mode = transaction`)
+/// hands each transaction, and each statement outside one, to any of its
+/// server sessions: prepared statements then land on sessions other
+/// clients use, and notifications never reach their listener. Probed, not
+/// guessed, with simple queries only (nothing prepared, nothing notified,
+/// nothing written, so it is safe on a live pooler and on a standby):
+/// connection A reads its server's pid, connection B opens a transaction
+/// (which holds whatever session it is given) and reads its pid, and A
+/// reads its pid again. Directly, A keeps its pid and B has another. Through
+/// a transaction pooler, B is given the session A just released, or A is
+/// moved to another. A session pooler keeps each client on one session and
+/// passes. Skipped on SQLite.
+pub async fn transaction_pooler(url: &str) -> Result<Finding> {
     let mut f = Finding {
         check: "transaction_pooler",
         severity: Severity::Critical,
@@ -138,39 +137,27 @@ pub async fn transaction_pooler(ferry: &Ferry) -> Result<Finding> {
         runbook: None,
         skipped: None,
     };
-    let Some(pool) = ferry.db().as_postgres() else {
+    if !(url.starts_with("postgres://") || url.starts_with("postgresql://")) {
         f.skipped = Some("SQLite has no pooler");
         return Ok(f);
-    };
-    let channel = format!("ferry_doctor_{}", uuid::Uuid::now_v7().simple());
-    let mut listener = sqlx::postgres::PgListener::connect_with(pool).await?;
-    listener.listen(&channel).await?;
-    // From a connection of its own (the listener took one of the pool's,
-    // which may have been its only one), as a simple query (the channel is
-    // this check's own identifier): no prepared statement, which the
-    // pooler being probed for could break.
-    let mut notifier: sqlx::PgConnection = sqlx::Connection::connect_with(&*pool.connect_options()).await?;
-    let sent = sqlx::Executor::execute(&mut notifier, format!("NOTIFY {channel}, 'probe'").as_str()).await;
-    let _ = sqlx::Connection::close(notifier).await;
-    match sent {
-        Ok(_) => {}
-        // The pooler gave the NOTIFY the server session that ran the
-        // LISTEN, and the notification came back to the wrong client
-        // (sqlx's answer to an unexpected message is a protocol error).
-        Err(sqlx::Error::Protocol(m)) if m.contains("NotificationResponse") => {
-            f.items.push(
-                "a NOTIFY on this URL came back to the connection that sent it, not to the one that ran LISTEN".into(),
-            );
-            return Ok(f);
-        }
-        Err(e) => return Err(e.into()),
     }
-    match tokio::time::timeout(NOTIFY_PROBE_WAIT, listener.recv()).await {
-        Ok(Ok(_)) => {}
-        Ok(Err(e)) => return Err(e.into()),
-        Err(_) => f.items.push(format!(
-            "a NOTIFY on this URL did not reach a LISTEN on it within {NOTIFY_PROBE_WAIT:?}"
-        )),
+    async fn pid(c: &mut sqlx::PgConnection) -> std::result::Result<i32, sqlx::Error> {
+        use sqlx::Row as _;
+        sqlx::raw_sql("SELECT pg_backend_pid()").fetch_one(c).await?.try_get(0)
+    }
+    let mut a: sqlx::PgConnection = sqlx::Connection::connect(url).await?;
+    let mut b: sqlx::PgConnection = sqlx::Connection::connect(url).await?;
+    let first = pid(&mut a).await?;
+    sqlx::raw_sql("BEGIN").execute(&mut b).await?;
+    let held = pid(&mut b).await?;
+    let again = pid(&mut a).await?;
+    sqlx::raw_sql("ROLLBACK").execute(&mut b).await?;
+    let _ = sqlx::Connection::close(a).await;
+    let _ = sqlx::Connection::close(b).await;
+    if held == first || again != first {
+        f.items.push(format!(
+            "one connection was served by server sessions {first} and then {again}, while another connection's transaction held session {held}"
+        ));
     }
     Ok(f)
 }

@@ -240,6 +240,7 @@ mod tests {
             owner: "relay-test".into(),
             ready: AtomicBool::new(false),
             fatal: CancellationToken::new(),
+            stream_producers: Default::default(),
         })
     }
 

@@ -351,7 +351,11 @@ pub(crate) async fn start(
         // another's poison row, taken for poison itself). Each stream's
         // producer is also its own librdkafka threads.
         let publisher = match (&publisher, capture.stream.index) {
-            (Publisher::Shared(_), 1..) => Publisher::Shared(crate::publish::producer(&cfg)?),
+            (Publisher::Shared(_), 1..) => {
+                let producer = crate::publish::producer(&cfg)?;
+                state.stream_producers.add(producer.clone());
+                Publisher::Shared(producer)
+            }
             _ => publisher.clone(),
         };
         tasks.spawn(run(
