@@ -291,6 +291,13 @@ impl Relay {
         // in flight: watched here, so readiness fails and the relay exits
         // even while its capture waits (WAL capture making its slot waits
         // for every transaction running in the cluster).
+        let fatal_error = || {
+            producer
+                .as_ref()
+                .and_then(|p| p.client().fatal_error())
+                .or_else(|| lone.fatal_error())
+                .or_else(|| state.stream_producers.fatal_error())
+        };
         let mut fatal_check = tokio::time::interval(FATAL_CHECK_EVERY);
         fatal_check.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
         loop {
@@ -300,7 +307,7 @@ impl Relay {
             tokio::select! {
                 _ = &mut shutdown => break,
                 _ = fatal_check.tick(), if !state.fatal.is_cancelled() => {
-                    if let Some((code, reason)) = producer.as_ref().and_then(|p| p.client().fatal_error()).or_else(|| lone.fatal_error()).or_else(|| state.stream_producers.fatal_error()) {
+                    if let Some((code, reason)) = fatal_error() {
                         tracing::error!(?code, %reason, "the producer failed fatally");
                         state.fatal.cancel();
                     }
@@ -399,10 +406,7 @@ impl Relay {
         let _ = http.await;
         if state.fatal.is_cancelled() {
             return Err(RelayError::ProducerFatal(
-                producer
-                    .as_ref()
-                    .and_then(|p| p.client().fatal_error())
-                    .or_else(|| lone.fatal_error())
+                fatal_error()
                     .map(|(code, reason)| format!("{code:?}: {reason}"))
                     .unwrap_or_else(|| "fatal producer error".into()),
             ));

@@ -22,7 +22,7 @@ pub struct RelayState {
     pub owner: String,
     /// Set once the first lane tick succeeded.
     pub ready: AtomicBool,
-    /// Cancelled when the shared producer failed fatally: `/readyz` fails,
+    /// Cancelled when a producer failed fatally: `/readyz` fails,
     /// the relay drains and `Relay::run` returns an error.
     pub fatal: CancellationToken,
     /// The producers of `--streams`' further streams (each has its own), for

@@ -37,13 +37,10 @@ pub fn pgbouncer_url() -> String {
 /// `options` startup parameter that selects a test's schema.
 pub async fn fresh_database_behind_pgbouncer() -> Result<(String, String)> {
     let n = SEQ.fetch_add(1, Ordering::Relaxed);
-    let born = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_secs())
-        .unwrap_or(0);
+    let born = unix_secs();
     let name = format!("ferry_t_{born}_{}_{n}", std::process::id());
     let admin = admin_pool().await?;
-    drop_stale_databases(&admin, born).await;
+    drop_stale(&admin, Stale::Databases, born).await;
     sqlx::query(&format!("CREATE DATABASE {name}"))
         .execute(&admin)
         .await
@@ -97,14 +94,11 @@ pub async fn fresh_database_url(engine: Engine) -> Result<String> {
         }
         Engine::Postgres => {
             let base = postgres_url();
-            let born = std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .map(|d| d.as_secs())
-                .unwrap_or(0);
+            let born = unix_secs();
             let schema = format!("ferry_t_{born}_{pid}_{n}");
             let admin = admin_pool().await?;
             if n == 0 {
-                drop_stale_schemas(&admin, born).await;
+                drop_stale(&admin, Stale::Schemas, born).await;
             }
             sqlx::query(&format!("CREATE SCHEMA {schema}"))
                 .execute(&admin)
@@ -117,41 +111,49 @@ pub async fn fresh_database_url(engine: Engine) -> Result<String> {
     }
 }
 
-/// Drops `ferry_t_*` schemas created more than a day ago (earlier test
-/// runs); concurrent test processes keep theirs.
-async fn drop_stale_schemas(admin: &sqlx::PgPool, now: u64) {
-    let names: Vec<String> =
-        sqlx::query_scalar("SELECT nspname::text FROM pg_namespace WHERE nspname LIKE 'ferry\\_t\\_%'")
-            .fetch_all(admin)
-            .await
-            .unwrap_or_default();
-    for s in names {
-        let born: u64 = s.split('_').nth(2).and_then(|b| b.parse().ok()).unwrap_or(0);
-        if born + 24 * 3600 < now {
-            let _ = sqlx::query(&format!("DROP SCHEMA IF EXISTS {s} CASCADE"))
-                .execute(admin)
-                .await;
-        }
-    }
+/// Seconds since the Unix epoch: the birth stamp in a test schema's or
+/// database's name.
+fn unix_secs() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
 }
 
-/// Drops the `ferry_t_*` databases of [`fresh_database_behind_pgbouncer`]
-/// made more than an hour ago (a test job is killed after 15 minutes):
-/// each holds a catalog's worth of disk (about 7.5 MB). By age only, as the
-/// schemas: a test process elsewhere (another container on the same
-/// server) is not in this machine's process list.
-async fn drop_stale_databases(admin: &sqlx::PgPool, now: u64) {
-    let names: Vec<String> =
-        sqlx::query_scalar("SELECT datname::text FROM pg_database WHERE datname LIKE 'ferry\\_t\\_%'")
-            .fetch_all(admin)
-            .await
-            .unwrap_or_default();
-    for d in names {
-        let born: u64 = d.split('_').nth(2).and_then(|b| b.parse().ok()).unwrap_or(0);
-        if born + 3600 < now {
-            let _ = sqlx::query(&format!("DROP DATABASE IF EXISTS {d} WITH (FORCE)"))
-                .execute(admin)
-                .await;
+/// What test runs leave in the test PostgreSQL: its catalog query and
+/// how one is dropped.
+enum Stale {
+    /// `ferry_t_*` schemas of the direct tests.
+    Schemas,
+    /// `ferry_t_*` databases of [`fresh_database_behind_pgbouncer`].
+    Databases,
+}
+
+/// Drops the `ferry_t_*` schemas made more than a day ago, or the
+/// databases made more than an hour ago (a test job is killed after 15
+/// minutes; each holds a catalog's worth of disk, about 7.5 MB). By age
+/// only: a test process elsewhere (another container on the same server)
+/// is not in this machine's process list, and concurrent runs keep theirs.
+async fn drop_stale(admin: &sqlx::PgPool, what: Stale, now: u64) {
+    let (list, max_age) = match what {
+        Stale::Schemas => (
+            "SELECT nspname::text FROM pg_namespace WHERE nspname LIKE 'ferry\\_t\\_%'",
+            24 * 3600,
+        ),
+        Stale::Databases => (
+            "SELECT datname::text FROM pg_database WHERE datname LIKE 'ferry\\_t\\_%'",
+            3600,
+        ),
+    };
+    let names: Vec<String> = sqlx::query_scalar(list).fetch_all(admin).await.unwrap_or_default();
+    for name in names {
+        let born: u64 = name.split('_').nth(2).and_then(|b| b.parse().ok()).unwrap_or(0);
+        if born + max_age < now {
+            let drop = match what {
+                Stale::Schemas => format!("DROP SCHEMA IF EXISTS {name} CASCADE"),
+                Stale::Databases => format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)"),
+            };
+            let _ = sqlx::query(&drop).execute(admin).await;
         }
     }
 }
