@@ -147,7 +147,10 @@ async fn drop_stale(admin: &sqlx::PgPool, what: Stale, now: u64) {
     };
     let names: Vec<String> = sqlx::query_scalar(list).fetch_all(admin).await.unwrap_or_default();
     for name in names {
-        let born: u64 = name.split('_').nth(2).and_then(|b| b.parse().ok()).unwrap_or(0);
+        // A name whose stamp does not parse is not one of ours.
+        let Some(born) = name.split('_').nth(2).and_then(|b| b.parse::<u64>().ok()) else {
+            continue;
+        };
         if born + max_age < now {
             let drop = match what {
                 Stale::Schemas => format!("DROP SCHEMA IF EXISTS {name} CASCADE"),

@@ -315,6 +315,9 @@ impl Kafka {
             if Instant::now() > deadline {
                 return Err("its topics were not deleted within 30 s".into());
             }
+            // A poll interval, not a synchronisation: the loop ends on the
+            // metadata.
+            std::thread::sleep(Duration::from_millis(20));
         }
     }
 

@@ -11,6 +11,7 @@
 
 mod relay;
 
+use std::str::FromStr as _;
 use std::time::Duration;
 
 use ferry::store::on_pool;
@@ -145,22 +146,43 @@ pub async fn transaction_pooler(url: &str) -> Result<Finding> {
         use sqlx::Row as _;
         sqlx::raw_sql("SELECT pg_backend_pid()").fetch_one(c).await?.try_get(0)
     }
-    let mut a: sqlx::PgConnection = sqlx::Connection::connect(url).await?;
-    let mut b: sqlx::PgConnection = sqlx::Connection::connect(url).await?;
-    let first = pid(&mut a).await?;
-    sqlx::raw_sql("BEGIN").execute(&mut b).await?;
-    let held = pid(&mut b).await?;
-    let again = pid(&mut a).await?;
-    sqlx::raw_sql("ROLLBACK").execute(&mut b).await?;
-    let _ = sqlx::Connection::close(a).await;
-    let _ = sqlx::Connection::close(b).await;
-    if held == first || again != first {
+    // Without the `extra_float_digits` startup parameter sqlx sends by
+    // default, which a PgBouncer not configured to ignore it refuses (the
+    // probe must reach the pooler it is looking for).
+    let options = sqlx::postgres::PgConnectOptions::from_str(url)?.extra_float_digits(None);
+    let probe = async {
+        let mut a: sqlx::PgConnection = sqlx::Connection::connect_with(&options).await?;
+        let mut b: sqlx::PgConnection = sqlx::Connection::connect_with(&options).await?;
+        let first = pid(&mut a).await?;
+        sqlx::raw_sql("BEGIN").execute(&mut b).await?;
+        let held = pid(&mut b).await?;
+        // Twice: a pooler handing out its idle sessions in turn may give A
+        // its first session back once.
+        let again = [pid(&mut a).await?, pid(&mut a).await?];
+        sqlx::raw_sql("ROLLBACK").execute(&mut b).await?;
+        let _ = sqlx::Connection::close(a).await;
+        let _ = sqlx::Connection::close(b).await;
+        Ok::<_, sqlx::Error>((first, held, again))
+    };
+    // Bounded as Ferry's own pool is: an unreachable server is an error
+    // after this, not the system's TCP timeout.
+    let (first, held, again) = tokio::time::timeout(PROBE_WITHIN, probe).await.map_err(|_| {
+        sqlx::Error::Io(std::io::Error::new(
+            std::io::ErrorKind::TimedOut,
+            format!("the pooler probe did not finish within {PROBE_WITHIN:?}"),
+        ))
+    })??;
+    if held == first || again.iter().any(|p| *p != first) {
         f.items.push(format!(
-            "one connection was served by server sessions {first} and then {again}, while another connection's transaction held session {held}"
+            "one connection was served by server sessions {first} and then {again:?}, while another connection's transaction held session {held}"
         ));
     }
     Ok(f)
 }
+
+/// How long [`transaction_pooler`] may take (Ferry's pool waits as long for
+/// a connection).
+const PROBE_WITHIN: Duration = Duration::from_secs(10);
 
 /// Runs every investigation, listing at most `limit` items each;
 /// `stuck_after` is how long past expiry a lease may sit before it counts as
