@@ -289,6 +289,13 @@ impl Isolation {
     fn covers_id(&self, id: i64) -> bool {
         self.through_id.is_some_and(|t| id <= t)
     }
+
+    /// Isolates through what a session left refused as poison
+    /// ([`pipeline::Pipeline::refused`]) too.
+    fn extend(&mut self, (lsn, id): (Option<u64>, Option<i64>)) {
+        self.through_lsn = self.through_lsn.max(lsn);
+        self.through_id = self.through_id.max(id);
+    }
 }
 
 /// What WAL capture publishes through.
@@ -468,8 +475,6 @@ pub(crate) async fn run(
                     through_id,
                     "a produce request was refused whole; publishing one record at a time to find the poison row"
                 );
-                iso.through_lsn = through_lsn.or(iso.through_lsn);
-                iso.through_id = through_id.or(iso.through_id);
                 Duration::ZERO
             }
             Ended::Aborted => {

@@ -124,6 +124,12 @@ pub(super) struct Pipeline<'a> {
     /// Isolating a poison row: one record in flight at a time, so a
     /// refusal is evidence about that row alone.
     pub(super) one_at_a_time: bool,
+    /// The latest streamed transaction (its commit position) and catch-up
+    /// row holding a record refused as poison that this session did not get
+    /// past (refused with others, or blocking): the sessions after it
+    /// isolate through them, so nothing behind a blocked row is produced
+    /// again on a retry, whichever failure ended the session.
+    refused: (Option<u64>, Option<i64>),
     /// Exactly once: the session's Kafka transactions (`None`: at least once).
     eo: Option<Transactional>,
     /// The slot's marked position when the session began: a streamed
@@ -158,6 +164,7 @@ impl<'a> Pipeline<'a> {
             handed: 0,
             failed: None,
             one_at_a_time: false,
+            refused: (None, None),
             eo,
             marked,
             known: Known::default(),
@@ -205,6 +212,13 @@ impl<'a> Pipeline<'a> {
     /// How the session must end, once a record failed.
     pub(super) fn failed(&self) -> Option<&Ended> {
         self.failed.as_ref()
+    }
+
+    /// Where the next sessions isolate: the latest transaction's commit
+    /// position and catch-up row with a poison record this session did not
+    /// get past.
+    pub(super) fn refused(&self) -> (Option<u64>, Option<i64>) {
+        self.refused
     }
 
     /// Whether more may be produced: nothing failed, and while isolating,
@@ -502,6 +516,7 @@ impl<'a> Pipeline<'a> {
                         code,
                         "poison record blocks the stream (--on-poison=block, or a Debezium-layout row)"
                     );
+                    self.refuse(s.seq, s.id);
                     self.note(s.id, code).await;
                     self.fail(Ended::Retry(code));
                 }
@@ -531,24 +546,22 @@ impl<'a> Pipeline<'a> {
     /// A record refused with others: isolate up to the latest transaction
     /// (or catch-up row) refused so far.
     fn poison_in_request(&mut self, seq: u64, id: Option<i64>) {
-        let final_lsn = self.txn(seq).and_then(|t| t.final_lsn);
-        let (mut lsn, mut through_id) = match &self.failed {
-            Some(Ended::Isolate {
+        self.refuse(seq, id);
+        if matches!(self.failed, None | Some(Ended::Isolate { .. })) {
+            let (through_lsn, through_id) = self.refused;
+            self.failed = Some(Ended::Isolate {
                 through_lsn,
                 through_id,
-            }) => (*through_lsn, *through_id),
-            _ => (None, None),
-        };
-        match (final_lsn, id) {
-            (Some(l), _) => lsn = Some(lsn.map_or(l, |x| x.max(l))),
-            (None, Some(id)) => through_id = Some(through_id.map_or(id, |x| x.max(id))),
-            (None, None) => {}
-        }
-        if matches!(self.failed, None | Some(Ended::Isolate { .. })) {
-            self.failed = Some(Ended::Isolate {
-                through_lsn: lsn,
-                through_id,
             });
+        }
+    }
+
+    /// Row `id` of transaction `seq` was refused as poison and not got past.
+    fn refuse(&mut self, seq: u64, id: Option<i64>) {
+        match (self.txn(seq).and_then(|t| t.final_lsn), id) {
+            (Some(l), _) => self.refused.0 = Some(self.refused.0.map_or(l, |x| x.max(l))),
+            (None, Some(id)) => self.refused.1 = Some(self.refused.1.map_or(id, |x| x.max(id))),
+            (None, None) => {}
         }
     }
 

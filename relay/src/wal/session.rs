@@ -148,6 +148,7 @@ pub(super) async fn run(ctx: &Ctx, iso: &mut Isolation, reseed: &mut bool, finis
     pipeline.settle_all().await;
     let clean = matches!(end, Ended::Shutdown | Ended::Yielded) && pipeline.failed().is_none();
     iso.dead.extend(pipeline.close_kafka(clean).await);
+    iso.extend(pipeline.refused());
     drop(pipeline);
     // The marker's last statement may be stuck on a dead connection (its
     // bound is longer): what it did not commit stays unmarked and the slot
