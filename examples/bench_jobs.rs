@@ -6,9 +6,12 @@
 //! `bulk` compares bulk acceptance (`create_runs_idempotent`, batches of
 //! 1000) with per-run acceptance at 1000 per transaction and with plain
 //! multi-row INSERTs of the same five rows per run. `limits` compares the
-//! claim with and without queue limits, in the same run.
+//! claim with and without queue limits, in the same run. `pooler` runs
+//! acceptance and the worker directly and through PgBouncer in transaction
+//! pooling (`FERRY_PGBOUNCER_URL`, default the test one on port 6433), in
+//! the same run.
 //!
-//!     cargo run --release --example bench_jobs -- [--quick] [worker | keylock | bulk | limits | notify]
+//!     cargo run --release --example bench_jobs -- [--quick] [worker | keylock | bulk | limits | notify | pooler]
 #![allow(clippy::print_stdout)]
 
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -44,6 +47,10 @@ async fn main() -> Res<()> {
     // `notify` runs just the NOTIFY cost rows.
     if std::env::args().any(|a| a == "notify") {
         return notify_cost(&base, n).await;
+    }
+    // `pooler` runs just the direct-vs-PgBouncer rows.
+    if std::env::args().any(|a| a == "pooler") {
+        return pooler_cost(&base, n, quick).await;
     }
     // `bulk` runs just the bulk acceptance rows.
     if std::env::args().any(|a| a == "bulk") {
@@ -186,6 +193,80 @@ async fn worker_runtime(base: &str, quick: bool) -> Res<()> {
     }
 
     Ok(())
+}
+
+/// Acceptance (1 per transaction, 16 clients) and the `Worker` (16 slots,
+/// claim 16) directly and through a transaction pooler (`pgbouncer=true`:
+/// every statement unnamed and in a transaction, wake-ups by polling),
+/// each on a database of its own (PgBouncer passes no `options`, so no
+/// schema per row), migrated and seeded directly. The pooler's server
+/// sessions per database are its `default_pool_size` (10 in the test
+/// PgBouncer), against the direct rows' 16 connections.
+async fn pooler_cost(base: &str, n: usize, quick: bool) -> Res<()> {
+    let pooler =
+        std::env::var("FERRY_PGBOUNCER_URL").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:6433/postgres".into());
+    let jobs = if quick { 5_000 } else { 50_000 };
+    let mut accepted = Vec::new();
+    let mut worked = Vec::new();
+    for through in [false, true] {
+        let route = if through { "pooled" } else { "direct" };
+        let (direct, url) = fresh_database(base, &pooler, &format!("ferry_bench_acc_{route}"), through).await?;
+        let f = Ferry::builder(&url)
+            .max_connections(16)
+            .direct_url(&direct)
+            .migrate(true)
+            .connect()
+            .await?;
+        accepted.push(
+            rate(n, 16, move |i| {
+                let f = f.clone();
+                async move {
+                    f.create_run_idempotent(NewRun::new("bench", "op", format!("k{i}"), json!({"i": i})))
+                        .await?;
+                    Ok(1)
+                }
+            })
+            .await?,
+        );
+        let (direct, url) = fresh_database(base, &pooler, &format!("ferry_bench_work_{route}"), through).await?;
+        let f = Ferry::builder(&url)
+            .max_connections(16)
+            .direct_url(&direct)
+            .migrate(true)
+            .connect()
+            .await?;
+        let pool = PgPool::connect(&direct).await?;
+        seed(&pool, jobs).await?;
+        worked.push(run_worker(f, &pool, jobs, 16, 16).await?);
+    }
+    println!("\n{:<44} {:>12} {:>12}", "", "direct", "PgBouncer");
+    row("enqueue, 1 per tx, 16 clients (jobs/s)", accepted[0], accepted[1]);
+    row("Worker, 16 slots, claim 16 (jobs/s)", worked[0], worked[1]);
+    Ok(())
+}
+
+/// A new, empty database `name` on `base`'s server: its direct URL, and
+/// the URL Ferry uses (through `pooler` with `pgbouncer=true` when
+/// `through`, else the direct one).
+async fn fresh_database(base: &str, pooler: &str, name: &str, through: bool) -> Res<(String, String)> {
+    let admin = PgPool::connect(base).await?;
+    sqlx::query(&format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)"))
+        .execute(&admin)
+        .await?;
+    sqlx::query(&format!("CREATE DATABASE {name}")).execute(&admin).await?;
+    admin.close().await;
+    let with_db = |url: &str| {
+        let base = url.split('?').next().unwrap_or(url);
+        let server = base.rsplit_once('/').map_or(base, |(s, _)| s);
+        format!("{server}/{name}")
+    };
+    let direct = with_db(base);
+    let url = if through {
+        format!("{}?pgbouncer=true", with_db(pooler))
+    } else {
+        direct.clone()
+    };
+    Ok((direct, url))
 }
 
 /// Runs one `Worker` with `concurrency` slots claiming `batch` at a time

@@ -15,7 +15,7 @@ impl Operator<'_> {
         subject: &str,
         reason: &str,
     ) -> Result<()> {
-        let conn: Conn<'c> = conn.into();
+        let conn: Conn<'c> = conn.into().routed(self.db());
         on_conn!(conn, |c, q| {
             sqlx::query(q.insert_audit)
                 .bind(self.now())

@@ -110,6 +110,8 @@ pub struct FerryBuilder {
     limits: Limits,
     events_topic: String,
     migrate: bool,
+    /// Where migrations run when `url` goes through a transaction pooler.
+    direct_url: Option<String>,
     notify_interval: Duration,
     outbox_key_locks: bool,
     priority_aging: Duration,
@@ -129,6 +131,45 @@ impl FerryBuilder {
     /// anything but the database, such as `ferry-relay`.
     pub fn idle_in_transaction_timeout(mut self, limit: Duration) -> Self {
         self.connect.idle_in_transaction_timeout = Some(limit);
+        self
+    }
+
+    /// The URL reaches PostgreSQL through a pooler in transaction mode
+    /// (PgBouncer's `pool_mode = transaction`; default false; the URL
+    /// parameter `pgbouncer=true` says the same). Everything that needs a
+    /// session then does without one, visibly:
+    ///
+    /// - every statement is unnamed (planned on each call, never kept
+    ///   prepared: PgBouncer 1.18 has no protocol-level prepared
+    ///   statements) and runs inside a transaction, a transaction of its
+    ///   own when it is outside one (see [`store::Route`]; the cost is in
+    ///   `BENCHMARKS.md`);
+    /// - no session `SET` ([`FerryBuilder::idle_in_transaction_timeout`]
+    ///   is not applied: set it on the role);
+    /// - [`FerryBuilder::migrate`] needs [`FerryBuilder::direct_url`]: the
+    ///   migrator holds a session lock and prepares statements by name;
+    /// - workers and relays wake up by polling instead of `LISTEN`, which
+    ///   a transaction pooler never delivers to (a log line says so and
+    ///   names the interval: the worker's `poll_interval`, the relay's
+    ///   `--poll-interval`).
+    ///
+    /// Transactions, `NOTIFY` and transaction-scoped advisory locks work
+    /// as they do directly. Transactions of your own that you pass to the
+    /// `*_in` calls must be begun with sqlx (`begin`), not a `BEGIN`
+    /// statement: a statement Ferry runs outside a transaction sqlx knows
+    /// of gets one of its own. WAL capture's replication connection and
+    /// slot making need a direct URL (the relay refuses a pooled one).
+    pub fn transaction_pooler(mut self, yes: bool) -> Self {
+        self.connect.transaction_pooler = yes;
+        self
+    }
+
+    /// A URL that reaches the same database directly, for what needs a
+    /// session of its own while the main URL goes through a transaction
+    /// pooler: [`FerryBuilder::migrate`] runs there (one connection, closed
+    /// after), as Prisma's `directUrl`. Unused when the main URL is direct.
+    pub fn direct_url(mut self, url: impl Into<String>) -> Self {
+        self.direct_url = Some(url.into());
         self
     }
 
@@ -197,7 +238,19 @@ impl FerryBuilder {
     pub async fn connect(self) -> Result<Ferry> {
         let db = connect_with(&self.url, &self.connect).await?;
         if self.migrate {
-            migrate(&db).await?;
+            match (db.route(), &self.direct_url) {
+                (store::Route::TransactionPooler, Some(direct)) => {
+                    let one = ConnectOptions {
+                        max_connections: 1,
+                        ..ConnectOptions::default()
+                    };
+                    let direct = connect_with(direct, &one).await?;
+                    let migrated = migrate(&direct).await;
+                    direct.close().await;
+                    migrated?;
+                }
+                _ => migrate(&db).await?,
+            }
         }
         self.build(db).await
     }
@@ -209,6 +262,14 @@ impl FerryBuilder {
         if !(1..=86_400_000).contains(&priority_aging_ms) {
             return Err(Error::invalid("priority_aging", "must be 1 ms to 1 day"));
         }
+        // An existing pool is taken as reaching its server directly unless
+        // the builder says otherwise.
+        let db = match db {
+            Db::Postgres(p) if self.connect.transaction_pooler => {
+                Db::Postgres(store::PgDb::new(p.pool().clone(), store::Route::TransactionPooler))
+            }
+            db => db,
+        };
         let lanes = outbox::load_lanes(&db).await?;
         let notifier = notify::Notifier::new(self.notify_interval, &db);
         Ok(Ferry {
@@ -238,6 +299,7 @@ impl Ferry {
             limits: Limits::default(),
             events_topic: DEFAULT_EVENTS_TOPIC.into(),
             migrate: false,
+            direct_url: None,
             notify_interval: Duration::from_millis(10),
             outbox_key_locks: true,
             priority_aging: Duration::from_secs(60),
@@ -247,6 +309,27 @@ impl Ferry {
     /// The pool.
     pub fn db(&self) -> &Db {
         &self.inner.db
+    }
+
+    /// Whether this handle reaches PostgreSQL through a transaction pooler
+    /// (see [`FerryBuilder::transaction_pooler`]).
+    pub fn behind_transaction_pooler(&self) -> bool {
+        self.inner.db.route() == store::Route::TransactionPooler
+    }
+
+    /// A wake-up listener for a loop that polls every `poll` otherwise:
+    /// `LISTEN` on PostgreSQL, or, behind a transaction pooler (which
+    /// never delivers notifications to a client), plain polling, said once
+    /// in the log with the interval.
+    pub async fn wakeup(&self, poll: Duration) -> store::Wakeup {
+        if self.behind_transaction_pooler() {
+            tracing::info!(
+                poll_ms = poll.as_millis() as u64,
+                "behind a transaction pooler: no LISTEN (a pooler never delivers notifications); polling instead"
+            );
+            return store::Wakeup::polling();
+        }
+        store::Wakeup::connect(&self.inner.db).await
     }
 
     /// The clock.

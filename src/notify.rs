@@ -14,10 +14,8 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use sqlx::PgPool;
-
 use crate::error::Result;
-use crate::store::{on_conn, Conn, Db};
+use crate::store::{on_conn, Conn, Db, PgConn};
 
 pub use crate::store::WAKEUP_CHANNEL as CHANNEL;
 
@@ -36,7 +34,7 @@ struct Slot {
 pub(crate) struct Notifier {
     interval: Duration,
     /// Where trailing notifications go; `None` on SQLite.
-    pool: Option<PgPool>,
+    pool: Option<crate::store::PgDb>,
     slots: Arc<Mutex<HashMap<String, Slot>>>,
 }
 
@@ -125,7 +123,7 @@ impl Notifier {
     /// [`Notifier::wake`] for a batch on PostgreSQL: one notification per
     /// due payload (each queue at most once per interval, as for single
     /// writes), all queued by one statement, and none when nothing is due.
-    pub(crate) async fn wake_many(&self, c: &mut sqlx::PgConnection, payloads: &[&str]) -> Result<()> {
+    pub(crate) async fn wake_many(&self, c: &mut PgConn<'_>, payloads: &[&str]) -> Result<()> {
         let mut due: Vec<&str> = Vec::new();
         for p in payloads {
             if !due.contains(p) && self.due(p) {

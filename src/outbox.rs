@@ -293,7 +293,7 @@ impl Ferry {
     /// deadlock (PostgreSQL aborts one with `40P01`): enqueue keys in a
     /// consistent order, or retry.
     pub async fn enqueue_in<'c>(&self, conn: impl Into<Conn<'c>>, msg: &OutboxMessage) -> Result<i64> {
-        let mut conn: Conn<'c> = conn.into();
+        let mut conn: Conn<'c> = conn.into().routed(self.db());
         msg.validate(self.limits())?;
         // Carry the caller's trace to consumers unless the message has its own.
         let traced;

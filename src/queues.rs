@@ -172,7 +172,7 @@ impl Operator<'_> {
         self.check_operator_input(queue, actor, reason)?;
         let action = if paused { "queue.pause" } else { "queue.resume" };
         self.set_queue_flag_in(
-            conn.into(),
+            conn.into().routed(self.db()),
             |q| q.set_queue_paused,
             queue,
             paused,
@@ -246,7 +246,7 @@ impl Operator<'_> {
         self.check_operator_input(queue, actor, reason)?;
         let reason = format!("{reason} (publish_events={publish})");
         self.set_queue_flag_in(
-            conn.into(),
+            conn.into().routed(self.db()),
             |q| q.set_queue_publish_events,
             queue,
             publish,
@@ -281,7 +281,7 @@ impl Operator<'_> {
         actor: &str,
         reason: &str,
     ) -> Result<()> {
-        let mut conn: Conn<'c> = conn.into();
+        let mut conn: Conn<'c> = conn.into().routed(self.db());
         let rate = limits.validate()?;
         self.check_operator_input(queue, actor, reason)?;
         let as_i32 = |v: Option<u32>| v.map(|n| n as i32);

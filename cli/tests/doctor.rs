@@ -452,8 +452,9 @@ impl Drop for DropSlot {
 /// Through the test PgBouncer in transaction pooling, the doctor's probe
 /// finds one connection's statements served by several server sessions
 /// (or another connection's transaction on the session it just used), and
-/// says Ferry needs a direct URL; the same database reached directly is
-/// fine. The real binary prints only that finding and fails `--strict`.
+/// says Ferry needs a direct URL or `pgbouncer=true`; the same database
+/// reached directly is fine. The real binary prints only that finding and
+/// fails `--strict`; with `pgbouncer=true` in the URL every check runs.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn doctor_finds_a_pooler_in_transaction_mode() {
     let (direct, pooled) = ferry_testkit::fresh_database_behind_pgbouncer().await.unwrap();
@@ -476,6 +477,28 @@ async fn doctor_finds_a_pooler_in_transaction_mode() {
         stdout.lines().filter(|l| l.starts_with('[')).count(),
         1,
         "no other check runs: {stdout}"
+    );
+    // Declared (`pgbouncer=true`), the pooler is served as one: the check
+    // passes and the other checks run through it.
+    ferry::Ferry::builder(&direct).migrate(true).connect().await.unwrap();
+    let declared = format!("{pooled}?pgbouncer=true");
+    let f = ferry_cli::doctor::transaction_pooler(&declared).await.unwrap();
+    assert_eq!(f.status(), "ok", "{f:?}");
+    let out = Command::new(env!("CARGO_BIN_EXE_ferry"))
+        .args(["doctor", "--database-url", &declared])
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}\n{stdout}");
+    assert_eq!(
+        block(&stdout, "transaction_pooler"),
+        ["[ok] transaction_pooler"],
+        "{stdout}"
+    );
+    assert!(
+        stdout.lines().filter(|l| l.starts_with('[')).count() > 5,
+        "the other checks run: {stdout}"
     );
 }
 

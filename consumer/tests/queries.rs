@@ -2,7 +2,7 @@
 
 use ferry::Engine;
 use ferry_consumer::store::ConsumerStore;
-use ferry_testkit::{on_both_engines, TestDb};
+use ferry_testkit::{on_every_route, TestDb};
 
 async fn every_consumer_query_prepares(engine: Engine) {
     let t = TestDb::new(engine).await;
@@ -99,7 +99,7 @@ async fn a_stale_member_s_batch_writes_nothing(engine: Engine) {
     );
 }
 
-on_both_engines!(
+on_every_route!(
     every_consumer_query_prepares,
     a_batch_s_ledger_rows_match_one_by_one,
     a_stale_member_s_batch_writes_nothing

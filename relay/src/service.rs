@@ -464,7 +464,7 @@ async fn listen_for_wakeups(
     poll: Duration,
     stop: CancellationToken,
 ) {
-    let mut wakeup = ferry::store::Wakeup::connect(store.ferry().db()).await;
+    let mut wakeup = store.ferry().wakeup(poll).await;
     let mut next_poll = Instant::now() + poll;
     loop {
         let wait = next_poll.saturating_duration_since(Instant::now());

@@ -134,7 +134,7 @@ impl Ferry {
     /// run first, so that a retried request is answered as the replay it is
     /// whatever the backlog, and then check its limit before committing.
     pub async fn queued_depth_in<'c>(&self, conn: impl Into<Conn<'c>>, tenant: &str) -> Result<i64> {
-        let conn: Conn<'c> = conn.into();
+        let conn: Conn<'c> = conn.into().routed(self.db());
         Ok(on_conn!(conn, |c, q| {
             sqlx::query_scalar(q.queued_depth)
                 .bind(tenant)
@@ -181,7 +181,7 @@ impl Operator<'_> {
         reason: &str,
         force: bool,
     ) -> Result<Accepted> {
-        let mut conn: Conn<'c> = conn.into();
+        let mut conn: Conn<'c> = conn.into().routed(self.db());
         self.limits().tenant(tenant)?;
         self.limits().text("actor", actor, 255)?;
         self.limits().text("reason", reason, 4096)?;

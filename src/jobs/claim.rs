@@ -15,7 +15,7 @@ use uuid::Uuid;
 use crate::error::{Error, Result};
 use crate::jobs::{ClaimRow, Claimed, Lease, Transition};
 use crate::runs::get_run_in;
-use crate::store::{on_conn, Batching, Conn};
+use crate::store::{on_conn, Batching, Conn, PgConn};
 use crate::Ferry;
 
 /// Which claim statement runs: the plain one (open, unlimited queues) or
@@ -219,7 +219,7 @@ impl Ferry {
     /// statement, or a savepoint per lease where the engine writes one by one.
     pub(crate) async fn complete_batch_in(&self, conn: Conn<'_>, items: &[(Lease, Value)]) -> Result<Vec<Result<()>>> {
         match conn.batching() {
-            Batching::SetBased(c) => self.complete_batch_pg(c, items).await,
+            Batching::SetBased(mut c) => self.complete_batch_pg(&mut c, items).await,
             Batching::OneByOne(mut conn) => {
                 let mut out = Vec::with_capacity(items.len());
                 for (lease, result) in items {
@@ -261,7 +261,7 @@ impl Ferry {
     /// current lease of the same job, or for another tenant's run id.
     async fn answer_completions(
         &self,
-        c: &mut sqlx::PgConnection,
+        c: &mut PgConn<'_>,
         items: &[(Lease, Value)],
         done: &std::collections::HashSet<(String, Uuid, i64)>,
     ) -> Vec<Result<()>> {
@@ -273,7 +273,7 @@ impl Ferry {
                 } else {
                     Err(self
                         .jobs()
-                        .refusal(Conn::from(&mut *c), lease, Transition::Finish)
+                        .refusal(Conn::from(c.reborrow()), lease, Transition::Finish)
                         .await)
                 },
             );
@@ -281,7 +281,7 @@ impl Ferry {
         out
     }
 
-    async fn complete_batch_pg(&self, c: &mut sqlx::PgConnection, items: &[(Lease, Value)]) -> Result<Vec<Result<()>>> {
+    async fn complete_batch_pg(&self, c: &mut PgConn<'_>, items: &[(Lease, Value)]) -> Result<Vec<Result<()>>> {
         let rows = self
             .bind_completions(sqlx::query(crate::store::queries::POSTGRES_ONLY.complete_batch), items)
             .fetch_all(&mut *c)
@@ -317,8 +317,8 @@ impl Ferry {
             // A limited queue: the completions, then the limited claim, in
             // the caller's transaction (the combined statement claims
             // nothing there).
-            Batching::SetBased(c) if limited => {
-                let done = self.complete_batch_pg(&mut *c, items).await?;
+            Batching::SetBased(mut c) if limited => {
+                let done = self.complete_batch_pg(&mut c, items).await?;
                 let claimed = if limit == 0 {
                     Vec::new()
                 } else {
@@ -326,7 +326,7 @@ impl Ferry {
                 };
                 Ok((done, claimed))
             }
-            Batching::SetBased(c) => {
+            Batching::SetBased(mut c) => {
                 let rows = self
                     .bind_completions(
                         sqlx::query(crate::store::queries::POSTGRES_ONLY.complete_and_claim),
@@ -336,7 +336,7 @@ impl Ferry {
                     .bind(i64::from(limit))
                     .bind(owner)
                     .bind(lease_ms)
-                    .fetch_all(&mut *c)
+                    .fetch_all(&mut c)
                     .await?;
                 let mut done = std::collections::HashSet::new();
                 let mut claimed = Vec::new();
@@ -347,7 +347,7 @@ impl Ferry {
                         done.insert(CompletedLease::from_row(row)?.key());
                     }
                 }
-                let out = self.answer_completions(c, items, &done).await;
+                let out = self.answer_completions(&mut c, items, &done).await;
                 Ok((out, claimed))
             }
             Batching::OneByOne(mut conn) => {

@@ -81,7 +81,7 @@ impl Jobs<'_> {
     ) -> Result<(Vec<Result<()>>, Vec<Claimed>)> {
         let args = self.check_complete_and_claim(items, queue, owner, lease, limit)?;
         self.ferry
-            .complete_and_claim_on(conn.into(), items, args, self.limited_hint(queue))
+            .complete_and_claim_on(conn.into().routed(self.db()), items, args, self.limited_hint(queue))
             .await
     }
 
@@ -121,7 +121,7 @@ impl Jobs<'_> {
     /// the caller's own `&mut sqlx::PgConnection` / `&mut SqliteConnection`.
     pub async fn complete_in<'c>(&self, conn: impl Into<Conn<'c>>, lease: &Lease, result: &Value) -> Result<()> {
         self.limits().json("result", result)?;
-        let mut conn: Conn<'c> = conn.into();
+        let mut conn: Conn<'c> = conn.into().routed(self.db());
         let Finished { now } = self
             .finish_job(conn.reborrow(), lease, JobState::Succeeded, None, None)
             .await?;
@@ -295,7 +295,7 @@ impl Ferry {
         actor: &str,
         reason: &str,
     ) -> Result<()> {
-        let mut conn: Conn<'c> = conn.into();
+        let mut conn: Conn<'c> = conn.into().routed(self.db());
         self.limits().tenant(tenant)?;
         self.limits().text("actor", actor, 255)?;
         self.limits().text("reason", reason, 4096)?;

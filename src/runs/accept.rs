@@ -27,7 +27,7 @@ impl Ferry {
     /// writes: nothing is visible until the caller commits, and a rollback
     /// undoes all of it. After an error the caller must roll back.
     pub async fn create_run_idempotent_in<'c>(&self, conn: impl Into<Conn<'c>>, run: NewRun) -> Result<Accepted> {
-        self.accept_one_in(conn.into(), run, true).await
+        self.accept_one_in(conn.into().routed(self.db()), run, true).await
     }
 
     /// Accepts a follow-up run from a handler, inside the handler's
@@ -50,7 +50,7 @@ impl Ferry {
         lease: &crate::Lease,
         run: NewRun,
     ) -> Result<Accepted> {
-        let mut conn: Conn<'c> = conn.into();
+        let mut conn: Conn<'c> = conn.into().routed(self.db());
         if run.tenant != lease.tenant {
             return Err(Error::invalid(
                 "tenant",
@@ -133,7 +133,7 @@ impl Ferry {
         conn: impl Into<Conn<'c>>,
         runs: Vec<NewRun>,
     ) -> Result<Vec<Result<Accepted>>> {
-        self.accept_batch_in(conn.into(), runs).await
+        self.accept_batch_in(conn.into().routed(self.db()), runs).await
     }
 
     /// The items of a batch one by one, each under a savepoint, without
@@ -157,7 +157,7 @@ impl Ferry {
 
     /// The single acceptance; `wake` sends the queue's wake-up for a new run.
     async fn accept_one_in<'c>(&self, conn: impl Into<Conn<'c>>, run: NewRun, wake: bool) -> Result<Accepted> {
-        let mut conn: Conn<'c> = conn.into();
+        let mut conn: Conn<'c> = conn.into().routed(self.db());
         run.validate(self)?;
         let fp = fingerprint(&run.operation, run.schema_version, &run.tenant, &run.command);
         let run_id = run.run_id.unwrap_or_else(Uuid::now_v7);

@@ -18,7 +18,7 @@ use std::collections::{HashMap, HashSet};
 
 use serde_json::Value;
 use sqlx::types::Json;
-use sqlx::{FromRow, PgConnection};
+use sqlx::FromRow;
 use uuid::Uuid;
 
 use crate::error::{violated_constraint, Error, Result};
@@ -26,7 +26,7 @@ use crate::fingerprint::{fingerprint, Fingerprint};
 use crate::outbox::{lane_for, OutboxMessage};
 use crate::runs::{check_equivalent, queued_body, run_event_message, Accepted, NewRun, Run, RunRow, RunState};
 use crate::store::queries::POSTGRES_ONLY;
-use crate::store::{Batching, Conn};
+use crate::store::{Batching, Conn, PgConn};
 use crate::time::duration_ms;
 use crate::Ferry;
 
@@ -80,24 +80,24 @@ impl Ferry {
     /// Dispatches a batch to its engine's path (see the module docs).
     pub(crate) async fn accept_batch_in(&self, conn: Conn<'_>, runs: Vec<NewRun>) -> Result<Vec<Result<Accepted>>> {
         match conn.batching() {
-            Batching::SetBased(c) if needs_item_by_item(&runs) => {
+            Batching::SetBased(mut c) if needs_item_by_item(&runs) => {
                 let queues: Vec<String> = runs.iter().map(|r| r.queue.clone()).collect();
-                let out = self.accept_each_in(Conn::from(&mut *c), runs).await?;
+                let out = self.accept_each_in(Conn::from(c.reborrow()), runs).await?;
                 let woken: Vec<&str> = out
                     .iter()
                     .zip(&queues)
                     .filter(|(r, _)| matches!(r, Ok(a) if !a.replay))
                     .map(|(_, q)| q.as_str())
                     .collect();
-                self.inner.notifier.wake_many(c, &distinct(woken)).await?;
+                self.inner.notifier.wake_many(&mut c, &distinct(woken)).await?;
                 Ok(out)
             }
-            Batching::SetBased(c) => self.accept_batch_pg(c, runs).await,
+            Batching::SetBased(mut c) => self.accept_batch_pg(&mut c, runs).await,
             Batching::OneByOne(conn) => self.accept_each_in(conn, runs).await,
         }
     }
 
-    async fn accept_batch_pg(&self, c: &mut PgConnection, runs: Vec<NewRun>) -> Result<Vec<Result<Accepted>>> {
+    async fn accept_batch_pg(&self, c: &mut PgConn<'_>, runs: Vec<NewRun>) -> Result<Vec<Result<Accepted>>> {
         let n = runs.len();
         let mut outcomes: Vec<Option<Outcome>> = (0..n).map(|_| None).collect();
         let mut items: Vec<Item> = Vec::with_capacity(n);
@@ -307,7 +307,7 @@ impl Ferry {
     /// Marks the items whose proposed run id already exists and those whose
     /// parent run does not (one statement, only when some item proposes an
     /// id or names a parent).
-    async fn mark_existing(&self, c: &mut PgConnection, items: &mut [Item]) -> Result<()> {
+    async fn mark_existing(&self, c: &mut PgConn<'_>, items: &mut [Item]) -> Result<()> {
         let mut asked: Vec<(&str, Uuid)> = Vec::new();
         for it in items.iter() {
             if it.run.run_id.is_some() {
@@ -337,7 +337,7 @@ impl Ferry {
     /// The records of the keys of `groups[g]` for each `g` in `which`, by group.
     async fn find_records(
         &self,
-        c: &mut PgConnection,
+        c: &mut PgConn<'_>,
         items: &[Item],
         groups: &[Vec<usize>],
         which: &[usize],
@@ -388,7 +388,7 @@ impl Ferry {
 
     /// Writes the winners' runs, events, jobs and outbox rows in one
     /// statement; returns their distinct queues, for the wake-up.
-    async fn insert_winners<'a>(&self, c: &mut PgConnection, winners: &'a [Item], now: i64) -> Result<Vec<&'a str>> {
+    async fn insert_winners<'a>(&self, c: &mut PgConn<'_>, winners: &'a [Item], now: i64) -> Result<Vec<&'a str>> {
         if winners.is_empty() {
             return Ok(Vec::new());
         }

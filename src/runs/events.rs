@@ -49,7 +49,7 @@ impl Ferry {
         kind: &str,
         body: &Value,
     ) -> Result<i64> {
-        let mut conn: Conn<'c> = conn.into();
+        let mut conn: Conn<'c> = conn.into().routed(self.db());
         self.limits().tenant(tenant)?;
         self.limits().name("kind", kind)?;
         if TERMINAL_KINDS.contains(&kind) || kind == "run_queued" {

@@ -185,7 +185,7 @@ impl Ferry {
         missed: Missed,
         actor: &str,
     ) -> Result<ScheduleChange> {
-        let mut conn: Conn<'c> = conn.into();
+        let mut conn: Conn<'c> = conn.into().routed(self.db());
         self.limits().name("schedule", name)?;
         self.limits().text("actor", actor, 255)?;
         every.check()?;

@@ -7,9 +7,7 @@
 //! domain (the claim and batch completion in `jobs/claim.rs`, bulk
 //! acceptance in `runs/bulk.rs`).
 
-use sqlx::PgConnection;
-
-use super::{queries, Conn, Db};
+use super::{queries, Conn, Db, PgConn, Route};
 use crate::error::Result;
 
 /// How an engine writes a batch of items (the jobs of one claim, the leases
@@ -20,7 +18,7 @@ pub(crate) enum Batching<'c> {
     /// The whole batch in one statement: data-modifying CTEs over array
     /// parameters (the `[postgres only]` queries), and a claim statement
     /// that writes the attempt rows and reads the runs itself. PostgreSQL.
-    SetBased(&'c mut PgConnection),
+    SetBased(PgConn<'c>),
     /// Item by item, a few statements each (a savepoint per item where one
     /// refused item must not leave half its writes), and a claim statement
     /// that only leases: the attempt rows and the runs are steps of their
@@ -53,9 +51,13 @@ impl Conn<'_> {
     /// connection before it writes anything.
     pub(crate) async fn releases_row_locks_per_statement(&mut self) -> Result<bool> {
         Ok(match self {
+            // Behind a transaction pooler, a statement outside a
+            // transaction runs in one of its own, so the question is
+            // sqlx's: whether it has one open on the connection.
+            Conn::Postgres(c) if c.route() == Route::TransactionPooler => !c.in_transaction(),
             Conn::Postgres(c) => {
                 let in_tx: bool = sqlx::query_scalar(queries::POSTGRES_ONLY.in_transaction)
-                    .fetch_one(&mut **c)
+                    .fetch_one(c)
                     .await?;
                 !in_tx
             }

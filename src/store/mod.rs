@@ -15,7 +15,7 @@ use std::time::Duration;
 
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, SqliteSynchronous};
-use sqlx::{PgConnection, PgPool, SqliteConnection, SqlitePool};
+use sqlx::{PgConnection, SqliteConnection, SqlitePool};
 
 pub use crate::engine::Engine;
 use crate::error::{Error, Result};
@@ -26,8 +26,8 @@ static SQLITE_MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("./migrations/s
 /// A connection pool on either engine.
 #[derive(Debug, Clone)]
 pub enum Db {
-    /// PostgreSQL pool.
-    Postgres(PgPool),
+    /// PostgreSQL pool, direct or through a transaction pooler.
+    Postgres(PgDb),
     /// SQLite pool.
     Sqlite(SqlitePool),
 }
@@ -48,6 +48,18 @@ pub struct ConnectOptions {
     /// limit beyond the server's range (about 24.8 days) is its longest, and
     /// `Duration::ZERO` is 1 ms, not "no limit" (that is `None`).
     pub idle_in_transaction_timeout: Option<Duration>,
+    /// PostgreSQL only: the URL reaches the server through a pooler in
+    /// transaction mode (PgBouncer's `pool_mode = transaction`, the managed
+    /// poolers of hosted PostgreSQL), which hands each transaction, or each
+    /// round trip outside one, to any of its server sessions. Then nothing
+    /// may rely on a session: every statement is unnamed and inside a
+    /// transaction ([`Route::TransactionPooler`]), no session `SET` is made
+    /// (it would stay on a server session other clients then get;
+    /// `idle_in_transaction_timeout` is not applied, set it on the role
+    /// instead), and wake-ups poll instead of `LISTEN` (see
+    /// [`crate::FerryBuilder::transaction_pooler`]). Also set by the URL
+    /// parameter `pgbouncer=true`, which is removed before connecting.
+    pub transaction_pooler: bool,
 }
 
 impl Default for ConnectOptions {
@@ -56,6 +68,7 @@ impl Default for ConnectOptions {
             max_connections: 16,
             acquire_timeout: Duration::from_secs(10),
             idle_in_transaction_timeout: None,
+            transaction_pooler: false,
         }
     }
 }
@@ -71,11 +84,26 @@ pub async fn connect(url: &str) -> Result<Db> {
 /// keys on and a busy timeout, so concurrent writers queue instead of failing.
 pub async fn connect_with(url: &str, opts: &ConnectOptions) -> Result<Db> {
     if url.starts_with("postgres://") || url.starts_with("postgresql://") {
-        let options = PgConnectOptions::from_str(url)?;
+        let (url, pooler) = transaction_pooler_param(url)?;
+        let pooler = pooler || opts.transaction_pooler;
+        let mut options = PgConnectOptions::from_str(&url)?;
+        if pooler {
+            // A stock PgBouncer refuses startup parameters it does not know
+            // (`ignore_startup_parameters`), and sqlx sends this one; the
+            // server's default since PostgreSQL 12 already prints floats
+            // exactly, and sqlx reads results in binary anyway.
+            options = options.extra_float_digits(None);
+        }
         let mut pool = PgPoolOptions::new()
             .max_connections(opts.max_connections)
             .acquire_timeout(opts.acquire_timeout);
-        if let Some(limit) = opts.idle_in_transaction_timeout {
+        if let (Some(_), true) = (opts.idle_in_transaction_timeout, pooler) {
+            tracing::warn!(
+                "behind a transaction pooler a session SET would stay on a server session other clients get: \
+                 idle_in_transaction_timeout is not applied (set it on the role: \
+                 ALTER ROLE ... SET idle_in_transaction_session_timeout)"
+            );
+        } else if let Some(limit) = opts.idle_in_transaction_timeout {
             // A SET after connecting, not a startup option: poolers such as
             // PgBouncer refuse unknown startup parameters. The setting is an
             // `int` of milliseconds: a longer limit is its longest, not a SET
@@ -91,7 +119,12 @@ pub async fn connect_with(url: &str, opts: &ConnectOptions) -> Result<Db> {
             });
         }
         let pool = pool.connect_with(options).await?;
-        Ok(Db::Postgres(pool))
+        let route = if pooler {
+            Route::TransactionPooler
+        } else {
+            Route::Direct
+        };
+        Ok(Db::Postgres(PgDb::new(pool, route)))
     } else if url.starts_with("sqlite:") {
         let options = SqliteConnectOptions::from_str(url)?
             .create_if_missing(true)
@@ -112,10 +145,54 @@ pub async fn connect_with(url: &str, opts: &ConnectOptions) -> Result<Db> {
     }
 }
 
-/// Applies the embedded migrations of the pool's engine. Idempotent.
+/// Splits the URL parameter `pgbouncer=true` (or `false`) off a PostgreSQL
+/// URL: the URL without it, and whether it said a transaction pooler is in
+/// between (the parameter Prisma users know; libpq and sqlx do not).
+pub fn transaction_pooler_param(url: &str) -> Result<(String, bool)> {
+    let Some((base, query)) = url.split_once('?') else {
+        return Ok((url.to_owned(), false));
+    };
+    let mut pooler = false;
+    let mut kept = Vec::new();
+    for pair in query.split('&') {
+        match pair.split_once('=') {
+            Some(("pgbouncer", v)) => {
+                pooler = match v {
+                    "true" | "1" => true,
+                    "false" | "0" => false,
+                    _ => {
+                        return Err(Error::Config(format!(
+                            "database URL parameter pgbouncer={v}: expected true or false"
+                        )))
+                    }
+                }
+            }
+            _ => kept.push(pair),
+        }
+    }
+    let url = if kept.is_empty() {
+        base.to_owned()
+    } else {
+        format!("{base}?{}", kept.join("&"))
+    };
+    Ok((url, pooler))
+}
+
+/// Applies the embedded migrations of the pool's engine. Idempotent. On
+/// PostgreSQL it holds a session advisory lock meanwhile, so concurrent
+/// migrators wait for each other, and prepares statements by name: run it
+/// on a direct connection, not through a transaction pooler (see
+/// [`crate::FerryBuilder::direct_url`]).
 pub async fn migrate(db: &Db) -> Result<()> {
+    if db.route() == Route::TransactionPooler {
+        return Err(Error::Config(
+            "migrations need a session of their own (a lock, named statements), which a transaction pooler does \
+             not give: run them with a direct URL (FerryBuilder::direct_url, or `ferry migrate`)"
+                .into(),
+        ));
+    }
     match db {
-        Db::Postgres(p) => PG_MIGRATOR.run(p).await?,
+        Db::Postgres(p) => PG_MIGRATOR.run(p.pool()).await?,
         Db::Sqlite(p) => SQLITE_MIGRATOR.run(p).await?,
     }
     Ok(())
@@ -134,7 +211,7 @@ impl Db {
     /// read-then-write transaction never fails to upgrade its lock).
     pub async fn begin(&self) -> Result<Tx> {
         Ok(match self {
-            Db::Postgres(p) => Tx::Postgres(p.begin().await?),
+            Db::Postgres(p) => Tx::Postgres(p.pool().begin().await?, p.route()),
             Db::Sqlite(p) => Tx::Sqlite(p.begin_with("BEGIN IMMEDIATE").await?),
         })
     }
@@ -142,7 +219,7 @@ impl Db {
     /// Closes the pool.
     pub async fn close(&self) {
         match self {
-            Db::Postgres(p) => p.close().await,
+            Db::Postgres(p) => p.pool().close().await,
             Db::Sqlite(p) => p.close().await,
         }
     }
@@ -166,11 +243,20 @@ impl Db {
         })
     }
 
-    /// The PostgreSQL pool, if this is one.
-    pub fn as_postgres(&self) -> Option<&PgPool> {
+    /// The PostgreSQL pool, if this is one (an executor that follows its
+    /// [`Route`]; see [`PgDb`]).
+    pub fn as_postgres(&self) -> Option<&PgDb> {
         match self {
             Db::Postgres(p) => Some(p),
             Db::Sqlite(_) => None,
+        }
+    }
+
+    /// How the pool reaches its server ([`Route::Direct`] on SQLite).
+    pub fn route(&self) -> Route {
+        match self {
+            Db::Postgres(p) => p.route(),
+            Db::Sqlite(_) => Route::Direct,
         }
     }
 
@@ -188,8 +274,8 @@ impl Db {
 /// commits until [`Tx::commit`]. Dropping it rolls back.
 #[derive(Debug)]
 pub enum Tx {
-    /// A PostgreSQL transaction.
-    Postgres(sqlx::Transaction<'static, sqlx::Postgres>),
+    /// A PostgreSQL transaction, and how its pool reaches the server.
+    Postgres(sqlx::Transaction<'static, sqlx::Postgres>, Route),
     /// A SQLite transaction.
     Sqlite(sqlx::Transaction<'static, sqlx::Sqlite>),
 }
@@ -198,7 +284,7 @@ impl Tx {
     /// Commits everything written in this transaction.
     pub async fn commit(self) -> Result<()> {
         match self {
-            Tx::Postgres(t) => t.commit().await?,
+            Tx::Postgres(t, _) => t.commit().await?,
             Tx::Sqlite(t) => t.commit().await?,
         }
         Ok(())
@@ -223,16 +309,18 @@ impl Tx {
     /// Rolls back everything written in this transaction.
     pub async fn rollback(self) -> Result<()> {
         match self {
-            Tx::Postgres(t) => t.rollback().await?,
+            Tx::Postgres(t, _) => t.rollback().await?,
             Tx::Sqlite(t) => t.rollback().await?,
         }
         Ok(())
     }
 
-    /// The PostgreSQL connection, for the service's own statements.
+    /// The PostgreSQL connection, for the service's own statements (behind
+    /// a transaction pooler, give them `.persistent(false)`: a named
+    /// statement can meet another client's of the same name).
     pub fn postgres(&mut self) -> Option<&mut PgConnection> {
         match self {
-            Tx::Postgres(t) => Some(&mut **t),
+            Tx::Postgres(t, _) => Some(&mut **t),
             Tx::Sqlite(_) => None,
         }
     }
@@ -241,14 +329,14 @@ impl Tx {
     pub fn sqlite(&mut self) -> Option<&mut SqliteConnection> {
         match self {
             Tx::Sqlite(t) => Some(&mut **t),
-            Tx::Postgres(_) => None,
+            Tx::Postgres(..) => None,
         }
     }
 
     /// This transaction as a [`Conn`] for Ferry's `*_in` calls.
     pub fn conn(&mut self) -> Conn<'_> {
         match self {
-            Tx::Postgres(t) => Conn::Postgres(t),
+            Tx::Postgres(t, route) => Conn::Postgres(PgConn::new(t, *route)),
             Tx::Sqlite(t) => Conn::Sqlite(t),
         }
     }
@@ -256,7 +344,9 @@ impl Tx {
 
 /// A borrowed connection on either engine, usually inside a transaction the
 /// caller holds. `&mut PgConnection`, `&mut SqliteConnection` and `&mut Tx`
-/// all convert into it, so a service's own `sqlx::Transaction` works too.
+/// all convert into it, so a service's own `sqlx::Transaction` works too
+/// (a `&mut PgConnection` as reached directly: Ferry's `*_in` calls give it
+/// their handle's [`Route`]).
 ///
 /// On SQLite, begin your own transaction with `BEGIN IMMEDIATE` (sqlx:
 /// `pool.begin_with("BEGIN IMMEDIATE")`), as [`Db::begin`] does: several
@@ -265,14 +355,26 @@ impl Tx {
 #[derive(Debug)]
 pub enum Conn<'c> {
     /// PostgreSQL.
-    Postgres(&'c mut PgConnection),
+    Postgres(PgConn<'c>),
     /// SQLite.
     Sqlite(&'c mut SqliteConnection),
 }
 
 impl<'c> From<&'c mut PgConnection> for Conn<'c> {
     fn from(c: &'c mut PgConnection) -> Self {
+        Conn::Postgres(PgConn::new(c, Route::Direct))
+    }
+}
+
+impl<'c> From<PgConn<'c>> for Conn<'c> {
+    fn from(c: PgConn<'c>) -> Self {
         Conn::Postgres(c)
+    }
+}
+
+impl<'a> From<&'a mut PgConn<'_>> for Conn<'a> {
+    fn from(c: &'a mut PgConn<'_>) -> Self {
+        Conn::Postgres(c.reborrow())
     }
 }
 
@@ -292,7 +394,7 @@ impl Conn<'_> {
     /// Reborrows for one more call.
     pub fn reborrow(&mut self) -> Conn<'_> {
         match self {
-            Conn::Postgres(c) => Conn::Postgres(c),
+            Conn::Postgres(c) => Conn::Postgres(c.reborrow()),
             Conn::Sqlite(c) => Conn::Sqlite(c),
         }
     }
@@ -302,22 +404,52 @@ impl Conn<'_> {
     /// `Err`, so one refused item of a batch leaves none of its writes. The
     /// outer `Err` is the savepoint's own failure; the inner result is `f`'s.
     pub(crate) async fn in_savepoint<T>(&mut self, f: impl AsyncFnOnce(Conn<'_>) -> Result<T>) -> Result<Result<T>> {
-        on_conn!(self.reborrow(), |c, _q| {
-            let mut sp = sqlx::Connection::begin(&mut *c).await?;
-            let one = f(Conn::from(&mut *sp)).await;
-            if one.is_ok() {
-                sp.commit().await?;
-            } else {
-                sp.rollback().await?;
+        macro_rules! under_savepoint {
+            ($c:expr, |$sp:ident| $conn:expr) => {{
+                let mut sp = sqlx::Connection::begin($c).await?;
+                let one = {
+                    let $sp = &mut *sp;
+                    f($conn).await
+                };
+                if one.is_ok() {
+                    sp.commit().await?;
+                } else {
+                    sp.rollback().await?;
+                }
+                Ok(one)
+            }};
+        }
+        match self.reborrow() {
+            Conn::Postgres(mut c) => {
+                let route = c.route();
+                under_savepoint!(c.raw(), |sp| Conn::Postgres(PgConn::new(sp, route)))
             }
-            Ok(one)
-        })
+            Conn::Sqlite(c) => under_savepoint!(c, |sp| Conn::Sqlite(sp)),
+        }
+    }
+
+    /// This connection with its pool's route taken from `db` (a
+    /// `&mut PgConnection` converts as reached directly; a handle behind a
+    /// transaction pooler says so here, in its `*_in` calls).
+    pub fn routed(self, db: &Db) -> Self {
+        match self {
+            Conn::Postgres(c) => {
+                let route = match db.route() {
+                    Route::Direct => c.route(),
+                    pooler => pooler,
+                };
+                Conn::Postgres(PgConn::new(c.into_raw(), route))
+            }
+            sqlite => sqlite,
+        }
     }
 }
 
 mod capability;
 pub(crate) use capability::Batching;
 mod millis;
+mod pooled;
+pub use pooled::{PgConn, PgDb, Route};
 mod portable;
 pub use portable::{Arg, PooledConn};
 mod text_enum;
@@ -364,7 +496,8 @@ macro_rules! on_conn {
     };
     ($conn:expr, $queries:expr, |$c:ident, $q:ident| $body:expr) => {
         match $conn {
-            $crate::store::Conn::Postgres($c) => {
+            $crate::store::Conn::Postgres(mut $c) => {
+                let $c = &mut $c;
                 let $q = &$queries.postgres;
                 $body
             }
@@ -439,6 +572,11 @@ impl<'q> sqlx::Encode<'q, sqlx::Sqlite> for Ids<'_> {
 /// `QUERIES.get(db.engine()).all()`.
 pub async fn check_queries(db: &Db, named: Vec<(&'static str, &'static str)>) -> Result<()> {
     let engine = db.engine();
+    if let Db::Postgres(p) = db {
+        if p.route() == Route::TransactionPooler {
+            return check_through_pooler(p, named).await;
+        }
+    }
     for (name, sql) in named {
         let prepared = match db {
             Db::Postgres(p) => sqlx::Executor::prepare(p, sql).await.map(drop),
@@ -450,5 +588,29 @@ pub async fn check_queries(db: &Db, named: Vec<(&'static str, &'static str)>) ->
             message: e.to_string(),
         })?;
     }
+    Ok(())
+}
+
+/// [`check_queries`] through a transaction pooler: each query is prepared
+/// with SQL's `PREPARE` under a unique name and deallocated at once, all in
+/// one transaction (one server session), so no statement is left on a
+/// session that other clients get, and none of another client's is met.
+async fn check_through_pooler(p: &PgDb, named: Vec<(&'static str, &'static str)>) -> Result<()> {
+    let mut tx = p.pool().begin().await?;
+    let tag = uuid::Uuid::now_v7().simple();
+    for (i, (name, sql)) in named.into_iter().enumerate() {
+        let statement = format!("ferry_check_{tag}_{i}");
+        let prepare = format!("PREPARE {statement} AS {sql}");
+        sqlx::Executor::execute(&mut *tx, prepare.as_str())
+            .await
+            .map_err(|e| Error::Query {
+                name,
+                engine: Engine::Postgres,
+                message: e.to_string(),
+            })?;
+        let deallocate = format!("DEALLOCATE {statement}");
+        sqlx::Executor::execute(&mut *tx, deallocate.as_str()).await?;
+    }
+    tx.rollback().await?;
     Ok(())
 }

@@ -6,7 +6,7 @@
 
 use sqlx::pool::PoolConnection;
 
-use super::{Conn, Db, Engine, Tx};
+use super::{Conn, Db, Engine, PgConn, PgDb, Route, Tx};
 use crate::error::Result;
 
 /// One parameter of a portable statement.
@@ -71,10 +71,7 @@ impl Conn<'_> {
     /// returns the rows it changed.
     pub async fn execute(&mut self, sql: &str, args: &[Arg<'_>]) -> Result<u64> {
         Ok(match self {
-            Conn::Postgres(c) => bind_all!(sqlx::query(sql), args)
-                .execute(&mut **c)
-                .await?
-                .rows_affected(),
+            Conn::Postgres(c) => bind_all!(sqlx::query(sql), args).execute(c).await?.rows_affected(),
             Conn::Sqlite(c) => bind_all!(sqlx::query(sql), args)
                 .execute(&mut **c)
                 .await?
@@ -93,8 +90,8 @@ impl Tx {
 /// A connection taken from a [`Db`] pool, returned to it on drop.
 #[derive(Debug)]
 pub enum PooledConn {
-    /// PostgreSQL.
-    Postgres(PoolConnection<sqlx::Postgres>),
+    /// PostgreSQL, and how its pool reaches the server.
+    Postgres(PoolConnection<sqlx::Postgres>, Route),
     /// SQLite.
     Sqlite(PoolConnection<sqlx::Sqlite>),
 }
@@ -103,7 +100,7 @@ impl PooledConn {
     /// This connection as a [`Conn`] for one call.
     pub fn conn(&mut self) -> Conn<'_> {
         match self {
-            PooledConn::Postgres(c) => Conn::Postgres(c),
+            PooledConn::Postgres(c, route) => Conn::Postgres(PgConn::new(c, *route)),
             PooledConn::Sqlite(c) => Conn::Sqlite(c),
         }
     }
@@ -113,7 +110,7 @@ impl Db {
     /// Takes one connection from the pool (outside any transaction).
     pub async fn acquire(&self) -> Result<PooledConn> {
         Ok(match self {
-            Db::Postgres(p) => PooledConn::Postgres(p.acquire().await?),
+            Db::Postgres(p) => PooledConn::Postgres(p.pool().acquire().await?, p.route()),
             Db::Sqlite(p) => PooledConn::Sqlite(p.acquire().await?),
         })
     }
@@ -125,8 +122,9 @@ impl Db {
 }
 
 impl From<sqlx::PgPool> for Db {
+    /// A pool that reaches its server directly.
     fn from(p: sqlx::PgPool) -> Self {
-        Db::Postgres(p)
+        Db::Postgres(PgDb::new(p, Route::Direct))
     }
 }
 

@@ -27,7 +27,7 @@ impl Wakeup {
     /// Starts listening on `db` (PostgreSQL); on SQLite it only waits.
     pub async fn connect(db: &Db) -> Wakeup {
         let pool = match db {
-            Db::Postgres(p) => Some(p.clone()),
+            Db::Postgres(p) => Some(p.pool().clone()),
             Db::Sqlite(_) => None,
         };
         let mut w = Wakeup {
@@ -38,6 +38,18 @@ impl Wakeup {
         };
         w.reconnect().await;
         w
+    }
+
+    /// A listener that never listens: [`Wakeup::wait`] waits out its
+    /// timeout (behind a transaction pooler, see
+    /// [`crate::Ferry::wakeup`]).
+    pub fn polling() -> Wakeup {
+        Wakeup {
+            pool: None,
+            listener: None,
+            retry_at: Instant::now(),
+            backoff: Duration::from_millis(100),
+        }
     }
 
     async fn reconnect(&mut self) {

@@ -67,7 +67,7 @@ impl<H: Handler> ClaimLoop<H> {
             Some(seed) => StdRng::seed_from_u64(seed),
             None => StdRng::from_os_rng(),
         }));
-        let wake = Wakeup::connect(ferry.db()).await;
+        let wake = ferry.wakeup(cfg.poll_interval).await;
         let (completions, completed) = mpsc::channel(cfg.concurrency.max(1));
         let (handoff_tx, handoff) = mpsc::unbounded_channel();
         let more_work = Arc::new(tokio::sync::Notify::new());

@@ -130,8 +130,9 @@ enum Stale {
 }
 
 /// Drops the `ferry_t_*` schemas made more than a day ago, or the
-/// databases made more than an hour ago (a test job is killed after 15
-/// minutes; each holds a catalog's worth of disk, about 7.5 MB). By age
+/// databases made more than 20 minutes ago (a test job is killed after 15
+/// minutes; each holds a catalog's worth of disk, about 7.5 MB, and one
+/// more database for autovacuum to visit). By age
 /// only: a test process elsewhere (another container on the same server)
 /// is not in this machine's process list, and concurrent runs keep theirs.
 async fn drop_stale(admin: &sqlx::PgPool, what: Stale, now: u64) {
@@ -142,7 +143,7 @@ async fn drop_stale(admin: &sqlx::PgPool, what: Stale, now: u64) {
         ),
         Stale::Databases => (
             "SELECT datname::text FROM pg_database WHERE datname LIKE 'ferry\\_t\\_%'",
-            3600,
+            20 * 60,
         ),
     };
     let names: Vec<String> = sqlx::query_scalar(list).fetch_all(admin).await.unwrap_or_default();

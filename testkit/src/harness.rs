@@ -5,7 +5,8 @@ use ferry::{Clock, Engine, Ferry, Millis};
 
 /// A migrated database of one engine, and how to reach it again.
 pub struct TestDb {
-    /// Its URL (a fresh PostgreSQL schema or SQLite file).
+    /// Its URL (a fresh PostgreSQL schema or SQLite file; a fresh database
+    /// through the test PgBouncer under [`through_pooler`]).
     pub url: String,
     /// A handle on it.
     pub ferry: Ferry,
@@ -27,10 +28,15 @@ impl TestDb {
 
     /// A fresh, migrated database whose handle uses `clock`.
     pub async fn with_clock(engine: Engine, clock: Clock) -> TestDb {
-        let url = fresh_url(engine).await;
-        let ferry = Ferry::builder(&url)
-            .clock(clock)
-            .migrate(true)
+        let (url, direct) = match engine {
+            Engine::Postgres => fresh_postgres().await,
+            Engine::Sqlite => (fresh_url(engine).await, None),
+        };
+        let mut builder = Ferry::builder(&url).clock(clock).migrate(true);
+        if let Some(direct) = direct {
+            builder = builder.direct_url(direct);
+        }
+        let ferry = builder
             .connect()
             .await
             .unwrap_or_else(|e| panic!("cannot open test database {engine:?}: {e}"));
@@ -92,4 +98,52 @@ macro_rules! on_both_engines {
             )*
         }
     };
+}
+
+/// [`on_both_engines!`], and each scenario once more on PostgreSQL through
+/// the test PgBouncer in transaction pooling, in module `pgbouncer`: its
+/// [`TestDb`] connects through the pooler as behind one (see
+/// [`through_pooler`]).
+#[macro_export]
+macro_rules! on_every_route {
+    ($($name:ident),* $(,)?) => {
+        $crate::on_both_engines!($($name),*);
+        mod pgbouncer {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $name() {
+                    $crate::through_pooler(super::$name(::ferry::Engine::Postgres)).await
+                }
+            )*
+        }
+    };
+}
+
+tokio::task_local! {
+    static THROUGH_POOLER: ();
+}
+
+/// A new, empty PostgreSQL database for a test that builds its own handle:
+/// its URL, and the direct URL to migrate over ([`ferry::FerryBuilder::direct_url`]).
+/// Under [`through_pooler`], a database through the test PgBouncer (the URL
+/// says `pgbouncer=true`) and its direct URL; otherwise a fresh schema's
+/// URL and `None`. Panics naming what is missing.
+pub async fn fresh_postgres() -> (String, Option<String>) {
+    if THROUGH_POOLER.try_with(|_| ()).is_err() {
+        return (fresh_url(Engine::Postgres).await, None);
+    }
+    let (direct, pooled) = crate::fresh_database_behind_pgbouncer()
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    let sep = if pooled.contains('?') { '&' } else { '?' };
+    (format!("{pooled}{sep}pgbouncer=true"), Some(direct))
+}
+
+/// Runs `test` with its [`TestDb`]s on PostgreSQL reached through the test
+/// PgBouncer in transaction pooling ([`crate::pgbouncer_url`]): a database
+/// each (PgBouncer does not pass the `options` startup parameter that picks
+/// a direct test's schema), its URL carrying `pgbouncer=true`, migrated
+/// over the direct URL.
+pub async fn through_pooler<F: std::future::Future>(test: F) -> F::Output {
+    THROUGH_POOLER.scope((), test).await
 }

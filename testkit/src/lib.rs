@@ -22,7 +22,7 @@ mod toxiproxy;
 mod watchdog;
 
 pub use db::{fresh_database_behind_pgbouncer, fresh_database_url, pgbouncer_url, postgres_url, TestDbError};
-pub use harness::{fresh_url, manual_clock, TestDb, T0};
+pub use harness::{fresh_postgres, fresh_url, manual_clock, through_pooler, TestDb, T0};
 pub use kafka::*;
 pub use outbox::{assert_delivered_unwritten, outbox_states, OUTBOX};
 pub use pg::PgCluster;

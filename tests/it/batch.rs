@@ -15,7 +15,7 @@ use serde::Deserialize;
 use serde_json::{json, Value};
 use uuid::Uuid;
 
-use crate::support::{manual_clock, on_both_engines, Kind, TestDb};
+use crate::support::{manual_clock, on_every_route, Kind, TestDb};
 
 /// The batched operation's command: `fate` says how its handler answers.
 #[derive(Debug, Deserialize)]
@@ -379,7 +379,7 @@ async fn a_cancelled_job_leaves_its_batch_call_alone(kind: Kind) {
     );
 }
 
-on_both_engines!(
+on_every_route!(
     a_batch_call_answers_per_job,
     a_stale_job_in_a_batch_is_not_completed,
     a_batch_completes_as_a_single_completion_does,

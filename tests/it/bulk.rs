@@ -7,7 +7,7 @@ use ferry::{Accepted, Error, Ferry, NewRun};
 use serde_json::json;
 use uuid::Uuid;
 
-use crate::support::{charge, counts, manual_clock, on_both_engines, Kind, TestDb};
+use crate::support::{charge, counts, manual_clock, on_every_route, Kind, TestDb};
 
 /// Every row of `table`, each as one line of text with all its columns, in
 /// `order`: what "the same rows" means below.
@@ -318,7 +318,7 @@ async fn a_start_whose_deadline_overflows_refuses_that_item_only(kind: Kind) {
     assert_eq!(counts(&t).await, [1; 5], "the good item is written, the other is not");
 }
 
-on_both_engines!(
+on_every_route!(
     a_start_whose_deadline_overflows_refuses_that_item_only,
     a_batch_writes_what_single_acceptances_write,
     a_mixed_batch_answers_each_item_in_order,

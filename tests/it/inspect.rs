@@ -8,7 +8,7 @@ use ferry::{Error, JobState, Millis, NewRun, OutboxMessage, RunCursor, RunFilter
 use serde_json::json;
 use uuid::Uuid;
 
-use crate::support::{manual_clock, on_both_engines, Kind, TestDb, T0};
+use crate::support::{manual_clock, on_every_route, Kind, TestDb, T0};
 
 const LEASE: Duration = Duration::from_secs(30);
 
@@ -454,7 +454,7 @@ async fn a_child_key_held_by_another_parents_child_is_a_conflict(kind: Kind) {
     assert_eq!(t.scalar(children).await, 1);
 }
 
-on_both_engines!(
+on_every_route!(
     a_child_key_held_by_another_parents_child_is_a_conflict,
     all_tenants_pages_keep_runs_that_share_an_instant_and_an_id,
     pages_return_every_run_once_in_order_while_runs_are_accepted,

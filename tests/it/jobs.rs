@@ -9,7 +9,7 @@ use rand::rngs::StdRng;
 use rand::SeedableRng;
 use serde_json::json;
 
-use crate::support::{manual_clock, on_both_engines, Kind, TestDb, T0};
+use crate::support::{manual_clock, on_every_route, Kind, TestDb, T0};
 
 const LEASE: Duration = Duration::from_secs(30);
 
@@ -1293,7 +1293,7 @@ async fn a_stale_and_a_current_lease_of_one_job_in_one_batch(kind: Kind) {
     }
 }
 
-on_both_engines!(
+on_every_route!(
     a_stale_and_a_current_lease_of_one_job_in_one_batch,
     complete_and_claim_commits_both_halves_or_neither,
     complete_and_claim_refuses_stale_leases_and_still_claims,

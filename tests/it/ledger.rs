@@ -10,7 +10,7 @@ use std::time::Duration;
 use ferry::{Millis, NewRun, OutboxMessage};
 use serde_json::json;
 
-use crate::support::{manual_clock, on_both_engines, Kind, TestDb, T0};
+use crate::support::{manual_clock, on_every_route, Kind, TestDb, T0};
 
 /// Records ids `lo..=hi` as delivered at `at`, as the WAL marker does.
 async fn cover(t: &TestDb, lo: i64, hi: i64, at: i64) {
@@ -120,7 +120,7 @@ async fn the_backlog_leaves_covered_rows_out(kind: Kind) {
     assert!(status.contains("dead rows           1\n"), "{status}");
 }
 
-on_both_engines!(
+on_every_route!(
     lineage_reads_delivery_through_the_ledger,
     the_backlog_leaves_covered_rows_out
 );

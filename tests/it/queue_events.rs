@@ -14,7 +14,7 @@ use rand::rngs::StdRng;
 use rand::SeedableRng;
 use serde_json::json;
 
-use crate::support::{manual_clock, on_both_engines, Kind, TestDb};
+use crate::support::{manual_clock, on_every_route, Kind, TestDb};
 
 const LEASE: Duration = Duration::from_secs(30);
 const QUEUES: [&str; 2] = ["quiet", "loud"];
@@ -237,7 +237,7 @@ async fn a_bad_publish_events_request_is_refused_and_writes_nothing(kind: Kind) 
     assert_eq!(t.scalar("SELECT count(*) FROM ferry_audit").await, 0);
 }
 
-on_both_engines!(
+on_every_route!(
     single_acceptance_writes_no_outbox_row_for_a_quiet_queue,
     bulk_acceptance_writes_no_outbox_row_for_a_quiet_queue,
     completion_writes_no_outbox_row_for_a_quiet_queue,

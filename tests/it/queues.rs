@@ -10,7 +10,7 @@ use std::time::Duration;
 use ferry::{Claimed, Ferry, NewRun, QueueLimits, RateLimit};
 use serde_json::json;
 
-use crate::support::{manual_clock, on_both_engines, Kind, TestDb};
+use crate::support::{manual_clock, on_every_route, Kind, TestDb};
 
 const LEASE: Duration = Duration::from_secs(30);
 
@@ -426,7 +426,7 @@ async fn setting_the_same_limits_again_changes_nothing(kind: Kind) {
     assert_eq!(audit_rows(&t).await.len(), 2);
 }
 
-on_both_engines!(
+on_every_route!(
     higher_priority_is_claimed_first,
     aging_lets_a_long_wait_overtake_a_higher_priority,
     the_claim_key_follows_available_at_through_retries_and_renewals,

@@ -7,7 +7,7 @@ use std::time::Duration;
 use ferry::{Error, Millis, NewRun, RunState};
 use serde_json::json;
 
-use crate::support::{manual_clock, on_both_engines, Kind, TestDb, T0};
+use crate::support::{manual_clock, on_every_route, Kind, TestDb, T0};
 
 const LEASE: Duration = Duration::from_secs(30);
 
@@ -285,7 +285,7 @@ async fn a_batch_can_chain_a_child_to_an_earlier_item(kind: Kind) {
     assert_eq!(results[2].as_ref().unwrap().run.parent_run_id, Some(parent_id));
 }
 
-on_both_engines!(
+on_every_route!(
     a_batch_can_chain_a_child_to_an_earlier_item,
     a_scheduled_run_is_claimable_from_run_at_and_not_before,
     a_delay_counts_from_acceptance_and_a_past_run_at_starts_at_once,

@@ -9,7 +9,7 @@ use ferry::{Every, Missed, NewRun, ScheduleChange};
 use serde_json::json;
 use tokio::sync::Barrier;
 
-use crate::support::{manual_clock, on_both_engines, Kind, TestDb, T0};
+use crate::support::{manual_clock, on_every_route, Kind, TestDb, T0};
 
 const MINUTE: Duration = Duration::from_secs(60);
 
@@ -400,7 +400,7 @@ async fn a_name_whose_tick_keys_exceed_the_key_limit_is_refused(kind: Kind) {
     assert_eq!(t.scalar("SELECT COUNT(*) FROM ferry_schedules").await, 0);
 }
 
-on_both_engines!(
+on_every_route!(
     refused_and_unreadable_schedules_do_not_starve_the_others,
     a_name_whose_tick_keys_exceed_the_key_limit_is_refused,
     a_template_keeps_its_priority,

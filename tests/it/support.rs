@@ -4,8 +4,8 @@
 //! missing.
 
 pub use ferry::Engine as Kind;
-pub use ferry_testkit::on_both_engines;
 pub use ferry_testkit::{manual_clock, TestDb, T0};
+pub use ferry_testkit::{on_both_engines, on_every_route};
 
 use ferry::NewRun;
 use serde_json::json;

@@ -13,7 +13,7 @@ use serde::Deserialize;
 use serde_json::json;
 use tokio::sync::mpsc;
 
-use crate::support::{manual_clock, on_both_engines, Kind, TestDb};
+use crate::support::{manual_clock, on_every_route, Kind, TestDb};
 
 fn fast_config(owner: &str) -> WorkerConfig {
     WorkerConfig {
@@ -312,7 +312,7 @@ async fn released_jobs_are_drained_by_the_next_worker(kind: Kind) {
 /// another connection holds the write lock, so the worker's writes get
 /// `SQLITE_BUSY` after its short busy timeout. `heal` lets them through again.
 enum RenewalFault {
-    Postgres(sqlx::PgPool),
+    Postgres(ferry::store::PgDb),
     Sqlite(sqlx::SqliteConnection),
 }
 
@@ -881,7 +881,7 @@ async fn a_completion_window_near_the_lease_is_refused(kind: Kind) {
     assert_eq!(t.ferry.get_run("acme", ids[0]).await.unwrap().state, RunState::Queued);
 }
 
-on_both_engines!(
+on_every_route!(
     worker_completes_and_retries,
     lost_lease_and_cancellation_stop_the_handler,
     shutdown_releases_only_owned_jobs,

@@ -54,8 +54,9 @@ pub(super) async fn run(args: DoctorArgs) -> Result<(), CliError> {
         slot_lag,
     };
     // First, before Ferry prepares a statement: through a pooler in
-    // transaction mode the other checks' own statements can fail or reach
-    // another client's session, so they are not run.
+    // transaction mode that the URL does not declare (`pgbouncer=true`),
+    // the other checks' own statements can fail or reach another client's
+    // session, so they are not run.
     let mut findings = vec![crate::doctor::transaction_pooler(&db.database_url).await?];
     if !findings[0].is_problem() {
         let ferry = Ferry::builder(&db.database_url).connect().await?;

@@ -134,7 +134,7 @@ pub async fn transaction_pooler(url: &str) -> Result<Finding> {
         check: "transaction_pooler",
         severity: Severity::Critical,
         items: Vec::new(),
-        action: "this URL goes through a pooler in transaction mode (PgBouncer pool_mode=transaction), which Ferry cannot run through yet: its prepared statements can reach another client's session and its wake-ups never arrive. Give Ferry the server's direct URL, or a pooler in session mode",
+        action: "this URL goes through a pooler in transaction mode (PgBouncer pool_mode=transaction) without saying so: Ferry's prepared statements can reach another client's session there and its wake-ups never arrive. Add pgbouncer=true to the URL (every statement then runs unnamed and in a transaction, and wake-ups poll), or give the server's direct URL",
         runbook: None,
         skipped: None,
     };
@@ -149,7 +149,8 @@ pub async fn transaction_pooler(url: &str) -> Result<Finding> {
     // Without the `extra_float_digits` startup parameter sqlx sends by
     // default, which a PgBouncer not configured to ignore it refuses (the
     // probe must reach the pooler it is looking for).
-    let options = sqlx::postgres::PgConnectOptions::from_str(url)?.extra_float_digits(None);
+    let (url, declared) = ferry::store::transaction_pooler_param(url)?;
+    let options = sqlx::postgres::PgConnectOptions::from_str(&url)?.extra_float_digits(None);
     let probe = async {
         let mut a: sqlx::PgConnection = sqlx::Connection::connect_with(&options).await?;
         let mut b: sqlx::PgConnection = sqlx::Connection::connect_with(&options).await?;
@@ -172,7 +173,9 @@ pub async fn transaction_pooler(url: &str) -> Result<Finding> {
             format!("the pooler probe did not finish within {PROBE_WITHIN:?}"),
         ))
     })??;
-    if held == first || again.iter().any(|p| *p != first) {
+    // A URL that says `pgbouncer=true` is served as behind a pooler either
+    // way.
+    if !declared && (held == first || again.iter().any(|p| *p != first)) {
         f.items.push(format!(
             "one connection was served by server sessions {first} and then {again:?}, while another connection's transaction held session {held}"
         ));

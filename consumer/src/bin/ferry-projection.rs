@@ -2,7 +2,8 @@
 //! seen and last offset per record key) and counts how often each effect
 //! key's effect was applied (`ferry_projection_applied`), which must stay 1.
 //!
-//! Environment: `DATABASE_URL`, `FERRY_BROKERS`, `FERRY_GROUP`, `FERRY_TOPICS`
+//! Environment: `DATABASE_URL` (with `FERRY_DIRECT_URL`, the direct URL migrations
+//! run over, when it goes through a transaction pooler), `FERRY_BROKERS`, `FERRY_GROUP`, `FERRY_TOPICS`
 //! (comma-separated), `FERRY_DLQ` (dead-letter topic), `FERRY_ASSIGNMENT`
 //! (`eager` or `cooperative`), `FERRY_MICRO_BATCH` (records per poll turn, default 500),
 //! and for tests `FERRY_CRASH_AT` (abort the process inside the handler,
@@ -75,7 +76,13 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let _telemetry = ferry::telemetry::init("ferry-projection", "warn");
     let env = |k: &str, d: &str| std::env::var(k).unwrap_or_else(|_| d.to_owned());
     let url = std::env::var("DATABASE_URL")?;
-    let ferry = Ferry::builder(&url).migrate(true).connect().await?;
+    let mut builder = Ferry::builder(&url).migrate(true);
+    // DATABASE_URL through a transaction pooler (`pgbouncer=true`):
+    // migrations run over the direct URL.
+    if let Ok(direct) = std::env::var("FERRY_DIRECT_URL") {
+        builder = builder.direct_url(direct);
+    }
+    let ferry = builder.connect().await?;
     // Members start together, and two concurrent `CREATE TABLE IF NOT
     // EXISTS` of one table can both pass the check and one then fails on
     // the catalog's unique index: one member at a time (the lock is the

@@ -10,7 +10,7 @@ use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use ferry::{Engine, Ferry};
+use ferry::Ferry;
 use ferry_consumer::store::PartitionLease;
 use ferry_consumer::{Assignment, Consumer, Handler, HandlerError, Record};
 use ferry_testkit::{Kafka, PgCluster};
@@ -23,13 +23,23 @@ use tokio_util::sync::CancellationToken;
 
 mod python;
 
+/// A fresh, migrated database with the effects table, and its URL.
 async fn pg() -> (Ferry, String) {
-    let url = ferry_testkit::fresh_database_url(Engine::Postgres)
-        .await
-        .unwrap_or_else(|e| panic!("{e}"));
-    let ferry = Ferry::builder(&url).migrate(true).connect().await.unwrap();
-    create_effects_table(&ferry).await;
+    let (ferry, url, _) = pg_routes().await;
     (ferry, url)
+}
+
+/// [`pg`], through the test PgBouncer under [`ferry_testkit::through_pooler`]:
+/// also the direct URL member processes migrate over.
+async fn pg_routes() -> (Ferry, String, Option<String>) {
+    let (url, direct) = ferry_testkit::fresh_postgres().await;
+    let mut builder = Ferry::builder(&url).migrate(true);
+    if let Some(direct) = &direct {
+        builder = builder.direct_url(direct);
+    }
+    let ferry = builder.connect().await.unwrap();
+    create_effects_table(&ferry).await;
+    (ferry, url, direct)
 }
 
 /// The `effects_applied` table [`Apply`] writes.
@@ -236,8 +246,25 @@ async fn duplicates_apply_once_eager() {
     duplicates_apply_once(Assignment::Eager).await;
 }
 
+/// Through PgBouncer in transaction pooling: the ledger's dedupe and the
+/// partition lease hold there too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn duplicates_apply_once_through_pgbouncer() {
+    ferry_testkit::through_pooler(duplicates_apply_once(Assignment::CooperativeSticky)).await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stale_member_cannot_commit() {
+    a_stale_member_cannot_commit_on().await;
+}
+
+/// Through PgBouncer in transaction pooling: the fence holds there too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stale_member_cannot_commit_through_pgbouncer() {
+    ferry_testkit::through_pooler(a_stale_member_cannot_commit_on()).await;
+}
+
+async fn a_stale_member_cannot_commit_on() {
     let broker = Kafka::start();
     broker.create_topic("events", 1);
     let (ferry, _) = pg().await;
@@ -583,6 +610,11 @@ async fn a_zero_lease_is_refused() {
 struct Member(Option<Child>);
 
 impl Member {
+    /// Starts `c` as a member process.
+    fn spawn(mut c: Command) -> Member {
+        Member(Some(c.spawn().expect("spawn ferry-projection")))
+    }
+
     /// Fails when the process already exited on its own (a crash would
     /// otherwise pass for the test's kill).
     fn assert_running(&mut self) {
@@ -631,7 +663,26 @@ fn projection_with(
     crash_at: Option<&str>,
     assignment: &str,
 ) -> Member {
+    Member::spawn(projection_command(
+        url, None, brokers, group, topic, crash_at, assignment,
+    ))
+}
+
+/// A `ferry-projection` member's command on `url`, migrating over `direct`
+/// when `url` goes through a transaction pooler.
+fn projection_command(
+    url: &str,
+    direct: Option<&str>,
+    brokers: &str,
+    group: &str,
+    topic: &str,
+    crash_at: Option<&str>,
+    assignment: &str,
+) -> Command {
     let mut c = Command::new(env!("CARGO_BIN_EXE_ferry-projection"));
+    if let Some(direct) = direct {
+        c.env("FERRY_DIRECT_URL", direct);
+    }
     c.env("DATABASE_URL", url)
         .env("FERRY_ASSIGNMENT", assignment)
         .env("FERRY_BROKERS", brokers)
@@ -644,26 +695,49 @@ fn projection_with(
         // One record per transaction, so the crash lands between records.
         c.env("FERRY_CRASH_AT", k).env("FERRY_MICRO_BATCH", "1");
     }
-    Member(Some(c.spawn().expect("spawn ferry-projection")))
+    c
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_crash_between_handler_and_commit_processes_the_record_once() {
+    crash_between_handler_and_commit().await;
+}
+
+/// Through PgBouncer in transaction pooling: the member aborted between
+/// its handler and its commit leaves nothing, and the next applies the
+/// record once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_crash_between_handler_and_commit_processes_the_record_once_through_pgbouncer() {
+    ferry_testkit::through_pooler(crash_between_handler_and_commit()).await;
+}
+
+async fn crash_between_handler_and_commit() {
     let broker = Kafka::start();
     broker.create_topic("crash", 1);
-    let (ferry, url) = pg().await;
+    let (ferry, url, direct) = pg_routes().await;
+    let member = |crash_at: Option<&str>| {
+        Member::spawn(projection_command(
+            &url,
+            direct.as_deref(),
+            &broker.brokers(),
+            "gc",
+            "crash",
+            crash_at,
+            "cooperative",
+        ))
+    };
     let p = producer(&broker.brokers());
     for i in 0..5 {
         produce(&p, "crash", "k", Some(&format!("c{i}-{}", std::process::id()))).await;
     }
     let marker_key = format!("c2-{}", std::process::id());
     let _ = std::fs::remove_file(std::env::temp_dir().join(format!("ferry-crash-{marker_key}")));
-    let child = projection(&url, &broker.brokers(), "gc", "crash", Some(&marker_key));
+    let child = member(Some(&marker_key));
     let status = child.wait();
     assert!(!status.success(), "the process aborted mid-record");
     let stored = scalar(&ferry, "SELECT COALESCE(max(next_offset), 0) FROM consumer_partitions").await;
     assert_eq!(stored, 2, "the offset moved only with the committed effects");
-    let child = projection(&url, &broker.brokers(), "gc", "crash", None);
+    let child = member(None);
     until_at_least(
         &ferry,
         "SELECT COALESCE(max(next_offset), 0) FROM consumer_partitions",

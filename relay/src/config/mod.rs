@@ -104,8 +104,10 @@ pub struct RelayConfig {
     #[arg(long, env = "FERRY_PROGRESS_TOPIC")]
     pub progress_topic: Option<String>,
     /// `wal` or `poll`. Default on PostgreSQL: `wal` when the role may
-    /// replicate and `wal_level=logical`, else `poll` (one log line says
-    /// why); SQLite always polls, and refuses `wal`.
+    /// replicate, `wal_level=logical` and the URL is direct (not through a
+    /// transaction pooler, `pgbouncer=true`, which refuses `wal`), else
+    /// `poll` (one log line says why); SQLite always polls, and refuses
+    /// `wal`.
     #[arg(long, env = "FERRY_CAPTURE", value_enum)]
     pub capture: Option<Capture>,
     /// Replication slot of `--capture wal`: one per relay group, shared by

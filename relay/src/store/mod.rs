@@ -359,12 +359,13 @@ impl RelayStore {
             return Ok(0);
         };
         let mut tx = pool.begin().await?;
+        let mut c = ferry::store::PgConn::new(&mut tx, pool.route());
         sqlx::query(queries::POSTGRES_ONLY.fold_delivered_lock)
-            .execute(&mut *tx)
+            .execute(&mut c)
             .await?;
         let n: i64 = sqlx::query_scalar(queries::POSTGRES_ONLY.fold_delivered)
             .bind(i64::from(batch))
-            .fetch_one(&mut *tx)
+            .fetch_one(&mut c)
             .await?;
         tx.commit().await?;
         Ok(n as u64)

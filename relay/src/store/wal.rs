@@ -184,12 +184,20 @@ impl RelayStore {
         self.ferry()
             .db()
             .as_postgres()
+            .map(|p| p.pool())
             .ok_or(Error::Unsupported("WAL capture needs PostgreSQL"))
     }
 
     /// Whether `wal_level` is `logical` and this role may replicate.
     pub async fn wal_setting(&self) -> Result<WalSetting> {
-        bounded(async move { Ok(sqlx::query_as(Q.wal_capture_allowed).fetch_one(self.pg()?).await?) }).await
+        // Asked before the capture is chosen, so through the pool's route
+        // (a transaction pooler is refused WAL capture after this).
+        let db = self
+            .ferry()
+            .db()
+            .as_postgres()
+            .ok_or(Error::Unsupported("WAL capture needs PostgreSQL"))?;
+        bounded(async move { Ok(sqlx::query_as(Q.wal_capture_allowed).fetch_one(db).await?) }).await
     }
 
     /// The columns of `schema.table` that have a default (none if the table

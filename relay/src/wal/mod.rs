@@ -168,8 +168,9 @@ pub fn default_slot(database_id: &str) -> String {
 
 /// Decides the capture mode: `Some` to stream the WAL, `None` to poll.
 /// SQLite always polls (and refuses `--capture wal`); on PostgreSQL the
-/// default is `wal` when `wal_level = logical` and the role may replicate,
-/// else `poll`, said in one log line. `--exactly-once` polls unless
+/// default is `wal` when `wal_level = logical`, the role may replicate and
+/// the URL is direct (not through a transaction pooler), else `poll`, said
+/// in one log line. `--exactly-once` polls unless
 /// `--capture wal` asks for WAL capture: an exactly-once deployment's
 /// capture changes only when an operator says so (the lanes' last progress
 /// records are not read by WAL capture).
@@ -190,6 +191,11 @@ pub async fn plan(cfg: &RelayConfig, store: &RelayStore, owner: &str) -> Result<
     let setting = store.wal_setting().await?;
     let why_not = if cfg.exactly_once && cfg.capture.is_none() {
         Some("--exactly-once without --capture wal")
+    } else if store.ferry().behind_transaction_pooler() {
+        // A replication connection and the slot maker's session lock need
+        // a session of their own; PgBouncer refuses the first and would
+        // hand the second to other clients.
+        Some("the database URL goes through a transaction pooler (pgbouncer=true): WAL capture needs a direct connection to PostgreSQL")
     } else if !setting.logical {
         Some("wal_level is not logical")
     } else if !setting.may_replicate {

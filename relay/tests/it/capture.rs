@@ -766,6 +766,44 @@ async fn the_default_capture_on_postgres_is_wal_when_the_role_may_replicate() {
     );
 }
 
+/// Behind a transaction pooler (the test PgBouncer, the URL saying
+/// `pgbouncer=true`) the default capture is poll: WAL capture needs a
+/// replication connection, which PgBouncer refuses, and the slot maker's
+/// session lock, which it would hand to other clients. `--capture wal` is
+/// refused with that reason before anything is made. Polling through the
+/// pooler, every row reaches Kafka once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn behind_a_transaction_pooler_the_relay_polls_and_refuses_wal_capture() {
+    let (direct, pooled) = ferry_testkit::fresh_database_behind_pgbouncer().await.unwrap();
+    let url = format!("{pooled}?pgbouncer=true");
+    let ferry = ferry::Ferry::builder(&url)
+        .direct_url(direct)
+        .migrate(true)
+        .connect()
+        .await
+        .unwrap();
+    assert!(ferry.behind_transaction_pooler());
+    let store = ferry_relay::store::RelayStore::new(ferry.clone());
+    let mut cfg = RelayConfig::new(&url, "127.0.0.1:1");
+    assert!(ferry_relay::wal::plan(&cfg, &store, "relay-1").await.unwrap().is_none());
+    cfg.capture = Some(Capture::Wal);
+    let err = ferry_relay::wal::plan(&cfg, &store, "relay-1").await.unwrap_err();
+    assert_eq!(err.code(), "config");
+    assert!(err.to_string().contains("transaction pooler"), "{err}");
+    assert_eq!(scalar(&ferry, "SELECT count(*) FROM pg_publication").await, 0);
+    let broker = Kafka::start();
+    broker.create_topic("orders", 3);
+    crate::relay::write_orders(&ferry, 20, 5).await;
+    let mut cfg = relay_config(&url, &broker.brokers());
+    cfg.capture = None;
+    let relay = start_relay(cfg, ferry_relay::service::connect(&url).await.unwrap()).await;
+    wait_for_count(&ferry, &DELIVERED, 20, Duration::from_secs(60)).await;
+    relay.shutdown().await;
+    let recs = read_all(&broker.brokers(), "orders", false, Duration::from_secs(30)).await;
+    assert_eq!(recs.len(), 20, "every row once");
+    assert_eq!(distinct(&recs), 20);
+}
+
 /// `--capture wal` is refused on SQLite with a configuration error, before
 /// anything is written.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

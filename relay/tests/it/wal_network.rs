@@ -137,7 +137,7 @@ impl Scene {
         broker.create_topic("orders", 4);
         let brokers = broker.brokers();
         let (ferry, url) = pg_ferry().await;
-        let pool = ferry.db().as_postgres().unwrap().clone();
+        let pool = ferry.db().as_postgres().unwrap().pool().clone();
         let slot = SlotGuard::new().await;
         let (relay, proxy) = if through_proxy {
             let toxi = Toxiproxy::start();
