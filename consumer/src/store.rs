@@ -241,12 +241,13 @@ impl ConsumerStore {
     /// `effect_key`, telling whether it is new or a duplicate.
     pub async fn begin_record(
         &self,
-        mut conn: Conn<'_>,
+        conn: Conn<'_>,
         lease: &PartitionLease,
         effect_key: &str,
         offset: i64,
         outcome: &str,
     ) -> Result<LedgerEntry> {
+        let mut conn = conn.routed(self.db());
         self.lock_partition(conn.reborrow(), lease).await?;
         let inserted: Option<String> = on_conn!(conn, QUERIES, |c, q| {
             sqlx::query_scalar(q.insert_ledger)
@@ -272,7 +273,7 @@ impl ConsumerStore {
     /// the effects), [`Error::LostPartition`] otherwise, with nothing
     /// written. A micro-batch takes it once for all its records.
     pub async fn lock_partition(&self, conn: Conn<'_>, lease: &PartitionLease) -> Result<()> {
-        let held: Option<Option<i64>> = on_conn!(conn, QUERIES, |c, q| {
+        let held: Option<Option<i64>> = on_conn!(conn.routed(self.db()), QUERIES, |c, q| {
             sqlx::query_scalar(q.lock_partition)
                 .bind(&lease.group)
                 .bind(&lease.topic)
@@ -301,7 +302,7 @@ impl ConsumerStore {
     ) -> Result<Vec<LedgerEntry>> {
         // Tuples serialize as JSON arrays: `[["key", 7], …]`.
         let pairs = serde_json::to_string(records).map_err(|e| Error::Invariant(e.to_string()))?;
-        let inserted: Vec<String> = on_conn!(conn, QUERIES, |c, q| {
+        let inserted: Vec<String> = on_conn!(conn.routed(self.db()), QUERIES, |c, q| {
             sqlx::query_scalar(q.insert_ledger_batch)
                 .bind(&lease.group)
                 .bind(&pairs)
@@ -324,7 +325,7 @@ impl ConsumerStore {
 
     /// Step 4: stores `next_offset` with the effects, under the lease.
     pub async fn advance_offset(&self, conn: Conn<'_>, lease: &PartitionLease, next_offset: i64) -> Result<()> {
-        let n = on_conn!(conn, QUERIES, |c, q| {
+        let n = on_conn!(conn.routed(self.db()), QUERIES, |c, q| {
             sqlx::query(q.advance_offset)
                 .bind(&lease.group)
                 .bind(&lease.topic)

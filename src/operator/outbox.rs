@@ -121,8 +121,8 @@ impl Operator<'_> {
         self.limits().text("reason", reason, 4096)?;
         let mut tx = self.begin().await?;
         let r = async {
-            if let Some(conn) = tx.postgres() {
-                sqlx::query(POSTGRES_ONLY.replay_ledger_lock).execute(conn).await?;
+            if let Some(mut conn) = tx.pg() {
+                sqlx::query(POSTGRES_ONLY.replay_ledger_lock).execute(&mut conn).await?;
             }
             let ids: Vec<i64> = on_conn!(tx.conn(), |c, q| {
                 sqlx::query_scalar(q.replay_dead_outbox)
@@ -151,13 +151,13 @@ impl Operator<'_> {
 /// of the replay publishes it, and the rest of each range still reads
 /// delivered. Nothing on SQLite, whose ledger is always empty.
 async fn uncover_replayed(tx: &mut Tx, ids: &[i64]) -> Result<()> {
-    let Some(conn) = tx.postgres() else { return Ok(()) };
+    let Some(mut conn) = tx.pg() else { return Ok(()) };
     if ids.is_empty() {
         return Ok(());
     }
     sqlx::query(POSTGRES_ONLY.replay_uncover)
         .bind(ids)
-        .execute(conn)
+        .execute(&mut conn)
         .await?;
     Ok(())
 }
@@ -168,14 +168,14 @@ async fn uncover_replayed(tx: &mut Tx, ids: &[i64]) -> Result<()> {
 /// (`ferry.replay.<database id>`, the ids as JSON). Nothing on SQLite or
 /// below `wal_level = logical`.
 async fn announce_replay(tx: &mut Tx, ids: &[i64]) -> Result<()> {
-    let Some(conn) = tx.postgres() else { return Ok(()) };
+    let Some(mut conn) = tx.pg() else { return Ok(()) };
     if ids.is_empty() {
         return Ok(());
     }
     let ids = serde_json::to_string(ids).map_err(|e| Error::Invariant(e.to_string()))?;
     sqlx::query(POSTGRES_ONLY.wal_announce_replay)
         .bind(ids)
-        .fetch_optional(conn)
+        .fetch_optional(&mut conn)
         .await?;
     Ok(())
 }

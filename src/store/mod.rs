@@ -325,6 +325,15 @@ impl Tx {
         }
     }
 
+    /// The PostgreSQL connection as an executor that follows the pool's
+    /// [`Route`] (unnamed statements behind a transaction pooler).
+    pub fn pg(&mut self) -> Option<PgConn<'_>> {
+        match self {
+            Tx::Postgres(t, route) => Some(PgConn::new(t, *route)),
+            Tx::Sqlite(_) => None,
+        }
+    }
+
     /// The SQLite connection, for the service's own statements.
     pub fn sqlite(&mut self) -> Option<&mut SqliteConnection> {
         match self {

@@ -22,6 +22,7 @@
 use futures::future::BoxFuture;
 use futures::stream::BoxStream;
 use futures::{StreamExt, TryStreamExt};
+use sqlx::pool::PoolConnection;
 use sqlx::postgres::{PgQueryResult, PgRow, PgStatement, PgTypeInfo};
 use sqlx::{Describe, Either, Execute, Executor, PgConnection, PgPool, Postgres, TransactionManager};
 
@@ -145,15 +146,55 @@ impl<'q, E: Execute<'q, Postgres>> Execute<'q, Postgres> for Unnamed<E> {
 type Step = Either<PgQueryResult, PgRow>;
 
 /// Runs `query` unnamed on `conn` in a transaction of its own, whole (its
-/// results are collected before `COMMIT`).
+/// results are collected before `COMMIT`). A failed statement's transaction
+/// is rolled back before this returns, so the session holds no lock after
+/// it (a dropped transaction would only queue its `ROLLBACK` for the
+/// connection's next use).
 async fn in_own_transaction<'q, E>(conn: &mut PgConnection, query: E) -> Result<Vec<Step>, sqlx::Error>
 where
     E: Execute<'q, Postgres> + 'q,
 {
     let mut tx = sqlx::Connection::begin(conn).await?;
-    let steps: Vec<Step> = (&mut *tx).fetch_many(Unnamed(query)).try_collect().await?;
-    tx.commit().await?;
-    Ok(steps)
+    let steps: Result<Vec<Step>, sqlx::Error> = (&mut *tx).fetch_many(Unnamed(query)).try_collect().await;
+    match steps {
+        Ok(steps) => {
+            tx.commit().await?;
+            Ok(steps)
+        }
+        Err(e) => {
+            let _ = tx.rollback().await;
+            Err(e)
+        }
+    }
+}
+
+/// A pooled connection running a statement in a transaction of its own:
+/// dropped before it finished (the caller's future cancelled, between
+/// `BEGIN` and `COMMIT` included), the connection is closed instead of
+/// going back to the pool, so no server session is left holding an open
+/// transaction (sqlx rolls back on drop only once `BEGIN` was answered).
+struct OwnTransaction(Option<PoolConnection<Postgres>>);
+
+impl OwnTransaction {
+    async fn run<'q, E>(pool: &PgPool, query: E) -> Result<Vec<Step>, sqlx::Error>
+    where
+        E: Execute<'q, Postgres> + 'q,
+    {
+        let mut held = OwnTransaction(Some(pool.acquire().await?));
+        let conn = held.0.as_mut().expect("held until finished");
+        let steps = in_own_transaction(conn, query).await;
+        // Finished, committed or rolled back: the connection may be reused.
+        held.0.take();
+        steps
+    }
+}
+
+impl Drop for OwnTransaction {
+    fn drop(&mut self) {
+        if let Some(mut conn) = self.0.take() {
+            conn.close_on_drop();
+        }
+    }
 }
 
 fn replay<'e>(steps: BoxFuture<'e, Result<Vec<Step>, sqlx::Error>>) -> BoxStream<'e, Result<Step, sqlx::Error>> {
@@ -161,6 +202,17 @@ fn replay<'e>(steps: BoxFuture<'e, Result<Vec<Step>, sqlx::Error>>) -> BoxStream
         .map_ok(|steps| futures::stream::iter(steps.into_iter().map(Ok)))
         .try_flatten()
         .boxed()
+}
+
+/// Preparing a statement by name (sqlx's `prepare`, `describe`) behind a
+/// transaction pooler: the statement would stay on a server session other
+/// clients get, and sqlx would bind it by name on whichever session serves
+/// the connection next.
+fn named_refused() -> sqlx::Error {
+    sqlx::Error::Configuration(
+        "a prepared statement cannot cross a transaction pooler (route TransactionPooler): run the query instead"
+            .into(),
+    )
 }
 
 fn first_row(steps: Vec<Step>) -> Option<PgRow> {
@@ -177,13 +229,7 @@ impl<'p> Executor<'p> for &'p PgDb {
     {
         match self.route {
             Route::Direct => self.pool.fetch_many(query),
-            Route::TransactionPooler => {
-                let pool = &self.pool;
-                replay(Box::pin(async move {
-                    let mut conn = pool.acquire().await?;
-                    in_own_transaction(&mut conn, query).await
-                }))
-            }
+            Route::TransactionPooler => replay(Box::pin(OwnTransaction::run(&self.pool, query))),
         }
     }
 
@@ -196,10 +242,7 @@ impl<'p> Executor<'p> for &'p PgDb {
             Route::Direct => self.pool.fetch_optional(query),
             Route::TransactionPooler => {
                 let pool = &self.pool;
-                Box::pin(async move {
-                    let mut conn = pool.acquire().await?;
-                    Ok(first_row(in_own_transaction(&mut conn, query).await?))
-                })
+                Box::pin(async move { Ok(first_row(OwnTransaction::run(pool, query).await?)) })
             }
         }
     }
@@ -212,14 +255,20 @@ impl<'p> Executor<'p> for &'p PgDb {
     where
         'p: 'e,
     {
-        self.pool.prepare_with(sql, parameters)
+        match self.route {
+            Route::Direct => self.pool.prepare_with(sql, parameters),
+            Route::TransactionPooler => Box::pin(async { Err(named_refused()) }),
+        }
     }
 
     fn describe<'e, 'q: 'e>(self, sql: &'q str) -> BoxFuture<'e, Result<Describe<Postgres>, sqlx::Error>>
     where
         'p: 'e,
     {
-        self.pool.describe(sql)
+        match self.route {
+            Route::Direct => self.pool.describe(sql),
+            Route::TransactionPooler => Box::pin(async { Err(named_refused()) }),
+        }
     }
 }
 
@@ -267,13 +316,19 @@ impl<'a, 'c> Executor<'a> for &'a mut PgConn<'c> {
     where
         'a: 'e,
     {
-        self.conn.prepare_with(sql, parameters)
+        match self.route {
+            Route::Direct => self.conn.prepare_with(sql, parameters),
+            Route::TransactionPooler => Box::pin(async { Err(named_refused()) }),
+        }
     }
 
     fn describe<'e, 'q: 'e>(self, sql: &'q str) -> BoxFuture<'e, Result<Describe<Postgres>, sqlx::Error>>
     where
         'a: 'e,
     {
-        self.conn.describe(sql)
+        match self.route {
+            Route::Direct => self.conn.describe(sql),
+            Route::TransactionPooler => Box::pin(async { Err(named_refused()) }),
+        }
     }
 }

@@ -33,6 +33,7 @@ impl TestDb {
             Engine::Sqlite => (fresh_url(engine).await, None),
         };
         let mut builder = Ferry::builder(&url).clock(clock).migrate(true);
+        let pooled = direct.is_some();
         if let Some(direct) = direct {
             builder = builder.direct_url(direct);
         }
@@ -40,6 +41,11 @@ impl TestDb {
             .connect()
             .await
             .unwrap_or_else(|e| panic!("cannot open test database {engine:?}: {e}"));
+        assert_eq!(
+            ferry.behind_transaction_pooler(),
+            pooled,
+            "the handle's route is the test's"
+        );
         TestDb { url, ferry }
     }
 

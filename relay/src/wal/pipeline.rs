@@ -578,6 +578,8 @@ impl<'a> Pipeline<'a> {
             }
             Err(e) => {
                 tracing::warn!(id, error = %e, "marking a poison row dead failed");
+                // Not got past: the next session isolates it again.
+                self.refuse(seq, Some(id));
                 self.fail(Ended::Retry("mark_dead"));
                 false
             }
