@@ -787,6 +787,16 @@ pub async fn running_xacts(ferry: &Ferry) -> String {
 }
 
 pub async fn wait_for_count(ferry: &Ferry, sql: &str, want: i64, limit: Duration) {
+    wait_for(ferry, None, sql, want, limit).await;
+}
+
+/// [`wait_for_count`], naming on timeout how `relay`'s WAL sessions ended
+/// and the publish errors it met (what it did meanwhile).
+pub async fn wait_for_relay_count(ferry: &Ferry, relay: &RunningRelay, sql: &str, want: i64, limit: Duration) {
+    wait_for(ferry, Some(relay), sql, want, limit).await;
+}
+
+async fn wait_for(ferry: &Ferry, relay: Option<&RunningRelay>, sql: &str, want: i64, limit: Duration) {
     let deadline = Instant::now() + limit;
     loop {
         let n = scalar(ferry, sql).await;
@@ -794,8 +804,21 @@ pub async fn wait_for_count(ferry: &Ferry, sql: &str, want: i64, limit: Duration
             return;
         }
         if Instant::now() >= deadline {
+            let story = relay.map_or_else(String::new, |r| {
+                let counts: Vec<String> = r
+                    .state
+                    .metrics
+                    .render()
+                    .lines()
+                    .filter(|l| {
+                        l.starts_with("ferry_relay_wal_sessions_ended") || l.starts_with("ferry_relay_publish_errors")
+                    })
+                    .map(str::to_owned)
+                    .collect();
+                format!("; the relay: {}", counts.join(", "))
+            });
             panic!(
-                "{sql}: {n} after {limit:?}, wanted {want}; transactions running: {}",
+                "{sql}: {n} after {limit:?}, wanted {want}; transactions running: {}{story}",
                 running_xacts(ferry).await
             );
         }

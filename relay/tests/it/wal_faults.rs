@@ -443,7 +443,7 @@ async fn a_schema_change_while_streaming_loses_nothing(change: &str) {
         .unwrap();
     writer.await.unwrap();
     enqueue(&ferry, 1000, 1001).await;
-    wait_for_count(&ferry, &DELIVERED, 1001, Duration::from_secs(90)).await;
+    wait_for_relay_count(&ferry, &relay, &DELIVERED, 1001, Duration::from_secs(90)).await;
     relay.shutdown().await;
     let recs = read_all(&broker.brokers(), "orders", false, Duration::from_secs(60)).await;
     let duplicates = nothing_lost(&recs, &all_ids(&ferry).await);
