@@ -81,17 +81,7 @@ async fn notify_cost(base: &str, n: usize) -> Res<()> {
             .notify_interval(interval)
             .build(pool.into())
             .await?;
-        rates.push(
-            rate(n, 16, move |i| {
-                let f = f.clone();
-                async move {
-                    f.create_run_idempotent(NewRun::new("bench", "op", format!("k{i}"), json!({"i": i})))
-                        .await?;
-                    Ok(1)
-                }
-            })
-            .await?,
-        );
+        rates.push(accept_rate(f, n).await?);
     }
     row("enqueue, NOTIFY coalesced 10 ms (jobs/s) vs none", rates[1], rates[0]);
     row("enqueue, NOTIFY coalesced 50 ms (jobs/s) vs none", rates[2], rates[0]);
@@ -109,15 +99,7 @@ async fn notify_cost(base: &str, n: usize) -> Res<()> {
 async fn enqueue_and_claim(base: &str, n: usize) -> Res<()> {
     // Enqueue, single acceptance per transaction, 16 concurrent clients.
     let (f, pool) = fresh(base, "enq").await?;
-    let ferry_rate = rate(n, 16, move |i| {
-        let f = f.clone();
-        async move {
-            f.create_run_idempotent(NewRun::new("bench", "op", format!("k{i}"), json!({"i": i})))
-                .await?;
-            Ok(1)
-        }
-    })
-    .await?;
+    let ferry_rate = accept_rate(f, n).await?;
     let raw = rate(n, 16, move |i| raw_accept(pool.clone(), i, 1)).await?;
     row("enqueue, 1 per tx (jobs/s)", ferry_rate, raw);
 
@@ -210,31 +192,9 @@ async fn pooler_cost(base: &str, n: usize, quick: bool) -> Res<()> {
     let mut worked = Vec::new();
     for through in [false, true] {
         let route = if through { "pooled" } else { "direct" };
-        let (direct, url) = fresh_database(base, &pooler, &format!("ferry_bench_acc_{route}"), through).await?;
-        let f = Ferry::builder(&url)
-            .max_connections(16)
-            .direct_url(&direct)
-            .migrate(true)
-            .connect()
-            .await?;
-        accepted.push(
-            rate(n, 16, move |i| {
-                let f = f.clone();
-                async move {
-                    f.create_run_idempotent(NewRun::new("bench", "op", format!("k{i}"), json!({"i": i})))
-                        .await?;
-                    Ok(1)
-                }
-            })
-            .await?,
-        );
-        let (direct, url) = fresh_database(base, &pooler, &format!("ferry_bench_work_{route}"), through).await?;
-        let f = Ferry::builder(&url)
-            .max_connections(16)
-            .direct_url(&direct)
-            .migrate(true)
-            .connect()
-            .await?;
+        let (f, _) = routed(base, &pooler, &format!("ferry_bench_acc_{route}"), through).await?;
+        accepted.push(accept_rate(f, n).await?);
+        let (f, direct) = routed(base, &pooler, &format!("ferry_bench_work_{route}"), through).await?;
         let pool = PgPool::connect(&direct).await?;
         seed(&pool, jobs).await?;
         worked.push(run_worker(f, &pool, jobs, 16, 16).await?);
@@ -243,6 +203,32 @@ async fn pooler_cost(base: &str, n: usize, quick: bool) -> Res<()> {
     row("enqueue, 1 per tx, 16 clients (jobs/s)", accepted[0], accepted[1]);
     row("Worker, 16 slots, claim 16 (jobs/s)", worked[0], worked[1]);
     Ok(())
+}
+
+/// Acceptances per second, 1 per transaction, 16 clients, `n` in all.
+async fn accept_rate(f: Ferry, n: usize) -> Res<f64> {
+    rate(n, 16, move |i| {
+        let f = f.clone();
+        async move {
+            f.create_run_idempotent(NewRun::new("bench", "op", format!("k{i}"), json!({"i": i})))
+                .await?;
+            Ok(1)
+        }
+    })
+    .await
+}
+
+/// A handle (16 connections) on a new database `name`, migrated over its
+/// direct URL, reached through `pooler` when `through`; and the direct URL.
+async fn routed(base: &str, pooler: &str, name: &str, through: bool) -> Res<(Ferry, String)> {
+    let (direct, url) = fresh_database(base, pooler, name, through).await?;
+    let f = Ferry::builder(&url)
+        .max_connections(16)
+        .direct_url(&direct)
+        .migrate(true)
+        .connect()
+        .await?;
+    Ok((f, direct))
 }
 
 /// A new, empty database `name` on `base`'s server: its direct URL, and
