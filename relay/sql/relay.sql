@@ -13,10 +13,15 @@ DELETE FROM relay_instances WHERE expires_at <= {now $1}
 DELETE FROM relay_instances WHERE owner = $1
 
 -- name: renew_lanes
--- Extends every lane this relay still holds; lanes missing from the answer are lost.
+-- Extends every lane this relay still holds; lanes missing from the answer
+-- (or back at another generation) are lost. A lease that lapsed while no
+-- relay took the lane (this one was starved or cut off from the database)
+-- is still this relay's: taking it needs a new generation (acquire_lanes),
+-- and every mark is fenced on the generation, so extending it late lets no
+-- other relay's work interleave.
 UPDATE relay_lanes
 SET lease_expires_at = {now $2} + $3
-WHERE owner = $1 AND lease_expires_at > {now $2}
+WHERE owner = $1
 RETURNING lane, generation
 
 -- name: acquire_lanes
@@ -43,7 +48,6 @@ WHERE lane = $1 AND owner = $2 AND generation = $3
 -- Holds the lane row until commit, so no takeover can interleave with a mark.
 SELECT lane FROM relay_lanes
 WHERE lane = $1 AND owner = $2 AND generation = $3
-  AND lease_expires_at > {now $4}
 {pg:FOR SHARE}
 
 -- name: pending_batch
@@ -95,15 +99,13 @@ SET state = 'delivered', delivered_at = {now $3},
     publish_attempts = publish_attempts + 1
 WHERE lane = $1 AND state = 'pending' AND id {ids $2}
   AND EXISTS (SELECT 1 FROM relay_lanes l
-              WHERE l.lane = $1 AND l.owner = $4 AND l.generation = $5
-                AND l.lease_expires_at > {now $3} {pg:FOR SHARE})
+              WHERE l.lane = $1 AND l.owner = $4 AND l.generation = $5 {pg:FOR SHARE})
 
 -- name: delete_delivered
 -- mark_delivered's delete-on-delivery twin, fenced the same way.
 DELETE FROM outbox WHERE lane = $1 AND state = 'pending' AND id {ids $2}
   AND EXISTS (SELECT 1 FROM relay_lanes l
-              WHERE l.lane = $1 AND l.owner = $4 AND l.generation = $5
-                AND l.lease_expires_at > {now $3} {pg:FOR SHARE})
+              WHERE l.lane = $1 AND l.owner = $4 AND l.generation = $5 {pg:FOR SHARE})
 
 -- name: mark_dead
 -- A row a ledger range covers was delivered (WAL capture beside this relay

@@ -375,7 +375,7 @@ impl Relay {
         wal_finish.cancel();
         wake.all();
         // Keep the leases alive while the last batches are published and
-        // marked, or their marks would be refused once the leases expire.
+        // marked, or another relay could take the lanes and fence their marks.
         let deadline = tokio::time::sleep(cfg.grace);
         tokio::pin!(deadline);
         loop {

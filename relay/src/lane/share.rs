@@ -16,7 +16,8 @@ use crate::error::RelayError;
 pub struct LanePlan {
     /// Lanes still held after renewal, with their generation.
     pub kept: Vec<LaneLease>,
-    /// Lanes lost since the last tick (expired or taken over).
+    /// Lanes lost since the last tick (taken over by another relay: a lease
+    /// that lapsed while no one took the lane is renewed, not lost).
     pub lost: Vec<LaneLease>,
     /// Lanes newly acquired.
     pub acquired: Vec<LaneLease>,

@@ -377,7 +377,6 @@ impl RelayStore {
                 .bind(lane.lane)
                 .bind(owner)
                 .bind(lane.generation)
-                .bind(self.now())
                 .fetch_optional(&mut *c)
                 .await?
         });

@@ -209,7 +209,7 @@ async fn wal_a_dropped_slot_is_made_anew_and_nothing_is_lost() {
         assert!(std::time::Instant::now() < deadline, "could not drop the slot");
     }
     crate::relay::write_orders(&ferry, 100, 10).await;
-    wait_for_count(&ferry, delivered, 200, Duration::from_secs(60)).await;
+    wait_for_relay_count(&ferry, &relay, delivered, 200, Duration::from_secs(60)).await;
     crate::relay::write_orders(&ferry, 50, 10).await;
     wait_for_count(&ferry, delivered, 250, Duration::from_secs(60)).await;
     relay.shutdown().await;
@@ -670,7 +670,7 @@ async fn wal_a_missing_publication_is_created_and_nothing_is_lost() {
         .await
         .unwrap();
     crate::relay::write_orders(&ferry, 100, 10).await;
-    wait_for_count(&ferry, delivered, 200, Duration::from_secs(60)).await;
+    wait_for_relay_count(&ferry, &relay, delivered, 200, Duration::from_secs(60)).await;
     relay.shutdown().await;
     let exists: i64 = scalar(
         &ferry,

@@ -81,9 +81,10 @@ async fn drain_through_a_database_outage(capture: Capture, exactly_once: bool) -
     until_at_least(&ferry, delivered, total, Duration::from_secs(120)).await;
     let lease_losses = relay.state.metrics.lease_losses.get();
     relay.shutdown().await;
-    if capture == Capture::Poll {
-        assert!(lease_losses > 0, "the lanes' leases expired during the outage");
-    }
+    // The leases lapsed during the outage, but no other relay took the
+    // lanes: renewed late, they are still this relay's, and the rows it
+    // had acknowledged are marked by it rather than published again.
+    assert_eq!(lease_losses, 0, "lanes no other relay took are not lost");
     assert_eq!(
         ferry
             .db()

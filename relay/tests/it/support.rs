@@ -13,13 +13,15 @@ use rdkafka::ClientConfig;
 use tokio_util::sync::CancellationToken;
 
 pub async fn pg_ferry() -> (Ferry, String) {
-    // FERRY_TEST_RELAY_LOG=debug shows the in-process relay's logs too.
-    if let Ok(filter) = std::env::var("FERRY_TEST_RELAY_LOG") {
-        let _ = tracing_subscriber::fmt()
-            .with_env_filter(tracing_subscriber::EnvFilter::new(filter))
-            .with_test_writer()
-            .try_init();
-    }
+    // The in-process relay's logs go to the test's captured output, which
+    // the harness shows when the test fails (`ferry_relay=info` unless
+    // FERRY_TEST_RELAY_LOG names another filter).
+    let filter = std::env::var("FERRY_TEST_RELAY_LOG").unwrap_or_else(|_| "ferry_relay=info".into());
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::new(filter))
+        .with_ansi(false)
+        .with_test_writer()
+        .try_init();
     let url = ferry_testkit::fresh_database_url(Engine::Postgres)
         .await
         .unwrap_or_else(|e| panic!("{e}"));
@@ -786,6 +788,28 @@ pub async fn running_xacts(ferry: &Ferry) -> String {
     .unwrap_or_else(|e| format!("(unreadable: {e})"))
 }
 
+/// The outbox rows not delivered (the first 20) and the WAL slots' catch-up
+/// records: whether a row the relay never delivered was below the table
+/// read's bound or should have come in the stream.
+async fn undelivered(ferry: &Ferry) -> String {
+    let pool = ferry.db().as_postgres().unwrap();
+    let rows: Vec<String> = sqlx::query_scalar(&format!(
+        "SELECT format('id %s %s lane %s attempts %s error %s at %s', id, state, lane, publish_attempts, last_error, created_at)
+         FROM {OUTBOX} WHERE state <> 'delivered' ORDER BY id LIMIT 20"
+    ))
+    .fetch_all(pool)
+    .await
+    .unwrap_or_else(|e| vec![format!("(unreadable: {e})")]);
+    let slots: Vec<String> = sqlx::query_scalar(
+        "SELECT format('%s caught up %s through %s generation %s marked %s', slot, caught_up, catch_up_through, generation, marked_lsn)
+         FROM relay_wal_slots ORDER BY slot",
+    )
+    .fetch_all(pool)
+    .await
+    .unwrap_or_else(|e| vec![format!("(unreadable: {e})")]);
+    format!("not delivered: [{}]; WAL slots: [{}]", rows.join(", "), slots.join(", "))
+}
+
 pub async fn wait_for_count(ferry: &Ferry, sql: &str, want: i64, limit: Duration) {
     wait_for(ferry, None, sql, want, limit).await;
 }
@@ -818,8 +842,9 @@ async fn wait_for(ferry: &Ferry, relay: Option<&RunningRelay>, sql: &str, want: 
                 format!("; the relay: {}", counts.join(", "))
             });
             panic!(
-                "{sql}: {n} after {limit:?}, wanted {want}; transactions running: {}{story}",
-                running_xacts(ferry).await
+                "{sql}: {n} after {limit:?}, wanted {want}; transactions running: {}{story}; {}",
+                running_xacts(ferry).await,
+                undelivered(ferry).await
             );
         }
         tokio::time::sleep(Duration::from_millis(20)).await;
