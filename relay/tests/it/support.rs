@@ -807,7 +807,11 @@ async fn undelivered(ferry: &Ferry) -> String {
     .fetch_all(pool)
     .await
     .unwrap_or_else(|e| vec![format!("(unreadable: {e})")]);
-    format!("not delivered: [{}]; WAL slots: [{}]", rows.join(", "), slots.join(", "))
+    format!(
+        "not delivered: [{}]; WAL slots: [{}]",
+        rows.join(", "),
+        slots.join(", ")
+    )
 }
 
 pub async fn wait_for_count(ferry: &Ferry, sql: &str, want: i64, limit: Duration) {
