@@ -91,21 +91,21 @@ ORDER BY l.lane
 
 -- name: mark_delivered
 -- One autocommitted statement, fence and mark together: the lane must still
--- be $4's at generation $5, its row held (FOR SHARE) until the statement
+-- be $3's at generation $4, its row held (FOR SHARE) until the statement
 -- commits so no takeover interleaves. Fewer rows than ids sends the caller
 -- to lock_lane to tell a lost lane from rows no longer pending.
 UPDATE outbox
-SET state = 'delivered', delivered_at = {now $3},
+SET state = 'delivered', delivered_at = {now $5},
     publish_attempts = publish_attempts + 1
 WHERE lane = $1 AND state = 'pending' AND id {ids $2}
   AND EXISTS (SELECT 1 FROM relay_lanes l
-              WHERE l.lane = $1 AND l.owner = $4 AND l.generation = $5 {pg:FOR SHARE})
+              WHERE l.lane = $1 AND l.owner = $3 AND l.generation = $4 {pg:FOR SHARE})
 
 -- name: delete_delivered
 -- mark_delivered's delete-on-delivery twin, fenced the same way.
 DELETE FROM outbox WHERE lane = $1 AND state = 'pending' AND id {ids $2}
   AND EXISTS (SELECT 1 FROM relay_lanes l
-              WHERE l.lane = $1 AND l.owner = $4 AND l.generation = $5 {pg:FOR SHARE})
+              WHERE l.lane = $1 AND l.owner = $3 AND l.generation = $4 {pg:FOR SHARE})
 
 -- name: mark_dead
 -- A row a ledger range covers was delivered (WAL capture beside this relay

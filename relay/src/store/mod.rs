@@ -253,15 +253,14 @@ impl RelayStore {
             return Ok(0);
         }
         let marked = on_pool!(self.db(), QUERIES, |p, q| {
-            sqlx::query(if delete { q.delete_delivered } else { q.mark_delivered })
+            let fenced = sqlx::query(if delete { q.delete_delivered } else { q.mark_delivered })
                 .bind(lane.lane)
                 .bind(ferry::store::Ids(ids))
-                .bind(self.now())
                 .bind(owner)
-                .bind(lane.generation)
-                .execute(p)
-                .await?
-                .rows_affected()
+                .bind(lane.generation);
+            // Only a mark stamps the instant ($5); a delete has none.
+            let fenced = if delete { fenced } else { fenced.bind(self.now()) };
+            fenced.execute(p).await?.rows_affected()
         });
         if marked < ids.len() as u64 {
             let mut conn = self.db().acquire().await?;

@@ -768,6 +768,35 @@ async fn a_late_commit_keeps_its_place_before_the_same_key_s_next_row(capture: C
     assert_eq!(order.len(), want.len());
 }
 
+/// `--delete-on-delivery`: every row reaches Kafka and its outbox row is
+/// deleted instead of marked (the backlog and the rows written while the
+/// relay runs), and nothing is left pending.
+async fn delete_on_delivery_deletes_every_published_row(capture: Capture) {
+    const EMPTY: &str = "SELECT (count(*) = 0)::int::bigint FROM outbox";
+    let broker = Kafka::start();
+    broker.create_topic("orders", 4);
+    let (ferry, url) = pg_ferry().await;
+    write_orders(&ferry, 100, 10).await;
+    let ids: HashSet<i64> = sqlx::query_scalar("SELECT id FROM outbox")
+        .fetch_all(ferry.db().as_postgres().unwrap())
+        .await
+        .unwrap()
+        .into_iter()
+        .collect();
+    let (mut cfg, guard) = config_for(capture, &url, &broker.brokers()).await;
+    cfg.delete_on_delivery = true;
+    let relay = guard.start(cfg, ferry.clone()).await;
+    wait_for_count(&ferry, EMPTY, 1, Duration::from_secs(60)).await;
+    write_orders(&ferry, 100, 10).await;
+    let c = consumer(&broker.brokers(), &["orders"]);
+    let recs = read_until(&c, Duration::from_secs(60), |r| distinct(r) >= 200).await;
+    wait_for_count(&ferry, EMPTY, 1, Duration::from_secs(60)).await;
+    relay.shutdown().await;
+    let published: HashSet<i64> = recs.iter().map(Record::outbox_id).collect();
+    assert_eq!(published.len(), 200, "every row published");
+    assert!(ids.is_subset(&published), "the backlog published");
+}
+
 in_every_capture_mode!(
     same_key_rows_arrive_in_id_order_with_concurrent_writers_and_two_relays,
     a_sigkilled_relay_loses_nothing,
@@ -775,6 +804,7 @@ in_every_capture_mode!(
 );
 in_both_capture_modes!(
     end_to_end_every_row_once_with_the_right_partition,
+    delete_on_delivery_deletes_every_published_row,
     a_broker_outage_drains_after_restart,
     sigterm_marks_everything_acknowledged_within_the_grace,
     a_fatal_producer_error_fails_readiness_and_exits_to_be_restarted,

@@ -13,20 +13,54 @@ use rdkafka::ClientConfig;
 use tokio_util::sync::CancellationToken;
 
 pub async fn pg_ferry() -> (Ferry, String) {
-    // The in-process relay's logs go to the test's captured output, which
-    // the harness shows when the test fails (`ferry_relay=info` unless
-    // FERRY_TEST_RELAY_LOG names another filter).
-    let filter = std::env::var("FERRY_TEST_RELAY_LOG").unwrap_or_else(|_| "ferry_relay=info".into());
-    let _ = tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::new(filter))
-        .with_ansi(false)
-        .with_test_writer()
-        .try_init();
+    tracing_layers();
     let url = ferry_testkit::fresh_database_url(Engine::Postgres)
         .await
         .unwrap_or_else(|e| panic!("{e}"));
     let ferry = Ferry::builder(&url).migrate(true).connect().await.unwrap();
     (ferry, url)
+}
+
+/// The test binary's span exporter and its tracer, for the trace test
+/// (see [`tracing_layers`]).
+pub struct Tracing {
+    pub spans: opentelemetry_sdk::trace::InMemorySpanExporter,
+    pub tracer: opentelemetry_sdk::trace::SdkTracerProvider,
+}
+
+/// Whether the OpenTelemetry layer records spans: off until the trace test
+/// turns it on (see [`tracing_layers`]).
+pub static TRACE_ON: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// The test binary's one global subscriber, made once: the in-process
+/// relay's logs go to the running test's captured output, which the harness
+/// shows when the test fails (`ferry_relay=info` unless
+/// FERRY_TEST_RELAY_LOG names another filter), and an OpenTelemetry layer
+/// into an in-memory exporter records spans while [`TRACE_ON`] is set.
+pub fn tracing_layers() -> &'static Tracing {
+    use opentelemetry::trace::TracerProvider as _;
+    use tracing_subscriber::layer::SubscriberExt;
+    use tracing_subscriber::Layer;
+    static TRACING: std::sync::OnceLock<Tracing> = std::sync::OnceLock::new();
+    TRACING.get_or_init(|| {
+        let spans = opentelemetry_sdk::trace::InMemorySpanExporter::default();
+        let tracer = opentelemetry_sdk::trace::SdkTracerProvider::builder()
+            .with_simple_exporter(spans.clone())
+            .build();
+        let traces = tracing_opentelemetry::layer()
+            .with_tracer(tracer.tracer("ferry-test"))
+            .with_filter(tracing_subscriber::filter::filter_fn(|_| {
+                TRACE_ON.load(std::sync::atomic::Ordering::Relaxed)
+            }));
+        let filter = std::env::var("FERRY_TEST_RELAY_LOG").unwrap_or_else(|_| "ferry_relay=info".into());
+        let logs = tracing_subscriber::fmt::layer()
+            .with_ansi(false)
+            .with_test_writer()
+            .with_filter(tracing_subscriber::EnvFilter::new(filter));
+        tracing::subscriber::set_global_default(tracing_subscriber::registry().with(traces).with(logs))
+            .expect("the test binary's subscriber is made once, here");
+        Tracing { spans, tracer }
+    })
 }
 
 /// A polling relay, for the tests about polled lanes only (the

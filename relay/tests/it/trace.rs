@@ -11,13 +11,12 @@ use ferry_consumer::{Consumer, Handler, HandlerError, Record};
 use ferry_relay::Capture;
 use ferry_testkit::Kafka;
 use futures::future::BoxFuture;
-use opentelemetry::trace::{TraceContextExt, TracerProvider as _};
+use opentelemetry::trace::TraceContextExt;
 use opentelemetry_sdk::metrics::{InMemoryMetricExporter, SdkMeterProvider};
 use opentelemetry_sdk::trace::{InMemorySpanExporter, SdkTracerProvider};
 use serde_json::json;
 use tracing::Instrument;
 use tracing_opentelemetry::OpenTelemetrySpanExt;
-use tracing_subscriber::layer::SubscriberExt;
 
 use crate::support::*;
 
@@ -31,11 +30,9 @@ struct Exporters {
 fn exporters() -> &'static Exporters {
     static CELL: OnceLock<Exporters> = OnceLock::new();
     CELL.get_or_init(|| {
-        let spans = InMemorySpanExporter::default();
-        let tracer = SdkTracerProvider::builder().with_simple_exporter(spans.clone()).build();
-        let subscriber = tracing_subscriber::registry()
-            .with(tracing_opentelemetry::layer().with_tracer(tracer.tracer("ferry-test")));
-        tracing::subscriber::set_global_default(subscriber).expect("the trace test owns the global subscriber");
+        let Tracing { spans, tracer } = tracing_layers();
+        TRACE_ON.store(true, std::sync::atomic::Ordering::Relaxed);
+        let (spans, tracer) = (spans.clone(), tracer.clone());
         let metrics = InMemoryMetricExporter::default();
         let meters = SdkMeterProvider::builder()
             .with_periodic_exporter(metrics.clone())
