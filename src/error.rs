@@ -52,8 +52,8 @@ pub enum Error {
         /// The generation the caller held.
         generation: i64,
     },
-    /// A relay's lane lease is gone (expired or taken over): it may not mark
-    /// the lane's rows.
+    /// A relay's lane lease is gone (taken over by another relay at a newer
+    /// generation, or released): it may not mark the lane's rows.
     #[error("lane {lane} lease lost (generation {generation})")]
     LostLane {
         /// The lane.

@@ -30,8 +30,10 @@ WHERE n.nspname = $1 AND c.relname = $2 AND a.attnum > 0 AND NOT a.attisdropped
 -- Whether publication $1 exists, and whether it publishes the inserts of table
 -- $3 in schema $2 (NULL: this schema's; Ferry's own is outbox), with row
 -- filter $4 (NULL: none) when $5 (`rowfilter`, PostgreSQL 15+, read through
--- to_jsonb so the query prepares on every version).
+-- to_jsonb so the query prepares on every version); and its oid (a
+-- publication dropped and made again has a new one).
 SELECT EXISTS (SELECT 1 FROM pg_publication WHERE pubname = $1) AS found,
+       (SELECT oid::bigint FROM pg_publication WHERE pubname = $1) AS oid,
        EXISTS (SELECT 1 FROM pg_publication p
                JOIN pg_publication_tables t ON t.pubname = p.pubname
                WHERE p.pubname = $1 AND p.pubinsert

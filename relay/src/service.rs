@@ -298,6 +298,8 @@ impl Relay {
                 .or_else(|| lone.fatal_error())
                 .or_else(|| state.stream_producers.fatal_error())
         };
+        // When the lanes were last renewed (a tick that reached the database).
+        let mut renewed_at: Option<tokio::time::Instant> = None;
         let mut fatal_check = tokio::time::interval(FATAL_CHECK_EVERY);
         fatal_check.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
         loop {
@@ -337,6 +339,13 @@ impl Relay {
                             continue;
                         }
                     };
+                    // Leases kept after longer than the lease without a
+                    // renewal: they lapsed, and no other relay took them.
+                    let since = renewed_at.replace(tokio::time::Instant::now()).map(|t| t.elapsed());
+                    if let Some(since) = since.filter(|s| *s > cfg.lease && !plan.kept.is_empty()) {
+                        state.metrics.lease_lapses.inc();
+                        tracing::warn!(?since, lease = ?cfg.lease, lanes = plan.kept.len(), "the lane leases lapsed before this renewal (starved, or the database unreachable); no other relay took them, so they are kept");
+                    }
                     state.ready.store(true, Ordering::Relaxed);
                     for lost in plan.lost {
                         if let Some(t) = held.remove(&lost.lane) {

@@ -24,8 +24,8 @@ pub struct LanePlan {
     /// Lanes to give back (held beyond the fair share).
     pub surplus: Vec<LaneLease>,
     /// Lanes the database says this relay holds that it has no task for (a
-    /// restart with the same `--relay-id` inside the lease, a lost acquire
-    /// reply, a failed release). They are released at once, so they are
+    /// restart with the same `--relay-id` before another relay took them, a
+    /// lost acquire reply, a failed release). They are released at once, so they are
     /// taken again at a new generation, by this relay or another, and
     /// published; renewing them without publishing would strand their rows.
     pub orphans: Vec<LaneLease>,

@@ -80,8 +80,12 @@ pub struct Metrics {
     pub oldest_pending_age: Gauge<f64, std::sync::atomic::AtomicU64>,
     /// Lanes this relay holds.
     pub lanes_owned: Gauge,
-    /// Lane leases lost.
+    /// Lane leases lost (taken over by another relay).
     pub lease_losses: Counter,
+    /// Renewals that found this relay's leases had lapsed (no renewal for
+    /// longer than the lease) and kept them, no other relay having taken
+    /// the lanes: a relay starved of CPU or cut off from the database.
+    pub lease_lapses: Counter,
     /// Lanes whose exactly-once takeover (fencing, reading and marking the
     /// last progress record) has not finished: nothing of them is published
     /// meanwhile.
@@ -140,6 +144,7 @@ impl Metrics {
             oldest_pending_age: Gauge::default(),
             lanes_owned: Gauge::default(),
             lease_losses: Counter::default(),
+            lease_lapses: Counter::default(),
             lanes_taking_over: Gauge::default(),
             takeover_waits: Counter::default(),
             producer_fatal: Counter::default(),
@@ -187,7 +192,16 @@ impl Metrics {
             m.oldest_pending_age.clone(),
         );
         registry.register("lanes_owned", "Lanes this relay holds", m.lanes_owned.clone());
-        registry.register("lease_losses", "Lane leases lost", m.lease_losses.clone());
+        registry.register(
+            "lease_losses",
+            "Lane leases lost to another relay",
+            m.lease_losses.clone(),
+        );
+        registry.register(
+            "lease_lapses",
+            "Renewals that found the lane leases lapsed and kept them (no other relay took the lanes)",
+            m.lease_lapses.clone(),
+        );
         registry.register(
             "lanes_taking_over",
             "Lanes whose exactly-once takeover has not finished",
@@ -329,6 +343,7 @@ impl Otel {
             ("ferry_relay_published", m.published.clone()),
             ("ferry_relay_dead", m.dead.clone()),
             ("ferry_relay_lease_losses", m.lease_losses.clone()),
+            ("ferry_relay_lease_lapses", m.lease_lapses.clone()),
             ("ferry_relay_takeover_waits", m.takeover_waits.clone()),
             ("ferry_relay_producer_fatal", m.producer_fatal.clone()),
         ] {

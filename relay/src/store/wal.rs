@@ -152,6 +152,18 @@ pub struct LayoutSlot {
     pub active: bool,
 }
 
+/// A publication as [`RelayStore::wal_publication`] finds it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, sqlx::FromRow)]
+pub struct WalPublication {
+    /// It exists.
+    pub found: bool,
+    /// Its oid: a publication dropped and made again has a new one.
+    pub oid: Option<i64>,
+    /// It publishes the table's inserts (with the stream's row filter).
+    #[sqlx(rename = "covers_outbox")]
+    pub covers: bool,
+}
+
 /// The table read a slot still needs ([`RelayStore::wal_catch_up`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct CatchUp {
@@ -221,7 +233,7 @@ impl RelayStore {
         publication: &str,
         table: &PublishedTable,
         filter: Option<Option<String>>,
-    ) -> Result<(bool, bool)> {
+    ) -> Result<WalPublication> {
         bounded(async move {
             Ok(sqlx::query_as(Q.wal_publication)
                 .bind(publication)

@@ -408,6 +408,7 @@ pub(crate) async fn run(
         database_id,
         capture,
         streamed: std::sync::atomic::AtomicBool::new(false),
+        publication_oid: std::sync::Mutex::new(None),
         share,
     };
     let mut backoff = crate::lane::retry_backoff();
@@ -524,6 +525,10 @@ pub(super) struct Ctx {
     /// A session of this process has streamed from the slot: a slot
     /// missing since was dropped, not yet made.
     pub streamed: std::sync::atomic::AtomicBool,
+    /// The publication's oid when this process's last session of the
+    /// stream was prepared (`None` before the first; the inner `None`: it
+    /// did not exist): one made again since means the slot is made anew.
+    pub publication_oid: std::sync::Mutex<Option<Option<i64>>>,
     /// This relay's share of the group's streams (`--streams`).
     pub share: Arc<streams::Share>,
 }

@@ -200,10 +200,11 @@ async fn prepare(ctx: &Ctx, reseed: &mut bool, finish: &CancellationToken) -> Re
     super::streams::retire_other_layouts(ctx).await?;
     let table = ctx.capture.table();
     let filter = ctx.capture.row_filter();
-    let (found, covers) = store
+    let found_as = store
         .wal_publication(publication, &table, filter.clone())
         .await
         .map_err(db)?;
+    let (found, covers) = (found_as.found, found_as.covers);
     let mut existing = store.wal_slot(slot).await.map_err(db)?;
     // A Debezium-layout table is never read, so its slot is never dropped
     // or made anew behind an operator's back: each would skip rows.
@@ -241,10 +242,32 @@ async fn prepare(ctx: &Ctx, reseed: &mut bool, finish: &CancellationToken) -> Re
             .add_table_to_wal_publication(publication, &table, ctx.capture.stream)
             .await
             .map_err(db)?;
-        if !store.wal_publication(publication, &table, filter).await.map_err(db)?.1 {
+        if !store
+            .wal_publication(publication, &table, filter.clone())
+            .await
+            .map_err(db)?
+            .covers
+        {
             tracing::error!(%publication, "the publication does not publish this schema's outbox inserts, even with outbox added (publish = 'insert' is off?)");
             return Err(Ended::Retry("publication_mismatch"));
         }
+    }
+    // A publication made again since this process's sessions streamed with
+    // it (dropped and created, by an operator or by `!found` above):
+    // pgoutput may go on deciding from the old one's membership, cached,
+    // for rows of transactions that straddled the change, and skip them
+    // without an error (minor releases before PostgreSQL's 2025 fix that
+    // hands catalog invalidations to transactions in progress). The slot is
+    // made anew and the table read once, as for a missing publication.
+    let now_as = store.wal_publication(publication, &table, filter).await.map_err(db)?;
+    let before = ctx
+        .publication_oid
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .replace(now_as.oid);
+    if !debezium && matches!(before, Some(b) if b != now_as.oid) && existing.is_some() {
+        tracing::warn!(%publication, %slot, "the publication was made again since this relay streamed with it; making the slot anew (the table is read once)");
+        *reseed = true;
     }
     if let Some(s) = existing {
         if !s.usable {
@@ -593,8 +616,9 @@ pub const CONNECT_BOUND: Duration = Duration::from_secs(30);
 /// would carry none of the new table's rows, with no error.
 pub const PUBLICATION_CHECK: Duration = Duration::from_secs(5);
 
-/// `Some` when the publication no longer publishes this schema's outbox:
-/// the session ends and the next one's `prepare` repairs it. A failed
+/// `Some` when the publication no longer publishes this schema's outbox,
+/// or was made again: the session ends and the next one's `prepare`
+/// repairs it. A failed
 /// check is logged and tried again at the next one (the stream goes on);
 /// one unanswered for [`PING_WAIT`] ends the session as the database's
 /// (the stream waits for it meanwhile).
@@ -608,11 +632,19 @@ async fn publication_lost(ctx: &Ctx) -> Option<Ended> {
     )
     .await
     {
-        Ok(Ok((true, true))) => None,
-        Ok(Ok((found, _))) => {
-            tracing::warn!(publication = %ctx.capture.publication, found, "the publication no longer publishes this schema's outbox; ending the session");
+        Ok(Ok(p)) if !p.found || !p.covers => {
+            tracing::warn!(publication = %ctx.capture.publication, found = p.found, "the publication no longer publishes this schema's outbox; ending the session");
             Some(Ended::Retry("publication_lost"))
         }
+        // Made again (a new oid): see `prepare`, which makes the slot anew.
+        Ok(Ok(p))
+            if ctx.capture.router.is_none()
+                && *ctx.publication_oid.lock().unwrap_or_else(|e| e.into_inner()) != Some(p.oid) =>
+        {
+            tracing::warn!(publication = %ctx.capture.publication, "the publication was made again while streaming; ending the session");
+            Some(Ended::Retry("publication_made_again"))
+        }
+        Ok(Ok(_)) => None,
         Ok(Err(e)) => {
             tracing::warn!(error = %e, "checking the publication failed; checking again later");
             None

@@ -380,8 +380,11 @@ async fn a_broker_crash_mid_stream_loses_nothing_and_keeps_first_occurrences_in_
     first_occurrences(&recs);
 }
 
-/// Poll capture only: lane leases and their generations are what polled
-/// lanes are fenced by (WAL capture holds no lanes; its fence is the slot,
+/// A lane is lost when another relay takes it, not when its lease lapses:
+/// a lapsed lease nobody took is renewed and marks; once another relay
+/// took the lane, the first can neither mark, delete, mark dead, release
+/// nor renew it. Poll capture only: lane leases and their generations are
+/// what polled lanes are fenced by (WAL capture holds no lanes; its fence is the slot,
 /// `capture::wal_a_sigkilled_relay_loses_nothing_and_its_standby_takes_over`).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_relay_that_lost_its_lane_cannot_mark() {
@@ -407,7 +410,6 @@ async fn a_relay_that_lost_its_lane_cannot_mark() {
         .await
         .unwrap();
     assert_eq!(batch.len(), 5);
-    // A pauses past its lease; B takes the lane at a higher generation.
     assert!(
         ferry_relay::store::RelayStore::new(ferry.clone())
             .acquire_lanes("relay-b", lease, 64)
@@ -416,6 +418,28 @@ async fn a_relay_that_lost_its_lane_cannot_mark() {
             .is_empty(),
         "live leases are not taken"
     );
+    // A's lease lapses while no relay takes the lane (A starved, or cut off
+    // from the database): renewed late, the lane is still A's at its
+    // generation, and A's marks are taken.
+    clock.advance(lease + Duration::from_millis(1)).unwrap();
+    let renewed = ferry_relay::store::RelayStore::new(ferry.clone())
+        .renew_lanes("relay-a", lease)
+        .await
+        .unwrap();
+    assert!(
+        renewed.contains(&a),
+        "a lapsed lease nobody took is renewed at its generation"
+    );
+    assert_eq!(
+        ferry_relay::store::RelayStore::new(ferry.clone())
+            .mark_delivered("relay-a", a, &[batch[0].id], false)
+            .await
+            .unwrap(),
+        1,
+        "a lapsed lease nobody took still marks"
+    );
+    let batch = &batch[1..];
+    // A pauses past its lease again; B takes the lane at a higher generation.
     clock.advance(lease + Duration::from_millis(1)).unwrap();
     let held_b = ferry_relay::store::RelayStore::new(ferry.clone())
         .acquire_lanes("relay-b", lease, 64)
@@ -424,11 +448,13 @@ async fn a_relay_that_lost_its_lane_cannot_mark() {
     let b = *held_b.iter().find(|l| l.lane == lane).unwrap();
     assert!(b.generation > a.generation);
     let ids: Vec<i64> = batch.iter().map(|r| r.id).collect();
-    let err = ferry_relay::store::RelayStore::new(ferry.clone())
-        .mark_delivered("relay-a", a, &ids, false)
-        .await
-        .unwrap_err();
-    assert_eq!(err.code(), "lost_lease");
+    for delete in [false, true] {
+        let err = ferry_relay::store::RelayStore::new(ferry.clone())
+            .mark_delivered("relay-a", a, &ids, delete)
+            .await
+            .unwrap_err();
+        assert_eq!(err.code(), "lost_lease", "delete on delivery: {delete}");
+    }
     assert_eq!(
         ferry_relay::store::RelayStore::new(ferry.clone())
             .mark_dead("relay-a", a, ids[0], "x")
@@ -457,15 +483,15 @@ async fn a_relay_that_lost_its_lane_cannot_mark() {
             .await
             .unwrap()
             .pending,
-        5,
-        "A changed nothing"
+        4,
+        "A changed nothing after B took the lane"
     );
     assert_eq!(
         ferry_relay::store::RelayStore::new(ferry.clone())
             .mark_delivered("relay-b", b, &ids, false)
             .await
             .unwrap(),
-        5
+        4
     );
 }
 

@@ -49,9 +49,17 @@ pub fn tracing_layers() -> &'static Tracing {
             .build();
         let traces = tracing_opentelemetry::layer()
             .with_tracer(tracer.tracer("ferry-test"))
-            .with_filter(tracing_subscriber::filter::filter_fn(|_| {
-                TRACE_ON.load(std::sync::atomic::Ordering::Relaxed)
-            }));
+            .with_filter(
+                // Asked at every span, never cached per callsite (a plain
+                // `filter_fn` is: a span first met by another test before
+                // the trace test turned this on would stay off). Info and
+                // above: the spans the trace test follows, and no debug
+                // callsite of any dependency made live by this layer.
+                tracing_subscriber::filter::dynamic_filter_fn(|m, _| {
+                    *m.level() <= tracing::Level::INFO && TRACE_ON.load(std::sync::atomic::Ordering::Relaxed)
+                })
+                .with_max_level_hint(tracing::level_filters::LevelFilter::INFO),
+            );
         let filter = std::env::var("FERRY_TEST_RELAY_LOG").unwrap_or_else(|_| "ferry_relay=info".into());
         let logs = tracing_subscriber::fmt::layer()
             .with_ansi(false)
@@ -202,6 +210,7 @@ pub struct RunningRelay {
 }
 
 pub async fn start_relay(cfg: RelayConfig, ferry: Ferry) -> RunningRelay {
+    tracing_layers();
     let relay = Relay::new(cfg, ferry).unwrap();
     let state = relay.state();
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
