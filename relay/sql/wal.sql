@@ -157,6 +157,10 @@ WHERE slot = $1 AND generation = $2
 -- never recorded the bound (`wal_slot_unbound`).
 SELECT caught_up, catch_up_through, generation FROM relay_wal_slots WHERE slot = $1
 
+-- name: wal_slot_generation [postgres only]
+-- How many times slot $1 was made (by any relay of the group); no row: none.
+SELECT generation FROM relay_wal_slots WHERE slot = $1
+
 -- name: wal_slot_marked [postgres only]
 -- The end of the last streamed transaction of slot $1 marked delivered with
 -- every one before it (0: none yet, or a slot this relay did not create),

@@ -411,6 +411,18 @@ impl RelayStore {
         .await
     }
 
+    /// How many times slot `slot` was made by this relay group (each making
+    /// raises it); `None` before the first.
+    pub async fn wal_slot_generation(&self, slot: &str) -> Result<Option<i64>> {
+        bounded(async move {
+            Ok(sqlx::query_scalar(Q.wal_slot_generation)
+                .bind(slot)
+                .fetch_optional(self.pg()?)
+                .await?)
+        })
+        .await
+    }
+
     /// Slot `slot`, if it exists.
     pub async fn wal_slot(&self, slot: &str) -> Result<Option<SlotState>> {
         bounded(async move { Ok(sqlx::query_as(Q.wal_slot).bind(slot).fetch_optional(self.pg()?).await?) }).await

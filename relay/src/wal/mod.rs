@@ -514,6 +514,15 @@ fn now_us() -> i64 {
         .unwrap_or(0)
 }
 
+/// What a session's `prepare` saw (see [`Ctx::publication_oid`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct Seen {
+    /// The publication's oid (`None`: it did not exist).
+    pub oid: Option<i64>,
+    /// The slot's generation in `relay_wal_slots` (`None`: never made).
+    pub slot_made: Option<i64>,
+}
+
 /// What a session works with (its tasks and its exactly-once pipeline
 /// read it).
 pub(super) struct Ctx {
@@ -525,10 +534,11 @@ pub(super) struct Ctx {
     /// A session of this process has streamed from the slot: a slot
     /// missing since was dropped, not yet made.
     pub streamed: std::sync::atomic::AtomicBool,
-    /// The publication's oid when this process's last session of the
-    /// stream was prepared (`None` before the first; the inner `None`: it
-    /// did not exist): one made again since means the slot is made anew.
-    pub publication_oid: std::sync::Mutex<Option<Option<i64>>>,
+    /// The publication's oid and the slot's making when this process last
+    /// prepared a session of the stream (`None` before the first): a
+    /// publication made again since, with the slot not made anew since,
+    /// means the slot is made anew.
+    pub publication_oid: std::sync::Mutex<Option<Seen>>,
     /// This relay's share of the group's streams (`--streams`).
     pub share: Arc<streams::Share>,
 }

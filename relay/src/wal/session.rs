@@ -191,6 +191,31 @@ pub(super) async fn run(ctx: &Ctx, iso: &mut Isolation, reseed: &mut bool, finis
 /// a reseed that meets the slot still in use waits for it, and one that
 /// another relay already carried out is not done twice.
 async fn prepare(ctx: &Ctx, reseed: &mut bool, finish: &CancellationToken) -> Result<(), Ended> {
+    prepare_slot(ctx, reseed, finish).await?;
+    // What the next `prepare` compares with, once the slot is there (made
+    // by this one or before).
+    let now = seen(ctx).await.map_err(|e| {
+        tracing::warn!(error = %e, code = e.code(), "reading the publication and the slot failed");
+        Ended::Retry("database")
+    })?;
+    *ctx.publication_oid.lock().unwrap_or_else(|e| e.into_inner()) = Some(now);
+    Ok(())
+}
+
+/// The publication's oid and the slot's making, now.
+async fn seen(ctx: &Ctx) -> ferry::Result<super::Seen> {
+    let store = &ctx.state.store;
+    let p = store
+        .wal_publication(&ctx.capture.publication, &ctx.capture.table(), ctx.capture.row_filter())
+        .await?;
+    Ok(super::Seen {
+        oid: p.oid,
+        slot_made: store.wal_slot_generation(&ctx.capture.slot).await?,
+    })
+}
+
+/// [`prepare`]'s work: the publication and the slot.
+async fn prepare_slot(ctx: &Ctx, reseed: &mut bool, finish: &CancellationToken) -> Result<(), Ended> {
     let store = &ctx.state.store;
     let (slot, publication) = (&ctx.capture.slot, &ctx.capture.publication);
     let db = |e: ferry::Error| {
@@ -243,7 +268,7 @@ async fn prepare(ctx: &Ctx, reseed: &mut bool, finish: &CancellationToken) -> Re
             .await
             .map_err(db)?;
         if !store
-            .wal_publication(publication, &table, filter.clone())
+            .wal_publication(publication, &table, filter)
             .await
             .map_err(db)?
             .covers
@@ -258,14 +283,13 @@ async fn prepare(ctx: &Ctx, reseed: &mut bool, finish: &CancellationToken) -> Re
     // for rows of transactions that straddled the change, and skip them
     // without an error (minor releases before PostgreSQL's 2025 fix that
     // hands catalog invalidations to transactions in progress). The slot is
-    // made anew and the table read once, as for a missing publication.
-    let now_as = store.wal_publication(publication, &table, filter).await.map_err(db)?;
-    let before = ctx
-        .publication_oid
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .replace(now_as.oid);
-    if !debezium && matches!(before, Some(b) if b != now_as.oid) && existing.is_some() {
+    // made anew and the table read once, as for a missing publication;
+    // unless the slot was made again since this relay saw the old
+    // publication (another relay of the group, or this one, did it).
+    let seen = seen(ctx).await.map_err(db)?;
+    let before = *ctx.publication_oid.lock().unwrap_or_else(|e| e.into_inner());
+    let made_again = before.is_some_and(|b| b.oid != seen.oid && b.slot_made == seen.slot_made);
+    if !debezium && made_again && existing.is_some() {
         tracing::warn!(%publication, %slot, "the publication was made again since this relay streamed with it; making the slot anew (the table is read once)");
         *reseed = true;
     }
@@ -639,7 +663,12 @@ async fn publication_lost(ctx: &Ctx) -> Option<Ended> {
         // Made again (a new oid): see `prepare`, which makes the slot anew.
         Ok(Ok(p))
             if ctx.capture.router.is_none()
-                && *ctx.publication_oid.lock().unwrap_or_else(|e| e.into_inner()) != Some(p.oid) =>
+                && ctx
+                    .publication_oid
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .map(|s| s.oid)
+                    != Some(p.oid) =>
         {
             tracing::warn!(publication = %ctx.capture.publication, "the publication was made again while streaming; ending the session");
             Some(Ended::Retry("publication_made_again"))

@@ -426,13 +426,13 @@ async fn wal_an_immediate_postgres_restart_while_streaming_loses_nothing() {
 /// the library after the change included) and loses nothing, within a
 /// bound: a silent stall fails the test.
 async fn a_schema_change_while_streaming_loses_nothing(change: &str) {
-    a_schema_change_while_streaming_ends(change, None).await
+    a_schema_change_while_streaming(change, false).await
 }
 
 /// [`a_schema_change_while_streaming_loses_nothing`], waiting after the
-/// change for the relay to end its session with `ended` (the change's
-/// repair, which must come whatever the timing).
-async fn a_schema_change_while_streaming_ends(change: &str, ended: Option<&str>) {
+/// change, when `remade`, for the relay to make the slot anew (the
+/// change's repair, which must come whatever the timing).
+async fn a_schema_change_while_streaming(change: &str, remade: bool) {
     let broker = Kafka::start();
     broker.create_topic("orders", 4);
     let (ferry, url) = pg_ferry().await;
@@ -444,24 +444,14 @@ async fn a_schema_change_while_streaming_ends(change: &str, ended: Option<&str>)
         tokio::spawn(async move { enqueue(&ferry, 0, 1000).await })
     };
     wait_for_count(&ferry, &DELIVERED, 200, Duration::from_secs(60)).await;
+    let made = &format!("SELECT generation FROM relay_wal_slots WHERE slot = '{}'", slot.name);
+    let before = scalar(&ferry, made).await;
     sqlx::raw_sql(&change.replace("{publication}", &slot.name))
         .execute(&pool)
         .await
         .unwrap();
-    if let Some(code) = ended {
-        let ends = relay
-            .state
-            .metrics
-            .wal_sessions_ended
-            .get_or_create(&ferry_relay::metrics::CodeLabel { code: code.into() });
-        let deadline = std::time::Instant::now() + Duration::from_secs(60);
-        while ends.get() == 0 {
-            assert!(
-                std::time::Instant::now() < deadline,
-                "the relay never ended its session with {code}"
-            );
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
+    if remade {
+        wait_for_relay_count(&ferry, &relay, made, before + 1, Duration::from_secs(60)).await;
     }
     writer.await.unwrap();
     enqueue(&ferry, 1000, 1001).await;
@@ -501,9 +491,9 @@ async fn wal_the_table_rewritten_while_streaming_loses_nothing() {
 /// the table read publishes what the old stream left.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn wal_the_publication_made_again_while_streaming_loses_nothing() {
-    a_schema_change_while_streaming_ends(
+    a_schema_change_while_streaming(
         "DROP PUBLICATION {publication}; CREATE PUBLICATION {publication} FOR TABLE outbox WITH (publish = 'insert')",
-        Some("publication_made_again"),
+        true,
     )
     .await;
 }
