@@ -408,7 +408,7 @@ pub(crate) async fn run(
         database_id,
         capture,
         streamed: std::sync::atomic::AtomicBool::new(false),
-        publication_oid: std::sync::Mutex::new(None),
+        publication_seen: std::sync::Mutex::new(None),
         share,
     };
     let mut backoff = crate::lane::retry_backoff();
@@ -514,7 +514,7 @@ fn now_us() -> i64 {
         .unwrap_or(0)
 }
 
-/// What a session's `prepare` saw (see [`Ctx::publication_oid`]).
+/// What a session's `prepare` saw (see [`Ctx::publication_seen`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) struct Seen {
     /// The publication's oid (`None`: it did not exist).
@@ -538,7 +538,7 @@ pub(super) struct Ctx {
     /// prepared a session of the stream (`None` before the first): a
     /// publication made again since, with the slot not made anew since,
     /// means the slot is made anew.
-    pub publication_oid: std::sync::Mutex<Option<Seen>>,
+    pub publication_seen: std::sync::Mutex<Option<Seen>>,
     /// This relay's share of the group's streams (`--streams`).
     pub share: Arc<streams::Share>,
 }

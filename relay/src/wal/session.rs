@@ -198,7 +198,7 @@ async fn prepare(ctx: &Ctx, reseed: &mut bool, finish: &CancellationToken) -> Re
         tracing::warn!(error = %e, code = e.code(), "reading the publication and the slot failed");
         Ended::Retry("database")
     })?;
-    *ctx.publication_oid.lock().unwrap_or_else(|e| e.into_inner()) = Some(now);
+    *ctx.publication_seen.lock().unwrap_or_else(|e| e.into_inner()) = Some(now);
     Ok(())
 }
 
@@ -287,7 +287,7 @@ async fn prepare_slot(ctx: &Ctx, reseed: &mut bool, finish: &CancellationToken) 
     // unless the slot was made again since this relay saw the old
     // publication (another relay of the group, or this one, did it).
     let seen = seen(ctx).await.map_err(db)?;
-    let before = *ctx.publication_oid.lock().unwrap_or_else(|e| e.into_inner());
+    let before = *ctx.publication_seen.lock().unwrap_or_else(|e| e.into_inner());
     let made_again = before.is_some_and(|b| b.oid != seen.oid && b.slot_made == seen.slot_made);
     if !debezium && made_again && existing.is_some() {
         tracing::warn!(%publication, %slot, "the publication was made again since this relay streamed with it; making the slot anew (the table is read once)");
@@ -664,7 +664,7 @@ async fn publication_lost(ctx: &Ctx) -> Option<Ended> {
         Ok(Ok(p))
             if ctx.capture.router.is_none()
                 && ctx
-                    .publication_oid
+                    .publication_seen
                     .lock()
                     .unwrap_or_else(|e| e.into_inner())
                     .map(|s| s.oid)
