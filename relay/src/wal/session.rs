@@ -191,14 +191,24 @@ pub(super) async fn run(ctx: &Ctx, iso: &mut Isolation, reseed: &mut bool, finis
 /// a reseed that meets the slot still in use waits for it, and one that
 /// another relay already carried out is not done twice.
 async fn prepare(ctx: &Ctx, reseed: &mut bool, finish: &CancellationToken) -> Result<(), Ended> {
-    prepare_slot(ctx, reseed, finish).await?;
-    // What the next `prepare` compares with, once the slot is there (made
-    // by this one or before).
-    let now = seen(ctx).await.map_err(|e| {
-        tracing::warn!(error = %e, code = e.code(), "reading the publication and the slot failed");
-        Ended::Retry("database")
-    })?;
-    *ctx.publication_seen.lock().unwrap_or_else(|e| e.into_inner()) = Some(now);
+    let mut checked = None;
+    prepare_slot(ctx, reseed, finish, &mut checked).await?;
+    // What the next `prepare` and the stream's checks compare with: the
+    // oid the reseed decision was taken on (a publication made again
+    // after it differs, so it is caught), and the slot's making now that
+    // the slot is there (made by this `prepare` or before).
+    let slot_made = ctx
+        .state
+        .store
+        .wal_slot_generation(&ctx.capture.slot)
+        .await
+        .map_err(|e| {
+            tracing::warn!(error = %e, code = e.code(), "reading the slot's making failed");
+            Ended::Retry("database")
+        })?;
+    if let Some(oid) = checked {
+        *ctx.publication_seen.lock().unwrap_or_else(|e| e.into_inner()) = Some(super::Seen { oid, slot_made });
+    }
     Ok(())
 }
 
@@ -214,8 +224,14 @@ async fn seen(ctx: &Ctx) -> ferry::Result<super::Seen> {
     })
 }
 
-/// [`prepare`]'s work: the publication and the slot.
-async fn prepare_slot(ctx: &Ctx, reseed: &mut bool, finish: &CancellationToken) -> Result<(), Ended> {
+/// [`prepare`]'s work: the publication and the slot; `checked` gets the
+/// publication's oid the reseed decision was taken on.
+async fn prepare_slot(
+    ctx: &Ctx,
+    reseed: &mut bool,
+    finish: &CancellationToken,
+    checked: &mut Option<Option<i64>>,
+) -> Result<(), Ended> {
     let store = &ctx.state.store;
     let (slot, publication) = (&ctx.capture.slot, &ctx.capture.publication);
     let db = |e: ferry::Error| {
@@ -287,6 +303,7 @@ async fn prepare_slot(ctx: &Ctx, reseed: &mut bool, finish: &CancellationToken) 
     // unless the slot was made again since this relay saw the old
     // publication (another relay of the group, or this one, did it).
     let seen = seen(ctx).await.map_err(db)?;
+    *checked = Some(seen.oid);
     let before = *ctx.publication_seen.lock().unwrap_or_else(|e| e.into_inner());
     let made_again = before.is_some_and(|b| b.oid != seen.oid && b.slot_made == seen.slot_made);
     if !debezium && made_again && existing.is_some() {
