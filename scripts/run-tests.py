@@ -18,6 +18,12 @@ of the whole command. Here:
     runs it, with its own log;
   - the doc tests run as one more job (`cargo test --workspace --doc`).
 
+The run shares its Kafka brokers between its test processes: a broker a
+test dropped, reset (no topic, no group), is parked in the run's pool
+(FERRY_TEST_BROKER_POOL, target/broker-pool; ferry-testkit's `Kafka`) for
+the next test of any process, instead of dying with its process; the
+parked brokers die with this script.
+
 A job still running after FERRY_TEST_JOB_TIMEOUT seconds (default 900) is
 killed with the processes it started and fails: a hang fails the run fast,
 naming its test, instead of holding CI until its limit.
@@ -157,9 +163,39 @@ def run(job):
     return label, ok, passed, failed, took, stdout
 
 
+BROKER_POOL = os.path.join(ROOT, "target", "broker-pool")
+
+
+def open_broker_pool():
+    """The run's shared pool of reset Kafka brokers, empty; its brokers'
+    watchdogs kill them once this process is gone."""
+    close_broker_pool()
+    os.makedirs(BROKER_POOL)
+    os.environ["FERRY_TEST_BROKER_POOL"] = BROKER_POOL
+    os.environ["FERRY_TEST_BROKER_POOL_OWNER"] = str(os.getpid())
+
+
+def close_broker_pool():
+    """Kills the parked brokers (an earlier run's are gone with it) and
+    removes the pool's directory with their log dirs."""
+    parked = os.path.join(BROKER_POOL, "parked")
+    for entry in os.listdir(parked) if os.path.isdir(parked) else []:
+        try:
+            with open(os.path.join(parked, entry)) as f:
+                pid = int(f.read().split()[2])
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                broker = b"kafka.Kafka" in f.read()
+            if broker:  # not another process that took a dead one's pid
+                os.kill(pid, signal.SIGKILL)
+        except (OSError, ValueError, IndexError):
+            pass
+    subprocess.run(["rm", "-rf", BROKER_POOL], check=False)
+
+
 def main():
     started = time.monotonic()
     binaries = build()
+    open_broker_pool()
     jobs = jobs_of(binaries)
     jobs.append(("doc tests", ROOT, ["cargo", "test", "--workspace", "--doc"], None))
     print(f"run-tests: {len(binaries)} test binaries, {len(jobs)} jobs, {JOBS} at a time", flush=True)
@@ -174,6 +210,7 @@ def main():
             if not ok:
                 bad += 1
                 print(out, flush=True)
+    close_broker_pool()
     print(
         f"run-tests: {total} tests passed; {bad} jobs failed; {time.monotonic() - started:.0f}s",
         flush=True,

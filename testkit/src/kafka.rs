@@ -27,6 +27,17 @@
 //! a new topic of the same name after a restart), to which a client is still connected (a test's task or
 //! producer left running would write into the next test's topics), or whose
 //! reset fails (a group with members left) is killed as before. `FERRY_TEST_FRESH_BROKERS=1` starts a new broker every time.
+//!
+//! **Across test processes.** With `FERRY_TEST_BROKER_POOL` (a directory;
+//! `scripts/run-tests.py` sets it for its run, with the run's pid in
+//! `FERRY_TEST_BROKER_POOL_OWNER`), a reset broker is parked there instead,
+//! for any test process of the run: the next process's tests take one
+//! (an atomic rename of its entry, so one taker) instead of starting their
+//! own, which is where most broker starts were (one or two per test
+//! process, about 2.4 s of CPU each with the format). Such a broker's
+//! watchdog outlives its test process and kills it when the run's owner
+//! ends; a taker signals it by pid. A broker a test process still held when
+//! it died is never parked, so never reused.
 
 use std::io::Read;
 use std::path::{Path, PathBuf};
@@ -67,6 +78,10 @@ const READY_WITHIN: Duration = Duration::from_secs(90);
 /// How many reset brokers a test process keeps for its next tests.
 pub const POOL_MAX: usize = 2;
 
+/// How many reset brokers the run's shared pool keeps parked (about what
+/// its test processes hold at once: three jobs, two tests each).
+pub const SHARED_POOL_MAX: usize = 6;
+
 /// The reset brokers waiting for a test of this process (see the module).
 static POOL: std::sync::Mutex<Vec<Kafka>> = std::sync::Mutex::new(Vec::new());
 
@@ -82,6 +97,10 @@ pub struct Kafka {
     proxied: Option<(u16, u16)>,
     dir: PathBuf,
     proc: Option<Watchdog>,
+    /// The broker's pid when another test process of the run started it
+    /// (taken from the shared pool): signalled directly, not through a
+    /// watchdog of this process.
+    adopted: Option<u32>,
     /// Started plainly and never stopped, killed or restarted: may be reset
     /// and reused when dropped.
     reusable: bool,
@@ -119,7 +138,7 @@ impl Kafka {
         let reusable =
             overrides.is_empty() && advertised.is_none() && std::env::var_os("FERRY_TEST_FRESH_BROKERS").is_none();
         if reusable {
-            if let Some(k) = Self::pooled() {
+            if let Some(k) = Self::pooled().or_else(shared::take) {
                 return k;
             }
         }
@@ -167,7 +186,14 @@ impl Kafka {
         };
         static SWEPT: std::sync::Once = std::sync::Once::new();
         SWEPT.call_once(remove_dead_processes_dirs);
-        let dir = std::env::temp_dir().join(format!("ferry-kafka-{}-{port}", std::process::id()));
+        let name = format!("ferry-kafka-{}-{port}", std::process::id());
+        // A broker that may be parked in the run's shared pool keeps its
+        // directory there (removed with the pool), not where this process's
+        // leftovers are swept once it is gone.
+        let dir = match shared::dir() {
+            Some(pool) if overrides.is_empty() && advertised.is_none() => pool.join("brokers").join(name),
+            _ => std::env::temp_dir().join(name),
+        };
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(dir.join("data")).expect("broker temp dir");
         let mut props = format!(
@@ -202,6 +228,7 @@ impl Kafka {
             proxied,
             dir,
             proc: None,
+            adopted: None,
             reusable: false,
         }
     }
@@ -411,6 +438,9 @@ impl Kafka {
         if let Some(w) = self.proc.take() {
             w.stop(signal);
         }
+        if let Some(pid) = self.adopted.take() {
+            crate::watchdog::stop_pid(pid, signal);
+        }
     }
 
     fn java() -> String {
@@ -498,6 +528,13 @@ impl Kafka {
     /// or the reason it did not, with the tail of its log.
     fn try_spawn(&mut self) -> Result<(), String> {
         let mut command = Watchdog::command(&self.dir.join("broker.log"));
+        // A broker that may be parked for the run's other test processes
+        // lives until the run ends, not until this process does.
+        if let (Some(pool), Some(owner)) = (shared::dir(), shared::owner()) {
+            if self.dir.starts_with(pool) {
+                command.env("FERRY_WATCHDOG_OWNER", owner.to_string());
+            }
+        }
         command
             .arg(Self::java())
             .args(["-Xms256m", "-Xmx768m", "-Djava.awt.headless=true"])
@@ -525,7 +562,7 @@ impl Kafka {
     }
 
     fn broker_alive(&self) -> bool {
-        self.proc.as_ref().is_some_and(Watchdog::server_alive)
+        self.proc.as_ref().is_some_and(Watchdog::server_alive) || self.adopted.is_some_and(crate::watchdog::pid_alive)
     }
 
     fn wait_ready(&self) -> Result<(), String> {
@@ -564,14 +601,23 @@ impl Kafka {
 impl Drop for Kafka {
     fn drop(&mut self) {
         if self.reusable && !std::thread::panicking() && self.broker_alive() && self.reset().is_ok() {
+            if shared::park(self) {
+                // Its watchdog (dropped with this value) keeps it for the run.
+                return;
+            }
+            // Not parked, a broker of the pool's directory is killed: kept
+            // in this process, its watchdog would keep it after the process
+            // ended, for nobody.
+            let in_shared_dir = shared::dir().is_some_and(|p| self.dir.starts_with(p));
             let mut pool = POOL.lock().unwrap_or_else(|e| e.into_inner());
-            if pool.len() < POOL_MAX {
+            if pool.len() < POOL_MAX && !in_shared_dir {
                 pool.push(Kafka {
                     port: self.port,
                     controller_port: self.controller_port,
                     proxied: self.proxied,
                     dir: std::mem::take(&mut self.dir),
                     proc: self.proc.take(),
+                    adopted: self.adopted.take(),
                     reusable: true,
                 });
                 return;
@@ -579,6 +625,121 @@ impl Drop for Kafka {
         }
         self.kill();
         let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// The run's pool of reset brokers shared by its test processes (see the
+/// module): entries `<pool>/parked/<port>` holding `port controller_port
+/// pid dir`, written whole (a rename) and taken by a rename into
+/// `<pool>/taken/`, so each parked broker has one taker.
+mod shared {
+    use std::path::{Path, PathBuf};
+
+    use super::Kafka;
+
+    /// The pool this process uses instead of the environment's: `Some(None)`
+    /// none, `Some(Some((dir, owner)))` that one (the pool's own test).
+    static FORCED: std::sync::Mutex<Option<Option<(PathBuf, u32)>>> = std::sync::Mutex::new(None);
+
+    fn forced() -> Option<Option<(PathBuf, u32)>> {
+        FORCED.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    /// Uses `pool` instead of the environment's for the rest of the
+    /// process (`None`: no shared pool).
+    #[cfg(test)]
+    pub(super) fn force(pool: Option<(PathBuf, u32)>) {
+        *FORCED.lock().unwrap_or_else(|e| e.into_inner()) = Some(pool);
+    }
+
+    /// The pool's directory, when the run has one.
+    pub(super) fn dir() -> Option<PathBuf> {
+        match forced() {
+            Some(pool) => pool.map(|(d, _)| d),
+            None => std::env::var_os("FERRY_TEST_BROKER_POOL").map(PathBuf::from),
+        }
+    }
+
+    /// The pid of the run that owns the pool (its brokers die with it).
+    pub(super) fn owner() -> Option<u32> {
+        match forced() {
+            Some(pool) => pool.map(|(_, o)| o),
+            None => std::env::var("FERRY_TEST_BROKER_POOL_OWNER").ok()?.parse().ok(),
+        }
+    }
+
+    /// Parks reset broker `k` for the run's test processes: true when it
+    /// did (its directory is the pool's, its watchdog waits for the owner,
+    /// and fewer than [`super::SHARED_POOL_MAX`] are parked).
+    pub(super) fn park(k: &mut Kafka) -> bool {
+        let (Some(pool), Some(_)) = (dir(), owner()) else {
+            return false;
+        };
+        if !k.dir.starts_with(&pool) {
+            return false;
+        }
+        let Some(pid) = k.proc.as_ref().map(|w| w.server_pid()).or(k.adopted) else {
+            return false;
+        };
+        let parked = pool.join("parked");
+        if std::fs::create_dir_all(&parked).is_err() {
+            return false;
+        }
+        let waiting = std::fs::read_dir(&parked).map(|d| d.count()).unwrap_or(usize::MAX);
+        if waiting >= super::SHARED_POOL_MAX {
+            return false;
+        }
+        let entry = format!("{} {} {} {}", k.port, k.controller_port, pid, k.dir.display());
+        let tmp = pool.join(format!("parking-{}-{}", std::process::id(), k.port));
+        if std::fs::write(&tmp, entry).is_err() || std::fs::rename(&tmp, parked.join(k.port.to_string())).is_err() {
+            let _ = std::fs::remove_file(&tmp);
+            return false;
+        }
+        // Dropping the watchdog's pipe leaves the broker to the owner.
+        k.proc = None;
+        k.adopted = None;
+        k.dir = PathBuf::new();
+        true
+    }
+
+    /// A parked broker of the run that is still alive, taken for this
+    /// process; a dead one's entry and directory are removed.
+    pub(super) fn take() -> Option<Kafka> {
+        let pool = dir()?;
+        owner()?;
+        let taken = pool.join("taken");
+        std::fs::create_dir_all(&taken).ok()?;
+        for e in std::fs::read_dir(pool.join("parked")).ok()?.flatten() {
+            let mine = taken.join(format!("{}-{}", e.file_name().to_string_lossy(), std::process::id()));
+            if std::fs::rename(e.path(), &mine).is_err() {
+                continue; // another process took it first
+            }
+            let entry = std::fs::read_to_string(&mine).unwrap_or_default();
+            let _ = std::fs::remove_file(&mine);
+            let mut f = entry.splitn(4, ' ');
+            let (Some(port), Some(controller_port), Some(pid), Some(dir)) = (
+                f.next().and_then(|p| p.parse().ok()),
+                f.next().and_then(|p| p.parse().ok()),
+                f.next().and_then(|p| p.parse::<u32>().ok()),
+                f.next().map(Path::new),
+            ) else {
+                continue;
+            };
+            if !crate::watchdog::pid_alive(pid) {
+                let _ = std::fs::remove_dir_all(dir);
+                continue;
+            }
+            return Some(Kafka {
+                port,
+                controller_port,
+                proxied: None,
+                dir: dir.to_owned(),
+                proc: None,
+                adopted: Some(pid),
+                reusable: true,
+            });
+        }
+        None
     }
 }
 
@@ -677,6 +838,9 @@ mod tests {
         if std::env::var_os("FERRY_TEST_FRESH_BROKERS").is_some() {
             return; // reuse is off by request: nothing to check
         }
+        // This process's own pool first (the run's shared one would let
+        // another test process take the dropped broker meanwhile).
+        shared::force(None);
         let group_and_topic = |k: &Kafka| {
             k.create_topic("orders", 2);
             let c: BaseConsumer = ClientConfig::new()
@@ -752,6 +916,52 @@ mod tests {
             special_port,
             "a broker with its own settings is not reused"
         );
+
+        // The run's shared pool, this process its owner: a dropped broker
+        // is parked there, not kept in the process, and the next start
+        // takes it as a broker of another process would (by its pid), reset.
+        let pool = std::env::temp_dir().join(format!("ferry-test-broker-pool-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&pool);
+        for mut k in std::mem::take(&mut *POOL.lock().unwrap()) {
+            k.kill(); // not reused: the next start is the pool's
+        }
+        shared::force(Some((pool.clone(), std::process::id())));
+        let first = Kafka::start();
+        assert!(
+            first.dir.starts_with(&pool),
+            "a poolable broker lives in the pool's directory"
+        );
+        let port = first.port();
+        drop(group_and_topic(&first));
+        drop(first);
+        assert!(
+            POOL.lock().unwrap().iter().all(|k| k.port != port),
+            "parked, not kept here"
+        );
+        assert!(
+            pool.join("parked").join(port.to_string()).exists(),
+            "parked in the pool"
+        );
+        let mut taken = Kafka::start();
+        assert_eq!(taken.port(), port, "the parked broker is taken");
+        let pid = taken.adopted.expect("taken by pid, as another process would");
+        assert!(!pool.join("parked").join(port.to_string()).exists(), "one taker");
+        let c = taken.metadata_client();
+        let md = c.fetch_metadata(None, Duration::from_secs(5)).unwrap();
+        assert!(
+            md.topics().iter().all(|t| t.name().starts_with("__")),
+            "reset before parking"
+        );
+        drop(c);
+        // A taken broker stops and restarts as one of this process would.
+        taken.restart();
+        assert!(!crate::watchdog::pid_alive(pid), "stopped by pid");
+        assert!(taken.broker_alive());
+        taken.kill();
+        assert!(!taken.broker_alive());
+        drop(taken);
+        shared::force(None);
+        let _ = std::fs::remove_dir_all(&pool);
     }
 
     #[test]

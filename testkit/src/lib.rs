@@ -1,6 +1,7 @@
 //! Test support for Ferry and for services built on it, never linked into a
 //! production binary: a real Apache Kafka broker per test, reused reset by
-//! the process's next test ([`Kafka`]), a
+//! the next test of the process, or of the run's other test processes
+//! ([`Kafka`]), a
 //! fresh PostgreSQL schema or SQLite file per test
 //! ([`fresh_database_url`]), a PostgreSQL cluster of a test's own that the
 //! test can stop and restart ([`PgCluster`], for database outages, with a

@@ -5,7 +5,11 @@
 //! file. The watchdog reads signal names from its standard input, a pipe
 //! from the test process: a name signals the server, waits until it exited
 //! and answers `exited`. When the test process ends in any way (a panic, an
-//! abort, SIGKILL), the pipe closes and the watchdog SIGKILLs the server.
+//! abort, SIGKILL), the pipe closes and the watchdog SIGKILLs the server;
+//! with `FERRY_WATCHDOG_OWNER` (a pid) in its environment it first waits,
+//! while that process and the server run: a Kafka broker of the test run's
+//! shared pool (`kafka.rs`) outlives the test process that started it, and
+//! no more than the run (the pool's owner, `scripts/run-tests.py`).
 
 use std::io::{BufRead, BufReader, Write};
 use std::path::Path;
@@ -21,6 +25,11 @@ while read -r sig; do
     TERM|KILL|INT|QUIT) kill -"$sig" "$pid" 2>/dev/null; wait "$pid"; echo exited; exit 0 ;;
   esac
 done
+if [ -n "$FERRY_WATCHDOG_OWNER" ]; then
+  # A poll, not a synchronisation: the server is killed within a second of
+  # its owner's end (each `sleep` also reaps the server once it exited).
+  while kill -0 "$FERRY_WATCHDOG_OWNER" 2>/dev/null && kill -0 "$pid" 2>/dev/null; do sleep 1; done
+fi
 kill -KILL "$pid" 2>/dev/null
 "#;
 
@@ -125,14 +134,46 @@ impl Watchdog {
 
     /// Whether the server process still runs (a zombie counts as exited).
     pub(crate) fn server_alive(&self) -> bool {
-        match std::fs::read_to_string(format!("/proc/{}/stat", self.server_pid)) {
-            // Field 3 is the state; Z is a zombie (exited, not yet reaped).
-            Ok(stat) => stat
-                .rsplit(')')
-                .next()
-                .map(|r| !r.trim_start().starts_with('Z'))
-                .unwrap_or(false),
-            Err(_) => false,
+        pid_alive(self.server_pid)
+    }
+
+    /// The server's pid.
+    pub(crate) fn server_pid(&self) -> u32 {
+        self.server_pid
+    }
+}
+
+/// Whether process `pid` runs (a zombie counts as exited).
+pub(crate) fn pid_alive(pid: u32) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        // Field 3 is the state; Z is a zombie (exited, not yet reaped).
+        Ok(stat) => stat
+            .rsplit(')')
+            .next()
+            .map(|r| !r.trim_start().starts_with('Z'))
+            .unwrap_or(false),
+        Err(_) => false,
+    }
+}
+
+/// Sends `signal` to `pid`, a server this process did not start (a broker
+/// taken from the run's shared pool), and waits until it exited (its
+/// watchdog, not this process, reaps it).
+pub(crate) fn stop_pid(pid: u32, signal: Signal) {
+    let _ = std::process::Command::new("kill")
+        .arg(format!("-{}", signal.name()))
+        .arg(pid.to_string())
+        .status();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    while pid_alive(pid) {
+        if std::time::Instant::now() > deadline {
+            // A controlled shutdown that hangs ends as a crash.
+            let _ = std::process::Command::new("kill")
+                .arg("-KILL")
+                .arg(pid.to_string())
+                .status();
         }
+        // A poll of /proc, not a synchronisation: the loop ends on the exit.
+        std::thread::sleep(std::time::Duration::from_millis(20));
     }
 }
