@@ -686,12 +686,15 @@ impl RelayStore {
     /// With `marked`, the slot's stream is recorded as marked through that
     /// position in the same transaction ([`Self::wal_set_marked`]).
     pub async fn wal_cover_delivered(&self, ids: &[i64], marked: Option<(&str, u64)>) -> Result<u64> {
-        self.wal_cover_runs(&crate::wal::ledger::runs(ids), marked).await
+        self.wal_cover_runs(&crate::wal::ledger::runs(ids), marked.as_slice())
+            .await
     }
 
     /// [`Self::wal_cover_delivered`] for ids given as sorted, disjoint,
-    /// non-adjacent runs `(lo, hi)` (`IdSet::runs`).
-    pub async fn wal_cover_runs(&self, runs: &[(i64, i64)], marked: Option<(&str, u64)>) -> Result<u64> {
+    /// non-adjacent runs `(lo, hi)` (`IdSet::runs`), recording each slot of
+    /// `marked` as marked through its position (several with `--streams`:
+    /// the streams' marks written together).
+    pub async fn wal_cover_runs(&self, runs: &[(i64, i64)], marked: &[(&str, u64)]) -> Result<u64> {
         bounded_by(LONG_STATEMENT_BOUND, async move {
             if runs.is_empty() {
                 return Ok(0);
@@ -725,7 +728,7 @@ impl RelayStore {
                     .execute(&mut *tx)
                     .await?;
             }
-            if let Some((slot, lsn)) = marked {
+            for &(slot, lsn) in marked {
                 self.set_marked_in(&mut tx, slot, lsn).await?;
             }
             tx.commit().await?;

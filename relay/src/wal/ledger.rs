@@ -50,6 +50,26 @@ impl IdSet {
         self.0 |= other.0;
     }
 
+    /// The ids of `runs` (each `(lo, hi)` inclusive).
+    pub fn from_runs(runs: &[(i64, i64)]) -> IdSet {
+        let mut set = IdSet::default();
+        for &(lo, hi) in runs {
+            set.0.insert_range(key(lo)..=key(hi));
+        }
+        set
+    }
+
+    /// The ids not in `other`.
+    pub fn minus(mut self, other: &IdSet) -> IdSet {
+        self.0 -= &other.0;
+        self
+    }
+
+    /// Whether it holds an id from `lo` to `hi` (inclusive).
+    pub fn any_within(&self, lo: i64, hi: i64) -> bool {
+        lo <= hi && self.0.range_cardinality(key(lo)..=key(hi)) > 0
+    }
+
     /// The ids below `bound`.
     pub fn below(mut self, bound: i64) -> IdSet {
         self.0.remove_range(key(bound)..);

@@ -26,6 +26,7 @@ use tokio::sync::{mpsc, oneshot, watch, OwnedSemaphorePermit, Semaphore};
 use tokio::task::JoinHandle;
 
 use super::ledger::IdSet;
+use super::union::Union;
 use crate::state::RelayState;
 
 /// How often, [`VISIBLE_WAIT`] apart, a statement looks again for rows the
@@ -107,16 +108,22 @@ impl Marks {
 /// ledger's transaction: a later session (after a SIGKILL, or a standby's)
 /// skips what is marked instead of producing it again, since the slot's
 /// confirmed position follows only at the client's next status update.
+///
+/// With `union` (`--streams`), the ids are covered by the relay's shared
+/// writer of its streams' marks instead of a statement of this marker's
+/// own (`union`), so that the streams' interleaved ids are written as runs.
 pub(super) fn spawn(
     state: Arc<RelayState>,
     slot: String,
     delete: bool,
+    union: Option<Union>,
     confirmed: watch::Sender<u64>,
 ) -> (Marks, JoinHandle<()>) {
     let (tx, mut rx) = mpsc::unbounded_channel::<(Mark, OwnedSemaphorePermit)>();
     let room = Arc::new(Semaphore::new(MARK_ROOM));
     let ended = room.clone();
     let task = tokio::spawn(async move {
+        let mut marking = union.as_ref().map(Union::join);
         while let Some((first, permit)) = rx.recv().await {
             let mut ids = first.ids;
             let mut lsn = first.lsn;
@@ -130,8 +137,15 @@ pub(super) fn spawn(
                 room.push(permit);
             }
             let marked = lsn.filter(|_| !ids.is_empty()).map(|l| (slot.as_str(), l));
-            if let Err(e) = mark(&state, ids, marked, delete).await {
-                tracing::warn!(error = %e, code = e.code(), "marking delivered failed; ending the session (the slot is not confirmed past these rows, so the next session publishes them again)");
+            if rx.is_closed() && rx.is_empty() {
+                // The session's last mark: no more ids of this stream will
+                // lengthen the others' runs, and nothing waits for it.
+                drop(marking.take());
+            }
+            if let Err(e) = mark(&state, union.as_ref(), ids, marked, delete).await {
+                if let MarkError::Db(e) = e {
+                    tracing::warn!(error = %e, code = e.code(), "marking delivered failed; ending the session (the slot is not confirmed past these rows, so the next session publishes them again)");
+                }
                 // Before the batch's room comes back: a stream waiting for
                 // it is told the marker stopped, not handed a mark that
                 // nothing will take.
@@ -154,11 +168,33 @@ pub(super) fn spawn(
     (Marks { tx, room }, task)
 }
 
+/// Why a mark failed.
+#[derive(Debug)]
+enum MarkError {
+    /// This marker's statement failed.
+    Db(ferry::Error),
+    /// The streams' shared write failed (its writer logged why).
+    Union,
+}
+
+impl From<ferry::Error> for MarkError {
+    fn from(e: ferry::Error) -> Self {
+        MarkError::Db(e)
+    }
+}
+
 /// Marks `ids` delivered: covers them in the ledger (one transaction, no
-/// outbox row written), or deletes them with `delete`; then the slot's
-/// stream is marked through `marked`'s position (in the ledger's
-/// transaction; after the deletes). A database error is returned at once.
-async fn mark(state: &RelayState, ids: IdSet, marked: Option<(&str, u64)>, delete: bool) -> ferry::Result<()> {
+/// outbox row written; through `union` with `--streams`), or deletes them
+/// with `delete`; then the slot's stream is marked through `marked`'s
+/// position (in the ledger's transaction; after the deletes). A database
+/// error is returned at once.
+async fn mark(
+    state: &RelayState,
+    union: Option<&Union>,
+    ids: IdSet,
+    marked: Option<(&str, u64)>,
+    delete: bool,
+) -> Result<(), MarkError> {
     if delete {
         delete_delivered(state, ids.iter().collect()).await?;
         if let Some((slot, lsn)) = marked {
@@ -166,8 +202,11 @@ async fn mark(state: &RelayState, ids: IdSet, marked: Option<(&str, u64)>, delet
         }
         return Ok(());
     }
+    if let Some(union) = union {
+        return union.mark(ids, marked).await.map_err(|_| MarkError::Union);
+    }
     let started = Instant::now();
-    let covered = state.store.wal_cover_runs(&ids.runs(), marked).await?;
+    let covered = state.store.wal_cover_runs(&ids.runs(), marked.as_slice()).await?;
     let t = &state.metrics.timings;
     crate::metrics::Timings::add(&t.marks, &t.mark_ns, started.elapsed());
     state.metrics.published.inc_by(covered);
@@ -222,7 +261,7 @@ async fn delete_delivered(state: &RelayState, mut ids: Vec<i64>) -> ferry::Resul
 }
 
 #[cfg(test)]
-mod tests {
+pub(super) mod tests {
     use std::sync::atomic::{AtomicBool, Ordering};
     use std::sync::Arc;
 
@@ -233,7 +272,7 @@ mod tests {
     use crate::store::RelayStore;
 
     /// A relay's state on `ferry`, for the marker alone.
-    fn test_state(ferry: &ferry::Ferry) -> Arc<RelayState> {
+    pub(in crate::wal) fn test_state(ferry: &ferry::Ferry) -> Arc<RelayState> {
         Arc::new(RelayState {
             store: RelayStore::new(ferry.clone()),
             metrics: Metrics::new(),
@@ -257,7 +296,7 @@ mod tests {
     }
 
     /// The ledger's ranges, in order.
-    async fn ranges(pool: &sqlx::PgPool) -> Vec<(i64, i64, i64)> {
+    pub(in crate::wal) async fn ranges(pool: &sqlx::PgPool) -> Vec<(i64, i64, i64)> {
         sqlx::query_as("SELECT lo, hi, delivered_at FROM outbox_delivered ORDER BY lo")
             .fetch_all(pool)
             .await
@@ -278,7 +317,7 @@ mod tests {
         let id = insert_row(&mut late).await;
         let marking = {
             let state = state.clone();
-            tokio::spawn(async move { mark(&state, [id].into_iter().collect(), None, true).await })
+            tokio::spawn(async move { mark(&state, None, [id].into_iter().collect(), None, true).await })
         };
         // The first statement ran without seeing the row...
         let deadline = Instant::now() + Duration::from_secs(10);
@@ -307,7 +346,9 @@ mod tests {
         let pool = t.ferry.db().as_postgres().unwrap().clone();
         let mut late = pool.begin().await.unwrap();
         let id = insert_row(&mut late).await;
-        mark(&state, [id].into_iter().collect(), None, false).await.unwrap();
+        mark(&state, None, [id].into_iter().collect(), None, false)
+            .await
+            .unwrap();
         let timings = &state.metrics.timings;
         assert_eq!(timings.marks.load(Ordering::Relaxed), 1);
         assert_eq!(timings.mark_retries.load(Ordering::Relaxed), 0);
@@ -412,7 +453,7 @@ mod tests {
         let state = test_state(&t.ferry);
         t.ferry.db().as_postgres().unwrap().close().await;
         let (confirmed, _) = watch::channel(0);
-        let (marks, task) = spawn(state.clone(), "ferry_test".into(), false, confirmed);
+        let (marks, task) = spawn(state.clone(), "ferry_test".into(), false, None, confirmed);
         let all = Mark {
             ids: (1..=MARK_ROOM as i64 + 1).collect(),
             lsn: Some(1),
@@ -451,7 +492,9 @@ mod tests {
         .await
         .unwrap();
         let started = Instant::now();
-        mark(&state, [id].into_iter().collect(), None, true).await.unwrap();
+        mark(&state, None, [id].into_iter().collect(), None, true)
+            .await
+            .unwrap();
         let t = &state.metrics.timings;
         assert_eq!(t.marks.load(Ordering::Relaxed), 1, "one statement ran");
         assert_eq!(

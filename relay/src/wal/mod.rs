@@ -54,6 +54,7 @@ mod pgoutput;
 mod pipeline;
 mod session;
 pub(crate) mod streams;
+mod union;
 
 use connect::Ended;
 pub(crate) use pgoutput::unhex;
@@ -343,7 +344,9 @@ pub(crate) async fn start(
     let share = match count {
         1 => streams::Share::whole(),
         _ => {
-            let share = streams::Share::split();
+            // The streams' marks are written together, so that their
+            // interleaved ids make runs (`union`).
+            let share = streams::Share::split(Some(union::Union::spawn(state.clone(), union::HOLD)));
             tasks.spawn(streams::coordinate(
                 state.clone(),
                 capture.group.clone(),

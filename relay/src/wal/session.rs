@@ -126,6 +126,7 @@ pub(super) async fn run(ctx: &Ctx, iso: &mut Isolation, reseed: &mut bool, finis
         ctx.state.clone(),
         ctx.capture.slot.clone(),
         ctx.cfg.delete_on_delivery,
+        ctx.share.union.clone(),
         confirmed_tx,
     );
     let mut pipeline = Pipeline::new(&ctx.state, &ctx.cfg, &producer, &ctx.database_id, marks, eo, marked);

@@ -29,6 +29,7 @@ use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
 use super::connect::Ended;
+use super::union::Union;
 use super::Ctx;
 use crate::state::RelayState;
 
@@ -38,6 +39,8 @@ use crate::state::RelayState;
 pub(crate) struct Share {
     held: Mutex<BTreeSet<u32>>,
     share: watch::Sender<usize>,
+    /// With several streams, the writer of this relay's streams' marks.
+    pub(crate) union: Option<Union>,
 }
 
 impl Share {
@@ -47,14 +50,17 @@ impl Share {
         Arc::new(Share {
             held: Mutex::default(),
             share: watch::channel(usize::MAX).0,
+            union: None,
         })
     }
 
-    /// Several streams: none until the first heartbeat says the share.
-    pub(crate) fn split() -> Arc<Share> {
+    /// Several streams: none until the first heartbeat says the share;
+    /// their marks are written together through `union`.
+    pub(crate) fn split(union: Option<Union>) -> Arc<Share> {
         Arc::new(Share {
             held: Mutex::default(),
             share: watch::channel(0).0,
+            union,
         })
     }
 
@@ -293,7 +299,7 @@ mod tests {
 
     #[test]
     fn a_relay_over_its_share_yields_its_highest_stream() {
-        let share = Share::split();
+        let share = Share::split(None);
         share.set(2);
         let held: Vec<Held> = [0, 1, 3].iter().map(|k| share.hold(*k)).collect();
         assert!(share.must_yield(3) && !share.must_yield(1));
