@@ -70,6 +70,11 @@ impl IdSet {
         lo <= hi && self.0.range_cardinality(key(lo)..=key(hi)) > 0
     }
 
+    /// The highest id.
+    pub fn max(&self) -> Option<i64> {
+        self.0.max().map(id)
+    }
+
     /// The ids below `bound`.
     pub fn below(mut self, bound: i64) -> IdSet {
         self.0.remove_range(key(bound)..);

@@ -26,7 +26,7 @@ use tokio::sync::{mpsc, oneshot, watch, OwnedSemaphorePermit, Semaphore};
 use tokio::task::JoinHandle;
 
 use super::ledger::IdSet;
-use super::union::Union;
+use super::union::{Marking, Union};
 use crate::state::RelayState;
 
 /// How often, [`VISIBLE_WAIT`] apart, a statement looks again for rows the
@@ -142,7 +142,15 @@ pub(super) fn spawn(
                 // lengthen the others' runs, and nothing waits for it.
                 drop(marking.take());
             }
-            if let Err(e) = mark(&state, union.as_ref(), ids, marked, delete).await {
+            if let Err(e) = mark(
+                &state,
+                union.as_ref().map(|u| (u, marking.as_ref())),
+                ids,
+                marked,
+                delete,
+            )
+            .await
+            {
                 if let MarkError::Db(e) = e {
                     tracing::warn!(error = %e, code = e.code(), "marking delivered failed; ending the session (the slot is not confirmed past these rows, so the next session publishes them again)");
                 }
@@ -184,13 +192,14 @@ impl From<ferry::Error> for MarkError {
 }
 
 /// Marks `ids` delivered: covers them in the ledger (one transaction, no
-/// outbox row written; through `union` with `--streams`), or deletes them
+/// outbox row written; through `union` with `--streams`, as the stream's
+/// marker, or as one that marks no more), or deletes them
 /// with `delete`; then the slot's stream is marked through `marked`'s
 /// position (in the ledger's transaction; after the deletes). A database
 /// error is returned at once.
 async fn mark(
     state: &RelayState,
-    union: Option<&Union>,
+    union: Option<(&Union, Option<&Marking>)>,
     ids: IdSet,
     marked: Option<(&str, u64)>,
     delete: bool,
@@ -202,8 +211,8 @@ async fn mark(
         }
         return Ok(());
     }
-    if let Some(union) = union {
-        return union.mark(ids, marked).await.map_err(|_| MarkError::Union);
+    if let Some((union, stream)) = union {
+        return union.mark(stream, ids, marked).await.map_err(|_| MarkError::Union);
     }
     let started = Instant::now();
     let covered = state.store.wal_cover_runs(&ids.runs(), marked.as_slice()).await?;

@@ -346,7 +346,7 @@ pub(crate) async fn start(
         _ => {
             // The streams' marks are written together, so that their
             // interleaved ids make runs (`union`).
-            let share = streams::Share::split(Some(union::Union::spawn(state.clone(), union::HOLD)));
+            let share = streams::Share::split(Some(union::Union::spawn(state.clone(), union::Waits::DEFAULT)));
             tasks.spawn(streams::coordinate(
                 state.clone(),
                 capture.group.clone(),

@@ -11,20 +11,27 @@
 //! they handed and writes:
 //!
 //! - every run of the union at least [`MIN_RUN`] ids long, at once;
-//! - a shorter run once it is [`HOLD`] old (counted from the oldest mark it
-//!   holds ids of), or at once when fewer than two of this relay's streams
-//!   are marking (no other stream of this process would lengthen it).
+//! - a shorter run once no other stream of this relay would lengthen it:
+//!   none that marks (handed ids within [`IDLE`], or waits for a mark of
+//!   its own) has not yet handed ids past the run's end, but the streams
+//!   whose waiting mark has ids in the run (they hand nothing more until
+//!   it is written). A stream behind the others is waited for, so the
+//!   streams' marks come out as runs; a gap no stream of this relay fills
+//!   (another relay's stream, a transaction in flight or rolled back)
+//!   waits only until the slowest of them passed it;
+//! - any run once a mark it holds ids of is [`HOLD`] old, whatever it waits
+//!   for.
 //!
 //! A mark is done when the last of its ids is written, and its slot's
 //! marked position is recorded in that transaction, so a slot is never
-//! recorded past a row that is not covered. Holding costs marks up to
-//! [`HOLD`] of latency (a SIGKILL then republishes up to that much more),
-//! never a row: held ids are acknowledged and not yet marked, which a new
-//! session publishes again. A failed write fails every mark held (each
-//! stream's session ends, as after its own marker's failure).
+//! recorded past a row that is not covered. Holding costs marks latency (a
+//! SIGKILL then republishes more), never a row: held ids are acknowledged
+//! and not yet marked, which a new session publishes again. A failed write
+//! fails every mark held (each stream's session ends, as after its own
+//! marker's failure).
 
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use tokio::sync::{mpsc, oneshot};
@@ -35,8 +42,12 @@ use crate::state::RelayState;
 /// Runs of the union at least this long are written at once.
 pub const MIN_RUN: i64 = 32;
 
-/// How long a shorter run waits for the other streams' ids.
-pub const HOLD: Duration = Duration::from_secs(1);
+/// The longest a run waits for the other streams' ids.
+pub const HOLD: Duration = Duration::from_secs(5);
+
+/// A stream that handed nothing for this long is not waited for (it has
+/// no rows, or is stalled).
+pub const IDLE: Duration = Duration::from_millis(500);
 
 /// The shared write failed (logged by the writer, with its code): the
 /// marks it held are not written.
@@ -45,6 +56,8 @@ pub(super) struct UnionFailed;
 
 /// One stream's mark waiting in the writer.
 struct Held {
+    /// The stream's marker ([`Marking`]), while it marks.
+    stream: Option<u64>,
     /// Its ids not written yet.
     ids: IdSet,
     /// The slot and position to record once every id is written.
@@ -53,36 +66,71 @@ struct Held {
     done: oneshot::Sender<Result<(), UnionFailed>>,
 }
 
+/// What the writer knows of a stream that marks.
+#[derive(Debug, Clone, Copy)]
+struct Seen {
+    /// The highest id it handed (`i64::MIN`: none yet).
+    frontier: i64,
+    /// When it last handed ids (or joined).
+    last: Instant,
+}
+
+/// The streams that mark, by marker.
+type Streams = Arc<Mutex<HashMap<u64, Seen>>>;
+
+fn lock(streams: &Streams) -> std::sync::MutexGuard<'_, HashMap<u64, Seen>> {
+    streams.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 /// The writer of a relay's streams' marks (see the module); cheap to clone.
 #[derive(Clone, Debug)]
 pub(crate) struct Union {
     tx: mpsc::UnboundedSender<Held>,
-    marking: Arc<AtomicUsize>,
+    streams: Streams,
+    next: Arc<std::sync::atomic::AtomicU64>,
     /// How many marks the writer holds, as of its last turn.
     #[cfg(test)]
-    holding: Arc<AtomicUsize>,
+    holding: Arc<std::sync::atomic::AtomicUsize>,
 }
 
-/// A stream's marker counted as marking until dropped.
-pub(super) struct Marking(Arc<AtomicUsize>);
+/// A stream's marker, waited for as marking until dropped.
+pub(super) struct Marking {
+    id: u64,
+    streams: Streams,
+}
 
 impl Drop for Marking {
     fn drop(&mut self) {
-        self.0.fetch_sub(1, Ordering::Relaxed);
+        lock(&self.streams).remove(&self.id);
     }
 }
 
+/// How long runs wait: [`HOLD`] and [`IDLE`], shorter or longer in tests.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Waits {
+    /// The longest a run waits.
+    pub hold: Duration,
+    /// When a stream that handed nothing stops being waited for.
+    pub idle: Duration,
+}
+
+impl Waits {
+    /// [`HOLD`] and [`IDLE`].
+    pub(crate) const DEFAULT: Waits = Waits { hold: HOLD, idle: IDLE };
+}
+
 impl Union {
-    /// Starts the writer on `tasks`' runtime; it ends when every [`Union`]
-    /// is dropped and nothing is held. `hold` is [`HOLD`] but in tests.
-    pub(crate) fn spawn(state: Arc<RelayState>, hold: Duration) -> Union {
+    /// Starts the writer; it ends when every [`Union`] is dropped and
+    /// nothing is held.
+    pub(crate) fn spawn(state: Arc<RelayState>, waits: Waits) -> Union {
         let (tx, rx) = mpsc::unbounded_channel();
-        let marking = Arc::new(AtomicUsize::new(0));
-        let holding = Arc::new(AtomicUsize::new(0));
-        tokio::spawn(write_loop(state, rx, marking.clone(), holding.clone(), hold));
+        let streams = Streams::default();
+        let holding = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        tokio::spawn(write_loop(state, rx, streams.clone(), holding.clone(), waits));
         Union {
             tx,
-            marking,
+            streams,
+            next: Arc::default(),
             #[cfg(test)]
             holding,
         }
@@ -91,24 +139,39 @@ impl Union {
     /// How many marks the writer holds, as of its last turn.
     #[cfg(test)]
     pub(super) fn holding(&self) -> usize {
-        self.holding.load(Ordering::Relaxed)
+        self.holding.load(std::sync::atomic::Ordering::Relaxed)
     }
 
-    /// Counts a stream's marker as marking while the guard lives.
+    /// A stream's marker joins: waited for while the guard lives.
     pub(super) fn join(&self) -> Marking {
-        self.marking.fetch_add(1, Ordering::Relaxed);
-        Marking(self.marking.clone())
+        let id = self.next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let seen = Seen {
+            frontier: i64::MIN,
+            last: Instant::now(),
+        };
+        lock(&self.streams).insert(id, seen);
+        Marking {
+            id,
+            streams: self.streams.clone(),
+        }
     }
 
-    /// Hands `ids` over and resolves once they are all covered in the
-    /// ledger, with `marked` recorded in the transaction that wrote the last
-    /// of them.
-    pub(super) async fn mark(&self, ids: IdSet, marked: Option<(&str, u64)>) -> Result<(), UnionFailed> {
+    /// Hands `ids` over (from `stream`'s marker, or from a marker that
+    /// marks no more) and resolves once they are all covered in the
+    /// ledger, with `marked` recorded in the transaction that wrote the
+    /// last of them.
+    pub(super) async fn mark(
+        &self,
+        stream: Option<&Marking>,
+        ids: IdSet,
+        marked: Option<(&str, u64)>,
+    ) -> Result<(), UnionFailed> {
         if ids.is_empty() {
             return Ok(()); // nothing to cover, and a mark without rows records no position
         }
         let (done, result) = oneshot::channel();
         let held = Held {
+            stream: stream.map(|m| m.id),
             ids,
             marked: marked.map(|(s, l)| (s.to_owned(), l)),
             since: Instant::now(),
@@ -120,39 +183,42 @@ impl Union {
 }
 
 /// The writer: takes what the streams hand over, writes what is due (see
-/// the module), and waits for more or for the oldest short run's hold.
+/// the module), and waits for more, for the oldest mark's hold, or (while
+/// it holds any) for a stream to go idle.
 async fn write_loop(
     state: Arc<RelayState>,
     mut rx: mpsc::UnboundedReceiver<Held>,
-    marking: Arc<AtomicUsize>,
-    holding: Arc<AtomicUsize>,
-    hold: Duration,
+    streams: Streams,
+    holding: Arc<std::sync::atomic::AtomicUsize>,
+    waits: Waits,
 ) {
     let mut held: Vec<Held> = Vec::new();
     let mut open = true;
     loop {
-        holding.store(held.len(), Ordering::Relaxed);
+        holding.store(held.len(), std::sync::atomic::Ordering::Relaxed);
         if open {
-            let due = held.iter().map(|h| h.since + hold).min();
+            let now = Instant::now();
+            let due = held.iter().map(|h| (h.since + waits.hold).min(now + waits.idle)).min();
             tokio::select! {
                 got = rx.recv() => match got {
-                    Some(h) => held.push(h),
+                    Some(h) => arrive(h, &mut held, &streams),
                     None => open = false,
                 },
                 () = sleep_until(due) => {}
             }
             while let Ok(h) = rx.try_recv() {
-                held.push(h);
+                arrive(h, &mut held, &streams);
             }
         }
         if !open && held.is_empty() {
             return;
         }
-        // Nothing more can lengthen a run when the senders are gone, or
-        // when no other stream of this process marks.
-        let now = Instant::now();
-        let all_due = !open || marking.load(Ordering::Relaxed) < 2;
-        let runs = due_runs(&held, now, hold, all_due);
+        // Nothing more can lengthen a run once the senders are gone.
+        let others = match open {
+            true => lock(&streams).iter().map(|(id, s)| (*id, *s)).collect(),
+            false => Vec::new(),
+        };
+        let runs = due_runs(&held, &others, Instant::now(), waits);
         if runs.is_empty() {
             continue;
         }
@@ -177,7 +243,14 @@ async fn write_loop(
                 let t = &state.metrics.timings;
                 crate::metrics::Timings::add(&t.marks, &t.mark_ns, started.elapsed());
                 state.metrics.published.inc_by(covered);
+                // A stream whose mark is done hands its next one now: it
+                // is marking, however long the mark waited.
+                let now = Instant::now();
+                let mut seen = lock(&streams);
                 for h in finished {
+                    if let Some(s) = h.stream.and_then(|id| seen.get_mut(&id)) {
+                        s.last = now;
+                    }
                     let _ = h.done.send(Ok(()));
                 }
             }
@@ -191,22 +264,51 @@ async fn write_loop(
     }
 }
 
-/// The runs of the union of `held` to write now: those at least
-/// [`MIN_RUN`] long, and those holding an id of a mark older than `hold`
-/// (every run with `all`).
-fn due_runs(held: &[Held], now: Instant, hold: Duration, all: bool) -> Vec<(i64, i64)> {
-    let mut union = IdSet::default();
-    let mut overdue = IdSet::default();
-    for h in held {
-        union.extend_with(h.ids.clone());
-        if all || now >= h.since + hold {
-            overdue.extend_with(h.ids.clone());
+/// Takes mark `h` in: its stream has handed ids up to its highest.
+fn arrive(h: Held, held: &mut Vec<Held>, streams: &Streams) {
+    if let (Some(id), Some(max)) = (h.stream, h.ids.max()) {
+        if let Some(s) = lock(streams).get_mut(&id) {
+            s.frontier = s.frontier.max(max);
+            s.last = s.last.max(h.since);
         }
     }
+    held.push(h);
+}
+
+/// The runs of the union of `held` to write now (see the module), given
+/// the `streams` that mark: those at least [`MIN_RUN`] long, those holding
+/// an id of a mark older than the hold, and those no live stream would
+/// lengthen.
+fn due_runs(held: &[Held], streams: &[(u64, Seen)], now: Instant, waits: Waits) -> Vec<(i64, i64)> {
+    let mut union = IdSet::default();
+    let mut overdue = IdSet::default();
+    let mut waiting: HashMap<u64, IdSet> = HashMap::new();
+    for h in held {
+        union.extend_with(h.ids.clone());
+        if now >= h.since + waits.hold {
+            overdue.extend_with(h.ids.clone());
+        }
+        if let Some(id) = h.stream {
+            waiting.entry(id).or_default().extend_with(h.ids.clone());
+        }
+    }
+    // The streams worth waiting for: those that handed ids lately, or wait
+    // for a mark of their own; with the ids they wait for.
+    let live: Vec<(i64, Option<&IdSet>)> = streams
+        .iter()
+        .filter(|(id, s)| waiting.contains_key(id) || now.saturating_duration_since(s.last) < waits.idle)
+        .map(|(id, s)| (s.frontier, waiting.get(id)))
+        .collect();
     union
         .runs()
         .into_iter()
-        .filter(|&(lo, hi)| hi - lo + 1 >= MIN_RUN || overdue.any_within(lo, hi))
+        .filter(|&(lo, hi)| {
+            hi - lo + 1 >= MIN_RUN
+                || overdue.any_within(lo, hi)
+                || !live
+                    .iter()
+                    .any(|(frontier, own)| *frontier <= hi && !own.is_some_and(|o| o.any_within(lo, hi)))
+        })
         .collect()
 }
 
@@ -223,8 +325,14 @@ mod tests {
     use super::*;
     use crate::wal::marker::tests::{ranges, test_state};
 
-    fn held(ids: &[i64], age: Duration, now: Instant) -> Held {
+    const WAITS: Waits = Waits {
+        hold: Duration::from_secs(1),
+        idle: Duration::from_millis(500),
+    };
+
+    fn held(stream: u64, ids: &[i64], age: Duration, now: Instant) -> Held {
         Held {
+            stream: Some(stream),
             ids: ids.iter().copied().collect(),
             marked: None,
             since: now - age,
@@ -232,25 +340,45 @@ mod tests {
         }
     }
 
+    fn seen(stream: u64, frontier: i64, last: Instant) -> (u64, Seen) {
+        (stream, Seen { frontier, last })
+    }
+
     #[test]
-    fn long_runs_go_at_once_and_short_ones_when_their_hold_is_over() {
+    fn short_runs_wait_for_the_streams_that_would_lengthen_them() {
         let now = Instant::now();
-        let hold = Duration::from_secs(1);
         let odd: Vec<i64> = (1..=99).step_by(2).collect();
         let even: Vec<i64> = (2..=40).step_by(2).collect();
-        // Alone, a stream's interleaved ids wait for the other stream's.
-        assert!(due_runs(&[held(&odd, Duration::ZERO, now)], now, hold, false).is_empty());
-        // United with them: the long run goes, the short rest waits.
-        let both = [held(&odd, Duration::ZERO, now), held(&even, Duration::ZERO, now)];
-        assert_eq!(due_runs(&both, now, hold, false), vec![(1, 41)]);
-        // Once the odd ids' hold is over, their short runs go too.
-        let late = [held(&odd, hold, now), held(&even, Duration::ZERO, now)];
-        let runs = due_runs(&late, now, hold, false);
-        assert_eq!(runs.first(), Some(&(1, 41)));
-        assert_eq!(runs.len(), 1 + (99 - 43) / 2 + 1);
-        // With nothing to wait for, everything goes.
+        // Stream 0's interleaved ids wait for stream 1, behind them and
+        // marking.
+        let behind = [seen(0, 99, now), seen(1, 0, now)];
+        assert!(due_runs(&[held(0, &odd, Duration::ZERO, now)], &behind, now, WAITS).is_empty());
+        // United with stream 1's: the long run goes; the short rest waits
+        // for stream 1, still behind it.
+        let both = [held(0, &odd, Duration::ZERO, now), held(1, &even, Duration::ZERO, now)];
+        let at_40 = [seen(0, 99, now), seen(1, 40, now)];
+        assert_eq!(due_runs(&both, &at_40, now, WAITS), vec![(1, 41)]);
+        // A stream whose own mark is in a short run is not waited for (it
+        // hands nothing more until that mark is written): the slowest
+        // stream's marks always go.
+        let slow = [held(1, &[10, 12], Duration::ZERO, now)];
         assert_eq!(
-            due_runs(&[held(&[5, 9], Duration::ZERO, now)], now, hold, true),
+            due_runs(&slow, &[seen(0, 99, now), seen(1, 12, now)], now, WAITS),
+            vec![(10, 10), (12, 12)]
+        );
+        // Stream 1 waits for its mark, written with the long run: then it
+        // hands more. Once it is idle, or past them, or the hold is over,
+        // stream 0's short runs go.
+        let alone = [held(0, &odd, Duration::ZERO, now)];
+        let idle = [seen(0, 99, now), seen(1, 40, now - WAITS.idle)];
+        assert_eq!(due_runs(&alone, &idle, now, WAITS).len(), odd.len());
+        let past = [seen(0, 99, now), seen(1, 200, now)];
+        assert_eq!(due_runs(&alone, &past, now, WAITS).len(), odd.len());
+        let late = [held(0, &odd, WAITS.hold, now)];
+        assert_eq!(due_runs(&late, &at_40, now, WAITS).len(), odd.len());
+        // With no stream marking (the senders gone), everything goes.
+        assert_eq!(
+            due_runs(&[held(0, &[5, 9], Duration::ZERO, now)], &[], now, WAITS),
             vec![(5, 5), (9, 9)]
         );
     }
@@ -265,13 +393,20 @@ mod tests {
         let t = ferry_testkit::TestDb::with_clock(ferry::Engine::Postgres, ferry_testkit::manual_clock()).await;
         let state = test_state(&t.ferry);
         let pool = t.ferry.db().as_postgres().unwrap().clone();
-        let union = Union::spawn(state.clone(), Duration::from_secs(600));
-        let (_a, _b) = (union.join(), union.join());
+        let forever = Duration::from_secs(600);
+        let union = Union::spawn(
+            state.clone(),
+            Waits {
+                hold: forever,
+                idle: forever,
+            },
+        );
+        let (a, b) = (union.join(), union.join());
         let odd: IdSet = (1..=2000).step_by(2).collect();
         let even: IdSet = (2..=2000).step_by(2).collect();
         let first = {
             let union = union.clone();
-            tokio::spawn(async move { union.mark(odd, Some(("s_0of2", 10))).await })
+            tokio::spawn(async move { union.mark(Some(&a), odd, Some(("s_0of2", 10))).await })
         };
         let deadline = Instant::now() + Duration::from_secs(30);
         while union.holding() < 1 {
@@ -283,7 +418,7 @@ mod tests {
         }
         assert!(ranges(&pool).await.is_empty(), "held, not written");
         t.ferry.clock().advance(Duration::from_secs(2)).unwrap();
-        union.mark(even, Some(("s_1of2", 20))).await.unwrap();
+        union.mark(Some(&b), even, Some(("s_1of2", 20))).await.unwrap();
         first.await.unwrap().unwrap();
         assert_eq!(ranges(&pool).await, vec![(1, 2000, ferry_testkit::T0 + 2000)]);
         assert_eq!(state.store.wal_marked("s_0of2").await.unwrap(), 10);
@@ -291,25 +426,44 @@ mod tests {
         assert_eq!(state.metrics.published.get(), 2000);
     }
 
-    /// A stream's short runs that no other stream lengthens are written
-    /// once their hold is over, and at once when it is the only stream
-    /// marking: a mark is held, never lost.
+    /// Short runs that the other stream, marking, never lengthens are
+    /// written once their hold is over; with no other stream marking, at
+    /// once: a mark is held, never lost.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_short_run_is_written_when_its_hold_is_over() {
         let t = ferry_testkit::TestDb::new(ferry::Engine::Postgres).await;
         let state = test_state(&t.ferry);
         let pool = t.ferry.db().as_postgres().unwrap().clone();
-        let union = Union::spawn(state.clone(), Duration::from_millis(50));
-        let (_a, _b) = (union.join(), union.join());
-        union.mark([1, 3, 5].into_iter().collect(), None).await.unwrap();
+        let forever = Duration::from_secs(600);
+        let union = Union::spawn(
+            state.clone(),
+            Waits {
+                hold: Duration::from_millis(50),
+                idle: forever,
+            },
+        );
+        let (a, _b) = (union.join(), union.join());
+        union
+            .mark(Some(&a), [1, 3, 5].into_iter().collect(), None)
+            .await
+            .unwrap();
         assert_eq!(ranges(&pool).await.len(), 3);
         // Alone, nothing waits for the hold (ten minutes here).
-        let alone = Union::spawn(state.clone(), Duration::from_secs(600));
-        let _c = alone.join();
-        tokio::time::timeout(Duration::from_secs(30), alone.mark([9].into_iter().collect(), None))
-            .await
-            .expect("written at once")
-            .unwrap();
+        let alone = Union::spawn(
+            state.clone(),
+            Waits {
+                hold: forever,
+                idle: forever,
+            },
+        );
+        let c = alone.join();
+        tokio::time::timeout(
+            Duration::from_secs(30),
+            alone.mark(Some(&c), [9].into_iter().collect(), None),
+        )
+        .await
+        .expect("written at once")
+        .unwrap();
         assert_eq!(ranges(&pool).await.len(), 4);
     }
 }
