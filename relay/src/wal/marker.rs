@@ -151,8 +151,13 @@ pub(super) fn spawn(
             )
             .await
             {
-                if let MarkError::Db(e) = e {
-                    tracing::warn!(error = %e, code = e.code(), "marking delivered failed; ending the session (the slot is not confirmed past these rows, so the next session publishes them again)");
+                match e {
+                    MarkError::Db(e) => {
+                        tracing::warn!(error = %e, code = e.code(), "marking delivered failed; ending the session (the slot is not confirmed past these rows, so the next session publishes them again)")
+                    }
+                    MarkError::Union => {
+                        tracing::warn!("the streams' shared marking failed (its error is logged apart); ending the session (the slot is not confirmed past these rows, so the next session publishes them again)")
+                    }
                 }
                 // Before the batch's room comes back: a stream waiting for
                 // it is told the marker stopped, not handed a mark that

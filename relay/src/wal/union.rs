@@ -13,14 +13,18 @@
 //! - every run of the union at least [`MIN_RUN`] ids long, at once;
 //! - a shorter run once no other stream of this relay would lengthen it:
 //!   none that marks (handed ids within [`IDLE`], or waits for a mark of
-//!   its own) has not yet handed ids past the run's end, but the streams
-//!   whose waiting mark has ids in the run (they hand nothing more until
-//!   it is written). A stream behind the others is waited for, so the
+//!   its own) has not yet handed ids past the run's end while being at
+//!   most [`WINDOW`] ids behind its start, but the streams whose waiting
+//!   mark has ids in the run (they hand nothing more until it is
+//!   written). A stream a little behind the others is waited for, so the
 //!   streams' marks come out as runs; a gap no stream of this relay fills
 //!   (another relay's stream, a transaction in flight or rolled back)
-//!   waits only until the slowest of them passed it;
+//!   waits only until the slowest of them passed it; a stream far behind
+//!   (republishing a backlog after a restart) is not waited for, so it
+//!   does not slow the others' marks;
 //! - any run once a mark it holds ids of is [`HOLD`] old, whatever it waits
-//!   for.
+//!   for, and at once a run with ids of a session's last mark (its marker
+//!   marks no more, and its session waits for it to end).
 //!
 //! A mark is done when the last of its ids is written, and its slot's
 //! marked position is recorded in that transaction, so a slot is never
@@ -48,6 +52,14 @@ pub const HOLD: Duration = Duration::from_secs(5);
 /// A stream that handed nothing for this long is not waited for (it has
 /// no rows, or is stalled).
 pub const IDLE: Duration = Duration::from_millis(500);
+
+/// A stream more than this many ids behind a run is not waited for.
+pub const WINDOW: i64 = 1_000_000;
+
+/// A write that has not committed after this long is given up (its
+/// connection dropped) and its marks failed, so a statement stuck on a
+/// dead connection does not stall every stream's marks.
+pub const WRITE_BOUND: Duration = Duration::from_secs(60);
 
 /// The shared write failed (logged by the writer, with its code): the
 /// marks it held are not written.
@@ -238,7 +250,11 @@ async fn write_loop(
             .filter_map(|h| h.marked.as_ref().map(|(s, l)| (s.as_str(), *l)))
             .collect();
         let started = Instant::now();
-        match state.store.wal_cover_runs(&runs, &marked).await {
+        let wrote = match tokio::time::timeout(WRITE_BOUND, state.store.wal_cover_runs(&runs, &marked)).await {
+            Ok(wrote) => wrote.map_err(|e| format!("{} ({})", e, e.code())),
+            Err(_) => Err(format!("not committed within {WRITE_BOUND:?}; given up")),
+        };
+        match wrote {
             Ok(covered) => {
                 let t = &state.metrics.timings;
                 crate::metrics::Timings::add(&t.marks, &t.mark_ns, started.elapsed());
@@ -255,7 +271,7 @@ async fn write_loop(
                 }
             }
             Err(e) => {
-                tracing::warn!(error = %e, code = e.code(), marks = finished.len() + held.len(), "marking the streams' acknowledged rows delivered failed; ending their sessions (their slots are not confirmed past these rows, so the next sessions publish them again)");
+                tracing::warn!(error = %e, marks = finished.len() + held.len(), "marking the streams' acknowledged rows delivered failed; ending their sessions (their slots are not confirmed past these rows, so the next sessions publish them again)");
                 for h in finished.into_iter().chain(held.drain(..)) {
                     let _ = h.done.send(Err(UnionFailed));
                 }
@@ -281,11 +297,13 @@ fn arrive(h: Held, held: &mut Vec<Held>, streams: &Streams) {
 /// lengthen.
 fn due_runs(held: &[Held], streams: &[(u64, Seen)], now: Instant, waits: Waits) -> Vec<(i64, i64)> {
     let mut union = IdSet::default();
+    // Ids whose run goes whatever it waits for: marks past their hold, and
+    // sessions' last marks.
     let mut overdue = IdSet::default();
     let mut waiting: HashMap<u64, IdSet> = HashMap::new();
     for h in held {
         union.extend_with(h.ids.clone());
-        if now >= h.since + waits.hold {
+        if now >= h.since + waits.hold || h.stream.is_none() {
             overdue.extend_with(h.ids.clone());
         }
         if let Some(id) = h.stream {
@@ -305,9 +323,11 @@ fn due_runs(held: &[Held], streams: &[(u64, Seen)], now: Instant, waits: Waits) 
         .filter(|&(lo, hi)| {
             hi - lo + 1 >= MIN_RUN
                 || overdue.any_within(lo, hi)
-                || !live
-                    .iter()
-                    .any(|(frontier, own)| *frontier <= hi && !own.is_some_and(|o| o.any_within(lo, hi)))
+                || !live.iter().any(|(frontier, own)| {
+                    *frontier <= hi
+                        && *frontier >= lo.saturating_sub(WINDOW)
+                        && !own.is_some_and(|o| o.any_within(lo, hi))
+                })
         })
         .collect()
 }
@@ -376,6 +396,21 @@ mod tests {
         assert_eq!(due_runs(&alone, &past, now, WAITS).len(), odd.len());
         let late = [held(0, &odd, WAITS.hold, now)];
         assert_eq!(due_runs(&late, &at_40, now, WAITS).len(), odd.len());
+        // A stream waiting for a mark of its own counts however long ago it
+        // handed it; one far behind, or that handed nothing yet, does not.
+        let waiting = [held(0, &odd, Duration::ZERO, now), held(1, &[5], Duration::ZERO, now)];
+        let stale = [seen(0, 99, now), seen(1, 5, now - WAITS.idle)];
+        assert_eq!(due_runs(&waiting, &stale, now, WAITS), vec![(1, 1), (3, 3), (5, 5)]);
+        let far = [seen(0, 99, now), seen(1, 1 - WINDOW - 1, now)];
+        assert_eq!(due_runs(&alone, &far, now, WAITS).len(), odd.len());
+        let none_yet = [seen(0, 99, now), seen(1, i64::MIN, now)];
+        assert_eq!(due_runs(&alone, &none_yet, now, WAITS).len(), odd.len());
+        // A session's last mark (no stream) waits for nobody.
+        let last = [Held {
+            stream: None,
+            ..held(0, &odd, Duration::ZERO, now)
+        }];
+        assert_eq!(due_runs(&last, &behind, now, WAITS).len(), odd.len());
         // With no stream marking (the senders gone), everything goes.
         assert_eq!(
             due_runs(&[held(0, &[5, 9], Duration::ZERO, now)], &[], now, WAITS),
@@ -402,6 +437,10 @@ mod tests {
             },
         );
         let (a, b) = (union.join(), union.join());
+        // Stream b marks first (no stream is behind it: written at once).
+        union.mark(Some(&b), [0].into_iter().collect(), None).await.unwrap();
+        let t0 = ferry_testkit::T0;
+        assert_eq!(ranges(&pool).await, vec![(0, 0, t0)]);
         let odd: IdSet = (1..=2000).step_by(2).collect();
         let even: IdSet = (2..=2000).step_by(2).collect();
         let first = {
@@ -416,14 +455,14 @@ mod tests {
             );
             tokio::time::sleep(Duration::from_millis(1)).await;
         }
-        assert!(ranges(&pool).await.is_empty(), "held, not written");
+        assert_eq!(ranges(&pool).await, vec![(0, 0, t0)], "held for b, not written");
         t.ferry.clock().advance(Duration::from_secs(2)).unwrap();
         union.mark(Some(&b), even, Some(("s_1of2", 20))).await.unwrap();
         first.await.unwrap().unwrap();
-        assert_eq!(ranges(&pool).await, vec![(1, 2000, ferry_testkit::T0 + 2000)]);
+        assert_eq!(ranges(&pool).await, vec![(0, 0, t0), (1, 2000, t0 + 2000)]);
         assert_eq!(state.store.wal_marked("s_0of2").await.unwrap(), 10);
         assert_eq!(state.store.wal_marked("s_1of2").await.unwrap(), 20);
-        assert_eq!(state.metrics.published.get(), 2000);
+        assert_eq!(state.metrics.published.get(), 2001);
     }
 
     /// Short runs that the other stream, marking, never lengthens are
@@ -435,19 +474,18 @@ mod tests {
         let state = test_state(&t.ferry);
         let pool = t.ferry.db().as_postgres().unwrap().clone();
         let forever = Duration::from_secs(600);
-        let union = Union::spawn(
-            state.clone(),
-            Waits {
-                hold: Duration::from_millis(50),
-                idle: forever,
-            },
-        );
-        let (a, _b) = (union.join(), union.join());
+        let hold = Duration::from_millis(50);
+        let union = Union::spawn(state.clone(), Waits { hold, idle: forever });
+        let (a, b) = (union.join(), union.join());
+        // Stream b behind them, marking.
+        union.mark(Some(&b), [0].into_iter().collect(), None).await.unwrap();
+        let started = Instant::now();
         union
-            .mark(Some(&a), [1, 3, 5].into_iter().collect(), None)
+            .mark(Some(&a), [2, 4, 6].into_iter().collect(), None)
             .await
             .unwrap();
-        assert_eq!(ranges(&pool).await.len(), 3);
+        assert!(started.elapsed() >= hold, "held for b until the hold was over");
+        assert_eq!(ranges(&pool).await.len(), 4);
         // Alone, nothing waits for the hold (ten minutes here).
         let alone = Union::spawn(
             state.clone(),
@@ -464,6 +502,6 @@ mod tests {
         .await
         .expect("written at once")
         .unwrap();
-        assert_eq!(ranges(&pool).await.len(), 4);
+        assert_eq!(ranges(&pool).await.len(), 5);
     }
 }

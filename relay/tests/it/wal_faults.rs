@@ -574,6 +574,21 @@ async fn wal_transactions_larger_than_logical_decoding_work_mem_are_published_in
 /// never a row committed after the takeover. Nothing is lost.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn wal_a_frozen_relay_is_fenced_and_publishes_nothing_new_after_sigcont() {
+    a_frozen_relay_is_fenced(1).await
+}
+
+/// The same in two streams (`--streams 2`): the frozen relay streams one,
+/// the other relay the other; the frozen one's stream moves to the other
+/// relay once its walsender and its membership expired, and after SIGCONT
+/// it takes a stream back only as the other relay yields it (settled,
+/// marked, confirmed). Nothing is lost, and no row committed after the
+/// takeover comes again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn wal_streams_a_frozen_relay_is_fenced_and_publishes_nothing_new_after_sigcont() {
+    a_frozen_relay_is_fenced(2).await
+}
+
+async fn a_frozen_relay_is_fenced(streams: u32) {
     let wal_sender_timeout = Duration::from_secs(2);
     let broker = Kafka::start();
     broker.create_topic("orders", 4);
@@ -581,10 +596,29 @@ async fn wal_a_frozen_relay_is_fenced_and_publishes_nothing_new_after_sigcont() 
     pg.configure(&[("wal_sender_timeout", "2s")]).await;
     let ferry = Ferry::builder(pg.url()).migrate(true).connect().await.unwrap();
     let pool = ferry.db().as_postgres().unwrap().clone();
-    let args = ["--capture", "wal", "--slot", "ferry_fence"];
+    let n = streams.to_string();
+    let args = ["--capture", "wal", "--slot", "ferry_fence", "--streams", n.as_str()];
+    // The frozen relay's slot: the one slot, or stream 0 (the first relay
+    // takes both streams, and yields its highest, stream 1, to the second).
+    let slot = match streams {
+        1 => "ferry_fence".to_string(),
+        _ => "ferry_fence_0of2".to_string(),
+    };
     let mut old = spawn_relay_process(&pg.url(), &broker.brokers(), &args, &[]);
-    let before = wait_for_streaming(&pool, "ferry_fence", None, Duration::from_secs(60)).await;
+    let before = wait_for_streaming(&pool, &slot, None, Duration::from_secs(60)).await;
+    let second = match streams {
+        1 => None,
+        _ => Some(wait_for_streaming(&pool, "ferry_fence_1of2", None, Duration::from_secs(60)).await),
+    };
     let standby = spawn_relay_process(&pg.url(), &broker.brokers(), &args, &[]);
+    if let Some(second) = second {
+        wait_for_streaming(&pool, "ferry_fence_1of2", Some(second), Duration::from_secs(60)).await;
+        assert_eq!(
+            streaming_pid(&pool, &slot).await,
+            Some(before),
+            "the first relay kept stream 0"
+        );
+    }
     let writer = tokio::spawn(crate::outage::write_through_outage(ferry.clone(), 0, 3000));
     wait_for_count(&ferry, &DELIVERED, 300, Duration::from_secs(60)).await;
 
@@ -592,7 +626,7 @@ async fn wal_a_frozen_relay_is_fenced_and_publishes_nothing_new_after_sigcont() 
     let stopped = tokio::time::Instant::now();
     let deadline = stopped + Duration::from_secs(60);
     loop {
-        if streaming_pid(&pool, "ferry_fence").await.is_some_and(|p| p != before) {
+        if streaming_pid(&pool, &slot).await.is_some_and(|p| p != before) {
             break;
         }
         assert!(
