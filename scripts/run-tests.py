@@ -20,7 +20,7 @@ of the whole command. Here:
 
 The run shares its Kafka brokers between its test processes: a broker a
 test dropped, reset (no topic, no group), is parked in the run's pool
-(FERRY_TEST_BROKER_POOL, target/broker-pool; ferry-testkit's `Kafka`) for
+(FERRY_TEST_BROKER_POOL, target/broker-pool/<pid>; ferry-testkit's `Kafka`) for
 the next test of any process, instead of dying with its process; the
 parked brokers die with this script.
 
@@ -163,14 +163,15 @@ def run(job):
     return label, ok, passed, failed, took, stdout
 
 
-BROKER_POOL = os.path.join(ROOT, "target", "broker-pool")
+# One pool per run: another run in the same checkout keeps its own.
+BROKER_POOL = os.path.join(ROOT, "target", "broker-pool", str(os.getpid()))
 
 
 def open_broker_pool():
     """The run's shared pool of reset Kafka brokers, empty; its brokers'
     watchdogs kill them once this process is gone."""
     close_broker_pool()
-    os.makedirs(BROKER_POOL)
+    os.makedirs(BROKER_POOL, exist_ok=True)
     os.environ["FERRY_TEST_BROKER_POOL"] = BROKER_POOL
     os.environ["FERRY_TEST_BROKER_POOL_OWNER"] = str(os.getpid())
 

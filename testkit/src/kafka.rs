@@ -439,7 +439,11 @@ impl Kafka {
             w.stop(signal);
         }
         if let Some(pid) = self.adopted.take() {
-            crate::watchdog::stop_pid(pid, signal);
+            // Only the broker itself: a pid that died and was reused is
+            // another process's.
+            if shared::is_broker(pid, &self.dir) {
+                crate::watchdog::stop_pid(pid, signal);
+            }
         }
     }
 
@@ -532,7 +536,10 @@ impl Kafka {
         // lives until the run ends, not until this process does.
         if let (Some(pool), Some(owner)) = (shared::dir(), shared::owner()) {
             if self.dir.starts_with(pool) {
-                command.env("FERRY_WATCHDOG_OWNER", owner.to_string());
+                // A process group of its own too: a test job killed for
+                // hanging (its group) must not kill a broker another job took.
+                use std::os::unix::process::CommandExt as _;
+                command.env("FERRY_WATCHDOG_OWNER", owner.to_string()).process_group(0);
             }
         }
         command
@@ -562,7 +569,8 @@ impl Kafka {
     }
 
     fn broker_alive(&self) -> bool {
-        self.proc.as_ref().is_some_and(Watchdog::server_alive) || self.adopted.is_some_and(crate::watchdog::pid_alive)
+        self.proc.as_ref().is_some_and(Watchdog::server_alive)
+            || self.adopted.is_some_and(|p| shared::is_broker(p, &self.dir))
     }
 
     fn wait_ready(&self) -> Result<(), String> {
@@ -702,6 +710,17 @@ mod shared {
         true
     }
 
+    /// Whether `pid` runs the broker of log dir `dir` (not a process that
+    /// took a dead broker's pid).
+    pub(super) fn is_broker(pid: u32, dir: &Path) -> bool {
+        let Ok(cmdline) = std::fs::read(format!("/proc/{pid}/cmdline")) else {
+            return false;
+        };
+        let needle = dir.join("server.properties");
+        let needle = needle.as_os_str().as_encoded_bytes();
+        crate::watchdog::pid_alive(pid) && cmdline.split(|b| *b == 0).any(|arg| arg == needle)
+    }
+
     /// A parked broker of the run that is still alive, taken for this
     /// process; a dead one's entry and directory are removed.
     pub(super) fn take() -> Option<Kafka> {
@@ -725,7 +744,7 @@ mod shared {
             ) else {
                 continue;
             };
-            if !crate::watchdog::pid_alive(pid) {
+            if !is_broker(pid, dir) {
                 let _ = std::fs::remove_dir_all(dir);
                 continue;
             }
@@ -926,7 +945,16 @@ mod tests {
             k.kill(); // not reused: the next start is the pool's
         }
         shared::force(Some((pool.clone(), std::process::id())));
+        // An entry whose pid runs no broker of its dir (a dead broker's pid
+        // reused: here this test process) is dropped, never taken.
+        std::fs::create_dir_all(pool.join("parked")).unwrap();
+        let stale = format!("1 2 {} {}", std::process::id(), pool.join("gone").display());
+        std::fs::write(pool.join("parked").join("1"), stale).unwrap();
         let first = Kafka::start();
+        assert!(
+            first.adopted.is_none() && first.port() != 1,
+            "a stale entry is not taken"
+        );
         assert!(
             first.dir.starts_with(&pool),
             "a poolable broker lives in the pool's directory"
