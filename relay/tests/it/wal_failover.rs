@@ -12,7 +12,7 @@
 //! position means nothing on the new primary).
 
 use std::os::unix::process::ExitStatusExt;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use ferry::{Ferry, OutboxMessage};
 use ferry_testkit::{Kafka, PgCluster};
@@ -67,13 +67,25 @@ async fn a_promotion_mid_stream(mode: Mode) {
     };
     let mut relay = spawn_relay_process(&primary.url(), &brokers, &mode.args(), env);
     wait_for_streaming(&pool, SLOT, None, Duration::from_secs(60)).await;
+    // Chunks of 50 rows, each waited for until the relay marked it (or,
+    // exactly once, aborted): a bound in time, not in rows written, since
+    // a fresh broker's transaction coordinator may take a while to load.
+    let deadline = Instant::now() + Duration::from_secs(120);
     let mut written = 0;
-    loop {
+    'chunks: loop {
         written += write(&ferry, written, 50).await;
-        match mode {
-            Mode::ExactlyOnce if relay.try_wait().unwrap().is_some() => break,
-            Mode::AtLeastOnce if scalar(&ferry, &DELIVERED).await >= 300 => break,
-            _ => assert!(written < 5_000, "the relay never got there"),
+        loop {
+            let delivered = scalar(&ferry, &DELIVERED).await as usize;
+            match mode {
+                Mode::ExactlyOnce if relay.try_wait().unwrap().is_some() => break 'chunks,
+                Mode::AtLeastOnce if delivered >= 300 => break 'chunks,
+                _ if delivered >= written => break,
+                _ => assert!(
+                    Instant::now() < deadline,
+                    "the relay never got there: {delivered} of {written} rows marked"
+                ),
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
         }
     }
     // Under load (at least once, the relay still streams and marks): the
