@@ -517,8 +517,10 @@ async fn stream(
             }
             _ = tokio::time::sleep_until(check_at) => {
                 check_at = tokio::time::Instant::now() + PUBLICATION_CHECK;
-                if let Some(end) = publication_lost(ctx).await {
-                    return end;
+                if periodic_publication_check() {
+                    if let Some(end) = publication_lost(ctx, Check::Periodic).await {
+                        return end;
+                    }
                 }
                 if ctx.share.must_yield(ctx.capture.stream.index) {
                     tracing::info!(slot = %ctx.capture.slot, "this relay streams more than its share: giving this stream to another relay");
@@ -658,13 +660,27 @@ pub const CONNECT_BOUND: Duration = Duration::from_secs(30);
 /// would carry none of the new table's rows, with no error.
 pub const PUBLICATION_CHECK: Duration = Duration::from_secs(5);
 
+/// What a publication check was started by.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Check {
+    /// The [`PUBLICATION_CHECK`] timer: a failed check is tried again at
+    /// the next one, the stream going on meanwhile.
+    Periodic,
+    /// A `Relation` message: pgoutput rebuilt its entry for the table
+    /// (every rebuild sends the schema again before the next row), which
+    /// is also how it resumes after skipping rows on a stale membership of
+    /// a publication made again. No row after it may be published until
+    /// the check passes, so a failed check ends the session.
+    Relation,
+}
+
 /// `Some` when the publication no longer publishes this schema's outbox,
 /// or was made again: the session ends and the next one's `prepare`
-/// repairs it. A failed
-/// check is logged and tried again at the next one (the stream goes on);
-/// one unanswered for [`PING_WAIT`] ends the session as the database's
-/// (the stream waits for it meanwhile).
-async fn publication_lost(ctx: &Ctx) -> Option<Ended> {
+/// repairs it. A failed check is logged; a periodic one is tried again at
+/// the next, one made for a `Relation` message ends the session (see
+/// [`Check`]). One unanswered for [`PING_WAIT`] ends the session as the
+/// database's (the stream waits for it meanwhile).
+async fn publication_lost(ctx: &Ctx, check: Check) -> Option<Ended> {
     let table = ctx.capture.table();
     match tokio::time::timeout(
         PING_WAIT,
@@ -692,9 +708,13 @@ async fn publication_lost(ctx: &Ctx) -> Option<Ended> {
             Some(Ended::Retry("publication_made_again"))
         }
         Ok(Ok(_)) => None,
-        Ok(Err(e)) => {
+        Ok(Err(e)) if check == Check::Periodic => {
             tracing::warn!(error = %e, "checking the publication failed; checking again later");
             None
+        }
+        Ok(Err(e)) => {
+            tracing::warn!(error = %e, code = e.code(), "checking the publication at a new relation schema failed");
+            Some(Ended::Retry("database"))
         }
         Err(_) => {
             tracing::warn!(bound = ?PING_WAIT, "PostgreSQL did not answer the publication check in time");
@@ -711,6 +731,16 @@ async fn publication_lost(ctx: &Ctx) -> Option<Ended> {
 fn confirms() -> bool {
     static NEVER: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     !*NEVER.get_or_init(|| std::env::var("FERRY_RELAY_FAILPOINT").is_ok_and(|v| v == "never-confirm"))
+}
+
+/// Whether the [`PUBLICATION_CHECK`] timer checks the publication: always,
+/// but for the tests' seam `FERRY_RELAY_FAILPOINT=no-periodic-publication-check`,
+/// with which only a `Relation` message does ([`Check::Relation`]), so a
+/// test shows that the check at the next row is what catches a publication
+/// made again, not the timer racing it.
+fn periodic_publication_check() -> bool {
+    static OFF: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    !*OFF.get_or_init(|| std::env::var("FERRY_RELAY_FAILPOINT").is_ok_and(|v| v == "no-periodic-publication-check"))
 }
 
 /// Replication events handled in one turn of the session's loop at most,
@@ -780,7 +810,12 @@ impl Events {
                     tracing::error!(%why, "a row of the Debezium-layout table cannot be published as Debezium would publish it");
                     return Err(Ended::Stopped("unsupported_event"));
                 }
-                Ok(Message::Ignored | Message::Relation) => {}
+                Ok(Message::Relation) => {
+                    if let Some(end) = publication_lost(ctx, Check::Relation).await {
+                        return Err(end);
+                    }
+                }
+                Ok(Message::Ignored) => {}
                 Err(e) => {
                     tracing::error!(error = %e, "a replication message could not be decoded");
                     return Err(Ended::Retry("decode"));

@@ -498,6 +498,47 @@ async fn wal_the_publication_made_again_while_streaming_loses_nothing() {
     .await;
 }
 
+/// A publication made again is caught at the next row, not by the periodic
+/// check racing it: pgoutput sends the table's schema again before the
+/// first row it decides on anew (as before the first it publishes after
+/// skipping rows on the old publication's cached membership), and the
+/// relay checks the publication there, before publishing that row. With
+/// the periodic check off (the failpoint), one row written after the
+/// change makes the slot anew; nothing is lost and each key's rows come
+/// in commit order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn wal_the_publication_made_again_is_caught_before_the_next_row() {
+    let broker = Kafka::start();
+    broker.create_topic("orders", 4);
+    let (ferry, url) = pg_ferry().await;
+    let slot = SlotGuard::new().await;
+    let pool = ferry.db().as_postgres().unwrap().clone();
+    let relay = spawn_relay_process(
+        &url,
+        &broker.brokers(),
+        &slot.args(),
+        &[("FERRY_RELAY_FAILPOINT", "no-periodic-publication-check")],
+    );
+    enqueue(&ferry, 0, 100).await;
+    wait_for_count(&ferry, &DELIVERED, 100, Duration::from_secs(60)).await;
+    let made = &format!("SELECT generation FROM relay_wal_slots WHERE slot = '{}'", slot.name);
+    let before = scalar(&ferry, made).await;
+    sqlx::raw_sql(&format!(
+        "DROP PUBLICATION {0}; CREATE PUBLICATION {0} FOR TABLE outbox WITH (publish = 'insert')",
+        slot.name
+    ))
+    .execute(&pool)
+    .await
+    .unwrap();
+    enqueue(&ferry, 100, 101).await;
+    wait_for_count(&ferry, made, before + 1, Duration::from_secs(60)).await;
+    enqueue(&ferry, 101, 200).await;
+    wait_for_count(&ferry, &DELIVERED, 200, Duration::from_secs(60)).await;
+    drop(relay);
+    let recs = read_all(&broker.brokers(), "orders", false, Duration::from_secs(60)).await;
+    nothing_lost(&recs, &all_ids(&ferry).await);
+}
+
 /// The publication dropped and not made again (by an operator's mistake).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn wal_the_publication_dropped_while_streaming_loses_nothing() {
