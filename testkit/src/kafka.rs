@@ -23,10 +23,11 @@
 //! (about 1.9 s of CPU each, most of what short broker tests spend). A
 //! broker whose transactions coordinator was used (`__transaction_state`
 //! exists: a transactional id's epoch and open transactions outlive its
-//! topics), where a topic had configs of its own (KRaft gives them back to
-//! a new topic of the same name after a restart), to which a client is still connected (a test's task or
+//! topics), to which a client is still connected (a test's task or
 //! producer left running would write into the next test's topics), or whose
-//! reset fails (a group with members left) is killed as before. `FERRY_TEST_FRESH_BROKERS=1` starts a new broker every time.
+//! reset fails (a group with members left) is killed as before. A topic's
+//! own configs are removed before the topic (KRaft would give them back to
+//! a new topic of the same name after a restart). `FERRY_TEST_FRESH_BROKERS=1` starts a new broker every time.
 //!
 //! **Across test processes.** With `FERRY_TEST_BROKER_POOL` (a directory;
 //! `scripts/run-tests.py` sets it for its run, with the run's pid in
@@ -44,7 +45,10 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use rdkafka::admin::{AdminClient, AdminOptions, ConfigSource, NewTopic, ResourceSpecifier, TopicReplication};
+use rdkafka::admin::{
+    AdminClient, AdminOptions, AlterConfig, ConfigSource, NewTopic, OwnedResourceSpecifier, ResourceSpecifier,
+    TopicReplication,
+};
 use rdkafka::client::DefaultClientContext;
 use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::ClientConfig;
@@ -308,8 +312,8 @@ impl Kafka {
         Ok(())
     }
 
-    /// Deletes `topics` unless one has configs of its own, and waits until
-    /// the metadata no longer lists them.
+    /// Deletes `topics`, their own configs first, and waits until the
+    /// metadata no longer lists them.
     fn delete_topics(
         &self,
         admin: &AdminClient<DefaultClientContext>,
@@ -319,13 +323,34 @@ impl Kafka {
         let opts = AdminOptions::new().operation_timeout(Some(Duration::from_secs(10)));
         // A topic's own configs outlive its deletion in KRaft's metadata
         // log: after a restart, a new topic of that name had them again
-        // (a later test's `orders` refusing records as too large). A broker
-        // that had any is not reused.
+        // (a later test's `orders` refusing records as too large). They
+        // are removed first (AlterConfigs replaces a topic's configs
+        // whole: none), and the broker is not reused unless they went.
         let specs: Vec<ResourceSpecifier> = topics.iter().map(|t| ResourceSpecifier::Topic(t)).collect();
-        for r in futures::executor::block_on(admin.describe_configs(&specs, &opts)).map_err(|e| e.to_string())? {
-            let r = r.map_err(|e| e.to_string())?;
-            if let Some(e) = r.entries.iter().find(|e| e.source == ConfigSource::DynamicTopic) {
-                return Err(format!("a topic has its own {}", e.name));
+        let own = |specs: &[ResourceSpecifier]| -> Result<Vec<String>, String> {
+            let mut own = Vec::new();
+            for r in futures::executor::block_on(admin.describe_configs(specs, &opts)).map_err(|e| e.to_string())? {
+                let r = r.map_err(|e| e.to_string())?;
+                if r.entries.iter().any(|e| e.source == ConfigSource::DynamicTopic) {
+                    if let OwnedResourceSpecifier::Topic(t) = r.specifier {
+                        own.push(t);
+                    }
+                }
+            }
+            Ok(own)
+        };
+        let configured = own(&specs)?;
+        if !configured.is_empty() {
+            let none: Vec<AlterConfig> = configured
+                .iter()
+                .map(|t| AlterConfig::new(ResourceSpecifier::Topic(t)))
+                .collect();
+            for r in futures::executor::block_on(admin.alter_configs(&none, &opts)).map_err(|e| e.to_string())? {
+                r.map_err(|(t, e)| format!("removing the configs of {t:?}: {e}"))?;
+            }
+            let specs: Vec<ResourceSpecifier> = configured.iter().map(|t| ResourceSpecifier::Topic(t)).collect();
+            if let Some(t) = own(&specs)?.first() {
+                return Err(format!("topic {t} kept configs of its own"));
             }
         }
         let names: Vec<&str> = topics.iter().map(String::as_str).collect();
@@ -847,11 +872,12 @@ mod tests {
     }
 
     /// A dropped broker comes back to the next start of the process with
-    /// no topic and no group (the same port: not a new JVM); a broker a
-    /// client is still connected to, one where a topic had a config of its
-    /// own, one a transactional producer used, one that was killed, or one
-    /// started with settings of its own, is not reused. One test, so no other test of this binary takes the pooled
-    /// broker meanwhile.
+    /// no topic and no group (the same port: not a new JVM), and one where
+    /// a topic had a config of its own without it, even after a restart; a
+    /// broker a client is still connected to, one a transactional producer
+    /// used, one that was killed, or one started with settings of its own,
+    /// is not reused. One test, so no other test of this binary takes the
+    /// pooled broker meanwhile.
     #[test]
     fn a_dropped_broker_is_reused_empty_unless_it_kept_something_of_its_test() {
         if std::env::var_os("FERRY_TEST_FRESH_BROKERS").is_some() {
@@ -897,16 +923,32 @@ mod tests {
         let third = Kafka::start();
         assert_ne!(third.port(), port, "a broker with a client connected is not reused");
         drop(leaked);
-        // Nor one where a topic had configs of its own.
+        // One where a topic had configs of its own is reused, the configs
+        // removed with the topic: a restart (which replays the metadata
+        // log) does not give them back to a new topic of that name.
         third.create_topic_with("small", 1, &[("max.message.bytes", "2000")]);
         let configured = third.port();
         drop(third);
-        let fourth = Kafka::start();
-        assert_ne!(
-            fourth.port(),
-            configured,
-            "a broker whose topic had its own config is not reused"
+        let mut reused = Kafka::start();
+        assert_eq!(reused.port(), configured, "reused, its topic's configs removed");
+        reused.restart();
+        reused.create_topic("small", 1);
+        let admin: AdminClient<DefaultClientContext> = ClientConfig::new()
+            .set("bootstrap.servers", reused.brokers())
+            .create()
+            .unwrap();
+        let described = futures::executor::block_on(
+            admin.describe_configs(&[ResourceSpecifier::Topic("small")], &AdminOptions::new()),
+        )
+        .unwrap();
+        let entries = &described[0].as_ref().unwrap().entries;
+        assert!(
+            entries.iter().all(|e| e.source != ConfigSource::DynamicTopic),
+            "a new topic of that name has no config of the old one"
         );
+        drop(admin);
+        drop(reused);
+        let fourth = Kafka::start();
         // Nor one a transactional producer used (its transactional ids
         // outlive its topics).
         let producer: rdkafka::producer::BaseProducer = ClientConfig::new()
