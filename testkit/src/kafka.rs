@@ -21,13 +21,16 @@
 //! (at most [`POOL_MAX`] wait). The next test sees what a new broker shows
 //! (no topic, no group, offsets from 0) without a JVM start and format
 //! (about 1.9 s of CPU each, most of what short broker tests spend). A
-//! broker whose transactions coordinator was used (`__transaction_state`
-//! exists: a transactional id's epoch and open transactions outlive its
-//! topics), to which a client is still connected (a test's task or
-//! producer left running would write into the next test's topics), or whose
-//! reset fails (a group with members left) is killed as before. A topic's
-//! own configs are removed before the topic (KRaft would give them back to
-//! a new topic of the same name after a restart). `FERRY_TEST_FRESH_BROKERS=1` starts a new broker every time.
+//! broker with a transaction still open (its abort on timeout would write
+//! a marker into the next test's partition of that name; completed ones
+//! leave only their ids' epochs, which the next `init_transactions` bumps),
+//! to which a client is still connected (a test's task or producer left
+//! running would write into the next test's topics; the coordinator's
+//! connections to itself are not clients), or whose reset fails (a group
+//! with members left) is killed as before. A topic's own configs are
+//! removed before the topic (KRaft would give them back to a new topic of
+//! the same name after a restart). `FERRY_TEST_FRESH_BROKERS=1` starts a
+//! new broker every time.
 //!
 //! **Across test processes.** With `FERRY_TEST_BROKER_POOL` (a directory;
 //! `scripts/run-tests.py` sets it for its run, with the run's pid in
@@ -248,15 +251,16 @@ impl Kafka {
     }
 
     /// Deletes every consumer group and every topic but the internal ones
-    /// (`__consumer_offsets`), and waits until the metadata shows none. An
-    /// error when a transactional producer used the broker, when a group
-    /// cannot be deleted (members left) or the topics do not go.
+    /// (`__consumer_offsets`, `__transaction_state`), and waits until the
+    /// metadata shows none. An error when a client is still connected, when
+    /// a transaction is still open, when a group cannot be deleted (members
+    /// left) or the topics do not go.
     fn reset(&self) -> Result<(), String> {
         // A client of the test that is still alive (a relay task left
         // running until its runtime drops, a leaked producer with records
         // queued for a topic of that name) would write into the next test's
         // topics: only a broker no client is connected to is reused.
-        let clients = established_connections(self.port);
+        let clients = self.client_connections();
         if clients > 0 {
             return Err(format!("{clients} client connections still open"));
         }
@@ -264,9 +268,6 @@ impl Kafka {
         let md = c
             .fetch_metadata(None, Duration::from_secs(5))
             .map_err(|e| e.to_string())?;
-        if md.topics().iter().any(|t| t.name() == "__transaction_state") {
-            return Err("a transactional producer used it".into());
-        }
         let topics: Vec<String> = md
             .topics()
             .iter()
@@ -294,18 +295,22 @@ impl Kafka {
         if !topics.is_empty() {
             self.delete_topics(&admin, &c, &topics)?;
         }
-        // Once more, now that the last test's clients had the time the
-        // deletions took: a transactional producer of a task still running
-        // then, or a client that was between connections at the first look.
-        let md = c
-            .fetch_metadata(None, Duration::from_secs(5))
-            .map_err(|e| e.to_string())?;
-        if md.topics().iter().any(|t| t.name() == "__transaction_state") {
-            return Err("a transactional producer used it".into());
+        // A transaction left open (a relay SIGKILLed inside one) would be
+        // aborted when it times out, its markers written by topic name into
+        // the next test's partitions of that name (a control record that
+        // leaves a consumer's position one short of the end). Completed
+        // ones leave only their ids' epochs, which the next
+        // `init_transactions` of an id bumps as it would on a new broker.
+        let open = self.open_transactions()?;
+        if let Some(id) = open.first() {
+            return Err(format!("{} transactions open (transactional id {id})", open.len()));
         }
+        // Once more, now that the last test's clients had the time the
+        // deletions took: a client of a task still running then, or one
+        // that was between connections at the first look.
         drop(admin);
         drop(c);
-        let clients = established_connections(self.port);
+        let clients = self.client_connections();
         if clients > 0 {
             return Err(format!("{clients} client connections still open"));
         }
@@ -371,6 +376,95 @@ impl Kafka {
             // metadata.
             std::thread::sleep(Duration::from_millis(20));
         }
+    }
+
+    /// The transactional ids whose last state in `__transaction_state` is
+    /// open: ongoing, or preparing a commit, an abort or an epoch fence
+    /// (the coordinator's record: a key of version and id, a value whose
+    /// byte 16 is the state, after its version, producer id, epoch and
+    /// timeout). None when no transactional producer used the broker.
+    fn open_transactions(&self) -> Result<Vec<String>, String> {
+        const TOPIC: &str = "__transaction_state";
+        let c: BaseConsumer = ClientConfig::new()
+            .set("bootstrap.servers", self.brokers())
+            .set("group.id", "ferry-testkit-reset")
+            .set("enable.auto.commit", "false")
+            .set("enable.partition.eof", "true")
+            .create()
+            .map_err(|e| e.to_string())?;
+        let md = c
+            .fetch_metadata(Some(TOPIC), Duration::from_secs(5))
+            .map_err(|e| e.to_string())?;
+        let mut tpl = rdkafka::TopicPartitionList::new();
+        for p in md
+            .topics()
+            .iter()
+            .filter(|t| t.error().is_none())
+            .flat_map(|t| t.partitions())
+        {
+            let (low, high) = c
+                .fetch_watermarks(TOPIC, p.id(), Duration::from_secs(5))
+                .map_err(|e| e.to_string())?;
+            if high > low {
+                tpl.add_partition_offset(TOPIC, p.id(), rdkafka::Offset::Offset(low))
+                    .map_err(|e| e.to_string())?;
+            }
+        }
+        let mut reading = tpl.count();
+        if reading == 0 {
+            return Ok(Vec::new());
+        }
+        c.assign(&tpl).map_err(|e| e.to_string())?;
+        let mut state: std::collections::HashMap<Vec<u8>, Option<u8>> = std::collections::HashMap::new();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while reading > 0 {
+            if Instant::now() > deadline {
+                return Err(format!("{TOPIC} not read within 10 s"));
+            }
+            match c.poll(Duration::from_millis(100)) {
+                None => {}
+                Some(Err(rdkafka::error::KafkaError::PartitionEOF(_))) => reading -= 1,
+                Some(Err(e)) => return Err(e.to_string()),
+                Some(Ok(m)) => {
+                    use rdkafka::Message;
+                    let key = m.key().unwrap_or_default().to_vec();
+                    state.insert(key, m.payload().map(|v| v.get(16).copied().unwrap_or(u8::MAX)));
+                }
+            }
+        }
+        Ok(state
+            .into_iter()
+            .filter(|(_, s)| matches!(s, Some(1 | 2 | 3 | 7 | u8::MAX)))
+            .map(|(k, _)| String::from_utf8_lossy(k.get(4..).unwrap_or_default()).into_owned())
+            .collect())
+    }
+
+    /// Client connections to it: established TCP connections to its port
+    /// whose client end is not the broker's own (its transaction
+    /// coordinator writes markers and verifies transactions through
+    /// connections to itself).
+    fn client_connections(&self) -> usize {
+        let pid = self.proc.as_ref().map(Watchdog::server_pid).or(self.adopted);
+        let own = pid.map(socket_inodes).unwrap_or_default();
+        let mut n = 0;
+        for table in ["/proc/net/tcp", "/proc/net/tcp6"] {
+            let Ok(text) = std::fs::read_to_string(table) else {
+                return usize::MAX;
+            };
+            n += text
+                .lines()
+                .skip(1)
+                .filter(|line| {
+                    let cols: Vec<&str> = line.split_whitespace().collect();
+                    let port = |addr: &str| addr.rsplit(':').next().and_then(|p| u16::from_str_radix(p, 16).ok());
+                    cols.len() > 9
+                        && cols[3] == "01"
+                        && port(cols[2]) == Some(self.port)
+                        && !cols[9].parse::<u64>().is_ok_and(|inode| own.contains(&inode))
+                })
+                .count();
+        }
+        n
     }
 
     /// `bootstrap.servers` for it.
@@ -787,28 +881,18 @@ mod shared {
     }
 }
 
-/// The TCP connections in state ESTABLISHED whose local port is `port`
-/// (the server side of clients connected to a listener on it), from
-/// `/proc/net/tcp` and `/proc/net/tcp6`; `usize::MAX` when they cannot be
-/// read (then nothing is reused).
-fn established_connections(port: u16) -> usize {
-    let mut n = 0;
-    for table in ["/proc/net/tcp", "/proc/net/tcp6"] {
-        let Ok(text) = std::fs::read_to_string(table) else {
-            return usize::MAX;
-        };
-        n += text
-            .lines()
-            .skip(1)
-            .filter(|line| {
-                let mut cols = line.split_whitespace();
-                let local = cols.nth(1).unwrap_or_default();
-                let state = cols.nth(1).unwrap_or_default();
-                state == "01" && local.rsplit(':').next().and_then(|p| u16::from_str_radix(p, 16).ok()) == Some(port)
-            })
-            .count();
-    }
-    n
+/// The socket inodes process `pid` holds open.
+fn socket_inodes(pid: u32) -> std::collections::HashSet<u64> {
+    let Ok(fds) = std::fs::read_dir(format!("/proc/{pid}/fd")) else {
+        return Default::default();
+    };
+    fds.flatten()
+        .filter_map(|fd| std::fs::read_link(fd.path()).ok())
+        .filter_map(|link| {
+            let link = link.to_string_lossy().into_owned();
+            link.strip_prefix("socket:[")?.strip_suffix(']')?.parse().ok()
+        })
+        .collect()
 }
 
 /// Removes the log dirs of brokers whose test process is gone: the
@@ -873,10 +957,11 @@ mod tests {
 
     /// A dropped broker comes back to the next start of the process with
     /// no topic and no group (the same port: not a new JVM), and one where
-    /// a topic had a config of its own without it, even after a restart; a
-    /// broker a client is still connected to, one a transactional producer
-    /// used, one that was killed, or one started with settings of its own,
-    /// is not reused. One test, so no other test of this binary takes the
+    /// a topic had a config of its own without it, even after a restart,
+    /// and one a transactional producer used once its transactions are
+    /// done; a broker a client is still connected to, one with a
+    /// transaction open, one that was killed, or one started with settings
+    /// of its own, is not reused. One test, so no other test of this binary takes the
     /// pooled broker meanwhile.
     #[test]
     fn a_dropped_broker_is_reused_empty_unless_it_kept_something_of_its_test() {
@@ -949,19 +1034,44 @@ mod tests {
         drop(admin);
         drop(reused);
         let fourth = Kafka::start();
-        // Nor one a transactional producer used (its transactional ids
-        // outlive its topics).
-        let producer: rdkafka::producer::BaseProducer = ClientConfig::new()
-            .set("bootstrap.servers", fourth.brokers())
-            .set("transactional.id", "pool-test")
-            .create()
-            .unwrap();
-        rdkafka::producer::Producer::init_transactions(&producer, Duration::from_secs(30)).unwrap();
-        drop(producer);
+        // One a transactional producer used is reused once its
+        // transactions are done (the coordinator's connections to itself
+        // are not clients)...
+        let transact = |k: &Kafka, commit: bool| {
+            use rdkafka::producer::{BaseRecord, Producer};
+            k.create_topic("orders", 2);
+            let producer: rdkafka::producer::BaseProducer = ClientConfig::new()
+                .set("bootstrap.servers", k.brokers())
+                .set("transactional.id", "pool-test")
+                .create()
+                .unwrap();
+            producer.init_transactions(Duration::from_secs(30)).unwrap();
+            producer.begin_transaction().unwrap();
+            producer.send(BaseRecord::to("orders").key("k").payload("v")).unwrap();
+            producer.flush(Duration::from_secs(30)).unwrap();
+            if commit {
+                producer.commit_transaction(Duration::from_secs(30)).unwrap();
+            }
+            // Dropped inside a transaction: the coordinator keeps it
+            // open until its timeout.
+        };
+        transact(&fourth, true);
         let transactional = fourth.port();
         drop(fourth);
+        let reused = Kafka::start();
+        assert_eq!(reused.port(), transactional, "its transactions done, it is reused");
+        assert!(reused.open_transactions().unwrap().is_empty());
+        // ...but not while a transaction is open (its abort on timeout
+        // would write a marker into the next test's partition of that name).
+        transact(&reused, false);
+        assert_eq!(reused.open_transactions().unwrap(), vec!["pool-test".to_string()]);
+        drop(reused);
         let mut fifth = Kafka::start();
-        assert_ne!(fifth.port(), transactional, "a broker with transactions is not reused");
+        assert_ne!(
+            fifth.port(),
+            transactional,
+            "a broker with a transaction open is not reused"
+        );
         // Nor a killed one.
         let killed = fifth.port();
         fifth.kill();
