@@ -264,6 +264,28 @@ impl Kafka {
         if clients > 0 {
             return Err(format!("{clients} client connections still open"));
         }
+        // A transaction left open (a relay SIGKILLed inside one) would be
+        // aborted when it times out, its markers written by topic name into
+        // the next test's partitions of that name (a control record that
+        // leaves a consumer's position one short of the end). Completed
+        // ones leave only their ids' epochs, which the next
+        // `init_transactions` of an id bumps as it would on a new broker.
+        // Checked first: a commit completing meanwhile could bring back
+        // a group's transactional offsets.
+        // One preparing its commit or abort (the coordinator answered
+        // `EndTxn` and writes the markers, to itself) ends on its own
+        // within moments: waited for, briefly.
+        let deadline = Instant::now() + Duration::from_secs(5);
+        loop {
+            let open = self.open_transactions()?;
+            let Some((id, _)) = open.first() else { break };
+            if open.iter().any(|(_, ongoing)| *ongoing) || Instant::now() > deadline {
+                return Err(format!("{} transactions open (transactional id {id})", open.len()));
+            }
+            // A poll interval, not a synchronisation: the loop ends on the
+            // coordinator's records.
+            std::thread::sleep(Duration::from_millis(50));
+        }
         let c = self.metadata_client();
         let md = c
             .fetch_metadata(None, Duration::from_secs(5))
@@ -294,16 +316,6 @@ impl Kafka {
         }
         if !topics.is_empty() {
             self.delete_topics(&admin, &c, &topics)?;
-        }
-        // A transaction left open (a relay SIGKILLed inside one) would be
-        // aborted when it times out, its markers written by topic name into
-        // the next test's partitions of that name (a control record that
-        // leaves a consumer's position one short of the end). Completed
-        // ones leave only their ids' epochs, which the next
-        // `init_transactions` of an id bumps as it would on a new broker.
-        let open = self.open_transactions()?;
-        if let Some(id) = open.first() {
-            return Err(format!("{} transactions open (transactional id {id})", open.len()));
         }
         // Once more, now that the last test's clients had the time the
         // deletions took: a client of a task still running then, or one
@@ -379,14 +391,17 @@ impl Kafka {
     }
 
     /// The transactional ids whose last state in `__transaction_state` is
-    /// open: ongoing, or preparing a commit, an abort or an epoch fence
-    /// (the coordinator's record: a key of version and id, a value whose
-    /// byte 16 is the state, after its version, producer id, epoch and
-    /// timeout). None when no transactional producer used the broker.
-    fn open_transactions(&self) -> Result<Vec<String>, String> {
+    /// open, each with whether it is ongoing (`false`: preparing a commit,
+    /// an abort or an epoch fence, which ends on its own) (the
+    /// coordinator's record: a key of version and id, a value whose byte 16
+    /// is the state, after its version, producer id, epoch and timeout; one
+    /// too short to read counts as ongoing). None when no transactional
+    /// producer used the broker.
+    fn open_transactions(&self) -> Result<Vec<(String, bool)>, String> {
         const TOPIC: &str = "__transaction_state";
         let c: BaseConsumer = ClientConfig::new()
             .set("bootstrap.servers", self.brokers())
+            // `assign` wants a group; none is joined and nothing committed.
             .set("group.id", "ferry-testkit-reset")
             .set("enable.auto.commit", "false")
             .set("enable.partition.eof", "true")
@@ -410,20 +425,22 @@ impl Kafka {
                     .map_err(|e| e.to_string())?;
             }
         }
-        let mut reading = tpl.count();
-        if reading == 0 {
+        let mut reading: std::collections::HashSet<i32> = tpl.elements().iter().map(|e| e.partition()).collect();
+        if reading.is_empty() {
             return Ok(Vec::new());
         }
         c.assign(&tpl).map_err(|e| e.to_string())?;
         let mut state: std::collections::HashMap<Vec<u8>, Option<u8>> = std::collections::HashMap::new();
         let deadline = Instant::now() + Duration::from_secs(10);
-        while reading > 0 {
+        while !reading.is_empty() {
             if Instant::now() > deadline {
                 return Err(format!("{TOPIC} not read within 10 s"));
             }
             match c.poll(Duration::from_millis(100)) {
                 None => {}
-                Some(Err(rdkafka::error::KafkaError::PartitionEOF(_))) => reading -= 1,
+                Some(Err(rdkafka::error::KafkaError::PartitionEOF(p))) => {
+                    reading.remove(&p);
+                }
                 Some(Err(e)) => return Err(e.to_string()),
                 Some(Ok(m)) => {
                     use rdkafka::Message;
@@ -435,7 +452,10 @@ impl Kafka {
         Ok(state
             .into_iter()
             .filter(|(_, s)| matches!(s, Some(1 | 2 | 3 | 7 | u8::MAX)))
-            .map(|(k, _)| String::from_utf8_lossy(k.get(4..).unwrap_or_default()).into_owned())
+            .map(|(k, s)| {
+                let id = String::from_utf8_lossy(k.get(4..).unwrap_or_default()).into_owned();
+                (id, matches!(s, Some(1 | u8::MAX)))
+            })
             .collect())
     }
 
@@ -444,13 +464,21 @@ impl Kafka {
     /// coordinator writes markers and verifies transactions through
     /// connections to itself).
     fn client_connections(&self) -> usize {
-        let pid = self.proc.as_ref().map(Watchdog::server_pid).or(self.adopted);
-        let own = pid.map(socket_inodes).unwrap_or_default();
-        let mut n = 0;
+        // The tables first, the broker's sockets after: one it opened
+        // between the two reads is not in the tables, and one of its own
+        // seen in them is still among its sockets unless it closed
+        // meanwhile (then counted: a broker not reused, nothing leaked).
+        let mut tables = Vec::new();
         for table in ["/proc/net/tcp", "/proc/net/tcp6"] {
             let Ok(text) = std::fs::read_to_string(table) else {
                 return usize::MAX;
             };
+            tables.push(text);
+        }
+        let pid = self.proc.as_ref().map(Watchdog::server_pid).or(self.adopted);
+        let own = pid.map(socket_inodes).unwrap_or_default();
+        let mut n = 0;
+        for text in tables {
             n += text
                 .lines()
                 .skip(1)
@@ -1064,7 +1092,10 @@ mod tests {
         // ...but not while a transaction is open (its abort on timeout
         // would write a marker into the next test's partition of that name).
         transact(&reused, false);
-        assert_eq!(reused.open_transactions().unwrap(), vec!["pool-test".to_string()]);
+        assert_eq!(
+            reused.open_transactions().unwrap(),
+            vec![("pool-test".to_string(), true)]
+        );
         drop(reused);
         let mut fifth = Kafka::start();
         assert_ne!(

@@ -667,7 +667,8 @@ enum Check {
     /// the next one, the stream going on meanwhile.
     Periodic,
     /// A `Relation` message: pgoutput rebuilt its entry for the table
-    /// (every rebuild sends the schema again before the next row), which
+    /// (from PostgreSQL 15, every rebuild sends the schema again before the
+    /// next row; 13 and 14 only after a relation's own invalidation), which
     /// is also how it resumes after skipping rows on a stale membership of
     /// a publication made again. No row after it may be published until
     /// the check passes, so a failed check ends the session.

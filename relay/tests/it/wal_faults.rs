@@ -499,8 +499,8 @@ async fn wal_the_publication_made_again_while_streaming_loses_nothing() {
 }
 
 /// A publication made again is caught at the next row, not by the periodic
-/// check racing it: pgoutput sends the table's schema again before the
-/// first row it decides on anew (as before the first it publishes after
+/// check racing it: pgoutput (PostgreSQL 15+, what the suite runs) sends
+/// the table's schema again before the first row it decides on anew (as before the first it publishes after
 /// skipping rows on the old publication's cached membership), and the
 /// relay checks the publication there, before publishing that row. With
 /// the periodic check off (the failpoint), one row written after the
