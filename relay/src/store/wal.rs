@@ -867,6 +867,14 @@ impl RelayStore {
         .await
     }
 
+    /// A trivial statement on a connection of the pool: answered when
+    /// PostgreSQL and the network to it are alive (the probe of a session
+    /// waiting on a statement of its own, whose bound is long).
+    pub async fn wal_answers(&self) -> Result<()> {
+        sqlx::query("SELECT 1").execute(self.pg()?).await?;
+        Ok(())
+    }
+
     /// Sends a ping through the WAL: a non-transactional logical message
     /// with prefix `prefix`, streamed to every slot of the database.
     /// Returns the ping's position.

@@ -136,7 +136,10 @@ pub(super) async fn run(ctx: &Ctx, iso: &mut Isolation, reseed: &mut bool, finis
         pipeline.failed().cloned().unwrap_or(Ended::Retry("marker_stopped"))
     } else {
         let ended = match read {
-            Some(read) => catch_up(ctx, &mut pipeline, read, iso, finish).await,
+            Some(read) => match while_answering(ctx, catch_up(ctx, &mut pipeline, read, iso, finish)).await {
+                Ok(ended) => ended,
+                Err(end) => Some(end),
+            },
             None => None,
         };
         match ended {
@@ -369,6 +372,42 @@ async fn prepare_slot(
         false => {
             tracing::info!(%slot, "shut down while the slot waited for running transactions; it was not made");
             Err(Ended::Shutdown)
+        }
+    }
+}
+
+/// `work` (the table read: its pages' statements, whose bound is long, the
+/// marks it waits for, Kafka), or `Err` ending the session when PostgreSQL
+/// stops answering meanwhile: after each [`SILENCE`] of waiting, a trivial
+/// statement must be answered within [`PING_WAIT`]. The stream's silence
+/// check does this while streaming; without it, a half-open connection
+/// under the table read held the session for the page's bound (10 min).
+/// Dropping `work` there is a crash of the read at that await: what it
+/// published and did not mark is published again (exactly once, the
+/// progress record knows what Kafka committed).
+async fn while_answering<T>(ctx: &Ctx, work: impl std::future::Future<Output = T>) -> Result<T, Ended> {
+    tokio::pin!(work);
+    loop {
+        tokio::select! {
+            out = &mut work => return Ok(out),
+            () = tokio::time::sleep(SILENCE) => {
+                let probe = tokio::time::timeout(PING_WAIT, ctx.state.store.wal_answers());
+                tokio::pin!(probe);
+                tokio::select! {
+                    out = &mut work => return Ok(out),
+                    answered = &mut probe => match answered {
+                        Ok(Ok(())) => {}
+                        Ok(Err(e)) => {
+                            tracing::warn!(error = %e, code = e.code(), "PostgreSQL failed a probe during the table read; ending the session");
+                            return Err(Ended::Retry("database"));
+                        }
+                        Err(_) => {
+                            tracing::warn!(bound = ?PING_WAIT, "PostgreSQL did not answer a probe during the table read; ending the session");
+                            return Err(Ended::Retry("database"));
+                        }
+                    },
+                }
+            }
         }
     }
 }

@@ -955,3 +955,22 @@ pub async fn all_ids(ferry: &Ferry) -> Vec<i64> {
         .await
         .unwrap()
 }
+
+/// One transaction's worth of plain SQL inserts: `n` rows of key `key` (or
+/// of 20 keys `key-<g % 20>` when `key` is `None`), ids in one block;
+/// returns their ids.
+pub async fn insert_many<'c>(conn: impl sqlx::PgExecutor<'c>, n: i64, key: Option<&str>) -> Vec<i64> {
+    sqlx::query_scalar(
+        "INSERT INTO outbox (tenant, topic, key, lane, payload, headers, created_at)
+         SELECT 'acme', 'orders', COALESCE($2, 'key-' || (g % 20)), 0,
+                convert_to('{\"g\":' || g || '}', 'UTF8'), '{}'::jsonb,
+                (extract(epoch FROM clock_timestamp()) * 1000)::bigint
+         FROM generate_series(1, $1) g
+         RETURNING id",
+    )
+    .bind(n)
+    .bind(key)
+    .fetch_all(conn)
+    .await
+    .unwrap()
+}

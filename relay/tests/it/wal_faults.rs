@@ -315,25 +315,6 @@ async fn wal_an_invalidated_slot_is_made_anew_and_the_undelivered_rows_are_publi
     eprintln!("invalidated slot: {duplicates} duplicates for 400 rows");
 }
 
-/// One transaction's worth of plain SQL inserts: `n` rows of key `key` (or
-/// of 20 keys `key-<g % 20>` when `key` is `None`), ids in one block;
-/// returns their ids.
-async fn insert_many<'c>(conn: impl sqlx::PgExecutor<'c>, n: i64, key: Option<&str>) -> Vec<i64> {
-    sqlx::query_scalar(
-        "INSERT INTO outbox (tenant, topic, key, lane, payload, headers, created_at)
-         SELECT 'acme', 'orders', COALESCE($2, 'key-' || (g % 20)), 0,
-                convert_to('{\"g\":' || g || '}', 'UTF8'), '{}'::jsonb,
-                (extract(epoch FROM clock_timestamp()) * 1000)::bigint
-         FROM generate_series(1, $1) g
-         RETURNING id",
-    )
-    .bind(n)
-    .bind(key)
-    .fetch_all(conn)
-    .await
-    .unwrap()
-}
-
 /// A relay process is SIGKILLed while it publishes one 20,001-row
 /// transaction: some of its `orders` rows are on the topic, but its last
 /// row's topic does not exist yet, so the transaction cannot settle and no
