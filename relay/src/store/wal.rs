@@ -867,11 +867,17 @@ impl RelayStore {
         .await
     }
 
-    /// A trivial statement on a connection of the pool: answered when
-    /// PostgreSQL and the network to it are alive (the probe of a session
-    /// waiting on a statement of its own, whose bound is long).
+    /// A trivial statement on a connection of its own, opened for it and
+    /// closed: answered when PostgreSQL and the network to it are alive
+    /// (the probe of a session waiting on a statement of its own, whose
+    /// bound is long). Not the pool's: a pool whose connections are all
+    /// busy with long statements of a healthy server (many streams reading
+    /// their tables at once) is no evidence of a dead one.
     pub async fn wal_answers(&self) -> Result<()> {
-        sqlx::query("SELECT 1").execute(self.pg()?).await?;
+        use sqlx::Connection;
+        let mut conn = sqlx::PgConnection::connect_with(&self.pg()?.connect_options()).await?;
+        sqlx::query("SELECT 1").execute(&mut conn).await?;
+        let _ = conn.close().await;
         Ok(())
     }
 

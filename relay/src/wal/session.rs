@@ -379,7 +379,7 @@ async fn prepare_slot(
 /// `work` (the table read: its pages' statements, whose bound is long, the
 /// marks it waits for, Kafka), or `Err` ending the session when PostgreSQL
 /// stops answering meanwhile: after each [`SILENCE`] of waiting, a trivial
-/// statement must be answered within [`PING_WAIT`]. The stream's silence
+/// statement on a new connection must be answered within [`PING_WAIT`]. The stream's silence
 /// check does this while streaming; without it, a half-open connection
 /// under the table read held the session for the page's bound (10 min).
 /// Dropping `work` there is a crash of the read at that await: what it
