@@ -285,11 +285,7 @@ async fn wal_a_half_open_network_during_the_table_read_is_noticed_and_nothing_is
     wait_for_relay_count(&ferry, &relay, &DELIVERED, 20_000, Duration::from_secs(120)).await;
     relay.shutdown().await;
     let recs = read_all(&brokers, "orders", false, Duration::from_secs(60)).await;
-    let ids: Vec<i64> = sqlx::query_scalar("SELECT id FROM outbox ORDER BY id")
-        .fetch_all(&pool)
-        .await
-        .unwrap();
-    let duplicates = nothing_lost(&recs, &ids);
+    let duplicates = nothing_lost(&recs, &all_ids(&ferry).await);
     drop(slot);
     assert!(noticed <= NOTICED_WITHIN, "noticed after {noticed:?}");
     eprintln!(
