@@ -229,9 +229,15 @@ async fn same_key_rows_arrive_in_id_order_with_concurrent_writers_and_two_relays
     for (key, seqs) in &per_key {
         assert_eq!(seqs, &(1..=61).collect::<Vec<_>>(), "key {key} out of order");
     }
-    let (pa, pb) = (a.state.metrics.published.get(), b.state.metrics.published.get());
+    // The metrics count rows once marked, which follows Kafka's
+    // acknowledgement: read them once every row is marked and both relays
+    // have stopped (their last marks are counted by then).
+    let delivered = &format!("SELECT count(*) FROM {OUTBOX} WHERE state = 'delivered'");
+    wait_for_count(&ferry, delivered, total as i64, Duration::from_secs(60)).await;
+    let (sa, sb) = (a.state.clone(), b.state.clone());
     a.shutdown().await;
     b.shutdown().await;
+    let (pa, pb) = (sa.metrics.published.get(), sb.metrics.published.get());
     match capture {
         Capture::Poll => assert!(pa > 0 && pb > 0, "both relays published (a: {pa}, b: {pb})"),
         // Several streams: each streamed by one relay at a time, which
