@@ -80,7 +80,23 @@ pub fn relay_config(url: &str, brokers: &str) -> RelayConfig {
     cfg.poll_interval = Duration::from_millis(50);
     cfg.lease = Duration::from_secs(3);
     cfg.grace = Duration::from_secs(5);
+    cfg.transactional_id_prefix = transactional_prefix(url);
     cfg
+}
+
+/// The transactional id prefix of one test's exactly-once relays, from its
+/// database's schema (`ferry_t_<born>_<pid>_<n>`, unique per test): the
+/// lanes' transactional ids and the progress topic are the test's own, so
+/// a Kafka broker reused from another test holds no state of them (what a
+/// new broker shows).
+pub fn transactional_prefix(url: &str) -> String {
+    let tail = url.rsplit(['/', '=']).next().unwrap_or(url);
+    let schema = tail.rsplit("%3D").next().unwrap_or(tail);
+    let name: String = schema
+        .chars()
+        .filter(|c| c.is_ascii_alphanumeric() || *c == '_')
+        .collect();
+    format!("t-{name}")
 }
 
 /// Runs `scenario(capture)` once per capture mode, as the tests
@@ -524,6 +540,9 @@ fn relay_command(url: &str, brokers: &str, extra: &[&str], env: &[(&str, &str)])
     .env("FERRY_CAPTURE", "poll")
     .envs(env.iter().copied())
     .stdout(std::process::Stdio::null());
+    if extra.contains(&"--exactly-once") && !extra.contains(&"--transactional-id-prefix") {
+        cmd.args(["--transactional-id-prefix", &transactional_prefix(url)]);
+    }
     cmd
 }
 
