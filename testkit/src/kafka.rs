@@ -296,13 +296,22 @@ impl Kafka {
             .map(|t| t.name().to_owned())
             .filter(|t| !t.starts_with("__"))
             .collect();
-        let groups: Vec<String> = c
-            .fetch_group_list(None, Duration::from_secs(5))
-            .map_err(|e| e.to_string())?
-            .groups()
-            .iter()
-            .map(|g| g.name().to_owned())
-            .collect();
+        // A group coordinator still loading its partitions (one the test
+        // made moments ago) answers the listing with an error for a while.
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let groups: Vec<String> = loop {
+            match c.fetch_group_list(None, Duration::from_secs(5)) {
+                Ok(list) => break list.groups().iter().map(|g| g.name().to_owned()).collect(),
+                Err(rdkafka::error::KafkaError::GroupListFetch(
+                    rdkafka::types::RDKafkaErrorCode::CoordinatorLoadInProgress
+                    | rdkafka::types::RDKafkaErrorCode::CoordinatorNotAvailable,
+                )) if Instant::now() < deadline => {
+                    // A poll interval: the loop ends on the coordinator's answer.
+                    std::thread::sleep(Duration::from_millis(50));
+                }
+                Err(e) => return Err(e.to_string()),
+            }
+        };
         let admin: AdminClient<DefaultClientContext> = ClientConfig::new()
             .set("bootstrap.servers", self.brokers())
             .create()
@@ -399,6 +408,16 @@ impl Kafka {
     /// producer used the broker.
     fn open_transactions(&self) -> Result<Vec<(String, bool)>, String> {
         const TOPIC: &str = "__transaction_state";
+        // Most brokers never had a transactional producer: no consumer of
+        // a group is made for them (its coordinator lookup would create
+        // `__consumer_offsets`, whose loading then fails the group listing).
+        let md = self
+            .metadata_client()
+            .fetch_metadata(None, Duration::from_secs(5))
+            .map_err(|e| e.to_string())?;
+        if !md.topics().iter().any(|t| t.name() == TOPIC) {
+            return Ok(Vec::new());
+        }
         let c: BaseConsumer = ClientConfig::new()
             .set("bootstrap.servers", self.brokers())
             // `assign` wants a group; none is joined and nothing committed.
@@ -755,7 +774,29 @@ impl Kafka {
 
 impl Drop for Kafka {
     fn drop(&mut self) {
-        if self.reusable && !std::thread::panicking() && self.broker_alive() && self.reset().is_ok() {
+        if std::thread::panicking() {
+            // What the broker found wrong (a reused one's log holds its
+            // earlier tests' too), for the failing test's output.
+            let log = self.log_tail(usize::MAX);
+            let bad: Vec<&str> = log
+                .lines()
+                .filter(|l| l.contains(" WARN ") || l.contains(" ERROR "))
+                .collect();
+            eprintln!(
+                "Kafka broker on port {}: its last warnings and errors:\n{}",
+                self.port,
+                bad[bad.len().saturating_sub(20)..].join("\n")
+            );
+        }
+        let reset = || match self.reset() {
+            Ok(()) => true,
+            Err(e) => {
+                // Shown with a failing test's output.
+                eprintln!("Kafka broker on port {}: not reused: {e}", self.port);
+                false
+            }
+        };
+        if self.reusable && !std::thread::panicking() && self.broker_alive() && reset() {
             if shared::park(self) {
                 // Its watchdog (dropped with this value) keeps it for the run.
                 return;

@@ -85,18 +85,15 @@ pub fn relay_config(url: &str, brokers: &str) -> RelayConfig {
 }
 
 /// The transactional id prefix of one test's exactly-once relays, from its
-/// database's schema (`ferry_t_<born>_<pid>_<n>`, unique per test): the
-/// lanes' transactional ids and the progress topic are the test's own, so
-/// a Kafka broker reused from another test holds no state of them (what a
-/// new broker shows).
+/// database URL (a schema, or a cluster, of the test's own; every relay of
+/// the test is given the same URL): the lanes' transactional ids and the
+/// progress topic are the test's own, so a Kafka broker reused from another
+/// test holds no state of them (what a new broker shows).
 pub fn transactional_prefix(url: &str) -> String {
-    let tail = url.rsplit(['/', '=']).next().unwrap_or(url);
-    let schema = tail.rsplit("%3D").next().unwrap_or(tail);
-    let name: String = schema
-        .chars()
-        .filter(|c| c.is_ascii_alphanumeric() || *c == '_')
-        .collect();
-    format!("t-{name}")
+    use std::hash::{Hash, Hasher};
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    url.hash(&mut h);
+    format!("t-{:016x}", h.finish())
 }
 
 /// Runs `scenario(capture)` once per capture mode, as the tests
@@ -454,8 +451,8 @@ pub async fn readyz_until(relay: &RunningRelay, want: &str, limit: Duration) {
 }
 
 /// A `ferry-relay run` child process, SIGKILLed when dropped (also when
-/// the test fails), so no relay outlives its test. Its warnings and errors
-/// go to a file of its own, printed when it is dropped during a failing
+/// the test fails), so no relay outlives its test. Its log (the relay's
+/// own at info, its libraries' warnings and errors) goes to a file of its own, printed when it is dropped during a failing
 /// test: a relay that stalled says why in the test's output.
 pub struct RelayProcess(pub std::process::Child, Option<std::path::PathBuf>);
 
@@ -481,7 +478,7 @@ impl Drop for RelayProcess {
                 let text = std::fs::read_to_string(&log).unwrap_or_default();
                 let lines: Vec<&str> = text.lines().collect();
                 eprintln!(
-                    "ferry-relay (pid {}) warnings and errors, last 40 lines:\n{}",
+                    "ferry-relay (pid {}) log, last 40 lines:\n{}",
                     self.0.id(),
                     lines[lines.len().saturating_sub(40)..].join("\n")
                 );
@@ -508,7 +505,7 @@ pub fn spawn_relay_process(url: &str, brokers: &str, extra: &[&str], env: &[(&st
         SEQ.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
     ));
     let file = std::fs::File::create(&log).expect("relay log file");
-    cmd.env("RUST_LOG", "warn").stderr(file);
+    cmd.env("RUST_LOG", "warn,ferry_relay=info").stderr(file);
     RelayProcess(cmd.spawn().expect("spawn ferry-relay"), Some(log))
 }
 
@@ -540,7 +537,9 @@ fn relay_command(url: &str, brokers: &str, extra: &[&str], env: &[(&str, &str)])
     .env("FERRY_CAPTURE", "poll")
     .envs(env.iter().copied())
     .stdout(std::process::Stdio::null());
-    if extra.contains(&"--exactly-once") && !extra.contains(&"--transactional-id-prefix") {
+    if extra.iter().any(|a| a.starts_with("--exactly-once"))
+        && !extra.iter().any(|a| a.starts_with("--transactional-id-prefix"))
+    {
         cmd.args(["--transactional-id-prefix", &transactional_prefix(url)]);
     }
     cmd
