@@ -21,8 +21,7 @@ use serde_json::json;
 use crate::support::*;
 use ferry_testkit::Kafka;
 
-/// Exactly once; `relay_command` adds the test's own transactional id prefix.
-const EOS: &[&str] = &["--exactly-once"];
+const EOS: &[&str] = &["--exactly-once", "--transactional-id-prefix", "t-eos"];
 
 pub(crate) fn committed_reader(brokers: &str, topic: &str) -> BaseConsumer {
     let c: BaseConsumer = ClientConfig::new()

@@ -80,20 +80,7 @@ pub fn relay_config(url: &str, brokers: &str) -> RelayConfig {
     cfg.poll_interval = Duration::from_millis(50);
     cfg.lease = Duration::from_secs(3);
     cfg.grace = Duration::from_secs(5);
-    cfg.transactional_id_prefix = transactional_prefix(url);
     cfg
-}
-
-/// The transactional id prefix of one test's exactly-once relays, from its
-/// database URL (a schema, or a cluster, of the test's own; every relay of
-/// the test is given the same URL): the lanes' transactional ids and the
-/// progress topic are the test's own, so a Kafka broker reused from another
-/// test holds no state of them (what a new broker shows).
-pub fn transactional_prefix(url: &str) -> String {
-    use std::hash::{Hash, Hasher};
-    let mut h = std::collections::hash_map::DefaultHasher::new();
-    url.hash(&mut h);
-    format!("t-{:016x}", h.finish())
 }
 
 /// Runs `scenario(capture)` once per capture mode, as the tests
@@ -452,8 +439,9 @@ pub async fn readyz_until(relay: &RunningRelay, want: &str, limit: Duration) {
 
 /// A `ferry-relay run` child process, SIGKILLed when dropped (also when
 /// the test fails), so no relay outlives its test. Its log (the relay's
-/// own at info, its libraries' warnings and errors) goes to a file of its own, printed when it is dropped during a failing
-/// test: a relay that stalled says why in the test's output.
+/// own at info, its libraries' warnings and errors) goes to a file of its
+/// own, printed when it is dropped during a failing test: a relay that
+/// stalled says why in the test's output.
 pub struct RelayProcess(pub std::process::Child, Option<std::path::PathBuf>);
 
 impl std::ops::Deref for RelayProcess {
@@ -537,11 +525,6 @@ fn relay_command(url: &str, brokers: &str, extra: &[&str], env: &[(&str, &str)])
     .env("FERRY_CAPTURE", "poll")
     .envs(env.iter().copied())
     .stdout(std::process::Stdio::null());
-    if extra.iter().any(|a| a.starts_with("--exactly-once"))
-        && !extra.iter().any(|a| a.starts_with("--transactional-id-prefix"))
-    {
-        cmd.args(["--transactional-id-prefix", &transactional_prefix(url)]);
-    }
     cmd
 }
 
