@@ -580,7 +580,7 @@ impl Kafka {
     fn format(&self) {
         let data = self.dir.join("data");
         let template = kafka_home().join("bootstrap.checkpoint");
-        if let Ok(checkpoint) = std::fs::read(&template) {
+        if let Some(checkpoint) = std::fs::read(&template).ok().filter(|c| !c.is_empty()) {
             let meta = format!(
                 "node.id=1\ndirectory.id={}\nversion=1\ncluster.id={}\n",
                 cluster_id(),
@@ -606,10 +606,11 @@ impl Kafka {
             String::from_utf8_lossy(&out.stdout),
             String::from_utf8_lossy(&out.stderr)
         );
-        // Kept for the next starts; renamed into place, so a concurrent
-        // reader sees the whole file or none (a failure only costs the
-        // next start a format of its own).
-        let tmp = template.with_extension(format!("checkpoint.{}", std::process::id()));
+        // Kept for the next starts; written under a name of this start's
+        // own and renamed into place, so a concurrent reader sees the
+        // whole file or none (a failure only costs the next start a
+        // format of its own).
+        let tmp = template.with_extension(format!("checkpoint.{}-{}", std::process::id(), self.port));
         if std::fs::copy(data.join("bootstrap.checkpoint"), &tmp).is_err() || std::fs::rename(&tmp, &template).is_err()
         {
             let _ = std::fs::remove_file(&tmp);

@@ -1911,15 +1911,26 @@ async fn a_poll_s_partitions_are_handled_at_once() {
         // partition's records.
         .lease(Duration::from_secs(600))
         .kafka("session.timeout.ms", "6000")
-        // A fetch is answered once 30 kB are there, and only then (the
-        // warm and gate records are that big alone): the pair's records
-        // come in one answer however long producing them takes.
+        // A fetch is answered once 30 kB are there (the warm and gate
+        // records are that big alone), or after 10 s: a round whose pair
+        // came in two answers (its producing outlasted the wait) then ends
+        // without a meeting, and the next round tries again.
         .kafka("fetch.min.bytes", "30000")
-        .kafka("fetch.wait.max.ms", "300000")
+        .kafka("fetch.wait.max.ms", "10000")
         .build()
         .unwrap();
     let consumer = Running::spawn(c);
-    let p = producer(&broker.brokers());
+    // Each send waits up to a second for the others: each partition's 20
+    // records go as one batch, however the sending loop is paused, so no
+    // fetch answer can take a part of them (one partition's 20 kB are not
+    // enough to answer it, both partitions' are).
+    let p: FutureProducer = ClientConfig::new()
+        .set("bootstrap.servers", broker.brokers())
+        .set("enable.idempotence", "true")
+        .set("acks", "all")
+        .set("linger.ms", "1000")
+        .create()
+        .unwrap();
     let handled = "SELECT count(*) FROM consumer_ledger WHERE group_id = 'meet'";
     let big = format!("{{\"pad\":\"{}\"}}", "x".repeat(30_000));
     // Both partitions assigned and fetching (a first fetch starts each
