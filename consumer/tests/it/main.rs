@@ -99,12 +99,21 @@ impl Handler for Apply {
 }
 
 fn producer(brokers: &str) -> FutureProducer {
-    ClientConfig::new()
+    producer_with(brokers, &[])
+}
+
+/// An idempotent producer acknowledged by all replicas, with `extra`
+/// librdkafka settings.
+fn producer_with(brokers: &str, extra: &[(&str, &str)]) -> FutureProducer {
+    let mut config = ClientConfig::new();
+    config
         .set("bootstrap.servers", brokers)
         .set("enable.idempotence", "true")
-        .set("acks", "all")
-        .create()
-        .unwrap()
+        .set("acks", "all");
+    for (k, v) in extra {
+        config.set(*k, *v);
+    }
+    config.create().unwrap()
 }
 
 async fn produce(p: &FutureProducer, topic: &str, key: &str, outbox_id: Option<&str>) {
@@ -1924,13 +1933,7 @@ async fn a_poll_s_partitions_are_handled_at_once() {
     // records go as one batch, however the sending loop is paused, so no
     // fetch answer can take a part of them (one partition's 20 kB are not
     // enough to answer it, both partitions' are).
-    let p: FutureProducer = ClientConfig::new()
-        .set("bootstrap.servers", broker.brokers())
-        .set("enable.idempotence", "true")
-        .set("acks", "all")
-        .set("linger.ms", "1000")
-        .create()
-        .unwrap();
+    let p = producer_with(&broker.brokers(), &[("linger.ms", "1000")]);
     let handled = "SELECT count(*) FROM consumer_ledger WHERE group_id = 'meet'";
     let big = format!("{{\"pad\":\"{}\"}}", "x".repeat(30_000));
     // Both partitions assigned and fetching (a first fetch starts each
