@@ -162,7 +162,7 @@ impl Kafka {
         loop {
             attempt += 1;
             let mut k = Self::configure(overrides, advertised);
-            k.format();
+            k.format(overrides.is_empty());
             match k.try_spawn() {
                 Ok(()) => {
                     k.reusable = reusable;
@@ -577,18 +577,28 @@ impl Kafka {
     /// format on a machine runs `kafka.tools.StorageTool` and keeps its
     /// `bootstrap.checkpoint` in the Kafka home; later ones write both
     /// files themselves: no JVM (about 0.8 s of CPU) per broker start.
-    fn format(&self) {
+    /// A broker with settings of its own (`plain` false) is formatted by
+    /// the tool, which reads them; so is one when the template is not
+    /// whole (its record batches do not fill the file exactly), which the
+    /// format then writes again.
+    fn format(&self, plain: bool) {
         let data = self.dir.join("data");
         let template = kafka_home().join("bootstrap.checkpoint");
-        if let Some(checkpoint) = std::fs::read(&template).ok().filter(|c| !c.is_empty()) {
-            let meta = format!(
-                "node.id=1\ndirectory.id={}\nversion=1\ncluster.id={}\n",
-                cluster_id(),
-                cluster_id()
-            );
-            std::fs::write(data.join("meta.properties"), meta).expect("meta.properties");
-            std::fs::write(data.join("bootstrap.checkpoint"), checkpoint).expect("bootstrap.checkpoint");
-            return;
+        if plain {
+            match std::fs::read(&template) {
+                Ok(checkpoint) if whole_batches(&checkpoint) => {
+                    let meta = format!(
+                        "node.id=1\ndirectory.id={}\nversion=1\ncluster.id={}\n",
+                        cluster_id(),
+                        cluster_id()
+                    );
+                    std::fs::write(data.join("meta.properties"), meta).expect("meta.properties");
+                    std::fs::write(data.join("bootstrap.checkpoint"), checkpoint).expect("bootstrap.checkpoint");
+                    return;
+                }
+                Ok(_) => eprintln!("{}: not whole, formatting with the storage tool", template.display()),
+                Err(_) => {}
+            }
         }
         let out = Command::new(Self::java())
             .args(Self::jvm_options())
@@ -606,13 +616,18 @@ impl Kafka {
             String::from_utf8_lossy(&out.stdout),
             String::from_utf8_lossy(&out.stderr)
         );
-        // Kept for the next starts; written under a name of this start's
-        // own and renamed into place, so a concurrent reader sees the
-        // whole file or none (a failure only costs the next start a
-        // format of its own).
+        if !plain {
+            return;
+        }
+        // Kept for the next starts: written under a name of this start's
+        // own, flushed, and renamed into place, so a reader (a concurrent
+        // one, or one after a machine crash) sees the whole file or none
+        // (a failure only costs the next start a format of its own).
         let tmp = template.with_extension(format!("checkpoint.{}-{}", std::process::id(), self.port));
-        if std::fs::copy(data.join("bootstrap.checkpoint"), &tmp).is_err() || std::fs::rename(&tmp, &template).is_err()
-        {
+        let kept = std::fs::copy(data.join("bootstrap.checkpoint"), &tmp)
+            .and_then(|_| std::fs::File::open(&tmp)?.sync_all())
+            .and_then(|()| std::fs::rename(&tmp, &template));
+        if kept.is_err() {
             let _ = std::fs::remove_file(&tmp);
         }
     }
@@ -913,6 +928,27 @@ fn remove_dead_processes_dirs() {
     }
 }
 
+/// Whether `log` is a whole Kafka log file: record batches (an 8-byte base
+/// offset, a 4-byte length, then that many bytes) that end exactly at its
+/// end, at least one. A truncated or padded file is not.
+fn whole_batches(log: &[u8]) -> bool {
+    let mut at = 0usize;
+    while at < log.len() {
+        let Some(len) = log.get(at + 8..at + 12) else {
+            return false;
+        };
+        let len = i32::from_be_bytes([len[0], len[1], len[2], len[3]]);
+        let Ok(len) = usize::try_from(len) else {
+            return false;
+        };
+        if len == 0 {
+            return false;
+        }
+        at += 12 + len;
+    }
+    at == log.len() && !log.is_empty()
+}
+
 /// A KRaft cluster id: 16 random bytes, base64url without padding (what
 /// `kafka-storage.sh random-uuid` prints). Like Kafka's `Uuid.randomUuid`,
 /// it never starts with `-`, which the storage tool would read as a flag.
@@ -944,6 +980,30 @@ fn encode_cluster_id(bytes: [u8; 16]) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_template_checkpoint_is_used_only_when_its_batches_fill_it() {
+        let batch = |n: u8| {
+            let mut b = 0i64.to_be_bytes().to_vec();
+            b.extend_from_slice(&20i32.to_be_bytes());
+            b.extend(std::iter::repeat_n(n, 20));
+            b
+        };
+        let two = [batch(1), batch(2)].concat();
+        assert!(whole_batches(&two));
+        assert!(whole_batches(&batch(3)));
+        assert!(!whole_batches(&two[..two.len() - 1]), "truncated");
+        assert!(!whole_batches(&two[..30]), "cut inside a batch");
+        assert!(!whole_batches(&[two.clone(), vec![0; 5]].concat()), "padded");
+        assert!(!whole_batches(&[]), "empty");
+        let mut negative = batch(4);
+        negative[8..12].copy_from_slice(&(-1i32).to_be_bytes());
+        assert!(!whole_batches(&negative));
+        // The storage tool's own, when this machine has made it.
+        if let Ok(real) = std::fs::read(kafka_home().join("bootstrap.checkpoint")) {
+            assert!(whole_batches(&real));
+        }
+    }
 
     #[test]
     fn cluster_ids_are_22_base64url_chars() {
