@@ -17,9 +17,7 @@ use std::time::{Duration, Instant};
 
 use ferry_relay::metrics::CodeLabel;
 use ferry_testkit::Kafka;
-use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::message::{Headers, Message};
-use rdkafka::ClientConfig;
 use serde_json::Value;
 
 use crate::support::*;
@@ -117,15 +115,8 @@ fn by_partition(recs: &[Rec]) -> BTreeMap<(String, i32), Vec<Rec>> {
 
 /// Every record of `topics` from the beginning, until `want` arrived.
 fn read(brokers: &str, topics: &[String], want: usize, limit: Duration) -> Vec<Rec> {
-    let c: BaseConsumer = ClientConfig::new()
-        .set("bootstrap.servers", brokers)
-        .set("group.id", format!("dbz-{}", uuid::Uuid::now_v7().simple()))
-        .set("auto.offset.reset", "earliest")
-        .set("enable.auto.commit", "false")
-        .create()
-        .unwrap();
     let names: Vec<&str> = topics.iter().map(String::as_str).collect();
-    c.subscribe(&names).unwrap();
+    let c = consumer(brokers, &names);
     let start = Instant::now();
     let mut out = Vec::new();
     while out.len() < want {

@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use ferry::{Ferry, OutboxMessage};
 use ferry_relay::exactly_once::Progress;
-use rdkafka::consumer::{BaseConsumer, Consumer};
+use rdkafka::consumer::BaseConsumer;
 use rdkafka::message::{Header, OwnedHeaders};
 use rdkafka::producer::{BaseProducer, BaseRecord, Producer};
 use rdkafka::ClientConfig;
@@ -21,18 +21,17 @@ use serde_json::json;
 use crate::support::*;
 use ferry_testkit::Kafka;
 
-const EOS: &[&str] = &["--exactly-once", "--transactional-id-prefix", "t-eos"];
+/// Exactly once; `relay_command` adds the test's own transactional id prefix.
+const EOS: &[&str] = &["--exactly-once"];
 
 pub(crate) fn committed_reader(brokers: &str, topic: &str) -> BaseConsumer {
     let c: BaseConsumer = ClientConfig::new()
         .set("bootstrap.servers", brokers)
-        .set("group.id", format!("eos-{}", uuid::Uuid::now_v7().simple()))
-        .set("auto.offset.reset", "earliest")
-        .set("enable.auto.commit", "false")
+        .set("group.id", READER_GROUP)
         .set("isolation.level", "read_committed")
         .create()
         .unwrap();
-    c.subscribe(&[topic]).unwrap();
+    assign_from_start(&c, &[topic]);
     c
 }
 

@@ -9,7 +9,7 @@ use ferry_relay::{Capture, Relay, RelayConfig};
 pub use ferry_testkit::OUTBOX;
 use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::message::{Headers, Message};
-use rdkafka::ClientConfig;
+use rdkafka::{ClientConfig, Offset, TopicPartitionList};
 use tokio_util::sync::CancellationToken;
 
 pub async fn pg_ferry() -> (Ferry, String) {
@@ -80,7 +80,20 @@ pub fn relay_config(url: &str, brokers: &str) -> RelayConfig {
     cfg.poll_interval = Duration::from_millis(50);
     cfg.lease = Duration::from_secs(3);
     cfg.grace = Duration::from_secs(5);
+    cfg.transactional_id_prefix = transactional_prefix(url);
     cfg
+}
+
+/// The transactional id prefix of one test's exactly-once relays, from its
+/// database URL (a schema, or a cluster, of the test's own; every relay of
+/// the test is given the same URL): the lanes' transactional ids and the
+/// progress topic are the test's own, so a Kafka broker reused from another
+/// test holds no state of them (what a new broker shows).
+pub fn transactional_prefix(url: &str) -> String {
+    use std::hash::{Hash, Hasher};
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    url.hash(&mut h);
+    format!("t-{:016x}", h.finish())
 }
 
 /// Runs `scenario(capture)` once per capture mode, as the tests
@@ -296,17 +309,43 @@ pub fn order_of(recs: &[Record], key: &str) -> Vec<i64> {
     order
 }
 
+/// A reader of every partition of `topics` (made beforehand) from the
+/// beginning.
 pub fn consumer(brokers: &str, topics: &[&str]) -> BaseConsumer {
     let c: BaseConsumer = ClientConfig::new()
         .set("bootstrap.servers", brokers)
-        .set("group.id", format!("test-{}", uuid::Uuid::now_v7().simple()))
-        .set("auto.offset.reset", "earliest")
-        .set("enable.auto.commit", "false")
-        .set("session.timeout.ms", "6000")
+        .set("group.id", READER_GROUP)
         .create()
         .unwrap();
-    c.subscribe(topics).unwrap();
+    assign_from_start(&c, topics);
     c
+}
+
+/// The `group.id` librdkafka needs before it assigns partitions by hand:
+/// never joined, nothing committed under it.
+pub const READER_GROUP: &str = "ferry-test-reader";
+
+/// Assigns `c` every partition of `topics` at their first offset. A reader
+/// without a consumer group: no session to time out on a starved machine, no
+/// rebalance, so what a test reads depends only on what reached Kafka.
+pub fn assign_from_start(c: &BaseConsumer, topics: &[&str]) {
+    let mut all = TopicPartitionList::new();
+    for topic in topics {
+        let md = c.fetch_metadata(Some(topic), Duration::from_secs(10)).unwrap();
+        let partitions = md
+            .topics()
+            .iter()
+            .find(|t| t.name() == *topic && t.error().is_none())
+            .map_or(0, |t| t.partitions().len());
+        assert!(
+            partitions > 0,
+            "topic {topic} has no partitions: create it before reading it"
+        );
+        for p in 0..partitions as i32 {
+            all.add_partition_offset(topic, p, Offset::Beginning).unwrap();
+        }
+    }
+    c.assign(&all).unwrap();
 }
 
 /// Reads until `done(records)` holds; fails after `limit` (a bound, not a sync).
@@ -314,17 +353,51 @@ pub async fn read_until(c: &BaseConsumer, limit: Duration, mut done: impl FnMut(
     let mut out = Vec::new();
     let start = Instant::now();
     while !done(&out) {
-        assert!(
-            start.elapsed() < limit,
-            "gave up after {limit:?} with {} records",
-            out.len()
-        );
+        if start.elapsed() >= limit {
+            panic!(
+                "gave up after {limit:?} with {} records; {}",
+                out.len(),
+                where_the_consumer_stands(c)
+            );
+        }
         let m = tokio::task::block_in_place(|| c.poll(Duration::from_millis(100)));
         if let Some(Ok(m)) = m {
             out.push(to_record(&m));
         }
     }
     out
+}
+
+/// For a failure's message: each assigned partition's position beside its
+/// high watermark, which tells a consumer that stopped fetching (position
+/// behind) from records that never reached Kafka (position at the mark).
+fn where_the_consumer_stands(c: &BaseConsumer) -> String {
+    let assigned = match c.assignment() {
+        Ok(a) => a,
+        Err(e) => return format!("no assignment: {e}"),
+    };
+    let positions = c.position().ok();
+    let mut parts = Vec::new();
+    for e in assigned.elements() {
+        let at = positions
+            .as_ref()
+            .and_then(|p| p.find_partition(e.topic(), e.partition()))
+            .map(|p| format!("{:?}", p.offset()))
+            .unwrap_or_else(|| "?".into());
+        let marks = c
+            .fetch_watermarks(e.topic(), e.partition(), Duration::from_secs(5))
+            .map(|(lo, hi)| format!("{lo}..{hi}"))
+            .unwrap_or_else(|err| format!("({err})"));
+        parts.push(format!("{}[{}] at {at}, marks {marks}", e.topic(), e.partition()));
+    }
+    format!(
+        "assigned: {}",
+        if parts.is_empty() {
+            "none".into()
+        } else {
+            parts.join("; ")
+        }
+    )
 }
 
 fn to_record(m: &rdkafka::message::BorrowedMessage<'_>) -> Record {
@@ -439,9 +512,8 @@ pub async fn readyz_until(relay: &RunningRelay, want: &str, limit: Duration) {
 
 /// A `ferry-relay run` child process, SIGKILLed when dropped (also when
 /// the test fails), so no relay outlives its test. Its log (the relay's
-/// own at info, its libraries' warnings and errors) goes to a file of its
-/// own, printed when it is dropped during a failing test: a relay that
-/// stalled says why in the test's output.
+/// own at info, its libraries' warnings and errors) goes to a file of its own, printed when it is dropped during a failing
+/// test: a relay that stalled says why in the test's output.
 pub struct RelayProcess(pub std::process::Child, Option<std::path::PathBuf>);
 
 impl std::ops::Deref for RelayProcess {
@@ -525,6 +597,11 @@ fn relay_command(url: &str, brokers: &str, extra: &[&str], env: &[(&str, &str)])
     .env("FERRY_CAPTURE", "poll")
     .envs(env.iter().copied())
     .stdout(std::process::Stdio::null());
+    if extra.iter().any(|a| a.starts_with("--exactly-once"))
+        && !extra.iter().any(|a| a.starts_with("--transactional-id-prefix"))
+    {
+        cmd.args(["--transactional-id-prefix", &transactional_prefix(url)]);
+    }
     cmd
 }
 

@@ -17,7 +17,8 @@ use crate::relay::write_orders;
 use crate::support::*;
 use ferry_testkit::Kafka;
 
-const EOS: &[&str] = &["--exactly-once", "--transactional-id-prefix", "t-eos"];
+/// Exactly once; `relay_command` adds the test's own transactional id prefix.
+const EOS: &[&str] = &["--exactly-once"];
 
 /// `--capture wal` on the test's slot, exactly once, and `extra`.
 fn args<'a>(slot: &'a SlotGuard, extra: &[&'a str]) -> Vec<&'a str> {
