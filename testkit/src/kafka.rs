@@ -124,7 +124,15 @@ impl Kafka {
     /// [`Kafka::start`] with extra `server.properties` lines (`key`, `value`),
     /// for example `("message.max.bytes", "20000")`.
     pub fn start_with(overrides: &[(&str, &str)]) -> Kafka {
-        Self::start_on(overrides, None)
+        Self::start_on(overrides, None, true)
+    }
+
+    /// [`Kafka::start`], never a reused broker: for a test that stops,
+    /// kills or restarts it. A pooled broker would replay earlier tests'
+    /// metadata and transactions when restarted, and is not reused after
+    /// such a test anyway.
+    pub fn start_own() -> Kafka {
+        Self::start_on(&[], None, false)
     }
 
     /// [`Kafka::start`] with a second client listener, on
@@ -133,7 +141,7 @@ impl Kafka {
     /// forwarding to `proxied_port`) reaches the broker only through the
     /// proxy, metadata included. [`Kafka::brokers`] stays direct.
     pub fn start_behind(advertised: u16) -> Kafka {
-        Self::start_on(&[], Some(advertised))
+        Self::start_on(&[], Some(advertised), true)
     }
 
     /// The port of the listener [`Kafka::start_behind`] added.
@@ -141,9 +149,11 @@ impl Kafka {
         self.proxied.map(|(port, _)| port)
     }
 
-    fn start_on(overrides: &[(&str, &str)], advertised: Option<u16>) -> Kafka {
-        let reusable =
-            overrides.is_empty() && advertised.is_none() && std::env::var_os("FERRY_TEST_FRESH_BROKERS").is_none();
+    fn start_on(overrides: &[(&str, &str)], advertised: Option<u16>, pooled: bool) -> Kafka {
+        let reusable = pooled
+            && overrides.is_empty()
+            && advertised.is_none()
+            && std::env::var_os("FERRY_TEST_FRESH_BROKERS").is_none();
         if reusable {
             if let Some(k) = Self::pooled().or_else(shared::take) {
                 return k;

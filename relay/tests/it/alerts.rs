@@ -48,7 +48,7 @@ const ROW_AGE: Duration = Duration::from_secs(600);
 async fn the_backlog_alert_fires_in_prometheus_while_the_broker_is_down() {
     let rules = with_hold(RULES, BACKLOG_OLD, "3s");
     Prometheus::require();
-    let mut broker = Kafka::start();
+    let mut broker = Kafka::start_own();
     broker.create_topic("orders", 3);
     let (ferry, url) = pg_ferry().await;
     let (cfg, guard) = config_for(Capture::Wal, &url, &broker.brokers()).await;

@@ -25,9 +25,7 @@ use ferry_testkit::Kafka;
 const EOS: &[&str] = &["--exactly-once"];
 
 pub(crate) fn committed_reader(brokers: &str, topic: &str) -> BaseConsumer {
-    let c: BaseConsumer = ClientConfig::new()
-        .set("bootstrap.servers", brokers)
-        .set("group.id", READER_GROUP)
+    let c: BaseConsumer = reader_config(brokers)
         .set("isolation.level", "read_committed")
         .create()
         .unwrap();

@@ -318,7 +318,7 @@ async fn a_sigkilled_relay_loses_nothing(capture: Capture) {
 /// The broker stopped while rows are written, then restarted: the backlog
 /// drains.
 async fn a_broker_outage_drains_after_restart(capture: Capture) {
-    let mut broker = Kafka::start();
+    let mut broker = Kafka::start_own();
     broker.create_topic("orders", 6);
     let (ferry, url) = pg_ferry().await;
     let (cfg, guard) = config_for(capture, &url, &broker.brokers()).await;
@@ -354,7 +354,7 @@ async fn a_broker_outage_drains_after_restart(capture: Capture) {
 /// the topic keeps per-key id order (never `i+1, i, i+1`; with a finite
 /// timeout, the records queued behind a timed-out one overtook it).
 async fn a_broker_crash_mid_stream_loses_nothing_and_keeps_first_occurrences_in_order(capture: Capture) {
-    let mut broker = Kafka::start();
+    let mut broker = Kafka::start_own();
     broker.create_topic("orders", 6);
     let (ferry, url) = pg_ferry().await;
     let (cfg, guard) = config_for(capture, &url, &broker.brokers()).await;

@@ -312,18 +312,24 @@ pub fn order_of(recs: &[Record], key: &str) -> Vec<i64> {
 /// A reader of every partition of `topics` (made beforehand) from the
 /// beginning.
 pub fn consumer(brokers: &str, topics: &[&str]) -> BaseConsumer {
-    let c: BaseConsumer = ClientConfig::new()
-        .set("bootstrap.servers", brokers)
-        .set("group.id", READER_GROUP)
-        .create()
-        .unwrap();
+    let c: BaseConsumer = reader_config(brokers).create().unwrap();
     assign_from_start(&c, topics);
     c
 }
 
-/// The `group.id` librdkafka needs before it assigns partitions by hand:
-/// never joined, nothing committed under it.
-pub const READER_GROUP: &str = "ferry-test-reader";
+/// A test reader's settings: the `group.id` librdkafka needs before it
+/// assigns partitions by hand, never joined and nothing committed under it
+/// (no commit on a timer or at close, which would wait for the group's
+/// coordinator); from the earliest offset again should one go out of range.
+pub fn reader_config(brokers: &str) -> ClientConfig {
+    let mut cfg = ClientConfig::new();
+    cfg.set("bootstrap.servers", brokers)
+        .set("group.id", "ferry-test-reader")
+        .set("enable.auto.commit", "false")
+        .set("enable.auto.offset.store", "false")
+        .set("auto.offset.reset", "earliest");
+    cfg
+}
 
 /// Assigns `c` every partition of `topics` at their first offset. A reader
 /// without a consumer group: no session to time out on a starved machine, no
@@ -369,8 +375,10 @@ pub async fn read_until(c: &BaseConsumer, limit: Duration, mut done: impl FnMut(
 }
 
 /// For a failure's message: each assigned partition's position beside its
-/// high watermark, which tells a consumer that stopped fetching (position
+/// watermarks, which tells a consumer that stopped fetching (position
 /// behind) from records that never reached Kafka (position at the mark).
+/// A `read_committed` reader is told the last stable offset as its upper
+/// mark: there, a position at the mark may be a transaction left open.
 fn where_the_consumer_stands(c: &BaseConsumer) -> String {
     let assigned = match c.assignment() {
         Ok(a) => a,
@@ -385,7 +393,7 @@ fn where_the_consumer_stands(c: &BaseConsumer) -> String {
             .map(|p| format!("{:?}", p.offset()))
             .unwrap_or_else(|| "?".into());
         let marks = c
-            .fetch_watermarks(e.topic(), e.partition(), Duration::from_secs(5))
+            .fetch_watermarks(e.topic(), e.partition(), Duration::from_secs(1))
             .map(|(lo, hi)| format!("{lo}..{hi}"))
             .unwrap_or_else(|err| format!("({err})"));
         parts.push(format!("{}[{}] at {at}, marks {marks}", e.topic(), e.partition()));
@@ -432,10 +440,7 @@ fn to_record(m: &rdkafka::message::BorrowedMessage<'_>) -> Record {
 /// partition by a fresh consumer (`read_committed` or not). No producer may
 /// be running. Fails after `limit`.
 pub async fn read_all(brokers: &str, topic: &str, read_committed: bool, limit: Duration) -> Vec<Record> {
-    let c: BaseConsumer = ClientConfig::new()
-        .set("bootstrap.servers", brokers)
-        .set("group.id", format!("all-{}", uuid::Uuid::now_v7().simple()))
-        .set("enable.auto.commit", "false")
+    let c: BaseConsumer = reader_config(brokers)
         .set("enable.partition.eof", "true")
         .set(
             "isolation.level",
@@ -447,14 +452,14 @@ pub async fn read_all(brokers: &str, topic: &str, read_committed: bool, limit: D
         )
         .create()
         .unwrap();
-    let md = c.fetch_metadata(Some(topic), Duration::from_secs(10)).unwrap();
-    let mut tpl = rdkafka::TopicPartitionList::new();
-    for p in md.topics()[0].partitions() {
-        tpl.add_partition_offset(topic, p.id(), rdkafka::Offset::Beginning)
-            .unwrap();
-    }
-    let mut open: HashSet<i32> = md.topics()[0].partitions().iter().map(|p| p.id()).collect();
-    c.assign(&tpl).unwrap();
+    assign_from_start(&c, &[topic]);
+    let mut open: HashSet<i32> = c
+        .assignment()
+        .unwrap()
+        .elements()
+        .iter()
+        .map(|e| e.partition())
+        .collect();
     let mut out = Vec::new();
     let start = Instant::now();
     while !open.is_empty() {
