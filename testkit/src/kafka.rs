@@ -21,13 +21,11 @@
 //! (at most [`POOL_MAX`] wait). The next test sees what a new broker shows
 //! (no topic, no group, offsets from 0) without a JVM start
 //! (about 1.3 s of CPU each, most of what short broker tests spend). A
-//! broker with a transaction still open (its abort on timeout would write
-//! a marker into the next test's partition of that name; completed ones
-//! leave only their ids' epochs, which the next `init_transactions` bumps),
-//! to which a client is still connected (a test's task or producer left
-//! running would write into the next test's topics; the coordinator's
-//! connections to itself are not clients), or whose reset fails (a group
-//! with members left) is killed as before. A topic's own configs are
+//! broker a transactional producer used (`__transaction_state` exists: its
+//! ids' state outlives the topics), to which a client is still connected (a
+//! test's task or producer left running would write into the next test's
+//! topics; the broker's connections to itself are not clients), or whose
+//! reset fails (a group with members left) is killed as before. A topic's own configs are
 //! removed before the topic (KRaft would give them back to a new topic of
 //! the same name after a restart). `FERRY_TEST_FRESH_BROKERS=1` starts a
 //! new broker every time.
@@ -261,9 +259,9 @@ impl Kafka {
     }
 
     /// Deletes every consumer group and every topic but the internal ones
-    /// (`__consumer_offsets`, `__transaction_state`), and waits until the
-    /// metadata shows none. An error when a client is still connected, when
-    /// a transaction is still open, when a group cannot be deleted (members
+    /// (`__consumer_offsets`), and waits until the metadata shows none. An
+    /// error when a client is still connected, when a transactional
+    /// producer used the broker, when a group cannot be deleted (members
     /// left) or the topics do not go.
     fn reset(&self) -> Result<(), String> {
         // A client of the test that is still alive (a relay task left
@@ -274,32 +272,16 @@ impl Kafka {
         if clients > 0 {
             return Err(format!("{clients} client connections still open"));
         }
-        // A transaction left open (a relay SIGKILLed inside one) would be
-        // aborted when it times out, its markers written by topic name into
-        // the next test's partitions of that name (a control record that
-        // leaves a consumer's position one short of the end). Completed
-        // ones leave only their ids' epochs, which the next
-        // `init_transactions` of an id bumps as it would on a new broker.
-        // Checked first: a commit completing meanwhile could bring back
-        // a group's transactional offsets.
-        // One preparing its commit or abort (the coordinator answered
-        // `EndTxn` and writes the markers, to itself) ends on its own
-        // within moments: waited for, briefly.
-        let deadline = Instant::now() + Duration::from_secs(5);
-        loop {
-            let open = self.open_transactions()?;
-            let Some((id, _)) = open.first() else { break };
-            if open.iter().any(|(_, ongoing)| *ongoing) || Instant::now() > deadline {
-                return Err(format!("{} transactions open (transactional id {id})", open.len()));
-            }
-            // A poll interval, not a synchronisation: the loop ends on the
-            // coordinator's records.
-            std::thread::sleep(Duration::from_millis(50));
-        }
         let c = self.metadata_client();
         let md = c
             .fetch_metadata(None, Duration::from_secs(5))
             .map_err(|e| e.to_string())?;
+        // A transactional producer's ids keep their state past the topics
+        // (an exactly-once test's relay stalled on a reused one, cause not
+        // found): such a broker is not reused.
+        if md.topics().iter().any(|t| t.name() == "__transaction_state") {
+            return Err("a transactional producer used it".into());
+        }
         let topics: Vec<String> = md
             .topics()
             .iter()
@@ -417,89 +399,9 @@ impl Kafka {
         }
     }
 
-    /// The transactional ids whose last state in `__transaction_state` is
-    /// open, each with whether it is ongoing (`false`: preparing a commit,
-    /// an abort or an epoch fence, which ends on its own) (the
-    /// coordinator's record: a key of version and id, a value whose byte 16
-    /// is the state, after its version, producer id, epoch and timeout; one
-    /// too short to read counts as ongoing). None when no transactional
-    /// producer used the broker.
-    fn open_transactions(&self) -> Result<Vec<(String, bool)>, String> {
-        const TOPIC: &str = "__transaction_state";
-        // Most brokers never had a transactional producer: no consumer of
-        // a group is made for them (its coordinator lookup would create
-        // `__consumer_offsets`, whose loading then fails the group listing).
-        let md = self
-            .metadata_client()
-            .fetch_metadata(None, Duration::from_secs(5))
-            .map_err(|e| e.to_string())?;
-        if !md.topics().iter().any(|t| t.name() == TOPIC) {
-            return Ok(Vec::new());
-        }
-        let c: BaseConsumer = ClientConfig::new()
-            .set("bootstrap.servers", self.brokers())
-            // `assign` wants a group; none is joined and nothing committed.
-            .set("group.id", "ferry-testkit-reset")
-            .set("enable.auto.commit", "false")
-            .set("enable.partition.eof", "true")
-            .create()
-            .map_err(|e| e.to_string())?;
-        let md = c
-            .fetch_metadata(Some(TOPIC), Duration::from_secs(5))
-            .map_err(|e| e.to_string())?;
-        let mut tpl = rdkafka::TopicPartitionList::new();
-        for p in md
-            .topics()
-            .iter()
-            .filter(|t| t.error().is_none())
-            .flat_map(|t| t.partitions())
-        {
-            let (low, high) = c
-                .fetch_watermarks(TOPIC, p.id(), Duration::from_secs(5))
-                .map_err(|e| e.to_string())?;
-            if high > low {
-                tpl.add_partition_offset(TOPIC, p.id(), rdkafka::Offset::Offset(low))
-                    .map_err(|e| e.to_string())?;
-            }
-        }
-        let mut reading: std::collections::HashSet<i32> = tpl.elements().iter().map(|e| e.partition()).collect();
-        if reading.is_empty() {
-            return Ok(Vec::new());
-        }
-        c.assign(&tpl).map_err(|e| e.to_string())?;
-        let mut state: std::collections::HashMap<Vec<u8>, Option<u8>> = std::collections::HashMap::new();
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while !reading.is_empty() {
-            if Instant::now() > deadline {
-                return Err(format!("{TOPIC} not read within 10 s"));
-            }
-            match c.poll(Duration::from_millis(100)) {
-                None => {}
-                Some(Err(rdkafka::error::KafkaError::PartitionEOF(p))) => {
-                    reading.remove(&p);
-                }
-                Some(Err(e)) => return Err(e.to_string()),
-                Some(Ok(m)) => {
-                    use rdkafka::Message;
-                    let key = m.key().unwrap_or_default().to_vec();
-                    state.insert(key, m.payload().map(|v| v.get(16).copied().unwrap_or(u8::MAX)));
-                }
-            }
-        }
-        Ok(state
-            .into_iter()
-            .filter(|(_, s)| matches!(s, Some(1 | 2 | 3 | 7 | u8::MAX)))
-            .map(|(k, s)| {
-                let id = String::from_utf8_lossy(k.get(4..).unwrap_or_default()).into_owned();
-                (id, matches!(s, Some(1 | u8::MAX)))
-            })
-            .collect())
-    }
-
     /// Client connections to it: established TCP connections to its port
-    /// whose client end is not the broker's own (its transaction
-    /// coordinator writes markers and verifies transactions through
-    /// connections to itself).
+    /// whose client end is not one of the broker's own sockets (a broker
+    /// may connect to itself).
     fn client_connections(&self) -> usize {
         // The tables first, the broker's sockets after: one it opened
         // between the two reads is not in the tables, and one of its own
@@ -1125,11 +1027,10 @@ mod tests {
 
     /// A dropped broker comes back to the next start of the process with
     /// no topic and no group (the same port: not a new JVM), and one where
-    /// a topic had a config of its own without it, even after a restart,
-    /// and one a transactional producer used once its transactions are
-    /// done; a broker a client is still connected to, one with a
-    /// transaction open, one that was killed, or one started with settings
-    /// of its own, is not reused. One test, so no other test of this binary takes the
+    /// a topic had a config of its own without it, even after a restart; a
+    /// broker a client is still connected to, one a transactional producer
+    /// used, one that was killed, or one started with settings of its own,
+    /// is not reused. One test, so no other test of this binary takes the
     /// pooled broker meanwhile.
     #[test]
     fn a_dropped_broker_is_reused_empty_unless_it_kept_something_of_its_test() {
@@ -1202,47 +1103,18 @@ mod tests {
         drop(admin);
         drop(reused);
         let fourth = Kafka::start();
-        // One a transactional producer used is reused once its
-        // transactions are done (the coordinator's connections to itself
-        // are not clients)...
-        let transact = |k: &Kafka, commit: bool| {
-            use rdkafka::producer::{BaseRecord, Producer};
-            k.create_topic("orders", 2);
-            let producer: rdkafka::producer::BaseProducer = ClientConfig::new()
-                .set("bootstrap.servers", k.brokers())
-                .set("transactional.id", "pool-test")
-                .create()
-                .unwrap();
-            producer.init_transactions(Duration::from_secs(30)).unwrap();
-            producer.begin_transaction().unwrap();
-            producer.send(BaseRecord::to("orders").key("k").payload("v")).unwrap();
-            producer.flush(Duration::from_secs(30)).unwrap();
-            if commit {
-                producer.commit_transaction(Duration::from_secs(30)).unwrap();
-            }
-            // Dropped inside a transaction: the coordinator keeps it
-            // open until its timeout.
-        };
-        transact(&fourth, true);
+        // Nor one a transactional producer used.
+        let producer: rdkafka::producer::BaseProducer = ClientConfig::new()
+            .set("bootstrap.servers", fourth.brokers())
+            .set("transactional.id", "pool-test")
+            .create()
+            .unwrap();
+        rdkafka::producer::Producer::init_transactions(&producer, Duration::from_secs(30)).unwrap();
+        drop(producer);
         let transactional = fourth.port();
         drop(fourth);
-        let reused = Kafka::start();
-        assert_eq!(reused.port(), transactional, "its transactions done, it is reused");
-        assert!(reused.open_transactions().unwrap().is_empty());
-        // ...but not while a transaction is open (its abort on timeout
-        // would write a marker into the next test's partition of that name).
-        transact(&reused, false);
-        assert_eq!(
-            reused.open_transactions().unwrap(),
-            vec![("pool-test".to_string(), true)]
-        );
-        drop(reused);
         let mut fifth = Kafka::start();
-        assert_ne!(
-            fifth.port(),
-            transactional,
-            "a broker with a transaction open is not reused"
-        );
+        assert_ne!(fifth.port(), transactional, "a broker with transactions is not reused");
         // Nor a killed one.
         let killed = fifth.port();
         fifth.kill();

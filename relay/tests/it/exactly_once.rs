@@ -21,8 +21,7 @@ use serde_json::json;
 use crate::support::*;
 use ferry_testkit::Kafka;
 
-/// Exactly once; `relay_command` adds the test's own transactional id prefix.
-const EOS: &[&str] = &["--exactly-once"];
+const EOS: &[&str] = &["--exactly-once", "--transactional-id-prefix", "t-eos"];
 
 pub(crate) fn committed_reader(brokers: &str, topic: &str) -> BaseConsumer {
     let c: BaseConsumer = reader_config(brokers)
@@ -200,7 +199,8 @@ async fn a_restarted_exactly_once_relay_publishes_every_lane_within_seconds() {
         .args(["-TERM", &first.id().to_string()])
         .status()
         .unwrap();
-    assert!(first.wait().unwrap().success(), "the first relay exits cleanly");
+    let status = first.wait().unwrap();
+    assert!(status.success(), "the first relay exits cleanly ({status})");
 
     // The restart, with a row pending on every lane.
     enqueue_one_per_lane().await;
@@ -213,7 +213,8 @@ async fn a_restarted_exactly_once_relay_publishes_every_lane_within_seconds() {
         .args(["-TERM", &second.id().to_string()])
         .status()
         .unwrap();
-    assert!(second.wait().unwrap().success(), "the second relay exits cleanly");
+    let status = second.wait().unwrap();
+    assert!(status.success(), "the second relay exits cleanly ({status})");
     let logged = std::fs::read_to_string(&log).unwrap();
     let _ = std::fs::remove_file(&log);
 

@@ -80,20 +80,7 @@ pub fn relay_config(url: &str, brokers: &str) -> RelayConfig {
     cfg.poll_interval = Duration::from_millis(50);
     cfg.lease = Duration::from_secs(3);
     cfg.grace = Duration::from_secs(5);
-    cfg.transactional_id_prefix = transactional_prefix(url);
     cfg
-}
-
-/// The transactional id prefix of one test's exactly-once relays, from its
-/// database URL (a schema, or a cluster, of the test's own; every relay of
-/// the test is given the same URL): the lanes' transactional ids and the
-/// progress topic are the test's own, so a Kafka broker reused from another
-/// test holds no state of them (what a new broker shows).
-pub fn transactional_prefix(url: &str) -> String {
-    use std::hash::{Hash, Hasher};
-    let mut h = std::collections::hash_map::DefaultHasher::new();
-    url.hash(&mut h);
-    format!("t-{:016x}", h.finish())
 }
 
 /// Runs `scenario(capture)` once per capture mode, as the tests
@@ -517,8 +504,9 @@ pub async fn readyz_until(relay: &RunningRelay, want: &str, limit: Duration) {
 
 /// A `ferry-relay run` child process, SIGKILLed when dropped (also when
 /// the test fails), so no relay outlives its test. Its log (the relay's
-/// own at info, its libraries' warnings and errors) goes to a file of its own, printed when it is dropped during a failing
-/// test: a relay that stalled says why in the test's output.
+/// own at info, its libraries' warnings and errors) goes to a file of its
+/// own, printed when it is dropped during a failing test: a relay that
+/// stalled says why in the test's output.
 pub struct RelayProcess(pub std::process::Child, Option<std::path::PathBuf>);
 
 impl std::ops::Deref for RelayProcess {
@@ -540,7 +528,10 @@ impl Drop for RelayProcess {
         let _ = self.0.wait();
         if let Some(log) = self.1.take() {
             if std::thread::panicking() {
-                let text = std::fs::read_to_string(&log).unwrap_or_default();
+                // Lossy: one byte that is not UTF-8 must not hide the rest.
+                let text = std::fs::read(&log)
+                    .map(|b| String::from_utf8_lossy(&b).into_owned())
+                    .unwrap_or_else(|e| format!("(unreadable: {e})"));
                 let lines: Vec<&str> = text.lines().collect();
                 eprintln!(
                     "ferry-relay (pid {}) log, last 40 lines:\n{}",
@@ -602,11 +593,6 @@ fn relay_command(url: &str, brokers: &str, extra: &[&str], env: &[(&str, &str)])
     .env("FERRY_CAPTURE", "poll")
     .envs(env.iter().copied())
     .stdout(std::process::Stdio::null());
-    if extra.iter().any(|a| a.starts_with("--exactly-once"))
-        && !extra.iter().any(|a| a.starts_with("--transactional-id-prefix"))
-    {
-        cmd.args(["--transactional-id-prefix", &transactional_prefix(url)]);
-    }
     cmd
 }
 

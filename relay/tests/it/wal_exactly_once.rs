@@ -17,8 +17,7 @@ use crate::relay::write_orders;
 use crate::support::*;
 use ferry_testkit::Kafka;
 
-/// Exactly once; `relay_command` adds the test's own transactional id prefix.
-const EOS: &[&str] = &["--exactly-once"];
+const EOS: &[&str] = &["--exactly-once", "--transactional-id-prefix", "t-eos"];
 
 /// `--capture wal` on the test's slot, exactly once, and `extra`.
 fn args<'a>(slot: &'a SlotGuard, extra: &[&'a str]) -> Vec<&'a str> {
@@ -39,7 +38,8 @@ async fn published_but_pending(ferry: &Ferry, brokers: &str) -> usize {
 /// SIGTERM, and a clean exit.
 fn stop(mut p: RelayProcess) {
     signal(p.id(), "TERM");
-    assert!(p.wait().unwrap().success(), "the relay exits cleanly");
+    let status = p.wait().unwrap();
+    assert!(status.success(), "the relay exits cleanly ({status})");
 }
 
 /// Relays SIGKILLed four times while rows stream in: no row is lost, none
