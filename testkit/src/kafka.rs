@@ -171,7 +171,7 @@ impl Kafka {
         let mut attempt = 0;
         loop {
             attempt += 1;
-            let mut k = Self::configure(overrides, advertised);
+            let mut k = Self::configure(overrides, advertised, reusable);
             k.format(overrides.is_empty());
             match k.try_spawn() {
                 Ok(()) => {
@@ -186,8 +186,10 @@ impl Kafka {
     }
 
     /// A broker's directory and `server.properties` on two free ports (not
-    /// started).
-    fn configure(overrides: &[(&str, &str)], advertised: Option<u16>) -> Kafka {
+    /// started); the directory is in the run's shared pool only when the
+    /// broker may be parked there (`reusable`), so any other broker dies
+    /// with its test process.
+    fn configure(overrides: &[(&str, &str)], advertised: Option<u16>, reusable: bool) -> Kafka {
         let port = free_port_below_ephemeral();
         let controller_port = free_port_below_ephemeral();
         let proxied = advertised.map(|a| (free_port_below_ephemeral(), a));
@@ -206,7 +208,7 @@ impl Kafka {
         // directory there (removed with the pool), not where this process's
         // leftovers are swept once it is gone.
         let dir = match shared::dir() {
-            Some(pool) if overrides.is_empty() && advertised.is_none() => pool.join("brokers").join(name),
+            Some(pool) if reusable => pool.join("brokers").join(name),
             _ => std::env::temp_dir().join(name),
         };
         let _ = std::fs::remove_dir_all(&dir);
@@ -593,7 +595,7 @@ impl Kafka {
     /// format then writes again.
     fn format(&self, plain: bool) {
         let data = self.dir.join("data");
-        let template = kafka_home().join("bootstrap.checkpoint");
+        let template = template_checkpoint();
         if plain {
             match std::fs::read(&template) {
                 Ok(checkpoint) if whole_batches(&checkpoint) => {
@@ -938,10 +940,19 @@ fn remove_dead_processes_dirs() {
     }
 }
 
+/// The storage tool's `bootstrap.checkpoint` kept for later formats, named
+/// by the Kafka version (a home reinstalled in place with another version
+/// does not reuse an older one).
+fn template_checkpoint() -> PathBuf {
+    kafka_home().join(format!("bootstrap-{}.checkpoint", kafka_version()))
+}
+
 /// Whether `log` is a whole Kafka log file: record batches (an 8-byte base
-/// offset, a 4-byte length, then that many bytes) that end exactly at its
-/// end, at least one. A truncated or padded file is not.
+/// offset, a 4-byte length, then that many bytes, whose CRC-32C at bytes
+/// 17..21 covers the rest from byte 21) that end exactly at its end, at
+/// least one. A truncated, padded or damaged file is not.
 fn whole_batches(log: &[u8]) -> bool {
+    const CRC32C: crc::Crc<u32> = crc::Crc::<u32>::new(&crc::CRC_32_ISCSI);
     let mut at = 0usize;
     while at < log.len() {
         let Some(len) = log.get(at + 8..at + 12) else {
@@ -951,7 +962,10 @@ fn whole_batches(log: &[u8]) -> bool {
         let Ok(len) = usize::try_from(len) else {
             return false;
         };
-        if len == 0 {
+        let (Some(stored), Some(covered)) = (log.get(at + 17..at + 21), log.get(at + 21..at + 12 + len)) else {
+            return false;
+        };
+        if u32::from_be_bytes([stored[0], stored[1], stored[2], stored[3]]) != CRC32C.checksum(covered) {
             return false;
         }
         at += 12 + len;
@@ -993,10 +1007,16 @@ mod tests {
 
     #[test]
     fn a_template_checkpoint_is_used_only_when_its_batches_fill_it() {
+        // A batch of 20 bytes after its length: leader epoch, magic, the
+        // CRC-32C of what follows it, then 11 bytes.
         let batch = |n: u8| {
             let mut b = 0i64.to_be_bytes().to_vec();
             b.extend_from_slice(&20i32.to_be_bytes());
-            b.extend(std::iter::repeat_n(n, 20));
+            b.extend_from_slice(&[0, 0, 0, 0, 2]);
+            let rest = vec![n; 11];
+            let crc = crc::Crc::<u32>::new(&crc::CRC_32_ISCSI).checksum(&rest);
+            b.extend_from_slice(&crc.to_be_bytes());
+            b.extend(rest);
             b
         };
         let two = [batch(1), batch(2)].concat();
@@ -1006,11 +1026,14 @@ mod tests {
         assert!(!whole_batches(&two[..30]), "cut inside a batch");
         assert!(!whole_batches(&[two.clone(), vec![0; 5]].concat()), "padded");
         assert!(!whole_batches(&[]), "empty");
+        let mut flipped = two.clone();
+        flipped[30] ^= 1;
+        assert!(!whole_batches(&flipped), "a bit flipped inside a batch");
         let mut negative = batch(4);
         negative[8..12].copy_from_slice(&(-1i32).to_be_bytes());
         assert!(!whole_batches(&negative));
         // The storage tool's own, when this machine has made it.
-        if let Ok(real) = std::fs::read(kafka_home().join("bootstrap.checkpoint")) {
+        if let Ok(real) = std::fs::read(template_checkpoint()) {
             assert!(whole_batches(&real));
         }
     }
