@@ -193,8 +193,19 @@ def close_broker_pool():
     subprocess.run(["rm", "-rf", BROKER_POOL], check=False)
 
 
+def busy_core_seconds():
+    """(busy, all) core-seconds this machine has spent since boot, from
+    /proc/stat (busy: user, nice, system, irq and softirq time)."""
+    with open("/proc/stat") as f:
+        fields = [int(x) for x in f.readline().split()[1:]]
+    tick = os.sysconf("SC_CLK_TCK")
+    busy = fields[0] + fields[1] + fields[2] + fields[5] + fields[6]
+    return busy / tick, sum(fields[:8]) / tick
+
+
 def main():
     started = time.monotonic()
+    busy_before, all_before = busy_core_seconds()
     binaries = build()
     open_broker_pool()
     jobs = jobs_of(binaries)
@@ -212,8 +223,16 @@ def main():
                 bad += 1
                 print(out, flush=True)
     close_broker_pool()
+    busy_after, all_after = busy_core_seconds()
     print(
         f"run-tests: {total} tests passed; {bad} jobs failed; {time.monotonic() - started:.0f}s",
+        flush=True,
+    )
+    # Where the phase's time is bound: a machine busy nearly all of it is
+    # bound by CPU; much idle time means waits (timeouts, leases, polls).
+    print(
+        f"run-tests: the machine was busy {busy_after - busy_before:.0f} of "
+        f"{all_after - all_before:.0f} core-seconds ({os.cpu_count()} cores)",
         flush=True,
     )
     sys.exit(1 if bad else 0)

@@ -20,7 +20,18 @@ use sqlx::{PgConnection, SqliteConnection, SqlitePool};
 pub use crate::engine::Engine;
 use crate::error::{Error, Result};
 
-static PG_MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("./migrations/postgres");
+/// The PostgreSQL migrations, without sqlx's own lock: that one is one
+/// advisory lock per database, so every schema's migrator in a database
+/// waited for every other's. [`migrate`] takes one per schema instead.
+static PG_MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate::Migrator {
+    locking: false,
+    ..sqlx::migrate!("./migrations/postgres")
+};
+
+/// The first key of the migrations' advisory lock (`"Ferr"`), in the
+/// two-key space sqlx's one-key lock is apart from; the second is the
+/// schema's `hashtext`.
+const MIGRATION_LOCK: i32 = 0x4665_7272;
 static SQLITE_MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("./migrations/sqlite");
 
 /// A connection pool on either engine.
@@ -179,10 +190,13 @@ pub fn transaction_pooler_param(url: &str) -> Result<(String, bool)> {
 }
 
 /// Applies the embedded migrations of the pool's engine. Idempotent. On
-/// PostgreSQL it holds a session advisory lock meanwhile, so concurrent
-/// migrators wait for each other, and prepares statements by name: run it
-/// on a direct connection, not through a transaction pooler (see
-/// [`crate::FerryBuilder::direct_url`]).
+/// PostgreSQL it runs in a session of its own that holds an advisory lock
+/// on the schema it migrates (the first of `search_path`), so concurrent
+/// migrators of one schema wait for each other while those of other
+/// schemas in the same database go on; the session is closed at the end
+/// (or dropped, when the caller gives up), which releases the lock. It
+/// prepares statements by name: run it on a direct connection, not through
+/// a transaction pooler (see [`crate::FerryBuilder::direct_url`]).
 pub async fn migrate(db: &Db) -> Result<()> {
     if db.route() == Route::TransactionPooler {
         return Err(Error::Config(
@@ -192,7 +206,25 @@ pub async fn migrate(db: &Db) -> Result<()> {
         ));
     }
     match db {
-        Db::Postgres(p) => PG_MIGRATOR.run(p.pool()).await?,
+        Db::Postgres(p) => {
+            use sqlx::Connection as _;
+            // Not a pooled connection: one given back to the pool by a
+            // dropped future would keep the lock for as long as it lives.
+            let mut session = sqlx::PgConnection::connect_with(&p.pool().connect_options()).await?;
+            sqlx::query("SELECT pg_advisory_lock($1, hashtext(coalesce(current_schema(), '')))")
+                .bind(MIGRATION_LOCK)
+                .execute(&mut session)
+                .await?;
+            // `run_direct`, not `run`: `run` on a connection makes this
+            // future fail `Send` for a spawned task (sqlx's "`Acquire` is
+            // not general enough"; `run_direct` is its way around it).
+            PG_MIGRATOR.run_direct(&mut session).await?;
+            // Migrated: a failure to say goodbye is the session's end all
+            // the same, and the server releases the lock with it.
+            if let Err(e) = session.close().await {
+                tracing::debug!(error = %e, "closing the migrations' session");
+            }
+        }
         Db::Sqlite(p) => SQLITE_MIGRATOR.run(p).await?,
     }
     Ok(())

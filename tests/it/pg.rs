@@ -871,3 +871,88 @@ async fn a_frozen_holder_of_the_ledger_lock_does_not_stop_other_writers() {
         "the frozen holder's transaction outlived the limit"
     );
 }
+
+/// Migrations lock the schema they migrate, not the database: a migrator
+/// of a schema whose lock another session holds waits (nothing of it
+/// applied meanwhile), and one of another schema in the same database
+/// goes on and finishes. sqlx's own lock, one per database, made every
+/// test's migrations wait for every other's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn migrations_wait_for_their_own_schema_only() {
+    use sqlx::Connection as _;
+    let (a, b) = (
+        ferry_testkit::fresh_database_url(Kind::Postgres).await.unwrap(),
+        ferry_testkit::fresh_database_url(Kind::Postgres).await.unwrap(),
+    );
+    // Another migrator of schema `a`, mid-way: its session holds the lock.
+    let mut holder = sqlx::PgConnection::connect(&a).await.unwrap();
+    let schema_a: String = sqlx::query_scalar("SELECT current_schema()::text")
+        .fetch_one(&mut holder)
+        .await
+        .unwrap();
+    sqlx::query("SELECT pg_advisory_lock(x'46657272'::int, hashtext($1))")
+        .bind(&schema_a)
+        .execute(&mut holder)
+        .await
+        .unwrap();
+
+    let db_a = ferry::connect(&a).await.unwrap();
+    let waiting = tokio::spawn(async move { ferry::migrate(&db_a).await });
+    // The migrator of `a` is seen waiting for that lock (the event, not a clock).
+    let seen = std::time::Instant::now();
+    loop {
+        let waiters: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted \
+             AND classid = x'46657272'::int::oid AND objid = hashtext($1)::oid AND objsubid = 2",
+        )
+        .bind(&schema_a)
+        .fetch_one(&mut holder)
+        .await
+        .unwrap();
+        if waiters == 1 {
+            break;
+        }
+        assert!(
+            !waiting.is_finished(),
+            "schema a migrated while its lock was held: {:?}",
+            waiting.await
+        );
+        assert!(
+            seen.elapsed() < Duration::from_secs(60),
+            "no migrator of schema a waits for its lock"
+        );
+        tokio::task::yield_now().await;
+    }
+
+    // Schema `b` migrates meanwhile.
+    let db_b = ferry::connect(&b).await.unwrap();
+    tokio::time::timeout(Duration::from_secs(60), ferry::migrate(&db_b))
+        .await
+        .expect("schema b's migrations waited for schema a's lock")
+        .unwrap();
+    let applied = |schema: String| async move {
+        let mut c = sqlx::PgConnection::connect(&ferry_testkit::postgres_url())
+            .await
+            .unwrap();
+        sqlx::query_scalar::<_, bool>("SELECT to_regclass(quote_ident($1) || '.runs') IS NOT NULL")
+            .bind(schema)
+            .fetch_one(&mut c)
+            .await
+            .unwrap()
+    };
+    let schema_b = b.rsplit("search_path%3D").next().unwrap().to_owned();
+    assert!(applied(schema_b).await, "schema b has no runs table");
+    assert!(
+        !applied(schema_a.clone()).await,
+        "schema a was migrated under another's lock"
+    );
+
+    // The lock released, `a` migrates.
+    holder.close().await.unwrap();
+    tokio::time::timeout(Duration::from_secs(60), waiting)
+        .await
+        .expect("schema a's migrator still waits after the lock was released")
+        .unwrap()
+        .unwrap();
+    assert!(applied(schema_a).await, "schema a has no runs table");
+}
