@@ -557,3 +557,26 @@ async fn the_writer_role_may_only_enqueue_through_the_functions() {
         .unwrap();
     assert_eq!(rows, 3);
 }
+
+/// `roles.sql` run by several sessions at once in one database (two
+/// deploys' init jobs, tests in parallel) applies in each: the runs take
+/// turns, where two transactions revoking or granting on one object at
+/// once fail with "tuple concurrently updated".
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn roles_sql_run_by_several_sessions_at_once_applies_in_each() {
+    use sqlx::Connection as _;
+    let t = TestDb::new(Kind::Postgres).await;
+    for round in 0..3 {
+        let runs = (0..4).map(|_| async {
+            let mut c = sqlx::PgConnection::connect(&t.url).await.unwrap();
+            sqlx::raw_sql(include_str!("../../deploy/sql/roles.sql"))
+                .execute(&mut c)
+                .await
+        });
+        for (i, applied) in futures::future::join_all(runs).await.into_iter().enumerate() {
+            if let Err(e) = applied {
+                panic!("round {round}, run {i}: roles.sql did not apply: {e}");
+            }
+        }
+    }
+}

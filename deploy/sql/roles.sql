@@ -3,40 +3,51 @@
 --     psql "$DATABASE_URL" -f deploy/sql/roles.sql
 -- Then create login users that inherit one role each, for example
 --     CREATE ROLE payments_api LOGIN PASSWORD '…' IN ROLE ferry_service;
--- Roles are cluster-wide; grants are per schema. Re-running is harmless.
+-- Roles are cluster-wide; grants are per schema. Re-running is harmless,
+-- and so are runs at once: the script is one transaction (all of it or
+-- nothing), and runs in one database take turns on an advisory lock, since
+-- two transactions granting or revoking on one object at once fail
+-- ("tuple concurrently updated"). A role another database's run made
+-- meanwhile counts as made.
+
+BEGIN;
+DO $$
+BEGIN
+    PERFORM pg_advisory_xact_lock(x'46657272'::int, hashtext('deploy/sql/roles.sql'));
+END $$;
 
 DO $$
 BEGIN
     CREATE ROLE ferry_service NOLOGIN;
-EXCEPTION WHEN duplicate_object THEN NULL;
+EXCEPTION WHEN duplicate_object OR unique_violation THEN NULL;
 END $$;
 DO $$
 BEGIN
     CREATE ROLE ferry_relay NOLOGIN;
-EXCEPTION WHEN duplicate_object THEN NULL;
+EXCEPTION WHEN duplicate_object OR unique_violation THEN NULL;
 END $$;
 DO $$
 BEGIN
     CREATE ROLE ferry_consumer NOLOGIN;
-EXCEPTION WHEN duplicate_object THEN NULL;
+EXCEPTION WHEN duplicate_object OR unique_violation THEN NULL;
 END $$;
 
 DO $$
 BEGIN
     CREATE ROLE ferry_writer NOLOGIN;
-EXCEPTION WHEN duplicate_object THEN NULL;
+EXCEPTION WHEN duplicate_object OR unique_violation THEN NULL;
 END $$;
 
 DO $$
 BEGIN
     CREATE ROLE ferry_operator NOLOGIN;
-EXCEPTION WHEN duplicate_object THEN NULL;
+EXCEPTION WHEN duplicate_object OR unique_violation THEN NULL;
 END $$;
 
 DO $$
 BEGIN
     CREATE ROLE ferry_console NOLOGIN;
-EXCEPTION WHEN duplicate_object THEN NULL;
+EXCEPTION WHEN duplicate_object OR unique_violation THEN NULL;
 END $$;
 
 -- PostgreSQL 13 and 14 let every role create objects in the public schema
@@ -150,3 +161,5 @@ GRANT SELECT, INSERT, UPDATE ON ferry_queues TO ferry_operator;
 -- Still no DELETE, no publishing marks, no lane, slot or partition writes.
 GRANT ferry_operator TO ferry_console;
 GRANT SELECT ON relay_lanes, relay_instances, relay_wal_slots, relay_wal_layouts, relay_wal_members, outbox_delivered, consumer_partitions, consumer_ledger, effects TO ferry_console;
+
+COMMIT;

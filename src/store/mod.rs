@@ -21,17 +21,33 @@ pub use crate::engine::Engine;
 use crate::error::{Error, Result};
 
 /// The PostgreSQL migrations, without sqlx's own lock: that one is one
-/// advisory lock per database, so every schema's migrator in a database
-/// waited for every other's. [`migrate`] takes one per schema instead.
+/// exclusive advisory lock per database, so every schema's migrator in a
+/// database waited for every other's. [`migrate`] takes its own instead.
+/// (`locking` and `run_direct`, below, are public but hidden in sqlx
+/// 0.8.6; the lockfile pins the version, and an sqlx that drops them fails
+/// to compile here rather than change behaviour.)
 static PG_MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate::Migrator {
     locking: false,
     ..sqlx::migrate!("./migrations/postgres")
 };
 
-/// The first key of the migrations' advisory lock (`"Ferr"`), in the
-/// two-key space sqlx's one-key lock is apart from; the second is the
+/// The first key of the migrations' lock on their schema (`"Ferr"`), in
+/// PostgreSQL's two-key space of advisory locks, apart from the one-key
+/// space sqlx's lock and Ferry's other locks use; the second key is the
 /// schema's `hashtext`.
 const MIGRATION_LOCK: i32 = 0x4665_7272;
+
+/// The key of sqlx's migration lock on `database` (sqlx-postgres 0.8.6,
+/// `generate_lock_id`), which Ferry's releases before this one took
+/// exclusively around their migrations. [`migrate`] takes it shared: an
+/// older migrator of the same database (a rolling deploy, an older `ferry
+/// migrate`) and this one exclude each other, and migrators of this
+/// version do not wait for each other on it.
+fn sqlx_migration_lock(database: &str) -> i64 {
+    const CRC_IEEE: crc::Crc<u32> = crc::Crc::<u32>::new(&crc::CRC_32_ISO_HDLC);
+    0x3d32ad9e * i64::from(CRC_IEEE.checksum(database.as_bytes()))
+}
+
 static SQLITE_MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("./migrations/sqlite");
 
 /// A connection pool on either engine.
@@ -189,12 +205,18 @@ pub fn transaction_pooler_param(url: &str) -> Result<(String, bool)> {
     Ok((url, pooler))
 }
 
-/// Applies the embedded migrations of the pool's engine. Idempotent. On
-/// PostgreSQL it runs in a session of its own that holds an advisory lock
-/// on the schema it migrates (the first of `search_path`), so concurrent
-/// migrators of one schema wait for each other while those of other
-/// schemas in the same database go on; the session is closed at the end
-/// (or dropped, when the caller gives up), which releases the lock. It
+/// Applies the embedded migrations of the pool's engine. Idempotent.
+///
+/// On PostgreSQL it runs on a session of its own, taken out of the pool,
+/// which holds an advisory lock on the schema it migrates (`current_schema()`,
+/// the first existing schema of `search_path`): concurrent migrators of one
+/// schema wait for each other (for as long as it takes, as sqlx's did),
+/// while those of other schemas in the same database go on. It also holds
+/// sqlx's lock on the database shared, so an older Ferry migrating the same
+/// database (which took that one exclusively) and this one wait for each
+/// other. The session is closed at the end, or dropped with the future when
+/// the caller gives up, and the server releases both locks with it (a
+/// backend waiting for a lock notices its client gone once it has it). It
 /// prepares statements by name: run it on a direct connection, not through
 /// a transaction pooler (see [`crate::FerryBuilder::direct_url`]).
 pub async fn migrate(db: &Db) -> Result<()> {
@@ -208,19 +230,26 @@ pub async fn migrate(db: &Db) -> Result<()> {
     match db {
         Db::Postgres(p) => {
             use sqlx::Connection as _;
-            // Not a pooled connection: one given back to the pool by a
-            // dropped future would keep the lock for as long as it lives.
-            let mut session = sqlx::PgConnection::connect_with(&p.pool().connect_options()).await?;
-            sqlx::query("SELECT pg_advisory_lock($1, hashtext(coalesce(current_schema(), '')))")
-                .bind(MIGRATION_LOCK)
-                .execute(&mut session)
+            // Taken out of the pool (its connect hooks and acquire timeout
+            // apply), never given back: a connection given back by a
+            // dropped future would keep the locks for as long as it lives.
+            let mut session = p.pool().acquire().await?.detach();
+            let database: String = sqlx::query_scalar("SELECT current_database()::text")
+                .fetch_one(&mut session)
                 .await?;
+            sqlx::query(
+                "SELECT pg_advisory_lock_shared($1), pg_advisory_lock($2, hashtext(coalesce(current_schema(), '')))",
+            )
+            .bind(sqlx_migration_lock(&database))
+            .bind(MIGRATION_LOCK)
+            .execute(&mut session)
+            .await?;
             // `run_direct`, not `run`: `run` on a connection makes this
             // future fail `Send` for a spawned task (sqlx's "`Acquire` is
             // not general enough"; `run_direct` is its way around it).
             PG_MIGRATOR.run_direct(&mut session).await?;
             // Migrated: a failure to say goodbye is the session's end all
-            // the same, and the server releases the lock with it.
+            // the same, and the server releases the locks with it.
             if let Err(e) = session.close().await {
                 tracing::debug!(error = %e, "closing the migrations' session");
             }

@@ -872,11 +872,67 @@ async fn a_frozen_holder_of_the_ledger_lock_does_not_stop_other_writers() {
     );
 }
 
+/// sqlx's migration lock on `database` (sqlx-postgres 0.8.6's
+/// `generate_lock_id`), which older Ferry releases took exclusively.
+fn sqlx_migration_lock(database: &str) -> i64 {
+    const CRC_IEEE: crc::Crc<u32> = crc::Crc::<u32>::new(&crc::CRC_32_ISO_HDLC);
+    0x3d32ad9e * i64::from(CRC_IEEE.checksum(database.as_bytes()))
+}
+
+/// Waits (on the event, never a clock) until `n` sessions wait for the
+/// advisory lock `pg_locks` shows as (`classid`, `objid`, `objsubid`);
+/// panics if `task` ends first or after 60 s.
+async fn until_waiting<T: std::fmt::Debug>(
+    conn: &mut sqlx::PgConnection,
+    lock: (i64, i64, i32),
+    n: i64,
+    task: &tokio::task::JoinHandle<T>,
+) {
+    let seen = std::time::Instant::now();
+    loop {
+        let waiters: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted \
+             AND classid = $1::oid AND objid = $2::oid AND objsubid = $3",
+        )
+        .bind(lock.0)
+        .bind(lock.1)
+        .bind(lock.2 as i16)
+        .fetch_one(&mut *conn)
+        .await
+        .unwrap();
+        if waiters >= n {
+            return;
+        }
+        assert!(
+            !task.is_finished(),
+            "the migrator ended instead of waiting for its lock"
+        );
+        assert!(
+            seen.elapsed() < Duration::from_secs(60),
+            "{n} migrators never waited for {lock:?}"
+        );
+        tokio::task::yield_now().await;
+    }
+}
+
+/// Whether `schema` of the database at `url` holds Ferry's `runs` table.
+async fn migrated(url: &str, schema: &str) -> bool {
+    use sqlx::Connection as _;
+    let mut c = sqlx::PgConnection::connect(url).await.unwrap();
+    sqlx::query_scalar("SELECT to_regclass(quote_ident($1) || '.runs') IS NOT NULL")
+        .bind(schema)
+        .fetch_one(&mut c)
+        .await
+        .unwrap()
+}
+
 /// Migrations lock the schema they migrate, not the database: a migrator
 /// of a schema whose lock another session holds waits (nothing of it
-/// applied meanwhile), and one of another schema in the same database
-/// goes on and finishes. sqlx's own lock, one per database, made every
-/// test's migrations wait for every other's.
+/// applied meanwhile), and one of another schema in the same database goes
+/// on and finishes (with sqlx's own exclusive lock, one per database, it
+/// would wait for the waiting one: every test's migrations waited for every
+/// other's). A migrator whose caller gave up leaves no lock behind: the
+/// next one finishes.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn migrations_wait_for_their_own_schema_only() {
     use sqlx::Connection as _;
@@ -884,45 +940,33 @@ async fn migrations_wait_for_their_own_schema_only() {
         ferry_testkit::fresh_database_url(Kind::Postgres).await.unwrap(),
         ferry_testkit::fresh_database_url(Kind::Postgres).await.unwrap(),
     );
-    // Another migrator of schema `a`, mid-way: its session holds the lock.
+    let schema_b = b.rsplit("search_path%3D").next().unwrap().to_owned();
+    // Another migrator of this version, mid-way through schema `a`.
     let mut holder = sqlx::PgConnection::connect(&a).await.unwrap();
-    let schema_a: String = sqlx::query_scalar("SELECT current_schema()::text")
+    let (schema_a, key): (String, i32) = sqlx::query_as("SELECT current_schema()::text, hashtext(current_schema())")
         .fetch_one(&mut holder)
         .await
         .unwrap();
-    sqlx::query("SELECT pg_advisory_lock(x'46657272'::int, hashtext($1))")
-        .bind(&schema_a)
+    sqlx::query("SELECT pg_advisory_lock(x'46657272'::int, $1)")
+        .bind(key)
         .execute(&mut holder)
         .await
         .unwrap();
+    let schema_lock = (0x4665_7272, i64::from(key as u32), 2);
 
     let db_a = ferry::connect(&a).await.unwrap();
-    let waiting = tokio::spawn(async move { ferry::migrate(&db_a).await });
-    // The migrator of `a` is seen waiting for that lock (the event, not a clock).
-    let seen = std::time::Instant::now();
-    loop {
-        let waiters: i64 = sqlx::query_scalar(
-            "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted \
-             AND classid = x'46657272'::int::oid AND objid = hashtext($1)::oid AND objsubid = 2",
-        )
-        .bind(&schema_a)
-        .fetch_one(&mut holder)
-        .await
-        .unwrap();
-        if waiters == 1 {
-            break;
-        }
-        assert!(
-            !waiting.is_finished(),
-            "schema a migrated while its lock was held: {:?}",
-            waiting.await
-        );
-        assert!(
-            seen.elapsed() < Duration::from_secs(60),
-            "no migrator of schema a waits for its lock"
-        );
-        tokio::task::yield_now().await;
-    }
+    let waiting = tokio::spawn({
+        let db = db_a.clone();
+        async move { ferry::migrate(&db).await }
+    });
+    until_waiting(&mut holder, schema_lock, 1, &waiting).await;
+    // A second migrator of `a`, whose caller gives up while it waits.
+    let abandoned = tokio::spawn({
+        let db = db_a.clone();
+        async move { ferry::migrate(&db).await }
+    });
+    until_waiting(&mut holder, schema_lock, 2, &abandoned).await;
+    abandoned.abort();
 
     // Schema `b` migrates meanwhile.
     let db_b = ferry::connect(&b).await.unwrap();
@@ -930,29 +974,65 @@ async fn migrations_wait_for_their_own_schema_only() {
         .await
         .expect("schema b's migrations waited for schema a's lock")
         .unwrap();
-    let applied = |schema: String| async move {
-        let mut c = sqlx::PgConnection::connect(&ferry_testkit::postgres_url())
-            .await
-            .unwrap();
-        sqlx::query_scalar::<_, bool>("SELECT to_regclass(quote_ident($1) || '.runs') IS NOT NULL")
-            .bind(schema)
-            .fetch_one(&mut c)
-            .await
-            .unwrap()
-    };
-    let schema_b = b.rsplit("search_path%3D").next().unwrap().to_owned();
-    assert!(applied(schema_b).await, "schema b has no runs table");
+    assert!(migrated(&b, &schema_b).await, "schema b has no runs table");
     assert!(
-        !applied(schema_a.clone()).await,
+        !migrated(&a, &schema_a).await,
         "schema a was migrated under another's lock"
     );
 
-    // The lock released, `a` migrates.
+    // The lock released, `a` migrates; the abandoned migrator holds nothing
+    // for long, so a later one finishes too.
     holder.close().await.unwrap();
     tokio::time::timeout(Duration::from_secs(60), waiting)
         .await
         .expect("schema a's migrator still waits after the lock was released")
         .unwrap()
         .unwrap();
-    assert!(applied(schema_a).await, "schema a has no runs table");
+    assert!(migrated(&a, &schema_a).await, "schema a has no runs table");
+    tokio::time::timeout(Duration::from_secs(60), ferry::migrate(&db_a))
+        .await
+        .expect("a lock was left behind by a finished or abandoned migrator")
+        .unwrap();
+}
+
+/// An older Ferry (sqlx's migrator, which takes its lock on the database
+/// exclusively) and this one exclude each other: while that lock is held,
+/// this version's migrator waits and applies nothing. In a database of its
+/// own: the lock held stops every migrator of the database.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn migrations_wait_for_an_older_migrator_of_the_database() {
+    use sqlx::Connection as _;
+    let (url, _) = ferry_testkit::fresh_database_behind_pgbouncer().await.unwrap();
+    let mut older = sqlx::PgConnection::connect(&url).await.unwrap();
+    let (schema, database): (String, String) =
+        sqlx::query_as("SELECT current_schema()::text, current_database()::text")
+            .fetch_one(&mut older)
+            .await
+            .unwrap();
+    let id = sqlx_migration_lock(&database);
+    sqlx::query("SELECT pg_advisory_lock($1)")
+        .bind(id)
+        .execute(&mut older)
+        .await
+        .unwrap();
+    let db = ferry::connect(&url).await.unwrap();
+    let waiting = tokio::spawn(async move { ferry::migrate(&db).await });
+    until_waiting(
+        &mut older,
+        (i64::from((id >> 32) as u32), i64::from(id as u32), 1),
+        1,
+        &waiting,
+    )
+    .await;
+    assert!(
+        !migrated(&url, &schema).await,
+        "migrated while an older migrator held the database"
+    );
+    older.close().await.unwrap();
+    tokio::time::timeout(Duration::from_secs(60), waiting)
+        .await
+        .expect("still waiting after the older migrator ended")
+        .unwrap()
+        .unwrap();
+    assert!(migrated(&url, &schema).await, "no runs table");
 }
