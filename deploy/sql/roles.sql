@@ -1,14 +1,15 @@
 -- Least-privilege PostgreSQL roles for Ferry. Apply after the migrations, as
 -- the schema owner, in the schema that holds Ferry's tables:
---     psql "$DATABASE_URL" -f deploy/sql/roles.sql
+--     psql -v ON_ERROR_STOP=1 "$DATABASE_URL" -f deploy/sql/roles.sql
 -- Then create login users that inherit one role each, for example
 --     CREATE ROLE payments_api LOGIN PASSWORD '…' IN ROLE ferry_service;
--- Roles are cluster-wide; grants are per schema. Re-running is harmless,
--- and so are runs at once: the script is one transaction (all of it or
--- nothing), and runs in one database take turns on an advisory lock, since
--- two transactions granting or revoking on one object at once fail
--- ("tuple concurrently updated"). A role another database's run made
--- meanwhile counts as made.
+-- Roles are cluster-wide; grants are per schema. The script is one
+-- transaction: an error rolls all of it back (with ON_ERROR_STOP psql then
+-- exits non-zero; without it, psql goes on and the COMMIT rolls back).
+-- Re-running is harmless, and so are runs at once: in one database they
+-- take turns on an advisory lock, since two transactions granting or
+-- revoking on one object at once fail ("tuple concurrently updated"); a
+-- role or membership another database's run made meanwhile counts as made.
 
 BEGIN;
 DO $$
@@ -18,35 +19,47 @@ END $$;
 
 DO $$
 BEGIN
-    CREATE ROLE ferry_service NOLOGIN;
+    IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = 'ferry_service') THEN
+        CREATE ROLE ferry_service NOLOGIN;
+    END IF;
 EXCEPTION WHEN duplicate_object OR unique_violation THEN NULL;
 END $$;
 DO $$
 BEGIN
-    CREATE ROLE ferry_relay NOLOGIN;
+    IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = 'ferry_relay') THEN
+        CREATE ROLE ferry_relay NOLOGIN;
+    END IF;
 EXCEPTION WHEN duplicate_object OR unique_violation THEN NULL;
 END $$;
 DO $$
 BEGIN
-    CREATE ROLE ferry_consumer NOLOGIN;
-EXCEPTION WHEN duplicate_object OR unique_violation THEN NULL;
-END $$;
-
-DO $$
-BEGIN
-    CREATE ROLE ferry_writer NOLOGIN;
-EXCEPTION WHEN duplicate_object OR unique_violation THEN NULL;
-END $$;
-
-DO $$
-BEGIN
-    CREATE ROLE ferry_operator NOLOGIN;
+    IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = 'ferry_consumer') THEN
+        CREATE ROLE ferry_consumer NOLOGIN;
+    END IF;
 EXCEPTION WHEN duplicate_object OR unique_violation THEN NULL;
 END $$;
 
 DO $$
 BEGIN
-    CREATE ROLE ferry_console NOLOGIN;
+    IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = 'ferry_writer') THEN
+        CREATE ROLE ferry_writer NOLOGIN;
+    END IF;
+EXCEPTION WHEN duplicate_object OR unique_violation THEN NULL;
+END $$;
+
+DO $$
+BEGIN
+    IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = 'ferry_operator') THEN
+        CREATE ROLE ferry_operator NOLOGIN;
+    END IF;
+EXCEPTION WHEN duplicate_object OR unique_violation THEN NULL;
+END $$;
+
+DO $$
+BEGIN
+    IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = 'ferry_console') THEN
+        CREATE ROLE ferry_console NOLOGIN;
+    END IF;
 EXCEPTION WHEN duplicate_object OR unique_violation THEN NULL;
 END $$;
 
@@ -159,7 +172,13 @@ GRANT SELECT, INSERT, UPDATE ON ferry_queues TO ferry_operator;
 -- partitions and ledger entries (a run's lineage), effects. `ferry doctor`
 -- and `ferry status` run as it too: they also read the WAL capture slots.
 -- Still no DELETE, no publishing marks, no lane, slot or partition writes.
-GRANT ferry_operator TO ferry_console;
+DO $$
+BEGIN
+    IF NOT pg_has_role('ferry_console', 'ferry_operator', 'MEMBER') THEN
+        GRANT ferry_operator TO ferry_console;
+    END IF;
+EXCEPTION WHEN unique_violation THEN NULL;
+END $$;
 GRANT SELECT ON relay_lanes, relay_instances, relay_wal_slots, relay_wal_layouts, relay_wal_members, outbox_delivered, consumer_partitions, consumer_ledger, effects TO ferry_console;
 
 COMMIT;

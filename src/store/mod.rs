@@ -237,13 +237,18 @@ pub async fn migrate(db: &Db) -> Result<()> {
             let database: String = sqlx::query_scalar("SELECT current_database()::text")
                 .fetch_one(&mut session)
                 .await?;
-            sqlx::query(
-                "SELECT pg_advisory_lock_shared($1), pg_advisory_lock($2, hashtext(coalesce(current_schema(), '')))",
-            )
-            .bind(sqlx_migration_lock(&database))
-            .bind(MIGRATION_LOCK)
-            .execute(&mut session)
-            .await?;
+            // The schema's lock first, then sqlx's shared: a migrator that
+            // waits for its schema holds nothing an older migrator's
+            // exclusive request (and every migrator queued behind that
+            // request) would wait for.
+            sqlx::query("SELECT pg_advisory_lock($1, hashtext(coalesce(current_schema(), '')))")
+                .bind(MIGRATION_LOCK)
+                .execute(&mut session)
+                .await?;
+            sqlx::query("SELECT pg_advisory_lock_shared($1)")
+                .bind(sqlx_migration_lock(&database))
+                .execute(&mut session)
+                .await?;
             // `run_direct`, not `run`: `run` on a connection makes this
             // future fail `Send` for a spawned task (sqlx's "`Acquire` is
             // not general enough"; `run_direct` is its way around it).

@@ -872,13 +872,6 @@ async fn a_frozen_holder_of_the_ledger_lock_does_not_stop_other_writers() {
     );
 }
 
-/// sqlx's migration lock on `database` (sqlx-postgres 0.8.6's
-/// `generate_lock_id`), which older Ferry releases took exclusively.
-fn sqlx_migration_lock(database: &str) -> i64 {
-    const CRC_IEEE: crc::Crc<u32> = crc::Crc::<u32>::new(&crc::CRC_32_ISO_HDLC);
-    0x3d32ad9e * i64::from(CRC_IEEE.checksum(database.as_bytes()))
-}
-
 /// Waits (on the event, never a clock) until `n` sessions wait for the
 /// advisory lock `pg_locks` shows as (`classid`, `objid`, `objsubid`);
 /// panics if `task` ends first or after 60 s.
@@ -892,6 +885,7 @@ async fn until_waiting<T: std::fmt::Debug>(
     loop {
         let waiters: i64 = sqlx::query_scalar(
             "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted \
+             AND database = (SELECT oid FROM pg_database WHERE datname = current_database()) \
              AND classid = $1::oid AND objid = $2::oid AND objsubid = $3",
         )
         .bind(lock.0)
@@ -911,7 +905,8 @@ async fn until_waiting<T: std::fmt::Debug>(
             seen.elapsed() < Duration::from_secs(60),
             "{n} migrators never waited for {lock:?}"
         );
-        tokio::task::yield_now().await;
+        // A poll every 5 ms, not a busy loop beside the migrator it waits for.
+        tokio::time::sleep(Duration::from_millis(5)).await;
     }
 }
 
@@ -996,34 +991,31 @@ async fn migrations_wait_for_their_own_schema_only() {
 }
 
 /// An older Ferry (sqlx's migrator, which takes its lock on the database
-/// exclusively) and this one exclude each other: while that lock is held,
-/// this version's migrator waits and applies nothing. In a database of its
-/// own: the lock held stops every migrator of the database.
+/// exclusively: sqlx's own `Migrate::lock`, so its key is sqlx's) and this
+/// one exclude each other: while that lock is held, this version's
+/// migrator waits and applies nothing. In a database of its own: the lock
+/// held stops every migrator of the database.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn migrations_wait_for_an_older_migrator_of_the_database() {
+    use sqlx::migrate::Migrate as _;
     use sqlx::Connection as _;
     let (url, _) = ferry_testkit::fresh_database_behind_pgbouncer().await.unwrap();
     let mut older = sqlx::PgConnection::connect(&url).await.unwrap();
-    let (schema, database): (String, String) =
-        sqlx::query_as("SELECT current_schema()::text, current_database()::text")
-            .fetch_one(&mut older)
-            .await
-            .unwrap();
-    let id = sqlx_migration_lock(&database);
-    sqlx::query("SELECT pg_advisory_lock($1)")
-        .bind(id)
-        .execute(&mut older)
+    let schema: String = sqlx::query_scalar("SELECT current_schema()::text")
+        .fetch_one(&mut older)
         .await
         .unwrap();
+    older.lock().await.unwrap();
+    let (classid, objid): (i64, i64) = sqlx::query_as(
+        "SELECT classid::bigint, objid::bigint FROM pg_locks \
+         WHERE locktype = 'advisory' AND pid = pg_backend_pid() AND objsubid = 1",
+    )
+    .fetch_one(&mut older)
+    .await
+    .unwrap();
     let db = ferry::connect(&url).await.unwrap();
     let waiting = tokio::spawn(async move { ferry::migrate(&db).await });
-    until_waiting(
-        &mut older,
-        (i64::from((id >> 32) as u32), i64::from(id as u32), 1),
-        1,
-        &waiting,
-    )
-    .await;
+    until_waiting(&mut older, (classid, objid, 1), 1, &waiting).await;
     assert!(
         !migrated(&url, &schema).await,
         "migrated while an older migrator held the database"
