@@ -18,49 +18,18 @@ BEGIN
 END $$;
 
 DO $$
+DECLARE
+    r text;
 BEGIN
-    IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = 'ferry_service') THEN
-        CREATE ROLE ferry_service NOLOGIN;
-    END IF;
-EXCEPTION WHEN duplicate_object OR unique_violation THEN NULL;
-END $$;
-DO $$
-BEGIN
-    IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = 'ferry_relay') THEN
-        CREATE ROLE ferry_relay NOLOGIN;
-    END IF;
-EXCEPTION WHEN duplicate_object OR unique_violation THEN NULL;
-END $$;
-DO $$
-BEGIN
-    IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = 'ferry_consumer') THEN
-        CREATE ROLE ferry_consumer NOLOGIN;
-    END IF;
-EXCEPTION WHEN duplicate_object OR unique_violation THEN NULL;
-END $$;
-
-DO $$
-BEGIN
-    IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = 'ferry_writer') THEN
-        CREATE ROLE ferry_writer NOLOGIN;
-    END IF;
-EXCEPTION WHEN duplicate_object OR unique_violation THEN NULL;
-END $$;
-
-DO $$
-BEGIN
-    IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = 'ferry_operator') THEN
-        CREATE ROLE ferry_operator NOLOGIN;
-    END IF;
-EXCEPTION WHEN duplicate_object OR unique_violation THEN NULL;
-END $$;
-
-DO $$
-BEGIN
-    IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = 'ferry_console') THEN
-        CREATE ROLE ferry_console NOLOGIN;
-    END IF;
-EXCEPTION WHEN duplicate_object OR unique_violation THEN NULL;
+    FOREACH r IN ARRAY ARRAY['ferry_service', 'ferry_relay', 'ferry_consumer', 'ferry_writer',
+                             'ferry_operator', 'ferry_console'] LOOP
+        IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = r) THEN
+            BEGIN
+                EXECUTE format('CREATE ROLE %I NOLOGIN', r);
+            EXCEPTION WHEN duplicate_object OR unique_violation THEN NULL;
+            END;
+        END IF;
+    END LOOP;
 END $$;
 
 -- PostgreSQL 13 and 14 let every role create objects in the public schema
