@@ -580,3 +580,36 @@ async fn roles_sql_run_by_several_sessions_at_once_applies_in_each() {
         }
     }
 }
+
+/// `roles.sql` applies in a database without a `public` schema (a common
+/// hardening), and a `search_path` naming no existing schema is refused
+/// with a message that says so, nothing applied.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn roles_sql_applies_without_a_public_schema_and_refuses_a_missing_one() {
+    use sqlx::Connection as _;
+    let (direct, _) = ferry_testkit::fresh_database_behind_pgbouncer().await.unwrap();
+    let mut owner = sqlx::PgConnection::connect(&direct).await.unwrap();
+    sqlx::raw_sql("DROP SCHEMA public; CREATE SCHEMA app")
+        .execute(&mut owner)
+        .await
+        .unwrap();
+    let sep = if direct.contains('?') { '&' } else { '?' };
+    let app = format!("{direct}{sep}options=-csearch_path%3Dapp");
+    Ferry::builder(&app).migrate(true).connect().await.unwrap();
+    let mut c = sqlx::PgConnection::connect(&app).await.unwrap();
+    sqlx::raw_sql(include_str!("../../deploy/sql/roles.sql"))
+        .execute(&mut c)
+        .await
+        .expect("roles.sql applies without a public schema");
+
+    let missing = format!("{direct}{sep}options=-csearch_path%3Dnowhere");
+    let mut c = sqlx::PgConnection::connect(&missing).await.unwrap();
+    let err = sqlx::raw_sql(include_str!("../../deploy/sql/roles.sql"))
+        .execute(&mut c)
+        .await
+        .expect_err("roles.sql with no schema to grant on");
+    assert!(
+        err.to_string().contains("search_path names no existing schema"),
+        "{err}"
+    );
+}

@@ -7,14 +7,21 @@
 -- transaction: an error rolls all of it back (with ON_ERROR_STOP psql then
 -- exits non-zero; without it, psql goes on and the COMMIT rolls back).
 -- Re-running is harmless, and so are runs at once: in one database they
--- take turns on an advisory lock, since two transactions granting or
+-- take turns on an advisory lock (and with a migration of the same schema,
+-- on its lock), since two transactions granting or
 -- revoking on one object at once fail ("tuple concurrently updated"); a
 -- role or membership another database's run made meanwhile counts as made.
 
 BEGIN;
 DO $$
 BEGIN
+    IF current_schema() IS NULL THEN
+        RAISE EXCEPTION 'roles.sql: search_path names no existing schema: set it to the schema that holds Ferry''s tables';
+    END IF;
     PERFORM pg_advisory_xact_lock(x'46657272'::int, hashtext('deploy/sql/roles.sql'));
+    -- The migrations' lock on this schema (ferry::migrate): grants and a
+    -- migration's changes to one table never run at once either.
+    PERFORM pg_advisory_xact_lock(x'46657272'::int, hashtext(current_schema()));
 END $$;
 
 DO $$
@@ -34,7 +41,13 @@ END $$;
 
 -- PostgreSQL 13 and 14 let every role create objects in the public schema
 -- (15 stopped); nobody here needs that.
-REVOKE CREATE ON SCHEMA public FROM PUBLIC;
+-- (A database without a public schema has nothing to revoke.)
+DO $$
+BEGIN
+    IF EXISTS (SELECT FROM pg_namespace WHERE nspname = 'public') THEN
+        REVOKE CREATE ON SCHEMA public FROM PUBLIC;
+    END IF;
+END $$;
 
 DO $$
 BEGIN
