@@ -87,9 +87,11 @@ pub enum Ended {
     /// changes.
     Yielded,
     /// The slot cannot carry on: it was dropped (42704 on the slot), lost
-    /// the WAL it needed (55000), or its publication is gone (42704 on the
-    /// publication: the slot's historic catalog never sees a new one). The
-    /// slot is made anew and the table read once (it is the source of truth).
+    /// the WAL it needed (55000), its publication is gone (42704 on the
+    /// publication: the slot's historic catalog never sees a new one), or
+    /// the server cannot decode its WAL at all (`could not map filenode`,
+    /// XX000: see [`classify`]). The slot is made anew and the table read
+    /// once (it is the source of truth).
     Reseed(&'static str),
     /// A record Kafka refused as poison in a produce request shared with
     /// others: the stream resumes from the slot one record at a time up to
@@ -139,6 +141,17 @@ impl Ended {
 /// The classification of a replication client error. PostgreSQL's errors
 /// carry their SQLSTATE in the client's message (`… (SQLSTATE 55006)`);
 /// codes not named here are `unclassified` and retried, never guessed at.
+///
+/// One internal error (XX000) is named: `could not map filenode "…" to
+/// relation OID`. Logical decoding raises it when the slot's historic
+/// catalog cannot see a table some decoded change touched, any table of
+/// the database, not only the outbox (seen on PostgreSQL 15.20: a slot made
+/// while other sessions created tables could never decode a later insert
+/// into one of them). It is the slot's state, not a passing fault: every
+/// session from that slot stops at the same change, so retrying never
+/// ends. The slot is made anew (`slot_undecodable`), as for an invalidated
+/// one: a new slot starts after that change, and the table read publishes
+/// every row not yet delivered.
 pub fn classify(e: &PgWireError) -> Ended {
     match e {
         PgWireError::Io(_) | PgWireError::Task(_) => Ended::Retry("replication_io"),
@@ -162,6 +175,10 @@ fn classify_server(message: &str) -> Ended {
         "42704" if message.contains("publication") => Ended::Reseed("publication_missing"),
         "42704" => Ended::Reseed("slot_missing"),
         "55000" => Ended::Reseed("slot_invalidated"),
+        "XX000" if message.contains("could not map filenode") => {
+            tracing::error!(%message, "logical decoding cannot map a table of this database in the slot's historic catalog (a PostgreSQL decoding defect); the slot is made anew");
+            Ended::Reseed("slot_undecodable")
+        }
         // Terminated, the server shutting down or starting, a lost connection.
         "57P01" | "57P02" | "57P03" => Ended::Retry("replication_terminated"),
         c if c.starts_with("08") => Ended::Retry("replication_io"),
@@ -201,6 +218,14 @@ mod tests {
         assert_eq!(
             s("terminating connection due to administrator command (SQLSTATE 57P01)"),
             Ended::Retry("replication_terminated")
+        );
+        assert_eq!(
+            s("could not map filenode \"base/5/787802\" to relation OID (SQLSTATE XX000)"),
+            Ended::Reseed("slot_undecodable")
+        );
+        assert_eq!(
+            s("some other internal error (SQLSTATE XX000)"),
+            Ended::Retry("unclassified")
         );
         assert_eq!(s("something new (SQLSTATE XX999)"), Ended::Retry("unclassified"));
         assert_eq!(s("no code at all"), Ended::Retry("unclassified"));
