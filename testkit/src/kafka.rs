@@ -189,6 +189,14 @@ impl Kafka {
     /// started); the directory is in the run's shared pool only when the
     /// broker may be parked there (`reusable`), so any other broker dies
     /// with its test process.
+    ///
+    /// The controller appends no no-op records to the metadata log
+    /// (`metadata.max.idle.interval.ms=0`; by default one every 500 ms,
+    /// each an append, a flush and a replay): an idle broker then spends
+    /// 1.6 % of a core instead of 2.35 % (measured side by side over a
+    /// minute on the 2-core machine), and a run keeps several brokers alive
+    /// or parked at once. Nothing a test checks waits for one: topic,
+    /// group and transaction changes are metadata records of their own.
     fn configure(overrides: &[(&str, &str)], advertised: Option<u16>, reusable: bool) -> Kafka {
         let port = free_port_below_ephemeral();
         let controller_port = free_port_below_ephemeral();
@@ -232,7 +240,8 @@ impl Kafka {
              group.classic.min.session.timeout.ms=3000\n\
              auto.create.topics.enable=false\n\
              num.partitions=1\n\
-             log.flush.interval.messages=9223372036854775807\n",
+             log.flush.interval.messages=9223372036854775807\n\
+             metadata.max.idle.interval.ms=0\n",
             data = dir.join("data").display()
         );
         for (k, v) in overrides {
