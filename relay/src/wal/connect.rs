@@ -143,7 +143,7 @@ impl Ended {
 /// codes not named here are `unclassified` and retried, never guessed at.
 ///
 /// One internal error (XX000) is named: `could not map filenode "…" to
-/// relation OID`. Logical decoding raises it when the slot's historic
+/// relation OID` (`filenumber` from PostgreSQL 16 on). Logical decoding raises it when the slot's historic
 /// catalog cannot see a table some decoded change touched, any table of
 /// the database, not only the outbox (seen on PostgreSQL 15.20: a slot made
 /// while other sessions created tables could never decode a later insert
@@ -175,8 +175,9 @@ fn classify_server(message: &str) -> Ended {
         "42704" if message.contains("publication") => Ended::Reseed("publication_missing"),
         "42704" => Ended::Reseed("slot_missing"),
         "55000" => Ended::Reseed("slot_invalidated"),
-        "XX000" if message.contains("could not map filenode") => {
-            tracing::error!(%message, "logical decoding cannot map a table of this database in the slot's historic catalog (a PostgreSQL decoding defect); the slot is made anew");
+        // "filenode" up to 15, "filenumber" from 16 on.
+        "XX000" if message.contains("could not map filenode") || message.contains("could not map filenumber") => {
+            tracing::error!(%message, "logical decoding cannot map a table of this database in the slot's historic catalog (a PostgreSQL decoding defect): the slot cannot go on");
             Ended::Reseed("slot_undecodable")
         }
         // Terminated, the server shutting down or starting, a lost connection.
@@ -221,6 +222,10 @@ mod tests {
         );
         assert_eq!(
             s("could not map filenode \"base/5/787802\" to relation OID (SQLSTATE XX000)"),
+            Ended::Reseed("slot_undecodable")
+        );
+        assert_eq!(
+            s("could not map filenumber \"base/5/16390\" to relation OID (SQLSTATE XX000)"),
             Ended::Reseed("slot_undecodable")
         );
         assert_eq!(
