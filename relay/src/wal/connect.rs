@@ -143,11 +143,11 @@ impl Ended {
 /// codes not named here are `unclassified` and retried, never guessed at.
 ///
 /// One internal error (XX000) is named: `could not map filenode "…" to
-/// relation OID` (`filenumber` from PostgreSQL 16 on). Logical decoding raises it when the slot's historic
-/// catalog cannot see a table some decoded change touched, any table of
-/// the database, not only the outbox (seen on PostgreSQL 15.20: a slot made
-/// while other sessions created tables could never decode a later insert
-/// into one of them). It is the slot's state, not a passing fault: every
+/// relation OID` (`filenumber` from PostgreSQL 16 on). Logical decoding
+/// raises it when the slot's historic catalog cannot see a table some
+/// decoded change touched, any table of the database, not only the outbox
+/// (seen on PostgreSQL 15.20: a slot made while other sessions created
+/// tables could never decode a later insert into one of them). It is the slot's state, not a passing fault: every
 /// session from that slot stops at the same change, so retrying never
 /// ends. The slot is made anew (`slot_undecodable`), as for an invalidated
 /// one: a new slot starts after that change, and the table read publishes
