@@ -7,10 +7,11 @@
 -- transaction: an error rolls all of it back (with ON_ERROR_STOP psql then
 -- exits non-zero; without it, psql goes on and the COMMIT rolls back).
 -- Re-running is harmless, and so are runs at once: in one database they
--- take turns on an advisory lock (and with a migration of the same schema,
--- on its lock), since two transactions granting or
--- revoking on one object at once fail ("tuple concurrently updated"); a
--- role or membership another database's run made meanwhile counts as made.
+-- take turns on an advisory lock (and with this version's migrations of
+-- the same schema, on their lock; an older Ferry's migrator does not take
+-- it), since two transactions granting or revoking on one object at once
+-- fail ("tuple concurrently updated"); a role or membership another
+-- database's run made meanwhile counts as made.
 
 BEGIN;
 DO $$
