@@ -57,6 +57,17 @@ use rdkafka::ClientConfig;
 use crate::ports::free_port_below_ephemeral;
 use crate::watchdog::{Signal, Watchdog};
 
+/// A group coordinator's answer while it is not ready yet: it is loading
+/// its `__consumer_offsets` partitions (just created by a group's first
+/// request, or moved) or is not known yet. Asked again, it answers.
+fn coordinator_not_ready(code: rdkafka::types::RDKafkaErrorCode) -> bool {
+    use rdkafka::types::RDKafkaErrorCode as C;
+    matches!(
+        code,
+        C::CoordinatorLoadInProgress | C::CoordinatorNotAvailable | C::NotCoordinator
+    )
+}
+
 /// The pinned Apache Kafka version: the one `scripts/kafka/pom.xml` resolves.
 pub fn kafka_version() -> &'static str {
     const POM: &str = include_str!("../../scripts/kafka/pom.xml");
@@ -305,10 +316,9 @@ impl Kafka {
         let groups: Vec<String> = loop {
             match c.fetch_group_list(None, Duration::from_secs(5)) {
                 Ok(list) => break list.groups().iter().map(|g| g.name().to_owned()).collect(),
-                Err(rdkafka::error::KafkaError::GroupListFetch(
-                    rdkafka::types::RDKafkaErrorCode::CoordinatorLoadInProgress
-                    | rdkafka::types::RDKafkaErrorCode::CoordinatorNotAvailable,
-                )) if Instant::now() < deadline => {
+                Err(rdkafka::error::KafkaError::GroupListFetch(code))
+                    if coordinator_not_ready(code) && Instant::now() < deadline =>
+                {
                     // A poll interval: the loop ends on the coordinator's answer.
                     std::thread::sleep(Duration::from_millis(50));
                 }
@@ -1082,7 +1092,22 @@ mod tests {
             let mut tpl = rdkafka::TopicPartitionList::new();
             tpl.add_partition_offset("orders", 0, rdkafka::Offset::Offset(0))
                 .unwrap();
-            c.commit(&tpl, rdkafka::consumer::CommitMode::Sync).unwrap();
+            // The group's first commit on a new broker creates
+            // `__consumer_offsets`; until the coordinator has loaded its
+            // partition it answers `NotCoordinator` (seen once under load).
+            let deadline = Instant::now() + Duration::from_secs(30);
+            loop {
+                match c.commit(&tpl, rdkafka::consumer::CommitMode::Sync) {
+                    Ok(()) => break,
+                    Err(rdkafka::error::KafkaError::ConsumerCommit(code))
+                        if coordinator_not_ready(code) && Instant::now() < deadline =>
+                    {
+                        // A poll interval: the loop ends on the coordinator's answer.
+                        std::thread::sleep(Duration::from_millis(50));
+                    }
+                    Err(e) => panic!("committing the group's offset: {e}"),
+                }
+            }
             c
         };
         let first = Kafka::start();
