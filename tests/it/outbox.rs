@@ -55,7 +55,7 @@ async fn same_key_enqueues_commit_in_id_order() {
     // open), or B is seen waiting on an advisory lock.
     let b_waits = async {
         while advisory_waits(&t.ferry, pid).await == 0 {
-            tokio::task::yield_now().await;
+            tokio::time::sleep(std::time::Duration::from_millis(5)).await;
         }
     };
     tokio::select! {

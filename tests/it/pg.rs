@@ -296,7 +296,7 @@ async fn a_renewal_never_stalls_a_handler_holding_the_job_row() {
                 if waiting > 0 {
                     break;
                 }
-                tokio::task::yield_now().await;
+                tokio::time::sleep(Duration::from_millis(5)).await;
             }
             tx.commit().await.unwrap();
             let _ = done_tx.send(());
@@ -317,7 +317,7 @@ async fn a_renewal_never_stalls_a_handler_holding_the_job_row() {
     let start = std::time::Instant::now();
     while stats.completed.load(Ordering::SeqCst) == 0 {
         assert!(start.elapsed() < Duration::from_secs(30), "the job never completed");
-        tokio::task::yield_now().await;
+        tokio::time::sleep(Duration::from_millis(5)).await;
     }
     stop_tx.send(()).unwrap();
     running.await.unwrap().unwrap();

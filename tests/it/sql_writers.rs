@@ -275,7 +275,7 @@ async fn one_keys_ids_follow_commit_order_across_the_library_and_sql_writers() {
             !b.is_finished(),
             "the SQL writer did not wait for the library's transaction"
         );
-        tokio::task::yield_now().await;
+        tokio::time::sleep(std::time::Duration::from_millis(5)).await;
     }
     a.commit().await.unwrap();
     let b_id = b.await.unwrap();

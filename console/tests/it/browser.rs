@@ -419,7 +419,7 @@ async fn an_operator_finds_a_run_replays_a_dead_row_and_sees_it_delivered() {
             start.elapsed() < Duration::from_secs(30),
             "row {row} was never marked delivered"
         );
-        tokio::task::yield_now().await;
+        tokio::time::sleep(Duration::from_millis(100)).await;
     }
     shot(&c, "lineage-delivered").await;
     c.goto(&format!("{base}/")).await.unwrap();

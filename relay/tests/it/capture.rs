@@ -708,10 +708,7 @@ async fn wal_a_sigkilled_relay_loses_nothing_and_its_standby_takes_over() {
     active.kill().unwrap(); // SIGKILL mid-stream
     active.wait().unwrap();
     writer.await.unwrap();
-    let more = read_until(&c, Duration::from_secs(120), |r| {
-        distinct(&[&recs[..], r].concat()) >= 1500
-    })
-    .await;
+    let more = read_until(&c, Duration::from_secs(120), |r| distinct(recs.iter().chain(r)) >= 1500).await;
     recs.extend(more);
     wait_for_streaming(&pool, &slot.name, Some(before), Duration::from_secs(30)).await;
     drop(standby);

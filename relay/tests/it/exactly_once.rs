@@ -5,7 +5,7 @@
 //! restarted relay takes its lanes, and a takeover beside another
 //! producer's open transaction on the progress topic.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::os::unix::process::ExitStatusExt;
 use std::process::Command;
 use std::time::{Duration, Instant};
@@ -52,13 +52,6 @@ async fn exactly_once_survives_sigkill_crash_after_commit_and_zombies() {
     let writes = tokio::spawn(writer(ferry.clone(), total, 40));
     let reader = committed_reader(&broker.brokers(), "orders");
     let mut recs: Vec<Record> = Vec::new();
-    let seen = |recs: &[Record], more: &[Record]| -> usize {
-        recs.iter()
-            .chain(more)
-            .map(Record::outbox_id)
-            .collect::<HashSet<_>>()
-            .len()
-    };
 
     // 1. Crash right after a Kafka commit, before the rows are marked: only
     //    the progress topic knows that transaction was published.
@@ -84,7 +77,10 @@ async fn exactly_once_survives_sigkill_crash_after_commit_and_zombies() {
     for round in 1..=5 {
         let mut child = spawn_relay_process(&url, &broker.brokers(), EOS, &[]);
         let want = round * 400;
-        let more = read_until(&reader, Duration::from_secs(180), |r| seen(&recs, r) >= want).await;
+        let more = read_until(&reader, Duration::from_secs(180), |r| {
+            distinct(recs.iter().chain(r)) >= want
+        })
+        .await;
         recs.extend(more);
         child.kill().unwrap();
         child.wait().unwrap();
@@ -94,7 +90,10 @@ async fn exactly_once_survives_sigkill_crash_after_commit_and_zombies() {
     //    (B's init_transactions fenced A's producers), then resumed. A still
     //    believes it holds its lanes; its commits must fail.
     let mut a = spawn_relay_process(&url, &broker.brokers(), EOS, &[]);
-    let more = read_until(&reader, Duration::from_secs(180), |r| seen(&recs, r) >= 2200).await;
+    let more = read_until(&reader, Duration::from_secs(180), |r| {
+        distinct(recs.iter().chain(r)) >= 2200
+    })
+    .await;
     recs.extend(more);
     Command::new("kill")
         .args(["-STOP", &a.id().to_string()])
@@ -112,7 +111,7 @@ async fn exactly_once_survives_sigkill_crash_after_commit_and_zombies() {
             start.elapsed() < Duration::from_secs(60),
             "relay B never took every lane"
         );
-        tokio::task::yield_now().await;
+        tokio::time::sleep(Duration::from_millis(20)).await;
     }
     Command::new("kill")
         .args(["-CONT", &a.id().to_string()])
@@ -120,7 +119,10 @@ async fn exactly_once_survives_sigkill_crash_after_commit_and_zombies() {
         .unwrap();
 
     writes.await.unwrap();
-    let more = read_until(&reader, Duration::from_secs(120), |r| seen(&recs, r) >= total).await;
+    let more = read_until(&reader, Duration::from_secs(120), |r| {
+        distinct(recs.iter().chain(r)) >= total
+    })
+    .await;
     recs.extend(more);
     // Drain until every row is marked, then read what is left in Kafka.
     let start = Instant::now();
@@ -132,7 +134,7 @@ async fn exactly_once_survives_sigkill_crash_after_commit_and_zombies() {
         > 0
     {
         assert!(start.elapsed() < Duration::from_secs(60), "rows stay pending");
-        tokio::task::yield_now().await;
+        tokio::time::sleep(Duration::from_millis(20)).await;
     }
     for p in [&mut a, &mut b] {
         let _ = Command::new("kill").args(["-TERM", &p.id().to_string()]).status();
@@ -161,10 +163,6 @@ fn one_key_per_lane(lanes: i32) -> Vec<String> {
         }
     }
     keys.into_iter().flatten().collect()
-}
-
-fn distinct(r: &[Record]) -> usize {
-    r.iter().map(Record::outbox_id).collect::<HashSet<_>>().len()
 }
 
 /// How long a restarted relay may take from its start until every one of
@@ -365,7 +363,7 @@ async fn another_producers_open_transaction_never_makes_a_takeover_publish_again
             start.elapsed() < Duration::from_secs(60),
             "the takeover neither waited nor went on"
         );
-        tokio::task::yield_now().await;
+        tokio::time::sleep(Duration::from_millis(20)).await;
     }
     assert_eq!(
         scalar(&ferry, pending).await,
@@ -381,7 +379,7 @@ async fn another_producers_open_transaction_never_makes_a_takeover_publish_again
             start.elapsed() < Duration::from_secs(60),
             "the takeover never marked the previous owner's rows"
         );
-        tokio::task::yield_now().await;
+        tokio::time::sleep(Duration::from_millis(20)).await;
     }
     let msg = OutboxMessage::json("acme", "orders", key, &json!({ "i": 3 })).unwrap();
     ferry.enqueue(&msg).await.unwrap();
@@ -391,7 +389,7 @@ async fn another_producers_open_transaction_never_makes_a_takeover_publish_again
             start.elapsed() < Duration::from_secs(60),
             "the lane never published after its takeover"
         );
-        tokio::task::yield_now().await;
+        tokio::time::sleep(Duration::from_millis(20)).await;
     }
     let waits = relay.state.metrics.takeover_waits.get();
     relay.shutdown().await;

@@ -21,7 +21,7 @@ async fn delivered_within(ferry: &ferry::Ferry, want: i64, limit: Duration, what
         < want
     {
         assert!(start.elapsed() < limit, "{what}");
-        tokio::task::yield_now().await;
+        tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
 
@@ -103,7 +103,7 @@ async fn a_capped_relay_beside_an_uncapped_one_leaves_no_lane_unowned() {
             scalar(&ferry, owned).await,
             scalar(&ferry, "SELECT count(*) FROM relay_lanes WHERE owner = 'small'").await
         );
-        tokio::task::yield_now().await;
+        tokio::time::sleep(Duration::from_millis(20)).await;
     }
     a.shutdown().await;
     b.shutdown().await;

@@ -345,7 +345,7 @@ async fn poison_blocks(capture: Capture, exactly_once: bool) {
             start.elapsed() < Duration::from_secs(60),
             "the relay never retried the poison row"
         );
-        tokio::task::yield_now().await;
+        tokio::time::sleep(Duration::from_millis(20)).await;
     }
     relay.shutdown().await;
     assert_eq!(

@@ -270,19 +270,13 @@ async fn a_sigkilled_relay_loses_nothing(capture: Capture) {
     for round in 1..=3 {
         let mut child = spawn_relay_process(&url, &broker.brokers(), &guard.args(), &[]);
         let want = round * 300;
-        let more = read_until(&c, Duration::from_secs(60), |r| {
-            distinct(&[&recs[..], r].concat()) >= want
-        })
-        .await;
+        let more = read_until(&c, Duration::from_secs(60), |r| distinct(recs.iter().chain(r)) >= want).await;
         recs.extend(more);
         child.kill().unwrap(); // SIGKILL mid-stream
         child.wait().unwrap();
     }
     let mut child = spawn_relay_process(&url, &broker.brokers(), &guard.args(), &[]);
-    let more = read_until(&c, Duration::from_secs(90), |r| {
-        distinct(&[&recs[..], r].concat()) >= 1500
-    })
-    .await;
+    let more = read_until(&c, Duration::from_secs(90), |r| distinct(recs.iter().chain(r)) >= 1500).await;
     recs.extend(more);
     let _ = Command::new("kill").args(["-TERM", &child.id().to_string()]).status();
     child.wait().unwrap();
@@ -375,10 +369,7 @@ async fn a_broker_crash_mid_stream_loses_nothing_and_keeps_first_occurrences_in_
     wait_for_a_row_pending_for(&ferry, before, Duration::from_secs(12)).await;
     broker.restart();
     writer.await.unwrap();
-    let more = read_until(&c, Duration::from_secs(120), |r| {
-        distinct(&[&recs[..], r].concat()) >= 2101
-    })
-    .await;
+    let more = read_until(&c, Duration::from_secs(120), |r| distinct(recs.iter().chain(r)) >= 2101).await;
     recs.extend(more);
     wait_for_count(&ferry, delivered, 2101, Duration::from_secs(60)).await;
     assert_no_record_timed_out(relay.addr).await;
@@ -625,7 +616,7 @@ async fn a_fatal_producer_error_fails_readiness_and_exits_to_be_restarted(captur
                 running_xacts(&ferry).await
             );
         }
-        tokio::task::yield_now().await;
+        tokio::time::sleep(Duration::from_millis(20)).await;
     }
     relay.shutdown().await;
 }

@@ -74,7 +74,7 @@ async fn sigkills_mid_stream() {
         // Killed with half a round's rows still to come.
         let want = round * per_round - per_round / 2;
         let more = read_until(&reader, Duration::from_secs(120), |r| {
-            distinct(&[&recs[..], r].concat()) >= want
+            distinct(recs.iter().chain(r)) >= want
         })
         .await;
         recs.extend(more);
@@ -142,7 +142,7 @@ async fn wal_exactly_once_a_crash_between_the_kafka_commit_and_the_mark_publishe
         written += 50;
         // Visible once committed, or the crash came first.
         let more = read_until(&reader, Duration::from_secs(60), |r| {
-            distinct(&[&seen[..], r].concat()) >= written || child.try_wait().unwrap().is_some()
+            distinct(seen.iter().chain(r)) >= written || child.try_wait().unwrap().is_some()
         })
         .await;
         seen.extend(more);
