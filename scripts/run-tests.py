@@ -40,6 +40,7 @@ import json
 import math
 import os
 import re
+import secrets
 import signal
 import subprocess
 import sys
@@ -166,7 +167,6 @@ def run(job):
     p = subprocess.Popen(
         argv, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
     )
-    TEST_PIDS.append(p.pid)
     try:
         stdout, _ = p.communicate(timeout=JOB_TIMEOUT)
         hung = False
@@ -185,9 +185,10 @@ def run(job):
     return label, ok, passed, failed, took, stdout
 
 
-# The test processes this run started: their schemas and databases are
-# named after them (ferry_t_<born>_<pid>_<n>, ferry-testkit's db.rs).
-TEST_PIDS = []
+# This run's token, handed to its test processes (FERRY_TEST_RUN): the
+# schemas and databases they make end with it (ferry_t_<born>_<pid>_<n>_<run>,
+# ferry-testkit's db.rs).
+RUN = secrets.token_hex(8)
 
 
 def drop_own_schemas():
@@ -195,11 +196,13 @@ def drop_own_schemas():
     test schemas and databases this run's test processes made, once every
     test passed (a failing run's stay for inspection, and a later run drops
     them after 20 minutes). Some DDL reads the whole catalog, so a run
-    migrates its schemas faster without the last run's 700 beside them; the
-    drops (about 20 s of one backend) overlap the next run's build, not its
-    tests. Without psql, the 20-minute rule alone applies."""
+    migrates its schemas faster without the last run's 700 beside them. The
+    drops (about 20 s of one backend) overlap what follows: the test
+    command's last checks, the next run's setup and build. Without psql,
+    or should it fail (its log: target/drop-own-schemas.log), the
+    20-minute rule alone applies."""
     url = os.environ.get("DATABASE_URL", "postgres://postgres@127.0.0.1:5432/postgres")
-    own = "^ferry_t_[0-9]+_(" + "|".join(str(p) for p in TEST_PIDS) + ")_[0-9]+$"
+    own = f"^ferry_t_[0-9]+_[0-9]+_[0-9]+_{RUN}$"
     script = (
         "SELECT format('DROP SCHEMA IF EXISTS %I CASCADE', nspname) FROM pg_namespace "
         f"WHERE nspname ~ '{own}' "
@@ -207,14 +210,17 @@ def drop_own_schemas():
         f"FROM pg_database WHERE datname ~ '{own}'\n\\gexec\n"
     )
     try:
-        p = subprocess.Popen(
-            ["psql", url, "-qAt"],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            text=True,
-            start_new_session=True,
-        )
+        with open(os.path.join(ROOT, "target", "drop-own-schemas.log"), "w") as log:
+            # No ~/.psqlrc (-X), never a password prompt (-w), every drop
+            # tried however one fails.
+            p = subprocess.Popen(
+                ["psql", "-X", "-w", "-qAt", "-v", "ON_ERROR_STOP=0", "-d", url],
+                stdin=subprocess.PIPE,
+                stdout=log,
+                stderr=log,
+                text=True,
+                start_new_session=True,
+            )
         p.stdin.write(script)
         p.stdin.close()
     except OSError:
@@ -232,6 +238,7 @@ def open_broker_pool():
     os.makedirs(BROKER_POOL, exist_ok=True)
     os.environ["FERRY_TEST_BROKER_POOL"] = BROKER_POOL
     os.environ["FERRY_TEST_BROKER_POOL_OWNER"] = str(os.getpid())
+    os.environ["FERRY_TEST_RUN"] = RUN
 
 
 def close_broker_pool():

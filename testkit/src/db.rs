@@ -38,7 +38,7 @@ pub fn pgbouncer_url() -> String {
 pub async fn fresh_database_behind_pgbouncer() -> Result<(String, String)> {
     let n = SEQ.fetch_add(1, Ordering::Relaxed);
     let born = unix_secs();
-    let name = format!("ferry_t_{born}_{}_{n}", std::process::id());
+    let name = format!("ferry_t_{born}_{}_{n}{}", std::process::id(), run_suffix());
     let admin = admin_pool().await?;
     drop_stale(&admin, Stale::Databases, born).await;
     sqlx::query(&format!("CREATE DATABASE {name}"))
@@ -95,7 +95,7 @@ pub async fn fresh_database_url(engine: Engine) -> Result<String> {
         Engine::Postgres => {
             let base = postgres_url();
             let born = unix_secs();
-            let schema = format!("ferry_t_{born}_{pid}_{n}");
+            let schema = format!("ferry_t_{born}_{pid}_{n}{}", run_suffix());
             let admin = admin_pool().await?;
             if n == 0 {
                 drop_stale(&admin, Stale::Schemas, born).await;
@@ -108,6 +108,23 @@ pub async fn fresh_database_url(engine: Engine) -> Result<String> {
             let sep = if base.contains('?') { '&' } else { '?' };
             Ok(format!("{base}{sep}options=-csearch_path%3D{schema}"))
         }
+    }
+}
+
+/// `_<run>` when the process is a test job of `scripts/run-tests.py`
+/// (`FERRY_TEST_RUN`: up to 16 lowercase letters and digits, one value per
+/// run), the end of its schemas' and databases' names, so that run drops
+/// what its tests made once they all passed; otherwise nothing.
+fn run_suffix() -> String {
+    match std::env::var("FERRY_TEST_RUN") {
+        Ok(run)
+            if !run.is_empty()
+                && run.len() <= 16
+                && run.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit()) =>
+        {
+            format!("_{run}")
+        }
+        _ => String::new(),
     }
 }
 
@@ -129,12 +146,19 @@ enum Stale {
     Databases,
 }
 
-/// How old a test schema or database must be before a test drops it: a
-/// test job is killed after 15 minutes, so nothing running uses it.
+/// How old a test schema or database of a `scripts/run-tests.py` run (its
+/// name ends with the run's token) must be before a test drops it: a test
+/// job is killed after 15 minutes, so nothing running uses it.
 const STALE_AFTER_SECS: u64 = 20 * 60;
 
+/// How old another test schema or database must be before a test drops
+/// it: one of a plain `cargo test`, a benchmark or a soak, which no job
+/// timeout bounds.
+const STALE_UNBOUNDED_AFTER_SECS: u64 = 24 * 3600;
+
 /// Drops the `ferry_t_*` schemas or databases made more than
-/// [`STALE_AFTER_SECS`] ago. Each database holds a catalog's worth of disk
+/// [`STALE_AFTER_SECS`] ago (of a run's jobs; others after
+/// [`STALE_UNBOUNDED_AFTER_SECS`]). Each database holds a catalog's worth of disk
 /// (about 7.5 MB) and is one more for autovacuum to visit. Each schema's
 /// relations stay in the database's catalog, and some DDL reads all of
 /// it: with 3,477 schemas of earlier runs left, an `ALTER TABLE … ADD
@@ -173,6 +197,7 @@ async fn drop_stale(admin: &sqlx::PgPool, what: Stale, now: u64) {
         .bind(lock)
         .execute(&mut *conn)
         .await;
+    let _ = sqlx::query("RESET lock_timeout").execute(&mut *conn).await;
 }
 
 /// The session advisory lock keys [`drop_stale`] tries, in the database of
@@ -184,13 +209,23 @@ const DROP_STALE_DATABASES_LOCK: i64 = 0x6665_7272_795f_6431;
 /// each stale one dropped on its own (one transaction per drop, so few
 /// locks are held at once).
 async fn drop_stale_locked(conn: &mut sqlx::PgConnection, what: Stale, list: &str, now: u64) {
+    // A session still holding a lock in a stale schema (idle in a
+    // transaction) makes its drop fail after 2 s instead of holding this
+    // test until its job's timeout.
+    let _ = sqlx::query("SET lock_timeout = '2s'").execute(&mut *conn).await;
     let names: Vec<String> = sqlx::query_scalar(list).fetch_all(&mut *conn).await.unwrap_or_default();
     for name in names {
         // A name whose stamp does not parse is not one of ours.
         let Some(born) = name.split('_').nth(2).and_then(|b| b.parse::<u64>().ok()) else {
             continue;
         };
-        if born + STALE_AFTER_SECS < now {
+        // `ferry_t_<born>_<pid>_<n>`, and `_<run>` for a run's job.
+        let max_age = if name.split('_').count() > 5 {
+            STALE_AFTER_SECS
+        } else {
+            STALE_UNBOUNDED_AFTER_SECS
+        };
+        if born + max_age < now {
             let drop = match what {
                 Stale::Schemas => format!("DROP SCHEMA IF EXISTS {name} CASCADE"),
                 Stale::Databases => format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)"),
