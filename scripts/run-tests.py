@@ -189,6 +189,9 @@ def run(job):
 # schemas and databases they make end with it (ferry_t_<born>_<pid>_<n>_<run>,
 # ferry-testkit's db.rs).
 RUN = secrets.token_hex(8)
+# Tagged schemas are stale after 20 minutes (ferry-testkit's db.rs): so
+# only while no job may outlive the default timeout.
+TAGGED = JOB_TIMEOUT <= 900
 
 
 def drop_own_schemas():
@@ -204,15 +207,16 @@ def drop_own_schemas():
     url = os.environ.get("DATABASE_URL", "postgres://postgres@127.0.0.1:5432/postgres")
     own = f"^ferry_t_[0-9]+_[0-9]+_[0-9]+_{RUN}$"
     script = (
+        "SET lock_timeout = '2s';\nSET client_min_messages = warning;\n"
         "SELECT format('DROP SCHEMA IF EXISTS %I CASCADE', nspname) FROM pg_namespace "
         f"WHERE nspname ~ '{own}' "
         "UNION ALL SELECT format('DROP DATABASE IF EXISTS %I WITH (FORCE)', datname) "
         f"FROM pg_database WHERE datname ~ '{own}'\n\\gexec\n"
     )
     try:
-        with open(os.path.join(ROOT, "target", "drop-own-schemas.log"), "w") as log:
+        with open(os.path.join(ROOT, "target", "drop-own-schemas.log"), "a") as log:
             # No ~/.psqlrc (-X), never a password prompt (-w), every drop
-            # tried however one fails.
+            # tried however one fails, none waiting on a lock over 2 s.
             p = subprocess.Popen(
                 ["psql", "-X", "-w", "-qAt", "-v", "ON_ERROR_STOP=0", "-d", url],
                 stdin=subprocess.PIPE,
@@ -238,7 +242,10 @@ def open_broker_pool():
     os.makedirs(BROKER_POOL, exist_ok=True)
     os.environ["FERRY_TEST_BROKER_POOL"] = BROKER_POOL
     os.environ["FERRY_TEST_BROKER_POOL_OWNER"] = str(os.getpid())
-    os.environ["FERRY_TEST_RUN"] = RUN
+    if TAGGED:
+        os.environ["FERRY_TEST_RUN"] = RUN
+    else:
+        os.environ.pop("FERRY_TEST_RUN", None)
 
 
 def close_broker_pool():
@@ -288,7 +295,7 @@ def main():
                 bad += 1
                 print(out, flush=True)
     close_broker_pool()
-    if not bad:
+    if not bad and TAGGED:
         drop_own_schemas()
     busy_after, all_after = busy_core_seconds()
     print(
