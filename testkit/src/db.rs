@@ -151,15 +151,17 @@ enum Stale {
 /// job is killed after 15 minutes, so nothing running uses it.
 const STALE_AFTER_SECS: u64 = 20 * 60;
 
-/// How old another test schema or database must be before a test drops
-/// it: one of a plain `cargo test`, a benchmark or a soak, which no job
-/// timeout bounds.
+/// How old another test schema must be before a test drops it: one of a
+/// plain `cargo test`, a benchmark or a soak, which no job timeout bounds.
+/// (Another test database is dropped after [`STALE_AFTER_SECS`] all the
+/// same: only the pooler tests make them, each with a catalog's worth of
+/// disk.)
 const STALE_UNBOUNDED_AFTER_SECS: u64 = 24 * 3600;
 
-/// Drops the `ferry_t_*` schemas or databases made more than
-/// [`STALE_AFTER_SECS`] ago (of a run's jobs; others after
-/// [`STALE_UNBOUNDED_AFTER_SECS`]). Each database holds a catalog's worth of disk
-/// (about 7.5 MB) and is one more for autovacuum to visit. Each schema's
+/// Drops the `ferry_t_*` databases made more than [`STALE_AFTER_SECS`]
+/// ago, or the schemas (a run's after [`STALE_AFTER_SECS`], others after
+/// [`STALE_UNBOUNDED_AFTER_SECS`]). Each database holds a catalog's worth
+/// of disk (about 7.5 MB) and is one more for autovacuum to visit. Each schema's
 /// relations stay in the database's catalog, and some DDL reads all of
 /// it: with 3,477 schemas of earlier runs left, an `ALTER TABLE … ADD
 /// COLUMN … DEFAULT` took 36 ms instead of 0.7 ms, and a test's
@@ -220,10 +222,10 @@ async fn drop_stale_locked(conn: &mut sqlx::PgConnection, what: Stale, list: &st
             continue;
         };
         // `ferry_t_<born>_<pid>_<n>`, and `_<run>` for a run's job.
-        let max_age = if name.split('_').count() > 5 {
-            STALE_AFTER_SECS
-        } else {
-            STALE_UNBOUNDED_AFTER_SECS
+        let of_a_run = name.split('_').count() > 5;
+        let max_age = match what {
+            Stale::Schemas if !of_a_run => STALE_UNBOUNDED_AFTER_SECS,
+            Stale::Schemas | Stale::Databases => STALE_AFTER_SECS,
         };
         if born + max_age < now {
             let drop = match what {
