@@ -1204,9 +1204,15 @@ async fn wal_a_catch_up_read_behind_a_long_slot_creation_gives_up_on_the_server(
         read.is_err(),
         "no record is read while the slot is being made: {read:?}"
     );
+    // This slot's making lock only (a bigint advisory lock shows as its
+    // high and low halves): other tests make slots of their own meanwhile.
     let waiting: i64 = sqlx::query_scalar(
-        "SELECT count(*) FROM pg_stat_activity WHERE wait_event = 'advisory' AND strpos(query, 'ferry.wal_slot/') > 0",
+        "SELECT count(*) FROM pg_locks
+         WHERE locktype = 'advisory' AND NOT granted AND objsubid = 1
+           AND database = (SELECT oid FROM pg_database WHERE datname = current_database())
+           AND ((classid::bigint << 32) | objid::bigint) = hashtextextended('ferry.wal_slot/' || $1, 0)",
     )
+    .bind(&slot.name)
     .fetch_one(&pool)
     .await
     .unwrap();
