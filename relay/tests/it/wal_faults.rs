@@ -1013,13 +1013,7 @@ async fn wal_two_relays_making_one_slot_at_once_keep_the_makers_bound() {
     // The second and the third wait for the first's making.
     let deadline = std::time::Instant::now() + Duration::from_secs(60);
     loop {
-        let waiting: i64 = sqlx::query_scalar(
-            "SELECT count(*) FROM pg_stat_activity WHERE wait_event = 'advisory' AND strpos(query, 'ferry.wal_slot/') > 0",
-        )
-        .fetch_one(&pool)
-        .await
-        .unwrap();
-        if waiting == 2 {
+        if making_lock_waiters(&pool, &slot.name).await == 2 {
             break;
         }
         assert!(
@@ -1204,19 +1198,27 @@ async fn wal_a_catch_up_read_behind_a_long_slot_creation_gives_up_on_the_server(
         read.is_err(),
         "no record is read while the slot is being made: {read:?}"
     );
-    // This slot's making lock only (a bigint advisory lock shows as its
-    // high and low halves): other tests make slots of their own meanwhile.
-    let waiting: i64 = sqlx::query_scalar(
+    assert_eq!(
+        making_lock_waiters(&pool, &slot.name).await,
+        0,
+        "no session still waits on the making lock"
+    );
+    writer.commit().await.unwrap();
+    assert!(making.await.unwrap().unwrap());
+}
+
+/// How many sessions wait on `slot`'s making lock: that slot's only (a
+/// bigint advisory lock shows as its high and low halves), since other
+/// tests make slots of their own meanwhile.
+async fn making_lock_waiters(pool: &sqlx::PgPool, slot: &str) -> i64 {
+    sqlx::query_scalar(
         "SELECT count(*) FROM pg_locks
          WHERE locktype = 'advisory' AND NOT granted AND objsubid = 1
            AND database = (SELECT oid FROM pg_database WHERE datname = current_database())
            AND ((classid::bigint << 32) | objid::bigint) = hashtextextended('ferry.wal_slot/' || $1, 0)",
     )
-    .bind(&slot.name)
-    .fetch_one(&pool)
+    .bind(slot)
+    .fetch_one(pool)
     .await
-    .unwrap();
-    assert_eq!(waiting, 0, "no session still waits on the making lock");
-    writer.commit().await.unwrap();
-    assert!(making.await.unwrap().unwrap());
+    .unwrap()
 }
