@@ -194,6 +194,10 @@ async fn drop_stale(admin: &sqlx::PgPool, what: Stale, now: u64) {
     if !locked {
         return;
     }
+    // A session still holding a lock in a stale schema (idle in a
+    // transaction) makes its drop fail after 2 s instead of holding this
+    // test until its job's timeout.
+    let _ = sqlx::query("SET lock_timeout = '2s'").execute(&mut *conn).await;
     drop_stale_locked(&mut conn, what, list, now).await;
     let _ = sqlx::query("SELECT pg_advisory_unlock($1)")
         .bind(lock)
@@ -211,10 +215,6 @@ const DROP_STALE_DATABASES_LOCK: i64 = 0x6665_7272_795f_6431;
 /// each stale one dropped on its own (one transaction per drop, so few
 /// locks are held at once).
 async fn drop_stale_locked(conn: &mut sqlx::PgConnection, what: Stale, list: &str, now: u64) {
-    // A session still holding a lock in a stale schema (idle in a
-    // transaction) makes its drop fail after 2 s instead of holding this
-    // test until its job's timeout.
-    let _ = sqlx::query("SET lock_timeout = '2s'").execute(&mut *conn).await;
     let names: Vec<String> = sqlx::query_scalar(list).fetch_all(&mut *conn).await.unwrap_or_default();
     for name in names {
         // A name whose stamp does not parse is not one of ours.

@@ -147,9 +147,9 @@ impl Ended {
 /// raises it when the slot's historic catalog cannot see a table some
 /// decoded change touched, any table of the database, not only the outbox
 /// (seen on PostgreSQL 15.20: a slot made while other sessions created
-/// tables could never decode a later insert into one of them). It is the slot's state, not a passing fault: every
-/// session from that slot stops at the same change, so retrying never
-/// ends. The slot is made anew (`slot_undecodable`), as for an invalidated
+/// tables could never decode a later insert into one of them). It is the
+/// slot's state, not a passing fault: every session from that slot stops
+/// at the same change, so retrying never ends. The slot is made anew (`slot_undecodable`), as for an invalidated
 /// one: a new slot starts after that change, and the table read publishes
 /// every row not yet delivered.
 pub fn classify(e: &PgWireError) -> Ended {

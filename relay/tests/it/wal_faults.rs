@@ -1124,7 +1124,7 @@ async fn wal_an_unbound_slot_is_made_anew_only_when_no_relay_is_making_it() {
     assert!(read.unbound, "{read:?}");
     // Another relay holds the making lock: the slot is left to it.
     let mut maker = pool.acquire().await.unwrap();
-    let lock = "hashtextextended('ferry.wal_slot/' || $1::text, 0)";
+    let lock = MAKING_LOCK;
     sqlx::query(&format!("SELECT pg_advisory_lock({lock})"))
         .bind(&slot.name)
         .execute(&mut *maker)
@@ -1207,16 +1207,20 @@ async fn wal_a_catch_up_read_behind_a_long_slot_creation_gives_up_on_the_server(
     assert!(making.await.unwrap().unwrap());
 }
 
+/// The key of the slot named by `$1`'s making lock, as the relay takes it
+/// (`relay/sql/wal.sql`).
+const MAKING_LOCK: &str = "hashtextextended('ferry.wal_slot/' || $1::text, 0)";
+
 /// How many sessions wait on `slot`'s making lock: that slot's only (a
 /// bigint advisory lock shows as its high and low halves), since other
 /// tests make slots of their own meanwhile.
 async fn making_lock_waiters(pool: &sqlx::PgPool, slot: &str) -> i64 {
-    sqlx::query_scalar(
+    sqlx::query_scalar(&format!(
         "SELECT count(*) FROM pg_locks
          WHERE locktype = 'advisory' AND NOT granted AND objsubid = 1
            AND database = (SELECT oid FROM pg_database WHERE datname = current_database())
-           AND ((classid::bigint << 32) | objid::bigint) = hashtextextended('ferry.wal_slot/' || $1, 0)",
-    )
+           AND ((classid::bigint << 32) | objid::bigint) = {MAKING_LOCK}"
+    ))
     .bind(slot)
     .fetch_one(pool)
     .await
