@@ -117,15 +117,30 @@ pub async fn fresh_database_url(engine: Engine) -> Result<String> {
 /// what its tests made once they all passed; otherwise nothing.
 fn run_suffix() -> String {
     match std::env::var("FERRY_TEST_RUN") {
-        Ok(run)
-            if !run.is_empty()
-                && run.len() <= 16
-                && run.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit()) =>
-        {
-            format!("_{run}")
-        }
+        Ok(run) if is_run_token(&run) => format!("_{run}"),
         _ => String::new(),
     }
+}
+
+/// A run's token: 1 to 16 lowercase letters and digits.
+fn is_run_token(run: &str) -> bool {
+    !run.is_empty() && run.len() <= 16 && run.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit())
+}
+
+/// A test schema's or database's birth stamp, and whether a run made it,
+/// when `name` is exactly one of the names made here:
+/// `ferry_t_<born>_<pid>_<n>`, and `_<run>` ([`is_run_token`]). Anything
+/// else (another tool's name that merely starts alike, one that needs
+/// quoting) is not ours and is never dropped.
+fn parse_test_name(name: &str) -> Option<(u64, bool)> {
+    let digits = |p: &str| !p.is_empty() && p.bytes().all(|b| b.is_ascii_digit());
+    let parts: Vec<&str> = name.strip_prefix("ferry_t_")?.split('_').collect();
+    let of_a_run = match parts.as_slice() {
+        [b, p, n] if digits(b) && digits(p) && digits(n) => false,
+        [b, p, n, run] if digits(b) && digits(p) && digits(n) && is_run_token(run) => true,
+        _ => return None,
+    };
+    Some((parts[0].parse().ok()?, of_a_run))
 }
 
 /// Seconds since the Unix epoch: the birth stamp in a test schema's or
@@ -211,28 +226,77 @@ async fn drop_stale(admin: &sqlx::PgPool, what: Stale, now: u64) {
 const DROP_STALE_SCHEMAS_LOCK: i64 = 0x6665_7272_795f_7331;
 const DROP_STALE_DATABASES_LOCK: i64 = 0x6665_7272_795f_6431;
 
-/// [`drop_stale`]'s drops, its lock held: each name's birth stamp read,
-/// each stale one dropped on its own (one transaction per drop, so few
-/// locks are held at once).
+/// [`drop_stale`]'s drops, its lock held: each stale one dropped on its
+/// own (one transaction per drop, so few locks are held at once).
 async fn drop_stale_locked(conn: &mut sqlx::PgConnection, what: Stale, list: &str, now: u64) {
     let names: Vec<String> = sqlx::query_scalar(list).fetch_all(&mut *conn).await.unwrap_or_default();
-    for name in names {
-        // A name whose stamp does not parse is not one of ours.
-        let Some(born) = name.split('_').nth(2).and_then(|b| b.parse::<u64>().ok()) else {
-            continue;
-        };
-        // `ferry_t_<born>_<pid>_<n>`, and `_<run>` for a run's job.
-        let of_a_run = name.split('_').count() > 5;
-        let max_age = match what {
-            Stale::Schemas if !of_a_run => STALE_UNBOUNDED_AFTER_SECS,
-            Stale::Schemas | Stale::Databases => STALE_AFTER_SECS,
-        };
-        if born + max_age < now {
-            let drop = match what {
-                Stale::Schemas => format!("DROP SCHEMA IF EXISTS {name} CASCADE"),
-                Stale::Databases => format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)"),
-            };
-            let _ = sqlx::query(&drop).execute(&mut *conn).await;
+    for drop in names.iter().filter_map(|name| stale_drop(name, &what, now)) {
+        let _ = sqlx::query(&drop).execute(&mut *conn).await;
+    }
+}
+
+/// The statement that drops `name` when it is one of ours
+/// ([`parse_test_name`]: only digits, lowercase letters and `_`, so it
+/// needs no quoting) and stale at `now`; `None` otherwise.
+fn stale_drop(name: &str, what: &Stale, now: u64) -> Option<String> {
+    let (born, of_a_run) = parse_test_name(name)?;
+    let max_age = match what {
+        Stale::Schemas if !of_a_run => STALE_UNBOUNDED_AFTER_SECS,
+        Stale::Schemas | Stale::Databases => STALE_AFTER_SECS,
+    };
+    (born.saturating_add(max_age) < now).then(|| match what {
+        Stale::Schemas => format!("DROP SCHEMA IF EXISTS {name} CASCADE"),
+        Stale::Databases => format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)"),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const NOW: u64 = 2_000_000_000;
+
+    #[test]
+    fn only_names_made_here_and_stale_are_dropped() {
+        let old = NOW - STALE_UNBOUNDED_AFTER_SECS - 1;
+        let recent = NOW - STALE_AFTER_SECS - 1;
+        // A run's, after 20 minutes; a plain test's schema after a day.
+        assert_eq!(
+            stale_drop(&format!("ferry_t_{recent}_12_0_ab12"), &Stale::Schemas, NOW).as_deref(),
+            Some(format!("DROP SCHEMA IF EXISTS ferry_t_{recent}_12_0_ab12 CASCADE").as_str())
+        );
+        assert_eq!(
+            stale_drop(&format!("ferry_t_{recent}_12_0"), &Stale::Schemas, NOW),
+            None
+        );
+        assert!(stale_drop(&format!("ferry_t_{old}_12_0"), &Stale::Schemas, NOW).is_some());
+        assert_eq!(
+            stale_drop(&format!("ferry_t_{recent}_12_0"), &Stale::Databases, NOW).as_deref(),
+            Some(format!("DROP DATABASE IF EXISTS ferry_t_{recent}_12_0 WITH (FORCE)").as_str())
+        );
+        assert_eq!(
+            stale_drop(&format!("ferry_t_{NOW}_12_0_ab12"), &Stale::Schemas, NOW),
+            None
+        );
+        // Not ours: never dropped, however old they look.
+        for name in [
+            "ferry_t_1_x, victim",
+            "ferry_t_1_2_3_ab12_Q",
+            "ferry_t_1_2_3_AB12",
+            "ferry_t_1_2_3_ab12\n",
+            "ferry_t_1_2_3_a_b",
+            "ferry_t_1_2",
+            "ferry_t_1_2_3_01234567890123456",
+            "ferry_t__2_3",
+            "ferry_t_18446744073709551616_1_1",
+        ] {
+            assert_eq!(stale_drop(name, &Stale::Schemas, NOW), None, "{name:?}");
+            assert_eq!(stale_drop(name, &Stale::Databases, NOW), None, "{name:?}");
         }
+        // A stamp at the top of the range does not overflow.
+        assert_eq!(
+            stale_drop("ferry_t_18446744073709551615_1_1", &Stale::Schemas, NOW),
+            None
+        );
     }
 }
